@@ -113,7 +113,7 @@ step_reference() {
   local venv="$cache/pyref"
   [ -x "$venv/bin/python" ] || python3 -m venv "$venv" || die "python3 -m venv"
   "$venv/bin/python" -c "import torch, transformers, gguf, safetensors" 2>/dev/null \
-    || "$venv/bin/pip" install -q torch transformers gguf safetensors numpy \
+    || "$venv/bin/pip" install -q torch transformers accelerate gguf safetensors numpy \
     || die "could not install torch/transformers/gguf into $venv"
 }
 

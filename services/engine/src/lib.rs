@@ -1,8 +1,137 @@
-pub fn smoke() -> f32 {
-    use mlx_rs::Array;
-    let a = Array::from_slice(&[1.0f32, 2.0, 3.0], &[3]);
-    let b = a.multiply(&a).unwrap().sum(None).unwrap();
-    b.item::<f32>()
+//! llmq's engine: loads decoder-only LLMs and runs them through MLX (mlx-rs).
+//!
+//! Map of the crate:
+//! - `gguf`      reads llama.cpp's GGUF files (metadata, tensor directory, dequantization)
+//! - `config`    a model's shape, from `config.json` or GGUF metadata
+//! - `weights`   tensors by Hugging Face name, from safetensors (sharded or not) or GGUF
+//! - `arch`      what distinguishes Llama, Qwen2 and Qwen3
+//! - `model`     the transformer: chunked prefill and batched decode over per-sequence caches
+//! - `cache`     the KV-cache trait, a growing cache and a sliding-window one
+//! - `tokenizer` tokenizers (from `tokenizer.json` or rebuilt from GGUF) and chat templates
+//! - `sampling`  next-token choice and stop conditions; `detok` incremental detokenization
+//! - `generate`  one sequence end to end, for the CLI and the single-stream benchmark
+//! - `shapes`    random-weight models of known shapes, for benchmarks
+//!
+//! All MLX work of one model runs on one thread: mlx-rs arrays are `Send` but not `Sync`.
+
+pub mod arch;
+pub mod cache;
+pub mod config;
+pub mod detok;
+pub mod error;
+pub mod generate;
+pub mod gguf;
+pub mod model;
+pub mod sampling;
+pub mod shapes;
+pub mod tokenizer;
+pub mod weights;
+
+use std::path::{Path, PathBuf};
+
+use mlx_rs::{Device, DeviceType, Dtype};
+
+pub use error::{EngineError, Result};
+pub use model::Model;
+pub use tokenizer::Tokenizer;
+
+/// Models known by name; `llmq` finds their files in the set-up's model cache.
+pub const KNOWN_MODELS: &[(&str, &str)] = &[("smollm2", "smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")];
+
+/// A loaded model with its tokenizer (absent only for tokenizer-less test checkpoints).
+pub struct LoadedModel {
+    pub model: Model,
+    pub tokenizer: Option<Tokenizer>,
+    pub source: PathBuf,
 }
-#[test]
-fn smoke_test() { assert_eq!(smoke(), 14.0); }
+
+/// The device MLX computes on: the GPU when the MLX build has one, otherwise the CPU.
+pub fn on_gpu() -> bool {
+    Device::try_default().ok().and_then(|d| d.get_type().ok()).is_some_and(|t| matches!(t, DeviceType::Gpu))
+}
+
+/// f32 on CPU (dense f32 is the fastest there), bf16 on GPU.
+pub fn default_dtype() -> Dtype {
+    if on_gpu() {
+        Dtype::Bfloat16
+    } else {
+        Dtype::Float32
+    }
+}
+
+pub fn parse_dtype(s: &str) -> Result<Dtype> {
+    Ok(match s {
+        "f32" | "float32" => Dtype::Float32,
+        "f16" | "float16" => Dtype::Float16,
+        "bf16" | "bfloat16" => Dtype::Bfloat16,
+        other => return Err(EngineError::InvalidRequest(format!("unknown dtype {other:?} (f32, f16, bf16)"))),
+    })
+}
+
+/// Where named models live: $LLMQ_MODELS_DIR, else `.cache/models` of the checkout holding
+/// the running binary, else of the current directory.
+pub fn models_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("LLMQ_MODELS_DIR") {
+        return PathBuf::from(d);
+    }
+    let exe_dirs = std::env::current_exe().ok().into_iter().flat_map(|p| {
+        p.ancestors().skip(1).map(Path::to_path_buf).collect::<Vec<_>>()
+    });
+    for d in exe_dirs.chain(std::env::current_dir().ok()) {
+        let cand = d.join(".cache/models");
+        if cand.is_dir() {
+            return cand;
+        }
+    }
+    PathBuf::from(".cache/models")
+}
+
+/// A model name from `KNOWN_MODELS`, or a path to a Hugging Face directory or a GGUF file.
+pub fn resolve_model(name: &str) -> Result<PathBuf> {
+    if let Some((_, rel)) = KNOWN_MODELS.iter().find(|(n, _)| *n == name) {
+        let p = models_dir().join(rel);
+        if !p.is_file() {
+            return Err(EngineError::io(
+                &p,
+                std::io::Error::new(std::io::ErrorKind::NotFound, "model not fetched: run `make setup`"),
+            ));
+        }
+        return Ok(p);
+    }
+    let p = PathBuf::from(name);
+    if p.exists() {
+        return Ok(p);
+    }
+    let names: Vec<&str> = KNOWN_MODELS.iter().map(|(n, _)| *n).collect();
+    Err(EngineError::UnknownModel(name.into(), names.join(", ")))
+}
+
+/// Loads a Hugging Face directory or a GGUF file in `dtype`.
+pub fn load_model(path: &Path, dtype: Dtype) -> Result<LoadedModel> {
+    let (model, tokenizer) = if path.is_dir() {
+        let cfg = config::from_hf_json(&path.join("config.json"))?;
+        let w = weights::load_hf_dir(path, dtype)?;
+        let tok = if path.join("tokenizer.json").is_file() { Some(Tokenizer::from_hf_dir(path)?) } else { None };
+        (Model::load(cfg, w)?, tok)
+    } else {
+        let f = gguf::GgufFile::open(path)?;
+        let cfg = config::from_gguf(&f)?;
+        let tok = Tokenizer::from_gguf_metadata(path, &f.metadata)?;
+        let w = weights::load_gguf(&f, &cfg, dtype)?;
+        (Model::load(cfg, w)?, Some(tok))
+    };
+    if let Some(t) = &tokenizer {
+        let bound = t.max_id_bound();
+        if bound > model.config.vocab_size {
+            return Err(EngineError::Tokenizer {
+                path: path.into(),
+                message: format!(
+                    "the tokenizer has ids up to {} but the embedding has only {} rows",
+                    bound - 1,
+                    model.config.vocab_size
+                ),
+            });
+        }
+    }
+    Ok(LoadedModel { model, tokenizer, source: path.into() })
+}

@@ -1,0 +1,155 @@
+//! KV caches: one trait for every architecture, two kinds of storage.
+//!
+//! A `SequenceCache` holds one `KvCache` per layer for one sequence. Sequences never share a
+//! buffer, so a sequence joins or leaves a batch without touching anybody else's cache.
+//! Invariants: `offset()` is the absolute position of the next token; `update` returns exactly
+//! the keys the new queries may see, with the mask that makes attention causal (and windowed).
+
+use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
+use mlx_rs::ops::{concatenate, zeros_dtype};
+use mlx_rs::Array;
+
+use crate::error::Result;
+
+/// How the new queries of an `update` attend to the returned keys.
+pub enum AttnMask {
+    /// Every query sees every returned key (a single decoded token).
+    None,
+    /// Query i sees keys up to its own position; the queries are the last keys (bottom-right).
+    Causal,
+    /// Boolean [T, L] mask, true where attention is allowed.
+    Explicit(Array),
+}
+
+pub trait KvCache: Send {
+    /// Tokens seen so far: the position of the next token.
+    fn offset(&self) -> usize;
+    /// Appends keys/values [1, kv_heads, T, head_dim]; returns what the T queries attend to.
+    fn update(&mut self, k: &Array, v: &Array) -> Result<(Array, Array, AttnMask)>;
+    /// Bytes of device memory held.
+    fn nbytes(&self) -> usize;
+}
+
+/// Grows in steps and writes new tokens in place: decode copies nothing that already exists.
+pub struct StandardCache {
+    keys: Option<Array>,
+    values: Option<Array>,
+    offset: usize,
+    step: usize,
+}
+
+impl StandardCache {
+    pub fn new(step: usize) -> Self {
+        StandardCache { keys: None, values: None, offset: 0, step: step.max(1) }
+    }
+
+    fn capacity(&self) -> usize {
+        self.keys.as_ref().map_or(0, |k| k.shape()[2] as usize)
+    }
+}
+
+fn grow(buf: Option<&Array>, like: &Array, extra: usize) -> Result<Array> {
+    let s = like.shape();
+    let pad = zeros_dtype(&[s[0], s[1], extra as i32, s[3]], like.dtype())?;
+    Ok(match buf {
+        Some(b) => concatenate(&[b, &pad], 2)?,
+        None => pad,
+    })
+}
+
+impl KvCache for StandardCache {
+    fn offset(&self) -> usize {
+        self.offset
+    }
+
+    fn update(&mut self, k: &Array, v: &Array) -> Result<(Array, Array, AttnMask)> {
+        let t = k.shape()[2] as usize;
+        let end = self.offset + t;
+        if end > self.capacity() {
+            let extra = (end - self.capacity()).div_ceil(self.step) * self.step;
+            self.keys = Some(grow(self.keys.as_ref(), k, extra)?);
+            self.values = Some(grow(self.values.as_ref(), v, extra)?);
+        }
+        let (o, e) = (self.offset as i32, end as i32);
+        let keys = self.keys.as_mut().expect("allocated above");
+        keys.try_index_mut((.., .., o..e, ..), k)?;
+        let values = self.values.as_mut().expect("allocated above");
+        values.try_index_mut((.., .., o..e, ..), v)?;
+        self.offset = end;
+        let mask = if t > 1 { AttnMask::Causal } else { AttnMask::None };
+        Ok((keys.index((.., .., ..e, ..)), values.index((.., .., ..e, ..)), mask))
+    }
+
+    fn nbytes(&self) -> usize {
+        self.keys.as_ref().map_or(0, |k| k.nbytes()) + self.values.as_ref().map_or(0, |v| v.nbytes())
+    }
+}
+
+/// Sliding-window attention: keeps only the last `window - 1` tokens, which is all that any
+/// later query can see, so its memory is bounded however long the sequence grows.
+pub struct RotatingCache {
+    keys: Option<Array>,
+    values: Option<Array>,
+    offset: usize,
+    window: usize,
+}
+
+impl RotatingCache {
+    pub fn new(window: usize) -> Self {
+        RotatingCache { keys: None, values: None, offset: 0, window: window.max(1) }
+    }
+}
+
+impl KvCache for RotatingCache {
+    fn offset(&self) -> usize {
+        self.offset
+    }
+
+    fn update(&mut self, k: &Array, v: &Array) -> Result<(Array, Array, AttnMask)> {
+        let t = k.shape()[2] as usize;
+        let kept = self.keys.as_ref().map_or(0, |a| a.shape()[2] as usize);
+        let (keys, values) = match (&self.keys, &self.values) {
+            (Some(pk), Some(pv)) => (concatenate(&[pk, k], 2)?, concatenate(&[pv, v], 2)?),
+            _ => (k.clone(), v.clone()),
+        };
+        let len = kept + t;
+        let first = self.offset - kept; // absolute position of keys[0]
+        let mask = if t == 1 && len <= self.window {
+            AttnMask::None
+        } else {
+            let mut m = Vec::with_capacity(t * len);
+            for i in 0..t {
+                let q = self.offset + i;
+                for j in 0..len {
+                    let p = first + j;
+                    m.push(p <= q && p + self.window > q);
+                }
+            }
+            AttnMask::Explicit(Array::from_slice(&m, &[t as i32, len as i32]))
+        };
+        let keep = len.min(self.window - 1) as i32;
+        let start = len as i32 - keep;
+        self.keys = (keep > 0).then(|| keys.index((.., .., start.., ..)));
+        self.values = (keep > 0).then(|| values.index((.., .., start.., ..)));
+        self.offset += t;
+        Ok((keys, values, mask))
+    }
+
+    fn nbytes(&self) -> usize {
+        self.keys.as_ref().map_or(0, |k| k.nbytes()) + self.values.as_ref().map_or(0, |v| v.nbytes())
+    }
+}
+
+/// One sequence's caches, one per layer.
+pub struct SequenceCache {
+    pub(crate) layers: Vec<Box<dyn KvCache>>,
+}
+
+impl SequenceCache {
+    pub fn offset(&self) -> usize {
+        self.layers.first().map_or(0, |l| l.offset())
+    }
+    pub fn nbytes(&self) -> usize {
+        self.layers.iter().map(|l| l.nbytes()).sum()
+    }
+}

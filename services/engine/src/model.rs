@@ -1,0 +1,257 @@
+//! The decoder-only transformer that every supported architecture runs on.
+//!
+//! `forward` takes B sequences with T new tokens each and their caches: prefill is B = 1 with
+//! a chunk of any size, continuing from the cache's offset; decode is T = 1 over a batch of
+//! sequences at different positions. Projections and the MLP run batched; attention runs per
+//! sequence against that sequence's own cache, so nothing is padded to the longest sequence.
+
+use mlx_rs::fast::{rms_norm, rope, scaled_dot_product_attention, ScaledDotProductAttentionMask};
+use mlx_rs::ops::indexing::IndexOp;
+use mlx_rs::ops::{concatenate, sigmoid};
+use mlx_rs::{Array, Dtype};
+
+use crate::arch::{self, ArchOptions};
+use crate::cache::{AttnMask, KvCache, RotatingCache, SequenceCache, StandardCache};
+use crate::config::ModelConfig;
+use crate::error::{EngineError, Result};
+use crate::weights::Weights;
+
+/// Copies an array of f32 to the host, materialising views first.
+pub fn host_f32(a: &Array) -> Result<Vec<f32>> {
+    a.contiguous()?.to_vec_exact::<f32>().map_err(|e| EngineError::Host(e.to_string()))
+}
+
+/// Cache growth step in tokens: decode reallocates once every this many tokens.
+const CACHE_STEP: usize = 256;
+
+struct Linear {
+    weight_t: Array,
+    bias: Option<Array>,
+}
+
+impl Linear {
+    fn load(w: &mut Weights, prefix: &str, out_dim: usize, in_dim: usize, bias: bool) -> Result<Self> {
+        let weight = w.take(&format!("{prefix}.weight"), &[out_dim, in_dim])?;
+        let bias = if bias { Some(w.take(&format!("{prefix}.bias"), &[out_dim])?) } else { None };
+        Ok(Linear { weight_t: weight.t(), bias })
+    }
+
+    fn forward(&self, x: &Array) -> Result<Array> {
+        let y = x.matmul(&self.weight_t)?;
+        Ok(match &self.bias {
+            Some(b) => y.add(b)?,
+            None => y,
+        })
+    }
+}
+
+struct Attention {
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    q_norm: Option<Array>,
+    k_norm: Option<Array>,
+    heads: i32,
+    kv_heads: i32,
+    head_dim: i32,
+    scale: f32,
+    rope_theta: f32,
+    eps: f32,
+}
+
+struct Mlp {
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+struct Layer {
+    input_norm: Array,
+    attn: Attention,
+    post_norm: Array,
+    mlp: Mlp,
+}
+
+pub struct Model {
+    pub config: ModelConfig,
+    embed: Array,
+    layers: Vec<Layer>,
+    norm: Array,
+    /// None when the output projection is tied to the embedding.
+    lm_head_t: Option<Array>,
+    dtype: Dtype,
+}
+
+fn heads_first(x: Array, b: i32, t: i32, heads: i32, dim: i32, norm: Option<&Array>, eps: f32) -> Result<Array> {
+    let x = x.reshape(&[b, t, heads, dim])?;
+    let x = match norm {
+        Some(w) => rms_norm(&x, Some(w), eps)?,
+        None => x,
+    };
+    Ok(x.transpose_axes(&[0, 2, 1, 3])?)
+}
+
+impl Attention {
+    fn load(w: &mut Weights, p: &str, c: &ModelConfig, o: ArchOptions) -> Result<Self> {
+        let (h, kvh, d) = (c.num_heads, c.num_kv_heads, c.head_dim);
+        Ok(Attention {
+            q: Linear::load(w, &format!("{p}.q_proj"), h * d, c.hidden_size, o.qkv_bias)?,
+            k: Linear::load(w, &format!("{p}.k_proj"), kvh * d, c.hidden_size, o.qkv_bias)?,
+            v: Linear::load(w, &format!("{p}.v_proj"), kvh * d, c.hidden_size, o.qkv_bias)?,
+            o: Linear::load(w, &format!("{p}.o_proj"), c.hidden_size, h * d, false)?,
+            q_norm: if o.qk_norm { Some(w.take(&format!("{p}.q_norm.weight"), &[d])?) } else { None },
+            k_norm: if o.qk_norm { Some(w.take(&format!("{p}.k_norm.weight"), &[d])?) } else { None },
+            heads: h as i32,
+            kv_heads: kvh as i32,
+            head_dim: d as i32,
+            scale: 1.0 / (d as f32).sqrt(),
+            rope_theta: c.rope_theta,
+            eps: c.rms_norm_eps,
+        })
+    }
+
+    fn forward(&self, x: &Array, caches: &mut [&mut (dyn KvCache + 'static)]) -> Result<Array> {
+        let (b, t) = (x.shape()[0], x.shape()[1]);
+        let d = self.head_dim;
+        let q = heads_first(self.q.forward(x)?, b, t, self.heads, d, self.q_norm.as_ref(), self.eps)?;
+        let k = heads_first(self.k.forward(x)?, b, t, self.kv_heads, d, self.k_norm.as_ref(), self.eps)?;
+        let v = heads_first(self.v.forward(x)?, b, t, self.kv_heads, d, None, self.eps)?;
+        let mut outs = Vec::with_capacity(caches.len());
+        for (i, cache) in caches.iter_mut().enumerate() {
+            let (qi, ki, vi) = if b == 1 {
+                (q.clone(), k.clone(), v.clone())
+            } else {
+                let i = i as i32;
+                (q.index(i..i + 1), k.index(i..i + 1), v.index(i..i + 1))
+            };
+            let off = cache.offset() as i32;
+            let qi = rope(&qi, d, false, self.rope_theta, 1.0, off, None)?;
+            let ki = rope(&ki, d, false, self.rope_theta, 1.0, off, None)?;
+            let (keys, values, mask) = cache.update(&ki, &vi)?;
+            let o = match &mask {
+                AttnMask::None => scaled_dot_product_attention(&qi, &keys, &values, self.scale, None, None)?,
+                AttnMask::Causal => {
+                    scaled_dot_product_attention(&qi, &keys, &values, self.scale, ScaledDotProductAttentionMask::Causal, None)?
+                }
+                AttnMask::Explicit(m) => scaled_dot_product_attention(&qi, &keys, &values, self.scale, m, None)?,
+            };
+            outs.push(o);
+        }
+        let o = if outs.len() == 1 { outs.pop().unwrap() } else { concatenate(&outs, 0)? };
+        let o = o.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, t, self.heads * d])?;
+        self.o.forward(&o)
+    }
+}
+
+impl Mlp {
+    fn forward(&self, x: &Array) -> Result<Array> {
+        let g = self.gate.forward(x)?;
+        let act = g.multiply(sigmoid(&g)?)?;
+        self.down.forward(&act.multiply(self.up.forward(x)?)?)
+    }
+}
+
+impl Model {
+    /// Builds the model from weights named as in Hugging Face checkpoints.
+    pub fn load(config: ModelConfig, mut w: Weights) -> Result<Self> {
+        let c = &config;
+        let opts = arch::options(c.arch);
+        let embed = w.take("model.embed_tokens.weight", &[c.vocab_size, c.hidden_size])?;
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for i in 0..c.num_layers {
+            let p = format!("model.layers.{i}");
+            let (h, f) = (c.hidden_size, c.intermediate_size);
+            layers.push(Layer {
+                input_norm: w.take(&format!("{p}.input_layernorm.weight"), &[h])?,
+                attn: Attention::load(&mut w, &format!("{p}.self_attn"), c, opts)?,
+                post_norm: w.take(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+                mlp: Mlp {
+                    gate: Linear::load(&mut w, &format!("{p}.mlp.gate_proj"), f, h, false)?,
+                    up: Linear::load(&mut w, &format!("{p}.mlp.up_proj"), f, h, false)?,
+                    down: Linear::load(&mut w, &format!("{p}.mlp.down_proj"), h, f, false)?,
+                },
+            });
+        }
+        let norm = w.take("model.norm.weight", &[c.hidden_size])?;
+        let lm_head_t = if c.tie_word_embeddings && !w.contains("lm_head.weight") {
+            None
+        } else {
+            Some(w.take("lm_head.weight", &[c.vocab_size, c.hidden_size])?.t())
+        };
+        let dtype = w.dtype();
+        let model = Model { config, embed, layers, norm, lm_head_t, dtype };
+        mlx_rs::transforms::eval(model.parameters())?;
+        Ok(model)
+    }
+
+    fn parameters(&self) -> Vec<&Array> {
+        let mut p = vec![&self.embed, &self.norm];
+        if let Some(h) = &self.lm_head_t {
+            p.push(h);
+        }
+        for l in &self.layers {
+            p.extend([&l.input_norm, &l.post_norm]);
+            let a = &l.attn;
+            for lin in [&a.q, &a.k, &a.v, &a.o, &l.mlp.gate, &l.mlp.up, &l.mlp.down] {
+                p.push(&lin.weight_t);
+                p.extend(lin.bias.as_ref());
+            }
+            p.extend(a.q_norm.as_ref());
+            p.extend(a.k_norm.as_ref());
+        }
+        p
+    }
+
+    /// Bytes of weights held on the device.
+    pub fn weight_bytes(&self) -> usize {
+        self.parameters().iter().map(|a| a.nbytes()).sum()
+    }
+
+    pub fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+
+    /// A fresh, empty cache for one sequence.
+    pub fn new_cache(&self) -> SequenceCache {
+        let layers = (0..self.config.num_layers)
+            .map(|_| -> Box<dyn KvCache> {
+                match self.config.sliding_window {
+                    Some(w) => Box::new(RotatingCache::new(w)),
+                    None => Box::new(StandardCache::new(CACHE_STEP)),
+                }
+            })
+            .collect();
+        SequenceCache { layers }
+    }
+
+    /// Runs `tokens` [B, T] (int32) through the model, appending to each sequence's cache.
+    /// Returns f32 logits [B, T, vocab], or [B, 1, vocab] for the last position only.
+    pub fn forward(&self, tokens: &Array, caches: &mut [&mut SequenceCache], last_only: bool) -> Result<Array> {
+        let shape = tokens.shape();
+        if shape.len() != 2 || shape[0] as usize != caches.len() || shape[1] == 0 {
+            return Err(EngineError::InvalidRequest(format!(
+                "forward: tokens of shape {shape:?} for {} caches",
+                caches.len()
+            )));
+        }
+        let eps = self.config.rms_norm_eps;
+        let mut x = self.embed.take_axis(tokens, 0)?;
+        for (li, layer) in self.layers.iter().enumerate() {
+            let mut per_seq: Vec<&mut (dyn KvCache + 'static)> = caches.iter_mut().map(|c| &mut *c.layers[li]).collect();
+            let h = layer.attn.forward(&rms_norm(&x, Some(&layer.input_norm), eps)?, &mut per_seq)?;
+            x = x.add(&h)?;
+            let h = layer.mlp.forward(&rms_norm(&x, Some(&layer.post_norm), eps)?)?;
+            x = x.add(&h)?;
+        }
+        if last_only && shape[1] > 1 {
+            x = x.index((.., shape[1] - 1.., ..));
+        }
+        let x = rms_norm(&x, Some(&self.norm), eps)?;
+        let logits = match &self.lm_head_t {
+            Some(h) => x.matmul(h)?,
+            None => x.matmul(self.embed.t())?,
+        };
+        Ok(if logits.dtype() == Dtype::Float32 { logits } else { logits.as_dtype(Dtype::Float32)? })
+    }
+}

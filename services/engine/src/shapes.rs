@@ -1,0 +1,80 @@
+//! Random-weight Llama models of known shapes, for speed measurements that need no files.
+//! The shapes match ../shared/bench/peer_mlx_lm.py, so figures compare like for like.
+
+use mlx_rs::{random, Dtype};
+
+use crate::config::{Arch, ModelConfig};
+use crate::error::{EngineError, Result};
+use crate::model::Model;
+use crate::weights::Weights;
+
+/// (name, hidden, layers, intermediate, heads, kv heads, vocab, tied embeddings)
+const SHAPES: &[(&str, usize, usize, usize, usize, usize, usize, bool)] = &[
+    ("tiny", 256, 2, 512, 4, 2, 4096, true),
+    ("smollm2", 576, 30, 1536, 9, 3, 49152, true),
+    ("1b", 2048, 16, 8192, 32, 8, 128256, true),
+    ("8b", 4096, 32, 14336, 32, 8, 128256, false),
+];
+
+pub fn shape_names() -> Vec<&'static str> {
+    SHAPES.iter().map(|s| s.0).collect()
+}
+
+pub fn config(name: &str) -> Result<ModelConfig> {
+    let &(_, h, l, f, nh, kv, v, tied) = SHAPES.iter().find(|s| s.0 == name).ok_or_else(|| {
+        EngineError::InvalidRequest(format!("unknown shape {name:?} (known: {})", shape_names().join(", ")))
+    })?;
+    Ok(ModelConfig {
+        arch: Arch::Llama,
+        vocab_size: v,
+        hidden_size: h,
+        intermediate_size: f,
+        num_layers: l,
+        num_heads: nh,
+        num_kv_heads: kv,
+        head_dim: h / nh,
+        rms_norm_eps: 1e-5,
+        rope_theta: 500000.0,
+        tie_word_embeddings: tied,
+        sliding_window: None,
+        max_position_embeddings: 131072,
+    })
+}
+
+/// A model of the named shape with normally distributed weights (std 0.02), in `dtype`.
+pub fn random_model(name: &str, dtype: Dtype, seed: u64) -> Result<Model> {
+    let c = config(name)?;
+    let mut w = Weights::new(format!("random:{name}"), dtype);
+    let mut n = 0u64;
+    let mut add = |w: &mut Weights, name: String, shape: &[usize]| -> Result<()> {
+        n += 1;
+        let k = random::key(seed.wrapping_mul(1_000_003).wrapping_add(n))?;
+        let s: Vec<i32> = shape.iter().map(|&d| d as i32).collect();
+        let a = if name.ends_with("norm.weight") {
+            mlx_rs::ops::ones_dtype(&s, dtype)?
+        } else {
+            random::normal::<f32>(&s[..], 0.0, 0.02, &k)?.as_dtype(dtype)?
+        };
+        a.eval()?; // one tensor at a time: peak memory stays near the model's size
+        w.insert(name, a)
+    };
+    add(&mut w, "model.embed_tokens.weight".into(), &[c.vocab_size, c.hidden_size])?;
+    for i in 0..c.num_layers {
+        let p = format!("model.layers.{i}");
+        let (h, f, d) = (c.hidden_size, c.intermediate_size, c.head_dim);
+        add(&mut w, format!("{p}.input_layernorm.weight"), &[h])?;
+        add(&mut w, format!("{p}.post_attention_layernorm.weight"), &[h])?;
+        add(&mut w, format!("{p}.self_attn.q_proj.weight"), &[c.num_heads * d, h])?;
+        add(&mut w, format!("{p}.self_attn.k_proj.weight"), &[c.num_kv_heads * d, h])?;
+        add(&mut w, format!("{p}.self_attn.v_proj.weight"), &[c.num_kv_heads * d, h])?;
+        add(&mut w, format!("{p}.self_attn.o_proj.weight"), &[h, c.num_heads * d])?;
+        add(&mut w, format!("{p}.mlp.gate_proj.weight"), &[f, h])?;
+        add(&mut w, format!("{p}.mlp.up_proj.weight"), &[f, h])?;
+        add(&mut w, format!("{p}.mlp.down_proj.weight"), &[h, f])?;
+    }
+    add(&mut w, "model.norm.weight".into(), &[c.hidden_size])?;
+    if !c.tie_word_embeddings {
+        add(&mut w, "lm_head.weight".into(), &[c.vocab_size, c.hidden_size])?;
+    }
+    Model::load(c, w)
+}

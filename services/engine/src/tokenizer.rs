@@ -1,0 +1,297 @@
+//! Tokenizers and chat templates.
+//!
+//! A Hugging Face directory brings its own `tokenizer.json`; a GGUF file brings a vocabulary,
+//! merges (or SentencePiece scores), token types and the name of its pre-tokenizer, from which
+//! an equivalent `tokenizer.json` is rebuilt here. Chat templates are Jinja, rendered with
+//! minijinja in Hugging Face's mode (trimmed blocks, Python string methods).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use serde_json::{json, Value as Json};
+
+use crate::error::{EngineError, Result};
+use crate::gguf::Value;
+
+/// One chat message, as in OpenAI's and Hugging Face's chat formats.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    source: PathBuf,
+    pub eos_ids: Vec<u32>,
+    pub bos_token: Option<String>,
+    pub eos_token: Option<String>,
+    pub chat_template: Option<String>,
+}
+
+fn tok_err(path: &Path, e: impl std::fmt::Display) -> EngineError {
+    EngineError::Tokenizer { path: path.into(), message: e.to_string() }
+}
+
+/// `"<s>"` or `{"content": "<s>", ...}` as tokenizer_config.json writes special tokens.
+fn token_text(v: Option<&Json>) -> Option<String> {
+    match v? {
+        Json::String(s) => Some(s.clone()),
+        Json::Object(o) => o.get("content").and_then(Json::as_str).map(String::from),
+        _ => None,
+    }
+}
+
+fn read_json(path: &Path) -> Result<Option<Json>> {
+    if !path.is_file() {
+        return Ok(None);
+    }
+    let text = std::fs::read_to_string(path).map_err(|e| EngineError::io(path, e))?;
+    serde_json::from_str(&text).map(Some).map_err(|e| EngineError::format(path, e.to_string()))
+}
+
+impl Tokenizer {
+    /// `tokenizer.json`, with `tokenizer_config.json` and `generation_config.json` when present.
+    pub fn from_hf_dir(dir: &Path) -> Result<Self> {
+        let path = dir.join("tokenizer.json");
+        if !path.is_file() {
+            return Err(EngineError::io(&path, std::io::Error::new(std::io::ErrorKind::NotFound, "no such file")));
+        }
+        let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| tok_err(&path, e))?;
+        let cfg = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or(Json::Null);
+        let gen = read_json(&dir.join("generation_config.json"))?.unwrap_or(Json::Null);
+        let bos_token = token_text(cfg.get("bos_token"));
+        let eos_token = token_text(cfg.get("eos_token"));
+        let chat_template = match cfg.get("chat_template") {
+            Some(Json::String(s)) => Some(s.clone()),
+            Some(Json::Array(list)) => list
+                .iter()
+                .find(|t| t.get("name").and_then(Json::as_str) == Some("default"))
+                .and_then(|t| t.get("template").and_then(Json::as_str).map(String::from)),
+            _ => None,
+        };
+        let mut eos_ids: Vec<u32> = match gen.get("eos_token_id") {
+            Some(Json::Number(n)) => n.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
+            Some(Json::Array(a)) => a.iter().filter_map(|v| v.as_u64().map(|v| v as u32)).collect(),
+            _ => vec![],
+        };
+        if let Some(id) = eos_token.as_deref().and_then(|t| inner.token_to_id(t)) {
+            if !eos_ids.contains(&id) {
+                eos_ids.push(id);
+            }
+        }
+        Ok(Tokenizer { inner, source: path, eos_ids, bos_token, eos_token, chat_template })
+    }
+
+    /// Rebuilds the tokenizer that a GGUF file's `tokenizer.ggml.*` metadata describes.
+    pub fn from_gguf_metadata(path: &Path, md: &HashMap<String, Value>) -> Result<Self> {
+        let get = |k: &str| md.get(&format!("tokenizer.ggml.{k}"));
+        let strings = |k: &str| -> Option<Vec<String>> {
+            get(k)?.as_array()?.iter().map(|v| v.as_str().map(String::from)).collect()
+        };
+        let model = get("model").and_then(Value::as_str).unwrap_or("");
+        let tokens = strings("tokens").ok_or_else(|| tok_err(path, "no tokenizer.ggml.tokens"))?;
+        let types: Vec<u64> = get("token_type")
+            .and_then(Value::as_array)
+            .map(|a| a.iter().map(|v| v.as_u64().unwrap_or(1)).collect())
+            .unwrap_or_else(|| vec![1; tokens.len()]);
+        let id = |k: &str| get(k).and_then(Value::as_u64).map(|v| v as u32);
+        let (bos, eos) = (id("bos_token_id"), id("eos_token_id"));
+        let add_bos = get("add_bos_token").and_then(Value::as_bool).unwrap_or(model == "llama");
+        let vocab: serde_json::Map<String, Json> =
+            tokens.iter().enumerate().map(|(i, t)| (t.clone(), json!(i))).collect();
+        let added: Vec<Json> = tokens
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| matches!(types.get(*i), Some(3) | Some(4)))
+            .map(|(i, t)| {
+                json!({"id": i, "content": t, "single_word": false, "lstrip": false, "rstrip": false,
+                       "normalized": false, "special": types[i] == 3})
+            })
+            .collect();
+        let mut tj = match model {
+            "gpt2" => {
+                let merges = strings("merges").ok_or_else(|| tok_err(path, "BPE vocabulary without tokenizer.ggml.merges"))?;
+                let pre_name = get("pre").and_then(Value::as_str).unwrap_or("default");
+                let (pre, ignore_merges) = byte_level_pre_tokenizer(pre_name).ok_or_else(|| {
+                    tok_err(path, format!("unknown pre-tokenizer {pre_name:?} (tokenizer.ggml.pre)"))
+                })?;
+                json!({
+                    "normalizer": if pre_name == "qwen2" { json!({"type": "NFC"}) } else { Json::Null },
+                    "pre_tokenizer": pre,
+                    "decoder": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false},
+                    "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                              "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
+                              "ignore_merges": ignore_merges, "vocab": vocab, "merges": merges},
+                })
+            }
+            "llama" => {
+                let scores: Vec<f64> = get("scores")
+                    .and_then(Value::as_array)
+                    .map(|a| a.iter().map(|v| v.as_f64().unwrap_or(0.0)).collect())
+                    .ok_or_else(|| tok_err(path, "SentencePiece vocabulary without tokenizer.ggml.scores"))?;
+                let unk = id("unknown_token_id").map(|i| tokens[i as usize].clone());
+                json!({
+                    "normalizer": {"type": "Sequence", "normalizers": [
+                        {"type": "Prepend", "prepend": "\u{2581}"},
+                        {"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"}]},
+                    "pre_tokenizer": null,
+                    "decoder": {"type": "Sequence", "decoders": [
+                        {"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "},
+                        {"type": "ByteFallback"}, {"type": "Fuse"},
+                        {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+                    "model": {"type": "BPE", "dropout": null, "unk_token": unk, "continuing_subword_prefix": null,
+                              "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true,
+                              "vocab": vocab, "merges": merges_from_scores(&tokens, &scores, &types)},
+                })
+            }
+            other => return Err(tok_err(path, format!("unsupported tokenizer model {other:?} (tokenizer.ggml.model)"))),
+        };
+        let obj = tj.as_object_mut().expect("built as an object");
+        obj.insert("version".into(), json!("1.0"));
+        obj.insert("truncation".into(), Json::Null);
+        obj.insert("padding".into(), Json::Null);
+        obj.insert("added_tokens".into(), Json::Array(added));
+        let post = match (add_bos, bos) {
+            (true, Some(b)) => {
+                let t = &tokens[b as usize];
+                json!({"type": "TemplateProcessing",
+                       "single": [{"SpecialToken": {"id": t, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+                       "pair": [{"SpecialToken": {"id": t, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                                {"Sequence": {"id": "B", "type_id": 1}}],
+                       "special_tokens": {t.clone(): {"id": t, "ids": [b], "tokens": [t]}}})
+            }
+            _ => Json::Null,
+        };
+        obj.insert("post_processor".into(), post);
+        let inner: tokenizers::Tokenizer = tj.to_string().parse().map_err(|e| tok_err(path, e))?;
+        let tok_at = |i: Option<u32>| i.and_then(|i| tokens.get(i as usize).cloned());
+        let mut eos_ids: Vec<u32> = eos.into_iter().collect();
+        // Chat models end a turn with their end-of-turn token, which GGUF often records as EOT.
+        if let Some(eot) = id("eot_token_id") {
+            if !eos_ids.contains(&eot) {
+                eos_ids.push(eot);
+            }
+        }
+        let chat_template = md.get("tokenizer.chat_template").and_then(Value::as_str).map(String::from);
+        Ok(Tokenizer {
+            inner,
+            source: path.into(),
+            eos_ids,
+            bos_token: tok_at(bos),
+            eos_token: tok_at(eos),
+            chat_template,
+        })
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// Largest token id plus one: must not exceed the model's embedding rows.
+    pub fn max_id_bound(&self) -> usize {
+        self.inner.get_vocab(true).values().map(|&i| i as usize + 1).max().unwrap_or(0)
+    }
+
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        let enc = self.inner.encode(text, add_special_tokens).map_err(|e| tok_err(&self.source, e))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
+        self.inner.decode(ids, skip_special_tokens).map_err(|e| tok_err(&self.source, e))
+    }
+
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// Renders the chat template for `messages` (with the assistant's turn opened).
+    pub fn apply_chat_template(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        let template = self
+            .chat_template
+            .as_deref()
+            .ok_or_else(|| EngineError::Template("this model has no chat template".into()))?;
+        render_chat(template, messages, add_generation_prompt, self.bos_token.as_deref(), self.eos_token.as_deref())
+    }
+
+    /// The prompt's token ids: chat-templated (special tokens come from the template) or plain.
+    pub fn prompt_ids(&self, prompt: &str, chat: bool) -> Result<Vec<u32>> {
+        if chat {
+            let text = self.apply_chat_template(&[ChatMessage { role: "user".into(), content: prompt.into() }], true)?;
+            self.encode(&text, false)
+        } else {
+            self.encode(prompt, true)
+        }
+    }
+}
+
+/// Pre-tokenizers of the byte-level BPE vocabularies, by llama.cpp's `tokenizer.ggml.pre` name.
+/// Returns the pre-tokenizer and whether whole words found in the vocabulary skip the merges.
+fn byte_level_pre_tokenizer(name: &str) -> Option<(Json, bool)> {
+    const LLAMA3: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+    const QWEN2: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+    let split_then_bytes = |re: &str| {
+        json!({"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": re}, "behavior": "Isolated", "invert": false},
+            {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false}]})
+    };
+    let gpt2 = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
+    Some(match name {
+        "gpt2" | "default" | "starcoder" | "gpt-2" => (gpt2, false),
+        "smollm" => (
+            json!({"type": "Sequence", "pretokenizers": [
+                {"type": "Digits", "individual_digits": true}, gpt2]}),
+            false,
+        ),
+        "llama-bpe" | "llama3" => (split_then_bytes(LLAMA3), true),
+        "qwen2" => (split_then_bytes(QWEN2), false),
+        _ => return None,
+    })
+}
+
+/// SentencePiece vocabularies carry scores, not merges: a merge (a, b) exists wherever a, b and
+/// a+b are all pieces, ranked by the score of a+b (best first), as SentencePiece's BPE applies them.
+fn merges_from_scores(tokens: &[String], scores: &[f64], types: &[u64]) -> Vec<Json> {
+    let ids: HashMap<&str, usize> = tokens.iter().enumerate().map(|(i, t)| (t.as_str(), i)).collect();
+    let mut merges: Vec<(f64, usize, usize, usize)> = Vec::new();
+    for (id, piece) in tokens.iter().enumerate() {
+        if types.get(id).copied().unwrap_or(1) != 1 || piece.chars().count() < 2 {
+            continue;
+        }
+        for (cut, _) in piece.char_indices().skip(1) {
+            let (a, b) = piece.split_at(cut);
+            if let (Some(&ia), Some(&ib)) = (ids.get(a), ids.get(b)) {
+                merges.push((-scores.get(id).copied().unwrap_or(0.0), id, ia, ib));
+            }
+        }
+    }
+    merges.sort_by(|x, y| x.partial_cmp(y).unwrap_or(std::cmp::Ordering::Equal));
+    merges.into_iter().map(|(_, _, a, b)| json!([tokens[a], tokens[b]])).collect()
+}
+
+pub fn render_chat(
+    template: &str,
+    messages: &[ChatMessage],
+    add_generation_prompt: bool,
+    bos_token: Option<&str>,
+    eos_token: Option<&str>,
+) -> Result<String> {
+    let mut env = minijinja::Environment::new();
+    env.set_trim_blocks(true);
+    env.set_lstrip_blocks(true);
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    minijinja_contrib::add_to_environment(&mut env);
+    env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
+        Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
+    });
+    env.add_template("chat", template).map_err(|e| EngineError::Template(e.to_string()))?;
+    let t = env.get_template("chat").map_err(|e| EngineError::Template(e.to_string()))?;
+    t.render(minijinja::context! {
+        messages => messages,
+        add_generation_prompt => add_generation_prompt,
+        bos_token => bos_token.unwrap_or(""),
+        eos_token => eos_token.unwrap_or(""),
+    })
+    .map_err(|e| EngineError::Template(e.to_string()))
+}

@@ -1,0 +1,260 @@
+"""Makes llmq's model test fixtures and their reference outputs with Hugging Face transformers.
+
+The fixtures are tiny random-weight checkpoints (committed, a few hundred KB each) and what an
+independent implementation (transformers on PyTorch, CPU, float32) computes for them:
+
+  tests/fixtures/tiny-llama/     Llama, f32 safetensors, untied embeddings
+  tests/fixtures/tiny-qwen2/     Qwen2, f16, q/k/v biases, tied embeddings, two safetensors shards
+  tests/fixtures/tiny-qwen3/     Qwen3, bf16, q/k RMS norms, tied embeddings
+  tests/fixtures/tiny-mistral/   Llama-family with an 8-token sliding window (Mistral)
+  tests/fixtures/tiny-llama.gguf the tiny Llama as GGUF: F32, F16, BF16, Q8_0, Q4_0, Q4_1 tensors,
+                                 Q/K rows permuted as llama.cpp stores them, GPT-2 style BPE
+  each dir's reference.safetensors: for every case, the prompt ids and the logits of every position
+  tests/fixtures/smollm2-reference.safetensors (+ .json): the real SmolLM2-135M-Instruct GGUF,
+                                 chat prompt "What is the capital of France?": prompt ids, logits
+                                 at the first generated position, greedy continuation
+
+Run with the reference venv (deploy/setup/setup.sh reference):
+  .cache/pyref/bin/python tests/reference/make_fixtures.py
+"""
+import json
+import os
+import shutil
+import sys
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+FIX = os.path.join(ROOT, "tests", "fixtures")
+torch.manual_seed(0)
+np.random.seed(0)
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
+    "+ '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+CORPUS = (
+    "The quick brown fox jumps over the lazy dog. Paris is the capital of France. "
+    "Berlin is the capital of Germany; Rome is the capital of Italy. 0123456789 numbers and "
+    "punctuation: (a), [b], {c}! Streams of tokens flow through queues, schedulers and caches. "
+    "Café, naïve, 東京, emoji 🙂 — unicode text must round-trip through the tokenizer. "
+) * 8
+
+
+def make_tokenizer(dest):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([CORPUS], trainer)
+    tok.save(os.path.join(dest, "tokenizer.json"))
+    with open(os.path.join(dest, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+                   "chat_template": CHATML, "model_max_length": 512}, f, indent=1)
+    return tok
+
+
+def cases(vocab):
+    g = torch.Generator().manual_seed(1)
+    lengths = [1, 5, 37, 100]
+    return [torch.randint(3, vocab, (n,), generator=g) for n in lengths]
+
+
+def write_reference(model, vocab, dest):
+    model.eval()
+    out = {}
+    for i, ids in enumerate(cases(vocab)):
+        with torch.no_grad():
+            logits = model(ids[None, :]).logits[0].float()
+        out[f"case{i}.ids"] = ids.to(torch.int32).contiguous()
+        out[f"case{i}.logits"] = logits.contiguous()
+    save_file(out, os.path.join(dest, "reference.safetensors"))
+
+
+def save_hf(model, dest, dtype, shards=1):
+    from transformers import GenerationConfig
+
+    model = model.to(dtype)
+    model.save_pretrained(dest, max_shard_size="100KB" if shards > 1 else "1GB")
+    GenerationConfig(eos_token_id=2, bos_token_id=None).save_pretrained(dest)
+    return model.float()
+
+
+def tiny_dir(name):
+    dest = os.path.join(FIX, name)
+    shutil.rmtree(dest, ignore_errors=True)
+    os.makedirs(dest)
+    return dest
+
+
+COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
+              bos_token_id=None, eos_token_id=2, pad_token_id=0)
+
+
+def randomize(model, scale=0.08):
+    # Larger than default init, so that logits vary and a wrong op shows up clearly.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.copy_(scale * torch.randn_like(p))
+
+
+def build(cls_cfg, cls_model, name, dtype, shards=1, **extra):
+    dest = tiny_dir(name)
+    tok = make_tokenizer(dest)
+    vocab = tok.get_vocab_size()
+    cfg = cls_cfg(vocab_size=vocab, **COMMON, **extra)
+    cfg._attn_implementation = "eager"
+    model = cls_model(cfg)
+    randomize(model)
+    model = save_hf(model, dest, dtype, shards)
+    write_reference(model, vocab, dest)
+    return model, tok, cfg
+
+
+def gguf_llama(model, tok, cfg):
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+
+    path = os.path.join(FIX, "tiny-llama.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_name("tiny-llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(cfg.rope_theta if hasattr(cfg, "rope_theta") else cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    vocab = tok.get_vocab()
+    tokens = [None] * len(vocab)
+    for t, i in vocab.items():
+        tokens[i] = t
+    model_json = json.loads(tok.to_str())["model"]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model_json["merges"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
+    w.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(0)
+    w.add_chat_template(CHATML)
+
+    def permute(t, heads):
+        return t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+
+    sd = {k: v.float().numpy() for k, v in model.state_dict().items()}
+    plan = {  # tensor name -> GGML type: every supported type appears
+        "token_embd.weight": Q.F32, "output_norm.weight": Q.F32, "output.weight": Q.Q8_0,
+        "blk.0.attn_q.weight": Q.Q8_0, "blk.0.attn_k.weight": Q.Q4_0, "blk.0.attn_v.weight": Q.Q4_1,
+        "blk.0.attn_output.weight": Q.F16, "blk.0.ffn_gate.weight": Q.BF16,
+        "blk.0.ffn_up.weight": Q.Q8_0, "blk.0.ffn_down.weight": Q.Q4_1,
+        "blk.1.attn_q.weight": Q.Q4_0, "blk.1.attn_k.weight": Q.Q4_1, "blk.1.attn_v.weight": Q.Q8_0,
+        "blk.1.attn_output.weight": Q.Q4_0, "blk.1.ffn_gate.weight": Q.Q4_0,
+        "blk.1.ffn_up.weight": Q.F16, "blk.1.ffn_down.weight": Q.BF16,
+    }
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        names.update({p + "input_layernorm.weight": f"blk.{i}.attn_norm.weight",
+                      p + "post_attention_layernorm.weight": f"blk.{i}.ffn_norm.weight",
+                      p + "self_attn.q_proj.weight": f"blk.{i}.attn_q.weight",
+                      p + "self_attn.k_proj.weight": f"blk.{i}.attn_k.weight",
+                      p + "self_attn.v_proj.weight": f"blk.{i}.attn_v.weight",
+                      p + "self_attn.o_proj.weight": f"blk.{i}.attn_output.weight",
+                      p + "mlp.gate_proj.weight": f"blk.{i}.ffn_gate.weight",
+                      p + "mlp.up_proj.weight": f"blk.{i}.ffn_up.weight",
+                      p + "mlp.down_proj.weight": f"blk.{i}.ffn_down.weight"})
+    for hf, gg in names.items():
+        t = sd[hf]
+        if gg.endswith("attn_q.weight"):
+            t = permute(t, cfg.num_attention_heads)
+        elif gg.endswith("attn_k.weight"):
+            t = permute(t, cfg.num_key_value_heads)
+        qt = plan.get(gg, Q.F32)
+        if qt == Q.F32:
+            w.add_tensor(gg, t.astype(np.float32))
+        elif qt == Q.F16:
+            w.add_tensor(gg, t.astype(np.float16))
+        else:
+            w.add_tensor(gg, gguf.quants.quantize(t.astype(np.float32), qt), raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def reference_gguf(dirname, fname, out_prefix, chat=None, greedy=0):
+    """Loads a GGUF with transformers (which dequantizes it) and records its outputs."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(dirname, gguf_file=fname)
+    model = AutoModelForCausalLM.from_pretrained(dirname, gguf_file=fname, dtype=torch.float32)
+    model.eval()
+    out, meta = {}, {}
+    if chat is None:
+        vocab = model.config.vocab_size
+        for i, ids in enumerate(cases(vocab)):
+            with torch.no_grad():
+                logits = model(ids[None, :]).logits[0].float()
+            out[f"case{i}.ids"] = ids.to(torch.int32).contiguous()
+            out[f"case{i}.logits"] = logits.contiguous()
+        texts = ["Paris is the capital of France.", "Café 東京 🙂 0123", " spaces  and\nnewlines"]
+        meta["tokenizer"] = [{"text": t, "ids": tok(t, add_special_tokens=False)["input_ids"]} for t in texts]
+    else:
+        msgs = [{"role": "user", "content": chat}]
+        text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            logits = model(ids).logits[0, -1].float()
+            gen = model.generate(ids, max_new_tokens=greedy, do_sample=False)[0, ids.shape[1]:]
+        out["prompt.ids"] = ids[0].to(torch.int32).contiguous()
+        out["first.logits"] = logits.contiguous()
+        out["greedy.ids"] = gen.to(torch.int32).contiguous()
+        meta.update(chat=chat, prompt_text=text, greedy_text=tok.decode(gen, skip_special_tokens=True))
+    save_file(out, out_prefix + ".safetensors")
+    with open(out_prefix + ".json", "w") as f:
+        json.dump(meta, f, indent=1, ensure_ascii=False)
+    return meta
+
+
+def main():
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                              Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+    model, tok, cfg = build(LlamaConfig, LlamaForCausalLM, "tiny-llama", torch.float32,
+                            tie_word_embeddings=False, rope_theta=10000.0)
+    gguf_llama(model, tok, cfg)
+    reference_gguf(FIX, "tiny-llama.gguf", os.path.join(FIX, "tiny-llama-gguf-reference"))
+    build(Qwen2Config, Qwen2ForCausalLM, "tiny-qwen2", torch.float16, shards=2,
+          tie_word_embeddings=True, rope_theta=1000000.0)
+    build(Qwen3Config, Qwen3ForCausalLM, "tiny-qwen3", torch.bfloat16,
+          tie_word_embeddings=True, rope_theta=1000000.0, head_dim=16)
+    build(MistralConfig, MistralForCausalLM, "tiny-mistral", torch.float32,
+          tie_word_embeddings=False, sliding_window=8, rope_theta=10000.0)
+    smol = os.path.join(ROOT, ".cache", "models", "smollm2")
+    if os.path.exists(os.path.join(smol, "SmolLM2-135M-Instruct.Q4_1.gguf")):
+        meta = reference_gguf(smol, "SmolLM2-135M-Instruct.Q4_1.gguf",
+                              os.path.join(FIX, "smollm2-reference"),
+                              chat="What is the capital of France?", greedy=24)
+        print("smollm2 greedy:", meta["greedy_text"])
+    else:
+        print("SmolLM2 not fetched (deploy/setup/setup.sh model): its reference was not made", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
