@@ -1,7 +1,9 @@
 """Makes llmq's model test fixtures and their reference outputs with Hugging Face transformers.
 
 The fixtures are tiny random-weight checkpoints (committed, a few hundred KB each) and what an
-independent implementation (transformers on PyTorch, CPU, float32) computes for them:
+independent implementation (transformers on PyTorch, CPU) computes for them. References are
+computed in float64 and stored as float32: transformers' own float32 RoPE drifts by up to 1e-2
+at position 100 with rope_theta 1e6, which would hide real errors of that size.
 
   tests/fixtures/tiny-llama/     Llama, f32 safetensors, untied embeddings
   tests/fixtures/tiny-qwen2/     Qwen2, f16, q/k/v biases, tied embeddings, two safetensors shards
@@ -66,8 +68,12 @@ def cases(vocab):
     return [torch.randint(3, vocab, (n,), generator=g) for n in lengths]
 
 
-def write_reference(model, vocab, dest):
-    model.eval()
+def write_reference(vocab, dest):
+    # Reloaded from the files just written, in float64 from the start (casting a float32 model
+    # keeps its float32 RoPE tables).
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(dest, dtype=torch.float64, attn_implementation="eager").eval()
     out = {}
     for i, ids in enumerate(cases(vocab)):
         with torch.no_grad():
@@ -83,7 +89,7 @@ def save_hf(model, dest, dtype, shards=1):
     model = model.to(dtype)
     model.save_pretrained(dest, max_shard_size="100KB" if shards > 1 else "1GB")
     GenerationConfig(eos_token_id=2, bos_token_id=None).save_pretrained(dest)
-    return model.float()
+    return model.double()
 
 
 def tiny_dir(name):
@@ -117,7 +123,7 @@ def build(cls_cfg, cls_model, name, dtype, shards=1, **extra):
     model = cls_model(cfg)
     randomize(model)
     model = save_hf(model, dest, dtype, shards)
-    write_reference(model, vocab, dest)
+    write_reference(vocab, dest)
     return model, tok, cfg
 
 
@@ -203,7 +209,7 @@ def reference_gguf(dirname, fname, out_prefix, chat=None, greedy=0):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(dirname, gguf_file=fname)
-    model = AutoModelForCausalLM.from_pretrained(dirname, gguf_file=fname, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(dirname, gguf_file=fname, dtype=torch.float64)
     model.eval()
     out, meta = {}, {}
     if chat is None:
