@@ -123,12 +123,12 @@ impl Finisher<'_> {
     }
 }
 
-/// Generates one sequence, calling `on_text` with each new piece of text.
+/// Generates one sequence, calling `on_token` with each token id and the text it completes.
 pub fn generate(
     model: &Model,
     tok: Option<&Tokenizer>,
     req: &GenerateRequest,
-    mut on_text: impl FnMut(&str),
+    mut on_token: impl FnMut(u32, &str),
 ) -> Result<GenerateOutput> {
     req.sampling.validate()?;
     req.stop.validate()?;
@@ -159,8 +159,11 @@ pub fn generate(
             first_at.get_or_insert_with(Instant::now);
             out_ids.push(id);
             let (piece, done) = fin.push(id, out_ids.len())?;
-            on_text(&piece);
+            on_token(id, &piece);
             if let Some(r) = done {
+                // Let the step in flight finish: nothing may still run on the device when the
+                // cache and the arrays it writes are dropped.
+                y_next.eval()?;
                 finish = r;
                 break;
             }
@@ -178,7 +181,7 @@ pub fn generate(
             history.push(id);
             logprobs.extend(lp);
             let (piece, done) = fin.push(id, out_ids.len())?;
-            on_text(&piece);
+            on_token(id, &piece);
             if let Some(r) = done {
                 finish = r;
                 break;

@@ -16,9 +16,10 @@ use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use crate::weights::Weights;
 
-/// Copies an array of f32 to the host, materialising views first.
+/// Copies an array to the host as f32, materialising views and casting first.
 pub fn host_f32(a: &Array) -> Result<Vec<f32>> {
-    a.contiguous()?.to_vec_exact::<f32>().map_err(|e| EngineError::Host(e.to_string()))
+    let a = if a.dtype() == Dtype::Float32 { a.contiguous()? } else { a.as_dtype(Dtype::Float32)? };
+    a.to_vec_exact::<f32>().map_err(|e| EngineError::Host(e.to_string()))
 }
 
 /// Cache growth step in tokens: decode reallocates once every this many tokens.
@@ -30,10 +31,28 @@ struct Linear {
 }
 
 impl Linear {
+    /// Loads projections that read the same input as one: their weights are stacked along the
+    /// output dimension, so one matmul (one kernel) computes them all. `parts` are
+    /// (weight prefix, output size); callers split the output back by those sizes.
+    fn load_fused(w: &mut Weights, parts: &[(String, usize)], in_dim: usize, bias: bool) -> Result<Self> {
+        let mut weights = Vec::with_capacity(parts.len());
+        let mut biases = Vec::with_capacity(parts.len());
+        for (prefix, out_dim) in parts {
+            weights.push(w.take(&format!("{prefix}.weight"), &[*out_dim, in_dim])?);
+            if bias {
+                biases.push(w.take(&format!("{prefix}.bias"), &[*out_dim])?);
+            }
+        }
+        let stack = |v: Vec<Array>| -> Result<Array> {
+            Ok(if v.len() == 1 { v.into_iter().next().unwrap() } else { concatenate(&v, 0)? })
+        };
+        let weight_t = stack(weights)?.t();
+        let bias = if bias { Some(stack(biases)?) } else { None };
+        Ok(Linear { weight_t, bias })
+    }
+
     fn load(w: &mut Weights, prefix: &str, out_dim: usize, in_dim: usize, bias: bool) -> Result<Self> {
-        let weight = w.take(&format!("{prefix}.weight"), &[out_dim, in_dim])?;
-        let bias = if bias { Some(w.take(&format!("{prefix}.bias"), &[out_dim])?) } else { None };
-        Ok(Linear { weight_t: weight.t(), bias })
+        Self::load_fused(w, &[(prefix.to_string(), out_dim)], in_dim, bias)
     }
 
     fn forward(&self, x: &Array) -> Result<Array> {
@@ -46,9 +65,8 @@ impl Linear {
 }
 
 struct Attention {
-    q: Linear,
-    k: Linear,
-    v: Linear,
+    /// q, k and v projections fused: [heads * d | kv_heads * d | kv_heads * d] outputs.
+    qkv: Linear,
     o: Linear,
     q_norm: Option<Array>,
     k_norm: Option<Array>,
@@ -61,8 +79,9 @@ struct Attention {
 }
 
 struct Mlp {
-    gate: Linear,
-    up: Linear,
+    /// gate and up projections fused: [intermediate | intermediate] outputs.
+    gate_up: Linear,
+    intermediate: i32,
     down: Linear,
 }
 
@@ -95,10 +114,9 @@ fn heads_first(x: Array, b: i32, t: i32, heads: i32, dim: i32, norm: Option<&Arr
 impl Attention {
     fn load(w: &mut Weights, p: &str, c: &ModelConfig, o: ArchOptions) -> Result<Self> {
         let (h, kvh, d) = (c.num_heads, c.num_kv_heads, c.head_dim);
+        let parts = [(format!("{p}.q_proj"), h * d), (format!("{p}.k_proj"), kvh * d), (format!("{p}.v_proj"), kvh * d)];
         Ok(Attention {
-            q: Linear::load(w, &format!("{p}.q_proj"), h * d, c.hidden_size, o.qkv_bias)?,
-            k: Linear::load(w, &format!("{p}.k_proj"), kvh * d, c.hidden_size, o.qkv_bias)?,
-            v: Linear::load(w, &format!("{p}.v_proj"), kvh * d, c.hidden_size, o.qkv_bias)?,
+            qkv: Linear::load_fused(w, &parts, c.hidden_size, o.qkv_bias)?,
             o: Linear::load(w, &format!("{p}.o_proj"), c.hidden_size, h * d, false)?,
             q_norm: if o.qk_norm { Some(w.take(&format!("{p}.q_norm.weight"), &[d])?) } else { None },
             k_norm: if o.qk_norm { Some(w.take(&format!("{p}.k_norm.weight"), &[d])?) } else { None },
@@ -114,9 +132,11 @@ impl Attention {
     fn forward(&self, x: &Array, caches: &mut [&mut (dyn KvCache + 'static)]) -> Result<Array> {
         let (b, t) = (x.shape()[0], x.shape()[1]);
         let d = self.head_dim;
-        let q = heads_first(self.q.forward(x)?, b, t, self.heads, d, self.q_norm.as_ref(), self.eps)?;
-        let k = heads_first(self.k.forward(x)?, b, t, self.kv_heads, d, self.k_norm.as_ref(), self.eps)?;
-        let v = heads_first(self.v.forward(x)?, b, t, self.kv_heads, d, None, self.eps)?;
+        let qkv = self.qkv.forward(x)?;
+        let (qe, ke) = (self.heads * d, (self.heads + self.kv_heads) * d);
+        let q = heads_first(qkv.index((.., .., ..qe)), b, t, self.heads, d, self.q_norm.as_ref(), self.eps)?;
+        let k = heads_first(qkv.index((.., .., qe..ke)), b, t, self.kv_heads, d, self.k_norm.as_ref(), self.eps)?;
+        let v = heads_first(qkv.index((.., .., ke..)), b, t, self.kv_heads, d, None, self.eps)?;
         let mut outs = Vec::with_capacity(caches.len());
         for (i, cache) in caches.iter_mut().enumerate() {
             let (qi, ki, vi) = if b == 1 {
@@ -144,11 +164,21 @@ impl Attention {
     }
 }
 
+/// silu(g) * u as one fused kernel (MLX compiles the element-wise graph once per shape class).
+fn swiglu(g: &Array, u: &Array) -> Result<Array> {
+    let f = |(g, u): (&Array, &Array)| -> std::result::Result<Array, mlx_rs::error::Exception> {
+        g.multiply(sigmoid(g)?)?.multiply(u)
+    };
+    let mut compiled = mlx_rs::transforms::compile::compile(f, true);
+    Ok(compiled((g, u))?)
+}
+
 impl Mlp {
     fn forward(&self, x: &Array) -> Result<Array> {
-        let g = self.gate.forward(x)?;
-        let act = g.multiply(sigmoid(&g)?)?;
-        self.down.forward(&act.multiply(self.up.forward(x)?)?)
+        let gu = self.gate_up.forward(x)?;
+        let g = gu.index((.., .., ..self.intermediate));
+        let u = gu.index((.., .., self.intermediate..));
+        self.down.forward(&swiglu(&g, &u)?)
     }
 }
 
@@ -167,8 +197,13 @@ impl Model {
                 attn: Attention::load(&mut w, &format!("{p}.self_attn"), c, opts)?,
                 post_norm: w.take(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
                 mlp: Mlp {
-                    gate: Linear::load(&mut w, &format!("{p}.mlp.gate_proj"), f, h, false)?,
-                    up: Linear::load(&mut w, &format!("{p}.mlp.up_proj"), f, h, false)?,
+                    gate_up: Linear::load_fused(
+                        &mut w,
+                        &[(format!("{p}.mlp.gate_proj"), f), (format!("{p}.mlp.up_proj"), f)],
+                        h,
+                        false,
+                    )?,
+                    intermediate: f as i32,
                     down: Linear::load(&mut w, &format!("{p}.mlp.down_proj"), h, f, false)?,
                 },
             });
@@ -193,7 +228,7 @@ impl Model {
         for l in &self.layers {
             p.extend([&l.input_norm, &l.post_norm]);
             let a = &l.attn;
-            for lin in [&a.q, &a.k, &a.v, &a.o, &l.mlp.gate, &l.mlp.up, &l.mlp.down] {
+            for lin in [&a.qkv, &a.o, &l.mlp.gate_up, &l.mlp.down] {
                 p.push(&lin.weight_t);
                 p.extend(lin.bias.as_ref());
             }
@@ -226,7 +261,7 @@ impl Model {
     }
 
     /// Runs `tokens` [B, T] (int32) through the model, appending to each sequence's cache.
-    /// Returns f32 logits [B, T, vocab], or [B, 1, vocab] for the last position only.
+    /// Returns logits [B, T, vocab] in the model's dtype, or [B, 1, vocab] for the last position.
     pub fn forward(&self, tokens: &Array, caches: &mut [&mut SequenceCache], last_only: bool) -> Result<Array> {
         let shape = tokens.shape();
         if shape.len() != 2 || shape[0] as usize != caches.len() || shape[1] == 0 {
@@ -248,10 +283,9 @@ impl Model {
             x = x.index((.., shape[1] - 1.., ..));
         }
         let x = rms_norm(&x, Some(&self.norm), eps)?;
-        let logits = match &self.lm_head_t {
+        Ok(match &self.lm_head_t {
             Some(h) => x.matmul(h)?,
             None => x.matmul(self.embed.t())?,
-        };
-        Ok(if logits.dtype() == Dtype::Float32 { logits } else { logits.as_dtype(Dtype::Float32)? })
+        })
     }
 }

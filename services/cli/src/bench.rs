@@ -1,0 +1,112 @@
+//! `llmq bench`: speed scenarios with the field names of shared/bench/peer_mlx_lm.py, so
+//! figures print side by side with the peer's. Weights may be random: only speed is measured.
+
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use llmq_engine::generate::{generate, GenerateRequest};
+use llmq_engine::sampling::{SamplingParams, StopParams};
+use llmq_engine::{default_dtype, load_model, on_gpu, parse_dtype, resolve_model, shapes, Model};
+
+/// H200 HBM bandwidth: the single-stream decode roofline is weight bytes / this.
+const HBM_BYTES_PER_S: f64 = 4.8e12;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// single
+    scenario: String,
+    #[arg(long)]
+    local: bool,
+    /// A known model name or a path.
+    #[arg(long, conflicts_with = "random_weights")]
+    model: Option<String>,
+    /// A model shape with random weights: tiny, smollm2, 1b, 8b.
+    #[arg(long)]
+    random_weights: Option<String>,
+    #[arg(long, default_value_t = 128)]
+    prompt_tokens: usize,
+    #[arg(long, default_value_t = 256)]
+    output_tokens: usize,
+    #[arg(long)]
+    dtype: Option<String>,
+    #[arg(long)]
+    json: bool,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// The peer's prompt: token ids drawn from [10, 4000), fixed seed.
+fn random_prompt(n: usize, seed: u64) -> Vec<u32> {
+    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            10 + ((x >> 33) % 3990) as u32
+        })
+        .collect()
+}
+
+fn single(model: &Model, a: &Args) -> Result<serde_json::Value> {
+    let req = GenerateRequest {
+        prompt_ids: random_prompt(a.prompt_tokens, 1),
+        sampling: SamplingParams::default(),
+        stop: StopParams { max_tokens: a.output_tokens, ignore_eos: true, ..Default::default() },
+        prefill_chunk: 4096,
+    };
+    // Warm-up: the first run compiles kernels and allocates.
+    generate(model, None, &GenerateRequest { stop: StopParams { max_tokens: 16, ..req.stop.clone() }, ..req.clone() }, |_, _| {})?;
+    let mut times = Vec::with_capacity(a.output_tokens);
+    generate(model, None, &req, |_, _| times.push(Instant::now()))?;
+    let gaps: Vec<f64> = times.windows(2).skip(10).map(|w| (w[1] - w[0]).as_secs_f64() * 1000.0).collect();
+    if gaps.is_empty() {
+        bail!("--output-tokens must be above 12 to measure steady gaps");
+    }
+    let ms = median(gaps);
+    Ok(serde_json::json!({
+        "scenario": "single",
+        "ms_per_token": (ms * 1000.0).round() / 1000.0,
+        "tokens_per_s": (10000.0 / ms).round() / 10.0,
+    }))
+}
+
+pub fn run(a: Args) -> Result<()> {
+    if !a.local {
+        bail!("benchmarks through NATS come with the serving core; use --local");
+    }
+    let dtype = a.dtype.as_deref().map(parse_dtype).transpose()?.unwrap_or_else(default_dtype);
+    let t0 = Instant::now();
+    let (model, label, random) = match (&a.model, &a.random_weights) {
+        (_, Some(shape)) => (shapes::random_model(shape, dtype, 0)?, shape.clone(), true),
+        (Some(name), None) => (load_model(&resolve_model(name)?, dtype)?.model, name.clone(), false),
+        (None, None) => bail!("give --model NAME or --random-weights SHAPE"),
+    };
+    let load_s = t0.elapsed().as_secs_f64();
+    let nbytes = model.weight_bytes();
+    let mut res = match a.scenario.as_str() {
+        "single" => single(&model, &a)?,
+        other => bail!("unknown scenario {other:?}: single (burst, batch, static and prefix come with the serving core)"),
+    };
+    let obj = res.as_object_mut().expect("object");
+    let key = if random { "shape" } else { "model" };
+    obj.insert(key.into(), label.into());
+    obj.insert("engine".into(), "llmq".into());
+    obj.insert("device".into(), if on_gpu() { "gpu" } else { "cpu" }.into());
+    obj.insert("dtype".into(), format!("{dtype:?}").into());
+    obj.insert("weight_bytes".into(), nbytes.into());
+    obj.insert("load_s".into(), ((load_s * 100.0).round() / 100.0).into());
+    if random {
+        let roof = nbytes as f64 / HBM_BYTES_PER_S * 1000.0;
+        let ms = obj["ms_per_token"].as_f64().unwrap_or(f64::NAN);
+        obj.insert("hbm_roofline_ms".into(), ((roof * 1000.0).round() / 1000.0).into());
+        obj.insert("fraction_of_roofline".into(), ((roof / ms * 1000.0).round() / 1000.0).into());
+    }
+    if a.json {
+        println!("{res}");
+    } else {
+        println!("{}", serde_json::to_string_pretty(&res)?);
+    }
+    Ok(())
+}

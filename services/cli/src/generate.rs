@@ -1,0 +1,101 @@
+//! `llmq generate`: streams a model's answer to stdout. `--local` runs the engine in process.
+
+use std::io::Write;
+
+use anyhow::{bail, Context, Result};
+use llmq_engine::generate::{generate, GenerateRequest};
+use llmq_engine::sampling::{SamplingParams, StopParams};
+use llmq_engine::{default_dtype, load_model, parse_dtype, resolve_model};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Run the engine in this process (no NATS).
+    #[arg(long)]
+    local: bool,
+    /// A known model name (smollm2) or a path to a Hugging Face directory or a .gguf file.
+    #[arg(long, default_value = "smollm2")]
+    model: String,
+    /// Wrap the prompt in the model's chat template as a user message.
+    #[arg(long)]
+    chat: bool,
+    #[arg(long)]
+    prompt: String,
+    #[arg(long, default_value_t = 256)]
+    max_tokens: usize,
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    #[arg(long, default_value_t = 1.0)]
+    repetition_penalty: f32,
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Stop when this string appears (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
+    /// Report this many alternatives' logprobs per token (with --json).
+    #[arg(long, default_value_t = 0)]
+    top_logprobs: usize,
+    /// Prefill chunk size in tokens.
+    #[arg(long, default_value_t = 4096)]
+    prefill_chunk: usize,
+    /// f32, f16 or bf16 (default: f32 on CPU, bf16 on GPU).
+    #[arg(long)]
+    dtype: Option<String>,
+    /// Print one JSON object at the end instead of streaming text.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(a: Args) -> Result<()> {
+    if !a.local {
+        bail!("generating through NATS comes with the serving core; use --local to run the engine in process");
+    }
+    let dtype = a.dtype.as_deref().map(parse_dtype).transpose()?.unwrap_or_else(default_dtype);
+    let path = resolve_model(&a.model)?;
+    let loaded = load_model(&path, dtype).with_context(|| format!("loading {}", path.display()))?;
+    let tok = loaded.tokenizer.as_ref().context("this model has no tokenizer")?;
+    let prompt_ids = tok.prompt_ids(&a.prompt, a.chat)?;
+    let req = GenerateRequest {
+        prompt_ids: prompt_ids.clone(),
+        sampling: SamplingParams {
+            temperature: a.temperature,
+            top_p: a.top_p,
+            top_k: a.top_k,
+            min_p: a.min_p,
+            repetition_penalty: a.repetition_penalty,
+            seed: a.seed,
+            top_logprobs: a.top_logprobs,
+            logprobs: a.top_logprobs > 0,
+        },
+        stop: StopParams { max_tokens: a.max_tokens, stop: a.stop.clone(), ..Default::default() },
+        prefill_chunk: a.prefill_chunk,
+    };
+    let mut stdout = std::io::stdout().lock();
+    let out = generate(&loaded.model, Some(tok), &req, |_, piece| {
+        if !a.json {
+            let _ = stdout.write_all(piece.as_bytes());
+            let _ = stdout.flush();
+        }
+    })?;
+    if a.json {
+        let v = serde_json::json!({
+            "text": out.text,
+            "token_ids": out.token_ids,
+            "prompt_token_ids": prompt_ids,
+            "finish_reason": out.finish_reason,
+            "ttft_ms": out.ttft.as_secs_f64() * 1000.0,
+            "ms_per_token": out.ms_per_token(),
+            "logprobs": out.logprobs,
+            "model": path,
+        });
+        writeln!(stdout, "{v}")?;
+    } else {
+        writeln!(stdout)?;
+    }
+    Ok(())
+}
