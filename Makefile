@@ -1,0 +1,31 @@
+# llmq: the two commands of the quick start, and their parts.
+#   make demo   set up, build, and stream SmolLM2's answer to a question
+#   make test   set up, build, and run every test
+.PHONY: setup build demo test bench fixtures clean
+
+CARGO ?= cargo
+LLMQ := target/release/llmq
+
+setup:
+	bash deploy/setup/setup.sh
+
+build: setup
+	$(CARGO) build --release --workspace
+
+demo: build
+	$(LLMQ) generate --local --model smollm2 --chat --prompt "What is the capital of France?" --max-tokens 64
+
+test: build
+	$(CARGO) test --release --workspace
+
+bench: build
+	$(LLMQ) bench single --local --model smollm2 --json
+	$(LLMQ) bench single --local --random-weights smollm2 --json
+
+# Maintainers: remake the tiny checkpoints and transformers' reference outputs.
+fixtures:
+	bash deploy/setup/setup.sh reference
+	.cache/pyref/bin/python tests/reference/make_fixtures.py
+
+clean:
+	$(CARGO) clean
