@@ -125,6 +125,6 @@ case "$what" in
   tokenizers) step_tokenizers ;;
   reference) step_reference ;;
   default|all) step_base; step_mlx; step_model; step_tokenizers
-    [ "$what" = all ] && step_reference ;;
+    if [ "$what" = all ]; then step_reference; fi ;;
   *) die "unknown step '$what'" ;;
 esac

@@ -21,10 +21,7 @@ enum Command {
 }
 
 fn main() -> std::process::ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("LLMQ_LOG").unwrap_or_else(|_| "warn".into()))
-        .with_writer(std::io::stderr)
-        .init();
+    llmq_telemetry::init("warn");
     let result = match Cli::parse().command {
         Command::Generate(a) => generate::run(a),
         Command::Bench(a) => bench::run(a),
