@@ -1,0 +1,44 @@
+//! llmq's wire protocol, version 1: every NATS subject and every message, in one place.
+//!
+//! Invariants: payloads are MessagePack maps with named fields (`encode` uses
+//! `rmp_serde::to_vec_named`, so adding or moving a field never shifts another); `decode`
+//! refuses payloads over `MAX_MESSAGE_BYTES` before parsing; the version is in the subject, so
+//! a v2 can run beside v1. Raw client requests (`GenerateRequest`) and validated jobs (`Job`)
+//! are different types: only intake turns one into the other.
+
+pub mod messages;
+pub mod subjects;
+
+pub use messages::*;
+
+use serde::{de::DeserializeOwned, Serialize};
+
+/// Largest payload any llmq message may have (a 32k-token prompt as text fits comfortably).
+pub const MAX_MESSAGE_BYTES: usize = 1 << 20;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProtocolError {
+    #[error("message of {0} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")]
+    TooLarge(usize),
+    #[error("undecodable message: {0}")]
+    Decode(#[from] rmp_serde::decode::Error),
+    #[error("unencodable message: {0}")]
+    Encode(#[from] rmp_serde::encode::Error),
+}
+
+/// Serialises a message as a MessagePack map with named fields.
+pub fn encode<T: Serialize>(msg: &T) -> Result<Vec<u8>, ProtocolError> {
+    let bytes = rmp_serde::to_vec_named(msg)?;
+    if bytes.len() > MAX_MESSAGE_BYTES {
+        return Err(ProtocolError::TooLarge(bytes.len()));
+    }
+    Ok(bytes)
+}
+
+/// Parses a message, refusing oversized payloads before reading them.
+pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ProtocolError> {
+    if bytes.len() > MAX_MESSAGE_BYTES {
+        return Err(ProtocolError::TooLarge(bytes.len()));
+    }
+    Ok(rmp_serde::from_slice(bytes)?)
+}

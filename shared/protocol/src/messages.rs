@@ -1,0 +1,212 @@
+//! The messages of protocol v1. Field ownership: clients write `GenerateRequest` and `Cancel`;
+//! intake writes `GenerateReply` and `Job`; workers write `StreamEvent` and `WorkerStatus`.
+
+use serde::{Deserialize, Serialize};
+
+/// One chat message (OpenAI / Hugging Face roles: system, user, assistant).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+/// A client's job as submitted on `llm.v1.generate`. Unchecked: intake validates it into a `Job`.
+/// Numbers are wide and signed here so that out-of-range values can be reported, not wrapped.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct GenerateRequest {
+    pub model: String,
+    /// A plain prompt; exactly one of `prompt` and `messages` is given.
+    pub prompt: Option<String>,
+    /// A chat, rendered with the model's chat template (the assistant's turn opened).
+    pub messages: Option<Vec<ChatMessage>>,
+    pub max_tokens: Option<i64>,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub top_k: Option<i64>,
+    pub min_p: Option<f64>,
+    pub repetition_penalty: Option<f64>,
+    pub seed: Option<u64>,
+    pub stop: Vec<String>,
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+    pub logprobs: bool,
+    pub top_logprobs: u32,
+    /// Where to publish this job's events: the client's own inbox, subscribed before submitting,
+    /// so that no event is missed. Default: `llm.v1.stream.<request_id>`.
+    pub stream_subject: Option<String>,
+    /// Prefixes are only reused between requests with the same salt.
+    pub cache_salt: Option<String>,
+}
+
+/// Intake's immediate answer on the request's reply subject.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum GenerateReply {
+    Accepted { request_id: String, stream_subject: String },
+    Rejected { error: WireError },
+}
+
+/// An error as it crosses the wire: classified once, near its cause.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WireError {
+    pub class: ErrorClass,
+    pub message: String,
+}
+
+impl WireError {
+    pub fn new(class: ErrorClass, message: impl Into<String>) -> Self {
+        WireError { class, message: message.into() }
+    }
+}
+
+impl std::fmt::Display for WireError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?}: {}", self.class, self.message)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorClass {
+    /// Undecodable payload or a parameter out of range.
+    InvalidRequest,
+    UnknownModel,
+    /// The prompt (plus max_tokens) exceeds the model's context.
+    PromptTooLong,
+    /// Admission queue full: try again later.
+    QueueFull,
+    /// No worker serves the model.
+    NoWorker,
+    /// The request can never fit the worker's KV memory budget.
+    NeverFits,
+    /// Cancelled on `llm.v1.cancel`.
+    Cancelled,
+    /// The worker running the request stopped before finishing it.
+    WorkerLost,
+    Internal,
+}
+
+/// Sampling parameters of a validated job (ranges checked by intake).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Sampling {
+    pub temperature: f32,
+    pub top_k: u32,
+    pub top_p: f32,
+    pub min_p: f32,
+    pub repetition_penalty: f32,
+    pub seed: Option<u64>,
+    pub logprobs: bool,
+    pub top_logprobs: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StopConditions {
+    pub max_tokens: u32,
+    pub stop: Vec<String>,
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+}
+
+/// A validated, tokenized job: what intake puts on the jobs stream for a worker.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Job {
+    pub request_id: String,
+    pub model: String,
+    pub prompt_ids: Vec<u32>,
+    pub sampling: Sampling,
+    pub stop: StopConditions,
+    pub stream_subject: String,
+    /// Milliseconds since the Unix epoch when intake accepted the job.
+    pub accepted_at_ms: u64,
+    pub cache_salt: Option<String>,
+}
+
+/// One event of a request's stream. `seq` starts at 0 and grows by one per event.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StreamEvent {
+    pub request_id: String,
+    pub seq: u64,
+    pub event: Event,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Event {
+    /// Waiting for admission; `position` 0 is next.
+    Queued { position: u32 },
+    /// Prompt tokens prefilled so far (monotonic; the last one has done == total).
+    PrefillProgress { done: u32, total: u32 },
+    /// The tokens of one tick, with the text they complete.
+    Tokens {
+        ids: Vec<u32>,
+        text: String,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        logprobs: Vec<TokenLogprob>,
+    },
+    Done { finish_reason: FinishReason, usage: Usage, timings: Timings },
+    Error { error: WireError },
+}
+
+impl Event {
+    /// `Done` and `Error` end a stream; exactly one of them is sent per accepted job.
+    pub fn is_terminal(&self) -> bool {
+        matches!(self, Event::Done { .. } | Event::Error { .. })
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TokenLogprob {
+    pub token: u32,
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// End of sequence, a stop token or a stop string.
+    Stop,
+    /// max_tokens reached.
+    Length,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Usage {
+    pub prompt: u32,
+    pub completion: u32,
+    /// Prompt tokens whose KV came from the prefix cache.
+    pub cached: u32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub struct Timings {
+    pub queue_ms: f64,
+    pub ttft_ms: f64,
+    pub total_ms: f64,
+}
+
+/// Broadcast on `llm.v1.cancel`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Cancel {
+    pub request_id: String,
+}
+
+/// A worker's heartbeat on `llm.v1.worker.<id>.status`; intake routes by it.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct WorkerStatus {
+    pub worker_id: String,
+    pub model: String,
+    /// Longest prompt + output the model accepts.
+    pub context_tokens: u32,
+    pub active_streams: u32,
+    pub queued_requests: u32,
+    pub queued_prefill_tokens: u64,
+    pub kv_bytes_used: u64,
+    pub kv_bytes_free: u64,
+    pub max_batch: u32,
+    /// Prompt tokens reused from the prefix cache over prompt tokens, since start.
+    pub prefix_hit_rate: f64,
+    pub sent_at_ms: u64,
+}
