@@ -1,0 +1,9 @@
+//! llmq's engine worker: one model on one device.
+//!
+//! - `scheduler` the device's clock: decode first, then one bounded prefill chunk per tick
+//! - `engine_ops` the real work behind the scheduler: prefill, batched decode and KV caches
+//!   on an `llmq_engine::Model`
+//!
+//! All MLX work of a worker runs on one thread.
+
+pub mod scheduler;

@@ -1,0 +1,338 @@
+//! The scheduler: the device's clock. Each `tick`:
+//!
+//! 1. cancellations are applied (queued, mid-prefill or decoding), freeing KV memory;
+//! 2. the active decode batch steps once (every running stream gets its token first);
+//! 3. waiting requests are admitted while the KV budget and the batch limit allow;
+//! 4. exactly one prefill chunk is granted, to one request: `prefill_chunk` tokens while anything
+//!    decodes, `idle_prefill_chunk` when nothing does (the idle fast path). A request whose
+//!    prompt completes samples its first token and joins the decode batch at the next tick.
+//!
+//! Prefill order: shortest remaining prompt first, with aging (a request's remaining tokens
+//! count down by `aging_tokens_per_s` for every second it has waited), so short prompts do not
+//! wait behind a long one and a long one is not starved.
+//!
+//! Invariants: every admitted request ends with exactly one terminal event (`Done` or `Error`);
+//! KV bytes are reserved at admission for prompt + max_tokens and returned when the request
+//! ends, so after all requests end the reservation is zero; a request that could never fit the
+//! budget is refused at once. The scheduler never touches a model: `EngineOps` does the work,
+//! so the policy is tested against a fake engine and a fake clock.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use llmq_protocol::{ErrorClass, Event, FinishReason, Timings, TokenLogprob, Usage, WireError};
+
+pub type ReqId = u64;
+
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    /// Prefill tokens granted per tick while streams are decoding.
+    pub prefill_chunk: usize,
+    /// Prefill tokens granted per tick when nothing decodes.
+    pub idle_prefill_chunk: usize,
+    /// Most sequences decoding and prefilling at once.
+    pub max_batch: usize,
+    /// KV memory the scheduler may reserve.
+    pub kv_budget_bytes: u64,
+    /// KV bytes one token takes in every layer (keys and values).
+    pub kv_bytes_per_token: u64,
+    /// Aging of waiting prefills, in prompt tokens per second waited.
+    pub aging_tokens_per_s: f64,
+    /// False: the synchronous baseline, whole prompts prefilled in one go even while streams
+    /// decode (what interleaving is measured against).
+    pub interleave: bool,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig {
+            prefill_chunk: 256,
+            idle_prefill_chunk: 4096,
+            max_batch: 64,
+            kv_budget_bytes: 4 << 30,
+            kv_bytes_per_token: 1,
+            aging_tokens_per_s: 1000.0,
+            interleave: true,
+        }
+    }
+}
+
+/// What one decode step or the end of a prefill produced for one sequence.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StepOut {
+    pub ids: Vec<u32>,
+    pub text: String,
+    pub logprobs: Vec<TokenLogprob>,
+    pub finished: Option<FinishReason>,
+}
+
+/// The work the scheduler hands out. Implemented by the real engine and by tests' fakes.
+pub trait EngineOps {
+    /// Prefills the next `n` prompt tokens of `id`. When they complete the prompt, also samples
+    /// the first output token and returns it.
+    fn prefill(&mut self, id: ReqId, n: usize) -> Result<Option<StepOut>, WireError>;
+    /// One batched decode step over `ids`; one result per id, in order.
+    fn decode(&mut self, ids: &[ReqId]) -> Vec<Result<StepOut, WireError>>;
+    /// Frees everything held for `id` (called once per request, whatever its end).
+    fn release(&mut self, id: ReqId);
+}
+
+#[derive(Debug, Clone)]
+pub struct Admission {
+    pub id: ReqId,
+    pub prompt_tokens: usize,
+    pub max_tokens: usize,
+    /// Prompt tokens already in the cache (prefix reuse); prefill starts after them.
+    pub cached_tokens: usize,
+    /// When intake accepted it, on the scheduler's clock.
+    pub accepted_at: Duration,
+}
+
+#[derive(Debug)]
+struct Req {
+    a: Admission,
+    reserved: u64,
+    prefilled: usize,
+    completion: usize,
+    admitted_at: Option<Duration>,
+    first_token_at: Option<Duration>,
+}
+
+impl Req {
+    fn remaining(&self) -> usize {
+        self.a.prompt_tokens - self.prefilled
+    }
+}
+
+/// An event for one request, in the order it must be published.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Emit {
+    pub id: ReqId,
+    pub event: Event,
+}
+
+/// What a tick did, for metrics and benchmarks.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TickReport {
+    pub decoded: usize,
+    pub prefill_tokens: usize,
+    pub prefill_request: Option<ReqId>,
+}
+
+#[derive(Default)]
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    reqs: HashMap<ReqId, Req>,
+    /// Not admitted yet, in arrival order.
+    waiting: Vec<ReqId>,
+    /// Admitted, prompt not complete.
+    prefilling: Vec<ReqId>,
+    /// In the decode batch, in join order.
+    decoding: Vec<ReqId>,
+    cancels: HashSet<ReqId>,
+    reserved: u64,
+}
+
+impl Scheduler {
+    pub fn new(cfg: SchedulerConfig) -> Self {
+        Scheduler { cfg, ..Default::default() }
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.cfg
+    }
+
+    fn reservation(&self, a: &Admission) -> u64 {
+        (a.prompt_tokens + a.max_tokens) as u64 * self.cfg.kv_bytes_per_token
+    }
+
+    /// Queues a request. Returns its first events: `Queued`, or an `Error` for a request that
+    /// could never fit the KV budget (it is then already finished).
+    pub fn submit(&mut self, a: Admission) -> Vec<Emit> {
+        let id = a.id;
+        let need = self.reservation(&a);
+        if need > self.cfg.kv_budget_bytes || a.prompt_tokens == 0 || a.cached_tokens > a.prompt_tokens {
+            let error = if a.prompt_tokens == 0 {
+                WireError::new(ErrorClass::InvalidRequest, "empty prompt")
+            } else {
+                WireError::new(
+                    ErrorClass::NeverFits,
+                    format!("needs {need} KV bytes, more than the worker's whole budget of {}", self.cfg.kv_budget_bytes),
+                )
+            };
+            return vec![Emit { id, event: Event::Error { error } }];
+        }
+        let position = self.waiting.len() as u32;
+        let prefilled = a.cached_tokens;
+        self.reqs.insert(id, Req { a, reserved: 0, prefilled, completion: 0, admitted_at: None, first_token_at: None });
+        self.waiting.push(id);
+        vec![Emit { id, event: Event::Queued { position } }]
+    }
+
+    /// Marks a request for cancellation; it is dropped at the start of the next tick.
+    /// Returns false when the scheduler does not hold it.
+    pub fn cancel(&mut self, id: ReqId) -> bool {
+        if self.reqs.contains_key(&id) {
+            self.cancels.insert(id);
+            true
+        } else {
+            false
+        }
+    }
+
+    pub fn is_idle(&self) -> bool {
+        self.reqs.is_empty()
+    }
+    pub fn active_streams(&self) -> usize {
+        self.decoding.len()
+    }
+    pub fn queued_requests(&self) -> usize {
+        self.waiting.len() + self.prefilling.len()
+    }
+    pub fn queued_prefill_tokens(&self) -> u64 {
+        self.waiting.iter().chain(&self.prefilling).map(|id| self.reqs[id].remaining() as u64).sum()
+    }
+    pub fn reserved_kv_bytes(&self) -> u64 {
+        self.reserved
+    }
+    pub fn holds(&self, id: ReqId) -> bool {
+        self.reqs.contains_key(&id)
+    }
+
+    fn finish(&mut self, engine: &mut impl EngineOps, id: ReqId, event: Event, out: &mut Vec<Emit>) {
+        if let Some(r) = self.reqs.remove(&id) {
+            self.reserved -= r.reserved;
+            self.waiting.retain(|&x| x != id);
+            self.prefilling.retain(|&x| x != id);
+            self.decoding.retain(|&x| x != id);
+            if r.admitted_at.is_some() {
+                engine.release(id);
+            }
+            out.push(Emit { id, event });
+        }
+    }
+
+    fn done_event(&self, id: ReqId, reason: FinishReason, now: Duration) -> Event {
+        let r = &self.reqs[&id];
+        let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+        let acc = r.a.accepted_at;
+        Event::Done {
+            finish_reason: reason,
+            usage: Usage { prompt: r.a.prompt_tokens as u32, completion: r.completion as u32, cached: r.a.cached_tokens as u32 },
+            timings: Timings {
+                queue_ms: ms(r.admitted_at.unwrap_or(now).saturating_sub(acc)),
+                ttft_ms: ms(r.first_token_at.unwrap_or(now).saturating_sub(acc)),
+                total_ms: ms(now.saturating_sub(acc)),
+            },
+        }
+    }
+
+    /// Handles one sequence's output: a Tokens event, then Done if it finished.
+    fn deliver(&mut self, engine: &mut impl EngineOps, id: ReqId, step: StepOut, now: Duration, out: &mut Vec<Emit>) {
+        let finished = step.finished;
+        if let Some(r) = self.reqs.get_mut(&id) {
+            r.completion += step.ids.len();
+            r.first_token_at.get_or_insert(now);
+        }
+        if !step.ids.is_empty() || !step.text.is_empty() {
+            out.push(Emit { id, event: Event::Tokens { ids: step.ids, text: step.text, logprobs: step.logprobs } });
+        }
+        if let Some(reason) = finished {
+            let ev = self.done_event(id, reason, now);
+            self.finish(engine, id, ev, out);
+        }
+    }
+
+    /// One turn of the clock. `now` is the scheduler clock's time.
+    pub fn tick(&mut self, engine: &mut impl EngineOps, now: Duration) -> (Vec<Emit>, TickReport) {
+        let mut out = Vec::new();
+        let mut report = TickReport::default();
+
+        // 1. cancellations
+        for id in std::mem::take(&mut self.cancels) {
+            let error = WireError::new(ErrorClass::Cancelled, "cancelled by the client");
+            self.finish(engine, id, Event::Error { error }, &mut out);
+        }
+
+        // 2. the decode batch steps first
+        if !self.decoding.is_empty() {
+            let ids = self.decoding.clone();
+            let results = engine.decode(&ids);
+            report.decoded = ids.len();
+            for (id, res) in ids.into_iter().zip(results) {
+                match res {
+                    Ok(step) => self.deliver(engine, id, step, now, &mut out),
+                    Err(error) => self.finish(engine, id, Event::Error { error }, &mut out),
+                }
+            }
+        }
+
+        // 3. admission, in arrival order, within the KV budget and the batch limit
+        let mut still_waiting = Vec::new();
+        for id in std::mem::take(&mut self.waiting) {
+            let need = self.reservation(&self.reqs[&id].a);
+            let running = self.decoding.len() + self.prefilling.len();
+            if still_waiting.is_empty() && running < self.cfg.max_batch && self.reserved + need <= self.cfg.kv_budget_bytes {
+                self.reserved += need;
+                let r = self.reqs.get_mut(&id).expect("waiting ids are held");
+                r.reserved = need;
+                r.admitted_at = Some(now);
+                self.prefilling.push(id);
+            } else {
+                still_waiting.push(id);
+            }
+        }
+        if still_waiting.len() != self.waiting.len() {
+            for (pos, &id) in still_waiting.iter().enumerate() {
+                out.push(Emit { id, event: Event::Queued { position: pos as u32 } });
+            }
+        }
+        self.waiting = still_waiting;
+
+        // 4. exactly one prefill chunk, to one request
+        if let Some(id) = self.pick_prefill(now) {
+            let idle = self.decoding.is_empty();
+            let remaining = self.reqs[&id].remaining();
+            let n = if !self.cfg.interleave {
+                remaining
+            } else if idle {
+                remaining.min(self.cfg.idle_prefill_chunk)
+            } else {
+                remaining.min(self.cfg.prefill_chunk)
+            };
+            report.prefill_tokens = n;
+            report.prefill_request = Some(id);
+            match engine.prefill(id, n) {
+                Ok(first) => {
+                    let r = self.reqs.get_mut(&id).expect("picked from held ids");
+                    r.prefilled += n;
+                    let (done, total) = (r.prefilled as u32, r.a.prompt_tokens as u32);
+                    out.push(Emit { id, event: Event::PrefillProgress { done, total } });
+                    if done == total {
+                        self.prefilling.retain(|&x| x != id);
+                        self.decoding.push(id);
+                        match first {
+                            Some(step) => self.deliver(engine, id, step, now, &mut out),
+                            None => {
+                                let error = WireError::new(ErrorClass::Internal, "prefill completed without a first token");
+                                self.finish(engine, id, Event::Error { error }, &mut out);
+                            }
+                        }
+                    }
+                }
+                Err(error) => self.finish(engine, id, Event::Error { error }, &mut out),
+            }
+        }
+        (out, report)
+    }
+
+    /// Shortest remaining prefill first, aged by waiting time; ties go to the earlier arrival.
+    fn pick_prefill(&self, now: Duration) -> Option<ReqId> {
+        let key = |id: &ReqId| {
+            let r = &self.reqs[id];
+            let waited = now.saturating_sub(r.a.accepted_at).as_secs_f64();
+            (r.remaining() as f64 - waited * self.cfg.aging_tokens_per_s, r.a.accepted_at, *id)
+        };
+        self.prefilling.iter().min_by(|a, b| key(a).partial_cmp(&key(b)).unwrap_or(std::cmp::Ordering::Equal)).copied()
+    }
+}

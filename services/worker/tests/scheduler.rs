@@ -1,0 +1,341 @@
+//! The scheduler's policy on a fake engine with a fake clock: no model, no NATS.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use llmq_protocol::{ErrorClass, Event, FinishReason, WireError};
+use llmq_worker::scheduler::*;
+
+/// Produces one token per decode step and finishes each request after its max_tokens.
+#[derive(Default)]
+struct FakeEngine {
+    max_tokens: HashMap<ReqId, usize>,
+    produced: HashMap<ReqId, usize>,
+    prefilled: HashMap<ReqId, usize>,
+    prompt: HashMap<ReqId, usize>,
+    live: HashSet<ReqId>,
+    released: Vec<ReqId>,
+    prefill_calls: Vec<(ReqId, usize)>,
+    decode_calls: Vec<Vec<ReqId>>,
+}
+
+impl FakeEngine {
+    fn token(&mut self, id: ReqId) -> StepOut {
+        let n = self.produced.entry(id).or_default();
+        *n += 1;
+        let finished = (*n >= self.max_tokens[&id]).then_some(FinishReason::Length);
+        StepOut { ids: vec![*n as u32], text: format!("t{n} "), logprobs: vec![], finished }
+    }
+}
+
+impl EngineOps for FakeEngine {
+    fn prefill(&mut self, id: ReqId, n: usize) -> Result<Option<StepOut>, WireError> {
+        self.live.insert(id);
+        self.prefill_calls.push((id, n));
+        let done = self.prefilled.entry(id).or_default();
+        *done += n;
+        assert!(*done <= self.prompt[&id], "prefilled past the prompt");
+        Ok((*done == self.prompt[&id]).then(|| self.token(id)))
+    }
+    fn decode(&mut self, ids: &[ReqId]) -> Vec<Result<StepOut, WireError>> {
+        self.decode_calls.push(ids.to_vec());
+        ids.iter().map(|&id| Ok(self.token(id))).collect()
+    }
+    fn release(&mut self, id: ReqId) {
+        assert!(self.live.remove(&id) || !self.prefilled.contains_key(&id), "released twice: {id}");
+        self.released.push(id);
+    }
+}
+
+struct Harness {
+    s: Scheduler,
+    e: FakeEngine,
+    now: Duration,
+    events: Vec<Emit>,
+    reports: Vec<TickReport>,
+}
+
+impl Harness {
+    fn new(cfg: SchedulerConfig) -> Self {
+        Harness { s: Scheduler::new(cfg), e: FakeEngine::default(), now: Duration::ZERO, events: vec![], reports: vec![] }
+    }
+    fn submit(&mut self, id: ReqId, prompt: usize, max_tokens: usize) {
+        self.e.max_tokens.insert(id, max_tokens);
+        self.e.prompt.insert(id, prompt);
+        let a = Admission { id, prompt_tokens: prompt, max_tokens, cached_tokens: 0, accepted_at: self.now };
+        let ev = self.s.submit(a);
+        self.events.extend(ev);
+    }
+    /// One tick; the fake clock advances 10 ms per decode step plus 0.1 ms per prefill token.
+    fn tick(&mut self) -> (Vec<Emit>, TickReport) {
+        let (ev, rep) = self.s.tick(&mut self.e, self.now);
+        self.now += Duration::from_millis(if rep.decoded > 0 { 10 } else { 0 }) + Duration::from_micros(100 * rep.prefill_tokens as u64);
+        self.events.extend(ev.clone());
+        self.reports.push(rep.clone());
+        (ev, rep)
+    }
+    fn run_until_idle(&mut self, max_ticks: usize) {
+        for _ in 0..max_ticks {
+            if self.s.is_idle() {
+                return;
+            }
+            self.tick();
+        }
+        panic!("not idle after {max_ticks} ticks");
+    }
+    fn of(&self, id: ReqId) -> Vec<&Event> {
+        self.events.iter().filter(|e| e.id == id).map(|e| &e.event).collect()
+    }
+    /// Every request ended with exactly one terminal event, last; nothing is held any more.
+    fn assert_all_ended(&self, ids: &[ReqId]) {
+        for &id in ids {
+            let ev = self.of(id);
+            let terminals = ev.iter().filter(|e| e.is_terminal()).count();
+            assert_eq!(terminals, 1, "request {id}: {ev:?}");
+            assert!(ev.last().unwrap().is_terminal(), "request {id}: terminal not last");
+        }
+        assert_eq!(self.s.reserved_kv_bytes(), 0);
+        assert!(self.e.live.is_empty(), "engine still holds {:?}", self.e.live);
+    }
+}
+
+fn cfg() -> SchedulerConfig {
+    SchedulerConfig { kv_bytes_per_token: 1, kv_budget_bytes: 1 << 20, ..Default::default() }
+}
+
+#[test]
+fn decode_steps_every_tick_while_a_competing_prefill_advances_one_chunk_per_tick() {
+    let mut h = Harness::new(cfg());
+    h.submit(1, 10, 1000);
+    h.tick(); // idle: prompt 1 prefilled whole, first token
+    h.submit(2, 5000, 4);
+    for i in 0..19 {
+        let (ev, rep) = h.tick();
+        assert_eq!(rep.decoded, 1, "tick {i}: the active stream steps");
+        assert!(ev.iter().any(|e| e.id == 1 && matches!(e.event, Event::Tokens { .. })), "tick {i}: token for stream 1");
+        assert_eq!(rep.prefill_request, Some(2));
+        assert_eq!(rep.prefill_tokens, 256, "tick {i}: one chunk of 256");
+    }
+    let progress: Vec<(u32, u32)> = h
+        .of(2)
+        .iter()
+        .filter_map(|e| if let Event::PrefillProgress { done, total } = e { Some((*done, *total)) } else { None })
+        .collect();
+    assert_eq!(progress.len(), 19);
+    assert_eq!(progress[0], (256, 5000));
+}
+
+#[test]
+fn idle_engine_prefills_in_large_steps() {
+    let mut h = Harness::new(cfg());
+    h.submit(1, 10000, 2);
+    let (_, rep) = h.tick();
+    assert_eq!(rep.prefill_tokens, 4096);
+    let (_, rep) = h.tick();
+    assert_eq!(rep.prefill_tokens, 4096);
+    let (_, rep) = h.tick();
+    assert_eq!(rep.prefill_tokens, 10000 - 8192);
+    h.run_until_idle(10);
+    h.assert_all_ended(&[1]);
+}
+
+#[test]
+fn three_prompts_arriving_together_prefill_one_at_a_time() {
+    let mut h = Harness::new(cfg());
+    h.submit(9, 4, 500); // a decoding stream, so chunks are small
+    h.tick();
+    for id in 1..=3 {
+        h.submit(id, 1000, 3);
+    }
+    while !h.s.is_idle() && h.reports.len() < 500 {
+        let (ev, rep) = h.tick();
+        let prefilling: HashSet<ReqId> =
+            ev.iter().filter(|e| matches!(e.event, Event::PrefillProgress { .. })).map(|e| e.id).collect();
+        assert!(prefilling.len() <= 1, "two prefills advanced in one tick: {prefilling:?}");
+        assert!(rep.prefill_tokens <= 256);
+        if (1..=3).all(|id| h.of(id).iter().any(|e| e.is_terminal())) {
+            h.s.cancel(9);
+        }
+    }
+    // One prompt is finished before the next starts: no interleaving between prefills.
+    let order: Vec<ReqId> = h.e.prefill_calls.iter().map(|c| c.0).filter(|&id| id != 9).collect();
+    let mut firsts: Vec<ReqId> = order.clone();
+    firsts.dedup();
+    assert_eq!(firsts.len(), 3, "prefills interleaved: {order:?}");
+    h.assert_all_ended(&[1, 2, 3, 9]);
+}
+
+#[test]
+fn progress_is_monotonic_and_ends_at_the_total() {
+    let mut h = Harness::new(cfg());
+    h.submit(1, 3, 100);
+    h.tick();
+    h.submit(2, 1234, 2);
+    h.run_until_idle_or(|h| h.of(2).iter().any(|e| e.is_terminal()), 100);
+    let mut last = 0;
+    let mut seen = vec![];
+    for e in h.of(2) {
+        if let Event::PrefillProgress { done, total } = e {
+            assert!(*done > last && *total == 1234);
+            last = *done;
+            seen.push(*done);
+        }
+    }
+    assert_eq!(last, 1234);
+    assert_eq!(seen.len(), 5); // 4 x 256 + 210
+}
+
+impl Harness {
+    fn run_until_idle_or(&mut self, stop: impl Fn(&Harness) -> bool, max_ticks: usize) {
+        for _ in 0..max_ticks {
+            if self.s.is_idle() || stop(self) {
+                return;
+            }
+            self.tick();
+        }
+        panic!("condition not reached");
+    }
+}
+
+#[test]
+fn joins_the_decode_batch_at_the_next_tick() {
+    let mut h = Harness::new(cfg());
+    h.submit(1, 5, 100);
+    h.tick();
+    h.submit(2, 100, 100);
+    h.tick(); // decodes [1], prefills 2 completely (100 < 256), first token of 2
+    assert_eq!(h.e.decode_calls.last().unwrap(), &vec![1]);
+    h.tick();
+    assert_eq!(h.e.decode_calls.last().unwrap(), &vec![1, 2]);
+}
+
+#[test]
+fn short_prompts_do_not_wait_behind_a_long_one_and_the_long_one_is_not_starved() {
+    let mut h = Harness::new(SchedulerConfig { aging_tokens_per_s: 1000.0, ..cfg() });
+    h.submit(100, 4, 10_000); // a decoding stream
+    h.tick();
+    h.submit(1, 8192, 2);
+    for id in 2..=5 {
+        h.submit(id, 200, 2);
+    }
+    let first_token_tick = |h: &Harness, id: ReqId| {
+        let mut tick = 0;
+        let mut n = 0;
+        for e in &h.events {
+            if let (true, Event::PrefillProgress { done, total }) = (e.id == id, &e.event) {
+                n += 1;
+                if done == total {
+                    tick = n;
+                }
+            }
+        }
+        tick
+    };
+    h.run_until_idle_or(|h| h.of(1).iter().any(|e| e.is_terminal()), 1000);
+    for id in 2..=5 {
+        assert_eq!(first_token_tick(&h, id), 1, "short prompt {id} prefilled in one tick");
+        assert!(h.of(id).iter().any(|e| e.is_terminal()));
+    }
+    // The shorts went first: the long prompt's first chunk came after all four.
+    let first_long = h.e.prefill_calls.iter().position(|c| c.0 == 1).unwrap();
+    let last_short = h.e.prefill_calls.iter().rposition(|c| (2..=5).contains(&c.0)).unwrap();
+    assert!(first_long > last_short, "{:?}", h.e.prefill_calls);
+
+    // Aging: while the long prompt is mid-way, a stream of new short prompts does not stop it.
+    let mut h = Harness::new(SchedulerConfig { aging_tokens_per_s: 1000.0, ..cfg() });
+    h.submit(100, 4, 100_000);
+    h.tick();
+    h.submit(1, 8192, 2);
+    let mut next = 2;
+    for _ in 0..400 {
+        h.submit(next, 300, 1);
+        next += 1;
+        h.tick();
+        if h.of(1).iter().any(|e| e.is_terminal()) {
+            break;
+        }
+    }
+    assert!(h.of(1).iter().any(|e| e.is_terminal()), "the long prompt starved");
+}
+
+#[test]
+fn cancel_while_queued_mid_prefill_and_decoding_frees_everything() {
+    let mut h = Harness::new(SchedulerConfig { kv_budget_bytes: 3000, ..cfg() });
+    h.submit(1, 10, 40); // decoding
+    h.tick();
+    h.submit(2, 1000, 10); // prefilling (chunks of 256)
+    h.submit(3, 500, 1500); // must wait: 50 + 1010 + 2000 > 3000
+    h.submit(4, 10, 20); // behind 3 in the queue
+    h.tick();
+    assert!(h.of(3).iter().any(|e| matches!(e, Event::Queued { .. })));
+    h.tick();
+    assert!(matches!(h.of(2).last(), Some(Event::PrefillProgress { done: 512, .. })));
+    h.s.cancel(3); // queued
+    h.s.cancel(2); // mid-prefill
+    h.s.cancel(1); // decoding
+    let (ev, _) = h.tick();
+    for id in [1, 2, 3] {
+        let t: Vec<_> = ev.iter().filter(|e| e.id == id).collect();
+        assert!(matches!(&t[0].event, Event::Error { error } if error.class == ErrorClass::Cancelled), "{id}: {t:?}");
+    }
+    h.run_until_idle(100);
+    assert!(matches!(h.of(4).last(), Some(Event::Done { .. })), "request 4 unaffected");
+    h.assert_all_ended(&[1, 2, 3, 4]);
+    assert!(!h.s.cancel(4), "nothing to cancel after the end");
+}
+
+#[test]
+fn kv_budget_queues_and_refuses_what_can_never_fit() {
+    let mut h = Harness::new(SchedulerConfig { kv_budget_bytes: 1000, ..cfg() });
+    h.submit(1, 600, 100);
+    h.submit(2, 300, 100); // 700 + 400 > 1000: waits
+    h.submit(3, 900, 200); // 1100 > 1000: never fits
+    assert!(matches!(h.of(3)[0], Event::Error { error } if error.class == ErrorClass::NeverFits));
+    assert!(matches!(h.of(2)[0], Event::Queued { position: 1 }));
+    h.tick();
+    assert!(matches!(h.of(2).last(), Some(Event::Queued { position: 0 })));
+    assert!(h.s.reserved_kv_bytes() <= 1000);
+    h.run_until_idle(2000);
+    h.assert_all_ended(&[1, 2, 3]);
+}
+
+#[test]
+fn max_batch_limits_running_sequences() {
+    let mut h = Harness::new(SchedulerConfig { max_batch: 2, ..cfg() });
+    for id in 1..=4 {
+        h.submit(id, 5, 10);
+    }
+    for _ in 0..8 {
+        h.tick();
+        assert!(h.s.active_streams() <= 2);
+        assert!(h.e.decode_calls.last().map_or(0, |c| c.len()) <= 2);
+    }
+    h.run_until_idle(100);
+    h.assert_all_ended(&[1, 2, 3, 4]);
+}
+
+#[test]
+fn synchronous_baseline_prefills_whole_prompts() {
+    let mut h = Harness::new(SchedulerConfig { interleave: false, ..cfg() });
+    h.submit(1, 4, 100);
+    h.tick();
+    h.submit(2, 9000, 2);
+    let (_, rep) = h.tick();
+    assert_eq!(rep.prefill_tokens, 9000);
+}
+
+#[test]
+fn done_reports_usage_and_timings() {
+    let mut h = Harness::new(cfg());
+    h.submit(1, 300, 3);
+    h.run_until_idle(10);
+    match h.of(1).last().unwrap() {
+        Event::Done { finish_reason, usage, timings } => {
+            assert_eq!(*finish_reason, FinishReason::Length);
+            assert_eq!((usage.prompt, usage.completion, usage.cached), (300, 3, 0));
+            assert!(timings.ttft_ms >= timings.queue_ms && timings.total_ms >= timings.ttft_ms);
+            assert!(timings.total_ms > 0.0);
+        }
+        e => panic!("{e:?}"),
+    }
+}
