@@ -71,7 +71,7 @@ pub fn prefill(model: &Model, cache: &mut SequenceCache, ids: &[u32], chunk: usi
     Ok(last.expect("ids is not empty"))
 }
 
-fn check_ids(model: &Model, ids: &[u32]) -> Result<()> {
+pub fn check_ids(model: &Model, ids: &[u32]) -> Result<()> {
     let vocab = model.config.vocab_size as u32;
     if let Some(bad) = ids.iter().find(|&&t| t >= vocab) {
         return Err(EngineError::InvalidRequest(format!("token id {bad} is outside the vocabulary ({vocab})")));
@@ -79,27 +79,38 @@ fn check_ids(model: &Model, ids: &[u32]) -> Result<()> {
     Ok(())
 }
 
-/// Tracks output text, stop strings and stop tokens for one sequence.
-struct Finisher<'a> {
-    tok: Option<&'a Tokenizer>,
+/// Tracks one sequence's output text, stop strings, stop tokens and length limit.
+pub struct Finisher {
     detok: Detokenizer,
-    stop: &'a StopParams,
+    stop: StopParams,
     eos: Vec<u32>,
     text: String,
+    produced: usize,
 }
 
-impl Finisher<'_> {
-    /// Adds a token; returns the text to show and whether the sequence is finished.
-    fn push(&mut self, id: u32, produced: usize) -> Result<(String, Option<FinishReason>)> {
+impl Finisher {
+    /// `eos`: the model's end-of-sequence ids (ignored when `stop.ignore_eos`).
+    pub fn new(stop: StopParams, eos: Vec<u32>) -> Self {
+        Finisher { detok: Detokenizer::new(), stop, eos, text: String::new(), produced: 0 }
+    }
+
+    /// All text released so far (stop strings cut off).
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+
+    /// Adds a generated token; returns the text to show and whether the sequence is finished.
+    pub fn push(&mut self, tok: Option<&Tokenizer>, id: u32) -> Result<(String, Option<FinishReason>)> {
+        self.produced += 1;
         if self.stop.stop_token_ids.contains(&id) || (!self.stop.ignore_eos && self.eos.contains(&id)) {
-            let rest = match self.tok {
+            let rest = match tok {
                 Some(t) => self.detok.flush(t)?,
                 None => String::new(),
             };
             self.text.push_str(&rest);
             return Ok((rest, Some(FinishReason::Stop)));
         }
-        let mut piece = match self.tok {
+        let mut piece = match tok {
             Some(t) => self.detok.push(t, id)?,
             None => String::new(),
         };
@@ -116,7 +127,7 @@ impl Finisher<'_> {
                 return Ok((piece, Some(FinishReason::Stop)));
             }
         }
-        if produced >= self.stop.max_tokens {
+        if self.produced >= self.stop.max_tokens {
             return Ok((piece, Some(FinishReason::Length)));
         }
         Ok((piece, None))
@@ -135,13 +146,7 @@ pub fn generate(
     check_ids(model, &req.prompt_ids)?;
     let start = Instant::now();
     let mut cache = model.new_cache();
-    let mut fin = Finisher {
-        tok,
-        detok: Detokenizer::new(),
-        stop: &req.stop,
-        eos: tok.map(|t| t.eos_ids.clone()).unwrap_or_default(),
-        text: String::new(),
-    };
+    let mut fin = Finisher::new(req.stop.clone(), tok.map(|t| t.eos_ids.clone()).unwrap_or_default());
     let mut out_ids = Vec::new();
     let mut logprobs = Vec::new();
     let mut first_at = None;
@@ -158,7 +163,7 @@ pub fn generate(
             let id = y.item_exact::<i32>() as u32;
             first_at.get_or_insert_with(Instant::now);
             out_ids.push(id);
-            let (piece, done) = fin.push(id, out_ids.len())?;
+            let (piece, done) = fin.push(tok, id)?;
             on_token(id, &piece);
             if let Some(r) = done {
                 // Let the step in flight finish: nothing may still run on the device when the
@@ -180,7 +185,7 @@ pub fn generate(
             out_ids.push(id);
             history.push(id);
             logprobs.extend(lp);
-            let (piece, done) = fin.push(id, out_ids.len())?;
+            let (piece, done) = fin.push(tok, id)?;
             on_token(id, &piece);
             if let Some(r) = done {
                 finish = r;
@@ -193,7 +198,7 @@ pub fn generate(
     let first_at = first_at.unwrap_or(now);
     Ok(GenerateOutput {
         token_ids: out_ids,
-        text: fin.text,
+        text: fin.text().to_string(),
         finish_reason: finish,
         logprobs,
         ttft: first_at - start,

@@ -6,4 +6,5 @@
 //!
 //! All MLX work of a worker runs on one thread.
 
+pub mod engine_ops;
 pub mod scheduler;

@@ -1,0 +1,190 @@
+//! The real work behind the scheduler, on an `llmq_engine::Model`: each request's KV cache,
+//! prefill chunks, one batched decode step over every running sequence, sampling, stop
+//! conditions and incremental text.
+//!
+//! Invariants: a request's cache exists from `register` to `release` and is touched by nothing
+//! else; a decode step feeds each sequence the token it sampled last; the batch never pads or
+//! copies another sequence's cache (each sequence attends over its own cache).
+
+use std::collections::HashMap;
+
+use llmq_engine::cache::SequenceCache;
+use llmq_engine::generate::Finisher;
+use llmq_engine::model::host_f32;
+use llmq_engine::sampling::{Sampler, SamplingParams, StopParams};
+use llmq_engine::{Model, Tokenizer};
+use llmq_protocol::{ErrorClass, TokenLogprob, WireError};
+use mlx_rs::ops::indexing::{argmax_axis, IndexOp};
+use mlx_rs::{Array, Dtype};
+
+use crate::scheduler::{EngineOps, ReqId, StepOut};
+
+struct Seq {
+    cache: SequenceCache,
+    prompt: Vec<u32>,
+    prefilled: usize,
+    sampler: Sampler,
+    history: Vec<u32>,
+    finisher: Finisher,
+    /// The token sampled last: the next decode step's input.
+    next: Option<u32>,
+}
+
+pub struct ModelEngine {
+    model: Model,
+    tokenizer: Option<Tokenizer>,
+    seqs: HashMap<ReqId, Seq>,
+}
+
+fn internal(e: impl std::fmt::Display) -> WireError {
+    WireError::new(ErrorClass::Internal, e.to_string())
+}
+
+fn wire_logprob(lp: llmq_engine::sampling::TokenLogprob) -> TokenLogprob {
+    TokenLogprob { token: lp.token, logprob: lp.logprob, top: lp.top }
+}
+
+impl ModelEngine {
+    pub fn new(model: Model, tokenizer: Option<Tokenizer>) -> Self {
+        ModelEngine { model, tokenizer, seqs: HashMap::new() }
+    }
+
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    pub fn tokenizer(&self) -> Option<&Tokenizer> {
+        self.tokenizer.as_ref()
+    }
+
+    /// KV bytes one token takes across all layers (keys and values).
+    pub fn kv_bytes_per_token(&self) -> u64 {
+        let c = &self.model.config;
+        let elem = match self.model.dtype() {
+            Dtype::Float32 => 4,
+            _ => 2,
+        };
+        2 * (c.num_layers * c.num_kv_heads * c.head_dim * elem) as u64
+    }
+
+    /// KV bytes the caches hold now.
+    pub fn kv_bytes_in_use(&self) -> u64 {
+        self.seqs.values().map(|s| s.cache.nbytes() as u64).sum()
+    }
+
+    pub fn held(&self) -> usize {
+        self.seqs.len()
+    }
+
+    /// Creates a request's state; parameters are validated here, before any work is queued.
+    pub fn register(&mut self, id: ReqId, prompt: Vec<u32>, sampling: SamplingParams, stop: StopParams) -> Result<(), WireError> {
+        let invalid = |e: llmq_engine::EngineError| WireError::new(ErrorClass::InvalidRequest, e.to_string());
+        sampling.validate().map_err(invalid)?;
+        stop.validate().map_err(invalid)?;
+        llmq_engine::generate::check_ids(&self.model, &prompt).map_err(invalid)?;
+        if prompt.is_empty() {
+            return Err(WireError::new(ErrorClass::InvalidRequest, "empty prompt"));
+        }
+        let eos = self.tokenizer.as_ref().map(|t| t.eos_ids.clone()).unwrap_or_default();
+        let seq = Seq {
+            cache: self.model.new_cache(),
+            history: prompt.clone(),
+            prompt,
+            prefilled: 0,
+            sampler: Sampler::new(sampling),
+            finisher: Finisher::new(stop, eos),
+            next: None,
+        };
+        self.seqs.insert(id, seq);
+        Ok(())
+    }
+
+    /// Samples from one row of logits [vocab] (device) and runs the stop checks.
+    fn take_token(&self, seq: &mut Seq, id: u32, lp: Option<TokenLogprob>) -> Result<StepOut, WireError> {
+        seq.history.push(id);
+        seq.next = Some(id);
+        let (text, finished) = seq.finisher.push(self.tokenizer.as_ref(), id).map_err(internal)?;
+        let finished = finished.map(|r| match r {
+            llmq_engine::sampling::FinishReason::Stop => llmq_protocol::FinishReason::Stop,
+            llmq_engine::sampling::FinishReason::Length => llmq_protocol::FinishReason::Length,
+        });
+        Ok(StepOut { ids: vec![id], text, logprobs: lp.into_iter().collect(), finished })
+    }
+}
+
+/// Picks each row's token: one device argmax for the whole batch, host sampling only for rows
+/// that need it (temperature, penalties, logprobs).
+fn choose(logits: &Array, seqs: &mut [&mut Seq]) -> Result<Vec<(u32, Option<TokenLogprob>)>, WireError> {
+    let b = seqs.len() as i32;
+    let rows = logits.reshape(&[b, -1]).map_err(internal)?;
+    let greedy_ids: Option<Vec<u32>> = if seqs.iter().any(|s| s.sampler.params().is_plain_greedy()) {
+        let am = argmax_axis(&rows, -1, None).map_err(internal)?;
+        Some(am.as_dtype(Dtype::Int32).map_err(internal)?.as_slice::<i32>().iter().map(|&v| v as u32).collect())
+    } else {
+        None
+    };
+    let mut out = Vec::with_capacity(seqs.len());
+    for (i, s) in seqs.iter_mut().enumerate() {
+        if s.sampler.params().is_plain_greedy() {
+            out.push((greedy_ids.as_ref().expect("computed above")[i], None));
+        } else {
+            let row = host_f32(&rows.index(i as i32)).map_err(internal)?;
+            let (t, lp) = s.sampler.sample(&row, &s.history);
+            out.push((t, lp.map(wire_logprob)));
+        }
+    }
+    Ok(out)
+}
+
+impl EngineOps for ModelEngine {
+    fn prefill(&mut self, id: ReqId, n: usize) -> Result<Option<StepOut>, WireError> {
+        let mut seq = self.seqs.remove(&id).ok_or_else(|| internal(format!("prefill of unknown request {id}")))?;
+        let result = (|| {
+            let end = (seq.prefilled + n).min(seq.prompt.len());
+            let chunk: Vec<i32> = seq.prompt[seq.prefilled..end].iter().map(|&t| t as i32).collect();
+            let x = Array::from_slice(&chunk, &[1, chunk.len() as i32]);
+            let logits = self.model.forward(&x, &mut [&mut seq.cache], true).map_err(internal)?;
+            seq.prefilled = end;
+            if end < seq.prompt.len() {
+                // Materialise the cache now: the chunk's work belongs to this tick.
+                logits.eval().map_err(internal)?;
+                return Ok(None);
+            }
+            let (t, lp) = choose(&logits, &mut [&mut seq])?.pop().expect("one row");
+            self.take_token(&mut seq, t, lp).map(Some)
+        })();
+        self.seqs.insert(id, seq);
+        result
+    }
+
+    fn decode(&mut self, ids: &[ReqId]) -> Vec<Result<StepOut, WireError>> {
+        let mut taken: Vec<(ReqId, Seq)> = ids.iter().filter_map(|id| self.seqs.remove(id).map(|s| (*id, s))).collect();
+        let result = (|| {
+            if taken.len() != ids.len() {
+                return Err(internal("decode of an unknown request"));
+            }
+            let toks: Vec<i32> = taken.iter().map(|(_, s)| s.next.unwrap_or(0) as i32).collect();
+            let x = Array::from_slice(&toks, &[toks.len() as i32, 1]);
+            let mut caches: Vec<&mut SequenceCache> = taken.iter_mut().map(|(_, s)| &mut s.cache).collect();
+            let logits = self.model.forward(&x, &mut caches, true).map_err(internal)?;
+            let mut seqs: Vec<&mut Seq> = taken.iter_mut().map(|(_, s)| s).collect();
+            choose(&logits, &mut seqs)
+        })();
+        let out = match result {
+            Ok(chosen) => taken
+                .iter_mut()
+                .zip(chosen)
+                .map(|((_, s), (t, lp))| self.take_token(s, t, lp))
+                .collect(),
+            Err(e) => ids.iter().map(|_| Err(e.clone())).collect(),
+        };
+        for (id, s) in taken {
+            self.seqs.insert(id, s);
+        }
+        out
+    }
+
+    fn release(&mut self, id: ReqId) {
+        self.seqs.remove(&id);
+    }
+}
