@@ -1,0 +1,201 @@
+//! Typed configuration for every llmq service, loaded in layers: built-in defaults, then a TOML
+//! file (`--config FILE` or `LLMQ_CONFIG`), then environment variables named after the keys:
+//! `LLMQ__SCHEDULER__PREFILL_CHUNK_TOKENS=512`, `LLMQ__NATS__URL=nats://host:4222`.
+//! `load` validates the result; a bad value is an error naming the key.
+
+use std::path::Path;
+
+use serde::Deserialize;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("configuration: {0}")]
+    Load(#[from] config::ConfigError),
+    #[error("configuration: {key} = {value}: {why}")]
+    Invalid { key: &'static str, value: String, why: &'static str },
+}
+
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(default, deny_unknown_fields)]
+pub struct Settings {
+    pub nats: NatsSettings,
+    pub worker: WorkerSettings,
+    pub scheduler: SchedulerSettings,
+    pub intake: IntakeSettings,
+}
+
+#[derive(Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct NatsSettings {
+    /// May carry credentials (nats://user:pass@host): never printed in full.
+    pub url: String,
+}
+
+impl Default for NatsSettings {
+    fn default() -> Self {
+        NatsSettings { url: "nats://127.0.0.1:4222".into() }
+    }
+}
+
+impl std::fmt::Debug for NatsSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let shown = match self.url.split_once('@') {
+            Some((scheme_creds, host)) => {
+                let scheme = scheme_creds.split("://").next().unwrap_or("nats");
+                format!("{scheme}://***@{host}")
+            }
+            None => self.url.clone(),
+        };
+        f.debug_struct("NatsSettings").field("url", &shown).finish()
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct WorkerSettings {
+    /// Defaults to a random id at start.
+    pub id: Option<String>,
+    /// A known model name or a path.
+    pub model: String,
+    /// f32, f16 or bf16; default: f32 on CPU, bf16 on GPU.
+    pub dtype: Option<String>,
+    pub heartbeat_ms: u64,
+    /// Jobs a worker holds (running and queued) before it stops fetching more.
+    pub max_queued: usize,
+}
+
+impl Default for WorkerSettings {
+    fn default() -> Self {
+        WorkerSettings { id: None, model: "smollm2".into(), dtype: None, heartbeat_ms: 1000, max_queued: 256 }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SchedulerSettings {
+    pub prefill_chunk_tokens: usize,
+    pub idle_prefill_chunk_tokens: usize,
+    pub max_batch: usize,
+    pub kv_budget_bytes: u64,
+    pub aging_tokens_per_s: f64,
+    /// false: whole prompts are prefilled at once (the synchronous baseline).
+    pub interleave: bool,
+}
+
+impl Default for SchedulerSettings {
+    fn default() -> Self {
+        SchedulerSettings {
+            prefill_chunk_tokens: 256,
+            idle_prefill_chunk_tokens: 4096,
+            max_batch: 64,
+            kv_budget_bytes: 2 << 30,
+            aging_tokens_per_s: 1000.0,
+            interleave: true,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct IntakeSettings {
+    /// Models this intake accepts jobs for (names or paths; their tokenizers are loaded).
+    pub models: Vec<String>,
+    /// A worker silent for this long is considered gone.
+    pub worker_timeout_ms: u64,
+    pub default_max_tokens: u32,
+}
+
+impl Default for IntakeSettings {
+    fn default() -> Self {
+        IntakeSettings { models: vec!["smollm2".into()], worker_timeout_ms: 3000, default_max_tokens: 256 }
+    }
+}
+
+impl Settings {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |key, value: String, why| Err(ConfigError::Invalid { key, value, why });
+        let s = &self.scheduler;
+        if s.prefill_chunk_tokens == 0 {
+            return bad("scheduler.prefill_chunk_tokens", "0".into(), "must be at least 1");
+        }
+        if s.idle_prefill_chunk_tokens < s.prefill_chunk_tokens {
+            return bad("scheduler.idle_prefill_chunk_tokens", s.idle_prefill_chunk_tokens.to_string(), "must be at least prefill_chunk_tokens");
+        }
+        if s.max_batch == 0 {
+            return bad("scheduler.max_batch", "0".into(), "must be at least 1");
+        }
+        if s.kv_budget_bytes == 0 {
+            return bad("scheduler.kv_budget_bytes", "0".into(), "must be positive");
+        }
+        if !(s.aging_tokens_per_s.is_finite() && s.aging_tokens_per_s >= 0.0) {
+            return bad("scheduler.aging_tokens_per_s", s.aging_tokens_per_s.to_string(), "must be a finite number >= 0");
+        }
+        if self.worker.heartbeat_ms == 0 {
+            return bad("worker.heartbeat_ms", "0".into(), "must be positive");
+        }
+        if self.worker.max_queued == 0 {
+            return bad("worker.max_queued", "0".into(), "must be at least 1");
+        }
+        if self.intake.models.is_empty() {
+            return bad("intake.models", "[]".into(), "must name at least one model");
+        }
+        if self.intake.worker_timeout_ms <= self.worker.heartbeat_ms {
+            return bad("intake.worker_timeout_ms", self.intake.worker_timeout_ms.to_string(), "must exceed worker.heartbeat_ms");
+        }
+        if !self.nats.url.contains("://") && !self.nats.url.contains(':') {
+            return bad("nats.url", self.nats.url.clone(), "must look like nats://host:port");
+        }
+        Ok(())
+    }
+}
+
+/// Defaults, then `file` (or $LLMQ_CONFIG), then LLMQ__SECTION__KEY environment variables.
+pub fn load(file: Option<&Path>) -> Result<Settings, ConfigError> {
+    let mut b = config::Config::builder();
+    let env_file = std::env::var_os("LLMQ_CONFIG");
+    if let Some(f) = file.map(Path::to_path_buf).or(env_file.map(Into::into)) {
+        b = b.add_source(config::File::from(f).required(true));
+    }
+    b = b.add_source(
+        config::Environment::with_prefix("LLMQ")
+            .prefix_separator("__")
+            .separator("__")
+            .try_parsing(true)
+            .list_separator(",")
+            .with_list_parse_key("intake.models"),
+    );
+    let s: Settings = b.build()?.try_deserialize()?;
+    s.validate()?;
+    Ok(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid_and_layers_apply_in_order() {
+        let d = Settings::default();
+        d.validate().unwrap();
+        assert_eq!(d.scheduler.prefill_chunk_tokens, 256);
+
+        let dir = std::env::temp_dir().join(format!("llmq-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("llmq.toml");
+        std::fs::write(&f, "[scheduler]\nprefill_chunk_tokens = 128\nmax_batch = 8\n[nats]\nurl = \"nats://u:secret@h:4222\"\n").unwrap();
+        // The environment overrides the file (this test owns these variable names).
+        std::env::set_var("LLMQ__SCHEDULER__MAX_BATCH", "16");
+        let s = load(Some(&f)).unwrap();
+        std::env::remove_var("LLMQ__SCHEDULER__MAX_BATCH");
+        assert_eq!(s.scheduler.prefill_chunk_tokens, 128);
+        assert_eq!(s.scheduler.max_batch, 16);
+        assert!(!format!("{s:?}").contains("secret"), "credentials redacted in Debug");
+
+        std::fs::write(&f, "[scheduler]\nprefill_chunk_tokens = 0\n").unwrap();
+        let err = load(Some(&f)).unwrap_err().to_string();
+        assert!(err.contains("scheduler.prefill_chunk_tokens"), "{err}");
+        std::fs::write(&f, "[scheduler]\nprefil_chunk_tokens = 5\n").unwrap();
+        let err = load(Some(&f)).unwrap_err().to_string();
+        assert!(err.contains("prefil_chunk_tokens"), "unknown keys are named: {err}");
+    }
+}
