@@ -4,7 +4,12 @@
 //! - `engine_ops` the real work behind the scheduler: prefill, batched decode and KV caches
 //!   on an `llmq_engine::Model`
 //!
+//! - `actor` the scheduler actor: the device's clock, on the device thread
+//! - `service` the worker process: model loading, NATS jobs, cancels, heartbeats
+//!
 //! All MLX work of a worker runs on one thread.
 
+pub mod actor;
 pub mod engine_ops;
 pub mod scheduler;
+pub mod service;

@@ -14,7 +14,9 @@ pub use messages::*;
 use serde::{de::DeserializeOwned, Serialize};
 
 /// Largest payload any llmq message may have (a 32k-token prompt as text fits comfortably).
-pub const MAX_MESSAGE_BYTES: usize = 1 << 20;
+/// Below nats-server's default max_payload (1 MiB), so that an oversized request still reaches
+/// intake and gets a typed error instead of being dropped by the server.
+pub const MAX_MESSAGE_BYTES: usize = 512 << 10;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ProtocolError {

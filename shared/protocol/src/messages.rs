@@ -122,6 +122,10 @@ pub struct Job {
     pub cache_salt: Option<String>,
 }
 
+/// `seq` of an event published by a worker other than the one that streamed the request so far
+/// (the `worker_lost` error that ends a request whose worker died).
+pub const SEQ_FROM_ANOTHER_WORKER: u64 = u64::MAX;
+
 /// One event of a request's stream. `seq` starts at 0 and grows by one per event.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StreamEvent {

@@ -8,11 +8,9 @@ pub const INTAKE_QUEUE: &str = "intake";
 pub const CANCEL: &str = "llm.v1.cancel";
 /// Workers' `WorkerStatus` heartbeats: `llm.v1.worker.<id>.status`.
 pub const WORKER_STATUS_ALL: &str = "llm.v1.worker.*.status";
-/// JetStream stream holding accepted jobs, and its subjects.
+/// JetStream stream holding accepted jobs until a worker has finished them, and its subjects.
 pub const JOBS_STREAM: &str = "LLMQ_JOBS_V1";
 pub const JOBS_ALL: &str = "llm.v1.jobs.>";
-/// Jobs that any worker serving the model may take (no worker was up when they were accepted).
-pub const JOBS_ANY_PREFIX: &str = "llm.v1.jobs.any";
 
 /// The default event stream of a request, when the client named no inbox of its own.
 pub fn stream(request_id: &str) -> String {
@@ -23,14 +21,15 @@ pub fn worker_status(worker_id: &str) -> String {
     format!("llm.v1.worker.{worker_id}.status")
 }
 
-/// Jobs routed to one worker.
-pub fn worker_jobs(worker_id: &str) -> String {
-    format!("llm.v1.jobs.worker.{worker_id}")
+/// Accepted jobs for `model`: every worker serving the model pulls from one durable consumer
+/// on this subject, when it has room.
+pub fn jobs(model: &str) -> String {
+    format!("llm.v1.jobs.{}", token(model))
 }
 
-/// Jobs for any worker serving `model` (subject tokens may not contain '.', '*', '>' or spaces).
-pub fn any_jobs(model: &str) -> String {
-    format!("{JOBS_ANY_PREFIX}.{}", token(model))
+/// The durable JetStream consumer that the workers of `model` share.
+pub fn jobs_consumer(model: &str) -> String {
+    format!("llmq-workers-{}", token(model))
 }
 
 /// Makes a string safe as one subject token.

@@ -111,7 +111,7 @@ fn garbage_and_oversized_payloads_are_errors() {
 fn subjects() {
     assert_eq!(subjects::stream("abc"), "llm.v1.stream.abc");
     assert_eq!(subjects::worker_status("w-1"), "llm.v1.worker.w-1.status");
-    assert_eq!(subjects::any_jobs("Qwen/Qwen3 0.6B"), "llm.v1.jobs.any.Qwen_Qwen3_0_6B");
+    assert_eq!(subjects::jobs("Qwen/Qwen3 0.6B"), "llm.v1.jobs.Qwen_Qwen3_0_6B");
     assert!(subjects::is_valid_stream_subject("_INBOX.x1.y2"));
     for bad in ["", "a..b", "a.*", "a.>", "a b"] {
         assert!(!subjects::is_valid_stream_subject(bad), "{bad:?}");

@@ -1,0 +1,244 @@
+//! The scheduler actor: owns the scheduler and the engine on the device thread, and is the
+//! device's clock. It ticks while there is work and sleeps on its mailbox when there is none;
+//! `Submit` and `CancelRequest` messages are handled between ticks, so a cancel lands within
+//! one tick. Outgoing events leave through a channel to the NATS side, in order.
+//!
+//! Invariants: events of a request carry consecutive sequence numbers from 0; a panic inside a
+//! tick never escapes the actor: every request it held ends with an `Error` event, the engine's
+//! state is rebuilt, and the worker goes on.
+
+use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use actix::prelude::*;
+use llmq_engine::sampling::{SamplingParams, StopParams};
+use llmq_protocol::{ErrorClass, Event, Job, StreamEvent, WireError, WorkerStatus};
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::engine_ops::ModelEngine;
+use crate::scheduler::{Admission, Emit, ReqId, Scheduler, SchedulerConfig};
+
+/// An event ready to publish; `terminal` tells the NATS side to acknowledge the job.
+#[derive(Debug)]
+pub struct Outbound {
+    pub request_id: String,
+    pub subject: String,
+    pub event: StreamEvent,
+}
+
+struct Meta {
+    request_id: String,
+    subject: String,
+    seq: u64,
+}
+
+pub struct SchedulerActor {
+    scheduler: Scheduler,
+    engine: ModelEngine,
+    cfg: SchedulerConfig,
+    meta: HashMap<ReqId, Meta>,
+    by_request: HashMap<String, ReqId>,
+    next_id: ReqId,
+    tick_pending: bool,
+    out: UnboundedSender<Outbound>,
+    pub worker_id: String,
+    pub model_name: String,
+}
+
+impl SchedulerActor {
+    pub fn new(
+        engine: ModelEngine,
+        mut cfg: SchedulerConfig,
+        out: UnboundedSender<Outbound>,
+        worker_id: String,
+        model_name: String,
+    ) -> Self {
+        cfg.kv_bytes_per_token = engine.kv_bytes_per_token();
+        SchedulerActor {
+            scheduler: Scheduler::new(cfg.clone()),
+            engine,
+            cfg,
+            meta: HashMap::new(),
+            by_request: HashMap::new(),
+            next_id: 0,
+            tick_pending: false,
+            out,
+            worker_id,
+            model_name,
+        }
+    }
+
+    fn now() -> Duration {
+        SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default()
+    }
+
+    fn publish(&mut self, emits: Vec<Emit>) {
+        for e in emits {
+            let terminal = e.event.is_terminal();
+            let Some(m) = self.meta.get_mut(&e.id) else { continue };
+            let event = StreamEvent { request_id: m.request_id.clone(), seq: m.seq, event: e.event };
+            m.seq += 1;
+            let _ = self.out.send(Outbound { request_id: m.request_id.clone(), subject: m.subject.clone(), event });
+            if terminal {
+                if let Some(m) = self.meta.remove(&e.id) {
+                    self.by_request.remove(&m.request_id);
+                }
+            }
+        }
+    }
+
+    fn schedule_tick(&mut self, ctx: &mut Context<Self>) {
+        if !self.tick_pending && !self.scheduler.is_idle() {
+            self.tick_pending = true;
+            // Through the mailbox, behind any Submit or Cancel already waiting.
+            ctx.address().do_send(Tick);
+        }
+    }
+
+    /// After a panic: end every held request with an error and start from clean state.
+    fn recover(&mut self, what: &str) {
+        tracing::error!(what, "scheduler panicked; failing its requests and resetting");
+        let ids: Vec<ReqId> = self.meta.keys().copied().collect();
+        for &id in &ids {
+            self.engine_release(id);
+        }
+        let emits = ids
+            .into_iter()
+            .map(|id| Emit { id, event: Event::Error { error: WireError::new(ErrorClass::Internal, format!("worker fault: {what}")) } })
+            .collect();
+        self.scheduler = Scheduler::new(self.cfg.clone());
+        self.publish(emits);
+    }
+
+    fn engine_release(&mut self, id: ReqId) {
+        use crate::scheduler::EngineOps;
+        self.engine.release(id);
+    }
+
+    pub fn status(&self) -> WorkerStatus {
+        let used = self.engine.kv_bytes_in_use();
+        WorkerStatus {
+            worker_id: self.worker_id.clone(),
+            model: self.model_name.clone(),
+            context_tokens: self.engine.model().config.max_position_embeddings as u32,
+            active_streams: self.scheduler.active_streams() as u32,
+            queued_requests: self.scheduler.queued_requests() as u32,
+            queued_prefill_tokens: self.scheduler.queued_prefill_tokens(),
+            kv_bytes_used: used,
+            kv_bytes_free: self.cfg.kv_budget_bytes.saturating_sub(self.scheduler.reserved_kv_bytes()),
+            max_batch: self.cfg.max_batch as u32,
+            prefix_hit_rate: 0.0,
+            sent_at_ms: Self::now().as_millis() as u64,
+        }
+    }
+}
+
+impl Actor for SchedulerActor {
+    type Context = Context<Self>;
+}
+
+#[derive(Message)]
+#[rtype(result = "()")]
+struct Tick;
+
+/// A job taken from the jobs stream.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Submit(pub Job);
+
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct CancelRequest(pub String);
+
+#[derive(Message)]
+#[rtype(result = "WorkerStatus")]
+pub struct GetStatus;
+
+fn to_engine(job: &Job) -> (SamplingParams, StopParams) {
+    let s = &job.sampling;
+    let sampling = SamplingParams {
+        temperature: s.temperature,
+        top_k: s.top_k as usize,
+        top_p: s.top_p,
+        min_p: s.min_p,
+        repetition_penalty: s.repetition_penalty,
+        seed: s.seed,
+        top_logprobs: s.top_logprobs as usize,
+        logprobs: s.logprobs,
+    };
+    let t = &job.stop;
+    let stop = StopParams {
+        max_tokens: t.max_tokens as usize,
+        stop: t.stop.clone(),
+        stop_token_ids: t.stop_token_ids.clone(),
+        ignore_eos: t.ignore_eos,
+    };
+    (sampling, stop)
+}
+
+impl Handler<Submit> for SchedulerActor {
+    type Result = ();
+    fn handle(&mut self, Submit(job): Submit, ctx: &mut Context<Self>) {
+        if self.by_request.contains_key(&job.request_id) {
+            return; // a duplicate delivery of a job already running here
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        self.meta.insert(id, Meta { request_id: job.request_id.clone(), subject: job.stream_subject.clone(), seq: 0 });
+        self.by_request.insert(job.request_id.clone(), id);
+        let (sampling, stop) = to_engine(&job);
+        let prompt_tokens = job.prompt_ids.len();
+        let registered = catch_unwind(AssertUnwindSafe(|| self.engine.register(id, job.prompt_ids, sampling, stop)));
+        let emits = match registered {
+            Ok(Ok(())) => self.scheduler.submit(Admission {
+                id,
+                prompt_tokens,
+                max_tokens: job.stop.max_tokens as usize,
+                cached_tokens: 0,
+                accepted_at: Duration::from_millis(job.accepted_at_ms),
+            }),
+            Ok(Err(error)) => vec![Emit { id, event: Event::Error { error } }],
+            Err(_) => vec![Emit { id, event: Event::Error { error: WireError::new(ErrorClass::Internal, "worker fault while registering") } }],
+        };
+        if emits.iter().any(|e| e.event.is_terminal()) {
+            self.engine_release(id);
+        }
+        self.publish(emits);
+        self.schedule_tick(ctx);
+    }
+}
+
+impl Handler<CancelRequest> for SchedulerActor {
+    type Result = ();
+    fn handle(&mut self, CancelRequest(request_id): CancelRequest, ctx: &mut Context<Self>) {
+        if let Some(&id) = self.by_request.get(&request_id) {
+            self.scheduler.cancel(id);
+            self.schedule_tick(ctx);
+        }
+    }
+}
+
+impl Handler<Tick> for SchedulerActor {
+    type Result = ();
+    fn handle(&mut self, _: Tick, ctx: &mut Context<Self>) {
+        self.tick_pending = false;
+        let now = Self::now();
+        let (scheduler, engine) = (&mut self.scheduler, &mut self.engine);
+        match catch_unwind(AssertUnwindSafe(|| scheduler.tick(engine, now))) {
+            Ok((emits, _report)) => self.publish(emits),
+            Err(p) => {
+                let what = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));
+                self.recover(&what.unwrap_or_else(|| "panic".into()));
+            }
+        }
+        self.schedule_tick(ctx);
+    }
+}
+
+impl Handler<GetStatus> for SchedulerActor {
+    type Result = MessageResult<GetStatus>;
+    fn handle(&mut self, _: GetStatus, _: &mut Context<Self>) -> Self::Result {
+        MessageResult(self.status())
+    }
+}

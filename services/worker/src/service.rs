@@ -1,0 +1,229 @@
+//! The worker process: loads the model on a dedicated device thread (the scheduler actor's
+//! arbiter) and connects it to NATS.
+//!
+//! - jobs: one durable JetStream pull consumer per model, shared by every worker of that model.
+//!   A worker fetches only while it holds fewer than `worker.max_queued` jobs, so an idle worker
+//!   takes work first and a full one takes none (back-pressure is the placement). A job is
+//!   acknowledged when its terminal event is published; while it runs, progress acks keep it.
+//!   A job delivered a second time (its worker died before finishing it) is ended with
+//!   `Error { class: worker_lost }` rather than run again under a stream that already has events.
+//! - cancels: `llm.v1.cancel`, broadcast; the actor ignores ids it does not hold.
+//! - heartbeats: `WorkerStatus` on `llm.v1.worker.<id>.status` every `worker.heartbeat_ms`.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use actix::prelude::*;
+use async_nats::jetstream::{self, consumer::pull, stream, AckKind};
+use futures::StreamExt;
+use llmq_config::Settings;
+use llmq_engine::{default_dtype, load_model, parse_dtype, resolve_model};
+use llmq_protocol::{subjects, Cancel, ErrorClass, Event, Job, StreamEvent, WireError};
+use tokio::sync::mpsc;
+
+use crate::actor::{CancelRequest, GetStatus, Outbound, SchedulerActor, Submit};
+use crate::engine_ops::ModelEngine;
+use crate::scheduler::SchedulerConfig;
+
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    #[error("loading the model: {0}")]
+    Model(String),
+    #[error("NATS: {0}")]
+    Nats(String),
+}
+
+fn nats_err(e: impl std::fmt::Display) -> WorkerError {
+    WorkerError::Nats(e.to_string())
+}
+
+/// How long a job may go without an ack before JetStream hands it to another worker.
+const ACK_WAIT: Duration = Duration::from_secs(30);
+const PROGRESS_EVERY: Duration = Duration::from_secs(5);
+
+pub fn scheduler_config(s: &Settings) -> SchedulerConfig {
+    let c = &s.scheduler;
+    SchedulerConfig {
+        prefill_chunk: c.prefill_chunk_tokens,
+        idle_prefill_chunk: c.idle_prefill_chunk_tokens,
+        max_batch: c.max_batch,
+        kv_budget_bytes: c.kv_budget_bytes,
+        kv_bytes_per_token: 1,
+        aging_tokens_per_s: c.aging_tokens_per_s,
+        interleave: c.interleave,
+    }
+}
+
+/// Creates (or finds) the jobs stream; intake and workers both call it.
+pub async fn jobs_stream(js: &jetstream::Context) -> Result<stream::Stream, WorkerError> {
+    js.get_or_create_stream(stream::Config {
+        name: subjects::JOBS_STREAM.into(),
+        subjects: vec![subjects::JOBS_ALL.into()],
+        retention: stream::RetentionPolicy::WorkQueue,
+        ..Default::default()
+    })
+    .await
+    .map_err(nats_err)
+}
+
+/// Runs a worker until the process is stopped. Must be called inside an actix System.
+pub async fn run(settings: Settings) -> Result<(), WorkerError> {
+    let worker_id = settings.worker.id.clone().unwrap_or_else(|| format!("w{:08x}", rand_u32()));
+    let model_name = settings.worker.model.clone();
+    let client = async_nats::connect(&settings.nats.url).await.map_err(nats_err)?;
+    let js = jetstream::new(client.clone());
+    let stream = jobs_stream(&js).await?;
+    let consumer: jetstream::consumer::Consumer<pull::Config> = stream
+        .get_or_create_consumer(
+            &subjects::jobs_consumer(&model_name),
+            pull::Config {
+                durable_name: Some(subjects::jobs_consumer(&model_name)),
+                filter_subject: subjects::jobs(&model_name),
+                ack_wait: ACK_WAIT,
+                ..Default::default()
+            },
+        )
+        .await
+        .map_err(nats_err)?;
+
+    // The device thread: the model is loaded there, and it and its arrays never leave it.
+    let (out_tx, mut out_rx) = mpsc::unbounded_channel::<Outbound>();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<Addr<SchedulerActor>, String>>();
+    let device = Arbiter::new();
+    let cfg = scheduler_config(&settings);
+    let (wid, mname, model_ref, dtype) =
+        (worker_id.clone(), model_name.clone(), settings.worker.model.clone(), settings.worker.dtype.clone());
+    device.spawn_fn(move || {
+        let loaded = (|| {
+            let dtype = dtype.as_deref().map(parse_dtype).transpose().map_err(|e| e.to_string())?.unwrap_or_else(default_dtype);
+            let path = resolve_model(&model_ref).map_err(|e| e.to_string())?;
+            load_model(&path, dtype).map_err(|e| format!("{}: {e}", path.display()))
+        })();
+        let _ = ready_tx.send(loaded.map(|m| {
+            SchedulerActor::new(ModelEngine::new(m.model, m.tokenizer), cfg, out_tx, wid, mname).start()
+        }));
+    });
+    let actor = match tokio::task::spawn_blocking(move || ready_rx.recv()).await {
+        Ok(Ok(Ok(addr))) => addr,
+        Ok(Ok(Err(e))) => return Err(WorkerError::Model(e)),
+        _ => return Err(WorkerError::Model("the device thread stopped".into())),
+    };
+    tracing::info!(%worker_id, model = %model_name, "worker ready");
+
+    // Jobs held here, by request id, until their terminal event is out.
+    let inflight: Arc<Mutex<HashMap<String, jetstream::Message>>> = Arc::default();
+
+    // Publisher: events in order; acks on terminal events.
+    let (pub_client, pub_inflight) = (client.clone(), inflight.clone());
+    actix::spawn(async move {
+        while let Some(o) = out_rx.recv().await {
+            let terminal = o.event.event.is_terminal();
+            match llmq_protocol::encode(&o.event) {
+                Ok(bytes) => {
+                    if let Err(e) = pub_client.publish(o.subject.clone(), bytes.into()).await {
+                        tracing::warn!(error = %e, "publishing an event");
+                    }
+                }
+                Err(e) => tracing::error!(error = %e, "encoding an event"),
+            }
+            if terminal {
+                let msg = pub_inflight.lock().unwrap().remove(&o.request_id);
+                if let Some(m) = msg {
+                    let _ = pub_client.flush().await;
+                    if let Err(e) = m.ack().await {
+                        tracing::warn!(error = %e, "acknowledging a job");
+                    }
+                }
+            }
+        }
+    });
+
+    // Cancels.
+    let mut cancels = client.subscribe(subjects::CANCEL).await.map_err(nats_err)?;
+    let cancel_actor = actor.clone();
+    actix::spawn(async move {
+        while let Some(m) = cancels.next().await {
+            if let Ok(c) = llmq_protocol::decode::<Cancel>(&m.payload) {
+                cancel_actor.do_send(CancelRequest(c.request_id));
+            }
+        }
+    });
+
+    // Heartbeats and progress acks.
+    let (hb_client, hb_actor, hb_inflight) = (client.clone(), actor.clone(), inflight.clone());
+    let hb_every = Duration::from_millis(settings.worker.heartbeat_ms);
+    let status_subject = subjects::worker_status(&worker_id);
+    actix::spawn(async move {
+        let mut last_progress = tokio::time::Instant::now();
+        loop {
+            if let Ok(status) = hb_actor.send(GetStatus).await {
+                if let Ok(bytes) = llmq_protocol::encode(&status) {
+                    let _ = hb_client.publish(status_subject.clone(), bytes.into()).await;
+                }
+            }
+            if last_progress.elapsed() >= PROGRESS_EVERY {
+                last_progress = tokio::time::Instant::now();
+                let msgs: Vec<_> = hb_inflight.lock().unwrap().values().cloned().collect();
+                for m in msgs {
+                    let _ = m.ack_with(AckKind::Progress).await;
+                }
+            }
+            tokio::time::sleep(hb_every).await;
+        }
+    });
+
+    // Fetch loop: take jobs while there is room.
+    let max_queued = settings.worker.max_queued;
+    loop {
+        let room = max_queued.saturating_sub(inflight.lock().unwrap().len());
+        if room == 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            continue;
+        }
+        let batch = consumer.fetch().max_messages(room.min(32)).expires(Duration::from_millis(500)).messages().await;
+        let mut batch = match batch {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::warn!(error = %e, "fetching jobs");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                continue;
+            }
+        };
+        while let Some(msg) = batch.next().await {
+            let Ok(msg) = msg else { continue };
+            let job = match llmq_protocol::decode::<Job>(&msg.payload) {
+                Ok(j) => j,
+                Err(e) => {
+                    tracing::error!(error = %e, "undecodable job; dropping it");
+                    let _ = msg.ack_with(AckKind::Term).await;
+                    continue;
+                }
+            };
+            let delivered = msg.info().map(|i| i.delivered).unwrap_or(1);
+            if delivered > 1 {
+                // Its first worker may have streamed events already: end it, do not replay it.
+                let ev = StreamEvent {
+                    request_id: job.request_id.clone(),
+                    seq: llmq_protocol::SEQ_FROM_ANOTHER_WORKER,
+                    event: Event::Error {
+                        error: WireError::new(ErrorClass::WorkerLost, "the worker running this request stopped"),
+                    },
+                };
+                if let Ok(bytes) = llmq_protocol::encode(&ev) {
+                    let _ = client.publish(job.stream_subject.clone(), bytes.into()).await;
+                    let _ = client.flush().await;
+                }
+                let _ = msg.ack().await;
+                continue;
+            }
+            inflight.lock().unwrap().insert(job.request_id.clone(), msg);
+            actor.do_send(Submit(job));
+        }
+    }
+}
+
+fn rand_u32() -> u32 {
+    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    (t.as_nanos() as u32) ^ (std::process::id().rotate_left(16))
+}
