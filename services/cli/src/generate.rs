@@ -2,7 +2,7 @@
 
 use std::io::Write;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use llmq_engine::generate::{generate, GenerateRequest};
 use llmq_engine::sampling::{SamplingParams, StopParams};
 use llmq_engine::{default_dtype, load_model, parse_dtype, resolve_model};
@@ -11,35 +11,35 @@ use llmq_engine::{default_dtype, load_model, parse_dtype, resolve_model};
 pub struct Args {
     /// Run the engine in this process (no NATS).
     #[arg(long)]
-    local: bool,
+    pub local: bool,
     /// A known model name (smollm2) or a path to a Hugging Face directory or a .gguf file.
     #[arg(long, default_value = "smollm2")]
-    model: String,
+    pub model: String,
     /// Wrap the prompt in the model's chat template as a user message.
     #[arg(long)]
-    chat: bool,
+    pub chat: bool,
     #[arg(long)]
-    prompt: String,
+    pub prompt: String,
     #[arg(long, default_value_t = 256)]
-    max_tokens: usize,
+    pub max_tokens: usize,
     #[arg(long, default_value_t = 0.0)]
-    temperature: f32,
+    pub temperature: f32,
     #[arg(long, default_value_t = 1.0)]
-    top_p: f32,
+    pub top_p: f32,
     #[arg(long, default_value_t = 0)]
-    top_k: usize,
+    pub top_k: usize,
     #[arg(long, default_value_t = 0.0)]
-    min_p: f32,
+    pub min_p: f32,
     #[arg(long, default_value_t = 1.0)]
-    repetition_penalty: f32,
+    pub repetition_penalty: f32,
     #[arg(long)]
-    seed: Option<u64>,
+    pub seed: Option<u64>,
     /// Stop when this string appears (repeatable).
     #[arg(long)]
-    stop: Vec<String>,
+    pub stop: Vec<String>,
     /// Report this many alternatives' logprobs per token (with --json).
     #[arg(long, default_value_t = 0)]
-    top_logprobs: usize,
+    pub top_logprobs: usize,
     /// Prefill chunk size in tokens.
     #[arg(long, default_value_t = 4096)]
     prefill_chunk: usize,
@@ -48,12 +48,15 @@ pub struct Args {
     dtype: Option<String>,
     /// Print one JSON object at the end instead of streaming text.
     #[arg(long)]
-    json: bool,
+    pub json: bool,
+    /// NATS server to submit to (without --local).
+    #[arg(long, env = "LLMQ_NATS_URL", default_value = "nats://127.0.0.1:4222")]
+    pub nats: String,
 }
 
 pub fn run(a: Args) -> Result<()> {
     if !a.local {
-        bail!("generating through NATS comes with the serving core; use --local to run the engine in process");
+        return crate::client::generate(&a);
     }
     let dtype = a.dtype.as_deref().map(parse_dtype).transpose()?.unwrap_or_else(default_dtype);
     let path = resolve_model(&a.model)?;

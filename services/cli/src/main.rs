@@ -1,7 +1,9 @@
 //! `llmq`: the command line. Thin: parses arguments, sets up logging, hands off to a module.
 
 mod bench;
+mod client;
 mod generate;
+mod serve;
 
 use clap::{Parser, Subcommand};
 
@@ -18,13 +20,22 @@ enum Command {
     Generate(generate::Args),
     /// Measure speed; prints JSON lines with the peer benchmark's field names.
     Bench(bench::Args),
+    /// Run an engine worker (one model on one device).
+    Worker(serve::ServiceArgs),
+    /// Run an intake service.
+    Intake(serve::ServiceArgs),
+    /// Start a local stack: nats-server, intake and workers; Ctrl-C stops it.
+    Up(serve::UpArgs),
 }
 
 fn main() -> std::process::ExitCode {
-    llmq_telemetry::init("warn");
+    llmq_telemetry::init("warn,llmq_worker=info,llmq_intake=info");
     let result = match Cli::parse().command {
         Command::Generate(a) => generate::run(a),
         Command::Bench(a) => bench::run(a),
+        Command::Worker(a) => serve::worker(a),
+        Command::Intake(a) => serve::intake(a),
+        Command::Up(a) => serve::up(a),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -106,6 +106,18 @@ pub fn resolve_model(name: &str) -> Result<PathBuf> {
     Err(EngineError::UnknownModel(name.into(), names.join(", ")))
 }
 
+/// A model's tokenizer and context length, without its weights (for intake).
+pub fn load_tokenizer(path: &Path) -> Result<(Tokenizer, usize)> {
+    if path.is_dir() {
+        let cfg = config::from_hf_json(&path.join("config.json"))?;
+        Ok((Tokenizer::from_hf_dir(path)?, cfg.max_position_embeddings))
+    } else {
+        let f = gguf::GgufFile::open(path)?;
+        let cfg = config::from_gguf(&f)?;
+        Ok((Tokenizer::from_gguf_metadata(path, &f.metadata)?, cfg.max_position_embeddings))
+    }
+}
+
 /// Loads a Hugging Face directory or a GGUF file in `dtype`.
 pub fn load_model(path: &Path, dtype: Dtype) -> Result<LoadedModel> {
     let (model, tokenizer) = if path.is_dir() {

@@ -1,0 +1,172 @@
+//! `llmq worker`, `llmq intake` and `llmq up` (a whole local stack: nats-server, intake and
+//! workers as child processes on a free loopback port, stopped together).
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use futures::StreamExt;
+
+#[derive(clap::Args)]
+pub struct ServiceArgs {
+    /// A TOML configuration file (also $LLMQ_CONFIG); LLMQ__SECTION__KEY variables override it.
+    #[arg(long)]
+    config: Option<PathBuf>,
+}
+
+fn settings(a: &ServiceArgs) -> Result<llmq_config::Settings> {
+    Ok(llmq_config::load(a.config.as_deref())?)
+}
+
+pub fn worker(a: ServiceArgs) -> Result<()> {
+    let s = settings(&a)?;
+    actix::System::new().block_on(llmq_worker::service::run(s))?;
+    Ok(())
+}
+
+pub fn intake(a: ServiceArgs) -> Result<()> {
+    let s = settings(&a)?;
+    actix::System::new().block_on(llmq_intake::run(s))?;
+    Ok(())
+}
+
+#[derive(clap::Args)]
+pub struct UpArgs {
+    /// Engine workers to start.
+    #[arg(long, default_value_t = 1)]
+    workers: usize,
+    /// The model the workers serve (a known name or a path).
+    #[arg(long, default_value = "smollm2")]
+    model: String,
+    /// NATS port on 127.0.0.1 (default: a free one).
+    #[arg(long)]
+    port: Option<u16>,
+    #[arg(long)]
+    config: Option<PathBuf>,
+}
+
+/// Child processes that are stopped (TERM, then KILL) when this is dropped, whatever happens.
+#[derive(Default)]
+pub struct Children(Vec<(String, Child)>);
+
+impl Children {
+    pub fn push(&mut self, name: &str, c: Child) {
+        self.0.push((name.to_string(), c));
+    }
+    /// The first child that has exited, if any.
+    pub fn exited(&mut self) -> Option<String> {
+        self.0.iter_mut().find_map(|(n, c)| matches!(c.try_wait(), Ok(Some(_))).then(|| n.clone()))
+    }
+}
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        // Services first, the server last.
+        for (_, c) in self.0.iter_mut().rev() {
+            // SAFETY: kill(2) on our own child's pid.
+            unsafe { libc_kill(c.id() as i32, 15) };
+        }
+        let deadline = Instant::now() + Duration::from_secs(3);
+        for (_, c) in self.0.iter_mut().rev() {
+            while Instant::now() < deadline && matches!(c.try_wait(), Ok(None)) {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+extern "C" {
+    #[link_name = "kill"]
+    fn libc_kill(pid: i32, sig: i32) -> i32;
+}
+
+pub fn free_port() -> Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// Starts nats-server with JetStream on 127.0.0.1:`port`, storing under `dir`; waits until it
+/// accepts connections.
+pub fn start_nats(port: u16, dir: &std::path::Path) -> Result<Child> {
+    std::fs::create_dir_all(dir)?;
+    let child = Command::new("nats-server")
+        .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
+        .arg(dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("starting nats-server (Debian package nats-server; `make setup` installs it)")?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        if Instant::now() > deadline {
+            bail!("nats-server did not start listening on port {port}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(child)
+}
+
+pub fn up(a: UpArgs) -> Result<()> {
+    let port = match a.port {
+        Some(p) => p,
+        None => free_port()?,
+    };
+    let url = format!("nats://127.0.0.1:{port}");
+    let dir = std::env::temp_dir().join(format!("llmq-up-{}", std::process::id()));
+    let mut children = Children::default();
+    children.push("nats-server", start_nats(port, &dir)?);
+    let exe = std::env::current_exe()?;
+    let spawn = |what: &str| -> Result<Child> {
+        let mut c = Command::new(&exe);
+        c.arg(what).env("LLMQ__NATS__URL", &url).env("LLMQ__WORKER__MODEL", &a.model).env("LLMQ__INTAKE__MODELS", &a.model);
+        if let Some(cfg) = &a.config {
+            c.arg("--config").arg(cfg);
+        }
+        Ok(c.stdin(Stdio::null()).spawn()?)
+    };
+    children.push("intake", spawn("intake")?);
+    for i in 0..a.workers {
+        children.push(&format!("worker {i}"), spawn("worker")?);
+    }
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let result = rt.block_on(async {
+        let client = async_nats::connect(&url).await?;
+        let mut hb = client.subscribe(llmq_protocol::subjects::WORKER_STATUS_ALL).await?;
+        let mut seen = std::collections::HashSet::new();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+        while seen.len() < a.workers {
+            tokio::select! {
+                m = hb.next() => {
+                    if let Some(m) = m {
+                        if let Ok(s) = llmq_protocol::decode::<llmq_protocol::WorkerStatus>(&m.payload) {
+                            seen.insert(s.worker_id);
+                        }
+                    }
+                }
+                _ = tokio::time::sleep_until(deadline) => bail!("workers did not report within 120 s"),
+                _ = tokio::time::sleep(Duration::from_millis(200)) => {
+                    if let Some(n) = children.exited() { bail!("{n} exited during start-up"); }
+                }
+            }
+        }
+        println!("LLMQ_NATS_URL={url}");
+        eprintln!("llmq: up: nats-server, intake and {} worker(s) for {}; Ctrl-C stops them", a.workers, a.model);
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        loop {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => break,
+                _ = term.recv() => break,
+                _ = tokio::time::sleep(Duration::from_millis(500)) => {
+                    if let Some(n) = children.exited() { bail!("{n} exited"); }
+                }
+            }
+        }
+        Ok(())
+    });
+    drop(children);
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}

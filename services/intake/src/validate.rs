@@ -1,0 +1,151 @@
+//! Raw `GenerateRequest` in, validated `Job` out: the one place where client input is checked.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use llmq_engine::sampling::{SamplingParams, StopParams};
+use llmq_engine::tokenizer::ChatMessage as EngineChat;
+use llmq_engine::{load_tokenizer, resolve_model, Tokenizer};
+use llmq_protocol::{subjects, ErrorClass, GenerateRequest, Job, Sampling, StopConditions, WireError};
+
+pub struct ModelInfo {
+    pub tokenizer: Tokenizer,
+    pub context_tokens: usize,
+}
+
+impl ModelInfo {
+    pub fn load(name: &str) -> Result<Self, llmq_engine::EngineError> {
+        let (tokenizer, context_tokens) = load_tokenizer(&resolve_model(name)?)?;
+        Ok(ModelInfo { tokenizer, context_tokens })
+    }
+}
+
+pub struct Validator {
+    models: HashMap<String, ModelInfo>,
+    default_max_tokens: u32,
+    counter: AtomicU64,
+    salt: u64,
+}
+
+fn invalid(m: impl Into<String>) -> WireError {
+    WireError::new(ErrorClass::InvalidRequest, m)
+}
+
+fn f32_param(name: &str, v: Option<f64>, default: f32) -> Result<f32, WireError> {
+    match v {
+        None => Ok(default),
+        Some(x) if x.is_finite() => Ok(x as f32),
+        Some(x) => Err(invalid(format!("{name} must be a finite number, got {x}"))),
+    }
+}
+
+impl Validator {
+    pub fn new(models: HashMap<String, ModelInfo>, default_max_tokens: u32) -> Self {
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        let salt = (t.as_nanos() as u64) ^ ((std::process::id() as u64) << 40);
+        Validator { models, default_max_tokens, counter: AtomicU64::new(0), salt }
+    }
+
+    /// A new request id: unique per intake process and start, 16 hex digits.
+    fn request_id(&self) -> String {
+        let n = self.counter.fetch_add(1, Ordering::Relaxed);
+        let mut z = self.salt.wrapping_add(n.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        format!("{:016x}", z ^ (z >> 31))
+    }
+
+    /// Decodes and validates a raw payload into a job.
+    pub fn accept(&self, payload: &[u8]) -> Result<Job, WireError> {
+        let req: GenerateRequest = llmq_protocol::decode(payload).map_err(|e| invalid(e.to_string()))?;
+        self.validate(req)
+    }
+
+    pub fn validate(&self, r: GenerateRequest) -> Result<Job, WireError> {
+        let model = self.models.get(&r.model).ok_or_else(|| {
+            let mut known: Vec<&String> = self.models.keys().collect();
+            known.sort();
+            WireError::new(ErrorClass::UnknownModel, format!("unknown model {:?} (served: {known:?})", r.model))
+        })?;
+        let max_tokens = match r.max_tokens {
+            None => self.default_max_tokens as i64,
+            Some(n) if n <= 0 => return Err(invalid(format!("max_tokens must be at least 1, got {n}"))),
+            Some(n) => n,
+        };
+        let sampling = SamplingParams {
+            temperature: f32_param("temperature", r.temperature, 0.0)?,
+            top_p: f32_param("top_p", r.top_p, 1.0)?,
+            min_p: f32_param("min_p", r.min_p, 0.0)?,
+            repetition_penalty: f32_param("repetition_penalty", r.repetition_penalty, 1.0)?,
+            top_k: match r.top_k {
+                None => 0,
+                Some(k) if k >= 0 => k as usize,
+                Some(k) => return Err(invalid(format!("top_k must be >= 0, got {k}"))),
+            },
+            seed: r.seed,
+            logprobs: r.logprobs,
+            top_logprobs: r.top_logprobs as usize,
+        };
+        sampling.validate().map_err(|e| invalid(e.to_string().trim_start_matches("invalid request: ").to_string()))?;
+        let stop = StopParams { max_tokens: max_tokens as usize, stop: r.stop.clone(), stop_token_ids: r.stop_token_ids.clone(), ignore_eos: r.ignore_eos };
+        stop.validate().map_err(|e| invalid(e.to_string().trim_start_matches("invalid request: ").to_string()))?;
+        let tok = &model.tokenizer;
+        let prompt_ids = match (&r.prompt, &r.messages) {
+            (Some(_), Some(_)) => return Err(invalid("give either prompt or messages, not both")),
+            (None, None) => return Err(invalid("give a prompt or messages")),
+            (Some(p), None) => {
+                if p.is_empty() {
+                    return Err(invalid("empty prompt"));
+                }
+                tok.encode(p, true).map_err(|e| invalid(e.to_string()))?
+            }
+            (None, Some(msgs)) => {
+                if msgs.is_empty() {
+                    return Err(invalid("empty messages"));
+                }
+                let msgs: Vec<EngineChat> = msgs.iter().map(|m| EngineChat { role: m.role.clone(), content: m.content.clone() }).collect();
+                let text = tok.apply_chat_template(&msgs, true).map_err(|e| invalid(e.to_string()))?;
+                tok.encode(&text, false).map_err(|e| invalid(e.to_string()))?
+            }
+        };
+        if prompt_ids.is_empty() {
+            return Err(invalid("the prompt has no tokens"));
+        }
+        if prompt_ids.len() + max_tokens as usize > model.context_tokens {
+            return Err(WireError::new(
+                ErrorClass::PromptTooLong,
+                format!(
+                    "{} prompt tokens + max_tokens {} exceed the context of {} tokens",
+                    prompt_ids.len(),
+                    max_tokens,
+                    model.context_tokens
+                ),
+            ));
+        }
+        let request_id = self.request_id();
+        let stream_subject = match r.stream_subject {
+            Some(s) if subjects::is_valid_stream_subject(&s) => s,
+            Some(s) => return Err(invalid(format!("stream_subject {s:?} is not a plain NATS subject"))),
+            None => subjects::stream(&request_id),
+        };
+        Ok(Job {
+            request_id,
+            model: r.model,
+            prompt_ids,
+            sampling: Sampling {
+                temperature: sampling.temperature,
+                top_k: sampling.top_k as u32,
+                top_p: sampling.top_p,
+                min_p: sampling.min_p,
+                repetition_penalty: sampling.repetition_penalty,
+                seed: sampling.seed,
+                logprobs: sampling.logprobs,
+                top_logprobs: sampling.top_logprobs as u32,
+            },
+            stop: StopConditions { max_tokens: max_tokens as u32, stop: r.stop, stop_token_ids: r.stop_token_ids, ignore_eos: r.ignore_eos },
+            stream_subject,
+            accepted_at_ms: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_millis() as u64,
+            cache_salt: r.cache_salt,
+        })
+    }
+}
