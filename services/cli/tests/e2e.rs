@@ -1,0 +1,341 @@
+//! End to end through a real nats-server (started here on a free loopback port and stopped
+//! whatever happens), real intake and worker processes, and the tiny Llama fixture.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use llmq_protocol::*;
+
+fn fixture() -> String {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-llama").canonicalize().unwrap().display().to_string()
+}
+
+/// Processes stopped on drop, even when a test fails.
+struct Proc(Child);
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+struct Stack {
+    url: String,
+    dir: PathBuf,
+    procs: Vec<Proc>,
+}
+
+impl Drop for Stack {
+    fn drop(&mut self) {
+        self.procs.clear();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl Stack {
+    fn nats_only() -> Stack {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let dir = std::env::temp_dir().join(format!("llmq-e2e-{}-{port}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let nats = Command::new("nats-server")
+            .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
+            .arg(&dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("nats-server (Debian package nats-server)");
+        let s = Stack { url: format!("nats://127.0.0.1:{port}"), dir, procs: vec![Proc(nats)] };
+        let t = Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(t.elapsed() < Duration::from_secs(10), "nats-server did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        s
+    }
+
+    fn spawn(&mut self, what: &str, env: &[(&str, &str)]) {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_llmq"));
+        c.arg(what)
+            .env("LLMQ__NATS__URL", &self.url)
+            .env("LLMQ__WORKER__MODEL", fixture())
+            .env("LLMQ__INTAKE__MODELS", fixture())
+            .env("LLMQ__WORKER__HEARTBEAT_MS", "200")
+            .env("LLMQ_LOG", "warn")
+            .env("LLMQ__INTAKE__WORKER_TIMEOUT_MS", "1000")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null());
+        for (k, v) in env {
+            c.env(k, v);
+        }
+        self.procs.push(Proc(c.spawn().unwrap()));
+    }
+
+    fn up(worker_env: &[(&str, &str)]) -> Stack {
+        let mut s = Stack::nats_only();
+        s.spawn("intake", &[]);
+        s.spawn("worker", worker_env);
+        s
+    }
+}
+
+struct Client {
+    nc: async_nats::Client,
+}
+
+struct Run {
+    id: String,
+    events: Vec<StreamEvent>,
+}
+
+impl Run {
+    fn tokens(&self) -> Vec<u32> {
+        self.events.iter().flat_map(|e| if let Event::Tokens { ids, .. } = &e.event { ids.clone() } else { vec![] }).collect()
+    }
+    fn last(&self) -> &Event {
+        &self.events.last().unwrap().event
+    }
+}
+
+impl Client {
+    async fn connect(url: &str) -> Client {
+        let t = Instant::now();
+        loop {
+            if let Ok(nc) = async_nats::connect(url).await {
+                return Client { nc };
+            }
+            assert!(t.elapsed() < Duration::from_secs(10));
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Submits (retrying until an intake answers); returns the reply and the event subscription.
+    async fn submit_raw(&self, payload: Vec<u8>) -> GenerateReply {
+        let t = Instant::now();
+        loop {
+            match tokio::time::timeout(Duration::from_secs(5), self.nc.request(subjects::GENERATE, payload.clone().into())).await {
+                Ok(Ok(m)) => return decode(&m.payload).unwrap(),
+                _ if t.elapsed() < Duration::from_secs(60) => tokio::time::sleep(Duration::from_millis(100)).await,
+                other => panic!("no reply from intake: {:?}", other.err()),
+            }
+        }
+    }
+
+    async fn start(&self, mut req: GenerateRequest) -> (String, async_nats::Subscriber) {
+        let inbox = self.nc.new_inbox();
+        let sub = self.nc.subscribe(inbox.clone()).await.unwrap();
+        req.stream_subject = Some(inbox);
+        match self.submit_raw(encode(&req).unwrap()).await {
+            GenerateReply::Accepted { request_id, .. } => (request_id, sub),
+            GenerateReply::Rejected { error } => panic!("rejected: {error}"),
+        }
+    }
+
+    async fn finish(id: String, mut sub: async_nats::Subscriber, mut on: impl FnMut(&StreamEvent)) -> Run {
+        let mut events = vec![];
+        loop {
+            let m = tokio::time::timeout(Duration::from_secs(60), sub.next()).await.expect("event within 60 s").unwrap();
+            let ev: StreamEvent = decode(&m.payload).unwrap();
+            on(&ev);
+            let end = ev.event.is_terminal();
+            events.push(ev);
+            if end {
+                break;
+            }
+        }
+        // Nothing may follow the terminal event.
+        assert!(tokio::time::timeout(Duration::from_millis(300), sub.next()).await.is_err(), "event after the terminal one");
+        Run { id, events }
+    }
+
+    async fn run(&self, req: GenerateRequest) -> Run {
+        let (id, sub) = self.start(req).await;
+        Self::finish(id, sub, |_| {}).await
+    }
+
+    async fn cancel(&self, id: &str) {
+        self.nc.publish(subjects::CANCEL, encode(&Cancel { request_id: id.into() }).unwrap().into()).await.unwrap();
+    }
+
+    async fn status(&self) -> WorkerStatus {
+        let mut sub = self.nc.subscribe(subjects::WORKER_STATUS_ALL).await.unwrap();
+        let m = tokio::time::timeout(Duration::from_secs(10), sub.next()).await.unwrap().unwrap();
+        decode(&m.payload).unwrap()
+    }
+}
+
+fn req(prompt: &str, max_tokens: i64) -> GenerateRequest {
+    GenerateRequest { model: fixture(), prompt: Some(prompt.into()), max_tokens: Some(max_tokens), ..Default::default() }
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
+}
+
+fn local_greedy(prompt: &str, max_tokens: usize) -> Vec<u32> {
+    let m = llmq_engine::load_model(&PathBuf::from(fixture()), mlx_rs::Dtype::Float32).unwrap();
+    let tok = m.tokenizer.as_ref().unwrap();
+    let r = llmq_engine::generate::GenerateRequest {
+        prompt_ids: tok.encode(prompt, true).unwrap(),
+        sampling: Default::default(),
+        stop: llmq_engine::sampling::StopParams { max_tokens, ..Default::default() },
+        prefill_chunk: 4096,
+    };
+    llmq_engine::generate::generate(&m.model, Some(tok), &r, |_, _| {}).unwrap().token_ids
+}
+
+const LONG: &str = "Streams of tokens flow through queues, schedulers and caches. ";
+
+#[test]
+fn events_arrive_in_order_and_chunked_prefill_gives_the_same_tokens() {
+    let prompt = LONG.repeat(6);
+    let want = local_greedy(&prompt, 12);
+    // Tiny chunks: the prompt takes many ticks to prefill.
+    let stack = Stack::up(&[("LLMQ__SCHEDULER__PREFILL_CHUNK_TOKENS", "5"), ("LLMQ__SCHEDULER__IDLE_PREFILL_CHUNK_TOKENS", "7")]);
+    rt().block_on(async {
+        let c = Client::connect(&stack.url).await;
+        let run = c.run(req(&prompt, 12)).await;
+        for (i, e) in run.events.iter().enumerate() {
+            assert_eq!(e.seq, i as u64, "sequence numbers");
+            assert_eq!(e.request_id, run.id);
+        }
+        assert!(matches!(run.events[0].event, Event::Queued { .. }));
+        let progress: Vec<(u32, u32)> = run
+            .events
+            .iter()
+            .filter_map(|e| if let Event::PrefillProgress { done, total } = e.event { Some((done, total)) } else { None })
+            .collect();
+        assert!(progress.len() > 3, "{progress:?}");
+        assert!(progress.windows(2).all(|w| w[0].0 < w[1].0), "monotonic: {progress:?}");
+        let (done, total) = *progress.last().unwrap();
+        assert_eq!(done, total);
+        assert_eq!(run.tokens(), want, "same greedy tokens as unchunked in-process generation");
+        match run.last() {
+            Event::Done { usage, timings, .. } => {
+                assert_eq!(usage.completion, 12);
+                assert_eq!(usage.prompt, total);
+                assert!(timings.total_ms >= timings.ttft_ms);
+            }
+            e => panic!("{e:?}"),
+        }
+        let s = c.status().await;
+        assert_eq!(s.kv_bytes_used, 0);
+    });
+}
+
+#[test]
+fn bad_input_gets_typed_errors_and_disturbs_nothing() {
+    let stack = Stack::up(&[]);
+    rt().block_on(async {
+        let c = Client::connect(&stack.url).await;
+        let mut long = req("x", 8);
+        long.max_tokens = Some(100);
+        long.ignore_eos = true;
+        let (good_id, good_sub) = c.start(long).await;
+        let nan = GenerateRequest { temperature: Some(f64::NAN), ..req("hi", 4) };
+        let neg = GenerateRequest { temperature: Some(-1.0), ..req("hi", 4) };
+        let cases: Vec<(Vec<u8>, ErrorClass)> = vec![
+            (b"\xc1 definitely not msgpack".to_vec(), ErrorClass::InvalidRequest),
+            (encode(&GenerateRequest { model: "no-such-model".into(), ..req("hi", 4) }).unwrap(), ErrorClass::UnknownModel),
+            (encode(&req("", 4)).unwrap(), ErrorClass::InvalidRequest),
+            (encode(&req(&"word ".repeat(600), 4)).unwrap(), ErrorClass::PromptTooLong),
+            (encode(&req("hi", 0)).unwrap(), ErrorClass::InvalidRequest),
+            (encode(&nan).unwrap(), ErrorClass::InvalidRequest),
+            (encode(&neg).unwrap(), ErrorClass::InvalidRequest),
+            (rmp_oversized(), ErrorClass::InvalidRequest),
+        ];
+        for (payload, class) in cases {
+            match c.submit_raw(payload).await {
+                GenerateReply::Rejected { error } => assert_eq!(error.class, class, "{error}"),
+                r => panic!("accepted: {r:?}"),
+            }
+        }
+        let run = Client::finish(good_id, good_sub, |_| {}).await;
+        assert!(matches!(run.last(), Event::Done { .. }), "the good request finished: {:?}", run.last());
+        assert_eq!(run.tokens().len(), 100);
+    });
+}
+
+/// A request larger than the protocol's limit but within the server's payload limit
+/// (`encode` refuses to make one, as it should).
+fn rmp_oversized() -> Vec<u8> {
+    let r = GenerateRequest { model: fixture(), prompt: Some("y".repeat(MAX_MESSAGE_BYTES + 100)), ..Default::default() };
+    rmp_serde::to_vec_named(&r).unwrap()
+}
+
+#[test]
+fn cancel_while_queued_mid_prefill_and_decoding() {
+    // One sequence at a time and tiny prefill chunks, so each stage lasts long enough to hit.
+    let stack = Stack::up(&[
+        ("LLMQ__SCHEDULER__MAX_BATCH", "2"),
+        ("LLMQ__SCHEDULER__PREFILL_CHUNK_TOKENS", "2"),
+        ("LLMQ__SCHEDULER__IDLE_PREFILL_CHUNK_TOKENS", "2"),
+    ]);
+    rt().block_on(async {
+        let c = Client::connect(&stack.url).await;
+        let endless = |p: &str| GenerateRequest { ignore_eos: true, ..req(p, 400) };
+        // A decodes for a long time; B prefills a long prompt in 2-token chunks; C waits (batch full).
+        let (a, a_sub) = c.start(endless("a")).await;
+        let (b, b_sub) = c.start(GenerateRequest { max_tokens: Some(60), ..endless(&LONG.repeat(18)) }).await;
+        let (cc, c_sub) = c.start(endless("c")).await;
+        let (d, d_sub) = c.start(req("d", 5)).await;
+
+        // C is cancelled while queued, B once it has prefilled 4 tokens, A once it has streamed 5
+        // tokens; the streams are read at the same time, so each cancel goes out as its trigger
+        // arrives.
+        let cancel_when = |id: String, nc: async_nats::Client, trigger: fn(&Event, &mut u32) -> bool| {
+            let mut n = 0u32;
+            let mut sent = false;
+            move |e: &StreamEvent| {
+                if !sent && trigger(&e.event, &mut n) {
+                    sent = true;
+                    let (nc, id) = (nc.clone(), id.clone());
+                    tokio::spawn(async move {
+                        nc.publish(subjects::CANCEL, encode(&Cancel { request_id: id }).unwrap().into()).await.unwrap();
+                    });
+                }
+            }
+        };
+        let on_b = cancel_when(b.clone(), c.nc.clone(), |e, _| matches!(e, Event::PrefillProgress { done: 4, .. }));
+        let on_a = cancel_when(a.clone(), c.nc.clone(), |e, n| {
+            if matches!(e, Event::Tokens { .. }) {
+                *n += 1;
+            }
+            *n == 5
+        });
+        let on_c = cancel_when(cc.clone(), c.nc.clone(), |e, _| matches!(e, Event::Queued { .. }));
+        let (b_run, a_run, c_run) = tokio::join!(
+            Client::finish(b.clone(), b_sub, on_b),
+            Client::finish(a.clone(), a_sub, on_a),
+            Client::finish(cc.clone(), c_sub, on_c)
+        );
+        assert!(c_run.tokens().is_empty(), "cancelled while queued");
+        assert!(!c_run.events.iter().any(|e| matches!(e.event, Event::PrefillProgress { .. })), "C never started");
+        assert!(b_run.tokens().is_empty(), "cancelled mid-prefill");
+        for run in [&a_run, &b_run, &c_run] {
+            assert!(matches!(run.last(), Event::Error { error } if error.class == ErrorClass::Cancelled), "{}: {:?}", run.id, run.last());
+        }
+        assert!(a_run.tokens().len() < 400, "cancelled while decoding");
+        let d_run = Client::finish(d, d_sub, |_| {}).await;
+        assert!(matches!(d_run.last(), Event::Done { .. }), "the other request finished");
+        // Every cache is freed.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let s = c.status().await;
+        assert_eq!((s.kv_bytes_used, s.active_streams, s.queued_requests), (0, 0, 0), "{s:?}");
+    });
+}
+
+#[test]
+fn a_job_accepted_before_any_worker_runs_completes_when_one_starts() {
+    let mut stack = Stack::nats_only();
+    stack.spawn("intake", &[]);
+    rt().block_on(async {
+        let c = Client::connect(&stack.url).await;
+        let (id, sub) = c.start(req("Paris is", 6)).await;
+        stack.spawn("worker", &[]);
+        let run = Client::finish(id, sub, |_| {}).await;
+        assert!(matches!(run.last(), Event::Done { .. }), "{:?}", run.last());
+        assert_eq!(run.tokens(), local_greedy("Paris is", 6));
+    });
+}
