@@ -13,7 +13,7 @@ const HBM_BYTES_PER_S: f64 = 4.8e12;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// single
+    /// single (in process), or burst, batch, static (through NATS and the worker's actors)
     scenario: String,
     #[arg(long)]
     local: bool,
@@ -31,6 +31,30 @@ pub struct Args {
     dtype: Option<String>,
     #[arg(long)]
     json: bool,
+    /// burst: streams decoding when the burst arrives.
+    #[arg(long, default_value_t = 16)]
+    active: usize,
+    /// burst: prompts arriving at once.
+    #[arg(long, default_value_t = 4)]
+    burst: usize,
+    /// burst: tokens of each burst prompt.
+    #[arg(long, default_value_t = 8192)]
+    burst_tokens: usize,
+    /// Prefill chunk granted per decode tick.
+    #[arg(long, default_value_t = 256)]
+    chunk: usize,
+    /// The synchronous baseline: prefill whole prompts at once, even while streams decode.
+    #[arg(long)]
+    no_interleave: bool,
+    /// batch, static: number of requests.
+    #[arg(long, default_value_t = 64)]
+    streams: usize,
+    /// Use a running stack instead of starting one.
+    #[arg(long)]
+    nats: Option<String>,
+    /// KV budget of the worker in bytes (default: the worker's).
+    #[arg(long)]
+    kv_budget_bytes: Option<u64>,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -72,9 +96,54 @@ fn single(model: &Model, a: &Args) -> Result<serde_json::Value> {
     }))
 }
 
+fn through_nats(a: &Args) -> Result<serde_json::Value> {
+    let model = match (&a.model, &a.random_weights) {
+        (_, Some(shape)) => format!("random:{shape}"),
+        (Some(m), None) => m.clone(),
+        (None, None) => bail!("give --model NAME or --random-weights SHAPE"),
+    };
+    let mut worker_env = vec![];
+    if let Some(d) = &a.dtype {
+        worker_env.push(("LLMQ__WORKER__DTYPE".to_string(), d.clone()));
+    }
+    if let Some(b) = a.kv_budget_bytes {
+        worker_env.push(("LLMQ__SCHEDULER__KV_BUDGET_BYTES".to_string(), b.to_string()));
+    }
+    worker_env.push(("LLMQ__SCHEDULER__MAX_BATCH".to_string(), a.streams.max(a.active + a.burst).to_string()));
+    worker_env.push(("LLMQ__WORKER__MAX_QUEUED".to_string(), (2 * a.streams.max(a.active + a.burst)).to_string()));
+    let knobs = crate::bench_nats::Knobs {
+        model: model.clone(),
+        active: a.active,
+        burst: a.burst,
+        burst_tokens: a.burst_tokens,
+        chunk: a.chunk,
+        interleave: !a.no_interleave,
+        streams: a.streams,
+        prompt_tokens: a.prompt_tokens,
+        output_tokens: a.output_tokens,
+        nats: a.nats.clone(),
+        worker_env,
+    };
+    let mut v = crate::bench_nats::run(&a.scenario, &knobs)?;
+    let obj = v.as_object_mut().expect("object");
+    let key = if a.random_weights.is_some() { "shape" } else { "model" };
+    obj.insert(key.into(), a.random_weights.clone().or(a.model.clone()).into());
+    obj.insert("engine".into(), "llmq".into());
+    Ok(v)
+}
+
 pub fn run(a: Args) -> Result<()> {
+    if a.scenario != "single" {
+        let v = through_nats(&a)?;
+        if a.json {
+            println!("{v}");
+        } else {
+            println!("{}", serde_json::to_string_pretty(&v)?);
+        }
+        return Ok(());
+    }
     if !a.local {
-        bail!("benchmarks through NATS come with the serving core; use --local");
+        bail!("the single scenario runs the engine in process: add --local");
     }
     let dtype = a.dtype.as_deref().map(parse_dtype).transpose()?.unwrap_or_else(default_dtype);
     let t0 = Instant::now();
@@ -87,7 +156,7 @@ pub fn run(a: Args) -> Result<()> {
     let nbytes = model.weight_bytes();
     let mut res = match a.scenario.as_str() {
         "single" => single(&model, &a)?,
-        other => bail!("unknown scenario {other:?}: single (burst, batch, static and prefix come with the serving core)"),
+        other => bail!("unknown scenario {other:?}: single, burst, batch, static"),
     };
     let obj = res.as_object_mut().expect("object");
     let key = if random { "shape" } else { "model" };

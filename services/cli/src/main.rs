@@ -1,6 +1,7 @@
 //! `llmq`: the command line. Thin: parses arguments, sets up logging, hands off to a module.
 
 mod bench;
+mod bench_nats;
 mod client;
 mod generate;
 mod serve;

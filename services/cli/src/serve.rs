@@ -109,49 +109,81 @@ pub fn start_nats(port: u16, dir: &std::path::Path) -> Result<Child> {
     Ok(child)
 }
 
-pub fn up(a: UpArgs) -> Result<()> {
-    let port = match a.port {
+/// A running local stack: nats-server, intake and workers, stopped when dropped.
+pub struct Stack {
+    pub url: String,
+    pub children: Children,
+    dir: PathBuf,
+}
+
+impl Drop for Stack {
+    fn drop(&mut self) {
+        std::mem::take(&mut self.children);
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Starts nats-server on `port` (or a free one), intake and `workers` workers for `model`, with
+/// extra environment for the workers (LLMQ__SCHEDULER__..., say).
+pub fn start_stack(model: &str, workers: usize, port: Option<u16>, config: Option<&std::path::Path>, worker_env: &[(String, String)]) -> Result<Stack> {
+    let port = match port {
         Some(p) => p,
         None => free_port()?,
     };
     let url = format!("nats://127.0.0.1:{port}");
-    let dir = std::env::temp_dir().join(format!("llmq-up-{}", std::process::id()));
-    let mut children = Children::default();
-    children.push("nats-server", start_nats(port, &dir)?);
+    let dir = std::env::temp_dir().join(format!("llmq-stack-{}-{port}", std::process::id()));
+    let mut stack = Stack { url: url.clone(), children: Children::default(), dir: dir.clone() };
+    stack.children.push("nats-server", start_nats(port, &dir)?);
     let exe = std::env::current_exe()?;
-    let spawn = |what: &str| -> Result<Child> {
+    let spawn = |what: &str, env: &[(String, String)]| -> Result<Child> {
         let mut c = Command::new(&exe);
-        c.arg(what).env("LLMQ__NATS__URL", &url).env("LLMQ__WORKER__MODEL", &a.model).env("LLMQ__INTAKE__MODELS", &a.model);
-        if let Some(cfg) = &a.config {
+        c.arg(what).env("LLMQ__NATS__URL", &url).env("LLMQ__WORKER__MODEL", model).env("LLMQ__INTAKE__MODELS", model);
+        for (k, v) in env {
+            c.env(k, v);
+        }
+        if let Some(cfg) = config {
             c.arg("--config").arg(cfg);
         }
-        Ok(c.stdin(Stdio::null()).spawn()?)
+        Ok(c.stdin(Stdio::null()).stdout(Stdio::null()).spawn()?)
     };
-    children.push("intake", spawn("intake")?);
-    for i in 0..a.workers {
-        children.push(&format!("worker {i}"), spawn("worker")?);
+    stack.children.push("intake", spawn("intake", &[])?);
+    for i in 0..workers {
+        stack.children.push(&format!("worker {i}"), spawn("worker", worker_env)?);
     }
+    Ok(stack)
+}
+
+/// Waits until `workers` distinct workers have sent a heartbeat.
+pub async fn wait_for_workers(client: &async_nats::Client, workers: usize, children: &mut Children) -> Result<()> {
+    let mut hb = client.subscribe(llmq_protocol::subjects::WORKER_STATUS_ALL).await?;
+    let mut seen = std::collections::HashSet::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(600);
+    while seen.len() < workers {
+        tokio::select! {
+            m = hb.next() => {
+                if let Some(m) = m {
+                    if let Ok(s) = llmq_protocol::decode::<llmq_protocol::WorkerStatus>(&m.payload) {
+                        seen.insert(s.worker_id);
+                    }
+                }
+            }
+            _ = tokio::time::sleep_until(deadline) => bail!("workers did not report within 600 s"),
+            _ = tokio::time::sleep(Duration::from_millis(200)) => {
+                if let Some(n) = children.exited() { bail!("{n} exited during start-up"); }
+            }
+        }
+    }
+    Ok(())
+}
+
+pub fn up(a: UpArgs) -> Result<()> {
+    let mut stack = start_stack(&a.model, a.workers, a.port, a.config.as_deref(), &[])?;
+    let url = stack.url.clone();
+    let children = &mut stack.children;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let result = rt.block_on(async {
         let client = async_nats::connect(&url).await?;
-        let mut hb = client.subscribe(llmq_protocol::subjects::WORKER_STATUS_ALL).await?;
-        let mut seen = std::collections::HashSet::new();
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
-        while seen.len() < a.workers {
-            tokio::select! {
-                m = hb.next() => {
-                    if let Some(m) = m {
-                        if let Ok(s) = llmq_protocol::decode::<llmq_protocol::WorkerStatus>(&m.payload) {
-                            seen.insert(s.worker_id);
-                        }
-                    }
-                }
-                _ = tokio::time::sleep_until(deadline) => bail!("workers did not report within 120 s"),
-                _ = tokio::time::sleep(Duration::from_millis(200)) => {
-                    if let Some(n) = children.exited() { bail!("{n} exited during start-up"); }
-                }
-            }
-        }
+        wait_for_workers(&client, a.workers, children).await?;
         println!("LLMQ_NATS_URL={url}");
         eprintln!("llmq: up: nats-server, intake and {} worker(s) for {}; Ctrl-C stops them", a.workers, a.model);
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
@@ -166,7 +198,6 @@ pub fn up(a: UpArgs) -> Result<()> {
         }
         Ok(())
     });
-    drop(children);
-    let _ = std::fs::remove_dir_all(&dir);
+    drop(stack);
     result
 }

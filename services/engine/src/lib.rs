@@ -106,6 +106,16 @@ pub fn resolve_model(name: &str) -> Result<PathBuf> {
     Err(EngineError::UnknownModel(name.into(), names.join(", ")))
 }
 
+/// Loads a model by name: `random:<shape>` (random weights, no tokenizer; see `shapes`), a
+/// known name, or a path.
+pub fn load_named(name: &str, dtype: Dtype) -> Result<LoadedModel> {
+    if let Some(shape) = name.strip_prefix("random:") {
+        let model = shapes::random_model(shape, dtype, 0)?;
+        return Ok(LoadedModel { model, tokenizer: None, source: PathBuf::from(name) });
+    }
+    load_model(&resolve_model(name)?, dtype)
+}
+
 /// A model's tokenizer and context length, without its weights (for intake).
 pub fn load_tokenizer(path: &Path) -> Result<(Tokenizer, usize)> {
     if path.is_dir() {

@@ -9,14 +9,20 @@ use llmq_engine::{load_tokenizer, resolve_model, Tokenizer};
 use llmq_protocol::{subjects, ErrorClass, GenerateRequest, Job, Sampling, StopConditions, WireError};
 
 pub struct ModelInfo {
-    pub tokenizer: Tokenizer,
+    /// None for random-weight benchmark models, which take `prompt_ids` only.
+    pub tokenizer: Option<Tokenizer>,
     pub context_tokens: usize,
+    pub vocab_size: Option<usize>,
 }
 
 impl ModelInfo {
     pub fn load(name: &str) -> Result<Self, llmq_engine::EngineError> {
+        if let Some(shape) = name.strip_prefix("random:") {
+            let c = llmq_engine::shapes::config(shape)?;
+            return Ok(ModelInfo { tokenizer: None, context_tokens: c.max_position_embeddings, vocab_size: Some(c.vocab_size) });
+        }
         let (tokenizer, context_tokens) = load_tokenizer(&resolve_model(name)?)?;
-        Ok(ModelInfo { tokenizer, context_tokens })
+        Ok(ModelInfo { tokenizer: Some(tokenizer), context_tokens, vocab_size: None })
     }
 }
 
@@ -89,17 +95,33 @@ impl Validator {
         sampling.validate().map_err(|e| invalid(e.to_string().trim_start_matches("invalid request: ").to_string()))?;
         let stop = StopParams { max_tokens: max_tokens as usize, stop: r.stop.clone(), stop_token_ids: r.stop_token_ids.clone(), ignore_eos: r.ignore_eos };
         stop.validate().map_err(|e| invalid(e.to_string().trim_start_matches("invalid request: ").to_string()))?;
-        let tok = &model.tokenizer;
+        let given = [r.prompt.is_some(), r.messages.is_some(), r.prompt_ids.is_some()].iter().filter(|&&b| b).count();
+        if given != 1 {
+            return Err(invalid("give exactly one of prompt, messages and prompt_ids"));
+        }
+        let tok = match (&model.tokenizer, &r.prompt_ids) {
+            (Some(t), _) => Some(t),
+            (None, Some(_)) => None,
+            (None, None) => return Err(invalid("this model has no tokenizer: give prompt_ids")),
+        };
         let prompt_ids = match (&r.prompt, &r.messages) {
-            (Some(_), Some(_)) => return Err(invalid("give either prompt or messages, not both")),
-            (None, None) => return Err(invalid("give a prompt or messages")),
+            _ if r.prompt_ids.is_some() => {
+                let ids = r.prompt_ids.clone().unwrap_or_default();
+                let vocab = model.vocab_size.or_else(|| tok.map(|t| t.max_id_bound())).unwrap_or(usize::MAX);
+                if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+                    return Err(invalid(format!("prompt id {bad} is outside the vocabulary ({vocab})")));
+                }
+                ids
+            }
             (Some(p), None) => {
+                let tok = tok.expect("checked above");
                 if p.is_empty() {
                     return Err(invalid("empty prompt"));
                 }
                 tok.encode(p, true).map_err(|e| invalid(e.to_string()))?
             }
             (None, Some(msgs)) => {
+                let tok = tok.expect("checked above");
                 if msgs.is_empty() {
                     return Err(invalid("empty messages"));
                 }
@@ -107,6 +129,7 @@ impl Validator {
                 let text = tok.apply_chat_template(&msgs, true).map_err(|e| invalid(e.to_string()))?;
                 tok.encode(&text, false).map_err(|e| invalid(e.to_string()))?
             }
+            _ => unreachable!("exactly one prompt form was checked above"),
         };
         if prompt_ids.is_empty() {
             return Err(invalid("the prompt has no tokens"));

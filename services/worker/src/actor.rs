@@ -41,6 +41,10 @@ pub struct SchedulerActor {
     by_request: HashMap<String, ReqId>,
     next_id: ReqId,
     tick_pending: bool,
+    /// Start of the tick in progress while the scheduler is busy.
+    tick_started: Option<std::time::Instant>,
+    ticks: u64,
+    tick_wall: Duration,
     out: UnboundedSender<Outbound>,
     pub worker_id: String,
     pub model_name: String,
@@ -63,6 +67,9 @@ impl SchedulerActor {
             by_request: HashMap::new(),
             next_id: 0,
             tick_pending: false,
+            tick_started: None,
+            ticks: 0,
+            tick_wall: Duration::ZERO,
             out,
             worker_id,
             model_name,
@@ -130,6 +137,10 @@ impl SchedulerActor {
             max_batch: self.cfg.max_batch as u32,
             prefix_hit_rate: 0.0,
             sent_at_ms: Self::now().as_millis() as u64,
+            ticks: self.ticks,
+            // Up to now: the time since the last tick started counts as between-tick time.
+            tick_wall_ms: (self.tick_wall + self.tick_started.map_or(Duration::ZERO, |s| s.elapsed())).as_secs_f64() * 1000.0,
+            engine_ms: self.engine.engine_ms(),
         }
     }
 }
@@ -223,6 +234,11 @@ impl Handler<Tick> for SchedulerActor {
     type Result = ();
     fn handle(&mut self, _: Tick, ctx: &mut Context<Self>) {
         self.tick_pending = false;
+        let started = std::time::Instant::now();
+        if let Some(prev) = self.tick_started.replace(started) {
+            self.tick_wall += started - prev;
+        }
+        self.ticks += 1;
         let now = Self::now();
         let (scheduler, engine) = (&mut self.scheduler, &mut self.engine);
         match catch_unwind(AssertUnwindSafe(|| scheduler.tick(engine, now))) {
@@ -230,6 +246,11 @@ impl Handler<Tick> for SchedulerActor {
             Err(p) => {
                 let what = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));
                 self.recover(&what.unwrap_or_else(|| "panic".into()));
+            }
+        }
+        if self.scheduler.is_idle() {
+            if let Some(s) = self.tick_started.take() {
+                self.tick_wall += s.elapsed();
             }
         }
         self.schedule_tick(ctx);

@@ -34,6 +34,8 @@ pub struct ModelEngine {
     model: Model,
     tokenizer: Option<Tokenizer>,
     seqs: HashMap<ReqId, Seq>,
+    /// Time spent in prefill and decode calls since start.
+    busy: std::time::Duration,
 }
 
 fn internal(e: impl std::fmt::Display) -> WireError {
@@ -46,7 +48,7 @@ fn wire_logprob(lp: llmq_engine::sampling::TokenLogprob) -> TokenLogprob {
 
 impl ModelEngine {
     pub fn new(model: Model, tokenizer: Option<Tokenizer>) -> Self {
-        ModelEngine { model, tokenizer, seqs: HashMap::new() }
+        ModelEngine { model, tokenizer, seqs: HashMap::new(), busy: std::time::Duration::ZERO }
     }
 
     pub fn model(&self) -> &Model {
@@ -70,6 +72,11 @@ impl ModelEngine {
     /// KV bytes the caches hold now.
     pub fn kv_bytes_in_use(&self) -> u64 {
         self.seqs.values().map(|s| s.cache.nbytes() as u64).sum()
+    }
+
+    /// Milliseconds spent in prefill and decode calls since start.
+    pub fn engine_ms(&self) -> f64 {
+        self.busy.as_secs_f64() * 1000.0
     }
 
     pub fn held(&self) -> usize {
@@ -138,6 +145,26 @@ fn choose(logits: &Array, seqs: &mut [&mut Seq]) -> Result<Vec<(u32, Option<Toke
 
 impl EngineOps for ModelEngine {
     fn prefill(&mut self, id: ReqId, n: usize) -> Result<Option<StepOut>, WireError> {
+        let t0 = std::time::Instant::now();
+        let r = self.prefill_inner(id, n);
+        self.busy += t0.elapsed();
+        r
+    }
+
+    fn decode(&mut self, ids: &[ReqId]) -> Vec<Result<StepOut, WireError>> {
+        let t0 = std::time::Instant::now();
+        let r = self.decode_inner(ids);
+        self.busy += t0.elapsed();
+        r
+    }
+
+    fn release(&mut self, id: ReqId) {
+        self.seqs.remove(&id);
+    }
+}
+
+impl ModelEngine {
+    fn prefill_inner(&mut self, id: ReqId, n: usize) -> Result<Option<StepOut>, WireError> {
         let mut seq = self.seqs.remove(&id).ok_or_else(|| internal(format!("prefill of unknown request {id}")))?;
         let result = (|| {
             let end = (seq.prefilled + n).min(seq.prompt.len());
@@ -157,7 +184,7 @@ impl EngineOps for ModelEngine {
         result
     }
 
-    fn decode(&mut self, ids: &[ReqId]) -> Vec<Result<StepOut, WireError>> {
+    fn decode_inner(&mut self, ids: &[ReqId]) -> Vec<Result<StepOut, WireError>> {
         let mut taken: Vec<(ReqId, Seq)> = ids.iter().filter_map(|id| self.seqs.remove(id).map(|s| (*id, s))).collect();
         let result = (|| {
             if taken.len() != ids.len() {
@@ -184,7 +211,4 @@ impl EngineOps for ModelEngine {
         out
     }
 
-    fn release(&mut self, id: ReqId) {
-        self.seqs.remove(&id);
-    }
 }

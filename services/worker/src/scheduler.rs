@@ -41,6 +41,9 @@ pub struct SchedulerConfig {
     /// False: the synchronous baseline, whole prompts prefilled in one go even while streams
     /// decode (what interleaving is measured against).
     pub interleave: bool,
+    /// False: static batching, the baseline of the `static` benchmark: a new batch is admitted
+    /// only when the previous one has entirely finished.
+    pub continuous: bool,
 }
 
 impl Default for SchedulerConfig {
@@ -53,6 +56,7 @@ impl Default for SchedulerConfig {
             kv_bytes_per_token: 1,
             aging_tokens_per_s: 1000.0,
             interleave: true,
+            continuous: true,
         }
     }
 }
@@ -269,10 +273,15 @@ impl Scheduler {
 
         // 3. admission, in arrival order, within the KV budget and the batch limit
         let mut still_waiting = Vec::new();
+        let batch_open = self.cfg.continuous || (self.decoding.is_empty() && self.prefilling.is_empty());
         for id in std::mem::take(&mut self.waiting) {
             let need = self.reservation(&self.reqs[&id].a);
             let running = self.decoding.len() + self.prefilling.len();
-            if still_waiting.is_empty() && running < self.cfg.max_batch && self.reserved + need <= self.cfg.kv_budget_bytes {
+            if batch_open
+                && still_waiting.is_empty()
+                && running < self.cfg.max_batch
+                && self.reserved + need <= self.cfg.kv_budget_bytes
+            {
                 self.reserved += need;
                 let r = self.reqs.get_mut(&id).expect("waiting ids are held");
                 r.reserved = need;

@@ -18,7 +18,7 @@ use actix::prelude::*;
 use async_nats::jetstream::{self, consumer::pull, stream, AckKind};
 use futures::StreamExt;
 use llmq_config::Settings;
-use llmq_engine::{default_dtype, load_model, parse_dtype, resolve_model};
+use llmq_engine::{default_dtype, load_named, parse_dtype};
 use llmq_protocol::{subjects, Cancel, ErrorClass, Event, Job, StreamEvent, WireError};
 use tokio::sync::mpsc;
 
@@ -52,6 +52,7 @@ pub fn scheduler_config(s: &Settings) -> SchedulerConfig {
         kv_bytes_per_token: 1,
         aging_tokens_per_s: c.aging_tokens_per_s,
         interleave: c.interleave,
+        continuous: c.continuous,
     }
 }
 
@@ -97,8 +98,7 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
     device.spawn_fn(move || {
         let loaded = (|| {
             let dtype = dtype.as_deref().map(parse_dtype).transpose().map_err(|e| e.to_string())?.unwrap_or_else(default_dtype);
-            let path = resolve_model(&model_ref).map_err(|e| e.to_string())?;
-            load_model(&path, dtype).map_err(|e| format!("{}: {e}", path.display()))
+            load_named(&model_ref, dtype).map_err(|e| format!("{model_ref}: {e}"))
         })();
         let _ = ready_tx.send(loaded.map(|m| {
             SchedulerActor::new(ModelEngine::new(m.model, m.tokenizer), cfg, out_tx, wid, mname).start()

@@ -339,3 +339,17 @@ fn done_reports_usage_and_timings() {
         e => panic!("{e:?}"),
     }
 }
+
+#[test]
+fn static_batching_admits_a_new_batch_only_when_the_last_one_finished() {
+    let mut h = Harness::new(SchedulerConfig { continuous: false, ..cfg() });
+    h.submit(1, 5, 10);
+    h.tick();
+    h.submit(2, 5, 10);
+    for _ in 0..8 {
+        h.tick();
+        assert!(h.of(2).iter().all(|e| matches!(e, Event::Queued { .. })), "2 waits for 1's batch");
+    }
+    h.run_until_idle(100);
+    h.assert_all_ended(&[1, 2]);
+}

@@ -80,6 +80,8 @@ pub struct SchedulerSettings {
     pub aging_tokens_per_s: f64,
     /// false: whole prompts are prefilled at once (the synchronous baseline).
     pub interleave: bool,
+    /// false: static batching (a new batch only when the last one has finished).
+    pub continuous: bool,
 }
 
 impl Default for SchedulerSettings {
@@ -91,6 +93,7 @@ impl Default for SchedulerSettings {
             kv_budget_bytes: 2 << 30,
             aging_tokens_per_s: 1000.0,
             interleave: true,
+            continuous: true,
         }
     }
 }

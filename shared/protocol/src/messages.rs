@@ -20,6 +20,8 @@ pub struct GenerateRequest {
     pub prompt: Option<String>,
     /// A chat, rendered with the model's chat template (the assistant's turn opened).
     pub messages: Option<Vec<ChatMessage>>,
+    /// An already tokenized prompt (instead of `prompt` or `messages`).
+    pub prompt_ids: Option<Vec<u32>>,
     pub max_tokens: Option<i64>,
     pub temperature: Option<f64>,
     pub top_p: Option<f64>,
@@ -213,4 +215,10 @@ pub struct WorkerStatus {
     /// Prompt tokens reused from the prefix cache over prompt tokens, since start.
     pub prefix_hit_rate: f64,
     pub sent_at_ms: u64,
+    /// Ticks since start, and their time: `tick_wall_ms` from each tick's start to the next
+    /// one's (or to going idle), `engine_ms` inside the model's prefill and decode calls. The
+    /// difference is the control overhead (scheduling, actor messages, NATS publishing).
+    pub ticks: u64,
+    pub tick_wall_ms: f64,
+    pub engine_ms: f64,
 }

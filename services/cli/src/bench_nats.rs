@@ -1,0 +1,340 @@
+//! `llmq bench burst|batch|static`: scenarios through the real stack (nats-server, intake, a
+//! worker and its scheduler actor), measured by a NATS client from the token events, with the
+//! field names of shared/bench/peer_mlx_lm.py.
+//!
+//! - burst: `active` streams decode; then `burst` prompts of `burst_tokens` arrive at once. The
+//!   active streams' steady gap (median before), worst gap (during) and the time until the last
+//!   burst prompt's first token.
+//! - batch: `streams` requests of `prompt_tokens` submitted together, `output_tokens` each: the
+//!   output tokens/s while all streams decode.
+//! - static: the same arrivals (half at once, half spread over the first ones' decode) with
+//!   continuous batching and with static batching: mean time to first token of each.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Result};
+use futures::StreamExt;
+use llmq_protocol::{subjects, Cancel, Event, GenerateReply, GenerateRequest, StreamEvent, WorkerStatus};
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+
+use crate::serve::{start_stack, wait_for_workers};
+
+pub struct Knobs {
+    pub model: String,
+    pub active: usize,
+    pub burst: usize,
+    pub burst_tokens: usize,
+    pub chunk: usize,
+    pub interleave: bool,
+    pub streams: usize,
+    pub prompt_tokens: usize,
+    pub output_tokens: usize,
+    pub nats: Option<String>,
+    pub worker_env: Vec<(String, String)>,
+}
+
+/// A token event as the client saw it.
+struct Seen {
+    stream: usize,
+    at: Instant,
+    tokens: usize,
+    terminal: bool,
+}
+
+struct Client {
+    nc: async_nats::Client,
+    tx: mpsc::UnboundedSender<Seen>,
+    ids: Vec<String>,
+}
+
+fn prompt(n: usize, seed: u64) -> Vec<u32> {
+    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            10 + ((x >> 33) % 3990) as u32
+        })
+        .collect()
+}
+
+impl Client {
+    /// Submits one request; its events feed the shared channel tagged with its index.
+    async fn submit(&mut self, model: &str, prompt_ids: Vec<u32>, max_tokens: usize) -> Result<usize> {
+        let idx = self.ids.len();
+        let inbox = self.nc.new_inbox();
+        let mut sub = self.nc.subscribe(inbox.clone()).await?;
+        let req = GenerateRequest {
+            model: model.into(),
+            prompt_ids: Some(prompt_ids),
+            max_tokens: Some(max_tokens as i64),
+            ignore_eos: true,
+            stream_subject: Some(inbox),
+            ..Default::default()
+        };
+        let reply = self.nc.request(subjects::GENERATE, llmq_protocol::encode(&req)?.into()).await?;
+        let id = match llmq_protocol::decode::<GenerateReply>(&reply.payload)? {
+            GenerateReply::Accepted { request_id, .. } => request_id,
+            GenerateReply::Rejected { error } => bail!("rejected: {error}"),
+        };
+        self.ids.push(id);
+        let tx = self.tx.clone();
+        tokio::spawn(async move {
+            while let Some(m) = sub.next().await {
+                let at = Instant::now();
+                let Ok(ev) = llmq_protocol::decode::<StreamEvent>(&m.payload) else { continue };
+                let (tokens, terminal) = match &ev.event {
+                    Event::Tokens { ids, .. } => (ids.len(), false),
+                    e if e.is_terminal() => {
+                        if let Event::Error { error } = e {
+                            if error.class != llmq_protocol::ErrorClass::Cancelled {
+                                eprintln!("llmq bench: stream {idx} failed: {error}");
+                            }
+                        }
+                        (0, true)
+                    }
+                    _ => continue,
+                };
+                let _ = tx.send(Seen { stream: idx, at, tokens, terminal });
+                if terminal {
+                    break;
+                }
+            }
+        });
+        Ok(idx)
+    }
+
+    async fn cancel_all(&self) -> Result<()> {
+        for id in &self.ids {
+            self.nc.publish(subjects::CANCEL, llmq_protocol::encode(&Cancel { request_id: id.clone() })?.into()).await?;
+        }
+        self.nc.flush().await?;
+        Ok(())
+    }
+
+    async fn status(&self) -> Result<WorkerStatus> {
+        let mut sub = self.nc.subscribe(subjects::WORKER_STATUS_ALL).await?;
+        let m = tokio::time::timeout(Duration::from_secs(30), sub.next()).await?.ok_or_else(|| anyhow::anyhow!("no status"))?;
+        Ok(llmq_protocol::decode(&m.payload)?)
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn round(x: f64, digits: i32) -> f64 {
+    let p = 10f64.powi(digits);
+    (x * p).round() / p
+}
+
+fn overhead(before: &WorkerStatus, after: &WorkerStatus) -> Value {
+    let wall = after.tick_wall_ms - before.tick_wall_ms;
+    let engine = after.engine_ms - before.engine_ms;
+    let ticks = after.ticks - before.ticks;
+    json!({
+        "ticks": ticks,
+        "tick_ms": round(wall / ticks.max(1) as f64, 3),
+        "control_overhead_fraction": round(1.0 - engine / wall.max(1e-9), 4),
+    })
+}
+
+/// Runs a scenario against `url`, or against a stack started for it.
+pub fn run(scenario: &str, k: &Knobs) -> Result<Value> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let mut env = k.worker_env.clone();
+    env.push(("LLMQ__SCHEDULER__PREFILL_CHUNK_TOKENS".into(), k.chunk.to_string()));
+    env.push(("LLMQ__SCHEDULER__INTERLEAVE".into(), k.interleave.to_string()));
+    match scenario {
+        "burst" => rt.block_on(with_stack(k, &env, |c| Box::pin(burst(c, k)))),
+        "batch" => rt.block_on(with_stack(k, &env, |c| Box::pin(batch(c, k)))),
+        "static" => {
+            let cont = rt.block_on(with_stack(k, &env, |c| Box::pin(arrivals(c, k))))?;
+            let mut senv = env.clone();
+            senv.push(("LLMQ__SCHEDULER__CONTINUOUS".into(), "false".into()));
+            let stat = rt.block_on(with_stack(k, &senv, |c| Box::pin(arrivals(c, k))))?;
+            let (c, s) = (cont["mean_ttft_ms"].as_f64().unwrap_or(f64::NAN), stat["mean_ttft_ms"].as_f64().unwrap_or(f64::NAN));
+            Ok(json!({
+                "scenario": "static", "requests": k.streams, "prompt_tokens": k.prompt_tokens,
+                "output_tokens": k.output_tokens,
+                "continuous_mean_ttft_ms": round(c, 2), "static_mean_ttft_ms": round(s, 2),
+                "static_over_continuous": round(s / c, 2),
+            }))
+        }
+        other => bail!("unknown scenario {other:?}"),
+    }
+}
+
+type Fut<'a> = std::pin::Pin<Box<dyn std::future::Future<Output = Result<Value>> + 'a>>;
+
+async fn with_stack<'a>(k: &'a Knobs, env: &[(String, String)], f: impl FnOnce((Client, mpsc::UnboundedReceiver<Seen>)) -> Fut<'a>) -> Result<Value> {
+    let mut stack = None;
+    let url = match &k.nats {
+        Some(u) => u.clone(),
+        None => {
+            let s = start_stack(&k.model, 1, None, None, env)?;
+            let u = s.url.clone();
+            stack = Some(s);
+            u
+        }
+    };
+    let nc = async_nats::connect(&url).await?;
+    if let Some(s) = stack.as_mut() {
+        wait_for_workers(&nc, 1, &mut s.children).await?;
+    }
+    let (tx, rx) = mpsc::unbounded_channel();
+    let client = Client { nc, tx, ids: vec![] };
+    let r = f((client, rx)).await;
+    drop(stack);
+    r
+}
+
+async fn burst((mut c, mut rx): (Client, mpsc::UnboundedReceiver<Seen>), k: &Knobs) -> Result<Value> {
+    // Active streams run until cancelled (2048 tokens outlast any burst measured here; a
+    // larger cap would only inflate their KV reservations).
+    let long = (c.status().await?.context_tokens as usize).saturating_sub(129).clamp(1, 2048);
+    let mut active = vec![];
+    for i in 0..k.active {
+        active.push(c.submit(&k.model, prompt(128, 3 + i as u64), long).await?);
+    }
+    let mut last: HashMap<usize, Instant> = HashMap::new();
+    let mut count: HashMap<usize, usize> = HashMap::new();
+    let (mut before, mut during) = (vec![], vec![]);
+    // Warm up, then measure the steady gap over 40 tokens of every active stream.
+    let mut phase = 0; // 0 warm, 1 steady, 2 burst
+    let mut status0 = None;
+    let mut burst_at = Instant::now();
+    let mut burst_ids: Vec<usize> = vec![];
+    let mut first: HashMap<usize, f64> = HashMap::new();
+    while let Some(s) = rx.recv().await {
+        if s.terminal && s.stream < k.active {
+            bail!("an active stream ended early");
+        }
+        if s.stream < k.active && s.tokens > 0 {
+            if let Some(p) = last.insert(s.stream, s.at) {
+                let gap = (s.at - p).as_secs_f64() * 1000.0;
+                match phase {
+                    1 => before.push(gap),
+                    2 => during.push(gap),
+                    _ => {}
+                }
+            }
+            *count.entry(s.stream).or_default() += 1;
+        } else if burst_ids.contains(&s.stream) && s.tokens > 0 && !first.contains_key(&s.stream) {
+            first.insert(s.stream, (s.at - burst_at).as_secs_f64());
+            if first.len() == k.burst {
+                break;
+            }
+        }
+        let min = active.iter().map(|i| count.get(i).copied().unwrap_or(0)).min().unwrap_or(0);
+        if phase == 0 && min >= 20 {
+            phase = 1;
+        } else if phase == 1 && min >= 60 {
+            phase = 2;
+            status0 = Some(c.status().await?);
+            burst_at = Instant::now();
+            for j in 0..k.burst {
+                burst_ids.push(c.submit(&k.model, prompt(k.burst_tokens, 100 + j as u64), 8).await?);
+            }
+        }
+    }
+    let status1 = c.status().await?;
+    c.cancel_all().await?;
+    let steady = median(before);
+    let worst = during.iter().copied().fold(0.0, f64::max);
+    let mut v = json!({
+        "scenario": "burst", "active_streams": k.active, "burst_prompts": k.burst,
+        "burst_tokens": k.burst_tokens, "prefill_step": k.chunk, "interleave": k.interleave,
+        "steady_gap_ms": round(steady, 2), "worst_gap_ms": round(worst, 2),
+        "worst_over_steady": round(worst / steady, 1),
+        "last_burst_first_token_s": round(first.values().copied().fold(0.0, f64::max), 3),
+    });
+    if let Some(s0) = status0 {
+        v.as_object_mut().unwrap().extend(overhead(&s0, &status1).as_object().unwrap().clone());
+    }
+    Ok(v)
+}
+
+async fn batch((mut c, mut rx): (Client, mpsc::UnboundedReceiver<Seen>), k: &Knobs) -> Result<Value> {
+    let t0 = Instant::now();
+    let status0 = c.status().await?;
+    for i in 0..k.streams {
+        c.submit(&k.model, prompt(k.prompt_tokens, 7 + i as u64), k.output_tokens).await?;
+    }
+    let (mut produced, mut ended) = (0usize, 0usize);
+    let mut started: HashMap<usize, Instant> = HashMap::new();
+    let mut events: Vec<(Instant, usize)> = vec![];
+    let mut first_end = None;
+    while let Some(s) = rx.recv().await {
+        if s.tokens > 0 {
+            produced += s.tokens;
+            started.entry(s.stream).or_insert(s.at);
+            events.push((s.at, s.tokens));
+        }
+        if s.terminal {
+            ended += 1;
+            first_end.get_or_insert(s.at);
+            if ended == k.streams {
+                break;
+            }
+        }
+    }
+    let total = t0.elapsed().as_secs_f64();
+    let status1 = c.status().await?;
+    // Steady state: every stream has started and none has ended.
+    let all_started = started.values().max().copied();
+    let steady = match (all_started, first_end) {
+        (Some(a), Some(e)) if e > a => {
+            let n: usize = events.iter().filter(|(t, _)| *t > a && *t <= e).map(|x| x.1).sum();
+            n as f64 / (e - a).as_secs_f64()
+        }
+        _ => f64::NAN,
+    };
+    let mut v = json!({
+        "scenario": "batch", "streams": k.streams, "prompt_tokens": k.prompt_tokens,
+        "output_tokens": k.output_tokens, "wall_s": round(total, 3),
+        "overall_output_tokens_per_s": round(produced as f64 / total, 1),
+        "steady_output_tokens_per_s": round(steady, 1),
+    });
+    v.as_object_mut().unwrap().extend(overhead(&status0, &status1).as_object().unwrap().clone());
+    Ok(v)
+}
+
+/// Half the requests at once, the other half one by one while the first half decodes.
+async fn arrivals((mut c, mut rx): (Client, mpsc::UnboundedReceiver<Seen>), k: &Knobs) -> Result<Value> {
+    let n = k.streams.max(2);
+    let mut submitted: HashMap<usize, Instant> = HashMap::new();
+    for i in 0..n / 2 {
+        let at = Instant::now();
+        submitted.insert(c.submit(&k.model, prompt(k.prompt_tokens, 50 + i as u64), k.output_tokens).await?, at);
+    }
+    let mut next = n / 2;
+    let mut ttft: HashMap<usize, f64> = HashMap::new();
+    let mut ended = 0;
+    let mut tokens_seen = 0usize;
+    while let Some(s) = rx.recv().await {
+        if s.tokens > 0 && !ttft.contains_key(&s.stream) {
+            ttft.insert(s.stream, (s.at - submitted[&s.stream]).as_secs_f64() * 1000.0);
+        }
+        tokens_seen += s.tokens;
+        // A late arrival every output_tokens/4 tokens of the first wave.
+        if next < n && tokens_seen >= (next - n / 2 + 1) * (k.output_tokens / 4).max(1) {
+            let at = Instant::now();
+            submitted.insert(c.submit(&k.model, prompt(k.prompt_tokens, 50 + next as u64), k.output_tokens).await?, at);
+            next += 1;
+        }
+        if s.terminal {
+            ended += 1;
+            if ended == n {
+                break;
+            }
+        }
+    }
+    let mean = ttft.values().sum::<f64>() / ttft.len().max(1) as f64;
+    Ok(json!({ "mean_ttft_ms": mean }))
+}
