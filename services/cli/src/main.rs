@@ -30,6 +30,12 @@ enum Command {
 }
 
 fn main() -> std::process::ExitCode {
+    // MLX's CUDA backend caches a CUDA graph per distinct step shape, and raises an error when
+    // more than 400 shapes alternate. Serving steps vary in batch size and cache length, so
+    // give it room (before MLX initialises; a user's own setting wins).
+    if std::env::var_os("MLX_CUDA_GRAPH_CACHE_SIZE").is_none() {
+        std::env::set_var("MLX_CUDA_GRAPH_CACHE_SIZE", "8192");
+    }
     llmq_telemetry::init("warn,llmq_worker=info,llmq_intake=info");
     let result = match Cli::parse().command {
         Command::Generate(a) => generate::run(a),

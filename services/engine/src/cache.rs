@@ -28,6 +28,11 @@ pub trait KvCache: Send {
     fn update(&mut self, k: &Array, v: &Array) -> Result<(Array, Array, AttnMask)>;
     /// Bytes of device memory held.
     fn nbytes(&self) -> usize;
+    /// Every position's keys and values [1, kv_heads, offset, head_dim], when this cache keeps
+    /// them all (a sliding-window cache does not, and cannot join a decode batch).
+    fn contents(&self) -> Option<(Array, Array)> {
+        None
+    }
 }
 
 /// Grows in steps and writes new tokens in place: decode copies nothing that already exists.
@@ -82,6 +87,11 @@ impl KvCache for StandardCache {
 
     fn nbytes(&self) -> usize {
         self.keys.as_ref().map_or(0, |k| k.nbytes()) + self.values.as_ref().map_or(0, |v| v.nbytes())
+    }
+
+    fn contents(&self) -> Option<(Array, Array)> {
+        let e = self.offset as i32;
+        Some((self.keys.as_ref()?.index((.., .., ..e, ..)), self.values.as_ref()?.index((.., .., ..e, ..))))
     }
 }
 
@@ -151,5 +161,9 @@ impl SequenceCache {
     }
     pub fn nbytes(&self) -> usize {
         self.layers.iter().map(|l| l.nbytes()).sum()
+    }
+    /// Layer `l`'s keys and values for every position, if this cache keeps them all.
+    pub fn contents(&self, l: usize) -> Option<(Array, Array)> {
+        self.layers.get(l)?.contents()
     }
 }

@@ -7,6 +7,7 @@
 //! - `arch`      what distinguishes Llama, Qwen2 and Qwen3
 //! - `model`     the transformer: chunked prefill and batched decode over per-sequence caches
 //! - `cache`     the KV-cache trait, a growing cache and a sliding-window one
+//! - `batch`     the decode batch: every running sequence as one row of shared KV buffers
 //! - `tokenizer` tokenizers (from `tokenizer.json` or rebuilt from GGUF) and chat templates
 //! - `sampling`  next-token choice and stop conditions; `detok` incremental detokenization
 //! - `generate`  one sequence end to end, for the CLI and the single-stream benchmark
@@ -15,6 +16,7 @@
 //! All MLX work of one model runs on one thread: mlx-rs arrays are `Send` but not `Sync`.
 
 pub mod arch;
+pub mod batch;
 pub mod cache;
 pub mod config;
 pub mod detok;

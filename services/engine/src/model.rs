@@ -5,12 +5,13 @@
 //! sequences at different positions. Projections and the MLP run batched; attention runs per
 //! sequence against that sequence's own cache, so nothing is padded to the longest sequence.
 
-use mlx_rs::fast::{rms_norm, rope, scaled_dot_product_attention, ScaledDotProductAttentionMask};
+use mlx_rs::fast::{rms_norm, rope, rope_dynamic, scaled_dot_product_attention, ScaledDotProductAttentionMask};
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::ops::{concatenate, sigmoid};
 use mlx_rs::{Array, Dtype};
 
 use crate::arch::{self, ArchOptions};
+use crate::batch::DecodeBatch;
 use crate::cache::{AttnMask, KvCache, RotatingCache, SequenceCache, StandardCache};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
@@ -173,6 +174,27 @@ fn swiglu(g: &Array, u: &Array) -> Result<Array> {
     Ok(compiled((g, u))?)
 }
 
+impl Attention {
+    /// One decode step for every row of the batch: each row's token is written at its own
+    /// position (one scatter per buffer) and attends over its row, masked past its length.
+    fn forward_batched(&self, x: &Array, kv: &mut (Array, Array), positions: &Array, write: &Array, mask: &Array) -> Result<Array> {
+        let b = x.shape()[0];
+        let d = self.head_dim;
+        let qkv = self.qkv.forward(x)?;
+        let (qe, ke) = (self.heads * d, (self.heads + self.kv_heads) * d);
+        let q = heads_first(qkv.index((.., .., ..qe)), b, 1, self.heads, d, self.q_norm.as_ref(), self.eps)?;
+        let k = heads_first(qkv.index((.., .., qe..ke)), b, 1, self.kv_heads, d, self.k_norm.as_ref(), self.eps)?;
+        let v = heads_first(qkv.index((.., .., ke..)), b, 1, self.kv_heads, d, None, self.eps)?;
+        let q = rope_dynamic(&q, d, false, self.rope_theta, 1.0, positions, None)?;
+        let k = rope_dynamic(&k, d, false, self.rope_theta, 1.0, positions, None)?;
+        kv.0 = kv.0.put_along_axis(write, &k, 2)?;
+        kv.1 = kv.1.put_along_axis(write, &v, 2)?;
+        let o = scaled_dot_product_attention(&q, &kv.0, &kv.1, self.scale, mask, None)?;
+        let o = o.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, 1, self.heads * d])?;
+        self.o.forward(&o)
+    }
+}
+
 impl Mlp {
     fn forward(&self, x: &Array) -> Result<Array> {
         let gu = self.gate_up.forward(x)?;
@@ -258,6 +280,47 @@ impl Model {
             })
             .collect();
         SequenceCache { layers }
+    }
+
+    /// An empty decode batch for this model, or None for sliding-window models (their caches
+    /// decode per sequence).
+    pub fn new_decode_batch(&self) -> Option<DecodeBatch> {
+        let c = &self.config;
+        c.sliding_window.is_none().then(|| DecodeBatch::new(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype))
+    }
+
+    /// One decode step for every sequence of the batch: `tokens[i]` is row i's next input.
+    /// Returns logits [len, 1, vocab] in the model's dtype (lazy).
+    pub fn decode_batch(&self, tokens: &[u32], batch: &mut DecodeBatch) -> Result<Array> {
+        let n = batch.len();
+        if tokens.len() != n || n == 0 {
+            return Err(EngineError::InvalidRequest(format!("decode_batch: {} tokens for {n} rows", tokens.len())));
+        }
+        let longest = batch.lens().iter().copied().max().unwrap_or(0);
+        batch.reserve(n, longest + 1)?;
+        let slots = batch.slots();
+        let mut toks: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+        toks.resize(slots, 0);
+        let x0 = Array::from_slice(&toks, &[slots as i32, 1]);
+        let positions = batch.positions();
+        let write = batch.write_index(&positions)?;
+        let cap = batch.capacity() as i32;
+        let keys = mlx_rs::ops::arange::<i32, i32>(None, cap, None)?.reshape(&[1, 1, 1, cap])?;
+        let mask = keys.lt(&positions.reshape(&[slots as i32, 1, 1, 1])?.add(Array::from_int(1))?)?;
+        let eps = self.config.rms_norm_eps;
+        let mut x = self.embed.take_axis(&x0, 0)?;
+        for (layer, kv) in self.layers.iter().zip(batch.layers.iter_mut()) {
+            let h = layer.attn.forward_batched(&rms_norm(&x, Some(&layer.input_norm), eps)?, kv, &positions, &write, &mask)?;
+            x = x.add(&h)?;
+            let h = layer.mlp.forward(&rms_norm(&x, Some(&layer.post_norm), eps)?)?;
+            x = x.add(&h)?;
+        }
+        batch.advance();
+        let x = rms_norm(&x.index((..n as i32, .., ..)), Some(&self.norm), eps)?;
+        Ok(match &self.lm_head_t {
+            Some(h) => x.matmul(h)?,
+            None => x.matmul(self.embed.t())?,
+        })
     }
 
     /// Runs `tokens` [B, T] (int32) through the model, appending to each sequence's cache.

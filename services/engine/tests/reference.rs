@@ -135,3 +135,47 @@ fn greedy_tokens_are_batch_and_chunk_invariant() {
         assert_eq!(alone, greedy(64, &[&cases[3].ids, &cases[1].ids]), "{name}: in a batch of three");
     }
 }
+
+/// The same through the decode batch (shared per-layer buffers, one scatter and one attention
+/// per layer): sequences join after their prefill, and one leaves mid-way, moving the last row
+/// into its place; every remaining sequence's logits still equal transformers'.
+#[test]
+fn decode_batch_with_joins_and_leaves_matches_transformers() {
+    const STEPS: usize = 6;
+    for name in ["tiny-llama", "tiny-qwen2", "tiny-qwen3"] {
+        let m = load(name);
+        let cases = reference(fixture(name).join("reference.safetensors"));
+        let seqs: Vec<_> = cases.iter().filter(|c| c.ids.len() > STEPS).collect();
+        let mut batch = m.model.new_decode_batch().expect("full-attention model");
+        // rows[r] = which sequence row r holds
+        let mut rows: Vec<usize> = vec![];
+        for (i, c) in seqs.iter().enumerate() {
+            let mut cache = m.model.new_cache();
+            run_chunked(&m.model, &mut cache, &c.ids[..c.ids.len() - STEPS], 9);
+            assert_eq!(batch.join(&cache).unwrap(), i);
+            rows.push(i);
+        }
+        for step in 0..STEPS {
+            if step == 3 {
+                // The first sequence leaves; the last row moves into row 0.
+                let moved = batch.leave(0).unwrap();
+                assert_eq!(moved, Some(rows.len() - 1));
+                let last = rows.pop().unwrap();
+                rows[0] = last;
+            }
+            let toks: Vec<u32> = rows.iter().map(|&s| seqs[s].ids[seqs[s].ids.len() - STEPS + step]).collect();
+            let logits = host_f32(&m.model.decode_batch(&toks, &mut batch).unwrap()).unwrap();
+            for (r, &s) in rows.iter().enumerate() {
+                let c = seqs[s];
+                let got = &logits[r * c.vocab..(r + 1) * c.vocab];
+                let d = max_abs_diff(got, c.row(c.ids.len() - STEPS + step));
+                assert!(d < TOL, "{name} seq {s} (row {r}) step {step}: max |diff| {d}");
+            }
+        }
+        while !batch.is_empty() {
+            batch.leave(0).unwrap();
+        }
+        assert_eq!(batch.nbytes(), 0, "an empty batch holds no memory");
+    }
+    assert!(load("tiny-mistral").model.new_decode_batch().is_none());
+}

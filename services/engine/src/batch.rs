@@ -1,0 +1,177 @@
+//! The decode batch: every running sequence's KV cache as one row of per-layer buffers
+//! [slots, kv_heads, capacity, head_dim], so that one decode step is one batched forward pass
+//! (one RoPE, one KV write and one attention kernel per layer for the whole batch).
+//!
+//! Invariants: active rows are dense, 0..len(); a sequence joins by copying only its own KV into
+//! the next row, and leaves by moving the last row into its place, so nobody else's cache is
+//! copied or re-padded when the batch changes (buffers grow by doubling rows and by 256-token
+//! steps of capacity, which copies everything but happens rarely). Rows past len() are scratch:
+//! computed and ignored. With no sequence left, the buffers are freed.
+
+use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
+use mlx_rs::ops::{broadcast_to, concatenate, zeros_dtype};
+use mlx_rs::{Array, Dtype};
+
+use crate::cache::SequenceCache;
+use crate::error::{EngineError, Result};
+
+const CAPACITY_STEP: usize = 256;
+
+pub struct DecodeBatch {
+    /// Per layer: (keys, values), each [slots, kv_heads, capacity, head_dim].
+    pub(crate) layers: Vec<(Array, Array)>,
+    /// Tokens in each active row's cache.
+    lens: Vec<usize>,
+    slots: usize,
+    capacity: usize,
+    kv_heads: i32,
+    head_dim: i32,
+    dtype: Dtype,
+    num_layers: usize,
+}
+
+impl DecodeBatch {
+    pub(crate) fn new(num_layers: usize, kv_heads: usize, head_dim: usize, dtype: Dtype) -> Self {
+        DecodeBatch {
+            layers: vec![],
+            lens: vec![],
+            slots: 0,
+            capacity: 0,
+            kv_heads: kv_heads as i32,
+            head_dim: head_dim as i32,
+            dtype,
+            num_layers,
+        }
+    }
+
+    /// Active rows.
+    pub fn len(&self) -> usize {
+        self.lens.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.lens.is_empty()
+    }
+
+    pub(crate) fn slots(&self) -> usize {
+        self.slots
+    }
+
+    pub(crate) fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    pub(crate) fn lens(&self) -> &[usize] {
+        &self.lens
+    }
+
+    pub fn nbytes(&self) -> usize {
+        self.layers.iter().map(|(k, v)| k.nbytes() + v.nbytes()).sum()
+    }
+
+    fn zeros(&self, slots: usize, capacity: usize) -> Result<Array> {
+        Ok(zeros_dtype(&[slots as i32, self.kv_heads, capacity as i32, self.head_dim], self.dtype)?)
+    }
+
+    /// Makes room for `slots` rows of `capacity` tokens.
+    pub(crate) fn reserve(&mut self, slots: usize, capacity: usize) -> Result<()> {
+        let slots = if slots > self.slots { slots.max(self.slots * 2).max(4) } else { self.slots };
+        let capacity = if capacity > self.capacity { capacity.div_ceil(CAPACITY_STEP) * CAPACITY_STEP } else { self.capacity };
+        if slots == self.slots && capacity == self.capacity {
+            return Ok(());
+        }
+        if self.layers.is_empty() {
+            for _ in 0..self.num_layers {
+                self.layers.push((self.zeros(slots, capacity)?, self.zeros(slots, capacity)?));
+            }
+        } else {
+            let (old_slots, old_cap) = (self.slots, self.capacity);
+            let grown: Result<Vec<(Array, Array)>> = self
+                .layers
+                .iter()
+                .map(|(k, v)| {
+                    let grow = |a: &Array| -> Result<Array> {
+                        let mut a = a.clone();
+                        if capacity > old_cap {
+                            a = concatenate(&[a, self.zeros(old_slots, capacity - old_cap)?], 2)?;
+                        }
+                        if slots > old_slots {
+                            a = concatenate(&[a, self.zeros(slots - old_slots, capacity)?], 0)?;
+                        }
+                        Ok(a)
+                    };
+                    Ok((grow(k)?, grow(v)?))
+                })
+                .collect();
+            self.layers = grown?;
+        }
+        self.slots = slots;
+        self.capacity = capacity;
+        Ok(())
+    }
+
+    /// Moves a prefilled sequence's KV into the next row; returns the row.
+    pub fn join(&mut self, cache: &SequenceCache) -> Result<usize> {
+        let len = cache.offset();
+        let row = self.lens.len();
+        self.reserve(row + 1, len + 1)?;
+        let r = row as i32;
+        for (l, (k, v)) in self.layers.iter_mut().enumerate() {
+            let (ck, cv) = cache.contents(l).ok_or_else(|| {
+                EngineError::InvalidRequest("a sliding-window cache cannot join the decode batch".into())
+            })?;
+            k.try_index_mut((r..r + 1, .., 0..len as i32, ..), &ck)?;
+            v.try_index_mut((r..r + 1, .., 0..len as i32, ..), &cv)?;
+        }
+        self.lens.push(len);
+        Ok(row)
+    }
+
+    /// Removes a row. The last row moves into its place: returns that row's old index, so the
+    /// caller can update its map (None when `row` was the last one).
+    pub fn leave(&mut self, row: usize) -> Result<Option<usize>> {
+        let last = self.lens.len().checked_sub(1).ok_or_else(|| EngineError::InvalidRequest("leave from an empty batch".into()))?;
+        if row > last {
+            return Err(EngineError::InvalidRequest(format!("no row {row} in a batch of {}", last + 1)));
+        }
+        let moved = if row != last {
+            let (r, e) = (row as i32, last as i32);
+            for (k, v) in self.layers.iter_mut() {
+                let lk = k.index((e..e + 1, .., .., ..));
+                let lv = v.index((e..e + 1, .., .., ..));
+                k.try_index_mut((r..r + 1, .., .., ..), &lk)?;
+                v.try_index_mut((r..r + 1, .., .., ..), &lv)?;
+            }
+            self.lens[row] = self.lens[last];
+            Some(last)
+        } else {
+            None
+        };
+        self.lens.pop();
+        if self.lens.is_empty() {
+            self.layers.clear();
+            self.slots = 0;
+            self.capacity = 0;
+        }
+        Ok(moved)
+    }
+
+    /// Per-row positions of the next token (scratch rows: 0) as an int32 array [slots].
+    pub(crate) fn positions(&self) -> Array {
+        let mut p: Vec<i32> = self.lens.iter().map(|&l| l as i32).collect();
+        p.resize(self.slots, 0);
+        Array::from_slice(&p, &[self.slots as i32])
+    }
+
+    /// Scatter indices [slots, kv_heads, 1, head_dim] writing each row's new token at its position.
+    pub(crate) fn write_index(&self, positions: &Array) -> Result<Array> {
+        let p = positions.reshape(&[self.slots as i32, 1, 1, 1])?;
+        Ok(broadcast_to(&p, &[self.slots as i32, self.kv_heads, 1, self.head_dim])?)
+    }
+
+    pub(crate) fn advance(&mut self) {
+        for l in &mut self.lens {
+            *l += 1;
+        }
+    }
+}
