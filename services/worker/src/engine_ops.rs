@@ -8,6 +8,7 @@
 
 use std::collections::HashMap;
 
+use llmq_engine::batch::DecodeBatch;
 use llmq_engine::cache::SequenceCache;
 use llmq_engine::generate::Finisher;
 use llmq_engine::model::host_f32;
@@ -28,6 +29,8 @@ struct Seq {
     finisher: Finisher,
     /// The token sampled last: the next decode step's input.
     next: Option<u32>,
+    /// Row in the decode batch, once prefill is complete.
+    row: Option<usize>,
 }
 
 pub struct ModelEngine {
@@ -36,6 +39,11 @@ pub struct ModelEngine {
     seqs: HashMap<ReqId, Seq>,
     /// Time spent in prefill and decode calls since start.
     busy: std::time::Duration,
+    /// Decoding sequences as rows of shared KV buffers (None for sliding-window models, whose
+    /// sequences decode each against its own cache).
+    batch: Option<DecodeBatch>,
+    /// rows[r]: the request in row r of `batch`.
+    rows: Vec<ReqId>,
 }
 
 fn internal(e: impl std::fmt::Display) -> WireError {
@@ -48,7 +56,8 @@ fn wire_logprob(lp: llmq_engine::sampling::TokenLogprob) -> TokenLogprob {
 
 impl ModelEngine {
     pub fn new(model: Model, tokenizer: Option<Tokenizer>) -> Self {
-        ModelEngine { model, tokenizer, seqs: HashMap::new(), busy: std::time::Duration::ZERO }
+        let batch = model.new_decode_batch();
+        ModelEngine { model, tokenizer, seqs: HashMap::new(), busy: std::time::Duration::ZERO, batch, rows: vec![] }
     }
 
     pub fn model(&self) -> &Model {
@@ -71,7 +80,8 @@ impl ModelEngine {
 
     /// KV bytes the caches hold now.
     pub fn kv_bytes_in_use(&self) -> u64 {
-        self.seqs.values().map(|s| s.cache.nbytes() as u64).sum()
+        let batch = self.batch.as_ref().map_or(0, |b| b.nbytes() as u64);
+        batch + self.seqs.values().map(|s| s.cache.nbytes() as u64).sum::<u64>()
     }
 
     /// Milliseconds spent in prefill and decode calls since start.
@@ -101,6 +111,7 @@ impl ModelEngine {
             sampler: Sampler::new(sampling),
             finisher: Finisher::new(stop, eos),
             next: None,
+            row: None,
         };
         self.seqs.insert(id, seq);
         Ok(())
@@ -159,7 +170,22 @@ impl EngineOps for ModelEngine {
     }
 
     fn release(&mut self, id: ReqId) {
-        self.seqs.remove(&id);
+        let Some(seq) = self.seqs.remove(&id) else { return };
+        if let (Some(row), Some(batch)) = (seq.row, self.batch.as_mut()) {
+            match batch.leave(row) {
+                Ok(moved) => {
+                    self.rows.swap_remove(row);
+                    if let Some(from) = moved {
+                        debug_assert_eq!(from, self.rows.len());
+                        let moved_id = self.rows[row];
+                        if let Some(s) = self.seqs.get_mut(&moved_id) {
+                            s.row = Some(row);
+                        }
+                    }
+                }
+                Err(e) => tracing::error!(error = %e, "leaving the decode batch"),
+            }
+        }
     }
 }
 
@@ -178,13 +204,59 @@ impl ModelEngine {
                 return Ok(None);
             }
             let (t, lp) = choose(&logits, &mut [&mut seq])?.pop().expect("one row");
-            self.take_token(&mut seq, t, lp).map(Some)
+            let out = self.take_token(&mut seq, t, lp)?;
+            if let Some(batch) = self.batch.as_mut() {
+                // Into the decode batch: only this sequence's KV is copied; its own cache goes.
+                seq.row = Some(batch.join(&seq.cache).map_err(internal)?);
+                self.rows.push(id);
+                seq.cache = self.model.new_cache();
+            }
+            Ok(Some(out))
         })();
         self.seqs.insert(id, seq);
         result
     }
 
+    /// One step of the decode batch; results in the order of `ids`.
+    fn decode_rows(&mut self, ids: &[ReqId]) -> Vec<Result<StepOut, WireError>> {
+        let mut batch = self.batch.take().expect("batch mode");
+        let result = (|| {
+            if ids.len() != self.rows.len() || ids.iter().any(|id| self.seqs.get(id).and_then(|s| s.row).is_none()) {
+                return Err(internal("decode batch out of step with the scheduler"));
+            }
+            let toks: Vec<u32> = self.rows.iter().map(|id| self.seqs[id].next.unwrap_or(0)).collect();
+            let logits = self.model.decode_batch(&toks, &mut batch).map_err(internal)?;
+            let mut taken: Vec<(ReqId, Seq)> = self.rows.iter().map(|id| (*id, self.seqs.remove(id).expect("checked"))).collect();
+            let chosen = {
+                let mut seqs: Vec<&mut Seq> = taken.iter_mut().map(|(_, s)| s).collect();
+                choose(&logits, &mut seqs)
+            };
+            let outs: Vec<(ReqId, Result<StepOut, WireError>)> = match chosen {
+                Ok(chosen) => taken.iter_mut().zip(chosen).map(|((id, s), (t, lp))| (*id, self.take_token(s, t, lp))).collect(),
+                Err(e) => taken.iter().map(|(id, _)| (*id, Err(e.clone()))).collect(),
+            };
+            for (id, s) in taken {
+                self.seqs.insert(id, s);
+            }
+            Ok(outs)
+        })();
+        self.batch = Some(batch);
+        match result {
+            Ok(mut outs) => ids
+                .iter()
+                .map(|id| {
+                    let i = outs.iter().position(|(x, _)| x == id).expect("every id has a row");
+                    outs.swap_remove(i).1
+                })
+                .collect(),
+            Err(e) => ids.iter().map(|_| Err(e.clone())).collect(),
+        }
+    }
+
     fn decode_inner(&mut self, ids: &[ReqId]) -> Vec<Result<StepOut, WireError>> {
+        if self.batch.is_some() {
+            return self.decode_rows(ids);
+        }
         let mut taken: Vec<(ReqId, Seq)> = ids.iter().filter_map(|id| self.seqs.remove(id).map(|s| (*id, s))).collect();
         let result = (|| {
             if taken.len() != ids.len() {
