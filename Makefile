@@ -1,5 +1,5 @@
 # llmq: the two commands of the quick start, and their parts.
-#   make demo   set up, build, and stream SmolLM2's answer to a question
+#   make demo   set up, build, start a local stack and stream SmolLM2's answer through NATS
 #   make test   set up, build, and run every test
 .PHONY: setup build demo test bench fixtures clean
 
@@ -13,7 +13,7 @@ build: setup
 	$(CARGO) build --release --workspace
 
 demo: build
-	$(LLMQ) generate --local --model smollm2 --chat --prompt "What is the capital of France?" --max-tokens 64
+	bash deploy/demo.sh "What is the capital of France?"
 
 test: build
 	$(CARGO) test --release --workspace
