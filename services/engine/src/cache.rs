@@ -35,7 +35,8 @@ pub trait KvCache: Send {
     }
 }
 
-/// Grows in steps and writes new tokens in place: decode copies nothing that already exists.
+/// Grows geometrically (in whole steps) and writes new tokens in place: decode copies nothing
+/// that already exists.
 pub struct StandardCache {
     keys: Option<Array>,
     values: Option<Array>,
@@ -71,7 +72,10 @@ impl KvCache for StandardCache {
         let t = k.shape()[2] as usize;
         let end = self.offset + t;
         if end > self.capacity() {
-            let extra = (end - self.capacity()).div_ceil(self.step) * self.step;
+            // Geometric growth: a long prompt prefilled in chunks copies its cache O(log n)
+            // times, not once per chunk.
+            let target = end.max(2 * self.capacity()).div_ceil(self.step) * self.step;
+            let extra = target - self.capacity();
             self.keys = Some(grow(self.keys.as_ref(), k, extra)?);
             self.values = Some(grow(self.values.as_ref(), v, extra)?);
         }
