@@ -85,8 +85,18 @@ impl KvCache for StandardCache {
         let values = self.values.as_mut().expect("allocated above");
         values.try_index_mut((.., .., o..e, ..), v)?;
         self.offset = end;
-        let mask = if t > 1 { AttnMask::Causal } else { AttnMask::None };
-        Ok((keys.index((.., .., ..e, ..)), values.index((.., .., ..e, ..)), mask))
+        if t == 1 {
+            return Ok((keys.index((.., .., ..e, ..)), values.index((.., .., ..e, ..)), AttnMask::None));
+        }
+        // A chunk attends over the whole buffer with an explicit causal mask: the buffer's
+        // length changes only when it grows (geometrically), so consecutive chunks have the
+        // same shapes. Measured on an H200: 64 prompts of 512 tokens admitted twice as fast as
+        // with the keys sliced to the chunk's end (RESULTS.md).
+        let cap = keys.shape()[2];
+        let q_pos = mlx_rs::ops::arange::<i32, i32>(o, e, None)?.reshape(&[t as i32, 1])?;
+        let k_pos = mlx_rs::ops::arange::<i32, i32>(None, cap, None)?.reshape(&[1, cap])?;
+        let mask = k_pos.le(&q_pos)?;
+        Ok((keys.clone(), values.clone(), AttnMask::Explicit(mask)))
     }
 
     fn nbytes(&self) -> usize {
