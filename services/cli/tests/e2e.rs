@@ -339,3 +339,34 @@ fn a_job_accepted_before_any_worker_runs_completes_when_one_starts() {
         assert_eq!(run.tokens(), local_greedy("Paris is", 6));
     });
 }
+
+#[test]
+fn a_job_whose_worker_dies_ends_with_worker_lost_on_another_worker() {
+    let mut stack = Stack::nats_only();
+    stack.spawn("intake", &[]);
+    let fast_ack = [("LLMQ__WORKER__ACK_WAIT_MS", "1500"), ("LLMQ__SCHEDULER__MAX_BATCH", "1")];
+    stack.spawn("worker", &fast_ack);
+    let doomed = stack.procs.len() - 1;
+    rt().block_on(async {
+        let c = Client::connect(&stack.url).await;
+        let (id, mut sub) = c.start(GenerateRequest { ignore_eos: true, ..req("a long one", 400) }).await;
+        // Wait for its first tokens, then kill its worker mid-stream.
+        loop {
+            let m = tokio::time::timeout(Duration::from_secs(30), sub.next()).await.unwrap().unwrap();
+            if matches!(decode::<StreamEvent>(&m.payload).unwrap().event, Event::Tokens { .. }) {
+                break;
+            }
+        }
+        let _ = stack.procs[doomed].0.kill();
+        stack.spawn("worker", &fast_ack);
+        let run = Client::finish(id, sub, |_| {}).await;
+        match run.last() {
+            Event::Error { error } => assert_eq!(error.class, ErrorClass::WorkerLost, "{error}"),
+            e => panic!("{e:?}"),
+        }
+        assert_eq!(run.events.iter().filter(|e| e.event.is_terminal()).count(), 1);
+        // The surviving worker serves new requests.
+        let next = c.run(req("Paris is", 4)).await;
+        assert!(matches!(next.last(), Event::Done { .. }));
+    });
+}

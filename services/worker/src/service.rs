@@ -38,9 +38,6 @@ fn nats_err(e: impl std::fmt::Display) -> WorkerError {
     WorkerError::Nats(e.to_string())
 }
 
-/// How long a job may go without an ack before JetStream hands it to another worker.
-const ACK_WAIT: Duration = Duration::from_secs(30);
-const PROGRESS_EVERY: Duration = Duration::from_secs(5);
 
 pub fn scheduler_config(s: &Settings) -> SchedulerConfig {
     let c = &s.scheduler;
@@ -81,7 +78,7 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
             pull::Config {
                 durable_name: Some(subjects::jobs_consumer(&model_name)),
                 filter_subject: subjects::jobs(&model_name),
-                ack_wait: ACK_WAIT,
+                ack_wait: Duration::from_millis(settings.worker.ack_wait_ms),
                 ..Default::default()
             },
         )
@@ -153,23 +150,28 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
     // Heartbeats and progress acks.
     let (hb_client, hb_actor, hb_inflight) = (client.clone(), actor.clone(), inflight.clone());
     let hb_every = Duration::from_millis(settings.worker.heartbeat_ms);
+    let progress_every = Duration::from_millis(settings.worker.ack_wait_ms / 6);
     let status_subject = subjects::worker_status(&worker_id);
     actix::spawn(async move {
         let mut last_progress = tokio::time::Instant::now();
+        let mut last_beat: Option<tokio::time::Instant> = None;
         loop {
-            if let Ok(status) = hb_actor.send(GetStatus).await {
-                if let Ok(bytes) = llmq_protocol::encode(&status) {
-                    let _ = hb_client.publish(status_subject.clone(), bytes.into()).await;
+            if last_beat.is_none_or(|t| t.elapsed() >= hb_every) {
+                last_beat = Some(tokio::time::Instant::now());
+                if let Ok(status) = hb_actor.send(GetStatus).await {
+                    if let Ok(bytes) = llmq_protocol::encode(&status) {
+                        let _ = hb_client.publish(status_subject.clone(), bytes.into()).await;
+                    }
                 }
             }
-            if last_progress.elapsed() >= PROGRESS_EVERY {
+            if last_progress.elapsed() >= progress_every {
                 last_progress = tokio::time::Instant::now();
                 let msgs: Vec<_> = hb_inflight.lock().unwrap().values().cloned().collect();
                 for m in msgs {
                     let _ = m.ack_with(AckKind::Progress).await;
                 }
             }
-            tokio::time::sleep(hb_every).await;
+            tokio::time::sleep(hb_every.min(progress_every) / 2).await;
         }
     });
 

@@ -62,11 +62,14 @@ pub struct WorkerSettings {
     pub heartbeat_ms: u64,
     /// Jobs a worker holds (running and queued) before it stops fetching more.
     pub max_queued: usize,
+    /// A job not acknowledged for this long (its worker died) is handed to another worker;
+    /// running jobs are kept alive with progress acks six times per period.
+    pub ack_wait_ms: u64,
 }
 
 impl Default for WorkerSettings {
     fn default() -> Self {
-        WorkerSettings { id: None, model: "smollm2".into(), dtype: None, heartbeat_ms: 1000, max_queued: 256 }
+        WorkerSettings { id: None, model: "smollm2".into(), dtype: None, heartbeat_ms: 1000, max_queued: 256, ack_wait_ms: 30_000 }
     }
 }
 
@@ -135,6 +138,9 @@ impl Settings {
         }
         if self.worker.heartbeat_ms == 0 {
             return bad("worker.heartbeat_ms", "0".into(), "must be positive");
+        }
+        if self.worker.ack_wait_ms < 600 {
+            return bad("worker.ack_wait_ms", self.worker.ack_wait_ms.to_string(), "must be at least 600");
         }
         if self.worker.max_queued == 0 {
             return bad("worker.max_queued", "0".into(), "must be at least 1");
