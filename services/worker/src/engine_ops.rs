@@ -137,7 +137,8 @@ fn choose(logits: &Array, seqs: &mut [&mut Seq]) -> Result<Vec<(u32, Option<Toke
     let rows = logits.reshape(&[b, -1]).map_err(internal)?;
     let greedy_ids: Option<Vec<u32>> = if seqs.iter().any(|s| s.sampler.params().is_plain_greedy()) {
         let am = argmax_axis(&rows, -1, None).map_err(internal)?;
-        Some(am.as_dtype(Dtype::Int32).map_err(internal)?.as_slice::<i32>().iter().map(|&v| v as u32).collect())
+        let am = am.as_dtype(Dtype::Int32).map_err(internal)?;
+        Some(am.try_as_slice::<i32>().map_err(internal)?.iter().map(|&v| v as u32).collect())
     } else {
         None
     };
