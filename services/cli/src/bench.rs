@@ -63,7 +63,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// The peer's prompt: token ids drawn from [10, 4000), fixed seed.
-fn random_prompt(n: usize, seed: u64) -> Vec<u32> {
+pub(crate) fn random_prompt(n: usize, seed: u64) -> Vec<u32> {
     let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
     (0..n)
         .map(|_| {

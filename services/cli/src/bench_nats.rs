@@ -19,6 +19,7 @@ use llmq_protocol::{subjects, Cancel, Event, GenerateReply, GenerateRequest, Str
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
+use crate::bench::random_prompt as prompt;
 use crate::serve::{start_stack, wait_for_workers};
 
 pub struct Knobs {
@@ -47,16 +48,6 @@ struct Client {
     nc: async_nats::Client,
     tx: mpsc::UnboundedSender<Seen>,
     ids: Vec<String>,
-}
-
-fn prompt(n: usize, seed: u64) -> Vec<u32> {
-    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            10 + ((x >> 33) % 3990) as u32
-        })
-        .collect()
 }
 
 impl Client {
@@ -137,10 +128,13 @@ fn overhead(before: &WorkerStatus, after: &WorkerStatus) -> Value {
     let wall = after.tick_wall_ms - before.tick_wall_ms;
     let engine = after.engine_ms - before.engine_ms;
     let ticks = after.ticks - before.ticks;
+    let per = |ms: f64, n: u64| round(ms / n.max(1) as f64, 3);
     json!({
         "ticks": ticks,
         "tick_ms": round(wall / ticks.max(1) as f64, 3),
         "control_overhead_fraction": round(1.0 - engine / wall.max(1e-9), 4),
+        "prefill_chunk_ms": per(after.prefill_ms - before.prefill_ms, after.prefill_calls - before.prefill_calls),
+        "decode_step_ms": per(after.decode_ms - before.decode_ms, after.decode_calls - before.decode_calls),
     })
 }
 

@@ -125,6 +125,7 @@ impl SchedulerActor {
 
     pub fn status(&self) -> WorkerStatus {
         let used = self.engine.kv_bytes_in_use();
+        let (prefill_calls, prefill_ms, decode_calls, decode_ms) = self.engine.call_times();
         WorkerStatus {
             worker_id: self.worker_id.clone(),
             model: self.model_name.clone(),
@@ -141,6 +142,10 @@ impl SchedulerActor {
             // Up to now: the time since the last tick started counts as between-tick time.
             tick_wall_ms: (self.tick_wall + self.tick_started.map_or(Duration::ZERO, |s| s.elapsed())).as_secs_f64() * 1000.0,
             engine_ms: self.engine.engine_ms(),
+            prefill_calls,
+            prefill_ms,
+            decode_calls,
+            decode_ms,
         }
     }
 }

@@ -37,8 +37,12 @@ pub struct ModelEngine {
     model: Model,
     tokenizer: Option<Tokenizer>,
     seqs: HashMap<ReqId, Seq>,
-    /// Time spent in prefill and decode calls since start.
+    /// Time spent in prefill and decode calls since start, and how many calls.
     busy: std::time::Duration,
+    prefill_time: std::time::Duration,
+    prefill_calls: u64,
+    decode_time: std::time::Duration,
+    decode_calls: u64,
     /// Decoding sequences as rows of shared KV buffers (None for sliding-window models, whose
     /// sequences decode each against its own cache).
     batch: Option<DecodeBatch>,
@@ -57,7 +61,19 @@ fn wire_logprob(lp: llmq_engine::sampling::TokenLogprob) -> TokenLogprob {
 impl ModelEngine {
     pub fn new(model: Model, tokenizer: Option<Tokenizer>) -> Self {
         let batch = model.new_decode_batch();
-        ModelEngine { model, tokenizer, seqs: HashMap::new(), busy: std::time::Duration::ZERO, batch, rows: vec![] }
+        let zero = std::time::Duration::ZERO;
+        ModelEngine {
+            model,
+            tokenizer,
+            seqs: HashMap::new(),
+            busy: zero,
+            prefill_time: zero,
+            prefill_calls: 0,
+            decode_time: zero,
+            decode_calls: 0,
+            batch,
+            rows: vec![],
+        }
     }
 
     pub fn model(&self) -> &Model {
@@ -87,6 +103,12 @@ impl ModelEngine {
     /// Milliseconds spent in prefill and decode calls since start.
     pub fn engine_ms(&self) -> f64 {
         self.busy.as_secs_f64() * 1000.0
+    }
+
+    /// (prefill calls, their ms, decode calls, their ms) since start.
+    pub fn call_times(&self) -> (u64, f64, u64, f64) {
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1000.0;
+        (self.prefill_calls, ms(self.prefill_time), self.decode_calls, ms(self.decode_time))
     }
 
     pub fn held(&self) -> usize {
@@ -159,14 +181,20 @@ impl EngineOps for ModelEngine {
     fn prefill(&mut self, id: ReqId, n: usize) -> Result<Option<StepOut>, WireError> {
         let t0 = std::time::Instant::now();
         let r = self.prefill_inner(id, n);
-        self.busy += t0.elapsed();
+        let dt = t0.elapsed();
+        self.busy += dt;
+        self.prefill_time += dt;
+        self.prefill_calls += 1;
         r
     }
 
     fn decode(&mut self, ids: &[ReqId]) -> Vec<Result<StepOut, WireError>> {
         let t0 = std::time::Instant::now();
         let r = self.decode_inner(ids);
-        self.busy += t0.elapsed();
+        let dt = t0.elapsed();
+        self.busy += dt;
+        self.decode_time += dt;
+        self.decode_calls += 1;
         r
     }
 

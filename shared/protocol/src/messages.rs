@@ -221,4 +221,9 @@ pub struct WorkerStatus {
     pub ticks: u64,
     pub tick_wall_ms: f64,
     pub engine_ms: f64,
+    /// The engine's prefill-chunk and decode-step calls since start, and their time.
+    pub prefill_calls: u64,
+    pub prefill_ms: f64,
+    pub decode_calls: u64,
+    pub decode_ms: f64,
 }
