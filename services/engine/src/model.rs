@@ -174,23 +174,41 @@ fn swiglu(g: &Array, u: &Array) -> Result<Array> {
     Ok(compiled((g, u))?)
 }
 
+/// One decode batch's share of a grouped decode step: its rows' place in the step's rows, and
+/// the inputs that make each row write and attend at its own position.
+struct GroupStep<'a> {
+    kv: &'a mut [(Array, Array)],
+    offset: i32,
+    slots: i32,
+    positions: Array,
+    write: Array,
+    mask: Array,
+}
+
 impl Attention {
-    /// One decode step for every row of the batch: each row's token is written at its own
-    /// position (one scatter per buffer) and attends over its row, masked past its length.
-    fn forward_batched(&self, x: &Array, kv: &mut (Array, Array), positions: &Array, write: &Array, mask: &Array) -> Result<Array> {
-        let b = x.shape()[0];
+    /// One decode step for every row of every group: projections once over all rows, then per
+    /// group each row's token is written at its own position (one scatter per buffer) and
+    /// attends over its row, masked past its length.
+    fn forward_grouped(&self, x: &Array, layer: usize, groups: &mut [GroupStep<'_>]) -> Result<Array> {
         let d = self.head_dim;
         let qkv = self.qkv.forward(x)?;
         let (qe, ke) = (self.heads * d, (self.heads + self.kv_heads) * d);
-        let q = heads_first(qkv.index((.., .., ..qe)), b, 1, self.heads, d, self.q_norm.as_ref(), self.eps)?;
-        let k = heads_first(qkv.index((.., .., qe..ke)), b, 1, self.kv_heads, d, self.k_norm.as_ref(), self.eps)?;
-        let v = heads_first(qkv.index((.., .., ke..)), b, 1, self.kv_heads, d, None, self.eps)?;
-        let q = rope_dynamic(&q, d, false, self.rope_theta, 1.0, positions, None)?;
-        let k = rope_dynamic(&k, d, false, self.rope_theta, 1.0, positions, None)?;
-        kv.0 = kv.0.put_along_axis(write, &k, 2)?;
-        kv.1 = kv.1.put_along_axis(write, &v, 2)?;
-        let o = scaled_dot_product_attention(&q, &kv.0, &kv.1, self.scale, mask, None)?;
-        let o = o.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, 1, self.heads * d])?;
+        let mut outs = Vec::with_capacity(groups.len());
+        for g in groups.iter_mut() {
+            let rows = qkv.index(g.offset..g.offset + g.slots);
+            let b = g.slots;
+            let q = heads_first(rows.index((.., .., ..qe)), b, 1, self.heads, d, self.q_norm.as_ref(), self.eps)?;
+            let k = heads_first(rows.index((.., .., qe..ke)), b, 1, self.kv_heads, d, self.k_norm.as_ref(), self.eps)?;
+            let v = heads_first(rows.index((.., .., ke..)), b, 1, self.kv_heads, d, None, self.eps)?;
+            let q = rope_dynamic(&q, d, false, self.rope_theta, 1.0, &g.positions, None)?;
+            let k = rope_dynamic(&k, d, false, self.rope_theta, 1.0, &g.positions, None)?;
+            let kv = &mut g.kv[layer];
+            kv.0 = kv.0.put_along_axis(&g.write, &k, 2)?;
+            kv.1 = kv.1.put_along_axis(&g.write, &v, 2)?;
+            let o = scaled_dot_product_attention(&q, &kv.0, &kv.1, self.scale, &g.mask, None)?;
+            outs.push(o.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, 1, self.heads * d])?);
+        }
+        let o = if outs.len() == 1 { outs.pop().unwrap() } else { concatenate(&outs, 0)? };
         self.o.forward(&o)
     }
 }
@@ -292,31 +310,61 @@ impl Model {
     /// One decode step for every sequence of the batch: `tokens[i]` is row i's next input.
     /// Returns logits [len, 1, vocab] in the model's dtype (lazy).
     pub fn decode_batch(&self, tokens: &[u32], batch: &mut DecodeBatch) -> Result<Array> {
-        let n = batch.len();
-        if tokens.len() != n || n == 0 {
-            return Err(EngineError::InvalidRequest(format!("decode_batch: {} tokens for {n} rows", tokens.len())));
+        self.decode_groups(&mut [(tokens, batch)])
+    }
+
+    /// One decode step over several decode batches at once (groups of sequences of similar
+    /// length, so that short ones do not attend over the longest one's capacity). Weights are
+    /// read once for all rows; attention runs per group. Returns logits [rows, 1, vocab], the
+    /// groups' rows in order.
+    pub fn decode_groups(&self, groups: &mut [(&[u32], &mut DecodeBatch)]) -> Result<Array> {
+        let mut toks: Vec<i32> = vec![];
+        let mut active: Vec<i32> = vec![];
+        let mut steps = Vec::with_capacity(groups.len());
+        for (tokens, batch) in groups.iter_mut() {
+            let n = batch.len();
+            if tokens.len() != n {
+                return Err(EngineError::InvalidRequest(format!("decode: {} tokens for {n} rows", tokens.len())));
+            }
+            if n == 0 {
+                continue;
+            }
+            let longest = batch.lens().iter().copied().max().unwrap_or(0);
+            batch.reserve(n, longest + 1)?;
+            let offset = toks.len() as i32;
+            let slots = batch.slots();
+            active.extend((0..n as i32).map(|r| offset + r));
+            toks.extend(tokens.iter().map(|&t| t as i32));
+            toks.resize(offset as usize + slots, 0);
+            let positions = batch.positions();
+            let write = batch.write_index(&positions)?;
+            let cap = batch.capacity() as i32;
+            let keys = mlx_rs::ops::arange::<i32, i32>(None, cap, None)?.reshape(&[1, 1, 1, cap])?;
+            let mask = keys.lt(&positions.reshape(&[slots as i32, 1, 1, 1])?.add(Array::from_int(1))?)?;
+            steps.push(GroupStep { kv: &mut batch.layers[..], offset, slots: slots as i32, positions, write, mask });
         }
-        let longest = batch.lens().iter().copied().max().unwrap_or(0);
-        batch.reserve(n, longest + 1)?;
-        let slots = batch.slots();
-        let mut toks: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
-        toks.resize(slots, 0);
-        let x0 = Array::from_slice(&toks, &[slots as i32, 1]);
-        let positions = batch.positions();
-        let write = batch.write_index(&positions)?;
-        let cap = batch.capacity() as i32;
-        let keys = mlx_rs::ops::arange::<i32, i32>(None, cap, None)?.reshape(&[1, 1, 1, cap])?;
-        let mask = keys.lt(&positions.reshape(&[slots as i32, 1, 1, 1])?.add(Array::from_int(1))?)?;
+        if active.is_empty() {
+            return Err(EngineError::InvalidRequest("decode: no rows".into()));
+        }
+        let x0 = Array::from_slice(&toks, &[toks.len() as i32, 1]);
         let eps = self.config.rms_norm_eps;
         let mut x = self.embed.take_axis(&x0, 0)?;
-        for (layer, kv) in self.layers.iter().zip(batch.layers.iter_mut()) {
-            let h = layer.attn.forward_batched(&rms_norm(&x, Some(&layer.input_norm), eps)?, kv, &positions, &write, &mask)?;
+        for (li, layer) in self.layers.iter().enumerate() {
+            let h = layer.attn.forward_grouped(&rms_norm(&x, Some(&layer.input_norm), eps)?, li, &mut steps)?;
             x = x.add(&h)?;
             let h = layer.mlp.forward(&rms_norm(&x, Some(&layer.post_norm), eps)?)?;
             x = x.add(&h)?;
         }
-        batch.advance();
-        let x = rms_norm(&x.index((..n as i32, .., ..)), Some(&self.norm), eps)?;
+        drop(steps);
+        for (_, batch) in groups.iter_mut() {
+            batch.advance();
+        }
+        let rows = if active.len() == toks.len() {
+            x
+        } else {
+            x.take_axis(Array::from_slice(&active, &[active.len() as i32]), 0)?
+        };
+        let x = rms_norm(&rows, Some(&self.norm), eps)?;
         Ok(match &self.lm_head_t {
             Some(h) => x.matmul(h)?,
             None => x.matmul(self.embed.t())?,

@@ -179,3 +179,32 @@ fn decode_batch_with_joins_and_leaves_matches_transformers() {
     }
     assert!(load("tiny-mistral").model.new_decode_batch().is_none());
 }
+
+/// Sequences split over two decode batches (length groups) stepped together: one weight pass,
+/// attention per group; logits still equal transformers'.
+#[test]
+fn grouped_decode_matches_transformers() {
+    const STEPS: usize = 4;
+    for name in ["tiny-llama", "tiny-qwen3"] {
+        let m = load(name);
+        let cases = reference(fixture(name).join("reference.safetensors"));
+        let seqs: Vec<_> = cases.iter().filter(|c| c.ids.len() > STEPS).collect();
+        let mut short = m.model.new_decode_batch().unwrap();
+        let mut long = m.model.new_decode_batch().unwrap();
+        for (i, c) in seqs.iter().enumerate() {
+            let mut cache = m.model.new_cache();
+            run_chunked(&m.model, &mut cache, &c.ids[..c.ids.len() - STEPS], 16);
+            if i == 0 { short.join(&cache).unwrap() } else { long.join(&cache).unwrap() };
+        }
+        for step in 0..STEPS {
+            let tok = |c: &&Case| c.ids[c.ids.len() - STEPS + step];
+            let a: Vec<u32> = seqs[..1].iter().map(tok).collect();
+            let b: Vec<u32> = seqs[1..].iter().map(tok).collect();
+            let logits = host_f32(&m.model.decode_groups(&mut [(&a[..], &mut short), (&b[..], &mut long)]).unwrap()).unwrap();
+            for (r, c) in seqs.iter().enumerate() {
+                let d = max_abs_diff(&logits[r * c.vocab..(r + 1) * c.vocab], c.row(c.ids.len() - STEPS + step));
+                assert!(d < TOL, "{name} seq {r} step {step}: max |diff| {d}");
+            }
+        }
+    }
+}

@@ -29,8 +29,8 @@ struct Seq {
     finisher: Finisher,
     /// The token sampled last: the next decode step's input.
     next: Option<u32>,
-    /// Row in the decode batch, once prefill is complete.
-    row: Option<usize>,
+    /// (length group, row) in the decode batches, once prefill is complete.
+    row: Option<(usize, usize)>,
 }
 
 pub struct ModelEngine {
@@ -43,11 +43,20 @@ pub struct ModelEngine {
     prefill_calls: u64,
     decode_time: std::time::Duration,
     decode_calls: u64,
-    /// Decoding sequences as rows of shared KV buffers (None for sliding-window models, whose
-    /// sequences decode each against its own cache).
-    batch: Option<DecodeBatch>,
-    /// rows[r]: the request in row r of `batch`.
-    rows: Vec<ReqId>,
+    /// Decoding sequences as rows of shared KV buffers, one batch per length group so that
+    /// short sequences do not attend over the longest one's capacity (None for sliding-window
+    /// models, whose sequences decode each against its own cache).
+    batches: Option<Vec<DecodeBatch>>,
+    /// rows[g][r]: the request in row r of group g.
+    rows: Vec<Vec<ReqId>>,
+}
+
+/// Length groups of the decode batches: a sequence joins the first group whose bound exceeds
+/// its length (it stays there as it grows).
+const GROUP_BOUNDS: [usize; 4] = [2048, 8192, 32768, usize::MAX];
+
+fn group_of(len: usize) -> usize {
+    GROUP_BOUNDS.iter().position(|&b| len < b).unwrap_or(GROUP_BOUNDS.len() - 1)
 }
 
 fn internal(e: impl std::fmt::Display) -> WireError {
@@ -60,7 +69,9 @@ fn wire_logprob(lp: llmq_engine::sampling::TokenLogprob) -> TokenLogprob {
 
 impl ModelEngine {
     pub fn new(model: Model, tokenizer: Option<Tokenizer>) -> Self {
-        let batch = model.new_decode_batch();
+        let batches = model
+            .new_decode_batch()
+            .map(|_| GROUP_BOUNDS.iter().filter_map(|_| model.new_decode_batch()).collect::<Vec<_>>());
         let zero = std::time::Duration::ZERO;
         ModelEngine {
             model,
@@ -71,8 +82,8 @@ impl ModelEngine {
             prefill_calls: 0,
             decode_time: zero,
             decode_calls: 0,
-            batch,
-            rows: vec![],
+            batches,
+            rows: vec![vec![]; GROUP_BOUNDS.len()],
         }
     }
 
@@ -96,7 +107,7 @@ impl ModelEngine {
 
     /// KV bytes the caches hold now.
     pub fn kv_bytes_in_use(&self) -> u64 {
-        let batch = self.batch.as_ref().map_or(0, |b| b.nbytes() as u64);
+        let batch: u64 = self.batches.iter().flatten().map(|b| b.nbytes() as u64).sum();
         batch + self.seqs.values().map(|s| s.cache.nbytes() as u64).sum::<u64>()
     }
 
@@ -200,15 +211,14 @@ impl EngineOps for ModelEngine {
 
     fn release(&mut self, id: ReqId) {
         let Some(seq) = self.seqs.remove(&id) else { return };
-        if let (Some(row), Some(batch)) = (seq.row, self.batch.as_mut()) {
-            match batch.leave(row) {
+        if let (Some((g, row)), Some(batches)) = (seq.row, self.batches.as_mut()) {
+            match batches[g].leave(row) {
                 Ok(moved) => {
-                    self.rows.swap_remove(row);
-                    if let Some(from) = moved {
-                        debug_assert_eq!(from, self.rows.len());
-                        let moved_id = self.rows[row];
+                    self.rows[g].swap_remove(row);
+                    if moved.is_some() {
+                        let moved_id = self.rows[g][row];
                         if let Some(s) = self.seqs.get_mut(&moved_id) {
-                            s.row = Some(row);
+                            s.row = Some((g, row));
                         }
                     }
                 }
@@ -234,10 +244,12 @@ impl ModelEngine {
             }
             let (t, lp) = choose(&logits, &mut [&mut seq])?.pop().expect("one row");
             let out = self.take_token(&mut seq, t, lp)?;
-            if let Some(batch) = self.batch.as_mut() {
-                // Into the decode batch: only this sequence's KV is copied; its own cache goes.
-                seq.row = Some(batch.join(&seq.cache).map_err(internal)?);
-                self.rows.push(id);
+            if let Some(batches) = self.batches.as_mut() {
+                // Into its length group's decode batch: only this sequence's KV is copied; its
+                // own cache goes.
+                let g = group_of(seq.cache.offset());
+                seq.row = Some((g, batches[g].join(&seq.cache).map_err(internal)?));
+                self.rows[g].push(id);
                 seq.cache = self.model.new_cache();
             }
             Ok(Some(out))
@@ -246,16 +258,20 @@ impl ModelEngine {
         result
     }
 
-    /// One step of the decode batch; results in the order of `ids`.
+    /// One step of the decode batches; results in the order of `ids`.
     fn decode_rows(&mut self, ids: &[ReqId]) -> Vec<Result<StepOut, WireError>> {
-        let mut batch = self.batch.take().expect("batch mode");
+        let mut batches = self.batches.take().expect("batch mode");
         let result = (|| {
-            if ids.len() != self.rows.len() || ids.iter().any(|id| self.seqs.get(id).and_then(|s| s.row).is_none()) {
+            let order: Vec<ReqId> = self.rows.iter().flatten().copied().collect();
+            if ids.len() != order.len() || ids.iter().any(|id| self.seqs.get(id).and_then(|s| s.row).is_none()) {
                 return Err(internal("decode batch out of step with the scheduler"));
             }
-            let toks: Vec<u32> = self.rows.iter().map(|id| self.seqs[id].next.unwrap_or(0)).collect();
-            let logits = self.model.decode_batch(&toks, &mut batch).map_err(internal)?;
-            let mut taken: Vec<(ReqId, Seq)> = self.rows.iter().map(|id| (*id, self.seqs.remove(id).expect("checked"))).collect();
+            let toks: Vec<Vec<u32>> =
+                self.rows.iter().map(|g| g.iter().map(|id| self.seqs[id].next.unwrap_or(0)).collect()).collect();
+            let mut groups: Vec<(&[u32], &mut DecodeBatch)> = toks.iter().map(|t| &t[..]).zip(batches.iter_mut()).collect();
+            let logits = self.model.decode_groups(&mut groups).map_err(internal)?;
+            drop(groups);
+            let mut taken: Vec<(ReqId, Seq)> = order.iter().map(|id| (*id, self.seqs.remove(id).expect("checked"))).collect();
             let chosen = {
                 let mut seqs: Vec<&mut Seq> = taken.iter_mut().map(|(_, s)| s).collect();
                 choose(&logits, &mut seqs)
@@ -269,7 +285,7 @@ impl ModelEngine {
             }
             Ok(outs)
         })();
-        self.batch = Some(batch);
+        self.batches = Some(batches);
         match result {
             Ok(mut outs) => ids
                 .iter()
@@ -283,7 +299,7 @@ impl ModelEngine {
     }
 
     fn decode_inner(&mut self, ids: &[ReqId]) -> Vec<Result<StepOut, WireError>> {
-        if self.batch.is_some() {
+        if self.batches.is_some() {
             return self.decode_rows(ids);
         }
         let mut taken: Vec<(ReqId, Seq)> = ids.iter().filter_map(|id| self.seqs.remove(id).map(|s| (*id, s))).collect();
