@@ -16,8 +16,7 @@ use llmq_engine::sampling::{SamplingParams, StopParams};
 use llmq_protocol::{ErrorClass, Event, Job, StreamEvent, WireError, WorkerStatus};
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::engine_ops::ModelEngine;
-use crate::scheduler::{Admission, Emit, ReqId, Scheduler, SchedulerConfig};
+use crate::scheduler::{Admission, Emit, ReqId, Scheduler, SchedulerConfig, WorkerEngine};
 
 /// An event ready to publish; `terminal` tells the NATS side to acknowledge the job.
 #[derive(Debug)]
@@ -33,9 +32,9 @@ struct Meta {
     seq: u64,
 }
 
-pub struct SchedulerActor {
+pub struct SchedulerActor<E: WorkerEngine + Unpin + 'static> {
     scheduler: Scheduler,
-    engine: ModelEngine,
+    engine: E,
     cfg: SchedulerConfig,
     meta: HashMap<ReqId, Meta>,
     by_request: HashMap<String, ReqId>,
@@ -50,9 +49,9 @@ pub struct SchedulerActor {
     pub model_name: String,
 }
 
-impl SchedulerActor {
+impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
     pub fn new(
-        engine: ModelEngine,
+        engine: E,
         mut cfg: SchedulerConfig,
         out: UnboundedSender<Outbound>,
         worker_id: String,
@@ -119,7 +118,6 @@ impl SchedulerActor {
     }
 
     fn engine_release(&mut self, id: ReqId) {
-        use crate::scheduler::EngineOps;
         self.engine.release(id);
     }
 
@@ -129,7 +127,7 @@ impl SchedulerActor {
         WorkerStatus {
             worker_id: self.worker_id.clone(),
             model: self.model_name.clone(),
-            context_tokens: self.engine.model().config.max_position_embeddings as u32,
+            context_tokens: self.engine.context_tokens() as u32,
             active_streams: self.scheduler.active_streams() as u32,
             queued_requests: self.scheduler.queued_requests() as u32,
             queued_prefill_tokens: self.scheduler.queued_prefill_tokens(),
@@ -150,7 +148,7 @@ impl SchedulerActor {
     }
 }
 
-impl Actor for SchedulerActor {
+impl<E: WorkerEngine + Unpin + 'static> Actor for SchedulerActor<E> {
     type Context = Context<Self>;
 }
 
@@ -193,7 +191,7 @@ fn to_engine(job: &Job) -> (SamplingParams, StopParams) {
     (sampling, stop)
 }
 
-impl Handler<Submit> for SchedulerActor {
+impl<E: WorkerEngine + Unpin + 'static> Handler<Submit> for SchedulerActor<E> {
     type Result = ();
     fn handle(&mut self, Submit(job): Submit, ctx: &mut Context<Self>) {
         if self.by_request.contains_key(&job.request_id) {
@@ -225,7 +223,7 @@ impl Handler<Submit> for SchedulerActor {
     }
 }
 
-impl Handler<CancelRequest> for SchedulerActor {
+impl<E: WorkerEngine + Unpin + 'static> Handler<CancelRequest> for SchedulerActor<E> {
     type Result = ();
     fn handle(&mut self, CancelRequest(request_id): CancelRequest, ctx: &mut Context<Self>) {
         if let Some(&id) = self.by_request.get(&request_id) {
@@ -235,7 +233,7 @@ impl Handler<CancelRequest> for SchedulerActor {
     }
 }
 
-impl Handler<Tick> for SchedulerActor {
+impl<E: WorkerEngine + Unpin + 'static> Handler<Tick> for SchedulerActor<E> {
     type Result = ();
     fn handle(&mut self, _: Tick, ctx: &mut Context<Self>) {
         self.tick_pending = false;
@@ -262,7 +260,7 @@ impl Handler<Tick> for SchedulerActor {
     }
 }
 
-impl Handler<GetStatus> for SchedulerActor {
+impl<E: WorkerEngine + Unpin + 'static> Handler<GetStatus> for SchedulerActor<E> {
     type Result = MessageResult<GetStatus>;
     fn handle(&mut self, _: GetStatus, _: &mut Context<Self>) -> Self::Result {
         MessageResult(self.status())

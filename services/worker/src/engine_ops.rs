@@ -18,7 +18,7 @@ use llmq_protocol::{ErrorClass, TokenLogprob, WireError};
 use mlx_rs::ops::indexing::{argmax_axis, IndexOp};
 use mlx_rs::{Array, Dtype};
 
-use crate::scheduler::{EngineOps, ReqId, StepOut};
+use crate::scheduler::{EngineOps, ReqId, StepOut, WorkerEngine};
 
 struct Seq {
     cache: SequenceCache,
@@ -95,59 +95,8 @@ impl ModelEngine {
         self.tokenizer.as_ref()
     }
 
-    /// KV bytes one token takes across all layers (keys and values).
-    pub fn kv_bytes_per_token(&self) -> u64 {
-        let c = &self.model.config;
-        let elem = match self.model.dtype() {
-            Dtype::Float32 => 4,
-            _ => 2,
-        };
-        2 * (c.num_layers * c.num_kv_heads * c.head_dim * elem) as u64
-    }
-
-    /// KV bytes the caches hold now.
-    pub fn kv_bytes_in_use(&self) -> u64 {
-        let batch: u64 = self.batches.iter().flatten().map(|b| b.nbytes() as u64).sum();
-        batch + self.seqs.values().map(|s| s.cache.nbytes() as u64).sum::<u64>()
-    }
-
-    /// Milliseconds spent in prefill and decode calls since start.
-    pub fn engine_ms(&self) -> f64 {
-        self.busy.as_secs_f64() * 1000.0
-    }
-
-    /// (prefill calls, their ms, decode calls, their ms) since start.
-    pub fn call_times(&self) -> (u64, f64, u64, f64) {
-        let ms = |d: std::time::Duration| d.as_secs_f64() * 1000.0;
-        (self.prefill_calls, ms(self.prefill_time), self.decode_calls, ms(self.decode_time))
-    }
-
     pub fn held(&self) -> usize {
         self.seqs.len()
-    }
-
-    /// Creates a request's state; parameters are validated here, before any work is queued.
-    pub fn register(&mut self, id: ReqId, prompt: Vec<u32>, sampling: SamplingParams, stop: StopParams) -> Result<(), WireError> {
-        let invalid = |e: llmq_engine::EngineError| WireError::new(ErrorClass::InvalidRequest, e.to_string());
-        sampling.validate().map_err(invalid)?;
-        stop.validate().map_err(invalid)?;
-        llmq_engine::generate::check_ids(&self.model, &prompt).map_err(invalid)?;
-        if prompt.is_empty() {
-            return Err(WireError::new(ErrorClass::InvalidRequest, "empty prompt"));
-        }
-        let eos = self.tokenizer.as_ref().map(|t| t.eos_ids.clone()).unwrap_or_default();
-        let seq = Seq {
-            cache: self.model.new_cache(),
-            history: prompt.clone(),
-            prompt,
-            prefilled: 0,
-            sampler: Sampler::new(sampling),
-            finisher: Finisher::new(stop, eos),
-            next: None,
-            row: None,
-        };
-        self.seqs.insert(id, seq);
-        Ok(())
     }
 
     /// Samples from one row of logits [vocab] (device) and runs the stop checks.
@@ -186,6 +135,63 @@ fn choose(logits: &Array, seqs: &mut [&mut Seq]) -> Result<Vec<(u32, Option<Toke
         }
     }
     Ok(out)
+}
+
+impl WorkerEngine for ModelEngine {
+    /// KV bytes one token takes across all layers (keys and values).
+    fn kv_bytes_per_token(&self) -> u64 {
+        let c = &self.model.config;
+        let elem = match self.model.dtype() {
+            Dtype::Float32 => 4,
+            _ => 2,
+        };
+        2 * (c.num_layers * c.num_kv_heads * c.head_dim * elem) as u64
+    }
+
+    /// KV bytes the caches hold now.
+    fn kv_bytes_in_use(&self) -> u64 {
+        let batch: u64 = self.batches.iter().flatten().map(|b| b.nbytes() as u64).sum();
+        batch + self.seqs.values().map(|s| s.cache.nbytes() as u64).sum::<u64>()
+    }
+
+    /// Milliseconds spent in prefill and decode calls since start.
+    fn engine_ms(&self) -> f64 {
+        self.busy.as_secs_f64() * 1000.0
+    }
+
+    /// (prefill calls, their ms, decode calls, their ms) since start.
+    fn call_times(&self) -> (u64, f64, u64, f64) {
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1000.0;
+        (self.prefill_calls, ms(self.prefill_time), self.decode_calls, ms(self.decode_time))
+    }
+
+    /// Creates a request's state; parameters are validated here, before any work is queued.
+    fn register(&mut self, id: ReqId, prompt: Vec<u32>, sampling: SamplingParams, stop: StopParams) -> Result<(), WireError> {
+        let invalid = |e: llmq_engine::EngineError| WireError::new(ErrorClass::InvalidRequest, e.to_string());
+        sampling.validate().map_err(invalid)?;
+        stop.validate().map_err(invalid)?;
+        llmq_engine::generate::check_ids(&self.model, &prompt).map_err(invalid)?;
+        if prompt.is_empty() {
+            return Err(WireError::new(ErrorClass::InvalidRequest, "empty prompt"));
+        }
+        let eos = self.tokenizer.as_ref().map(|t| t.eos_ids.clone()).unwrap_or_default();
+        let seq = Seq {
+            cache: self.model.new_cache(),
+            history: prompt.clone(),
+            prompt,
+            prefilled: 0,
+            sampler: Sampler::new(sampling),
+            finisher: Finisher::new(stop, eos),
+            next: None,
+            row: None,
+        };
+        self.seqs.insert(id, seq);
+        Ok(())
+    }
+
+    fn context_tokens(&self) -> usize {
+        self.model.config.max_position_embeddings
+    }
 }
 
 impl EngineOps for ModelEngine {

@@ -81,6 +81,26 @@ pub trait EngineOps {
     fn release(&mut self, id: ReqId);
 }
 
+/// What the scheduler actor needs of an engine beyond the work itself: admitting requests and
+/// reporting on memory and time. `ModelEngine` is the real one; tests use fakes.
+pub trait WorkerEngine: EngineOps {
+    /// Creates a request's state, validating its parameters.
+    fn register(
+        &mut self,
+        id: ReqId,
+        prompt: Vec<u32>,
+        sampling: llmq_engine::sampling::SamplingParams,
+        stop: llmq_engine::sampling::StopParams,
+    ) -> Result<(), WireError>;
+    fn kv_bytes_per_token(&self) -> u64;
+    fn kv_bytes_in_use(&self) -> u64;
+    fn context_tokens(&self) -> usize;
+    /// Milliseconds inside prefill and decode calls since start.
+    fn engine_ms(&self) -> f64;
+    /// (prefill calls, their ms, decode calls, their ms) since start.
+    fn call_times(&self) -> (u64, f64, u64, f64);
+}
+
 #[derive(Debug, Clone)]
 pub struct Admission {
     pub id: ReqId,

@@ -87,7 +87,7 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
 
     // The device thread: the model is loaded there, and it and its arrays never leave it.
     let (out_tx, mut out_rx) = mpsc::unbounded_channel::<Outbound>();
-    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<Addr<SchedulerActor>, String>>();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<Addr<SchedulerActor<ModelEngine>>, String>>();
     let device = Arbiter::new();
     let cfg = scheduler_config(&settings);
     let (wid, mname, model_ref, dtype) =

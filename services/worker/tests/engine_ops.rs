@@ -8,7 +8,7 @@ use llmq_engine::sampling::{SamplingParams, StopParams};
 use llmq_engine::{load_model, resolve_model};
 use llmq_protocol::Event;
 use llmq_worker::engine_ops::ModelEngine;
-use llmq_worker::scheduler::{Admission, Scheduler, SchedulerConfig};
+use llmq_worker::scheduler::{Admission, Scheduler, SchedulerConfig, WorkerEngine};
 use mlx_rs::Dtype;
 
 #[test]

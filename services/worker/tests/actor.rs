@@ -1,0 +1,112 @@
+//! The scheduler actor with a fake engine: a panic inside a tick never escapes the actor; the
+//! requests it held end with an `Error`, and the actor goes on serving.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use actix::prelude::*;
+use llmq_engine::sampling::{SamplingParams, StopParams};
+use llmq_protocol::*;
+use llmq_worker::actor::{Outbound, SchedulerActor, Submit};
+use llmq_worker::scheduler::*;
+
+/// One token per step; panics when it decodes a request whose prompt has 13 tokens.
+#[derive(Default)]
+struct Fake {
+    prompt: HashMap<ReqId, usize>,
+    max: HashMap<ReqId, usize>,
+    made: HashMap<ReqId, usize>,
+}
+
+impl Fake {
+    fn token(&mut self, id: ReqId) -> StepOut {
+        let n = self.made.entry(id).or_default();
+        *n += 1;
+        let finished = (*n >= self.max[&id]).then_some(FinishReason::Length);
+        StepOut { ids: vec![*n as u32], text: "x".into(), logprobs: vec![], finished }
+    }
+}
+
+impl EngineOps for Fake {
+    fn prefill(&mut self, id: ReqId, _n: usize) -> Result<Option<StepOut>, WireError> {
+        Ok(Some(self.token(id)))
+    }
+    fn decode(&mut self, ids: &[ReqId]) -> Vec<Result<StepOut, WireError>> {
+        if ids.iter().any(|id| self.prompt[id] == 13) {
+            panic!("injected fault");
+        }
+        ids.iter().map(|&id| Ok(self.token(id))).collect()
+    }
+    fn release(&mut self, id: ReqId) {
+        self.prompt.remove(&id);
+    }
+}
+
+impl WorkerEngine for Fake {
+    fn register(&mut self, id: ReqId, prompt: Vec<u32>, _s: SamplingParams, stop: StopParams) -> Result<(), WireError> {
+        self.prompt.insert(id, prompt.len());
+        self.max.insert(id, stop.max_tokens);
+        Ok(())
+    }
+    fn kv_bytes_per_token(&self) -> u64 {
+        1
+    }
+    fn kv_bytes_in_use(&self) -> u64 {
+        0
+    }
+    fn context_tokens(&self) -> usize {
+        4096
+    }
+    fn engine_ms(&self) -> f64 {
+        0.0
+    }
+    fn call_times(&self) -> (u64, f64, u64, f64) {
+        (0, 0.0, 0, 0.0)
+    }
+}
+
+fn job(id: &str, prompt_len: usize, max_tokens: u32) -> Job {
+    Job {
+        request_id: id.into(),
+        model: "fake".into(),
+        prompt_ids: vec![1; prompt_len],
+        sampling: Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, repetition_penalty: 1.0, seed: None, logprobs: false, top_logprobs: 0 },
+        stop: StopConditions { max_tokens, stop: vec![], stop_token_ids: vec![], ignore_eos: false },
+        stream_subject: format!("s.{id}"),
+        accepted_at_ms: 0,
+        cache_salt: None,
+    }
+}
+
+async fn until_terminal(rx: &mut tokio::sync::mpsc::UnboundedReceiver<Outbound>, id: &str, seen: &mut HashMap<String, Vec<Event>>) -> Event {
+    loop {
+        if let Some(ev) = seen.get(id).and_then(|v| v.iter().find(|e| e.is_terminal())) {
+            return ev.clone();
+        }
+        let o = tokio::time::timeout(Duration::from_secs(10), rx.recv()).await.expect("event").expect("open");
+        seen.entry(o.request_id).or_default().push(o.event.event);
+    }
+}
+
+#[test]
+fn a_panic_in_a_tick_fails_the_held_requests_and_the_actor_goes_on() {
+    actix::System::new().block_on(async {
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let cfg = SchedulerConfig { kv_budget_bytes: 1 << 20, ..Default::default() };
+        let addr = SchedulerActor::new(Fake::default(), cfg, tx, "w".into(), "fake".into()).start();
+        addr.do_send(Submit(job("a", 5, 1000)));
+        addr.do_send(Submit(job("poison", 13, 1000)));
+        let mut seen = HashMap::new();
+        for id in ["a", "poison"] {
+            match until_terminal(&mut rx, id, &mut seen).await {
+                Event::Error { error } => assert_eq!(error.class, ErrorClass::Internal, "{id}: {error}"),
+                e => panic!("{id}: {e:?}"),
+            }
+        }
+        for id in ["a", "poison"] {
+            assert_eq!(seen[id].iter().filter(|e| e.is_terminal()).count(), 1, "{id}: exactly one terminal event");
+        }
+        addr.do_send(Submit(job("after", 5, 3)));
+        assert!(matches!(until_terminal(&mut rx, "after", &mut seen).await, Event::Done { .. }), "the actor still serves");
+    });
+}
