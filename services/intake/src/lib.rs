@@ -98,21 +98,14 @@ pub async fn run(settings: Settings) -> Result<(), IntakeError> {
         models.insert(name.clone(), info);
     }
     let validator = Arc::new(Validator::new(models, settings.intake.default_max_tokens));
-    let nats = |e: async_nats::Error| IntakeError::Nats(e.to_string());
-    let client = async_nats::connect(&settings.nats.url).await.map_err(|e| IntakeError::Nats(e.to_string()))?;
+    let nats = |e: &dyn std::fmt::Display| IntakeError::Nats(e.to_string());
+    let client = async_nats::connect(&settings.nats.url).await.map_err(|e| nats(&e))?;
     let js = jetstream::new(client.clone());
-    js.get_or_create_stream(jetstream::stream::Config {
-        name: subjects::JOBS_STREAM.into(),
-        subjects: vec![subjects::JOBS_ALL.into()],
-        retention: jetstream::stream::RetentionPolicy::WorkQueue,
-        ..Default::default()
-    })
-    .await
-    .map_err(|e| IntakeError::Nats(e.to_string()))?;
+    subjects::jobs_stream(&js).await.map_err(|e| nats(&e))?;
     let mut sub = client
         .queue_subscribe(subjects::GENERATE, subjects::INTAKE_QUEUE.into())
         .await
-        .map_err(|e| nats(e.into()))?;
+        .map_err(|e| nats(&e))?;
     let addr = IntakeActor { validator, client: client.clone(), js }.start();
     tracing::info!(models = ?settings.intake.models, "intake ready");
     while let Some(msg) = sub.next().await {

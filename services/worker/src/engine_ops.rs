@@ -38,7 +38,6 @@ pub struct ModelEngine {
     tokenizer: Option<Tokenizer>,
     seqs: HashMap<ReqId, Seq>,
     /// Time spent in prefill and decode calls since start, and how many calls.
-    busy: std::time::Duration,
     prefill_time: std::time::Duration,
     prefill_calls: u64,
     decode_time: std::time::Duration,
@@ -77,7 +76,6 @@ impl ModelEngine {
             model,
             tokenizer,
             seqs: HashMap::new(),
-            busy: zero,
             prefill_time: zero,
             prefill_calls: 0,
             decode_time: zero,
@@ -156,7 +154,7 @@ impl WorkerEngine for ModelEngine {
 
     /// Milliseconds spent in prefill and decode calls since start.
     fn engine_ms(&self) -> f64 {
-        self.busy.as_secs_f64() * 1000.0
+        (self.prefill_time + self.decode_time).as_secs_f64() * 1000.0
     }
 
     /// (prefill calls, their ms, decode calls, their ms) since start.
@@ -199,7 +197,6 @@ impl EngineOps for ModelEngine {
         let t0 = std::time::Instant::now();
         let r = self.prefill_inner(id, n);
         let dt = t0.elapsed();
-        self.busy += dt;
         self.prefill_time += dt;
         self.prefill_calls += 1;
         r
@@ -209,7 +206,6 @@ impl EngineOps for ModelEngine {
         let t0 = std::time::Instant::now();
         let r = self.decode_inner(ids);
         let dt = t0.elapsed();
-        self.busy += dt;
         self.decode_time += dt;
         self.decode_calls += 1;
         r

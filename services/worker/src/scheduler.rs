@@ -219,9 +219,6 @@ impl Scheduler {
     pub fn reserved_kv_bytes(&self) -> u64 {
         self.reserved
     }
-    pub fn holds(&self, id: ReqId) -> bool {
-        self.reqs.contains_key(&id)
-    }
 
     fn finish(&mut self, engine: &mut impl EngineOps, id: ReqId, event: Event, out: &mut Vec<Emit>) {
         if let Some(r) = self.reqs.remove(&id) {

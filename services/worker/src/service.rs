@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use actix::prelude::*;
-use async_nats::jetstream::{self, consumer::pull, stream, AckKind};
+use async_nats::jetstream::{self, consumer::pull, AckKind};
 use futures::StreamExt;
 use llmq_config::Settings;
 use llmq_engine::{default_dtype, load_named, parse_dtype};
@@ -53,25 +53,13 @@ pub fn scheduler_config(s: &Settings) -> SchedulerConfig {
     }
 }
 
-/// Creates (or finds) the jobs stream; intake and workers both call it.
-pub async fn jobs_stream(js: &jetstream::Context) -> Result<stream::Stream, WorkerError> {
-    js.get_or_create_stream(stream::Config {
-        name: subjects::JOBS_STREAM.into(),
-        subjects: vec![subjects::JOBS_ALL.into()],
-        retention: stream::RetentionPolicy::WorkQueue,
-        ..Default::default()
-    })
-    .await
-    .map_err(nats_err)
-}
-
 /// Runs a worker until the process is stopped. Must be called inside an actix System.
 pub async fn run(settings: Settings) -> Result<(), WorkerError> {
     let worker_id = settings.worker.id.clone().unwrap_or_else(|| format!("w{:08x}", rand_u32()));
     let model_name = settings.worker.model.clone();
     let client = async_nats::connect(&settings.nats.url).await.map_err(nats_err)?;
     let js = jetstream::new(client.clone());
-    let stream = jobs_stream(&js).await?;
+    let stream = subjects::jobs_stream(&js).await.map_err(nats_err)?;
     let consumer: jetstream::consumer::Consumer<pull::Config> = stream
         .get_or_create_consumer(
             &subjects::jobs_consumer(&model_name),

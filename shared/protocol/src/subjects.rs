@@ -43,3 +43,19 @@ pub fn is_valid_stream_subject(s: &str) -> bool {
         && s.len() <= 256
         && s.split('.').all(|t| !t.is_empty() && !t.contains(['*', '>', ' ', '\t', '\r', '\n']))
 }
+
+/// Creates (or finds) the jobs stream: work-queue retention, so a job stays until a worker
+/// acknowledges it. Intake and workers both call this, so either may start first.
+#[cfg(feature = "nats")]
+pub async fn jobs_stream(
+    js: &async_nats::jetstream::Context,
+) -> Result<async_nats::jetstream::stream::Stream, async_nats::jetstream::context::CreateStreamError> {
+    use async_nats::jetstream::stream;
+    js.get_or_create_stream(stream::Config {
+        name: JOBS_STREAM.into(),
+        subjects: vec![JOBS_ALL.into()],
+        retention: stream::RetentionPolicy::WorkQueue,
+        ..Default::default()
+    })
+    .await
+}
