@@ -220,7 +220,24 @@ fn events_arrive_in_order_and_chunked_prefill_gives_the_same_tokens() {
             e => panic!("{e:?}"),
         }
         let s = c.status().await;
-        assert_eq!(s.kv_bytes_used, 0);
+        assert!(s.prefix_bytes > 0, "the prompt and output are cached: {s:?}");
+        assert_eq!(s.kv_bytes_used, s.prefix_bytes, "only the prefix cache holds KV: {s:?}");
+
+        // The same prompt again reuses all of it but the last token, with the same tokens.
+        let again = c.run(req(&prompt, 12)).await;
+        assert_eq!(again.tokens(), want);
+        match again.last() {
+            Event::Done { usage, .. } => assert_eq!(usage.cached, usage.prompt - 1, "{usage:?}"),
+            e => panic!("{e:?}"),
+        }
+        // `llm.v1.cache.clear` frees it all.
+        let m = c.nc.request(subjects::CACHE_CLEAR, encode(&ClearCache::default()).unwrap().into()).await.unwrap();
+        let cleared: CacheCleared = decode(&m.payload).unwrap();
+        assert!(cleared.freed_bytes > 0);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let s = c.status().await;
+        assert_eq!((s.kv_bytes_used, s.prefix_bytes, s.prefix_entries), (0, 0, 0), "{s:?}");
+        assert!(s.prefix_hit_rate > 0.4, "{s:?}");
     });
 }
 
@@ -322,7 +339,7 @@ fn cancel_while_queued_mid_prefill_and_decoding() {
         // Every cache is freed.
         tokio::time::sleep(Duration::from_millis(500)).await;
         let s = c.status().await;
-        assert_eq!((s.kv_bytes_used, s.active_streams, s.queued_requests), (0, 0, 0), "{s:?}");
+        assert_eq!((s.kv_bytes_used - s.prefix_bytes, s.active_streams, s.queued_requests), (0, 0, 0), "{s:?}");
     });
 }
 

@@ -61,7 +61,7 @@ impl DecodeBatch {
         self.capacity
     }
 
-    pub(crate) fn lens(&self) -> &[usize] {
+    pub fn lens(&self) -> &[usize] {
         &self.lens
     }
 
@@ -125,6 +125,13 @@ impl DecodeBatch {
         }
         self.lens.push(len);
         Ok(row)
+    }
+
+    /// Row `row`'s keys and values per layer, [1, kv_heads, len, head_dim] (lazy views).
+    pub fn row_contents(&self, row: usize) -> Option<Vec<(Array, Array)>> {
+        let len = *self.lens.get(row)? as i32;
+        let r = row as i32;
+        Some(self.layers.iter().map(|(k, v)| (k.index((r..r + 1, .., ..len, ..)), v.index((r..r + 1, .., ..len, ..)))).collect())
     }
 
     /// Removes a row. The last row moves into its place: returns that row's old index, so the

@@ -29,7 +29,7 @@ pub trait KvCache: Send {
     /// Bytes of device memory held.
     fn nbytes(&self) -> usize;
     /// Every position's keys and values [1, kv_heads, offset, head_dim], when this cache keeps
-    /// them all (a sliding-window cache does not, and cannot join a decode batch).
+    /// them all (a sliding-window cache only until its window first drops a token).
     fn contents(&self) -> Option<(Array, Array)> {
         None
     }
@@ -51,6 +51,18 @@ impl StandardCache {
 
     fn capacity(&self) -> usize {
         self.keys.as_ref().map_or(0, |k| k.shape()[2] as usize)
+    }
+
+    /// A cache that starts with the first `n` positions of keys/values [1, kv_heads, >=n, d]
+    /// (a prefix-cache hit): copied into a buffer of its own, rounded up to whole steps.
+    pub fn with_prefix(step: usize, k: &Array, v: &Array, n: usize) -> Result<Self> {
+        let mut c = StandardCache::new(step);
+        let cap = n.div_ceil(c.step).max(1) * c.step;
+        let (ks, vs) = (k.index((.., .., ..n as i32, ..)), v.index((.., .., ..n as i32, ..)));
+        c.keys = Some(grow(Some(&ks), &ks, cap - n)?);
+        c.values = Some(grow(Some(&vs), &vs, cap - n)?);
+        c.offset = n;
+        Ok(c)
     }
 }
 
@@ -122,6 +134,21 @@ impl RotatingCache {
     pub fn new(window: usize) -> Self {
         RotatingCache { keys: None, values: None, offset: 0, window: window.max(1) }
     }
+
+    /// A cache that starts with the first `n` positions of keys/values; only possible while
+    /// nothing has left the window (`n < window`), which is all `contents` ever hands out.
+    pub fn with_prefix(window: usize, k: &Array, v: &Array, n: usize) -> Result<Self> {
+        let mut c = RotatingCache::new(window);
+        if n >= c.window {
+            return Err(crate::EngineError::InvalidRequest(format!("a prefix of {n} tokens does not fit a window of {window}")));
+        }
+        if n > 0 {
+            c.keys = Some(k.index((.., .., ..n as i32, ..)));
+            c.values = Some(v.index((.., .., ..n as i32, ..)));
+        }
+        c.offset = n;
+        Ok(c)
+    }
 }
 
 impl KvCache for RotatingCache {
@@ -161,6 +188,13 @@ impl KvCache for RotatingCache {
 
     fn nbytes(&self) -> usize {
         self.keys.as_ref().map_or(0, |k| k.nbytes()) + self.values.as_ref().map_or(0, |v| v.nbytes())
+    }
+
+    /// Every position, as long as the window has not dropped any (a wrapped cache cannot be
+    /// resumed at an earlier position: the keys it would need are gone).
+    fn contents(&self) -> Option<(Array, Array)> {
+        let (k, v) = (self.keys.as_ref()?, self.values.as_ref()?);
+        (k.shape()[2] as usize == self.offset).then(|| (k.clone(), v.clone()))
     }
 }
 

@@ -8,6 +8,7 @@
 //! - `model`     the transformer: chunked prefill and batched decode over per-sequence caches
 //! - `cache`     the KV-cache trait, a growing cache and a sliding-window one
 //! - `batch`     the decode batch: every running sequence as one row of shared KV buffers
+//! - `prefix`    the prefix cache: KV of earlier sequences, found again by their first tokens
 //! - `tokenizer` tokenizers (from `tokenizer.json` or rebuilt from GGUF) and chat templates
 //! - `sampling`  next-token choice and stop conditions; `detok` incremental detokenization
 //! - `generate`  one sequence end to end, for the CLI and the single-stream benchmark
@@ -24,6 +25,7 @@ pub mod error;
 pub mod generate;
 pub mod gguf;
 pub mod model;
+pub mod prefix;
 pub mod sampling;
 pub mod shapes;
 pub mod tokenizer;

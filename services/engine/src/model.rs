@@ -300,6 +300,24 @@ impl Model {
         SequenceCache { layers }
     }
 
+    /// A cache holding the first `n` positions of `kv` (per layer [1, kv_heads, >=n, head_dim]),
+    /// copied: a prefix-cache hit resumes prefill at position `n`.
+    pub fn cache_from_prefix(&self, kv: &[(Array, Array)], n: usize) -> Result<SequenceCache> {
+        if kv.len() != self.config.num_layers {
+            return Err(crate::EngineError::InvalidRequest(format!("a prefix of {} layers for a model of {}", kv.len(), self.config.num_layers)));
+        }
+        let layers = kv
+            .iter()
+            .map(|(k, v)| -> Result<Box<dyn KvCache>> {
+                Ok(match self.config.sliding_window {
+                    Some(w) => Box::new(RotatingCache::with_prefix(w, k, v, n)?),
+                    None => Box::new(StandardCache::with_prefix(CACHE_STEP, k, v, n)?),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(SequenceCache { layers })
+    }
+
     /// An empty decode batch for this model, or None for sliding-window models (their caches
     /// decode per sequence).
     pub fn new_decode_batch(&self) -> Option<DecodeBatch> {

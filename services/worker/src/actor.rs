@@ -123,6 +123,7 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
 
     pub fn status(&self) -> WorkerStatus {
         let used = self.engine.kv_bytes_in_use();
+        let prefix = self.engine.prefix_stats();
         let (prefill_calls, prefill_ms, decode_calls, decode_ms) = self.engine.call_times();
         WorkerStatus {
             worker_id: self.worker_id.clone(),
@@ -134,7 +135,11 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
             kv_bytes_used: used,
             kv_bytes_free: self.cfg.kv_budget_bytes.saturating_sub(self.scheduler.reserved_kv_bytes()),
             max_batch: self.cfg.max_batch as u32,
-            prefix_hit_rate: 0.0,
+            prefix_hit_rate: prefix.hit_rate(),
+            prefix_bytes: prefix.held_bytes,
+            prefix_entries: prefix.entries,
+            prefix_reused_tokens: prefix.reused_tokens,
+            prefix_evictions: prefix.evictions,
             sent_at_ms: Self::now().as_millis() as u64,
             ticks: self.ticks,
             // Up to now: the time since the last tick started counts as between-tick time.
@@ -168,6 +173,11 @@ pub struct CancelRequest(pub String);
 #[derive(Message)]
 #[rtype(result = "WorkerStatus")]
 pub struct GetStatus;
+
+/// Drops every cached prefix; answers with the bytes freed.
+#[derive(Message)]
+#[rtype(result = "u64")]
+pub struct ClearPrefixCache;
 
 fn to_engine(job: &Job) -> (SamplingParams, StopParams) {
     let s = &job.sampling;
@@ -203,13 +213,13 @@ impl<E: WorkerEngine + Unpin + 'static> Handler<Submit> for SchedulerActor<E> {
         self.by_request.insert(job.request_id.clone(), id);
         let (sampling, stop) = to_engine(&job);
         let prompt_tokens = job.prompt_ids.len();
-        let registered = catch_unwind(AssertUnwindSafe(|| self.engine.register(id, job.prompt_ids, sampling, stop)));
+        let registered =
+            catch_unwind(AssertUnwindSafe(|| self.engine.register(id, job.prompt_ids, sampling, stop, job.cache_salt)));
         let emits = match registered {
             Ok(Ok(())) => self.scheduler.submit(Admission {
                 id,
                 prompt_tokens,
                 max_tokens: job.stop.max_tokens as usize,
-                cached_tokens: 0,
                 accepted_at: Duration::from_millis(job.accepted_at_ms),
             }),
             Ok(Err(error)) => vec![Emit { id, event: Event::Error { error } }],
@@ -264,5 +274,18 @@ impl<E: WorkerEngine + Unpin + 'static> Handler<GetStatus> for SchedulerActor<E>
     type Result = MessageResult<GetStatus>;
     fn handle(&mut self, _: GetStatus, _: &mut Context<Self>) -> Self::Result {
         MessageResult(self.status())
+    }
+}
+
+impl<E: WorkerEngine + Unpin + 'static> Handler<ClearPrefixCache> for SchedulerActor<E> {
+    type Result = u64;
+    fn handle(&mut self, _: ClearPrefixCache, _: &mut Context<Self>) -> u64 {
+        match catch_unwind(AssertUnwindSafe(|| self.engine.prefix_clear())) {
+            Ok(freed) => freed,
+            Err(_) => {
+                self.recover("panic while clearing the prefix cache");
+                0
+            }
+        }
     }
 }

@@ -2,9 +2,14 @@
 //! prefill chunks, one batched decode step over every running sequence, sampling, stop
 //! conditions and incremental text.
 //!
+//! The prefix cache lives here too: a request admitted with a known prefix starts with a copy of
+//! that prefix's KV; a sequence's KV is remembered when its prompt is complete and again when it
+//! ends (prompt and output), so later requests that resend it skip its prefill.
+//!
 //! Invariants: a request's cache exists from `register` to `release` and is touched by nothing
 //! else; a decode step feeds each sequence the token it sampled last; the batch never pads or
-//! copies another sequence's cache (each sequence attends over its own cache).
+//! copies another sequence's cache (each sequence attends over its own cache); prefix entries
+//! are copies, so a hit never shares memory with a running sequence.
 
 use std::collections::HashMap;
 
@@ -12,6 +17,7 @@ use llmq_engine::batch::DecodeBatch;
 use llmq_engine::cache::SequenceCache;
 use llmq_engine::generate::Finisher;
 use llmq_engine::model::host_f32;
+use llmq_engine::prefix::{KvPrefix, PrefixCache, PrefixStats};
 use llmq_engine::sampling::{Sampler, SamplingParams, StopParams};
 use llmq_engine::{Model, Tokenizer};
 use llmq_protocol::{ErrorClass, TokenLogprob, WireError};
@@ -24,6 +30,8 @@ struct Seq {
     cache: SequenceCache,
     prompt: Vec<u32>,
     prefilled: usize,
+    /// Prefixes are shared only between requests with the same salt.
+    salt: Option<String>,
     sampler: Sampler,
     history: Vec<u32>,
     finisher: Finisher,
@@ -48,6 +56,7 @@ pub struct ModelEngine {
     batches: Option<Vec<DecodeBatch>>,
     /// rows[g][r]: the request in row r of group g.
     rows: Vec<Vec<ReqId>>,
+    prefix: Option<PrefixCache<KvPrefix>>,
 }
 
 /// Length groups of the decode batches: a sequence joins the first group whose bound exceeds
@@ -82,6 +91,22 @@ impl ModelEngine {
             decode_calls: 0,
             batches,
             rows: vec![vec![]; GROUP_BOUNDS.len()],
+            prefix: None,
+        }
+    }
+
+    /// Turns the prefix cache on: `block` tokens per index block, at most `max_bytes` held (the
+    /// scheduler also trims it to the KV budget left over by running requests).
+    pub fn with_prefix_cache(mut self, block: usize, max_bytes: u64) -> Self {
+        self.prefix = Some(PrefixCache::new(block, max_bytes));
+        self
+    }
+
+    /// Remembers the KV of `tokens` (per-layer views, copied if kept).
+    fn remember(prefix: &mut Option<PrefixCache<KvPrefix>>, salt: Option<&str>, tokens: &[u32], layers: Option<Vec<(Array, Array)>>) {
+        let (Some(cache), Some(layers)) = (prefix.as_mut(), layers) else { return };
+        if let Err(e) = cache.insert(salt, tokens, || KvPrefix::copy_of(layers)) {
+            tracing::warn!(error = %e, "could not store a prefix");
         }
     }
 
@@ -149,7 +174,8 @@ impl WorkerEngine for ModelEngine {
     /// KV bytes the caches hold now.
     fn kv_bytes_in_use(&self) -> u64 {
         let batch: u64 = self.batches.iter().flatten().map(|b| b.nbytes() as u64).sum();
-        batch + self.seqs.values().map(|s| s.cache.nbytes() as u64).sum::<u64>()
+        let prefix = self.prefix.as_ref().map_or(0, |p| p.held_bytes());
+        batch + prefix + self.seqs.values().map(|s| s.cache.nbytes() as u64).sum::<u64>()
     }
 
     /// Milliseconds spent in prefill and decode calls since start.
@@ -164,7 +190,7 @@ impl WorkerEngine for ModelEngine {
     }
 
     /// Creates a request's state; parameters are validated here, before any work is queued.
-    fn register(&mut self, id: ReqId, prompt: Vec<u32>, sampling: SamplingParams, stop: StopParams) -> Result<(), WireError> {
+    fn register(&mut self, id: ReqId, prompt: Vec<u32>, sampling: SamplingParams, stop: StopParams, salt: Option<String>) -> Result<(), WireError> {
         let invalid = |e: llmq_engine::EngineError| WireError::new(ErrorClass::InvalidRequest, e.to_string());
         sampling.validate().map_err(invalid)?;
         stop.validate().map_err(invalid)?;
@@ -178,6 +204,7 @@ impl WorkerEngine for ModelEngine {
             history: prompt.clone(),
             prompt,
             prefilled: 0,
+            salt,
             sampler: Sampler::new(sampling),
             finisher: Finisher::new(stop, eos),
             next: None,
@@ -189,6 +216,14 @@ impl WorkerEngine for ModelEngine {
 
     fn context_tokens(&self) -> usize {
         self.model.config.max_position_embeddings
+    }
+
+    fn prefix_stats(&self) -> PrefixStats {
+        self.prefix.as_ref().map(|p| p.stats()).unwrap_or_default()
+    }
+
+    fn prefix_clear(&mut self) -> u64 {
+        self.prefix.as_mut().map_or(0, |p| p.clear())
     }
 }
 
@@ -211,8 +246,35 @@ impl EngineOps for ModelEngine {
         r
     }
 
+    /// Looks the prompt up in the prefix cache; a hit becomes the start of the request's cache.
+    fn admit(&mut self, id: ReqId) -> usize {
+        let (Some(seq), Some(prefix)) = (self.seqs.get_mut(&id), self.prefix.as_mut()) else { return 0 };
+        let Some((n, kv)) = prefix.lookup(seq.salt.as_deref(), &seq.prompt) else { return 0 };
+        match self.model.cache_from_prefix(&kv.layers, n) {
+            Ok(cache) => {
+                seq.cache = cache;
+                seq.prefilled = n;
+                n
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "could not reuse a cached prefix");
+                0
+            }
+        }
+    }
+
+    fn prefix_trim(&mut self, max_bytes: u64) -> u64 {
+        self.prefix.as_mut().map_or(0, |p| p.trim(max_bytes))
+    }
+
     fn release(&mut self, id: ReqId) {
         let Some(seq) = self.seqs.remove(&id) else { return };
+        // What it fed the model so far (prompt, then outputs but the last) stays reusable.
+        let (fed, layers) = match (seq.row, self.batches.as_ref()) {
+            (Some((g, row)), Some(b)) => (b[g].lens().get(row).copied().unwrap_or(0), b[g].row_contents(row)),
+            _ => (seq.cache.offset(), (0..self.model.config.num_layers).map(|l| seq.cache.contents(l)).collect()),
+        };
+        Self::remember(&mut self.prefix, seq.salt.as_deref(), &seq.history[..fed.min(seq.history.len())], layers);
         if let (Some((g, row)), Some(batches)) = (seq.row, self.batches.as_mut()) {
             match batches[g].leave(row) {
                 Ok(moved) => {
@@ -246,6 +308,8 @@ impl ModelEngine {
             }
             let (t, lp) = choose(&logits, &mut [&mut seq])?.pop().expect("one row");
             let out = self.take_token(&mut seq, t, lp)?;
+            let layers = (0..self.model.config.num_layers).map(|l| seq.cache.contents(l)).collect();
+            Self::remember(&mut self.prefix, seq.salt.as_deref(), &seq.prompt, layers);
             if let Some(batches) = self.batches.as_mut() {
                 // Into its length group's decode batch: only this sequence's KV is copied; its
                 // own cache goes.

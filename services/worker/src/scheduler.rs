@@ -2,7 +2,9 @@
 //!
 //! 1. cancellations are applied (queued, mid-prefill or decoding), freeing KV memory;
 //! 2. the active decode batch steps once (every running stream gets its token first);
-//! 3. waiting requests are admitted while the KV budget and the batch limit allow;
+//! 3. waiting requests are admitted while the KV budget and the batch limit allow; an admitted
+//!    request's prompt is looked up in the prefix cache and its prefill starts after the reused
+//!    tokens;
 //! 4. exactly one prefill chunk is granted, to one request: `prefill_chunk` tokens while anything
 //!    decodes, `idle_prefill_chunk` when nothing does (the idle fast path). A request whose
 //!    prompt completes samples its first token and joins the decode batch at the next tick.
@@ -14,7 +16,8 @@
 //! Invariants: every admitted request ends with exactly one terminal event (`Done` or `Error`);
 //! KV bytes are reserved at admission for prompt + max_tokens and returned when the request
 //! ends, so after all requests end the reservation is zero; a request that could never fit the
-//! budget is refused at once. The scheduler never touches a model: `EngineOps` does the work,
+//! budget is refused at once. The prefix cache lives in what the reservations leave: it is
+//! trimmed (least recently used first) to `budget - reserved` after every admission and tick. The scheduler never touches a model: `EngineOps` does the work,
 //! so the policy is tested against a fake engine and a fake clock.
 
 use std::collections::{HashMap, HashSet};
@@ -79,6 +82,15 @@ pub trait EngineOps {
     fn decode(&mut self, ids: &[ReqId]) -> Vec<Result<StepOut, WireError>>;
     /// Frees everything held for `id` (called once per request, whatever its end).
     fn release(&mut self, id: ReqId);
+    /// Prepares an admitted request's prefill: returns how many of its prompt tokens were
+    /// reused from the prefix cache (less than the prompt). An engine without one reuses none.
+    fn admit(&mut self, _id: ReqId) -> usize {
+        0
+    }
+    /// Evicts cached prefixes until at most `max_bytes` are held; returns the bytes held.
+    fn prefix_trim(&mut self, _max_bytes: u64) -> u64 {
+        0
+    }
 }
 
 /// What the scheduler actor needs of an engine beyond the work itself: admitting requests and
@@ -91,6 +103,7 @@ pub trait WorkerEngine: EngineOps {
         prompt: Vec<u32>,
         sampling: llmq_engine::sampling::SamplingParams,
         stop: llmq_engine::sampling::StopParams,
+        cache_salt: Option<String>,
     ) -> Result<(), WireError>;
     fn kv_bytes_per_token(&self) -> u64;
     fn kv_bytes_in_use(&self) -> u64;
@@ -99,6 +112,14 @@ pub trait WorkerEngine: EngineOps {
     fn engine_ms(&self) -> f64;
     /// (prefill calls, their ms, decode calls, their ms) since start.
     fn call_times(&self) -> (u64, f64, u64, f64);
+    /// The prefix cache's counters (all zero without one).
+    fn prefix_stats(&self) -> llmq_engine::prefix::PrefixStats {
+        Default::default()
+    }
+    /// Drops every cached prefix; returns the bytes freed.
+    fn prefix_clear(&mut self) -> u64 {
+        0
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -106,8 +127,6 @@ pub struct Admission {
     pub id: ReqId,
     pub prompt_tokens: usize,
     pub max_tokens: usize,
-    /// Prompt tokens already in the cache (prefix reuse); prefill starts after them.
-    pub cached_tokens: usize,
     /// When intake accepted it, on the scheduler's clock.
     pub accepted_at: Duration,
 }
@@ -117,6 +136,8 @@ struct Req {
     a: Admission,
     reserved: u64,
     prefilled: usize,
+    /// Prompt tokens reused from the prefix cache (known at admission).
+    cached: usize,
     completion: usize,
     admitted_at: Option<Duration>,
     first_token_at: Option<Duration>,
@@ -175,7 +196,7 @@ impl Scheduler {
     pub fn submit(&mut self, a: Admission) -> Vec<Emit> {
         let id = a.id;
         let need = self.reservation(&a);
-        if need > self.cfg.kv_budget_bytes || a.prompt_tokens == 0 || a.cached_tokens > a.prompt_tokens {
+        if need > self.cfg.kv_budget_bytes || a.prompt_tokens == 0 {
             let error = if a.prompt_tokens == 0 {
                 WireError::new(ErrorClass::InvalidRequest, "empty prompt")
             } else {
@@ -187,8 +208,7 @@ impl Scheduler {
             return vec![Emit { id, event: Event::Error { error } }];
         }
         let position = self.waiting.len() as u32;
-        let prefilled = a.cached_tokens;
-        self.reqs.insert(id, Req { a, reserved: 0, prefilled, completion: 0, admitted_at: None, first_token_at: None });
+        self.reqs.insert(id, Req { a, reserved: 0, prefilled: 0, cached: 0, completion: 0, admitted_at: None, first_token_at: None });
         self.waiting.push(id);
         vec![Emit { id, event: Event::Queued { position } }]
     }
@@ -239,7 +259,7 @@ impl Scheduler {
         let acc = r.a.accepted_at;
         Event::Done {
             finish_reason: reason,
-            usage: Usage { prompt: r.a.prompt_tokens as u32, completion: r.completion as u32, cached: r.a.cached_tokens as u32 },
+            usage: Usage { prompt: r.a.prompt_tokens as u32, completion: r.completion as u32, cached: r.cached as u32 },
             timings: Timings {
                 queue_ms: ms(r.admitted_at.unwrap_or(now).saturating_sub(acc)),
                 ttft_ms: ms(r.first_token_at.unwrap_or(now).saturating_sub(acc)),
@@ -300,10 +320,14 @@ impl Scheduler {
                 && self.reserved + need <= self.cfg.kv_budget_bytes
             {
                 self.reserved += need;
+                let cached = engine.admit(id).min(self.reqs[&id].a.prompt_tokens.saturating_sub(1));
                 let r = self.reqs.get_mut(&id).expect("waiting ids are held");
                 r.reserved = need;
                 r.admitted_at = Some(now);
+                r.prefilled = cached;
+                r.cached = cached;
                 self.prefilling.push(id);
+                engine.prefix_trim(self.cfg.kv_budget_bytes - self.reserved);
             } else {
                 still_waiting.push(id);
             }
@@ -349,6 +373,8 @@ impl Scheduler {
                 Err(error) => self.finish(engine, id, Event::Error { error }, &mut out),
             }
         }
+        // Sequences that ended or completed their prompt this tick were remembered.
+        engine.prefix_trim(self.cfg.kv_budget_bytes - self.reserved);
         (out, report)
     }
 

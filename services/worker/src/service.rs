@@ -8,6 +8,7 @@
 //!   A job delivered a second time (its worker died before finishing it) is ended with
 //!   `Error { class: worker_lost }` rather than run again under a stream that already has events.
 //! - cancels: `llm.v1.cancel`, broadcast; the actor ignores ids it does not hold.
+//! - `llm.v1.cache.clear`: drops the cached prefixes (answers `CacheCleared` if asked).
 //! - heartbeats: `WorkerStatus` on `llm.v1.worker.<id>.status` every `worker.heartbeat_ms`.
 
 use std::collections::HashMap;
@@ -19,10 +20,10 @@ use async_nats::jetstream::{self, consumer::pull, AckKind};
 use futures::StreamExt;
 use llmq_config::Settings;
 use llmq_engine::{default_dtype, load_named, parse_dtype};
-use llmq_protocol::{subjects, Cancel, ErrorClass, Event, Job, StreamEvent, WireError};
+use llmq_protocol::{subjects, CacheCleared, Cancel, ClearCache, ErrorClass, Event, Job, StreamEvent, WireError};
 use tokio::sync::mpsc;
 
-use crate::actor::{CancelRequest, GetStatus, Outbound, SchedulerActor, Submit};
+use crate::actor::{CancelRequest, ClearPrefixCache, GetStatus, Outbound, SchedulerActor, Submit};
 use crate::engine_ops::ModelEngine;
 use crate::scheduler::SchedulerConfig;
 
@@ -78,6 +79,8 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<Addr<SchedulerActor<ModelEngine>>, String>>();
     let device = Arbiter::new();
     let cfg = scheduler_config(&settings);
+    let prefix = settings.prefix_cache.clone();
+    let prefix_max = if prefix.max_bytes == 0 { cfg.kv_budget_bytes } else { prefix.max_bytes.min(cfg.kv_budget_bytes) };
     let (wid, mname, model_ref, dtype) =
         (worker_id.clone(), model_name.clone(), settings.worker.model.clone(), settings.worker.dtype.clone());
     device.spawn_fn(move || {
@@ -86,7 +89,11 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
             load_named(&model_ref, dtype).map_err(|e| format!("{model_ref}: {e}"))
         })();
         let _ = ready_tx.send(loaded.map(|m| {
-            SchedulerActor::new(ModelEngine::new(m.model, m.tokenizer), cfg, out_tx, wid, mname).start()
+            let mut engine = ModelEngine::new(m.model, m.tokenizer);
+            if prefix.enabled {
+                engine = engine.with_prefix_cache(prefix.block_tokens, prefix_max);
+            }
+            SchedulerActor::new(engine, cfg, out_tx, wid, mname).start()
         }));
     });
     let actor = match tokio::task::spawn_blocking(move || ready_rx.recv()).await {
@@ -131,6 +138,24 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
         while let Some(m) = cancels.next().await {
             if let Ok(c) = llmq_protocol::decode::<Cancel>(&m.payload) {
                 cancel_actor.do_send(CancelRequest(c.request_id));
+            }
+        }
+    });
+
+    // Prefix cache clears.
+    let mut clears = client.subscribe(subjects::CACHE_CLEAR).await.map_err(nats_err)?;
+    let (clear_actor, clear_client, clear_wid, clear_model) = (actor.clone(), client.clone(), worker_id.clone(), model_name.clone());
+    actix::spawn(async move {
+        while let Some(m) = clears.next().await {
+            let Ok(c) = llmq_protocol::decode::<ClearCache>(&m.payload) else { continue };
+            if c.model.as_ref().is_some_and(|x| *x != clear_model) {
+                continue;
+            }
+            let freed = clear_actor.send(ClearPrefixCache).await.unwrap_or(0);
+            if let Some(reply) = m.reply {
+                if let Ok(bytes) = llmq_protocol::encode(&CacheCleared { worker_id: clear_wid.clone(), freed_bytes: freed }) {
+                    let _ = clear_client.publish(reply, bytes.into()).await;
+                }
             }
         }
     });

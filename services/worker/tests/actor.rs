@@ -43,7 +43,7 @@ impl EngineOps for Fake {
 }
 
 impl WorkerEngine for Fake {
-    fn register(&mut self, id: ReqId, prompt: Vec<u32>, _s: SamplingParams, stop: StopParams) -> Result<(), WireError> {
+    fn register(&mut self, id: ReqId, prompt: Vec<u32>, _s: SamplingParams, stop: StopParams, _salt: Option<String>) -> Result<(), WireError> {
         self.prompt.insert(id, prompt.len());
         self.max.insert(id, stop.max_tokens);
         Ok(())

@@ -43,8 +43,8 @@ fn chunked_interleaved_prefill_gives_the_same_greedy_tokens() {
     let mut events = vec![];
     for (i, p) in prompts.iter().enumerate() {
         let id = i as u64;
-        engine.register(id, p.clone(), SamplingParams::default(), stop.clone()).unwrap();
-        events.extend(s.submit(Admission { id, prompt_tokens: p.len(), max_tokens: 12, cached_tokens: 0, accepted_at: start.elapsed() }));
+        engine.register(id, p.clone(), SamplingParams::default(), stop.clone(), None).unwrap();
+        events.extend(s.submit(Admission { id, prompt_tokens: p.len(), max_tokens: 12, accepted_at: start.elapsed() }));
         // Arrivals spread over ticks, so prefills interleave with running decodes.
         for _ in 0..3 {
             events.extend(s.tick(&mut engine, start.elapsed()).0);

@@ -62,7 +62,7 @@ impl Harness {
     fn submit(&mut self, id: ReqId, prompt: usize, max_tokens: usize) {
         self.e.max_tokens.insert(id, max_tokens);
         self.e.prompt.insert(id, prompt);
-        let a = Admission { id, prompt_tokens: prompt, max_tokens, cached_tokens: 0, accepted_at: self.now };
+        let a = Admission { id, prompt_tokens: prompt, max_tokens, accepted_at: self.now };
         let ev = self.s.submit(a);
         self.events.extend(ev);
     }

@@ -22,6 +22,7 @@ pub struct Settings {
     pub worker: WorkerSettings,
     pub scheduler: SchedulerSettings,
     pub intake: IntakeSettings,
+    pub prefix_cache: PrefixCacheSettings,
 }
 
 #[derive(Clone, Deserialize)]
@@ -117,6 +118,23 @@ impl Default for IntakeSettings {
     }
 }
 
+/// The workers' prefix cache (KV of earlier prompts, reused by requests that resend them).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PrefixCacheSettings {
+    pub enabled: bool,
+    /// Tokens per index block: the shortest prefix that can be reused.
+    pub block_tokens: usize,
+    /// Most bytes it holds; 0: whatever the KV budget leaves over (it is always trimmed to that).
+    pub max_bytes: u64,
+}
+
+impl Default for PrefixCacheSettings {
+    fn default() -> Self {
+        PrefixCacheSettings { enabled: true, block_tokens: 16, max_bytes: 0 }
+    }
+}
+
 impl Settings {
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |key, value: String, why| Err(ConfigError::Invalid { key, value, why });
@@ -135,6 +153,9 @@ impl Settings {
         }
         if !(s.aging_tokens_per_s.is_finite() && s.aging_tokens_per_s >= 0.0) {
             return bad("scheduler.aging_tokens_per_s", s.aging_tokens_per_s.to_string(), "must be a finite number >= 0");
+        }
+        if self.prefix_cache.block_tokens == 0 {
+            return bad("prefix_cache.block_tokens", "0".into(), "must be at least 1");
         }
         if self.worker.heartbeat_ms == 0 {
             return bad("worker.heartbeat_ms", "0".into(), "must be positive");

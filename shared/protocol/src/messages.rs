@@ -198,6 +198,20 @@ pub struct Cancel {
     pub request_id: String,
 }
 
+/// Published on `llm.v1.cache.clear`: every worker (of `model`, or all) drops its cached
+/// prefixes and, when the message has a reply subject, answers with `CacheCleared`.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ClearCache {
+    pub model: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CacheCleared {
+    pub worker_id: String,
+    pub freed_bytes: u64,
+}
+
 /// A worker's heartbeat on `llm.v1.worker.<id>.status`; intake routes by it.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(default)]
@@ -212,8 +226,14 @@ pub struct WorkerStatus {
     pub kv_bytes_used: u64,
     pub kv_bytes_free: u64,
     pub max_batch: u32,
-    /// Prompt tokens reused from the prefix cache over prompt tokens, since start.
+    /// Prompt tokens reused from the prefix cache over prompt tokens looked up, since start.
     pub prefix_hit_rate: f64,
+    /// Bytes and entries the prefix cache holds now (counted in `kv_bytes_used`), prompt
+    /// tokens it has served, and entries it has evicted, since start.
+    pub prefix_bytes: u64,
+    pub prefix_entries: u64,
+    pub prefix_reused_tokens: u64,
+    pub prefix_evictions: u64,
     pub sent_at_ms: u64,
     /// Ticks since start, and their time: `tick_wall_ms` from each tick's start to the next
     /// one's (or to going idle), `engine_ms` inside the model's prefill and decode calls. The

@@ -6,6 +6,8 @@ pub const GENERATE: &str = "llm.v1.generate";
 pub const INTAKE_QUEUE: &str = "intake";
 /// Broadcast: `Cancel`. Whichever worker holds the request drops it.
 pub const CANCEL: &str = "llm.v1.cancel";
+/// Broadcast: `ClearCache`. Workers drop their cached prefixes (reply: `CacheCleared`).
+pub const CACHE_CLEAR: &str = "llm.v1.cache.clear";
 /// Workers' `WorkerStatus` heartbeats: `llm.v1.worker.<id>.status`.
 pub const WORKER_STATUS_ALL: &str = "llm.v1.worker.*.status";
 /// JetStream stream holding accepted jobs until a worker has finished them, and its subjects.

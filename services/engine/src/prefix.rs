@@ -1,0 +1,341 @@
+//! The prefix cache: the KV of earlier sequences (prompt, and output once the request ends),
+//! found again by the tokens a new prompt starts with.
+//!
+//! Index: fixed-size token blocks, each hashed together with its parent's hash (the root hash is
+//! the salt's), so one hash names a whole prefix and a lookup is one map probe per block. The
+//! candidates of the last matching block are then compared token by token, so a hit extends past
+//! the last whole block up to the longest common prefix. Entries are whole sequences, immutable
+//! once stored: a hit copies the reused KV into the new sequence's own cache, so nothing a
+//! running request holds is ever shared, evicted or modified underneath it.
+//!
+//! Invariants: `held_bytes()` is the sum of the stored entries' sizes and never exceeds the
+//! limit; an entry whose tokens are a prefix of a newer entry's is dropped (the newer one serves
+//! every lookup it would); a lookup reuses at most `prompt.len() - 1` tokens (the last prompt
+//! token is always computed: its logits give the first output token); requests with different
+//! salts never see each other's entries.
+
+use std::collections::hash_map::DefaultHasher;
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+
+/// What an entry stores; its size counts against the cache's limit.
+pub trait Payload {
+    fn nbytes(&self) -> u64;
+}
+
+/// A sequence's KV on the device: per layer (keys, values) [1, kv_heads, len, head_dim].
+pub struct KvPrefix {
+    pub layers: Vec<(mlx_rs::Array, mlx_rs::Array)>,
+}
+
+impl KvPrefix {
+    /// Copies `layers` (views into a sequence's buffers) into buffers of their own, evaluated
+    /// now, so the entry keeps only its own bytes alive and its size is known.
+    pub fn copy_of(layers: Vec<(mlx_rs::Array, mlx_rs::Array)>) -> crate::Result<Self> {
+        let layers = layers.iter().map(|(k, v)| Ok((k.contiguous()?, v.contiguous()?))).collect::<crate::Result<Vec<_>>>()?;
+        mlx_rs::transforms::eval(layers.iter().flat_map(|(k, v)| [k, v]))?;
+        Ok(KvPrefix { layers })
+    }
+}
+
+impl Payload for KvPrefix {
+    fn nbytes(&self) -> u64 {
+        self.layers.iter().map(|(k, v)| (k.nbytes() + v.nbytes()) as u64).sum()
+    }
+}
+
+struct Entry<P> {
+    salt: Option<String>,
+    tokens: Vec<u32>,
+    /// Chained hash of each whole block of `tokens`.
+    hashes: Vec<u64>,
+    payload: P,
+    bytes: u64,
+    last_used: u64,
+}
+
+/// Counters since start (or since the cache was cleared, for `held`).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PrefixStats {
+    pub lookups: u64,
+    pub hits: u64,
+    /// Prompt tokens looked up, and how many of them were reused.
+    pub prompt_tokens: u64,
+    pub reused_tokens: u64,
+    pub inserted: u64,
+    pub evictions: u64,
+    pub entries: u64,
+    pub held_bytes: u64,
+}
+
+impl PrefixStats {
+    /// Reused prompt tokens over looked-up prompt tokens.
+    pub fn hit_rate(&self) -> f64 {
+        if self.prompt_tokens == 0 {
+            0.0
+        } else {
+            self.reused_tokens as f64 / self.prompt_tokens as f64
+        }
+    }
+}
+
+pub struct PrefixCache<P> {
+    block: usize,
+    max_bytes: u64,
+    entries: HashMap<u64, Entry<P>>,
+    /// Block hash -> entries holding that prefix.
+    index: HashMap<u64, Vec<u64>>,
+    next_id: u64,
+    clock: u64,
+    held: u64,
+    stats: PrefixStats,
+}
+
+fn root_hash(salt: Option<&str>) -> u64 {
+    let mut h = DefaultHasher::new();
+    "llmq-prefix".hash(&mut h);
+    salt.hash(&mut h);
+    h.finish()
+}
+
+fn block_hashes<'a>(salt: Option<&str>, tokens: &'a [u32], block: usize) -> impl Iterator<Item = u64> + 'a {
+    let mut parent = root_hash(salt);
+    tokens.chunks_exact(block).map(move |b| {
+        let mut h = DefaultHasher::new();
+        parent.hash(&mut h);
+        b.hash(&mut h);
+        parent = h.finish();
+        parent
+    })
+}
+
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+impl<P: Payload> PrefixCache<P> {
+    /// `block`: tokens per index block (the shortest prefix that can hit); `max_bytes`: limit.
+    pub fn new(block: usize, max_bytes: u64) -> Self {
+        PrefixCache {
+            block: block.max(1),
+            max_bytes,
+            entries: HashMap::new(),
+            index: HashMap::new(),
+            next_id: 0,
+            clock: 0,
+            held: 0,
+            stats: PrefixStats::default(),
+        }
+    }
+
+    pub fn held_bytes(&self) -> u64 {
+        self.held
+    }
+
+    pub fn stats(&self) -> PrefixStats {
+        PrefixStats { entries: self.entries.len() as u64, held_bytes: self.held, ..self.stats }
+    }
+
+    /// The entry sharing the longest prefix with `tokens` (same salt) and that length.
+    fn best_match(&self, salt: Option<&str>, tokens: &[u32]) -> Option<(u64, usize)> {
+        let mut candidates: Option<&Vec<u64>> = None;
+        for h in block_hashes(salt, tokens, self.block) {
+            match self.index.get(&h) {
+                Some(ids) => candidates = Some(ids),
+                None => break,
+            }
+        }
+        candidates?
+            .iter()
+            .filter_map(|id| {
+                let e = &self.entries[id];
+                (e.salt.as_deref() == salt).then(|| (*id, common_prefix(&e.tokens, tokens)))
+            })
+            .filter(|&(_, n)| n >= self.block)
+            .max_by_key(|&(id, n)| (n, self.entries[&id].last_used))
+    }
+
+    /// The longest reusable prefix of `prompt`: its length (at most `prompt.len() - 1`) and the
+    /// entry holding its KV (positions 0..length of the payload). Counts toward the hit rate.
+    pub fn lookup(&mut self, salt: Option<&str>, prompt: &[u32]) -> Option<(usize, &P)> {
+        self.stats.lookups += 1;
+        self.stats.prompt_tokens += prompt.len() as u64;
+        let usable = prompt.len().saturating_sub(1);
+        let (id, n) = self.best_match(salt, &prompt[..usable])?;
+        self.clock += 1;
+        self.stats.hits += 1;
+        self.stats.reused_tokens += n as u64;
+        let e = self.entries.get_mut(&id).expect("indexed entries exist");
+        e.last_used = self.clock;
+        Some((n, &e.payload))
+    }
+
+    /// Stores the KV of `tokens` (made by `make` only if it will be kept). Entries that are a
+    /// prefix of `tokens` are dropped; if an entry already covers all of `tokens`, nothing is
+    /// stored. Returns whether it was stored.
+    pub fn insert<E>(&mut self, salt: Option<&str>, tokens: &[u32], make: impl FnOnce() -> Result<P, E>) -> Result<bool, E> {
+        if tokens.len() < self.block {
+            return Ok(false);
+        }
+        if let Some((id, n)) = self.best_match(salt, tokens) {
+            if n == tokens.len() {
+                self.clock += 1;
+                self.entries.get_mut(&id).expect("indexed").last_used = self.clock;
+                return Ok(false);
+            }
+        }
+        let hashes: Vec<u64> = block_hashes(salt, tokens, self.block).collect();
+        // Entries the new one subsumes: same salt, and all their tokens are a prefix of `tokens`.
+        let mut subsumed: Vec<u64> = hashes
+            .iter()
+            .filter_map(|h| self.index.get(h))
+            .flatten()
+            .copied()
+            .filter(|id| {
+                let e = &self.entries[id];
+                e.salt.as_deref() == salt && e.tokens.len() <= tokens.len() && tokens.starts_with(&e.tokens)
+            })
+            .collect();
+        subsumed.sort_unstable();
+        subsumed.dedup();
+        for id in subsumed {
+            self.remove(id);
+        }
+        let payload = make()?;
+        let bytes = payload.nbytes();
+        if bytes > self.max_bytes {
+            return Ok(false);
+        }
+        self.trim(self.max_bytes - bytes);
+        let id = self.next_id;
+        self.next_id += 1;
+        self.clock += 1;
+        for h in &hashes {
+            self.index.entry(*h).or_default().push(id);
+        }
+        self.entries.insert(
+            id,
+            Entry { salt: salt.map(str::to_string), tokens: tokens.to_vec(), hashes, payload, bytes, last_used: self.clock },
+        );
+        self.held += bytes;
+        self.stats.inserted += 1;
+        Ok(true)
+    }
+
+    fn remove(&mut self, id: u64) {
+        let Some(e) = self.entries.remove(&id) else { return };
+        for h in &e.hashes {
+            if let Some(ids) = self.index.get_mut(h) {
+                ids.retain(|&x| x != id);
+                if ids.is_empty() {
+                    self.index.remove(h);
+                }
+            }
+        }
+        self.held -= e.bytes;
+    }
+
+    /// Evicts least recently used entries until at most `max` bytes are held; returns the bytes
+    /// held after.
+    pub fn trim(&mut self, max: u64) -> u64 {
+        while self.held > max {
+            let Some(oldest) = self.entries.iter().min_by_key(|(_, e)| e.last_used).map(|(id, _)| *id) else { break };
+            self.remove(oldest);
+            self.stats.evictions += 1;
+        }
+        self.held
+    }
+
+    /// Drops every entry; returns the bytes freed.
+    pub fn clear(&mut self) -> u64 {
+        let freed = self.held;
+        self.entries.clear();
+        self.index.clear();
+        self.held = 0;
+        freed
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Fake(u64);
+    impl Payload for Fake {
+        fn nbytes(&self) -> u64 {
+            self.0
+        }
+    }
+
+    fn put(c: &mut PrefixCache<Fake>, salt: Option<&str>, t: &[u32]) -> bool {
+        c.insert::<()>(salt, t, || Ok(Fake(t.len() as u64))).unwrap()
+    }
+
+    fn seq(from: u32, n: u32) -> Vec<u32> {
+        (from..from + n).collect()
+    }
+
+    #[test]
+    fn exact_and_partial_hits_stop_before_the_last_token() {
+        let mut c = PrefixCache::new(4, 1000);
+        let a = seq(0, 10);
+        assert!(put(&mut c, None, &a));
+        // Exact: the whole prompt was seen; the last token is still computed.
+        assert_eq!(c.lookup(None, &a).map(|(n, _)| n), Some(9));
+        // Partial past the last whole block: 0..6 shared, then different.
+        let mut b = seq(0, 6);
+        b.extend([99, 98, 97]);
+        assert_eq!(c.lookup(None, &b).map(|(n, _)| n), Some(6));
+        // Shorter than one block in common: no hit.
+        let mut d = seq(0, 3);
+        d.extend([50, 51, 52, 53, 54]);
+        assert!(c.lookup(None, &d).is_none());
+        let s = c.stats();
+        assert_eq!((s.lookups, s.hits, s.reused_tokens, s.prompt_tokens), (3, 2, 15, 27));
+    }
+
+    #[test]
+    fn salts_isolate() {
+        let mut c = PrefixCache::new(4, 1000);
+        put(&mut c, Some("alice"), &seq(0, 12));
+        assert!(c.lookup(None, &seq(0, 12)).is_none());
+        assert!(c.lookup(Some("bob"), &seq(0, 12)).is_none());
+        assert_eq!(c.lookup(Some("alice"), &seq(0, 12)).map(|(n, _)| n), Some(11));
+    }
+
+    #[test]
+    fn longer_entry_subsumes_its_prefix_and_covered_inserts_are_skipped() {
+        let mut c = PrefixCache::new(4, 1000);
+        put(&mut c, None, &seq(0, 8));
+        assert!(put(&mut c, None, &seq(0, 20)));
+        assert_eq!((c.stats().entries, c.held_bytes()), (1, 20));
+        assert!(!put(&mut c, None, &seq(0, 13)), "covered by the longer entry");
+        assert_eq!(c.lookup(None, &seq(0, 30)).map(|(n, _)| n), Some(20));
+    }
+
+    #[test]
+    fn least_recently_used_goes_first_and_bytes_stay_within_limit() {
+        let mut c = PrefixCache::new(4, 30);
+        put(&mut c, None, &seq(0, 10));
+        put(&mut c, None, &seq(100, 10));
+        put(&mut c, None, &seq(200, 10));
+        c.lookup(None, &seq(0, 10)); // 0.. is now the most recent
+        put(&mut c, None, &seq(300, 10));
+        assert!(c.lookup(None, &seq(100, 10)).is_none(), "the least recently used was evicted");
+        assert!(c.lookup(None, &seq(0, 10)).is_some());
+        assert_eq!((c.held_bytes(), c.stats().evictions), (30, 1));
+        assert_eq!(c.trim(15), 10);
+        assert!(!put(&mut c, None, &seq(500, 40)), "larger than the whole limit");
+        assert_eq!(c.clear(), 10);
+        assert_eq!((c.held_bytes(), c.stats().entries), (0, 0));
+    }
+
+    #[test]
+    fn hash_collisions_cannot_return_wrong_tokens() {
+        // Same blocks under different salts share no hashes; same salt, different tokens after
+        // a shared block: the token comparison bounds the reuse.
+        let mut c = PrefixCache::new(2, 1000);
+        put(&mut c, None, &[1, 2, 3, 4, 5, 6]);
+        assert_eq!(c.lookup(None, &[1, 2, 3, 9, 9, 9]).map(|(n, _)| n), Some(3));
+    }
+}

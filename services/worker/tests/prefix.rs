@@ -1,0 +1,275 @@
+//! The prefix cache inside the real engine, driven by the scheduler: greedy tokens with a cache
+//! hit equal those of the same prompt generated alone without any cache (`generate`, itself
+//! checked against transformers), for exact and partial hits, chunked prefill after the reused
+//! prefix, hits on a prefix of a request still running, sliding-window models, eviction under
+//! memory pressure, cancellation, salts; and the bytes held add up.
+
+use std::time::Duration;
+
+use llmq_engine::generate::{generate, GenerateRequest};
+use llmq_engine::sampling::{SamplingParams, StopParams};
+use llmq_engine::{load_model, Model};
+use llmq_protocol::Event;
+use llmq_worker::engine_ops::ModelEngine;
+use llmq_worker::scheduler::{Admission, ReqId, Scheduler, SchedulerConfig, WorkerEngine};
+use mlx_rs::Dtype;
+
+const MAX_TOKENS: usize = 8;
+const BLOCK: usize = 4;
+
+fn tiny(name: &str) -> Model {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(name);
+    load_model(&dir, Dtype::Float32).unwrap().model
+}
+
+fn stop() -> StopParams {
+    StopParams { max_tokens: MAX_TOKENS, ignore_eos: true, ..Default::default() }
+}
+
+/// Greedy tokens of `prompt` alone, no cache, one piece.
+fn alone(model: &Model, prompt: &[u32]) -> Vec<u32> {
+    let req = GenerateRequest { prompt_ids: prompt.to_vec(), sampling: SamplingParams::default(), stop: stop(), prefill_chunk: 4096 };
+    generate(model, None, &req, |_, _| {}).unwrap().token_ids
+}
+
+/// The first prompt `make(0)`, `make(1)`, ... whose greedy continuation (returned with it)
+/// varies: random tiny models often repeat one token, and a repeated token would hide a wrong
+/// cache.
+fn pick(model: &Model, make: impl Fn(u64) -> Vec<u32>) -> (Vec<u32>, Vec<u32>) {
+    (0..200)
+        .map(|s| {
+            let p = make(s);
+            let want = alone(model, &p);
+            (p, want)
+        })
+        .find(|(_, want)| want.iter().collect::<std::collections::HashSet<_>>().len() >= 4)
+        .expect("a prompt with a varied continuation")
+}
+
+fn prompt(seed: u64, n: usize) -> Vec<u32> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            3 + ((x >> 33) % 370) as u32
+        })
+        .collect()
+}
+
+/// A scheduler over the real engine with a prefix cache; requests by id, events collected.
+struct Rig {
+    engine: ModelEngine,
+    s: Scheduler,
+    now: Duration,
+    events: Vec<(ReqId, Event)>,
+    next: ReqId,
+}
+
+impl Rig {
+    fn new(model: Model, budget_tokens: u64, chunk: usize) -> Rig {
+        let engine = ModelEngine::new(model, None).with_prefix_cache(BLOCK, u64::MAX);
+        let bpt = engine.kv_bytes_per_token();
+        let s = Scheduler::new(SchedulerConfig {
+            prefill_chunk: chunk,
+            idle_prefill_chunk: chunk,
+            kv_bytes_per_token: bpt,
+            kv_budget_bytes: budget_tokens * bpt,
+            ..Default::default()
+        });
+        Rig { engine, s, now: Duration::ZERO, events: vec![], next: 0 }
+    }
+
+    fn submit(&mut self, p: &[u32], salt: Option<&str>) -> ReqId {
+        let id = self.next;
+        self.next += 1;
+        self.engine.register(id, p.to_vec(), SamplingParams::default(), stop(), salt.map(Into::into)).unwrap();
+        let a = Admission { id, prompt_tokens: p.len(), max_tokens: MAX_TOKENS, accepted_at: self.now };
+        self.events.extend(self.s.submit(a).into_iter().map(|e| (e.id, e.event)));
+        id
+    }
+
+    fn tick(&mut self) {
+        self.now += Duration::from_millis(10);
+        let (emits, _) = self.s.tick(&mut self.engine, self.now);
+        self.events.extend(emits.into_iter().map(|e| (e.id, e.event)));
+        // The cache lives in what the running requests' reservations leave over.
+        let left = self.s.config().kv_budget_bytes - self.s.reserved_kv_bytes();
+        assert!(self.engine.prefix_stats().held_bytes <= left, "prefix cache over the budget");
+    }
+
+    fn run(&mut self) {
+        for _ in 0..2000 {
+            if self.s.is_idle() {
+                return;
+            }
+            self.tick();
+        }
+        panic!("did not finish");
+    }
+
+    fn tokens(&self, id: ReqId) -> Vec<u32> {
+        self.events
+            .iter()
+            .filter(|(i, _)| *i == id)
+            .flat_map(|(_, e)| if let Event::Tokens { ids, .. } = e { ids.clone() } else { vec![] })
+            .collect()
+    }
+
+    /// Done's usage.cached (panics if the request did not end with Done).
+    fn cached(&self, id: ReqId) -> u32 {
+        match self.events.iter().rev().find(|(i, _)| *i == id) {
+            Some((_, Event::Done { usage, .. })) => usage.cached,
+            other => panic!("request {id} ended with {other:?}"),
+        }
+    }
+
+    /// After every request: the engine holds exactly what the cache reports, and clear frees it.
+    fn check_memory_returns(&mut self) {
+        assert!(self.s.is_idle());
+        assert_eq!(self.engine.held(), 0);
+        assert_eq!(self.s.reserved_kv_bytes(), 0);
+        let held = self.engine.prefix_stats().held_bytes;
+        assert_eq!(self.engine.kv_bytes_in_use(), held);
+        assert_eq!(self.engine.prefix_clear(), held);
+        assert_eq!(self.engine.kv_bytes_in_use(), 0);
+    }
+}
+
+#[test]
+fn exact_and_partial_hits_give_the_same_greedy_tokens() {
+    for name in ["tiny-llama", "tiny-qwen3"] {
+        let model = tiny(name);
+        let (a, want_a) = pick(&model, |s| prompt(s, 40));
+        // 29 shared tokens, then 23 new ones (chunks of 5 after the hit).
+        let (partial, want_partial) = pick(&model, |s| [&a[..29], &prompt(1000 + s, 23)].concat());
+        let mut rig = Rig::new(model, 100_000, 5);
+        let first = rig.submit(&a, None);
+        rig.run();
+        let exact = rig.submit(&a, None);
+        rig.run();
+        let part = rig.submit(&partial, None);
+        rig.run();
+        assert_eq!(rig.tokens(first), want_a, "{name}: no hit");
+        assert_eq!(rig.cached(first), 0);
+        assert_eq!(rig.tokens(exact), want_a, "{name}: exact hit");
+        assert_eq!(rig.cached(exact), 39, "{name}: all but the last prompt token reused");
+        assert_eq!(rig.tokens(part), want_partial, "{name}: partial hit");
+        assert_eq!(rig.cached(part), 29, "{name}: the shared prefix reused");
+        // Progress after a hit starts past the reused tokens and ends at the total.
+        let progress: Vec<u32> = rig
+            .events
+            .iter()
+            .filter(|(i, _)| *i == part)
+            .filter_map(|(_, e)| if let Event::PrefillProgress { done, .. } = e { Some(*done) } else { None })
+            .collect();
+        assert_eq!(progress, vec![34, 39, 44, 49, 52]);
+        let st = rig.engine.prefix_stats();
+        assert_eq!((st.lookups, st.hits, st.reused_tokens), (3, 2, 68));
+        assert!((st.hit_rate() - 68.0 / 132.0).abs() < 1e-9);
+        rig.check_memory_returns();
+    }
+}
+
+/// A prompt's KV is cached as soon as its prefill completes: a request arriving while the
+/// first one still decodes reuses it. Cancelling the first does not disturb the second.
+#[test]
+fn hit_on_a_running_request_and_its_cancellation() {
+    let model = tiny("tiny-llama");
+    let shared = prompt(3, 32);
+    let (b, want_b) = pick(&model, |s| [&shared[..], &prompt(s, 9)].concat());
+    let mut rig = Rig::new(model, 100_000, 8);
+    let a = rig.submit(&shared, None);
+    while rig.tokens(a).is_empty() {
+        rig.tick();
+    }
+    let second = rig.submit(&b, None);
+    rig.tick(); // admitted with the hit, first chunk
+    assert!(rig.s.cancel(a));
+    rig.run();
+    assert!(matches!(rig.events.iter().rev().find(|(i, _)| *i == a), Some((_, Event::Error { .. }))));
+    assert_eq!(rig.tokens(second), want_b);
+    assert_eq!(rig.cached(second), 32);
+    rig.check_memory_returns();
+}
+
+/// Sliding window 8: a sequence whose cache never wrapped is reusable; one that wrapped is not
+/// reused beyond what it kept (not at all), and tokens stay right in both cases.
+#[test]
+fn sliding_window_prefixes_are_reused_only_before_the_window_wraps() {
+    let model = tiny("tiny-mistral");
+    assert_eq!(model.config.sliding_window, Some(8));
+    let short = prompt(5, 6); // 6 prompt tokens: fed 6 + 7 outputs = 13 > 7 kept at the end...
+    let (after_short, want_after_short) = pick(&model, |s| [&short[..], &prompt(s, 3)].concat());
+    let long = prompt(7, 30);
+    let (after_long, want_after_long) = pick(&model, |s| [&long[..20], &prompt(s, 5)].concat());
+    let mut rig = Rig::new(model, 100_000, 4);
+    // ...so it is remembered when its prompt completes (6 tokens, inside the window).
+    rig.submit(&short, None);
+    rig.run();
+    let s2 = rig.submit(&after_short, None);
+    rig.run();
+    rig.submit(&long, None);
+    rig.run();
+    let l2 = rig.submit(&after_long, None);
+    rig.run();
+    assert_eq!(rig.tokens(s2), want_after_short);
+    assert_eq!(rig.cached(s2), 6);
+    assert_eq!(rig.tokens(l2), want_after_long);
+    assert_eq!(rig.cached(l2), 0, "a wrapped window cannot be resumed");
+    rig.check_memory_returns();
+}
+
+#[test]
+fn salts_keep_prefixes_apart() {
+    let model = tiny("tiny-llama");
+    let (p, want) = pick(&model, |s| prompt(s, 24));
+    let mut rig = Rig::new(model, 100_000, 64);
+    let ids: Vec<ReqId> = [Some("alice"), None, Some("bob"), Some("alice")]
+        .into_iter()
+        .map(|salt| {
+            let id = rig.submit(&p, salt);
+            rig.run();
+            id
+        })
+        .collect();
+    let cached: Vec<u32> = ids.iter().map(|&i| rig.cached(i)).collect();
+    assert_eq!(cached, vec![0, 0, 0, 23]);
+    for id in ids {
+        assert_eq!(rig.tokens(id), want);
+    }
+    rig.check_memory_returns();
+}
+
+/// A budget of 200 tokens with requests of 40 + 8 running three at a time: the cache gives way
+/// to admissions (least recently used first), never exceeds what reservations leave, and every
+/// stream's tokens stay right.
+#[test]
+fn eviction_under_memory_pressure_while_requests_run() {
+    let model = tiny("tiny-llama");
+    let (prompts, want): (Vec<Vec<u32>>, Vec<Vec<u32>>) = (0..8).map(|i| pick(&model, |s| prompt(1000 * i + s, 40))).unzip();
+    let mut rig = Rig::new(model, 200, 16);
+    let mut ids = vec![];
+    for (i, p) in prompts.iter().enumerate() {
+        ids.push(rig.submit(p, None));
+        if i % 3 == 2 {
+            for _ in 0..4 {
+                rig.tick();
+            }
+        }
+    }
+    rig.run();
+    // And once more, newest first: the most recent ones may still be cached, the rest are
+    // recomputed.
+    let again: Vec<ReqId> = prompts.iter().rev().map(|p| rig.submit(p, None)).collect();
+    rig.run();
+    for (i, id) in ids.iter().enumerate() {
+        assert_eq!(rig.tokens(*id), want[i], "request {i}");
+    }
+    for (i, id) in again.iter().enumerate() {
+        assert_eq!(rig.tokens(*id), want[7 - i], "request {} again", 7 - i);
+    }
+    let st = rig.engine.prefix_stats();
+    assert!(st.evictions > 0, "{st:?}");
+    assert!(st.hits > 0, "{st:?}");
+    rig.check_memory_returns();
+}
