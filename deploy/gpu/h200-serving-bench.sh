@@ -7,6 +7,7 @@ export PATH="$PWD/.gpu/bin:$PATH" LLMQ_LOG=${LLMQ_LOG:-warn}
 SHAPES=${SHAPES:-8b}
 KV="--kv-budget-bytes 60000000000"
 for shape in $SHAPES; do
+  timeout 240 llmq bench prefix --random-weights "$shape" --json $KV --prefix-tokens 4096 --streams 8
   timeout 240 llmq bench burst --random-weights "$shape" --json $KV
   timeout 240 llmq bench burst --random-weights "$shape" --json $KV --no-interleave
   timeout 240 python3 .gpu/peer_mlx_lm.py --shape "$shape" --scenarios burst | tail -n 1

@@ -13,7 +13,7 @@ const HBM_BYTES_PER_S: f64 = 4.8e12;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// single (in process), or burst, batch, static (through NATS and the worker's actors)
+    /// single (in process), or burst, batch, static, prefix (through NATS and the worker's actors)
     scenario: String,
     #[arg(long)]
     local: bool,
@@ -46,7 +46,10 @@ pub struct Args {
     /// The synchronous baseline: prefill whole prompts at once, even while streams decode.
     #[arg(long)]
     no_interleave: bool,
-    /// batch, static: number of requests.
+    /// prefix: tokens of the shared prefix.
+    #[arg(long, default_value_t = 4096)]
+    prefix_tokens: usize,
+    /// batch, static: number of requests; prefix: requests that reuse the prefix.
     #[arg(long, default_value_t = 64)]
     streams: usize,
     /// Use a running stack instead of starting one.
@@ -121,6 +124,7 @@ fn through_nats(a: &Args) -> Result<serde_json::Value> {
         streams: a.streams,
         prompt_tokens: a.prompt_tokens,
         output_tokens: a.output_tokens,
+        prefix_tokens: a.prefix_tokens,
         nats: a.nats.clone(),
         worker_env,
     };

@@ -9,6 +9,9 @@
 //!   output tokens/s while all streams decode.
 //! - static: the same arrivals (half at once, half spread over the first ones' decode) with
 //!   continuous batching and with static batching: mean time to first token of each.
+//! - prefix: one request with a `prefix_tokens` prefix, then `streams` requests, one at a time,
+//!   that resend it with short different suffixes: median time to first token with the prefix
+//!   cache (hits) and on a stack with the cache off (misses: the same prompts recomputed).
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -32,6 +35,7 @@ pub struct Knobs {
     pub streams: usize,
     pub prompt_tokens: usize,
     pub output_tokens: usize,
+    pub prefix_tokens: usize,
     pub nats: Option<String>,
     pub worker_env: Vec<(String, String)>,
 }
@@ -42,6 +46,8 @@ struct Seen {
     at: Instant,
     tokens: usize,
     terminal: bool,
+    /// Done's usage.cached.
+    cached: Option<u32>,
 }
 
 struct Client {
@@ -75,6 +81,7 @@ impl Client {
             while let Some(m) = sub.next().await {
                 let at = Instant::now();
                 let Ok(ev) = llmq_protocol::decode::<StreamEvent>(&m.payload) else { continue };
+                let cached = if let Event::Done { usage, .. } = &ev.event { Some(usage.cached) } else { None };
                 let (tokens, terminal) = match &ev.event {
                     Event::Tokens { ids, .. } => (ids.len(), false),
                     e if e.is_terminal() => {
@@ -87,7 +94,7 @@ impl Client {
                     }
                     _ => continue,
                 };
-                let _ = tx.send(Seen { stream: idx, at, tokens, terminal });
+                let _ = tx.send(Seen { stream: idx, at, tokens, terminal, cached });
                 if terminal {
                     break;
                 }
@@ -158,6 +165,19 @@ pub fn run(scenario: &str, k: &Knobs) -> Result<Value> {
                 "output_tokens": k.output_tokens,
                 "continuous_mean_ttft_ms": round(c, 2), "static_mean_ttft_ms": round(s, 2),
                 "static_over_continuous": round(s / c, 2),
+            }))
+        }
+        "prefix" => {
+            let hit = rt.block_on(with_stack(k, &env, |c| Box::pin(prefix(c, k))))?;
+            let mut menv = env.clone();
+            menv.push(("LLMQ__PREFIX_CACHE__ENABLED".into(), "false".into()));
+            let miss = rt.block_on(with_stack(k, &menv, |c| Box::pin(prefix(c, k))))?;
+            let (h, m) = (hit["median_ttft_ms"].as_f64().unwrap_or(f64::NAN), miss["median_ttft_ms"].as_f64().unwrap_or(f64::NAN));
+            Ok(json!({
+                "scenario": "prefix", "prefix_tokens": k.prefix_tokens, "suffix_tokens": SUFFIX_TOKENS,
+                "requests": k.streams, "hit_ttft_ms": round(h, 2), "miss_ttft_ms": round(m, 2),
+                "hit_over_miss": round(h / m, 3), "hit_cached_tokens": hit["median_cached"],
+                "miss_cached_tokens": miss["median_cached"],
             }))
         }
         other => bail!("unknown scenario {other:?}"),
@@ -331,4 +351,39 @@ async fn arrivals((mut c, mut rx): (Client, mpsc::UnboundedReceiver<Seen>), k: &
     }
     let mean = ttft.values().sum::<f64>() / ttft.len().max(1) as f64;
     Ok(json!({ "mean_ttft_ms": mean }))
+}
+
+const SUFFIX_TOKENS: usize = 32;
+
+/// One request to fill the cache with the prefix, then `streams` requests one after another,
+/// each the prefix plus its own suffix: their times to first token and cached tokens.
+async fn prefix((mut c, mut rx): (Client, mpsc::UnboundedReceiver<Seen>), k: &Knobs) -> Result<Value> {
+    let shared = prompt(k.prefix_tokens, 4242);
+    let (mut ttft, mut cached) = (vec![], vec![]);
+    for i in 0..=k.streams {
+        let p = [&shared[..], &prompt(SUFFIX_TOKENS, 9000 + i as u64)].concat();
+        let at = Instant::now();
+        let idx = c.submit(&k.model, p, 1).await?;
+        let mut first = None;
+        while let Some(s) = rx.recv().await {
+            if s.stream != idx {
+                continue;
+            }
+            if s.tokens > 0 {
+                first.get_or_insert(s.at);
+            }
+            if s.terminal {
+                match (first, s.cached) {
+                    (Some(f), Some(n)) if i > 0 => {
+                        ttft.push((f - at).as_secs_f64() * 1000.0);
+                        cached.push(n as f64);
+                    }
+                    (Some(_), Some(_)) => {}
+                    _ => bail!("prefix request {i} failed"),
+                }
+                break;
+            }
+        }
+    }
+    Ok(json!({ "median_ttft_ms": median(ttft), "median_cached": median(cached) }))
 }
