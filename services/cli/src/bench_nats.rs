@@ -191,7 +191,7 @@ async fn with_stack<'a>(k: &'a Knobs, env: &[(String, String)], f: impl FnOnce((
     let url = match &k.nats {
         Some(u) => u.clone(),
         None => {
-            let s = start_stack(&k.model, 1, None, None, env)?;
+            let s = start_stack(&k.model, 1, None, None, env, None)?;
             let u = s.url.clone();
             stack = Some(s);
             u

@@ -25,7 +25,9 @@ enum Command {
     Worker(serve::ServiceArgs),
     /// Run an intake service.
     Intake(serve::ServiceArgs),
-    /// Start a local stack: nats-server, intake and workers; Ctrl-C stops it.
+    /// Run the OpenAI-compatible HTTP gateway (`gateway.listen`).
+    Gateway(serve::ServiceArgs),
+    /// Start a local stack: nats-server, intake, workers (and the gateway); Ctrl-C stops it.
     Up(serve::UpArgs),
 }
 
@@ -36,12 +38,13 @@ fn main() -> std::process::ExitCode {
     if std::env::var_os("MLX_CUDA_GRAPH_CACHE_SIZE").is_none() {
         std::env::set_var("MLX_CUDA_GRAPH_CACHE_SIZE", "8192");
     }
-    llmq_telemetry::init("warn,llmq_worker=info,llmq_intake=info");
+    llmq_telemetry::init("warn,llmq_worker=info,llmq_intake=info,llmq_gateway=info");
     let result = match Cli::parse().command {
         Command::Generate(a) => generate::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Worker(a) => serve::worker(a),
         Command::Intake(a) => serve::intake(a),
+        Command::Gateway(a) => serve::gateway(a),
         Command::Up(a) => serve::up(a),
     };
     match result {

@@ -1,5 +1,6 @@
-//! `llmq worker`, `llmq intake` and `llmq up` (a whole local stack: nats-server, intake and
-//! workers as child processes on a free loopback port, stopped together).
+//! `llmq worker`, `llmq intake`, `llmq gateway` and `llmq up` (a whole local stack: nats-server,
+//! intake, workers and optionally the HTTP gateway as child processes, NATS on a free loopback
+//! port, stopped together).
 
 use std::net::TcpListener;
 use std::path::PathBuf;
@@ -32,6 +33,12 @@ pub fn intake(a: ServiceArgs) -> Result<()> {
     Ok(())
 }
 
+pub fn gateway(a: ServiceArgs) -> Result<()> {
+    let s = settings(&a)?;
+    actix_web::rt::System::new().block_on(llmq_gateway::run(s))?;
+    Ok(())
+}
+
 #[derive(clap::Args)]
 pub struct UpArgs {
     /// Engine workers to start.
@@ -43,6 +50,10 @@ pub struct UpArgs {
     /// NATS port on 127.0.0.1 (default: a free one).
     #[arg(long)]
     port: Option<u16>,
+    /// Also start the OpenAI-compatible HTTP gateway, listening on this address
+    /// (e.g. 127.0.0.1:8000).
+    #[arg(long)]
+    gateway: Option<String>,
     #[arg(long)]
     config: Option<PathBuf>,
 }
@@ -125,7 +136,14 @@ impl Drop for Stack {
 
 /// Starts nats-server on `port` (or a free one), intake and `workers` workers for `model`, with
 /// extra environment for the workers (LLMQ__SCHEDULER__..., say).
-pub fn start_stack(model: &str, workers: usize, port: Option<u16>, config: Option<&std::path::Path>, worker_env: &[(String, String)]) -> Result<Stack> {
+pub fn start_stack(
+    model: &str,
+    workers: usize,
+    port: Option<u16>,
+    config: Option<&std::path::Path>,
+    worker_env: &[(String, String)],
+    gateway: Option<&str>,
+) -> Result<Stack> {
     let port = match port {
         Some(p) => p,
         None => free_port()?,
@@ -149,6 +167,9 @@ pub fn start_stack(model: &str, workers: usize, port: Option<u16>, config: Optio
     stack.children.push("intake", spawn("intake", &[])?);
     for i in 0..workers {
         stack.children.push(&format!("worker {i}"), spawn("worker", worker_env)?);
+    }
+    if let Some(listen) = gateway {
+        stack.children.push("gateway", spawn("gateway", &[("LLMQ__GATEWAY__LISTEN".into(), listen.into())])?);
     }
     Ok(stack)
 }
@@ -177,7 +198,7 @@ pub async fn wait_for_workers(client: &async_nats::Client, workers: usize, child
 }
 
 pub fn up(a: UpArgs) -> Result<()> {
-    let mut stack = start_stack(&a.model, a.workers, a.port, a.config.as_deref(), &[])?;
+    let mut stack = start_stack(&a.model, a.workers, a.port, a.config.as_deref(), &[], a.gateway.as_deref())?;
     let url = stack.url.clone();
     let children = &mut stack.children;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
@@ -185,6 +206,9 @@ pub fn up(a: UpArgs) -> Result<()> {
         let client = async_nats::connect(&url).await?;
         wait_for_workers(&client, a.workers, children).await?;
         println!("LLMQ_NATS_URL={url}");
+        if let Some(g) = &a.gateway {
+            println!("LLMQ_GATEWAY_URL=http://{g}");
+        }
         eprintln!("llmq: up: nats-server, intake and {} worker(s) for {}; Ctrl-C stops them", a.workers, a.model);
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
         loop {

@@ -2,83 +2,14 @@
 //! whatever happens), real intake and worker processes, and the tiny Llama fixture.
 
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use llmq_protocol::*;
 
-fn fixture() -> String {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-llama").canonicalize().unwrap().display().to_string()
-}
+mod common;
 
-/// Processes stopped on drop, even when a test fails.
-struct Proc(Child);
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-struct Stack {
-    url: String,
-    dir: PathBuf,
-    procs: Vec<Proc>,
-}
-
-impl Drop for Stack {
-    fn drop(&mut self) {
-        self.procs.clear();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-impl Stack {
-    fn nats_only() -> Stack {
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let dir = std::env::temp_dir().join(format!("llmq-e2e-{}-{port}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let nats = Command::new("nats-server")
-            .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
-            .arg(&dir)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("nats-server (Debian package nats-server)");
-        let s = Stack { url: format!("nats://127.0.0.1:{port}"), dir, procs: vec![Proc(nats)] };
-        let t = Instant::now();
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(t.elapsed() < Duration::from_secs(10), "nats-server did not start");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        s
-    }
-
-    fn spawn(&mut self, what: &str, env: &[(&str, &str)]) {
-        let mut c = Command::new(env!("CARGO_BIN_EXE_llmq"));
-        c.arg(what)
-            .env("LLMQ__NATS__URL", &self.url)
-            .env("LLMQ__WORKER__MODEL", fixture())
-            .env("LLMQ__INTAKE__MODELS", fixture())
-            .env("LLMQ__WORKER__HEARTBEAT_MS", "200")
-            .env("LLMQ_LOG", "warn")
-            .env("LLMQ__INTAKE__WORKER_TIMEOUT_MS", "1000")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null());
-        for (k, v) in env {
-            c.env(k, v);
-        }
-        self.procs.push(Proc(c.spawn().unwrap()));
-    }
-
-    fn up(worker_env: &[(&str, &str)]) -> Stack {
-        let mut s = Stack::nats_only();
-        s.spawn("intake", &[]);
-        s.spawn("worker", worker_env);
-        s
-    }
-}
+use common::*;
 
 struct Client {
     nc: async_nats::Client,
@@ -152,10 +83,6 @@ impl Client {
     async fn run(&self, req: GenerateRequest) -> Run {
         let (id, sub) = self.start(req).await;
         Self::finish(id, sub, |_| {}).await
-    }
-
-    async fn cancel(&self, id: &str) {
-        self.nc.publish(subjects::CANCEL, encode(&Cancel { request_id: id.into() }).unwrap().into()).await.unwrap();
     }
 
     async fn status(&self) -> WorkerStatus {
@@ -362,8 +289,7 @@ fn a_job_whose_worker_dies_ends_with_worker_lost_on_another_worker() {
     let mut stack = Stack::nats_only();
     stack.spawn("intake", &[]);
     let fast_ack = [("LLMQ__WORKER__ACK_WAIT_MS", "1500"), ("LLMQ__SCHEDULER__MAX_BATCH", "1")];
-    stack.spawn("worker", &fast_ack);
-    let doomed = stack.procs.len() - 1;
+    let doomed = stack.spawn("worker", &fast_ack);
     rt().block_on(async {
         let c = Client::connect(&stack.url).await;
         let (id, mut sub) = c.start(GenerateRequest { ignore_eos: true, ..req("a long one", 400) }).await;
@@ -374,7 +300,7 @@ fn a_job_whose_worker_dies_ends_with_worker_lost_on_another_worker() {
                 break;
             }
         }
-        let _ = stack.procs[doomed].0.kill();
+        stack.kill(doomed);
         stack.spawn("worker", &fast_ack);
         let run = Client::finish(id, sub, |_| {}).await;
         match run.last() {

@@ -4,6 +4,12 @@
 //! template, tokenizes, checks the context limit, assigns the request id, puts the `Job` on the
 //! JetStream jobs stream (durable: a job accepted while no worker runs waits for one) and
 //! replies `Accepted` at once, or `Rejected` with a typed error. Bad input disturbs nothing.
+//!
+//! It also follows the workers' heartbeats: a model whose live workers already hold
+//! `intake.max_queued_requests` waiting requests refuses new ones (`queue_full`), and a request
+//! with `require_worker` is refused (`no_worker`) when no live worker serves its model. Jobs are
+//! not pushed to a chosen worker: the model's workers pull them when they have room (see the
+//! worker service), which places work on the least loaded one without stranding jobs.
 
 pub mod validate;
 
@@ -14,7 +20,8 @@ use actix::prelude::*;
 use async_nats::jetstream;
 use futures::StreamExt;
 use llmq_config::Settings;
-use llmq_protocol::{subjects, ErrorClass, GenerateReply, WireError};
+use llmq_protocol::workers::WorkerTable;
+use llmq_protocol::{subjects, ErrorClass, GenerateReply, GenerateRequest, Job, WireError, WorkerStatus};
 
 pub use validate::{ModelInfo, Validator};
 
@@ -30,6 +37,33 @@ pub struct IntakeActor {
     validator: Arc<Validator>,
     client: async_nats::Client,
     js: jetstream::Context,
+    workers: WorkerTable,
+    max_queued_requests: u64,
+}
+
+impl IntakeActor {
+    /// Decodes, validates, and checks the model's live workers.
+    fn admit(&self, payload: &[u8]) -> Result<Job, WireError> {
+        let req: GenerateRequest =
+            llmq_protocol::decode(payload).map_err(|e| WireError::new(ErrorClass::InvalidRequest, e.to_string()))?;
+        let require_worker = req.require_worker;
+        let job = self.validator.validate(req)?;
+        let (mut live, mut queued) = (0, 0u64);
+        for w in self.workers.live_for(&job.model) {
+            live += 1;
+            queued += w.queued_requests as u64;
+        }
+        if require_worker && live == 0 {
+            return Err(WireError::new(ErrorClass::NoWorker, format!("no live worker serves model {:?}", job.model)));
+        }
+        if queued >= self.max_queued_requests {
+            return Err(WireError::new(
+                ErrorClass::QueueFull,
+                format!("{queued} requests are waiting for model {:?}: try again later", job.model),
+            ));
+        }
+        Ok(job)
+    }
 }
 
 impl Actor for IntakeActor {
@@ -39,6 +73,17 @@ impl Actor for IntakeActor {
 #[derive(Message)]
 #[rtype(result = "()")]
 struct Incoming(async_nats::Message);
+
+#[derive(Message)]
+#[rtype(result = "()")]
+struct Heartbeat(WorkerStatus);
+
+impl Handler<Heartbeat> for IntakeActor {
+    type Result = ();
+    fn handle(&mut self, Heartbeat(s): Heartbeat, _: &mut Context<Self>) {
+        self.workers.update(s);
+    }
+}
 
 async fn reply(client: &async_nats::Client, to: async_nats::Subject, r: &GenerateReply) {
     match llmq_protocol::encode(r) {
@@ -59,7 +104,7 @@ impl Handler<Incoming> for IntakeActor {
             return;
         };
         let client = self.client.clone();
-        let verdict = self.validator.accept(&msg.payload);
+        let verdict = self.admit(&msg.payload);
         let js = self.js.clone();
         ctx.spawn(
             async move {
@@ -106,7 +151,23 @@ pub async fn run(settings: Settings) -> Result<(), IntakeError> {
         .queue_subscribe(subjects::GENERATE, subjects::INTAKE_QUEUE.into())
         .await
         .map_err(|e| nats(&e))?;
-    let addr = IntakeActor { validator, client: client.clone(), js }.start();
+    let mut beats = client.subscribe(subjects::WORKER_STATUS_ALL).await.map_err(|e| nats(&e))?;
+    let addr = IntakeActor {
+        validator,
+        client: client.clone(),
+        js,
+        workers: WorkerTable::new(std::time::Duration::from_millis(settings.intake.worker_timeout_ms)),
+        max_queued_requests: settings.intake.max_queued_requests,
+    }
+    .start();
+    let beat_addr = addr.clone();
+    actix::spawn(async move {
+        while let Some(m) = beats.next().await {
+            if let Ok(s) = llmq_protocol::decode::<WorkerStatus>(&m.payload) {
+                beat_addr.do_send(Heartbeat(s));
+            }
+        }
+    });
     tracing::info!(models = ?settings.intake.models, "intake ready");
     while let Some(msg) = sub.next().await {
         addr.do_send(Incoming(msg));

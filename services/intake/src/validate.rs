@@ -61,12 +61,6 @@ impl Validator {
         format!("{:016x}", z ^ (z >> 31))
     }
 
-    /// Decodes and validates a raw payload into a job.
-    pub fn accept(&self, payload: &[u8]) -> Result<Job, WireError> {
-        let req: GenerateRequest = llmq_protocol::decode(payload).map_err(|e| invalid(e.to_string()))?;
-        self.validate(req)
-    }
-
     pub fn validate(&self, r: GenerateRequest) -> Result<Job, WireError> {
         let model = self.models.get(&r.model).ok_or_else(|| {
             let mut known: Vec<&String> = self.models.keys().collect();

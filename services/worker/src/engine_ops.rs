@@ -71,8 +71,10 @@ fn internal(e: impl std::fmt::Display) -> WireError {
     WireError::new(ErrorClass::Internal, e.to_string())
 }
 
-fn wire_logprob(lp: llmq_engine::sampling::TokenLogprob) -> TokenLogprob {
-    TokenLogprob { token: lp.token, logprob: lp.logprob, top: lp.top }
+fn wire_logprob(lp: llmq_engine::sampling::TokenLogprob, tok: Option<&Tokenizer>) -> TokenLogprob {
+    let piece = |id: u32| tok.and_then(|t| t.decode(&[id], false).ok()).unwrap_or_default();
+    let top_text = lp.top.iter().map(|&(id, _)| piece(id)).collect();
+    TokenLogprob { token: lp.token, logprob: lp.logprob, text: piece(lp.token), top: lp.top, top_text }
 }
 
 impl ModelEngine {
@@ -137,7 +139,7 @@ impl ModelEngine {
 
 /// Picks each row's token: one device argmax for the whole batch, host sampling only for rows
 /// that need it (temperature, penalties, logprobs).
-fn choose(logits: &Array, seqs: &mut [&mut Seq]) -> Result<Vec<(u32, Option<TokenLogprob>)>, WireError> {
+fn choose(logits: &Array, seqs: &mut [&mut Seq], tok: Option<&Tokenizer>) -> Result<Vec<(u32, Option<TokenLogprob>)>, WireError> {
     let b = seqs.len() as i32;
     let rows = logits.reshape(&[b, -1]).map_err(internal)?;
     let greedy_ids: Option<Vec<u32>> = if seqs.iter().any(|s| s.sampler.params().is_plain_greedy()) {
@@ -154,7 +156,7 @@ fn choose(logits: &Array, seqs: &mut [&mut Seq]) -> Result<Vec<(u32, Option<Toke
         } else {
             let row = host_f32(&rows.index(i as i32)).map_err(internal)?;
             let (t, lp) = s.sampler.sample(&row, &s.history);
-            out.push((t, lp.map(wire_logprob)));
+            out.push((t, lp.map(|lp| wire_logprob(lp, tok))));
         }
     }
     Ok(out)
@@ -306,7 +308,7 @@ impl ModelEngine {
                 logits.eval().map_err(internal)?;
                 return Ok(None);
             }
-            let (t, lp) = choose(&logits, &mut [&mut seq])?.pop().expect("one row");
+            let (t, lp) = choose(&logits, &mut [&mut seq], self.tokenizer.as_ref())?.pop().expect("one row");
             let out = self.take_token(&mut seq, t, lp)?;
             let layers = (0..self.model.config.num_layers).map(|l| seq.cache.contents(l)).collect();
             Self::remember(&mut self.prefix, seq.salt.as_deref(), &seq.prompt, layers);
@@ -340,7 +342,7 @@ impl ModelEngine {
             let mut taken: Vec<(ReqId, Seq)> = order.iter().map(|id| (*id, self.seqs.remove(id).expect("checked"))).collect();
             let chosen = {
                 let mut seqs: Vec<&mut Seq> = taken.iter_mut().map(|(_, s)| s).collect();
-                choose(&logits, &mut seqs)
+                choose(&logits, &mut seqs, self.tokenizer.as_ref())
             };
             let outs: Vec<(ReqId, Result<StepOut, WireError>)> = match chosen {
                 Ok(chosen) => taken.iter_mut().zip(chosen).map(|((id, s), (t, lp))| (*id, self.take_token(s, t, lp))).collect(),
@@ -378,7 +380,7 @@ impl ModelEngine {
             let mut caches: Vec<&mut SequenceCache> = taken.iter_mut().map(|(_, s)| &mut s.cache).collect();
             let logits = self.model.forward(&x, &mut caches, true).map_err(internal)?;
             let mut seqs: Vec<&mut Seq> = taken.iter_mut().map(|(_, s)| s).collect();
-            choose(&logits, &mut seqs)
+            choose(&logits, &mut seqs, self.tokenizer.as_ref())
         })();
         let out = match result {
             Ok(chosen) => taken

@@ -23,6 +23,23 @@ pub struct Settings {
     pub scheduler: SchedulerSettings,
     pub intake: IntakeSettings,
     pub prefix_cache: PrefixCacheSettings,
+    pub gateway: GatewaySettings,
+}
+
+/// The OpenAI-compatible HTTP gateway.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GatewaySettings {
+    /// Address to listen on.
+    pub listen: String,
+    /// A worker silent for this long no longer counts for /health and /v1/models.
+    pub worker_timeout_ms: u64,
+}
+
+impl Default for GatewaySettings {
+    fn default() -> Self {
+        GatewaySettings { listen: "127.0.0.1:8000".into(), worker_timeout_ms: 3000 }
+    }
 }
 
 #[derive(Clone, Deserialize)]
@@ -110,11 +127,14 @@ pub struct IntakeSettings {
     /// A worker silent for this long is considered gone.
     pub worker_timeout_ms: u64,
     pub default_max_tokens: u32,
+    /// Requests waiting in the live workers of a model (their heartbeats' queued requests)
+    /// beyond which new ones are refused with `queue_full`.
+    pub max_queued_requests: u64,
 }
 
 impl Default for IntakeSettings {
     fn default() -> Self {
-        IntakeSettings { models: vec!["smollm2".into()], worker_timeout_ms: 3000, default_max_tokens: 256 }
+        IntakeSettings { models: vec!["smollm2".into()], worker_timeout_ms: 3000, default_max_tokens: 256, max_queued_requests: 4096 }
     }
 }
 
@@ -168,6 +188,15 @@ impl Settings {
         }
         if self.intake.models.is_empty() {
             return bad("intake.models", "[]".into(), "must name at least one model");
+        }
+        if self.intake.max_queued_requests == 0 {
+            return bad("intake.max_queued_requests", "0".into(), "must be at least 1");
+        }
+        if self.gateway.listen.parse::<std::net::SocketAddr>().is_err() {
+            return bad("gateway.listen", self.gateway.listen.clone(), "must be an address like 127.0.0.1:8000");
+        }
+        if self.gateway.worker_timeout_ms <= self.worker.heartbeat_ms {
+            return bad("gateway.worker_timeout_ms", self.gateway.worker_timeout_ms.to_string(), "must exceed worker.heartbeat_ms");
         }
         if self.intake.worker_timeout_ms <= self.worker.heartbeat_ms {
             return bad("intake.worker_timeout_ms", self.intake.worker_timeout_ms.to_string(), "must exceed worker.heartbeat_ms");

@@ -8,6 +8,7 @@
 
 pub mod messages;
 pub mod subjects;
+pub mod workers;
 
 pub use messages::*;
 

@@ -39,6 +39,9 @@ pub struct GenerateRequest {
     pub stream_subject: Option<String>,
     /// Prefixes are only reused between requests with the same salt.
     pub cache_salt: Option<String>,
+    /// Reject with `no_worker` instead of queueing when no live worker serves the model (the
+    /// HTTP gateway sets it: its clients want an answer, not a durable queue).
+    pub require_worker: bool,
 }
 
 /// Intake's immediate answer on the request's reply subject.
@@ -166,6 +169,12 @@ pub struct TokenLogprob {
     pub token: u32,
     pub logprob: f32,
     pub top: Vec<(u32, f32)>,
+    /// The token's text and the top alternatives' texts, as the model's tokenizer decodes each
+    /// alone (empty without a tokenizer).
+    #[serde(default)]
+    pub text: String,
+    #[serde(default)]
+    pub top_text: Vec<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -1,0 +1,97 @@
+//! The test harness shared by the end-to-end tests: a real nats-server on a free loopback port
+//! and llmq's own processes, all stopped when the `Stack` is dropped, whatever happens.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub fn fixture() -> String {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-llama").canonicalize().unwrap().display().to_string()
+}
+
+/// Processes stopped on drop, even when a test fails.
+struct Proc(Child);
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+pub struct Stack {
+    pub url: String,
+    dir: PathBuf,
+    procs: Vec<Proc>,
+    /// The model intake and workers are started with.
+    model: String,
+}
+
+impl Drop for Stack {
+    fn drop(&mut self) {
+        self.procs.clear();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl Stack {
+    /// nats-server alone, for the tiny Llama fixture.
+    pub fn nats_only() -> Stack {
+        Stack::nats_for(&fixture())
+    }
+
+    /// nats-server alone; services spawned later serve `model`.
+    pub fn nats_for(model: &str) -> Stack {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let dir = std::env::temp_dir().join(format!("llmq-e2e-{}-{port}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let nats = Command::new("nats-server")
+            .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
+            .arg(&dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("nats-server (Debian package nats-server)");
+        let s = Stack { url: format!("nats://127.0.0.1:{port}"), dir, procs: vec![Proc(nats)], model: model.to_string() };
+        let t = Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(t.elapsed() < Duration::from_secs(10), "nats-server did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        s
+    }
+
+    /// Starts `llmq <what>` against this stack's NATS; returns its index (for `kill`).
+    pub fn spawn(&mut self, what: &str, env: &[(&str, &str)]) -> usize {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_llmq"));
+        c.arg(what)
+            .env("LLMQ__NATS__URL", &self.url)
+            .env("LLMQ__WORKER__MODEL", &self.model)
+            .env("LLMQ__INTAKE__MODELS", &self.model)
+            .env("LLMQ__WORKER__HEARTBEAT_MS", "200")
+            .env("LLMQ_LOG", "warn")
+            .env("LLMQ__INTAKE__WORKER_TIMEOUT_MS", "1000")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null());
+        for (k, v) in env {
+            c.env(k, v);
+        }
+        self.procs.push(Proc(c.spawn().unwrap()));
+        self.procs.len() - 1
+    }
+
+    /// Kills a process started by `spawn`.
+    pub fn kill(&mut self, index: usize) {
+        let p = &mut self.procs[index].0;
+        let _ = p.kill();
+        let _ = p.wait();
+    }
+
+    pub fn up(worker_env: &[(&str, &str)]) -> Stack {
+        let mut s = Stack::nats_only();
+        s.spawn("intake", &[]);
+        s.spawn("worker", worker_env);
+        s
+    }
+}
+

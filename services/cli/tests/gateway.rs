@@ -1,0 +1,156 @@
+//! The HTTP gateway end to end: a real nats-server, intake, worker and gateway processes; the
+//! official `openai` Python package (set-up installs it in .cache/pyclient) as the client, and
+//! raw HTTP for the error statuses and health.
+
+mod common;
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use common::*;
+use futures::StreamExt;
+use llmq_gateway::client;
+use llmq_protocol::{subjects, Cancel};
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
+}
+
+fn free_addr() -> String {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    format!("127.0.0.1:{port}")
+}
+
+fn spawn_gateway(stack: &mut Stack, addr: &str) -> usize {
+    stack.spawn("gateway", &[("LLMQ__GATEWAY__LISTEN", addr), ("LLMQ__GATEWAY__WORKER_TIMEOUT_MS", "1000")])
+}
+
+/// Polls `GET /health` until it answers `want` (the gateway is up, and has or lacks workers).
+async fn wait_health(addr: &str, want: u16) {
+    let t = Instant::now();
+    loop {
+        if let Ok(r) = client::request(addr, "GET", "/health", None).await {
+            if r.status == want {
+                return;
+            }
+        }
+        assert!(t.elapsed() < Duration::from_secs(120), "/health never answered {want}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn post(addr: &str, path: &str, body: serde_json::Value) -> (u16, serde_json::Value) {
+    let r = client::request(addr, "POST", path, Some(&body.to_string())).await.unwrap();
+    (r.status, serde_json::from_str(&r.body).unwrap_or(serde_json::Value::String(r.body)))
+}
+
+#[test]
+fn the_openai_package_works_unchanged_and_an_early_close_cancels() {
+    let python = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.cache/pyclient/bin/python");
+    assert!(python.exists(), "{} missing: run `make setup` (it installs the openai package)", python.display());
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/gateway/openai_client.py");
+    let mut stack = Stack::nats_for("smollm2");
+    stack.spawn("intake", &[]);
+    stack.spawn("worker", &[]);
+    let addr = free_addr();
+    spawn_gateway(&mut stack, &addr);
+    rt().block_on(async {
+        wait_health(&addr, 200).await;
+        let nc = async_nats::connect(&stack.url).await.unwrap();
+        let mut cancels = nc.subscribe(subjects::CANCEL).await.unwrap();
+        nc.flush().await.unwrap();
+        let out = tokio::process::Command::new(&python)
+            .arg(&script)
+            .arg(format!("http://{addr}"))
+            .arg("smollm2")
+            .output()
+            .await
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "openai client checks failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+        let closed = stdout.lines().find_map(|l| l.strip_prefix("CLOSED_EARLY=")).expect("the script names the stream it closed").to_string();
+        // The gateway notices the closed connection at the stream's next event and cancels.
+        let m = tokio::time::timeout(Duration::from_secs(5), cancels.next()).await.expect("a cancel within 5 s").unwrap();
+        let c: Cancel = llmq_protocol::decode(&m.payload).unwrap();
+        assert_eq!(c.request_id, closed);
+        let metrics = client::request(&addr, "GET", "/metrics", None).await.unwrap().body;
+        for want in [
+            "llmq_gateway_requests_total{endpoint=\"chat\",outcome=\"ok\"} 2",
+            "llmq_gateway_requests_total{endpoint=\"chat\",outcome=\"cancelled\"} 1",
+            "llmq_gateway_requests_total{endpoint=\"chat\",outcome=\"model_not_found\"} 1",
+            "llmq_gateway_requests_total{endpoint=\"completions\",outcome=\"ok\"} 1",
+            "llmq_worker_prefix_cache_hit_rate{",
+        ] {
+            assert!(metrics.contains(want), "{want} missing from\n{metrics}");
+        }
+    });
+}
+
+#[test]
+fn typed_errors_health_and_worker_loss() {
+    let mut stack = Stack::nats_only();
+    stack.spawn("intake", &[("LLMQ__INTAKE__MAX_QUEUED_REQUESTS", "1")]);
+    let addr = free_addr();
+    spawn_gateway(&mut stack, &addr);
+    let model = fixture();
+    let completion = |extra: serde_json::Value| {
+        let mut v = serde_json::json!({ "model": model, "prompt": "Hello", "max_tokens": 4 });
+        v.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        v
+    };
+    rt().block_on(async {
+        // No worker yet: not healthy, and a request is refused at once rather than queued.
+        wait_health(&addr, 503).await;
+        let (status, body) = post(&addr, "/v1/completions", completion(serde_json::json!({}))).await;
+        assert_eq!((status, body["error"]["code"].as_str()), (503, Some("no_worker")), "{body}");
+        let (status, body) = post(&addr, "/v1/completions", completion(serde_json::json!({"model": "nope"}))).await;
+        assert_eq!((status, body["error"]["code"].as_str()), (404, Some("model_not_found")), "{body}");
+
+        let worker = stack.spawn("worker", &[("LLMQ__SCHEDULER__MAX_BATCH", "1")]);
+        wait_health(&addr, 200).await;
+        let models = client::request(&addr, "GET", "/v1/models", None).await.unwrap();
+        assert!(models.body.contains(&format!("\"id\":{}", serde_json::json!(model))), "{}", models.body);
+        for (extra, status, code) in [
+            (serde_json::json!({"temperature": -1}), 400, "invalid_request"),
+            (serde_json::json!({"n": 3}), 400, "invalid_request"),
+            (serde_json::json!({"max_tokens": 1_000_000}), 413, "context_length_exceeded"),
+        ] {
+            let (s, body) = post(&addr, "/v1/completions", completion(extra.clone())).await;
+            assert_eq!((s, body["error"]["code"].as_str()), (status, Some(code)), "{extra}: {body}");
+        }
+        let bad = client::request(&addr, "POST", "/v1/completions", Some("{\"model\":")).await.unwrap();
+        assert_eq!(bad.status, 400, "{}", bad.body);
+        assert!(bad.body.contains("invalid_request_error"), "{}", bad.body);
+        let (s, body) = post(&addr, "/v1/completions", serde_json::json!({"model": model, "prompt": "Paris is", "max_tokens": 3})).await;
+        assert_eq!(s, 200, "{body}");
+        assert_eq!(body["usage"]["completion_tokens"], 3, "{body}");
+
+        // Queue full: one request decodes (max_batch 1), one waits; the intake limit is 1.
+        let mut held = vec![];
+        for i in 0..2 {
+            let (a, body) = (addr.clone(), serde_json::json!({"model": model, "prompt": format!("Story {i}"), "max_tokens": 400, "stream": true}));
+            held.push(tokio::spawn(async move { client::stream(&a, "/v1/completions", &body.to_string(), |_, _| {}).await }));
+        }
+        let t = Instant::now();
+        loop {
+            let metrics = client::request(&addr, "GET", "/metrics", None).await.unwrap().body;
+            if metrics.lines().any(|l| l.starts_with("llmq_worker_queued_requests{") && !l.ends_with(" 0")) {
+                break;
+            }
+            assert!(t.elapsed() < Duration::from_secs(30), "the second request never showed as queued");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let (s, body) = post(&addr, "/v1/completions", serde_json::json!({"model": model, "prompt": "x", "max_tokens": 2})).await;
+        assert_eq!((s, body["error"]["code"].as_str()), (429, Some("queue_full")), "{body}");
+
+        // The worker dies: within a few heartbeats the gateway reports no worker and refuses
+        // new requests with 503.
+        stack.kill(worker);
+        wait_health(&addr, 503).await;
+        let (s, body) = post(&addr, "/v1/completions", serde_json::json!({"model": model, "prompt": "x", "max_tokens": 2})).await;
+        assert_eq!((s, body["error"]["code"].as_str()), (503, Some("no_worker")), "{body}");
+        for h in held {
+            h.abort();
+        }
+    });
+}

@@ -1,0 +1,388 @@
+//! The OpenAI-compatible HTTP gateway: one more NATS client of llmq, like the CLI. It turns
+//! `POST /v1/chat/completions` and `POST /v1/completions` into `GenerateRequest`s on
+//! `llm.v1.generate` (with `require_worker`, so a model without a live worker is a 503 at once),
+//! and the request's events into OpenAI's responses: server-sent chunks ending with
+//! `data: [DONE]`, or one JSON body. `GET /v1/models` and `GET /health` come from the workers'
+//! heartbeats, `GET /metrics` is Prometheus text.
+//!
+//! Invariants: every accepted request ends in exactly one outcome counted in the metrics; a
+//! client that goes away before the end (a closed stream, a dropped connection while waiting for
+//! a non-streamed answer) causes one `Cancel` on `llm.v1.cancel` as soon as the gateway notices,
+//! which is at once for a waiting handler and at the next event (within a tick) for a stream;
+//! errors leave as OpenAI error bodies with the status of their class, never as a hang on a
+//! request intake refused.
+
+pub mod client;
+pub mod metrics;
+pub mod openai;
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use actix_web::web::{self, Bytes};
+use actix_web::{App, HttpResponse, HttpServer};
+use futures::StreamExt;
+use llmq_config::Settings;
+use llmq_protocol::workers::WorkerTable;
+use llmq_protocol::{subjects, Cancel, Event, GenerateReply, GenerateRequest, StreamEvent, TokenLogprob, WorkerStatus};
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+
+use metrics::Metrics;
+use openai::{ApiError, Kind, Shape};
+
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    #[error("NATS: {0}")]
+    Nats(String),
+    #[error("HTTP server: {0}")]
+    Http(#[from] std::io::Error),
+}
+
+/// What every handler shares.
+pub struct State {
+    nc: async_nats::Client,
+    workers: Mutex<WorkerTable>,
+    metrics: Metrics,
+}
+
+/// Largest request body accepted (a long prompt as JSON fits easily).
+const MAX_BODY_BYTES: usize = 4 << 20;
+/// How long intake may take to answer a submission.
+const INTAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+fn unix_secs() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_secs()
+}
+
+/// Publishes a cancel for a request whose client went away.
+fn cancel(nc: &async_nats::Client, request_id: &str) {
+    let (nc, request_id) = (nc.clone(), request_id.to_string());
+    actix_web::rt::spawn(async move {
+        if let Ok(bytes) = llmq_protocol::encode(&Cancel { request_id }) {
+            let _ = nc.publish(subjects::CANCEL, bytes.into()).await;
+            let _ = nc.flush().await;
+        }
+    });
+}
+
+/// Cancels its request when dropped before `done`: the handler's future is dropped when the
+/// client disconnects mid-request.
+struct CancelOnDrop<'a> {
+    nc: &'a async_nats::Client,
+    request_id: String,
+    done: bool,
+}
+
+impl Drop for CancelOnDrop<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            cancel(self.nc, &self.request_id);
+        }
+    }
+}
+
+/// An accepted request: its id and its event subscription.
+struct Accepted {
+    request_id: String,
+    events: async_nats::Subscriber,
+    started: Instant,
+}
+
+/// Submits to intake, subscribed to the request's inbox first so that no event is missed.
+async fn submit(state: &State, mut g: GenerateRequest) -> Result<Accepted, ApiError> {
+    let started = Instant::now();
+    let inbox = state.nc.new_inbox();
+    let events = state.nc.subscribe(inbox.clone()).await.map_err(|e| ApiError::internal(format!("NATS: {e}")))?;
+    g.stream_subject = Some(inbox);
+    let payload = llmq_protocol::encode(&g).map_err(|e| ApiError::internal(e.to_string()))?;
+    let reply = match tokio::time::timeout(INTAKE_TIMEOUT, state.nc.request(subjects::GENERATE, payload.into())).await {
+        Ok(Ok(m)) => m,
+        Ok(Err(e)) => return Err(ApiError::unavailable(format!("intake did not answer: {e}"))),
+        Err(_) => return Err(ApiError::unavailable("intake did not answer in time")),
+    };
+    match llmq_protocol::decode::<GenerateReply>(&reply.payload) {
+        Ok(GenerateReply::Accepted { request_id, .. }) => Ok(Accepted { request_id, events, started }),
+        Ok(GenerateReply::Rejected { error }) => Err(ApiError::from_wire(&error)),
+        Err(e) => Err(ApiError::internal(format!("undecodable reply from intake: {e}"))),
+    }
+}
+
+/// One chunk of a stream in the endpoint's format.
+fn chunk(shape: &Shape, id: &str, created: u64, text: Option<&str>, role: bool, lps: &[TokenLogprob], finish: Option<&str>) -> Value {
+    let logprobs = match shape.logprobs {
+        Some(_) if !lps.is_empty() => openai::logprobs(shape.kind, lps),
+        _ => Value::Null,
+    };
+    match shape.kind {
+        Kind::Chat => {
+            let mut delta = serde_json::Map::new();
+            if role {
+                delta.insert("role".into(), json!("assistant"));
+            }
+            if let Some(t) = text {
+                delta.insert("content".into(), json!(t));
+            }
+            json!({
+                "id": id, "object": "chat.completion.chunk", "created": created, "model": shape.model,
+                "choices": [{ "index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish }],
+            })
+        }
+        Kind::Completion => json!({
+            "id": id, "object": "text_completion", "created": created, "model": shape.model,
+            "choices": [{ "index": 0, "text": text.unwrap_or(""), "logprobs": logprobs, "finish_reason": finish }],
+        }),
+    }
+}
+
+fn sse(v: &Value) -> Bytes {
+    Bytes::from(format!("data: {v}\n\n"))
+}
+
+fn response_id(kind: Kind, request_id: &str) -> String {
+    match kind {
+        Kind::Chat => format!("chatcmpl-{request_id}"),
+        Kind::Completion => format!("cmpl-{request_id}"),
+    }
+}
+
+fn endpoint(kind: Kind) -> &'static str {
+    match kind {
+        Kind::Chat => "chat",
+        Kind::Completion => "completions",
+    }
+}
+
+/// Tracks first-token and inter-token times of one request into the metrics.
+struct Clock {
+    started: Instant,
+    last: Option<Instant>,
+}
+
+impl Clock {
+    fn tokens(&mut self, m: &Metrics) {
+        let now = Instant::now();
+        match self.last {
+            None => m.first_token((now - self.started).as_secs_f64()),
+            Some(prev) => m.inter_token((now - prev).as_secs_f64()),
+        }
+        self.last = Some(now);
+    }
+}
+
+/// Forwards a request's events to the client as server-sent events, until its terminal event or
+/// until the client goes away (then cancels it).
+async fn stream_events(state: Arc<State>, shape: Shape, mut acc: Accepted, tx: mpsc::Sender<Bytes>) {
+    let id = response_id(shape.kind, &acc.request_id);
+    let created = unix_secs();
+    let mut clock = Clock { started: acc.started, last: None };
+    let outcome: &'static str = 'run: {
+        if shape.kind == Kind::Chat && tx.send(sse(&chunk(&shape, &id, created, Some(""), true, &[], None))).await.is_err() {
+            break 'run "cancelled";
+        }
+        loop {
+            let msg = tokio::select! {
+                _ = tx.closed() => break 'run "cancelled",
+                m = acc.events.next() => m,
+            };
+            let Some(msg) = msg else { break 'run "internal_error" };
+            let Ok(ev) = llmq_protocol::decode::<StreamEvent>(&msg.payload) else { continue };
+            let mut out: Vec<Bytes> = vec![];
+            let mut end = None;
+            match ev.event {
+                Event::Queued { position } => out.push(Bytes::from(format!(": queued {position}\n\n"))),
+                Event::PrefillProgress { done, total } => out.push(Bytes::from(format!(": prefill {done}/{total}\n\n"))),
+                Event::Tokens { text, logprobs, .. } => {
+                    clock.tokens(&state.metrics);
+                    if !text.is_empty() || !logprobs.is_empty() {
+                        out.push(sse(&chunk(&shape, &id, created, Some(&text), false, &logprobs, None)));
+                    }
+                }
+                Event::Done { finish_reason, usage, .. } => {
+                    let reason = openai::finish_reason(finish_reason);
+                    let text = (shape.kind == Kind::Completion).then_some("");
+                    out.push(sse(&chunk(&shape, &id, created, text, false, &[], Some(reason))));
+                    if shape.include_usage {
+                        let object = if shape.kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" };
+                        out.push(sse(&json!({
+                            "id": id, "object": object, "created": created, "model": shape.model,
+                            "choices": [], "usage": openai::usage(&usage),
+                        })));
+                    }
+                    end = Some("ok");
+                }
+                Event::Error { error } => {
+                    let e = ApiError::from_wire(&error);
+                    out.push(sse(&e.body()));
+                    end = Some(e.code);
+                }
+            }
+            if end.is_some() {
+                out.push(Bytes::from_static(b"data: [DONE]\n\n"));
+            }
+            for b in out {
+                if tx.send(b).await.is_err() {
+                    break 'run end.unwrap_or("cancelled");
+                }
+            }
+            if let Some(o) = end {
+                break 'run o;
+            }
+        }
+    };
+    if outcome == "cancelled" || outcome == "internal_error" {
+        cancel(&state.nc, &acc.request_id);
+    }
+    state.metrics.request(endpoint(shape.kind), outcome);
+}
+
+/// Collects a request's events into one OpenAI response body.
+async fn collect(state: &State, shape: &Shape, mut acc: Accepted) -> Result<Value, ApiError> {
+    let mut guard = CancelOnDrop { nc: &state.nc, request_id: acc.request_id.clone(), done: false };
+    let mut clock = Clock { started: acc.started, last: None };
+    let (mut text, mut lps) = (String::new(), vec![]);
+    while let Some(msg) = acc.events.next().await {
+        let Ok(ev) = llmq_protocol::decode::<StreamEvent>(&msg.payload) else { continue };
+        match ev.event {
+            Event::Tokens { text: t, logprobs, .. } => {
+                clock.tokens(&state.metrics);
+                text.push_str(&t);
+                lps.extend(logprobs);
+            }
+            Event::Done { finish_reason, usage, .. } => {
+                guard.done = true;
+                let id = response_id(shape.kind, &acc.request_id);
+                let logprobs = if shape.logprobs.is_some() { openai::logprobs(shape.kind, &lps) } else { Value::Null };
+                let reason = openai::finish_reason(finish_reason);
+                let choice = match shape.kind {
+                    Kind::Chat => json!({
+                        "index": 0, "message": { "role": "assistant", "content": text },
+                        "logprobs": logprobs, "finish_reason": reason,
+                    }),
+                    Kind::Completion => json!({ "index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason }),
+                };
+                let object = if shape.kind == Kind::Chat { "chat.completion" } else { "text_completion" };
+                return Ok(json!({
+                    "id": id, "object": object, "created": unix_secs(), "model": shape.model,
+                    "choices": [choice], "usage": openai::usage(&usage),
+                }));
+            }
+            Event::Error { error } => {
+                guard.done = true;
+                return Err(ApiError::from_wire(&error));
+            }
+            Event::Queued { .. } | Event::PrefillProgress { .. } => {}
+        }
+    }
+    Err(ApiError::internal("the event stream ended without a terminal event"))
+}
+
+async fn serve(state: web::Data<State>, g: Result<(GenerateRequest, Shape), ApiError>, kind: Kind) -> Result<HttpResponse, ApiError> {
+    let result: Result<(HttpResponse, Option<&'static str>), ApiError> = async {
+        let (g, shape) = g?;
+        let acc = submit(&state, g).await?;
+        if shape.stream {
+            let (tx, rx) = mpsc::channel::<Bytes>(256);
+            actix_web::rt::spawn(stream_events(state.clone().into_inner(), shape, acc, tx));
+            let body = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|b| (Ok::<_, actix_web::Error>(b), rx)) });
+            return Ok((
+                HttpResponse::Ok()
+                    .content_type("text/event-stream")
+                    .insert_header(("Cache-Control", "no-cache"))
+                    .insert_header(("X-Accel-Buffering", "no"))
+                    .streaming(body),
+                None,
+            ));
+        }
+        let body = collect(&state, &shape, acc).await?;
+        Ok((HttpResponse::Ok().json(body), Some("ok")))
+    }
+    .await;
+    match result {
+        Ok((resp, outcome)) => {
+            if let Some(o) = outcome {
+                state.metrics.request(endpoint(kind), o);
+            }
+            Ok(resp)
+        }
+        Err(e) => {
+            state.metrics.request(endpoint(kind), e.code);
+            Err(e)
+        }
+    }
+}
+
+async fn chat(state: web::Data<State>, body: web::Json<openai::ChatRequest>) -> Result<HttpResponse, ApiError> {
+    serve(state, openai::chat_request(body.into_inner()), Kind::Chat).await
+}
+
+async fn completions(state: web::Data<State>, body: web::Json<openai::CompletionRequest>) -> Result<HttpResponse, ApiError> {
+    serve(state, openai::completion_request(body.into_inner()), Kind::Completion).await
+}
+
+async fn models(state: web::Data<State>) -> HttpResponse {
+    let models = state.workers.lock().unwrap().models();
+    let data: Vec<Value> = models.iter().map(|m| json!({ "id": m, "object": "model", "created": 0, "owned_by": "llmq" })).collect();
+    HttpResponse::Ok().json(json!({ "object": "list", "data": data }))
+}
+
+async fn health(state: web::Data<State>) -> HttpResponse {
+    let models = state.workers.lock().unwrap().models();
+    if models.is_empty() {
+        HttpResponse::ServiceUnavailable().json(json!({ "status": "no_worker", "models": models }))
+    } else {
+        HttpResponse::Ok().json(json!({ "status": "ok", "models": models }))
+    }
+}
+
+async fn metrics_text(state: web::Data<State>) -> HttpResponse {
+    let text = state.metrics.render(&state.workers.lock().unwrap());
+    HttpResponse::Ok().content_type("text/plain; version=0.0.4").body(text)
+}
+
+/// Malformed or oversized JSON bodies get OpenAI error bodies too.
+fn json_error(e: actix_web::error::JsonPayloadError, _: &actix_web::HttpRequest) -> actix_web::Error {
+    use actix_web::error::JsonPayloadError as J;
+    let err = match &e {
+        J::Overflow { .. } | J::OverflowKnownLength { .. } => ApiError {
+            status: actix_web::http::StatusCode::PAYLOAD_TOO_LARGE,
+            message: format!("request body over {MAX_BODY_BYTES} bytes"),
+            code: "body_too_large",
+        },
+        _ => ApiError::invalid(format!("invalid JSON body: {e}")),
+    };
+    err.into()
+}
+
+/// Serves until the process stops. Must be called inside an actix-web (actix-rt) System.
+pub async fn run(settings: Settings) -> Result<(), GatewayError> {
+    let nc = async_nats::connect(&settings.nats.url).await.map_err(|e| GatewayError::Nats(e.to_string()))?;
+    let mut beats = nc.subscribe(subjects::WORKER_STATUS_ALL).await.map_err(|e| GatewayError::Nats(e.to_string()))?;
+    let state = web::Data::new(State {
+        nc,
+        workers: Mutex::new(WorkerTable::new(Duration::from_millis(settings.gateway.worker_timeout_ms))),
+        metrics: Metrics::default(),
+    });
+    let beat_state = state.clone();
+    actix_web::rt::spawn(async move {
+        while let Some(m) = beats.next().await {
+            if let Ok(s) = llmq_protocol::decode::<WorkerStatus>(&m.payload) {
+                beat_state.workers.lock().unwrap().update(s);
+            }
+        }
+    });
+    let server = HttpServer::new(move || {
+        App::new()
+            .app_data(state.clone())
+            .app_data(web::JsonConfig::default().limit(MAX_BODY_BYTES).error_handler(json_error))
+            .route("/v1/chat/completions", web::post().to(chat))
+            .route("/v1/completions", web::post().to(completions))
+            .route("/v1/models", web::get().to(models))
+            .route("/health", web::get().to(health))
+            .route("/metrics", web::get().to(metrics_text))
+    })
+    .bind(&settings.gateway.listen)?;
+    tracing::info!(listen = %settings.gateway.listen, "gateway ready");
+    server.run().await?;
+    Ok(())
+}

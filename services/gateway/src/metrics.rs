@@ -1,0 +1,127 @@
+//! The gateway's Prometheus metrics: what it saw itself (requests by outcome, time to first
+//! token, inter-token latency) and what the workers' heartbeats say (queue depth, active
+//! streams, KV bytes, prefix-cache hit rate), rendered in the text exposition format.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::sync::Mutex;
+
+use llmq_protocol::workers::WorkerTable;
+
+/// Upper bounds of the latency buckets, seconds.
+const BUCKETS: [f64; 14] = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24];
+
+#[derive(Default)]
+struct Histogram {
+    counts: [u64; BUCKETS.len()],
+    sum: f64,
+    count: u64,
+}
+
+impl Histogram {
+    fn observe(&mut self, v: f64) {
+        if let Some(i) = BUCKETS.iter().position(|&b| v <= b) {
+            self.counts[i] += 1;
+        }
+        self.sum += v;
+        self.count += 1;
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        let mut cumulative = 0;
+        for (b, c) in BUCKETS.iter().zip(self.counts) {
+            cumulative += c;
+            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {cumulative}");
+        }
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}\n{name}_sum {}\n{name}_count {}", self.count, self.sum, self.count);
+    }
+}
+
+#[derive(Default)]
+struct Inner {
+    requests: BTreeMap<(String, &'static str), u64>,
+    ttft: Histogram,
+    itl: Histogram,
+}
+
+#[derive(Default)]
+pub struct Metrics {
+    inner: Mutex<Inner>,
+}
+
+/// Escapes a label value.
+fn label(v: &str) -> String {
+    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
+impl Metrics {
+    /// A request ended: `outcome` is `ok`, `cancelled` (the client went away) or an error code.
+    pub fn request(&self, endpoint: &str, outcome: &'static str) {
+        *self.inner.lock().unwrap().requests.entry((endpoint.to_string(), outcome)).or_default() += 1;
+    }
+
+    pub fn first_token(&self, seconds: f64) {
+        self.inner.lock().unwrap().ttft.observe(seconds);
+    }
+
+    pub fn inter_token(&self, seconds: f64) {
+        self.inner.lock().unwrap().itl.observe(seconds);
+    }
+
+    pub fn render(&self, workers: &WorkerTable) -> String {
+        let mut out = String::new();
+        {
+            let m = self.inner.lock().unwrap();
+            out.push_str("# HELP llmq_gateway_requests_total Requests by endpoint and outcome.\n# TYPE llmq_gateway_requests_total counter\n");
+            for ((endpoint, outcome), n) in &m.requests {
+                let _ = writeln!(out, "llmq_gateway_requests_total{{endpoint=\"{}\",outcome=\"{outcome}\"}} {n}", label(endpoint));
+            }
+            m.ttft.render(&mut out, "llmq_gateway_time_to_first_token_seconds", "From the HTTP request to its first token.");
+            m.itl.render(&mut out, "llmq_gateway_inter_token_latency_seconds", "Between consecutive token chunks of a stream.");
+        }
+        let gauges: [(&str, &str, fn(&llmq_protocol::WorkerStatus) -> f64); 7] = [
+            ("llmq_worker_queued_requests", "Requests waiting for admission or prefill.", |s| s.queued_requests as f64),
+            ("llmq_worker_queued_prefill_tokens", "Prompt tokens still to prefill.", |s| s.queued_prefill_tokens as f64),
+            ("llmq_worker_active_streams", "Sequences decoding.", |s| s.active_streams as f64),
+            ("llmq_worker_kv_bytes_used", "KV cache bytes held (prefix cache included).", |s| s.kv_bytes_used as f64),
+            ("llmq_worker_kv_bytes_free", "KV budget not reserved by running requests.", |s| s.kv_bytes_free as f64),
+            ("llmq_worker_prefix_cache_hit_rate", "Prompt tokens reused over prompt tokens looked up.", |s| s.prefix_hit_rate),
+            ("llmq_worker_prefix_cache_bytes", "Bytes the prefix cache holds.", |s| s.prefix_bytes as f64),
+        ];
+        let mut live: Vec<&llmq_protocol::WorkerStatus> = workers.live().collect();
+        live.sort_by(|a, b| a.worker_id.cmp(&b.worker_id));
+        for (name, help, get) in gauges {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+            for s in &live {
+                let _ = writeln!(out, "{name}{{worker=\"{}\",model=\"{}\"}} {}", label(&s.worker_id), label(&s.model), get(s));
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_counters_histograms_and_worker_gauges() {
+        let m = Metrics::default();
+        m.request("chat", "ok");
+        m.request("chat", "ok");
+        m.request("completions", "model_not_found");
+        m.first_token(0.003);
+        m.inter_token(0.02);
+        let mut t = WorkerTable::new(std::time::Duration::from_secs(5));
+        t.update(llmq_protocol::WorkerStatus { worker_id: "w1".into(), model: "m".into(), queued_requests: 3, prefix_hit_rate: 0.5, ..Default::default() });
+        let text = m.render(&t);
+        assert!(text.contains("llmq_gateway_requests_total{endpoint=\"chat\",outcome=\"ok\"} 2"), "{text}");
+        assert!(text.contains("outcome=\"model_not_found\"} 1"));
+        assert!(text.contains("llmq_gateway_time_to_first_token_seconds_bucket{le=\"0.0025\"} 0"));
+        assert!(text.contains("llmq_gateway_time_to_first_token_seconds_bucket{le=\"0.005\"} 1"));
+        assert!(text.contains("llmq_gateway_inter_token_latency_seconds_count 1"));
+        assert!(text.contains("llmq_worker_queued_requests{worker=\"w1\",model=\"m\"} 3"));
+        assert!(text.contains("llmq_worker_prefix_cache_hit_rate{worker=\"w1\",model=\"m\"} 0.5"));
+    }
+}

@@ -1,0 +1,367 @@
+//! OpenAI's request and response shapes, and their translation to and from llmq's protocol.
+//!
+//! Requests are checked here only for what the protocol cannot express (`n` > 1, content parts
+//! that are not text); everything else (ranges, unknown model, context length) is intake's job,
+//! and its typed errors are mapped to OpenAI-style error bodies and HTTP statuses by `ApiError`.
+
+use actix_web::http::StatusCode;
+use llmq_protocol::{ChatMessage, ErrorClass, FinishReason, GenerateRequest, TokenLogprob, Usage, WireError};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+/// `stop`: one string or several.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Deserialize, Default)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// A chat message's content: a string, or parts of which only text is supported.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<Part>),
+}
+
+#[derive(Debug, Deserialize)]
+pub struct Part {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub text: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct InMessage {
+    pub role: String,
+    pub content: Option<Content>,
+}
+
+/// Fields both endpoints share.
+#[derive(Debug, Deserialize)]
+pub struct Common {
+    pub model: String,
+    pub max_tokens: Option<i64>,
+    pub max_completion_tokens: Option<i64>,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub seed: Option<i64>,
+    pub stop: Option<Stop>,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+    pub user: Option<String>,
+    pub n: Option<i64>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ChatRequest {
+    #[serde(flatten)]
+    pub common: Common,
+    pub messages: Vec<InMessage>,
+    #[serde(default)]
+    pub logprobs: bool,
+    pub top_logprobs: Option<i64>,
+}
+
+/// `prompt`: a string, or a list holding one string or one list of token ids.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    Text(String),
+    Texts(Vec<String>),
+    Ids(Vec<u32>),
+    IdLists(Vec<Vec<u32>>),
+}
+
+#[derive(Debug, Deserialize)]
+pub struct CompletionRequest {
+    #[serde(flatten)]
+    pub common: Common,
+    pub prompt: Prompt,
+    /// Legacy completions: the number of top alternatives to return with each token.
+    pub logprobs: Option<i64>,
+    #[serde(default)]
+    pub echo: bool,
+}
+
+/// An error on its way to the client: status and OpenAI's body.
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    pub code: &'static str,
+}
+
+impl ApiError {
+    pub fn invalid(message: impl Into<String>) -> Self {
+        ApiError { status: StatusCode::BAD_REQUEST, message: message.into(), code: "invalid_request" }
+    }
+
+    pub fn from_wire(e: &WireError) -> Self {
+        let (status, code) = match e.class {
+            ErrorClass::InvalidRequest => (StatusCode::BAD_REQUEST, "invalid_request"),
+            ErrorClass::UnknownModel => (StatusCode::NOT_FOUND, "model_not_found"),
+            ErrorClass::PromptTooLong => (StatusCode::PAYLOAD_TOO_LARGE, "context_length_exceeded"),
+            ErrorClass::NeverFits => (StatusCode::PAYLOAD_TOO_LARGE, "never_fits"),
+            ErrorClass::QueueFull => (StatusCode::TOO_MANY_REQUESTS, "queue_full"),
+            ErrorClass::NoWorker => (StatusCode::SERVICE_UNAVAILABLE, "no_worker"),
+            ErrorClass::WorkerLost => (StatusCode::SERVICE_UNAVAILABLE, "worker_lost"),
+            ErrorClass::Cancelled => (StatusCode::INTERNAL_SERVER_ERROR, "cancelled"),
+            ErrorClass::Internal => (StatusCode::INTERNAL_SERVER_ERROR, "internal_error"),
+        };
+        ApiError { status, message: e.message.clone(), code }
+    }
+
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        ApiError { status: StatusCode::SERVICE_UNAVAILABLE, message: message.into(), code: "unavailable" }
+    }
+
+    pub fn internal(message: impl Into<String>) -> Self {
+        ApiError { status: StatusCode::INTERNAL_SERVER_ERROR, message: message.into(), code: "internal_error" }
+    }
+
+    /// OpenAI's error object.
+    pub fn body(&self) -> Value {
+        let kind = match self.status.as_u16() {
+            400 | 404 | 413 => "invalid_request_error",
+            429 => "rate_limit_error",
+            _ => "server_error",
+        };
+        json!({ "error": { "message": self.message, "type": kind, "param": null, "code": self.code } })
+    }
+}
+
+impl std::fmt::Display for ApiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {}", self.status, self.message)
+    }
+}
+
+impl actix_web::ResponseError for ApiError {
+    fn status_code(&self) -> StatusCode {
+        self.status
+    }
+    fn error_response(&self) -> actix_web::HttpResponse {
+        actix_web::HttpResponse::build(self.status).json(self.body())
+    }
+}
+
+/// Which endpoint a request came through: decides the response shapes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Kind {
+    Chat,
+    Completion,
+}
+
+/// What the response writer needs to know about the request.
+#[derive(Debug, Clone)]
+pub struct Shape {
+    pub kind: Kind,
+    pub model: String,
+    pub stream: bool,
+    pub include_usage: bool,
+    /// Return logprobs, with this many alternatives per token.
+    pub logprobs: Option<u32>,
+}
+
+fn common_request(c: &Common) -> Result<GenerateRequest, ApiError> {
+    if let Some(n) = c.n {
+        if n != 1 {
+            return Err(ApiError::invalid(format!("n must be 1, got {n}")));
+        }
+    }
+    let seed = match c.seed {
+        Some(s) if s < 0 => return Err(ApiError::invalid(format!("seed must be >= 0, got {s}"))),
+        s => s.map(|s| s as u64),
+    };
+    let stop = match &c.stop {
+        None => vec![],
+        Some(Stop::One(s)) => vec![s.clone()],
+        Some(Stop::Many(v)) => v.clone(),
+    };
+    Ok(GenerateRequest {
+        model: c.model.clone(),
+        max_tokens: c.max_completion_tokens.or(c.max_tokens),
+        temperature: c.temperature,
+        top_p: c.top_p,
+        seed,
+        stop,
+        require_worker: true,
+        ..Default::default()
+    })
+}
+
+fn shape(kind: Kind, c: &Common, logprobs: Option<u32>) -> Shape {
+    Shape {
+        kind,
+        model: c.model.clone(),
+        stream: c.stream,
+        include_usage: c.stream_options.as_ref().is_some_and(|o| o.include_usage),
+        logprobs,
+    }
+}
+
+fn top_count(n: Option<i64>) -> Result<u32, ApiError> {
+    match n.unwrap_or(0) {
+        n @ 0..=20 => Ok(n as u32),
+        n => Err(ApiError::invalid(format!("top_logprobs must be between 0 and 20, got {n}"))),
+    }
+}
+
+pub fn chat_request(r: ChatRequest) -> Result<(GenerateRequest, Shape), ApiError> {
+    let mut g = common_request(&r.common)?;
+    let mut messages = Vec::with_capacity(r.messages.len());
+    for m in r.messages {
+        let content = match m.content {
+            None => String::new(),
+            Some(Content::Text(t)) => t,
+            Some(Content::Parts(parts)) => {
+                let mut text = String::new();
+                for p in parts {
+                    match (p.kind.as_str(), p.text) {
+                        ("text", Some(t)) => text.push_str(&t),
+                        (kind, _) => return Err(ApiError::invalid(format!("content parts of type {kind:?} are not supported"))),
+                    }
+                }
+                text
+            }
+        };
+        messages.push(ChatMessage { role: m.role, content });
+    }
+    g.messages = Some(messages);
+    let top = top_count(r.top_logprobs)?;
+    if top > 0 && !r.logprobs {
+        return Err(ApiError::invalid("top_logprobs needs logprobs: true"));
+    }
+    g.logprobs = r.logprobs;
+    g.top_logprobs = top;
+    let s = shape(Kind::Chat, &r.common, r.logprobs.then_some(top));
+    Ok((g, s))
+}
+
+pub fn completion_request(r: CompletionRequest) -> Result<(GenerateRequest, Shape), ApiError> {
+    let mut g = common_request(&r.common)?;
+    if r.echo {
+        return Err(ApiError::invalid("echo is not supported"));
+    }
+    match r.prompt {
+        Prompt::Text(t) => g.prompt = Some(t),
+        Prompt::Texts(mut v) if v.len() == 1 => g.prompt = v.pop(),
+        Prompt::Ids(ids) => g.prompt_ids = Some(ids),
+        Prompt::IdLists(mut v) if v.len() == 1 => g.prompt_ids = v.pop(),
+        _ => return Err(ApiError::invalid("prompt must be one string or one list of token ids (batches are not supported)")),
+    }
+    let top = match r.logprobs {
+        None => None,
+        Some(n) => Some(top_count(Some(n))?),
+    };
+    g.logprobs = top.is_some();
+    g.top_logprobs = top.unwrap_or(0);
+    let s = shape(Kind::Completion, &r.common, top);
+    Ok((g, s))
+}
+
+pub fn finish_reason(r: FinishReason) -> &'static str {
+    match r {
+        FinishReason::Stop => "stop",
+        FinishReason::Length => "length",
+    }
+}
+
+pub fn usage(u: &Usage) -> Value {
+    json!({
+        "prompt_tokens": u.prompt,
+        "completion_tokens": u.completion,
+        "total_tokens": u.prompt + u.completion,
+        "prompt_tokens_details": { "cached_tokens": u.cached },
+    })
+}
+
+fn bytes(s: &str) -> Vec<u8> {
+    s.as_bytes().to_vec()
+}
+
+/// Logprobs of some tokens in the endpoint's format: chat's `{content: [...]}`, or the legacy
+/// completions' parallel lists.
+pub fn logprobs(kind: Kind, lps: &[TokenLogprob]) -> Value {
+    match kind {
+        Kind::Chat => json!({
+            "content": lps.iter().map(|lp| json!({
+                "token": lp.text, "logprob": lp.logprob, "bytes": bytes(&lp.text),
+                "top_logprobs": lp.top.iter().zip(&lp.top_text).map(|((_, l), t)| json!({
+                    "token": t, "logprob": l, "bytes": bytes(t),
+                })).collect::<Vec<_>>(),
+            })).collect::<Vec<_>>(),
+        }),
+        Kind::Completion => json!({
+            "tokens": lps.iter().map(|lp| lp.text.clone()).collect::<Vec<_>>(),
+            "token_logprobs": lps.iter().map(|lp| lp.logprob).collect::<Vec<_>>(),
+            "top_logprobs": lps.iter().map(|lp| {
+                lp.top.iter().zip(&lp.top_text).map(|((_, l), t)| (t.clone(), json!(l))).collect::<serde_json::Map<_, _>>()
+            }).collect::<Vec<_>>(),
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chat(v: Value) -> Result<(GenerateRequest, Shape), ApiError> {
+        chat_request(serde_json::from_value(v).unwrap())
+    }
+
+    #[test]
+    fn chat_fields_map_to_the_protocol() {
+        let (g, s) = chat(json!({
+            "model": "smollm2", "messages": [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "!"}]}],
+            "max_tokens": 5, "max_completion_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": 3,
+            "stop": "x", "stream": true, "stream_options": {"include_usage": true},
+            "logprobs": true, "top_logprobs": 2, "user": "u1", "n": 1,
+        }))
+        .unwrap();
+        assert_eq!(g.max_tokens, Some(7), "max_completion_tokens wins");
+        assert_eq!((g.temperature, g.top_p, g.seed), (Some(0.5), Some(0.9), Some(3)));
+        assert_eq!(g.stop, vec!["x".to_string()]);
+        assert_eq!(g.messages.as_ref().unwrap()[1].content, "Hi!");
+        assert!(g.logprobs && g.top_logprobs == 2 && g.require_worker);
+        assert!(s.stream && s.include_usage && s.logprobs == Some(2));
+    }
+
+    #[test]
+    fn unsupported_requests_are_invalid() {
+        let base = |extra: Value| {
+            let mut v = json!({"model": "m", "messages": [{"role": "user", "content": "x"}]});
+            v.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+            chat(v).unwrap_err().status
+        };
+        assert_eq!(base(json!({"n": 2})), StatusCode::BAD_REQUEST);
+        assert_eq!(base(json!({"top_logprobs": 30, "logprobs": true})), StatusCode::BAD_REQUEST);
+        assert_eq!(base(json!({"seed": -1})), StatusCode::BAD_REQUEST);
+        let img = json!({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]});
+        assert_eq!(chat(img).unwrap_err().status, StatusCode::BAD_REQUEST);
+        let batch: CompletionRequest = serde_json::from_value(json!({"model": "m", "prompt": ["a", "b"]})).unwrap();
+        assert_eq!(completion_request(batch).unwrap_err().status, StatusCode::BAD_REQUEST);
+    }
+
+    #[test]
+    fn wire_errors_get_openai_statuses() {
+        let st = |c| ApiError::from_wire(&WireError::new(c, "m")).status.as_u16();
+        assert_eq!(
+            [ErrorClass::InvalidRequest, ErrorClass::UnknownModel, ErrorClass::PromptTooLong, ErrorClass::QueueFull, ErrorClass::NoWorker, ErrorClass::Internal].map(st),
+            [400, 404, 413, 429, 503, 500]
+        );
+        let b = ApiError::from_wire(&WireError::new(ErrorClass::UnknownModel, "unknown model \"x\"")).body();
+        assert_eq!(b["error"]["type"], "invalid_request_error");
+        assert_eq!(b["error"]["code"], "model_not_found");
+    }
+}

@@ -1,0 +1,79 @@
+//! The workers a service has heard from: the latest `WorkerStatus` heartbeat of each, and which
+//! are alive (heard from within a timeout). Intake and the gateway keep one each.
+//!
+//! Invariant: a worker silent for longer than the timeout is not live, and is forgotten after
+//! ten timeouts.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use crate::WorkerStatus;
+
+pub struct WorkerTable {
+    seen: HashMap<String, (WorkerStatus, Instant)>,
+    timeout: Duration,
+}
+
+impl WorkerTable {
+    pub fn new(timeout: Duration) -> Self {
+        WorkerTable { seen: HashMap::new(), timeout }
+    }
+
+    pub fn update(&mut self, status: WorkerStatus) {
+        self.update_at(status, Instant::now());
+    }
+
+    pub fn update_at(&mut self, status: WorkerStatus, at: Instant) {
+        let forget = self.timeout * 10;
+        self.seen.retain(|_, (_, t)| at.saturating_duration_since(*t) < forget);
+        self.seen.insert(status.worker_id.clone(), (status, at));
+    }
+
+    /// Workers heard from within the timeout (as of `now`).
+    pub fn live_at(&self, now: Instant) -> impl Iterator<Item = &WorkerStatus> {
+        let timeout = self.timeout;
+        self.seen.values().filter(move |(_, t)| now.saturating_duration_since(*t) <= timeout).map(|(s, _)| s)
+    }
+
+    pub fn live(&self) -> impl Iterator<Item = &WorkerStatus> {
+        self.live_at(Instant::now())
+    }
+
+    /// Live workers serving `model`.
+    pub fn live_for<'a>(&'a self, model: &'a str) -> impl Iterator<Item = &'a WorkerStatus> + 'a {
+        self.live().filter(move |s| s.model == model)
+    }
+
+    /// The models live workers serve, sorted, once each.
+    pub fn models(&self) -> Vec<String> {
+        let mut m: Vec<String> = self.live().map(|s| s.model.clone()).collect();
+        m.sort();
+        m.dedup();
+        m
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn status(id: &str, model: &str) -> WorkerStatus {
+        WorkerStatus { worker_id: id.into(), model: model.into(), ..Default::default() }
+    }
+
+    #[test]
+    fn silent_workers_leave_the_rotation() {
+        let mut t = WorkerTable::new(Duration::from_secs(1));
+        let t0 = Instant::now();
+        t.update_at(status("a", "m"), t0);
+        t.update_at(status("b", "n"), t0 + Duration::from_millis(900));
+        let at = t0 + Duration::from_millis(1500);
+        let live: Vec<&str> = t.live_at(at).map(|s| s.worker_id.as_str()).collect();
+        assert_eq!(live, vec!["b"]);
+        t.update_at(status("a", "m"), at);
+        assert_eq!(t.live_at(at).count(), 2);
+        // Forgotten entirely after ten timeouts.
+        t.update_at(status("c", "m"), t0 + Duration::from_secs(20));
+        assert_eq!(t.seen.len(), 1);
+    }
+}

@@ -1,0 +1,77 @@
+"""The official `openai` package against llmq's gateway (run by services/cli/tests/gateway.rs).
+
+Usage: openai_client.py BASE_URL MODEL
+Prints `CLOSED_EARLY=<request id>` for the stream it closes early, so that the harness can check
+that the gateway cancelled that request on NATS. Exits non-zero on the first failed check.
+"""
+import sys
+
+import openai
+from openai import OpenAI
+
+base, model = sys.argv[1], sys.argv[2]
+client = OpenAI(base_url=f"{base}/v1", api_key="not-needed", max_retries=0, timeout=120)
+
+# A streamed chat completion: the answer mentions Paris; usage comes last when asked for.
+stream = client.chat.completions.create(
+    model=model,
+    messages=[{"role": "user", "content": "What is the capital of France?"}],
+    max_tokens=24,
+    stream=True,
+    stream_options={"include_usage": True},
+)
+text, usage, finish = "", None, None
+for chunk in stream:
+    if chunk.usage is not None:
+        usage = chunk.usage
+    for choice in chunk.choices:
+        text += choice.delta.content or ""
+        finish = choice.finish_reason or finish
+assert "Paris" in text, text
+assert finish in ("stop", "length"), finish
+assert usage is not None and usage.completion_tokens > 0 and usage.prompt_tokens > 0, usage
+print("streamed chat:", repr(text), usage.completion_tokens, "tokens")
+
+# A non-streamed completion.
+done = client.completions.create(model=model, prompt="The capital of France is", max_tokens=6, temperature=0)
+assert done.object == "text_completion" and len(done.choices) == 1, done
+assert done.choices[0].text.strip(), done
+assert done.usage.completion_tokens <= 6 and done.choices[0].finish_reason in ("stop", "length"), done
+print("completion:", repr(done.choices[0].text))
+
+# A non-streamed chat with logprobs: one entry per output token.
+chat = client.chat.completions.create(
+    model=model,
+    messages=[{"role": "user", "content": "Say hello."}],
+    max_tokens=5,
+    logprobs=True,
+    top_logprobs=2,
+)
+lp = chat.choices[0].logprobs.content
+assert len(lp) == chat.usage.completion_tokens, (len(lp), chat.usage)
+assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in lp), lp
+print("chat with logprobs:", repr(chat.choices[0].message.content))
+
+# An unknown model: a 404 with OpenAI's error body.
+try:
+    client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
+    raise AssertionError("unknown model accepted")
+except openai.NotFoundError as e:
+    assert e.status_code == 404 and e.body["code"] == "model_not_found", e.body
+print("unknown model: 404")
+
+# A client that closes its stream early: the gateway must cancel the request.
+stream = client.chat.completions.create(
+    model=model,
+    messages=[{"role": "user", "content": "Write a long story about the sea, with many details."}],
+    max_tokens=400,
+    stream=True,
+)
+seen = 0
+for chunk in stream:
+    if chunk.choices and chunk.choices[0].delta.content:
+        seen += 1
+        if seen == 3:
+            break
+stream.close()
+print(f"CLOSED_EARLY={chunk.id.removeprefix('chatcmpl-')}", flush=True)
