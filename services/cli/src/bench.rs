@@ -13,7 +13,8 @@ const HBM_BYTES_PER_S: f64 = 4.8e12;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// single (in process), or burst, batch, static, prefix (through NATS and the worker's actors)
+    /// single (in process), or burst, batch, static, prefix, gateway (through NATS and the
+    /// worker's actors; gateway also through the HTTP gateway)
     scenario: String,
     #[arg(long)]
     local: bool,
@@ -125,6 +126,7 @@ fn through_nats(a: &Args) -> Result<serde_json::Value> {
         prompt_tokens: a.prompt_tokens,
         output_tokens: a.output_tokens,
         prefix_tokens: a.prefix_tokens,
+        gateway: (a.scenario == "gateway").then(|| crate::serve::free_port().map(|p| format!("127.0.0.1:{p}"))).transpose()?,
         nats: a.nats.clone(),
         worker_env,
     };

@@ -59,6 +59,9 @@ pub struct Common {
     pub stream_options: Option<StreamOptions>,
     pub user: Option<String>,
     pub n: Option<i64>,
+    /// Extension (as in vLLM): keep generating past end-of-sequence, up to max_tokens.
+    #[serde(default)]
+    pub ignore_eos: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -194,6 +197,7 @@ fn common_request(c: &Common) -> Result<GenerateRequest, ApiError> {
         top_p: c.top_p,
         seed,
         stop,
+        ignore_eos: c.ignore_eos,
         require_worker: true,
         ..Default::default()
     })
