@@ -134,6 +134,10 @@ impl Attention {
         let (b, t) = (x.shape()[0], x.shape()[1]);
         let d = self.head_dim;
         let qkv = self.qkv.forward(x)?;
+        if b == 1 && caches.len() == 1 {
+            let o = self.attend_sequence(&qkv, &mut *caches[0])?;
+            return self.o.forward(&o);
+        }
         let (qe, ke) = (self.heads * d, (self.heads + self.kv_heads) * d);
         let q = heads_first(qkv.index((.., .., ..qe)), b, t, self.heads, d, self.q_norm.as_ref(), self.eps)?;
         let k = heads_first(qkv.index((.., .., qe..ke)), b, t, self.kv_heads, d, self.k_norm.as_ref(), self.eps)?;
@@ -165,6 +169,29 @@ impl Attention {
     }
 }
 
+impl Attention {
+    /// One sequence's attention: `qkv` [1, t, (heads + 2 kv_heads) * d] of its new tokens,
+    /// appended to its cache. Returns [1, t, heads * d] (before the output projection).
+    fn attend_sequence(&self, qkv: &Array, cache: &mut (dyn KvCache + 'static)) -> Result<Array> {
+        let t = qkv.shape()[1];
+        let d = self.head_dim;
+        let (qe, ke) = (self.heads * d, (self.heads + self.kv_heads) * d);
+        let q = heads_first(qkv.index((.., .., ..qe)), 1, t, self.heads, d, self.q_norm.as_ref(), self.eps)?;
+        let k = heads_first(qkv.index((.., .., qe..ke)), 1, t, self.kv_heads, d, self.k_norm.as_ref(), self.eps)?;
+        let v = heads_first(qkv.index((.., .., ke..)), 1, t, self.kv_heads, d, None, self.eps)?;
+        let off = cache.offset() as i32;
+        let q = rope(&q, d, false, self.rope_theta, 1.0, off, None)?;
+        let k = rope(&k, d, false, self.rope_theta, 1.0, off, None)?;
+        let (keys, values, mask) = cache.update(&k, &v)?;
+        let o = match &mask {
+            AttnMask::None => scaled_dot_product_attention(&q, &keys, &values, self.scale, None, None)?,
+            AttnMask::Causal => scaled_dot_product_attention(&q, &keys, &values, self.scale, ScaledDotProductAttentionMask::Causal, None)?,
+            AttnMask::Explicit(m) => scaled_dot_product_attention(&q, &keys, &values, self.scale, m, None)?,
+        };
+        Ok(o.transpose_axes(&[0, 2, 1, 3])?.reshape(&[1, t, self.heads * d])?)
+    }
+}
+
 /// silu(g) * u as one fused kernel (MLX compiles the element-wise graph once per shape class).
 fn swiglu(g: &Array, u: &Array) -> Result<Array> {
     let f = |(g, u): (&Array, &Array)| -> std::result::Result<Array, mlx_rs::error::Exception> {
@@ -189,11 +216,15 @@ impl Attention {
     /// One decode step for every row of every group: projections once over all rows, then per
     /// group each row's token is written at its own position (one scatter per buffer) and
     /// attends over its row, masked past its length.
-    fn forward_grouped(&self, x: &Array, layer: usize, groups: &mut [GroupStep<'_>]) -> Result<Array> {
+    ///
+    /// With `chunk`, the last `t` rows are one sequence's prefill chunk (one token per row):
+    /// they attend over that sequence's cache, so a decode step and a prefill chunk share one
+    /// pass over the weights.
+    fn forward_grouped(&self, x: &Array, layer: usize, groups: &mut [GroupStep<'_>], chunk: Option<(&mut (dyn KvCache + 'static), i32)>) -> Result<Array> {
         let d = self.head_dim;
         let qkv = self.qkv.forward(x)?;
         let (qe, ke) = (self.heads * d, (self.heads + self.kv_heads) * d);
-        let mut outs = Vec::with_capacity(groups.len());
+        let mut outs = Vec::with_capacity(groups.len() + 1);
         for g in groups.iter_mut() {
             let rows = qkv.index(g.offset..g.offset + g.slots);
             let b = g.slots;
@@ -207,6 +238,13 @@ impl Attention {
             kv.1 = kv.1.put_along_axis(&g.write, &v, 2)?;
             let o = scaled_dot_product_attention(&q, &kv.0, &kv.1, self.scale, &g.mask, None)?;
             outs.push(o.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, 1, self.heads * d])?);
+        }
+        if let Some((cache, t)) = chunk {
+            let rows = x.shape()[0];
+            // The chunk's rows as one sequence [1, t, ...].
+            let c = qkv.index(rows - t..).reshape(&[1, t, -1])?;
+            let o = self.attend_sequence(&c, cache)?;
+            outs.push(o.reshape(&[t, 1, self.heads * d])?);
         }
         let o = if outs.len() == 1 { outs.pop().unwrap() } else { concatenate(&outs, 0)? };
         self.o.forward(&o)
@@ -336,6 +374,13 @@ impl Model {
     /// read once for all rows; attention runs per group. Returns logits [rows, 1, vocab], the
     /// groups' rows in order.
     pub fn decode_groups(&self, groups: &mut [(&[u32], &mut DecodeBatch)]) -> Result<Array> {
+        self.step(groups, None)
+    }
+
+    /// One decode step over the groups and, with `chunk`, one prefill chunk of another sequence
+    /// in the same pass: the weights are read once for both. Returns logits [rows (+1), 1,
+    /// vocab]: the groups' rows in order, then (with a chunk) the chunk's last position.
+    pub fn step(&self, groups: &mut [(&[u32], &mut DecodeBatch)], chunk: Option<(&[u32], &mut SequenceCache)>) -> Result<Array> {
         let mut toks: Vec<i32> = vec![];
         let mut active: Vec<i32> = vec![];
         let mut steps = Vec::with_capacity(groups.len());
@@ -361,6 +406,15 @@ impl Model {
             let mask = keys.lt(&positions.reshape(&[slots as i32, 1, 1, 1])?.add(Array::from_int(1))?)?;
             steps.push(GroupStep { kv: &mut batch.layers[..], offset, slots: slots as i32, positions, write, mask });
         }
+        let mut chunk = chunk;
+        let t = chunk.as_ref().map_or(0, |(c, _)| c.len() as i32);
+        if let Some((c, _)) = &chunk {
+            if c.is_empty() {
+                return Err(EngineError::InvalidRequest("step: an empty prefill chunk".into()));
+            }
+            toks.extend(c.iter().map(|&x| x as i32));
+            active.push(toks.len() as i32 - 1);
+        }
         if active.is_empty() {
             return Err(EngineError::InvalidRequest("decode: no rows".into()));
         }
@@ -368,7 +422,8 @@ impl Model {
         let eps = self.config.rms_norm_eps;
         let mut x = self.embed.take_axis(&x0, 0)?;
         for (li, layer) in self.layers.iter().enumerate() {
-            let h = layer.attn.forward_grouped(&rms_norm(&x, Some(&layer.input_norm), eps)?, li, &mut steps)?;
+            let part = chunk.as_mut().map(|(_, cache)| (&mut *cache.layers[li], t));
+            let h = layer.attn.forward_grouped(&rms_norm(&x, Some(&layer.input_norm), eps)?, li, &mut steps, part)?;
             x = x.add(&h)?;
             let h = layer.mlp.forward(&rms_norm(&x, Some(&layer.post_norm), eps)?)?;
             x = x.add(&h)?;

@@ -208,3 +208,40 @@ fn grouped_decode_matches_transformers() {
         }
     }
 }
+
+/// A decode step and another sequence's prefill chunk in one pass (`Model::step`): the decoding
+/// sequences' logits and the chunk's last-position logits still equal transformers', chunk
+/// after chunk, and the chunked sequence's cache ends where one-piece prefill's would.
+#[test]
+fn decode_fused_with_a_prefill_chunk_matches_transformers() {
+    const STEPS: usize = 4;
+    for name in ["tiny-llama", "tiny-qwen2", "tiny-qwen3"] {
+        let m = load(name);
+        let cases = reference(fixture(name).join("reference.safetensors"));
+        let decoding: Vec<_> = cases.iter().filter(|c| c.ids.len() > STEPS && c.ids.len() < 60).collect();
+        let chunked = cases.iter().max_by_key(|c| c.ids.len()).unwrap();
+        assert!(chunked.ids.len() >= 4 * STEPS, "{name}: a long case to chunk");
+        let mut batch = m.model.new_decode_batch().unwrap();
+        for c in &decoding {
+            let mut cache = m.model.new_cache();
+            run_chunked(&m.model, &mut cache, &c.ids[..c.ids.len() - STEPS], 16);
+            batch.join(&cache).unwrap();
+        }
+        let mut cache = m.model.new_cache();
+        let chunk = chunked.ids.len().div_ceil(STEPS);
+        for step in 0..STEPS {
+            let toks: Vec<u32> = decoding.iter().map(|c| c.ids[c.ids.len() - STEPS + step]).collect();
+            let (from, to) = (step * chunk, ((step + 1) * chunk).min(chunked.ids.len()));
+            let logits = host_f32(&m.model.step(&mut [(&toks[..], &mut batch)], Some((&chunked.ids[from..to], &mut cache))).unwrap()).unwrap();
+            let v = chunked.vocab;
+            assert_eq!(logits.len(), (decoding.len() + 1) * v);
+            for (r, c) in decoding.iter().enumerate() {
+                let d = max_abs_diff(&logits[r * v..(r + 1) * v], c.row(c.ids.len() - STEPS + step));
+                assert!(d < TOL, "{name} decoding seq {r} step {step}: max |diff| {d}");
+            }
+            let d = max_abs_diff(&logits[decoding.len() * v..], chunked.row(to - 1));
+            assert!(d < TOL, "{name} chunk ending at {to}: max |diff| {d}");
+        }
+        assert_eq!(cache.offset(), chunked.ids.len());
+    }
+}

@@ -24,7 +24,7 @@ use llmq_protocol::{ErrorClass, TokenLogprob, WireError};
 use mlx_rs::ops::indexing::{argmax_axis, IndexOp};
 use mlx_rs::{Array, Dtype};
 
-use crate::scheduler::{EngineOps, ReqId, StepOut, WorkerEngine};
+use crate::scheduler::{step_separately, EngineOps, PrefillResult, ReqId, StepOut, WorkerEngine};
 
 struct Seq {
     cache: SequenceCache,
@@ -248,6 +248,19 @@ impl EngineOps for ModelEngine {
         r
     }
 
+    /// With decode batches, the decode step and the prefill chunk run as one pass over the
+    /// weights (timed as a decode call); otherwise one after the other.
+    fn step(&mut self, decode: &[ReqId], prefill: Option<(ReqId, usize)>) -> (Vec<Result<StepOut, WireError>>, Option<PrefillResult>) {
+        if self.batches.is_none() || decode.is_empty() || prefill.is_none() {
+            return step_separately(self, decode, prefill);
+        }
+        let t0 = std::time::Instant::now();
+        let r = self.decode_rows(decode, prefill);
+        self.decode_time += t0.elapsed();
+        self.decode_calls += 1;
+        r
+    }
+
     /// Looks the prompt up in the prefix cache; a hit becomes the start of the request's cache.
     fn admit(&mut self, id: ReqId) -> usize {
         let (Some(seq), Some(prefix)) = (self.seqs.get_mut(&id), self.prefix.as_mut()) else { return 0 };
@@ -308,26 +321,40 @@ impl ModelEngine {
                 logits.eval().map_err(internal)?;
                 return Ok(None);
             }
-            let (t, lp) = choose(&logits, &mut [&mut seq], self.tokenizer.as_ref())?.pop().expect("one row");
-            let out = self.take_token(&mut seq, t, lp)?;
-            let layers = (0..self.model.config.num_layers).map(|l| seq.cache.contents(l)).collect();
-            Self::remember(&mut self.prefix, seq.salt.as_deref(), &seq.prompt, layers);
-            if let Some(batches) = self.batches.as_mut() {
-                // Into its length group's decode batch: only this sequence's KV is copied; its
-                // own cache goes.
-                let g = group_of(seq.cache.offset());
-                seq.row = Some((g, batches[g].join(&seq.cache).map_err(internal)?));
-                self.rows[g].push(id);
-                seq.cache = self.model.new_cache();
-            }
-            Ok(Some(out))
+            self.complete_prompt(id, &mut seq, &logits).map(Some)
         })();
         self.seqs.insert(id, seq);
         result
     }
 
-    /// One step of the decode batches; results in the order of `ids`.
-    fn decode_rows(&mut self, ids: &[ReqId]) -> Vec<Result<StepOut, WireError>> {
+    /// A sequence whose prompt is now complete: samples its first token from the prompt's last
+    /// logits, remembers the prompt's KV, and moves the sequence into its length group's decode
+    /// batch (only its own KV is copied; its own cache goes).
+    fn complete_prompt(&mut self, id: ReqId, seq: &mut Seq, logits: &Array) -> Result<StepOut, WireError> {
+        let (t, lp) = choose(logits, &mut [&mut *seq], self.tokenizer.as_ref())?.pop().expect("one row");
+        let out = self.take_token(seq, t, lp)?;
+        let layers = (0..self.model.config.num_layers).map(|l| seq.cache.contents(l)).collect();
+        Self::remember(&mut self.prefix, seq.salt.as_deref(), &seq.prompt, layers);
+        if let Some(batches) = self.batches.as_mut() {
+            let g = group_of(seq.cache.offset());
+            seq.row = Some((g, batches[g].join(&seq.cache).map_err(internal)?));
+            self.rows[g].push(id);
+            seq.cache = self.model.new_cache();
+        }
+        Ok(out)
+    }
+
+    /// One step of the decode batches, in the same pass as `chunk`'s prefill tokens when given;
+    /// decode results in the order of `ids`.
+    fn decode_rows(&mut self, ids: &[ReqId], chunk: Option<(ReqId, usize)>) -> (Vec<Result<StepOut, WireError>>, Option<PrefillResult>) {
+        let mut pre = match chunk.map(|(id, n)| (id, n, self.seqs.remove(&id))) {
+            Some((id, n, Some(seq))) => Some((id, n, seq)),
+            Some((id, _, None)) => {
+                let (outs, _) = self.decode_rows(ids, None);
+                return (outs, Some(Err(internal(format!("prefill of unknown request {id}")))));
+            }
+            None => None,
+        };
         let mut batches = self.batches.take().expect("batch mode");
         let result = (|| {
             let order: Vec<ReqId> = self.rows.iter().flatten().copied().collect();
@@ -337,8 +364,16 @@ impl ModelEngine {
             let toks: Vec<Vec<u32>> =
                 self.rows.iter().map(|g| g.iter().map(|id| self.seqs[id].next.unwrap_or(0)).collect()).collect();
             let mut groups: Vec<(&[u32], &mut DecodeBatch)> = toks.iter().map(|t| &t[..]).zip(batches.iter_mut()).collect();
-            let logits = self.model.decode_groups(&mut groups).map_err(internal)?;
+            let chunk_toks: Option<Vec<u32>> =
+                pre.as_ref().map(|(_, n, s)| s.prompt[s.prefilled..(s.prefilled + n).min(s.prompt.len())].to_vec());
+            let part = pre.as_mut().zip(chunk_toks.as_ref()).map(|((_, _, s), c)| (&c[..], &mut s.cache));
+            let logits = self.model.step(&mut groups, part).map_err(internal)?;
             drop(groups);
+            let rows = order.len() as i32;
+            let (logits, chunk_logits) = match pre {
+                Some(_) => (logits.index(..rows), Some(logits.index(rows..))),
+                None => (logits, None),
+            };
             let mut taken: Vec<(ReqId, Seq)> = order.iter().map(|id| (*id, self.seqs.remove(id).expect("checked"))).collect();
             let chosen = {
                 let mut seqs: Vec<&mut Seq> = taken.iter_mut().map(|(_, s)| s).collect();
@@ -351,11 +386,25 @@ impl ModelEngine {
             for (id, s) in taken {
                 self.seqs.insert(id, s);
             }
-            Ok(outs)
+            Ok((outs, chunk_logits))
         })();
         self.batches = Some(batches);
-        match result {
-            Ok(mut outs) => ids
+        let pre_result = pre.map(|(id, n, mut seq)| {
+            let r = match &result {
+                Err(e) => Err(e.clone()),
+                Ok((_, logits)) => {
+                    seq.prefilled = (seq.prefilled + n).min(seq.prompt.len());
+                    match logits {
+                        Some(l) if seq.prefilled == seq.prompt.len() => self.complete_prompt(id, &mut seq, l).map(Some),
+                        _ => Ok(None),
+                    }
+                }
+            };
+            self.seqs.insert(id, seq);
+            r
+        });
+        let outs = match result {
+            Ok((mut outs, _)) => ids
                 .iter()
                 .map(|id| {
                     let i = outs.iter().position(|(x, _)| x == id).expect("every id has a row");
@@ -363,12 +412,13 @@ impl ModelEngine {
                 })
                 .collect(),
             Err(e) => ids.iter().map(|_| Err(e.clone())).collect(),
-        }
+        };
+        (outs, pre_result)
     }
 
     fn decode_inner(&mut self, ids: &[ReqId]) -> Vec<Result<StepOut, WireError>> {
         if self.batches.is_some() {
-            return self.decode_rows(ids);
+            return self.decode_rows(ids, None).0;
         }
         let mut taken: Vec<(ReqId, Seq)> = ids.iter().filter_map(|id| self.seqs.remove(id).map(|s| (*id, s))).collect();
         let result = (|| {

@@ -1,13 +1,15 @@
 //! The scheduler: the device's clock. Each `tick`:
 //!
 //! 1. cancellations are applied (queued, mid-prefill or decoding), freeing KV memory;
-//! 2. the active decode batch steps once (every running stream gets its token first);
-//! 3. waiting requests are admitted while the KV budget and the batch limit allow; an admitted
+//! 2. waiting requests are admitted while the KV budget and the batch limit allow; an admitted
 //!    request's prompt is looked up in the prefix cache and its prefill starts after the reused
 //!    tokens;
-//! 4. exactly one prefill chunk is granted, to one request: `prefill_chunk` tokens while anything
-//!    decodes, `idle_prefill_chunk` when nothing does (the idle fast path). A request whose
-//!    prompt completes samples its first token and joins the decode batch at the next tick.
+//! 3. exactly one prefill chunk is chosen, for one request: `prefill_chunk` tokens while
+//!    anything decodes, `idle_prefill_chunk` when nothing does (the idle fast path);
+//! 4. the active decode batch steps once and the chunk is prefilled, in one engine call (the
+//!    real engine runs both in one pass over the weights); every running stream's token is
+//!    delivered first. A request whose prompt completes samples its first token and joins the
+//!    decode batch at the next tick.
 //!
 //! Prefill order: shortest remaining prompt first, with aging (a request's remaining tokens
 //! count down by `aging_tokens_per_s` for every second it has waited), so short prompts do not
@@ -73,6 +75,19 @@ pub struct StepOut {
     pub finished: Option<FinishReason>,
 }
 
+/// What a prefill chunk gave: the first output token when it completed the prompt.
+pub type PrefillResult = Result<Option<StepOut>, WireError>;
+
+/// A tick's work done as two calls: the decode step, then the prefill chunk.
+pub fn step_separately<E: EngineOps + ?Sized>(
+    engine: &mut E,
+    decode: &[ReqId],
+    prefill: Option<(ReqId, usize)>,
+) -> (Vec<Result<StepOut, WireError>>, Option<PrefillResult>) {
+    let outs = if decode.is_empty() { vec![] } else { engine.decode(decode) };
+    (outs, prefill.map(|(id, n)| engine.prefill(id, n)))
+}
+
 /// The work the scheduler hands out. Implemented by the real engine and by tests' fakes.
 pub trait EngineOps {
     /// Prefills the next `n` prompt tokens of `id`. When they complete the prompt, also samples
@@ -80,6 +95,11 @@ pub trait EngineOps {
     fn prefill(&mut self, id: ReqId, n: usize) -> Result<Option<StepOut>, WireError>;
     /// One batched decode step over `ids`; one result per id, in order.
     fn decode(&mut self, ids: &[ReqId]) -> Vec<Result<StepOut, WireError>>;
+    /// A tick's work: one decode step over `decode` and the prefill chunk, if any. An engine
+    /// may run both in one pass (the decode results come first either way).
+    fn step(&mut self, decode: &[ReqId], prefill: Option<(ReqId, usize)>) -> (Vec<Result<StepOut, WireError>>, Option<PrefillResult>) {
+        step_separately(self, decode, prefill)
+    }
     /// Frees everything held for `id` (called once per request, whatever its end).
     fn release(&mut self, id: ReqId);
     /// Prepares an admitted request's prefill: returns how many of its prompt tokens were
@@ -295,20 +315,7 @@ impl Scheduler {
             self.finish(engine, id, Event::Error { error }, &mut out);
         }
 
-        // 2. the decode batch steps first
-        if !self.decoding.is_empty() {
-            let ids = self.decoding.clone();
-            let results = engine.decode(&ids);
-            report.decoded = ids.len();
-            for (id, res) in ids.into_iter().zip(results) {
-                match res {
-                    Ok(step) => self.deliver(engine, id, step, now, &mut out),
-                    Err(error) => self.finish(engine, id, Event::Error { error }, &mut out),
-                }
-            }
-        }
-
-        // 3. admission, in arrival order, within the KV budget and the batch limit
+        // 2. admission, in arrival order, within the KV budget and the batch limit
         let mut still_waiting = Vec::new();
         let batch_open = self.cfg.continuous || (self.decoding.is_empty() && self.prefilling.is_empty());
         for id in std::mem::take(&mut self.waiting) {
@@ -339,22 +346,36 @@ impl Scheduler {
         }
         self.waiting = still_waiting;
 
-        // 4. exactly one prefill chunk, to one request
-        if let Some(id) = self.pick_prefill(now) {
-            let idle = self.decoding.is_empty();
+        // 3. exactly one prefill chunk, to one request
+        let chunk = self.pick_prefill(now).map(|id| {
             let remaining = self.reqs[&id].remaining();
             let n = if !self.cfg.interleave {
                 remaining
-            } else if idle {
+            } else if self.decoding.is_empty() {
                 remaining.min(self.cfg.idle_prefill_chunk)
             } else {
                 remaining.min(self.cfg.prefill_chunk)
             };
+            (id, n)
+        });
+
+        // 4. the work: the decode batch steps (its tokens are delivered first), and the chunk
+        //    is prefilled, in one engine call
+        let ids = self.decoding.clone();
+        let (results, prefilled) = engine.step(&ids, chunk);
+        report.decoded = ids.len();
+        for (id, res) in ids.into_iter().zip(results) {
+            match res {
+                Ok(step) => self.deliver(engine, id, step, now, &mut out),
+                Err(error) => self.finish(engine, id, Event::Error { error }, &mut out),
+            }
+        }
+        if let (Some((id, n)), Some(result)) = (chunk, prefilled) {
             report.prefill_tokens = n;
             report.prefill_request = Some(id);
-            match engine.prefill(id, n) {
-                Ok(first) => {
-                    let r = self.reqs.get_mut(&id).expect("picked from held ids");
+            match result {
+                Ok(first) if self.reqs.contains_key(&id) => {
+                    let r = self.reqs.get_mut(&id).expect("checked");
                     r.prefilled += n;
                     let (done, total) = (r.prefilled as u32, r.a.prompt_tokens as u32);
                     out.push(Emit { id, event: Event::PrefillProgress { done, total } });
@@ -370,6 +391,7 @@ impl Scheduler {
                         }
                     }
                 }
+                Ok(_) => {}
                 Err(error) => self.finish(engine, id, Event::Error { error }, &mut out),
             }
         }

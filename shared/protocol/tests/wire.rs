@@ -46,7 +46,7 @@ fn every_message_round_trips() {
         Event::Queued { position: 3 },
         Event::PrefillProgress { done: 256, total: 1000 },
         Event::Tokens { ids: vec![5, 6], text: "hé".into(), logprobs: vec![] },
-        Event::Tokens { ids: vec![5], text: "a".into(), logprobs: vec![TokenLogprob { token: 5, logprob: -0.5, top: vec![(5, -0.5)] }] },
+        Event::Tokens { ids: vec![5], text: "a".into(), logprobs: vec![TokenLogprob { token: 5, logprob: -0.5, top: vec![(5, -0.5)], text: "a".into(), top_text: vec!["a".into()] }] },
         Event::Done {
             finish_reason: FinishReason::Length,
             usage: Usage { prompt: 10, completion: 16, cached: 4 },
