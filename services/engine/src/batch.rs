@@ -57,7 +57,7 @@ impl DecodeBatch {
         self.slots
     }
 
-    pub(crate) fn capacity(&self) -> usize {
+    pub fn capacity(&self) -> usize {
         self.capacity
     }
 

@@ -246,6 +246,11 @@ impl<P: Payload> PrefixCache<P> {
         self.held
     }
 
+    /// Zeroes the counters (not the entries).
+    pub fn reset_stats(&mut self) {
+        self.stats = PrefixStats::default();
+    }
+
     /// Drops every entry; returns the bytes freed.
     pub fn clear(&mut self) -> u64 {
         let freed = self.held;

@@ -174,6 +174,56 @@ pub struct CancelRequest(pub String);
 #[rtype(result = "WorkerStatus")]
 pub struct GetStatus;
 
+/// Runs two dummy requests through a private scheduler before the worker takes jobs: one
+/// prefilled alone, one prefilled in chunks while the first decodes, so that MLX has compiled
+/// the kernels of every kind of step before the first user's request (on a GPU the first steps
+/// otherwise take seconds). Answers with the milliseconds it took. Leaves nothing behind.
+#[derive(Message)]
+#[rtype(result = "Result<f64, String>")]
+pub struct WarmUp;
+
+impl<E: WorkerEngine + Unpin + 'static> Handler<WarmUp> for SchedulerActor<E> {
+    type Result = Result<f64, String>;
+    fn handle(&mut self, _: WarmUp, _: &mut Context<Self>) -> Result<f64, String> {
+        let started = std::time::Instant::now();
+        let (cfg, engine) = (self.cfg.clone(), &mut self.engine);
+        let run = catch_unwind(AssertUnwindSafe(|| -> Result<(), String> {
+            let mut s = Scheduler::new(cfg.clone());
+            let len = (2 * cfg.prefill_chunk + 5).min(engine.context_tokens().saturating_sub(8)).max(1);
+            let prompt: Vec<u32> = (0..len as u32).map(|i| 1 + i % 50).collect();
+            let stop = StopParams { max_tokens: 4, ignore_eos: true, ..Default::default() };
+            let ids = [ReqId::MAX - 1, ReqId::MAX];
+            for (k, &id) in ids.iter().enumerate() {
+                engine.register(id, prompt.clone(), SamplingParams::default(), stop.clone(), None).map_err(|e| e.to_string())?;
+                let a = Admission { id, prompt_tokens: len, max_tokens: 4, accepted_at: Self::now() };
+                if let Some(e) = s.submit(a).into_iter().find(|e| e.event.is_terminal()) {
+                    return Err(format!("{:?}", e.event));
+                }
+                // The first runs alone until it decodes; the second joins it.
+                let mut ticks = 0;
+                while if k == 0 { s.active_streams() == 0 } else { !s.is_idle() } {
+                    let (emits, _) = s.tick(engine, Self::now());
+                    if let Some(e) = emits.iter().find(|e| matches!(e.event, Event::Error { .. })) {
+                        return Err(format!("{:?}", e.event));
+                    }
+                    ticks += 1;
+                    if ticks > 100_000 {
+                        return Err("did not finish".into());
+                    }
+                }
+            }
+            engine.prefix_clear();
+            engine.reset_counters();
+            Ok(())
+        }));
+        match run {
+            Ok(Ok(())) => Ok(started.elapsed().as_secs_f64() * 1000.0),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err("panic during warm-up".into()),
+        }
+    }
+}
+
 /// Drops every cached prefix; answers with the bytes freed.
 #[derive(Message)]
 #[rtype(result = "u64")]
@@ -255,7 +305,13 @@ impl<E: WorkerEngine + Unpin + 'static> Handler<Tick> for SchedulerActor<E> {
         let now = Self::now();
         let (scheduler, engine) = (&mut self.scheduler, &mut self.engine);
         match catch_unwind(AssertUnwindSafe(|| scheduler.tick(engine, now))) {
-            Ok((emits, _report)) => self.publish(emits),
+            Ok((emits, report)) => {
+                let ms = started.elapsed().as_secs_f64() * 1000.0;
+                if ms > 100.0 {
+                    tracing::warn!(ms, decoded = report.decoded, prefill_tokens = report.prefill_tokens, "slow tick");
+                }
+                self.publish(emits)
+            }
             Err(p) => {
                 let what = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));
                 self.recover(&what.unwrap_or_else(|| "panic".into()));

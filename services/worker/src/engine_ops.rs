@@ -63,6 +63,9 @@ pub struct ModelEngine {
 /// its length (it stays there as it grows).
 const GROUP_BOUNDS: [usize; 4] = [2048, 8192, 32768, usize::MAX];
 
+/// Engine calls slower than this are logged (with their parts), to find stalls.
+const SLOW_MS: f64 = 80.0;
+
 fn group_of(len: usize) -> usize {
     GROUP_BOUNDS.iter().position(|&b| len < b).unwrap_or(GROUP_BOUNDS.len() - 1)
 }
@@ -227,6 +230,14 @@ impl WorkerEngine for ModelEngine {
     fn prefix_clear(&mut self) -> u64 {
         self.prefix.as_mut().map_or(0, |p| p.clear())
     }
+
+    fn reset_counters(&mut self) {
+        let zero = std::time::Duration::ZERO;
+        (self.prefill_time, self.prefill_calls, self.decode_time, self.decode_calls) = (zero, 0, zero, 0);
+        if let Some(p) = self.prefix.as_mut() {
+            p.reset_stats();
+        }
+    }
 }
 
 impl EngineOps for ModelEngine {
@@ -331,15 +342,23 @@ impl ModelEngine {
     /// logits, remembers the prompt's KV, and moves the sequence into its length group's decode
     /// batch (only its own KV is copied; its own cache goes).
     fn complete_prompt(&mut self, id: ReqId, seq: &mut Seq, logits: &Array) -> Result<StepOut, WireError> {
+        let t0 = std::time::Instant::now();
         let (t, lp) = choose(logits, &mut [&mut *seq], self.tokenizer.as_ref())?.pop().expect("one row");
         let out = self.take_token(seq, t, lp)?;
+        let t1 = std::time::Instant::now();
         let layers = (0..self.model.config.num_layers).map(|l| seq.cache.contents(l)).collect();
         Self::remember(&mut self.prefix, seq.salt.as_deref(), &seq.prompt, layers);
+        let t2 = std::time::Instant::now();
         if let Some(batches) = self.batches.as_mut() {
             let g = group_of(seq.cache.offset());
             seq.row = Some((g, batches[g].join(&seq.cache).map_err(internal)?));
             self.rows[g].push(id);
             seq.cache = self.model.new_cache();
+        }
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1000.0;
+        let (sample, remember, join) = (ms(t1 - t0), ms(t2 - t1), ms(t2.elapsed()));
+        if sample + remember + join > SLOW_MS {
+            tracing::warn!(request = id, prompt = seq.prompt.len(), sample, remember, join, "slow prompt completion (ms)");
         }
         Ok(out)
     }
@@ -367,8 +386,10 @@ impl ModelEngine {
             let chunk_toks: Option<Vec<u32>> =
                 pre.as_ref().map(|(_, n, s)| s.prompt[s.prefilled..(s.prefilled + n).min(s.prompt.len())].to_vec());
             let part = pre.as_mut().zip(chunk_toks.as_ref()).map(|((_, _, s), c)| (&c[..], &mut s.cache));
+            let t0 = std::time::Instant::now();
             let logits = self.model.step(&mut groups, part).map_err(internal)?;
             drop(groups);
+            let built = t0.elapsed();
             let rows = order.len() as i32;
             let (logits, chunk_logits) = match pre {
                 Some(_) => (logits.index(..rows), Some(logits.index(rows..))),
@@ -383,6 +404,18 @@ impl ModelEngine {
                 Ok(chosen) => taken.iter_mut().zip(chosen).map(|((id, s), (t, lp))| (*id, self.take_token(s, t, lp))).collect(),
                 Err(e) => taken.iter().map(|(id, _)| (*id, Err(e.clone()))).collect(),
             };
+            let total = t0.elapsed();
+            if total.as_secs_f64() * 1000.0 > SLOW_MS {
+                let capacity: Vec<usize> = batches.iter().map(|b| b.capacity()).collect();
+                tracing::warn!(
+                    rows,
+                    chunk = chunk_toks.as_ref().map_or(0, |c| c.len()),
+                    build_ms = built.as_secs_f64() * 1000.0,
+                    total_ms = total.as_secs_f64() * 1000.0,
+                    ?capacity,
+                    "slow decode step"
+                );
+            }
             for (id, s) in taken {
                 self.seqs.insert(id, s);
             }

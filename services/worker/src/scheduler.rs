@@ -140,6 +140,8 @@ pub trait WorkerEngine: EngineOps {
     fn prefix_clear(&mut self) -> u64 {
         0
     }
+    /// Zeroes the counters behind `call_times` and `prefix_stats` (after the warm-up).
+    fn reset_counters(&mut self) {}
 }
 
 #[derive(Debug, Clone)]

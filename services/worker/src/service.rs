@@ -23,7 +23,7 @@ use llmq_engine::{default_dtype, load_named, parse_dtype};
 use llmq_protocol::{subjects, CacheCleared, Cancel, ClearCache, ErrorClass, Event, Job, StreamEvent, WireError};
 use tokio::sync::mpsc;
 
-use crate::actor::{CancelRequest, ClearPrefixCache, GetStatus, Outbound, SchedulerActor, Submit};
+use crate::actor::{CancelRequest, ClearPrefixCache, GetStatus, Outbound, SchedulerActor, Submit, WarmUp};
 use crate::engine_ops::ModelEngine;
 use crate::scheduler::SchedulerConfig;
 
@@ -101,6 +101,11 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
         Ok(Ok(Err(e))) => return Err(WorkerError::Model(e)),
         _ => return Err(WorkerError::Model("the device thread stopped".into())),
     };
+    match actor.send(WarmUp).await {
+        Ok(Ok(ms)) => tracing::info!(ms, "warm-up done"),
+        Ok(Err(e)) => tracing::warn!(error = %e, "warm-up failed; serving anyway"),
+        Err(e) => return Err(WorkerError::Model(format!("the device thread stopped: {e}"))),
+    }
     tracing::info!(%worker_id, model = %model_name, "worker ready");
 
     // Jobs held here, by request id, until their terminal event is out.

@@ -110,3 +110,23 @@ fn a_panic_in_a_tick_fails_the_held_requests_and_the_actor_goes_on() {
         assert!(matches!(until_terminal(&mut rx, "after", &mut seen).await, Event::Done { .. }), "the actor still serves");
     });
 }
+
+/// The warm-up runs its dummy requests through the real engine (tiny Llama) and leaves nothing
+/// behind: no KV, no cached prefix, no counted calls, no events.
+#[test]
+fn warm_up_leaves_nothing_behind() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-llama");
+    let loaded = llmq_engine::load_model(&dir, mlx_rs::Dtype::Float32).unwrap();
+    actix::System::new().block_on(async {
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let engine = llmq_worker::engine_ops::ModelEngine::new(loaded.model, loaded.tokenizer).with_prefix_cache(16, 1 << 30);
+        let cfg = SchedulerConfig { prefill_chunk: 16, kv_budget_bytes: 1 << 30, ..Default::default() };
+        let addr = SchedulerActor::new(engine, cfg, tx, "w".into(), "tiny".into()).start();
+        let ms = addr.send(llmq_worker::actor::WarmUp).await.unwrap().unwrap();
+        assert!(ms > 0.0);
+        let s = addr.send(llmq_worker::actor::GetStatus).await.unwrap();
+        assert_eq!((s.kv_bytes_used, s.prefix_entries, s.prefix_reused_tokens, s.prefill_calls, s.decode_calls), (0, 0, 0, 0, 0), "{s:?}");
+        assert_eq!((s.active_streams, s.queued_requests), (0, 0));
+        assert!(rx.try_recv().is_err(), "the warm-up publishes nothing");
+    });
+}
