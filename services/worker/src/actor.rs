@@ -175,21 +175,28 @@ pub struct CancelRequest(pub String);
 pub struct GetStatus;
 
 /// Runs two dummy requests through a private scheduler before the worker takes jobs: one
-/// prefilled alone, one prefilled in chunks while the first decodes, so that MLX has compiled
-/// the kernels of every kind of step before the first user's request (on a GPU the first steps
-/// otherwise take seconds). Answers with the milliseconds it took. Leaves nothing behind.
+/// prefilled alone, one prefilled in chunks while the first decodes (its prompt passing through
+/// every cache size up to its length), so that MLX has compiled the kernels of every kind of
+/// step before the first user's request: on a GPU the first steps otherwise take seconds, and
+/// the first chunk at each new cache size tens of milliseconds. Answers with the milliseconds
+/// it took. Leaves nothing behind.
 #[derive(Message)]
 #[rtype(result = "Result<f64, String>")]
-pub struct WarmUp;
+pub struct WarmUp {
+    /// Prompt tokens of each dummy request (capped by the context).
+    pub tokens: usize,
+}
 
 impl<E: WorkerEngine + Unpin + 'static> Handler<WarmUp> for SchedulerActor<E> {
     type Result = Result<f64, String>;
-    fn handle(&mut self, _: WarmUp, _: &mut Context<Self>) -> Result<f64, String> {
+    fn handle(&mut self, w: WarmUp, _: &mut Context<Self>) -> Result<f64, String> {
         let started = std::time::Instant::now();
         let (cfg, engine) = (self.cfg.clone(), &mut self.engine);
         let run = catch_unwind(AssertUnwindSafe(|| -> Result<(), String> {
             let mut s = Scheduler::new(cfg.clone());
-            let len = (2 * cfg.prefill_chunk + 5).min(engine.context_tokens().saturating_sub(8)).max(1);
+            // Both dummies must fit the KV budget together.
+            let fits = (cfg.kv_budget_bytes / engine.kv_bytes_per_token().max(1) / 2) as usize;
+            let len = w.tokens.min(engine.context_tokens().saturating_sub(8)).min(fits.saturating_sub(8)).max(1);
             let prompt: Vec<u32> = (0..len as u32).map(|i| 1 + i % 50).collect();
             let stop = StopParams { max_tokens: 4, ignore_eos: true, ..Default::default() };
             let ids = [ReqId::MAX - 1, ReqId::MAX];

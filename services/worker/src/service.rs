@@ -101,10 +101,13 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
         Ok(Ok(Err(e))) => return Err(WorkerError::Model(e)),
         _ => return Err(WorkerError::Model("the device thread stopped".into())),
     };
-    match actor.send(WarmUp).await {
-        Ok(Ok(ms)) => tracing::info!(ms, "warm-up done"),
-        Ok(Err(e)) => tracing::warn!(error = %e, "warm-up failed; serving anyway"),
-        Err(e) => return Err(WorkerError::Model(format!("the device thread stopped: {e}"))),
+    let warm_up = settings.worker.warm_up_tokens.unwrap_or(2 * settings.scheduler.prefill_chunk_tokens + 5);
+    if warm_up > 0 {
+        match actor.send(WarmUp { tokens: warm_up }).await {
+            Ok(Ok(ms)) => tracing::info!(ms, tokens = warm_up, "warm-up done"),
+            Ok(Err(e)) => tracing::warn!(error = %e, "warm-up failed; serving anyway"),
+            Err(e) => return Err(WorkerError::Model(format!("the device thread stopped: {e}"))),
+        }
     }
     tracing::info!(%worker_id, model = %model_name, "worker ready");
 

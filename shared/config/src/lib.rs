@@ -83,11 +83,15 @@ pub struct WorkerSettings {
     /// A job not acknowledged for this long (its worker died) is handed to another worker;
     /// running jobs are kept alive with progress acks six times per period.
     pub ack_wait_ms: u64,
+    /// Prompt length of the warm-up's dummy requests (run before taking jobs, so that MLX has
+    /// compiled its kernels for the cache sizes up to this); default: twice the prefill chunk
+    /// (and a few); 0: no warm-up.
+    pub warm_up_tokens: Option<usize>,
 }
 
 impl Default for WorkerSettings {
     fn default() -> Self {
-        WorkerSettings { id: None, model: "smollm2".into(), dtype: None, heartbeat_ms: 1000, max_queued: 256, ack_wait_ms: 30_000 }
+        WorkerSettings { id: None, model: "smollm2".into(), dtype: None, heartbeat_ms: 1000, max_queued: 256, ack_wait_ms: 30_000, warm_up_tokens: None }
     }
 }
 
