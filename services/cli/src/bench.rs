@@ -56,6 +56,12 @@ pub struct Args {
     /// Use a running stack instead of starting one.
     #[arg(long)]
     nats: Option<String>,
+    /// Workers in the stack the benchmark starts (burst, batch, static, prefix, gateway).
+    #[arg(long, default_value_t = 1)]
+    workers: usize,
+    /// GPUs to spread those workers over, one each in turn (e.g. 0,1).
+    #[arg(long, value_delimiter = ',')]
+    gpus: Vec<u32>,
     /// KV budget of the worker in bytes (default: the worker's).
     #[arg(long)]
     kv_budget_bytes: Option<u64>,
@@ -126,6 +132,8 @@ fn through_nats(a: &Args) -> Result<serde_json::Value> {
         prompt_tokens: a.prompt_tokens,
         output_tokens: a.output_tokens,
         prefix_tokens: a.prefix_tokens,
+        workers: a.workers.max(1),
+        gpus: a.gpus.clone(),
         gateway: (a.scenario == "gateway").then(|| crate::serve::free_port().map(|p| format!("127.0.0.1:{p}"))).transpose()?,
         nats: a.nats.clone(),
         worker_env,

@@ -41,6 +41,9 @@ pub struct Knobs {
     pub prefix_tokens: usize,
     /// Also start the HTTP gateway, listening here.
     pub gateway: Option<String>,
+    /// Workers to start, and the GPUs to spread them over.
+    pub workers: usize,
+    pub gpus: Vec<u32>,
     pub nats: Option<String>,
     pub worker_env: Vec<(String, String)>,
 }
@@ -197,7 +200,7 @@ async fn with_stack<'a>(k: &'a Knobs, env: &[(String, String)], f: impl FnOnce((
     let url = match &k.nats {
         Some(u) => u.clone(),
         None => {
-            let s = start_stack(&k.model, 1, None, None, env, k.gateway.as_deref())?;
+            let s = start_stack(&k.model, k.workers, None, None, env, k.gateway.as_deref(), &k.gpus)?;
             let u = s.url.clone();
             stack = Some(s);
             u
@@ -205,7 +208,7 @@ async fn with_stack<'a>(k: &'a Knobs, env: &[(String, String)], f: impl FnOnce((
     };
     let nc = async_nats::connect(&url).await?;
     if let Some(s) = stack.as_mut() {
-        wait_for_workers(&nc, 1, &mut s.children).await?;
+        wait_for_workers(&nc, k.workers, &mut s.children).await?;
     }
     let (tx, rx) = mpsc::unbounded_channel();
     let client = Client { nc, tx, ids: vec![] };
@@ -321,7 +324,11 @@ async fn batch((mut c, mut rx): (Client, mpsc::UnboundedReceiver<Seen>), k: &Kno
         "overall_output_tokens_per_s": round(produced as f64 / total, 1),
         "steady_output_tokens_per_s": round(steady, 1),
     });
-    v.as_object_mut().unwrap().extend(overhead(&status0, &status1).as_object().unwrap().clone());
+    // Heartbeats are per worker: the overhead split is only meaningful with one.
+    if k.workers == 1 {
+        v.as_object_mut().unwrap().extend(overhead(&status0, &status1).as_object().unwrap().clone());
+    }
+    v.as_object_mut().unwrap().insert("workers".into(), k.workers.into());
     Ok(v)
 }
 

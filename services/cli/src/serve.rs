@@ -23,6 +23,10 @@ fn settings(a: &ServiceArgs) -> Result<llmq_config::Settings> {
 
 pub fn worker(a: ServiceArgs) -> Result<()> {
     let s = settings(&a)?;
+    if let Some(d) = s.worker.device {
+        // Before MLX initialises (the model loads later, on the device thread).
+        std::env::set_var("CUDA_VISIBLE_DEVICES", d.to_string());
+    }
     actix::System::new().block_on(llmq_worker::service::run(s))?;
     Ok(())
 }
@@ -54,6 +58,10 @@ pub struct UpArgs {
     /// (e.g. 127.0.0.1:8000).
     #[arg(long)]
     gateway: Option<String>,
+    /// GPUs to spread the workers over, one each in turn (e.g. 0,1): worker i owns
+    /// GPU gpus[i % len] (`worker.device`).
+    #[arg(long, value_delimiter = ',')]
+    gpus: Vec<u32>,
     #[arg(long)]
     config: Option<PathBuf>,
 }
@@ -143,6 +151,7 @@ pub fn start_stack(
     config: Option<&std::path::Path>,
     worker_env: &[(String, String)],
     gateway: Option<&str>,
+    gpus: &[u32],
 ) -> Result<Stack> {
     let port = match port {
         Some(p) => p,
@@ -166,7 +175,11 @@ pub fn start_stack(
     };
     stack.children.push("intake", spawn("intake", &[])?);
     for i in 0..workers {
-        stack.children.push(&format!("worker {i}"), spawn("worker", worker_env)?);
+        let mut env = worker_env.to_vec();
+        if !gpus.is_empty() {
+            env.push(("LLMQ__WORKER__DEVICE".into(), gpus[i % gpus.len()].to_string()));
+        }
+        stack.children.push(&format!("worker {i}"), spawn("worker", &env)?);
     }
     if let Some(listen) = gateway {
         stack.children.push("gateway", spawn("gateway", &[("LLMQ__GATEWAY__LISTEN".into(), listen.into())])?);
@@ -198,7 +211,7 @@ pub async fn wait_for_workers(client: &async_nats::Client, workers: usize, child
 }
 
 pub fn up(a: UpArgs) -> Result<()> {
-    let mut stack = start_stack(&a.model, a.workers, a.port, a.config.as_deref(), &[], a.gateway.as_deref())?;
+    let mut stack = start_stack(&a.model, a.workers, a.port, a.config.as_deref(), &[], a.gateway.as_deref(), &a.gpus)?;
     let url = stack.url.clone();
     let children = &mut stack.children;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;

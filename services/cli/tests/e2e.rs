@@ -313,3 +313,81 @@ fn a_job_whose_worker_dies_ends_with_worker_lost_on_another_worker() {
         assert!(matches!(next.last(), Event::Done { .. }));
     });
 }
+
+/// The latest heartbeat of each worker, gathered for `window`.
+async fn statuses(c: &Client, window: Duration) -> std::collections::HashMap<String, WorkerStatus> {
+    let mut sub = c.nc.subscribe(subjects::WORKER_STATUS_ALL).await.unwrap();
+    let mut seen = std::collections::HashMap::new();
+    let end = tokio::time::Instant::now() + window;
+    while let Ok(Some(m)) = tokio::time::timeout_at(end, sub.next()).await {
+        let s: WorkerStatus = decode(&m.payload).unwrap();
+        seen.insert(s.worker_id.clone(), s);
+    }
+    seen
+}
+
+/// Two workers behind one intake: a uniform load is shared between them; then one is killed
+/// mid-run: its in-flight requests end with `worker_lost`, the others complete, nothing hangs.
+#[test]
+fn two_workers_share_the_load_and_a_killed_one_loses_only_its_own_requests() {
+    let mut stack = Stack::nats_only();
+    stack.spawn("intake", &[]);
+    let env = |id| [("LLMQ__WORKER__ACK_WAIT_MS", "1500"), ("LLMQ__WORKER__ID", id)];
+    let doomed = stack.spawn("worker", &env("wa"));
+    stack.spawn("worker", &env("wb"));
+    rt().block_on(async {
+        let c = Client::connect(&stack.url).await;
+        let t = Instant::now();
+        while statuses(&c, Duration::from_millis(500)).await.len() < 2 {
+            assert!(t.elapsed() < Duration::from_secs(60), "both workers up");
+        }
+        let run_all = |n: usize, max_tokens: i64| {
+            let c = &c;
+            async move {
+                let mut started = vec![];
+                for i in 0..n {
+                    started.push(c.start(GenerateRequest { ignore_eos: true, ..req(&format!("Request number {i}"), max_tokens) }).await);
+                }
+                started
+            }
+        };
+        let runs = futures::future::join_all(run_all(8, 24).await.into_iter().map(|(id, sub)| Client::finish(id, sub, |_| {}))).await;
+        assert!(runs.iter().all(|r| matches!(r.last(), Event::Done { .. })));
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        let ended: std::collections::HashMap<String, u64> =
+            statuses(&c, Duration::from_millis(600)).await.into_iter().map(|(k, s)| (k, s.ended_requests)).collect();
+        assert_eq!(ended.values().sum::<u64>(), 8, "{ended:?}");
+        assert!(ended.values().all(|&n| n >= 2), "both workers took a share of the 8: {ended:?}");
+
+        // Long requests on both; kill one worker once every stream has produced tokens.
+        let started = run_all(6, 450).await;
+        let (tx, mut first_tokens) = tokio::sync::mpsc::unbounded_channel();
+        let finishing: Vec<_> = started
+            .into_iter()
+            .map(|(id, sub)| {
+                let tx = tx.clone();
+                let mut told = false;
+                Client::finish(id, sub, move |e| {
+                    if matches!(e.event, Event::Tokens { .. }) && !told {
+                        told = true;
+                        let _ = tx.send(());
+                    }
+                })
+            })
+            .collect();
+        let all = tokio::spawn(futures::future::join_all(finishing));
+        for _ in 0..6 {
+            tokio::time::timeout(Duration::from_secs(30), first_tokens.recv()).await.expect("every stream starts").unwrap();
+        }
+        stack.kill(doomed);
+        let runs = tokio::time::timeout(Duration::from_secs(60), all).await.expect("nothing hangs").unwrap();
+        let lost = runs.iter().filter(|r| matches!(r.last(), Event::Error { error } if error.class == ErrorClass::WorkerLost)).count();
+        let done = runs.iter().filter(|r| matches!(r.last(), Event::Done { .. })).count();
+        assert_eq!(lost + done, 6, "each ends with Done or worker_lost");
+        assert!(lost >= 1, "the killed worker held some of them");
+        assert!(done >= 1, "the surviving worker completed its own");
+        for r in &runs {
+            assert_eq!(r.events.iter().filter(|e| e.event.is_terminal()).count(), 1, "{}", r.id);
+        }
+    });
+}

@@ -44,6 +44,8 @@ pub struct SchedulerActor<E: WorkerEngine + Unpin + 'static> {
     tick_started: Option<std::time::Instant>,
     ticks: u64,
     tick_wall: Duration,
+    /// Requests ended (terminal events published) since start.
+    ended: u64,
     out: UnboundedSender<Outbound>,
     pub worker_id: String,
     pub model_name: String,
@@ -69,6 +71,7 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
             tick_started: None,
             ticks: 0,
             tick_wall: Duration::ZERO,
+            ended: 0,
             out,
             worker_id,
             model_name,
@@ -87,6 +90,7 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
             m.seq += 1;
             let _ = self.out.send(Outbound { request_id: m.request_id.clone(), subject: m.subject.clone(), event });
             if terminal {
+                self.ended += 1;
                 if let Some(m) = self.meta.remove(&e.id) {
                     self.by_request.remove(&m.request_id);
                 }
@@ -131,6 +135,7 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
             context_tokens: self.engine.context_tokens() as u32,
             active_streams: self.scheduler.active_streams() as u32,
             queued_requests: self.scheduler.queued_requests() as u32,
+            ended_requests: self.ended,
             queued_prefill_tokens: self.scheduler.queued_prefill_tokens(),
             kv_bytes_used: used,
             kv_bytes_free: self.cfg.kv_budget_bytes.saturating_sub(self.scheduler.reserved_kv_bytes()),

@@ -2,8 +2,9 @@
 //! arbiter) and connects it to NATS.
 //!
 //! - jobs: one durable JetStream pull consumer per model, shared by every worker of that model.
-//!   A worker fetches only while it holds fewer than `worker.max_queued` jobs, so an idle worker
-//!   takes work first and a full one takes none (back-pressure is the placement). A job is
+//!   A worker fetches one job at a time, only while it holds fewer than `worker.max_queued`
+//!   jobs: equal workers take turns, a full one takes none, a stopped one simply stops asking
+//!   (back-pressure is the placement). A job is
 //!   acknowledged when its terminal event is published; while it runs, progress acks keep it.
 //!   A job delivered a second time (its worker died before finishing it) is ended with
 //!   `Error { class: worker_lost }` rather than run again under a stream that already has events.
@@ -204,7 +205,9 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
             tokio::time::sleep(Duration::from_millis(10)).await;
             continue;
         }
-        let batch = consumer.fetch().max_messages(room.min(32)).expires(Duration::from_millis(500)).messages().await;
+        // One job per fetch: the server hands jobs to the workers' waiting fetches in turn, so
+        // equal workers share a burst evenly, and a worker without room asks for nothing.
+        let batch = consumer.fetch().max_messages(1).expires(Duration::from_millis(500)).messages().await;
         let mut batch = match batch {
             Ok(b) => b,
             Err(e) => {

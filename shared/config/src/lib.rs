@@ -77,6 +77,9 @@ pub struct WorkerSettings {
     pub model: String,
     /// f32, f16 or bf16; default: f32 on CPU, bf16 on GPU.
     pub dtype: Option<String>,
+    /// The GPU this worker owns (its index, exported as CUDA_VISIBLE_DEVICES before MLX starts);
+    /// default: whatever the environment gives.
+    pub device: Option<u32>,
     pub heartbeat_ms: u64,
     /// Jobs a worker holds (running and queued) before it stops fetching more.
     pub max_queued: usize,
@@ -91,7 +94,7 @@ pub struct WorkerSettings {
 
 impl Default for WorkerSettings {
     fn default() -> Self {
-        WorkerSettings { id: None, model: "smollm2".into(), dtype: None, heartbeat_ms: 1000, max_queued: 256, ack_wait_ms: 30_000, warm_up_tokens: None }
+        WorkerSettings { id: None, model: "smollm2".into(), dtype: None, device: None, heartbeat_ms: 1000, max_queued: 256, ack_wait_ms: 30_000, warm_up_tokens: None }
     }
 }
 

@@ -231,6 +231,8 @@ pub struct WorkerStatus {
     pub context_tokens: u32,
     pub active_streams: u32,
     pub queued_requests: u32,
+    /// Requests this worker has ended (Done or Error), since start.
+    pub ended_requests: u64,
     pub queued_prefill_tokens: u64,
     pub kv_bytes_used: u64,
     pub kv_bytes_free: u64,
