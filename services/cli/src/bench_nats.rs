@@ -119,6 +119,20 @@ impl Client {
         Ok(())
     }
 
+    /// Requests each worker has ended, from every worker's next heartbeat (sorted).
+    async fn ended_per_worker(&self, workers: usize) -> Result<Vec<u64>> {
+        let mut sub = self.nc.subscribe(subjects::WORKER_STATUS_ALL).await?;
+        let mut seen: HashMap<String, u64> = HashMap::new();
+        while seen.len() < workers {
+            let m = tokio::time::timeout(Duration::from_secs(30), sub.next()).await?.ok_or_else(|| anyhow::anyhow!("no status"))?;
+            let s: WorkerStatus = llmq_protocol::decode(&m.payload)?;
+            seen.insert(s.worker_id, s.ended_requests);
+        }
+        let mut v: Vec<u64> = seen.into_values().collect();
+        v.sort_unstable();
+        Ok(v)
+    }
+
     async fn status(&self) -> Result<WorkerStatus> {
         let mut sub = self.nc.subscribe(subjects::WORKER_STATUS_ALL).await?;
         let m = tokio::time::timeout(Duration::from_secs(30), sub.next()).await?.ok_or_else(|| anyhow::anyhow!("no status"))?;
@@ -329,6 +343,7 @@ async fn batch((mut c, mut rx): (Client, mpsc::UnboundedReceiver<Seen>), k: &Kno
         v.as_object_mut().unwrap().extend(overhead(&status0, &status1).as_object().unwrap().clone());
     }
     v.as_object_mut().unwrap().insert("workers".into(), k.workers.into());
+    v.as_object_mut().unwrap().insert("requests_per_worker".into(), json!(c.ended_per_worker(k.workers).await?));
     Ok(v)
 }
 
