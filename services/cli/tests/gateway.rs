@@ -129,7 +129,10 @@ fn typed_errors_health_and_worker_loss() {
         let mut held = vec![];
         for i in 0..2 {
             let (a, body) = (addr.clone(), serde_json::json!({"model": model, "prompt": format!("Story {i}"), "max_tokens": 400, "stream": true}));
-            held.push(tokio::spawn(async move { client::stream(&a, "/v1/completions", &body.to_string(), |_, _| {}).await }));
+            held.push(tokio::spawn(async move {
+                let mut lines = vec![];
+                client::stream(&a, "/v1/completions", &body.to_string(), |_, l| lines.push(l.to_string())).await.map(|_| lines)
+            }));
         }
         let t = Instant::now();
         loop {
@@ -144,13 +147,17 @@ fn typed_errors_health_and_worker_loss() {
         assert_eq!((s, body["error"]["code"].as_str()), (429, Some("queue_full")), "{body}");
 
         // The worker dies: within a few heartbeats the gateway reports no worker and refuses
-        // new requests with 503.
+        // new requests with 503; the streams that were running or queued on it end with a
+        // worker_lost error and [DONE] rather than hang.
         stack.kill(worker);
         wait_health(&addr, 503).await;
         let (s, body) = post(&addr, "/v1/completions", serde_json::json!({"model": model, "prompt": "x", "max_tokens": 2})).await;
         assert_eq!((s, body["error"]["code"].as_str()), (503, Some("no_worker")), "{body}");
         for h in held {
-            h.abort();
+            let lines = tokio::time::timeout(Duration::from_secs(30), h).await.expect("the stream ends").unwrap().unwrap();
+            let n = lines.len();
+            assert_eq!(lines.last().map(String::as_str), Some("data: [DONE]"), "{lines:?}");
+            assert!(lines[n - 2].contains("\"worker_lost\""), "{:?}", &lines[n.saturating_sub(3)..]);
         }
     });
 }

@@ -9,8 +9,9 @@
 //! client that goes away before the end (a closed stream, a dropped connection while waiting for
 //! a non-streamed answer) causes one `Cancel` on `llm.v1.cancel` as soon as the gateway notices,
 //! which is at once for a waiting handler and at the next event (within a tick) for a stream;
-//! errors leave as OpenAI error bodies with the status of their class, never as a hang on a
-//! request intake refused.
+//! errors leave as OpenAI error bodies with the status of their class; a request whose model
+//! loses its last live worker while the request waits ends with `worker_lost` (503) within
+//! `SILENCE` plus the heartbeat timeout, instead of hanging.
 
 pub mod client;
 pub mod metrics;
@@ -50,6 +51,20 @@ pub struct State {
 const MAX_BODY_BYTES: usize = 4 << 20;
 /// How long intake may take to answer a submission.
 const INTAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// A request with no event for this long is checked: if no live worker serves its model any
+/// more, it ends with `worker_lost` instead of waiting for a worker that may never come.
+const SILENCE: Duration = Duration::from_secs(5);
+
+/// The end of a request whose model has lost every worker while it waited.
+fn orphaned(state: &State, model: &str) -> Option<ApiError> {
+    let live = state.workers.lock().unwrap().live_for(model).count();
+    (live == 0).then(|| {
+        ApiError::from_wire(&llmq_protocol::WireError::new(
+            llmq_protocol::ErrorClass::WorkerLost,
+            format!("no live worker serves {model:?} any more"),
+        ))
+    })
+}
 
 fn unix_secs() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_secs()
@@ -184,6 +199,14 @@ async fn stream_events(state: Arc<State>, shape: Shape, mut acc: Accepted, tx: m
             let msg = tokio::select! {
                 _ = tx.closed() => break 'run "cancelled",
                 m = acc.events.next() => m,
+                _ = tokio::time::sleep(SILENCE) => match orphaned(&state, &shape.model) {
+                    Some(e) => {
+                        let _ = tx.send(sse(&e.body())).await;
+                        let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+                        break 'run e.code;
+                    }
+                    None => continue,
+                },
             };
             let Some(msg) = msg else { break 'run "internal_error" };
             let Ok(ev) = llmq_protocol::decode::<StreamEvent>(&msg.payload) else { continue };
@@ -230,7 +253,7 @@ async fn stream_events(state: Arc<State>, shape: Shape, mut acc: Accepted, tx: m
             }
         }
     };
-    if outcome == "cancelled" || outcome == "internal_error" {
+    if matches!(outcome, "cancelled" | "internal_error" | "worker_lost") {
         cancel(&state.nc, &acc.request_id);
     }
     state.metrics.request(endpoint(shape.kind), outcome);
@@ -241,7 +264,15 @@ async fn collect(state: &State, shape: &Shape, mut acc: Accepted) -> Result<Valu
     let mut guard = CancelOnDrop { nc: &state.nc, request_id: acc.request_id.clone(), done: false };
     let mut clock = Clock { started: acc.started, last: None };
     let (mut text, mut lps) = (String::new(), vec![]);
-    while let Some(msg) = acc.events.next().await {
+    loop {
+        let msg = match tokio::time::timeout(SILENCE, acc.events.next()).await {
+            Ok(Some(m)) => m,
+            Ok(None) => break,
+            Err(_) => match orphaned(state, &shape.model) {
+                Some(e) => return Err(e),
+                None => continue,
+            },
+        };
         let Ok(ev) = llmq_protocol::decode::<StreamEvent>(&msg.payload) else { continue };
         match ev.event {
             Event::Tokens { text: t, logprobs, .. } => {
