@@ -381,6 +381,23 @@ impl Model {
     /// in the same pass: the weights are read once for both. Returns logits [rows (+1), 1,
     /// vocab]: the groups' rows in order, then (with a chunk) the chunk's last position.
     pub fn step(&self, groups: &mut [(&[u32], &mut DecodeBatch)], chunk: Option<(&[u32], &mut SequenceCache)>) -> Result<Array> {
+        self.step_inner(groups, None, chunk)
+    }
+
+    /// A decode step whose inputs are still on the device: `tokens` [rows] int32, the groups'
+    /// rows in order (the tokens the previous step chose), so the step can be queued before
+    /// the previous one's results reach the host. The groups' host token slices only give the
+    /// row counts.
+    pub fn step_on_device(&self, groups: &mut [(&[u32], &mut DecodeBatch)], tokens: &Array) -> Result<Array> {
+        self.step_inner(groups, Some(tokens), None)
+    }
+
+    fn step_inner(
+        &self,
+        groups: &mut [(&[u32], &mut DecodeBatch)],
+        device_tokens: Option<&Array>,
+        chunk: Option<(&[u32], &mut SequenceCache)>,
+    ) -> Result<Array> {
         let mut toks: Vec<i32> = vec![];
         let mut active: Vec<i32> = vec![];
         let mut steps = Vec::with_capacity(groups.len());
@@ -418,7 +435,20 @@ impl Model {
         if active.is_empty() {
             return Err(EngineError::InvalidRequest("decode: no rows".into()));
         }
-        let x0 = Array::from_slice(&toks, &[toks.len() as i32, 1]);
+        let x0 = match device_tokens {
+            None => Array::from_slice(&toks, &[toks.len() as i32, 1]),
+            Some(d) => {
+                // Slot i takes device token k when it is the k-th active row; scratch rows
+                // take the appended 0.
+                let pad = active.len() as i32;
+                let mut src = vec![pad; toks.len()];
+                for (k, &slot) in active.iter().enumerate() {
+                    src[slot as usize] = k as i32;
+                }
+                let padded = concatenate(&[d.as_dtype(Dtype::Int32)?.reshape(&[-1])?, Array::from_slice(&[0i32], &[1])], 0)?;
+                padded.take_axis(Array::from_slice(&src, &[src.len() as i32]), 0)?.reshape(&[toks.len() as i32, 1])?
+            }
+        };
         let eps = self.config.rms_norm_eps;
         let mut x = self.embed.take_axis(&x0, 0)?;
         for (li, layer) in self.layers.iter().enumerate() {

@@ -46,6 +46,8 @@ pub struct SchedulerActor<E: WorkerEngine + Unpin + 'static> {
     tick_wall: Duration,
     /// Requests ended (terminal events published) since start.
     ended: u64,
+    /// Moving average of tick durations, to tell a stall from the usual.
+    tick_ema_ms: f64,
     out: UnboundedSender<Outbound>,
     pub worker_id: String,
     pub model_name: String,
@@ -72,6 +74,7 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
             ticks: 0,
             tick_wall: Duration::ZERO,
             ended: 0,
+            tick_ema_ms: 0.0,
             out,
             worker_id,
             model_name,
@@ -318,10 +321,12 @@ impl<E: WorkerEngine + Unpin + 'static> Handler<Tick> for SchedulerActor<E> {
         let (scheduler, engine) = (&mut self.scheduler, &mut self.engine);
         match catch_unwind(AssertUnwindSafe(|| scheduler.tick(engine, now))) {
             Ok((emits, report)) => {
+                // A stall: a tick four times slower than the recent ones (and over 100 ms).
                 let ms = started.elapsed().as_secs_f64() * 1000.0;
-                if ms > 100.0 {
-                    tracing::warn!(ms, decoded = report.decoded, prefill_tokens = report.prefill_tokens, "slow tick");
+                if ms > 100.0 && self.tick_ema_ms > 0.0 && ms > 4.0 * self.tick_ema_ms {
+                    tracing::warn!(ms, usual_ms = self.tick_ema_ms, decoded = report.decoded, prefill_tokens = report.prefill_tokens, "slow tick");
                 }
+                self.tick_ema_ms = if self.tick_ema_ms == 0.0 { ms } else { 0.9 * self.tick_ema_ms + 0.1 * ms };
                 self.publish(emits)
             }
             Err(p) => {

@@ -57,13 +57,28 @@ pub struct ModelEngine {
     /// rows[g][r]: the request in row r of group g.
     rows: Vec<Vec<ReqId>>,
     prefix: Option<PrefixCache<KvPrefix>>,
+    /// The next decode step, already queued on the device.
+    ahead: Option<Ahead>,
+}
+
+/// A decode step queued ahead: built from the previous step's greedy tokens while they were
+/// still on the device, so the device starts it before the host has read those tokens, handled
+/// them and come back for the next step (the host's share of a step is then hidden behind the
+/// device's). Only when every row decodes greedily and no prefill chunk shares the step. Rows
+/// that leave before it is consumed are simply ignored; its KV writes are real (the batch is
+/// already advanced), so it is always consumed, never rolled back.
+struct Ahead {
+    /// The requests it steps, in row order when it was queued.
+    order: Vec<ReqId>,
+    /// Their tokens [rows] (int32, being evaluated).
+    tokens: Array,
 }
 
 /// Length groups of the decode batches: a sequence joins the first group whose bound exceeds
 /// its length (it stays there as it grows).
 const GROUP_BOUNDS: [usize; 4] = [2048, 8192, 32768, usize::MAX];
 
-/// Engine calls slower than this are logged (with their parts), to find stalls.
+/// Engine calls slower than this are logged at debug level (with their parts), to find stalls.
 const SLOW_MS: f64 = 80.0;
 
 fn group_of(len: usize) -> usize {
@@ -97,6 +112,7 @@ impl ModelEngine {
             batches,
             rows: vec![vec![]; GROUP_BOUNDS.len()],
             prefix: None,
+            ahead: None,
         }
     }
 
@@ -138,6 +154,15 @@ impl ModelEngine {
         });
         Ok(StepOut { ids: vec![id], text, logprobs: lp.into_iter().collect(), finished })
     }
+}
+
+/// Greedy tokens of every row of `logits` [rows, 1, vocab]: the device array (int32) and its
+/// values on the host.
+fn greedy_tokens(logits: &Array, rows: i32) -> Result<(Array, Vec<u32>), WireError> {
+    let am = argmax_axis(&logits.reshape(&[rows, -1]).map_err(internal)?, -1, None).map_err(internal)?;
+    let am = am.as_dtype(Dtype::Int32).map_err(internal)?;
+    let host = am.try_as_slice::<i32>().map_err(internal)?.iter().map(|&v| v as u32).collect();
+    Ok((am, host))
 }
 
 /// Picks each row's token: one device argmax for the whole batch, host sampling only for rows
@@ -260,9 +285,13 @@ impl EngineOps for ModelEngine {
     }
 
     /// With decode batches, the decode step and the prefill chunk run as one pass over the
-    /// weights (timed as a decode call); otherwise one after the other.
+    /// weights (timed as a decode call), and a step with no chunk queues the next one ahead
+    /// (see `Ahead`); otherwise decode and prefill run one after the other.
     fn step(&mut self, decode: &[ReqId], prefill: Option<(ReqId, usize)>) -> (Vec<Result<StepOut, WireError>>, Option<PrefillResult>) {
-        if self.batches.is_none() || decode.is_empty() || prefill.is_none() {
+        if decode.is_empty() {
+            self.ahead = None;
+        }
+        if self.batches.is_none() || decode.is_empty() {
             return step_separately(self, decode, prefill);
         }
         let t0 = std::time::Instant::now();
@@ -358,7 +387,7 @@ impl ModelEngine {
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1000.0;
         let (sample, remember, join) = (ms(t1 - t0), ms(t2 - t1), ms(t2.elapsed()));
         if sample + remember + join > SLOW_MS {
-            tracing::warn!(request = id, prompt = seq.prompt.len(), sample, remember, join, "slow prompt completion (ms)");
+            tracing::debug!(request = id, prompt = seq.prompt.len(), sample, remember, join, "slow prompt completion (ms)");
         }
         Ok(out)
     }
@@ -366,6 +395,9 @@ impl ModelEngine {
     /// One step of the decode batches, in the same pass as `chunk`'s prefill tokens when given;
     /// decode results in the order of `ids`.
     fn decode_rows(&mut self, ids: &[ReqId], chunk: Option<(ReqId, usize)>) -> (Vec<Result<StepOut, WireError>>, Option<PrefillResult>) {
+        if let Some(ahead) = self.ahead.take() {
+            return self.deliver_ahead(ahead, ids, chunk);
+        }
         let mut pre = match chunk.map(|(id, n)| (id, n, self.seqs.remove(&id))) {
             Some((id, n, Some(seq))) => Some((id, n, seq)),
             Some((id, _, None)) => {
@@ -396,7 +428,15 @@ impl ModelEngine {
                 None => (logits, None),
             };
             let mut taken: Vec<(ReqId, Seq)> = order.iter().map(|id| (*id, self.seqs.remove(id).expect("checked"))).collect();
-            let chosen = {
+            let speculate = pre.is_none() && taken.iter().all(|(_, s)| s.sampler.params().is_plain_greedy());
+            let mut greedy = None;
+            let chosen = if speculate {
+                // Keep the device tokens: the next step is queued from them.
+                greedy_tokens(&logits, rows).map(|(dev, host)| {
+                    greedy = Some(dev);
+                    host.into_iter().map(|t| (t, None)).collect::<Vec<_>>()
+                })
+            } else {
                 let mut seqs: Vec<&mut Seq> = taken.iter_mut().map(|(_, s)| s).collect();
                 choose(&logits, &mut seqs, self.tokenizer.as_ref())
             };
@@ -407,7 +447,7 @@ impl ModelEngine {
             let total = t0.elapsed();
             if total.as_secs_f64() * 1000.0 > SLOW_MS {
                 let capacity: Vec<usize> = batches.iter().map(|b| b.capacity()).collect();
-                tracing::warn!(
+                tracing::debug!(
                     rows,
                     chunk = chunk_toks.as_ref().map_or(0, |c| c.len()),
                     build_ms = built.as_secs_f64() * 1000.0,
@@ -419,13 +459,16 @@ impl ModelEngine {
             for (id, s) in taken {
                 self.seqs.insert(id, s);
             }
-            Ok((outs, chunk_logits))
+            Ok((outs, chunk_logits, greedy.map(|g| (order, g))))
         })();
         self.batches = Some(batches);
+        if let Ok((_, _, Some((order, tokens)))) = &result {
+            self.queue_ahead(order.clone(), tokens);
+        }
         let pre_result = pre.map(|(id, n, mut seq)| {
             let r = match &result {
                 Err(e) => Err(e.clone()),
-                Ok((_, logits)) => {
+                Ok((_, logits, _)) => {
                     seq.prefilled = (seq.prefilled + n).min(seq.prompt.len());
                     match logits {
                         Some(l) if seq.prefilled == seq.prompt.len() => self.complete_prompt(id, &mut seq, l).map(Some),
@@ -437,7 +480,7 @@ impl ModelEngine {
             r
         });
         let outs = match result {
-            Ok((mut outs, _)) => ids
+            Ok((mut outs, _, _)) => ids
                 .iter()
                 .map(|id| {
                     let i = outs.iter().position(|(x, _)| x == id).expect("every id has a row");
@@ -447,6 +490,57 @@ impl ModelEngine {
             Err(e) => ids.iter().map(|_| Err(e.clone())).collect(),
         };
         (outs, pre_result)
+    }
+
+    /// Queues the decode step that follows one whose greedy tokens are `tokens` (on the device),
+    /// for the rows `order`. On failure nothing is queued (the next step is built as usual).
+    fn queue_ahead(&mut self, order: Vec<ReqId>, tokens: &Array) {
+        let Some(mut batches) = self.batches.take() else { return };
+        let counts: Vec<Vec<u32>> = self.rows.iter().map(|g| vec![0; g.len()]).collect();
+        let queued = (|| -> Result<Array, WireError> {
+            let mut groups: Vec<(&[u32], &mut DecodeBatch)> = counts.iter().map(|t| &t[..]).zip(batches.iter_mut()).collect();
+            let logits = self.model.step_on_device(&mut groups, tokens).map_err(internal)?;
+            let rows = logits.reshape(&[order.len() as i32, -1]).map_err(internal)?;
+            let next = argmax_axis(&rows, -1, None).map_err(internal)?.as_dtype(Dtype::Int32).map_err(internal)?;
+            mlx_rs::transforms::async_eval([&next]).map_err(internal)?;
+            Ok(next)
+        })();
+        self.batches = Some(batches);
+        match queued {
+            Ok(tokens) => self.ahead = Some(Ahead { order, tokens }),
+            Err(e) => tracing::warn!(error = %e, "could not queue the next decode step"),
+        }
+    }
+
+    /// A tick whose decode step was queued ahead: queues the next one first (when nothing else
+    /// shares it), then reads this one's tokens; a prefill chunk runs on its own after.
+    fn deliver_ahead(&mut self, ahead: Ahead, ids: &[ReqId], chunk: Option<(ReqId, usize)>) -> (Vec<Result<StepOut, WireError>>, Option<PrefillResult>) {
+        let order: Vec<ReqId> = self.rows.iter().flatten().copied().collect();
+        let pos: HashMap<ReqId, usize> = ahead.order.iter().enumerate().map(|(i, id)| (*id, i)).collect();
+        if ids.len() != order.len() || order.iter().any(|id| !pos.contains_key(id)) || ids.iter().any(|id| !order.contains(id)) {
+            let e = internal("the queued decode step is out of step with the scheduler");
+            return (ids.iter().map(|_| Err(e.clone())).collect(), chunk.map(|_| Err(e.clone())));
+        }
+        if chunk.is_none() {
+            let idx: Vec<i32> = order.iter().map(|id| pos[id] as i32).collect();
+            match ahead.tokens.take_axis(Array::from_slice(&idx, &[idx.len() as i32]), 0) {
+                Ok(current) => self.queue_ahead(order, &current),
+                Err(e) => tracing::warn!(error = %e, "could not queue the next decode step"),
+            }
+        }
+        let host: Result<Vec<u32>, WireError> =
+            ahead.tokens.try_as_slice::<i32>().map(|v| v.iter().map(|&t| t as u32).collect()).map_err(internal);
+        let outs = ids
+            .iter()
+            .map(|id| {
+                let t = host.as_ref().map_err(Clone::clone)?[pos[id]];
+                let mut seq = self.seqs.remove(id).ok_or_else(|| internal(format!("decode of unknown request {id}")))?;
+                let out = self.take_token(&mut seq, t, None);
+                self.seqs.insert(*id, seq);
+                out
+            })
+            .collect();
+        (outs, chunk.map(|(id, n)| self.prefill_inner(id, n)))
     }
 
     fn decode_inner(&mut self, ids: &[ReqId]) -> Vec<Result<StepOut, WireError>> {
