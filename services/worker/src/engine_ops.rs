@@ -59,6 +59,8 @@ pub struct ModelEngine {
     prefix: Option<PrefixCache<KvPrefix>>,
     /// The next decode step, already queued on the device.
     ahead: Option<Ahead>,
+    /// Whether decode steps are queued ahead at all.
+    decode_ahead: bool,
 }
 
 /// A decode step queued ahead: built from the previous step's greedy tokens while they were
@@ -113,7 +115,14 @@ impl ModelEngine {
             rows: vec![vec![]; GROUP_BOUNDS.len()],
             prefix: None,
             ahead: None,
+            decode_ahead: true,
         }
+    }
+
+    /// Turns queuing decode steps ahead on or off (on by default).
+    pub fn with_decode_ahead(mut self, on: bool) -> Self {
+        self.decode_ahead = on;
+        self
     }
 
     /// Turns the prefix cache on: `block` tokens per index block, at most `max_bytes` held (the
@@ -428,7 +437,7 @@ impl ModelEngine {
                 None => (logits, None),
             };
             let mut taken: Vec<(ReqId, Seq)> = order.iter().map(|id| (*id, self.seqs.remove(id).expect("checked"))).collect();
-            let speculate = pre.is_none() && taken.iter().all(|(_, s)| s.sampler.params().is_plain_greedy());
+            let speculate = self.decode_ahead && pre.is_none() && taken.iter().all(|(_, s)| s.sampler.params().is_plain_greedy());
             let mut greedy = None;
             let chosen = if speculate {
                 // Keep the device tokens: the next step is queued from them.

@@ -81,6 +81,7 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
     let device = Arbiter::new();
     let cfg = scheduler_config(&settings);
     let prefix = settings.prefix_cache.clone();
+    let decode_ahead = settings.scheduler.decode_ahead;
     let prefix_max = if prefix.max_bytes == 0 { cfg.kv_budget_bytes } else { prefix.max_bytes.min(cfg.kv_budget_bytes) };
     let (wid, mname, model_ref, dtype) =
         (worker_id.clone(), model_name.clone(), settings.worker.model.clone(), settings.worker.dtype.clone());
@@ -90,7 +91,7 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
             load_named(&model_ref, dtype).map_err(|e| format!("{model_ref}: {e}"))
         })();
         let _ = ready_tx.send(loaded.map(|m| {
-            let mut engine = ModelEngine::new(m.model, m.tokenizer);
+            let mut engine = ModelEngine::new(m.model, m.tokenizer).with_decode_ahead(decode_ahead);
             if prefix.enabled {
                 engine = engine.with_prefix_cache(prefix.block_tokens, prefix_max);
             }

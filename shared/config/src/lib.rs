@@ -110,6 +110,9 @@ pub struct SchedulerSettings {
     pub interleave: bool,
     /// false: static batching (a new batch only when the last one has finished).
     pub continuous: bool,
+    /// Queue each greedy decode step on the device before the previous one's tokens are read
+    /// (hides the host's share of a step).
+    pub decode_ahead: bool,
 }
 
 impl Default for SchedulerSettings {
@@ -122,6 +125,7 @@ impl Default for SchedulerSettings {
             aging_tokens_per_s: 1000.0,
             interleave: true,
             continuous: true,
+            decode_ahead: true,
         }
     }
 }

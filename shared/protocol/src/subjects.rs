@@ -47,17 +47,26 @@ pub fn is_valid_stream_subject(s: &str) -> bool {
 }
 
 /// Creates (or finds) the jobs stream: work-queue retention, so a job stays until a worker
-/// acknowledges it. Intake and workers both call this, so either may start first.
+/// acknowledges it. Intake and workers both call this, so either may start first; a server
+/// whose JetStream is still starting is retried for up to 30 s.
 #[cfg(feature = "nats")]
 pub async fn jobs_stream(
     js: &async_nats::jetstream::Context,
 ) -> Result<async_nats::jetstream::stream::Stream, async_nats::jetstream::context::CreateStreamError> {
     use async_nats::jetstream::stream;
-    js.get_or_create_stream(stream::Config {
-        name: JOBS_STREAM.into(),
-        subjects: vec![JOBS_ALL.into()],
-        retention: stream::RetentionPolicy::WorkQueue,
-        ..Default::default()
-    })
-    .await
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let r = js
+            .get_or_create_stream(stream::Config {
+                name: JOBS_STREAM.into(),
+                subjects: vec![JOBS_ALL.into()],
+                retention: stream::RetentionPolicy::WorkQueue,
+                ..Default::default()
+            })
+            .await;
+        match r {
+            Err(_) if std::time::Instant::now() < deadline => tokio::time::sleep(std::time::Duration::from_millis(200)).await,
+            r => return r,
+        }
+    }
 }
