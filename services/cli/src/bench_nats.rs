@@ -177,11 +177,7 @@ pub fn run(scenario: &str, k: &Knobs) -> Result<Value> {
         "burst" => rt.block_on(with_stack(k, &env, |c| Box::pin(burst(c, k)))),
         "batch" => rt.block_on(with_stack(k, &env, |c| Box::pin(batch(c, k)))),
         "static" => {
-            let cont = rt.block_on(with_stack(k, &env, |c| Box::pin(arrivals(c, k))))?;
-            let mut senv = env.clone();
-            senv.push(("LLMQ__SCHEDULER__CONTINUOUS".into(), "false".into()));
-            let stat = rt.block_on(with_stack(k, &senv, |c| Box::pin(arrivals(c, k))))?;
-            let (c, s) = (cont["mean_ttft_ms"].as_f64().unwrap_or(f64::NAN), stat["mean_ttft_ms"].as_f64().unwrap_or(f64::NAN));
+            let (_, _, c, s) = twice(&rt, k, &env, "LLMQ__SCHEDULER__CONTINUOUS", "mean_ttft_ms", |c| Box::pin(arrivals(c, k)))?;
             Ok(json!({
                 "scenario": "static", "requests": k.streams, "prompt_tokens": k.prompt_tokens,
                 "output_tokens": k.output_tokens,
@@ -191,11 +187,7 @@ pub fn run(scenario: &str, k: &Knobs) -> Result<Value> {
         }
         "gateway" => rt.block_on(with_stack(k, &env, |c| Box::pin(gateway(c, k)))),
         "prefix" => {
-            let hit = rt.block_on(with_stack(k, &env, |c| Box::pin(prefix(c, k))))?;
-            let mut menv = env.clone();
-            menv.push(("LLMQ__PREFIX_CACHE__ENABLED".into(), "false".into()));
-            let miss = rt.block_on(with_stack(k, &menv, |c| Box::pin(prefix(c, k))))?;
-            let (h, m) = (hit["median_ttft_ms"].as_f64().unwrap_or(f64::NAN), miss["median_ttft_ms"].as_f64().unwrap_or(f64::NAN));
+            let (hit, miss, h, m) = twice(&rt, k, &env, "LLMQ__PREFIX_CACHE__ENABLED", "median_ttft_ms", |c| Box::pin(prefix(c, k)))?;
             Ok(json!({
                 "scenario": "prefix", "prefix_tokens": k.prefix_tokens, "suffix_tokens": SUFFIX_TOKENS,
                 "requests": k.streams, "hit_ttft_ms": round(h, 2), "miss_ttft_ms": round(m, 2),
@@ -208,6 +200,24 @@ pub fn run(scenario: &str, k: &Knobs) -> Result<Value> {
 }
 
 type Fut<'a> = std::pin::Pin<Box<dyn std::future::Future<Output = Result<Value>> + 'a>>;
+
+/// Runs a scenario on a stack as configured, then on one whose workers have `switch` = false;
+/// returns both results and their `field`.
+fn twice<'a>(
+    rt: &tokio::runtime::Runtime,
+    k: &'a Knobs,
+    env: &[(String, String)],
+    switch: &str,
+    field: &str,
+    f: impl Fn((Client, mpsc::UnboundedReceiver<Seen>)) -> Fut<'a>,
+) -> Result<(Value, Value, f64, f64)> {
+    let on = rt.block_on(with_stack(k, env, &f))?;
+    let mut off_env = env.to_vec();
+    off_env.push((switch.into(), "false".into()));
+    let off = rt.block_on(with_stack(k, &off_env, &f))?;
+    let (a, b) = (on[field].as_f64().unwrap_or(f64::NAN), off[field].as_f64().unwrap_or(f64::NAN));
+    Ok((on, off, a, b))
+}
 
 async fn with_stack<'a>(k: &'a Knobs, env: &[(String, String)], f: impl FnOnce((Client, mpsc::UnboundedReceiver<Seen>)) -> Fut<'a>) -> Result<Value> {
     let mut stack = None;

@@ -131,40 +131,19 @@ impl Attention {
     }
 
     fn forward(&self, x: &Array, caches: &mut [&mut (dyn KvCache + 'static)]) -> Result<Array> {
-        let (b, t) = (x.shape()[0], x.shape()[1]);
-        let d = self.head_dim;
+        let b = x.shape()[0];
         let qkv = self.qkv.forward(x)?;
-        if b == 1 && caches.len() == 1 {
-            let o = self.attend_sequence(&qkv, &mut *caches[0])?;
-            return self.o.forward(&o);
-        }
-        let (qe, ke) = (self.heads * d, (self.heads + self.kv_heads) * d);
-        let q = heads_first(qkv.index((.., .., ..qe)), b, t, self.heads, d, self.q_norm.as_ref(), self.eps)?;
-        let k = heads_first(qkv.index((.., .., qe..ke)), b, t, self.kv_heads, d, self.k_norm.as_ref(), self.eps)?;
-        let v = heads_first(qkv.index((.., .., ke..)), b, t, self.kv_heads, d, None, self.eps)?;
         let mut outs = Vec::with_capacity(caches.len());
         for (i, cache) in caches.iter_mut().enumerate() {
-            let (qi, ki, vi) = if b == 1 {
-                (q.clone(), k.clone(), v.clone())
+            let rows = if b == 1 {
+                qkv.clone()
             } else {
                 let i = i as i32;
-                (q.index(i..i + 1), k.index(i..i + 1), v.index(i..i + 1))
+                qkv.index(i..i + 1)
             };
-            let off = cache.offset() as i32;
-            let qi = rope(&qi, d, false, self.rope_theta, 1.0, off, None)?;
-            let ki = rope(&ki, d, false, self.rope_theta, 1.0, off, None)?;
-            let (keys, values, mask) = cache.update(&ki, &vi)?;
-            let o = match &mask {
-                AttnMask::None => scaled_dot_product_attention(&qi, &keys, &values, self.scale, None, None)?,
-                AttnMask::Causal => {
-                    scaled_dot_product_attention(&qi, &keys, &values, self.scale, ScaledDotProductAttentionMask::Causal, None)?
-                }
-                AttnMask::Explicit(m) => scaled_dot_product_attention(&qi, &keys, &values, self.scale, m, None)?,
-            };
-            outs.push(o);
+            outs.push(self.attend_sequence(&rows, &mut **cache)?);
         }
         let o = if outs.len() == 1 { outs.pop().unwrap() } else { concatenate(&outs, 0)? };
-        let o = o.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, t, self.heads * d])?;
         self.o.forward(&o)
     }
 }
