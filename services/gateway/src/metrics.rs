@@ -1,6 +1,7 @@
 //! The gateway's Prometheus metrics: what it saw itself (requests by outcome, time to first
 //! token, inter-token latency) and what the workers' heartbeats say (queue depth, active
-//! streams, KV bytes, prefix-cache hit rate), rendered in the text exposition format.
+//! streams, KV bytes, prefix-cache hit rate, bytes, reused tokens and evictions, requests
+//! ended), rendered in the text exposition format.
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -89,10 +90,16 @@ impl Metrics {
             ("llmq_worker_prefix_cache_hit_rate", "Prompt tokens reused over prompt tokens looked up.", |s| s.prefix_hit_rate),
             ("llmq_worker_prefix_cache_bytes", "Bytes the prefix cache holds.", |s| s.prefix_bytes as f64),
         ];
+        let counters: [(&str, &str, fn(&llmq_protocol::WorkerStatus) -> f64); 3] = [
+            ("llmq_worker_requests_ended_total", "Requests the worker has ended (done or error).", |s| s.ended_requests as f64),
+            ("llmq_worker_prefix_cache_reused_tokens_total", "Prompt tokens served from the prefix cache.", |s| s.prefix_reused_tokens as f64),
+            ("llmq_worker_prefix_cache_evictions_total", "Prefix-cache entries evicted.", |s| s.prefix_evictions as f64),
+        ];
         let mut live: Vec<&llmq_protocol::WorkerStatus> = workers.live().collect();
         live.sort_by(|a, b| a.worker_id.cmp(&b.worker_id));
-        for (name, help, get) in gauges {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+        let kinds = gauges.iter().map(|g| (g, "gauge")).chain(counters.iter().map(|c| (c, "counter")));
+        for ((name, help, get), kind) in kinds {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
             for s in &live {
                 let _ = writeln!(out, "{name}{{worker=\"{}\",model=\"{}\"}} {}", label(&s.worker_id), label(&s.model), get(s));
             }
@@ -123,5 +130,6 @@ mod tests {
         assert!(text.contains("llmq_gateway_inter_token_latency_seconds_count 1"));
         assert!(text.contains("llmq_worker_queued_requests{worker=\"w1\",model=\"m\"} 3"));
         assert!(text.contains("llmq_worker_prefix_cache_hit_rate{worker=\"w1\",model=\"m\"} 0.5"));
+        assert!(text.contains("# TYPE llmq_worker_prefix_cache_evictions_total counter"));
     }
 }
