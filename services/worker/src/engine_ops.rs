@@ -353,6 +353,10 @@ impl EngineOps for ModelEngine {
                 Err(e) => tracing::error!(error = %e, "leaving the decode batch"),
             }
         }
+        if self.rows.iter().all(|g| g.is_empty()) {
+            // Nobody is left to consume a step queued ahead.
+            self.ahead = None;
+        }
     }
 }
 

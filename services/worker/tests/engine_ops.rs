@@ -31,42 +31,46 @@ fn chunked_interleaved_prefill_gives_the_same_greedy_tokens() {
 
     let tokenizer = loaded.tokenizer;
     let mut engine = ModelEngine::new(loaded.model, tokenizer);
-    let bpt = engine.kv_bytes_per_token();
-    let mut s = Scheduler::new(SchedulerConfig {
-        prefill_chunk: 7,
-        idle_prefill_chunk: 9,
-        kv_bytes_per_token: bpt,
-        kv_budget_bytes: 1 << 30,
-        ..Default::default()
-    });
-    let start = Instant::now();
-    let mut events = vec![];
-    for (i, p) in prompts.iter().enumerate() {
-        let id = i as u64;
-        engine.register(id, p.clone(), SamplingParams::default(), stop.clone(), None).unwrap();
-        events.extend(s.submit(Admission { id, prompt_tokens: p.len(), max_tokens: 12, accepted_at: start.elapsed() }));
-        // Arrivals spread over ticks, so prefills interleave with running decodes.
-        for _ in 0..3 {
+    // Twice: with decode steps queued ahead (the default) and without.
+    for ahead in [true, false] {
+        engine = engine.with_decode_ahead(ahead);
+        let bpt = engine.kv_bytes_per_token();
+        let mut s = Scheduler::new(SchedulerConfig {
+            prefill_chunk: 7,
+            idle_prefill_chunk: 9,
+            kv_bytes_per_token: bpt,
+            kv_budget_bytes: 1 << 30,
+            ..Default::default()
+        });
+        let start = Instant::now();
+        let mut events = vec![];
+        for (i, p) in prompts.iter().enumerate() {
+            let id = i as u64;
+            engine.register(id, p.clone(), SamplingParams::default(), stop.clone(), None).unwrap();
+            events.extend(s.submit(Admission { id, prompt_tokens: p.len(), max_tokens: 12, accepted_at: start.elapsed() }));
+            // Arrivals spread over ticks, so prefills interleave with running decodes.
+            for _ in 0..3 {
+                events.extend(s.tick(&mut engine, start.elapsed()).0);
+            }
+        }
+        for _ in 0..500 {
+            if s.is_idle() {
+                break;
+            }
             events.extend(s.tick(&mut engine, start.elapsed()).0);
         }
-    }
-    for _ in 0..500 {
-        if s.is_idle() {
-            break;
+        assert!(s.is_idle());
+        for (i, want) in alone.iter().enumerate() {
+            let got: Vec<u32> = events
+                .iter()
+                .filter(|e| e.id == i as u64)
+                .flat_map(|e| if let Event::Tokens { ids, .. } = &e.event { ids.clone() } else { vec![] })
+                .collect();
+            assert_eq!(&got, want, "request {i}");
+            assert!(events.iter().filter(|e| e.id == i as u64).last().unwrap().event.is_terminal());
         }
-        events.extend(s.tick(&mut engine, start.elapsed()).0);
+        assert_eq!(engine.held(), 0);
+        assert_eq!(engine.kv_bytes_in_use(), 0, "decode_ahead {ahead}");
+        assert_eq!(s.reserved_kv_bytes(), 0);
     }
-    assert!(s.is_idle());
-    for (i, want) in alone.iter().enumerate() {
-        let got: Vec<u32> = events
-            .iter()
-            .filter(|e| e.id == i as u64)
-            .flat_map(|e| if let Event::Tokens { ids, .. } = &e.event { ids.clone() } else { vec![] })
-            .collect();
-        assert_eq!(&got, want, "request {i}");
-        assert!(events.iter().filter(|e| e.id == i as u64).last().unwrap().event.is_terminal());
-    }
-    assert_eq!(engine.held(), 0);
-    assert_eq!(engine.kv_bytes_in_use(), 0);
-    assert_eq!(s.reserved_kv_bytes(), 0);
 }
