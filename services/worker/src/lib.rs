@@ -1,11 +1,13 @@
 //! llmq's engine worker: one model on one device.
 //!
 //! - `scheduler` the device's clock: decode first, then one bounded prefill chunk per tick
-//! - `engine_ops` the real work behind the scheduler: prefill, batched decode and KV caches
-//!   on an `llmq_engine::Model`
+//!   (both in one engine call)
+//! - `engine_ops` the real work behind the scheduler: prefill chunks fused with the batched
+//!   decode step, decode steps queued ahead, KV caches and the prefix cache, on an
+//!   `llmq_engine::Model`
 //!
-//! - `actor` the scheduler actor: the device's clock, on the device thread
-//! - `service` the worker process: model loading, NATS jobs, cancels, heartbeats
+//! - `actor` the scheduler actor: the device's clock, on the device thread; its warm-up
+//! - `service` the worker process: model loading, NATS jobs, cancels, cache clears, heartbeats
 //!
 //! All MLX work of a worker runs on one thread.
 

@@ -4,7 +4,8 @@
 //! `rmp_serde::to_vec_named`, so adding or moving a field never shifts another); `decode`
 //! refuses payloads over `MAX_MESSAGE_BYTES` before parsing; the version is in the subject, so
 //! a v2 can run beside v1. Raw client requests (`GenerateRequest`) and validated jobs (`Job`)
-//! are different types: only intake turns one into the other.
+//! are different types: only intake turns one into the other. `workers` keeps the live
+//! workers a service has heard from (their heartbeats), for intake and the gateway.
 
 pub mod messages;
 pub mod subjects;
