@@ -54,10 +54,11 @@ impl StandardCache {
     }
 
     /// A cache that starts with the first `n` positions of keys/values [1, kv_heads, >=n, d]
-    /// (a prefix-cache hit): copied into a buffer of its own, rounded up to whole steps.
-    pub fn with_prefix(step: usize, k: &Array, v: &Array, n: usize) -> Result<Self> {
+    /// (a prefix-cache hit): copied into a buffer of its own with room for `capacity` tokens
+    /// (the whole prompt, so that prefilling the rest does not grow it), in whole steps.
+    pub fn with_prefix(step: usize, k: &Array, v: &Array, n: usize, capacity: usize) -> Result<Self> {
         let mut c = StandardCache::new(step);
-        let cap = n.div_ceil(c.step).max(1) * c.step;
+        let cap = n.max(capacity).div_ceil(c.step).max(1) * c.step;
         let (ks, vs) = (k.index((.., .., ..n as i32, ..)), v.index((.., .., ..n as i32, ..)));
         c.keys = Some(grow(Some(&ks), &ks, cap - n)?);
         c.values = Some(grow(Some(&vs), &vs, cap - n)?);

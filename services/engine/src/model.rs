@@ -318,8 +318,9 @@ impl Model {
     }
 
     /// A cache holding the first `n` positions of `kv` (per layer [1, kv_heads, >=n, head_dim]),
-    /// copied: a prefix-cache hit resumes prefill at position `n`.
-    pub fn cache_from_prefix(&self, kv: &[(Array, Array)], n: usize) -> Result<SequenceCache> {
+    /// copied, with room for `capacity` tokens: a prefix-cache hit resumes prefill at position
+    /// `n` of a prompt of `capacity` tokens.
+    pub fn cache_from_prefix(&self, kv: &[(Array, Array)], n: usize, capacity: usize) -> Result<SequenceCache> {
         if kv.len() != self.config.num_layers {
             return Err(crate::EngineError::InvalidRequest(format!("a prefix of {} layers for a model of {}", kv.len(), self.config.num_layers)));
         }
@@ -328,7 +329,7 @@ impl Model {
             .map(|(k, v)| -> Result<Box<dyn KvCache>> {
                 Ok(match self.config.sliding_window {
                     Some(w) => Box::new(RotatingCache::with_prefix(w, k, v, n)?),
-                    None => Box::new(StandardCache::with_prefix(CACHE_STEP, k, v, n)?),
+                    None => Box::new(StandardCache::with_prefix(CACHE_STEP, k, v, n, capacity)?),
                 })
             })
             .collect::<Result<Vec<_>>>()?;

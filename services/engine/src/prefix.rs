@@ -29,11 +29,12 @@ pub struct KvPrefix {
 }
 
 impl KvPrefix {
-    /// Copies `layers` (views into a sequence's buffers) into buffers of their own, evaluated
-    /// now, so the entry keeps only its own bytes alive and its size is known.
+    /// Copies `layers` (views into a sequence's buffers) into buffers of their own, so the
+    /// entry keeps only its own bytes alive (once the copy has run) and its size is known. The
+    /// copy is queued on the device, not waited for: it is not on any request's critical path.
     pub fn copy_of(layers: Vec<(mlx_rs::Array, mlx_rs::Array)>) -> crate::Result<Self> {
         let layers = layers.iter().map(|(k, v)| Ok((k.contiguous()?, v.contiguous()?))).collect::<crate::Result<Vec<_>>>()?;
-        mlx_rs::transforms::eval(layers.iter().flat_map(|(k, v)| [k, v]))?;
+        mlx_rs::transforms::async_eval(layers.iter().flat_map(|(k, v)| [k, v]))?;
         Ok(KvPrefix { layers })
     }
 }

@@ -314,7 +314,7 @@ impl EngineOps for ModelEngine {
     fn admit(&mut self, id: ReqId) -> usize {
         let (Some(seq), Some(prefix)) = (self.seqs.get_mut(&id), self.prefix.as_mut()) else { return 0 };
         let Some((n, kv)) = prefix.lookup(seq.salt.as_deref(), &seq.prompt) else { return 0 };
-        match self.model.cache_from_prefix(&kv.layers, n) {
+        match self.model.cache_from_prefix(&kv.layers, n, seq.prompt.len()) {
             Ok(cache) => {
                 seq.cache = cache;
                 seq.prefilled = n;
