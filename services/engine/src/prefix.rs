@@ -137,10 +137,11 @@ impl<P: Payload> PrefixCache<P> {
         PrefixStats { entries: self.entries.len() as u64, held_bytes: self.held, ..self.stats }
     }
 
-    /// The entry sharing the longest prefix with `tokens` (same salt) and that length.
-    fn best_match(&self, salt: Option<&str>, tokens: &[u32]) -> Option<(u64, usize)> {
+    /// The entry sharing the longest prefix with `tokens` (same salt) and that length;
+    /// `hashes` are the chained hashes of `tokens`' whole blocks.
+    fn best_match(&self, salt: Option<&str>, tokens: &[u32], hashes: impl IntoIterator<Item = u64>) -> Option<(u64, usize)> {
         let mut candidates: Option<&Vec<u64>> = None;
-        for h in block_hashes(salt, tokens, self.block) {
+        for h in hashes {
             match self.index.get(&h) {
                 Some(ids) => candidates = Some(ids),
                 None => break,
@@ -161,8 +162,8 @@ impl<P: Payload> PrefixCache<P> {
     pub fn lookup(&mut self, salt: Option<&str>, prompt: &[u32]) -> Option<(usize, &P)> {
         self.stats.lookups += 1;
         self.stats.prompt_tokens += prompt.len() as u64;
-        let usable = prompt.len().saturating_sub(1);
-        let (id, n) = self.best_match(salt, &prompt[..usable])?;
+        let usable = &prompt[..prompt.len().saturating_sub(1)];
+        let (id, n) = self.best_match(salt, usable, block_hashes(salt, usable, self.block))?;
         self.clock += 1;
         self.stats.hits += 1;
         self.stats.reused_tokens += n as u64;
@@ -178,14 +179,14 @@ impl<P: Payload> PrefixCache<P> {
         if tokens.len() < self.block {
             return Ok(false);
         }
-        if let Some((id, n)) = self.best_match(salt, tokens) {
+        let hashes: Vec<u64> = block_hashes(salt, tokens, self.block).collect();
+        if let Some((id, n)) = self.best_match(salt, tokens, hashes.iter().copied()) {
             if n == tokens.len() {
                 self.clock += 1;
                 self.entries.get_mut(&id).expect("indexed").last_used = self.clock;
                 return Ok(false);
             }
         }
-        let hashes: Vec<u64> = block_hashes(salt, tokens, self.block).collect();
         // Entries the new one subsumes: same salt, and all their tokens are a prefix of `tokens`.
         let mut subsumed: Vec<u64> = hashes
             .iter()

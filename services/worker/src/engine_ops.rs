@@ -165,13 +165,15 @@ impl ModelEngine {
     }
 }
 
-/// Greedy tokens of every row of `logits` [rows, 1, vocab]: the device array (int32) and its
-/// values on the host.
-fn greedy_tokens(logits: &Array, rows: i32) -> Result<(Array, Vec<u32>), WireError> {
+/// Greedy token of every row of `logits` [rows, 1, vocab], on the device (int32, lazy).
+fn argmax_rows(logits: &Array, rows: i32) -> Result<Array, WireError> {
     let am = argmax_axis(&logits.reshape(&[rows, -1]).map_err(internal)?, -1, None).map_err(internal)?;
-    let am = am.as_dtype(Dtype::Int32).map_err(internal)?;
-    let host = am.try_as_slice::<i32>().map_err(internal)?.iter().map(|&v| v as u32).collect();
-    Ok((am, host))
+    am.as_dtype(Dtype::Int32).map_err(internal)
+}
+
+/// Token ids of an int32 device array, read on the host (waits for the device).
+fn host_ids(a: &Array) -> Result<Vec<u32>, WireError> {
+    Ok(a.try_as_slice::<i32>().map_err(internal)?.iter().map(|&v| v as u32).collect())
 }
 
 /// Picks each row's token: one device argmax for the whole batch, host sampling only for rows
@@ -180,9 +182,7 @@ fn choose(logits: &Array, seqs: &mut [&mut Seq], tok: Option<&Tokenizer>) -> Res
     let b = seqs.len() as i32;
     let rows = logits.reshape(&[b, -1]).map_err(internal)?;
     let greedy_ids: Option<Vec<u32>> = if seqs.iter().any(|s| s.sampler.params().is_plain_greedy()) {
-        let am = argmax_axis(&rows, -1, None).map_err(internal)?;
-        let am = am.as_dtype(Dtype::Int32).map_err(internal)?;
-        Some(am.try_as_slice::<i32>().map_err(internal)?.iter().map(|&v| v as u32).collect())
+        Some(host_ids(&argmax_rows(logits, b)?)?)
     } else {
         None
     };
@@ -445,9 +445,10 @@ impl ModelEngine {
             let mut greedy = None;
             let chosen = if speculate {
                 // Keep the device tokens: the next step is queued from them.
-                greedy_tokens(&logits, rows).map(|(dev, host)| {
+                argmax_rows(&logits, rows).and_then(|dev| {
+                    let host = host_ids(&dev)?;
                     greedy = Some(dev);
-                    host.into_iter().map(|t| (t, None)).collect::<Vec<_>>()
+                    Ok(host.into_iter().map(|t| (t, None)).collect::<Vec<_>>())
                 })
             } else {
                 let mut seqs: Vec<&mut Seq> = taken.iter_mut().map(|(_, s)| s).collect();
@@ -513,8 +514,7 @@ impl ModelEngine {
         let queued = (|| -> Result<Array, WireError> {
             let mut groups: Vec<(&[u32], &mut DecodeBatch)> = counts.iter().map(|t| &t[..]).zip(batches.iter_mut()).collect();
             let logits = self.model.step_on_device(&mut groups, tokens).map_err(internal)?;
-            let rows = logits.reshape(&[order.len() as i32, -1]).map_err(internal)?;
-            let next = argmax_axis(&rows, -1, None).map_err(internal)?.as_dtype(Dtype::Int32).map_err(internal)?;
+            let next = argmax_rows(&logits, order.len() as i32)?;
             mlx_rs::transforms::async_eval([&next]).map_err(internal)?;
             Ok(next)
         })();
@@ -541,8 +541,7 @@ impl ModelEngine {
                 Err(e) => tracing::warn!(error = %e, "could not queue the next decode step"),
             }
         }
-        let host: Result<Vec<u32>, WireError> =
-            ahead.tokens.try_as_slice::<i32>().map(|v| v.iter().map(|&t| t as u32).collect()).map_err(internal);
+        let host = host_ids(&ahead.tokens);
         let outs = ids
             .iter()
             .map(|id| {
