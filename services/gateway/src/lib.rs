@@ -139,12 +139,12 @@ fn chunk(shape: &Shape, id: &str, created: u64, text: Option<&str>, role: bool, 
                 delta.insert("content".into(), json!(t));
             }
             json!({
-                "id": id, "object": "chat.completion.chunk", "created": created, "model": shape.model,
+                "id": id, "object": shape.kind.object(true), "created": created, "model": shape.model,
                 "choices": [{ "index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish }],
             })
         }
         Kind::Completion => json!({
-            "id": id, "object": "text_completion", "created": created, "model": shape.model,
+            "id": id, "object": shape.kind.object(true), "created": created, "model": shape.model,
             "choices": [{ "index": 0, "text": text.unwrap_or(""), "logprobs": logprobs, "finish_reason": finish }],
         }),
     }
@@ -152,20 +152,6 @@ fn chunk(shape: &Shape, id: &str, created: u64, text: Option<&str>, role: bool, 
 
 fn sse(v: &Value) -> Bytes {
     Bytes::from(format!("data: {v}\n\n"))
-}
-
-fn response_id(kind: Kind, request_id: &str) -> String {
-    match kind {
-        Kind::Chat => format!("chatcmpl-{request_id}"),
-        Kind::Completion => format!("cmpl-{request_id}"),
-    }
-}
-
-fn endpoint(kind: Kind) -> &'static str {
-    match kind {
-        Kind::Chat => "chat",
-        Kind::Completion => "completions",
-    }
 }
 
 /// Tracks first-token and inter-token times of one request into the metrics.
@@ -188,7 +174,7 @@ impl Clock {
 /// Forwards a request's events to the client as server-sent events, until its terminal event or
 /// until the client goes away (then cancels it).
 async fn stream_events(state: Arc<State>, shape: Shape, mut acc: Accepted, tx: mpsc::Sender<Bytes>) {
-    let id = response_id(shape.kind, &acc.request_id);
+    let id = shape.kind.response_id(&acc.request_id);
     let created = unix_secs();
     let mut clock = Clock { started: acc.started, last: None };
     let outcome: &'static str = 'run: {
@@ -226,9 +212,8 @@ async fn stream_events(state: Arc<State>, shape: Shape, mut acc: Accepted, tx: m
                     let text = (shape.kind == Kind::Completion).then_some("");
                     out.push(sse(&chunk(&shape, &id, created, text, false, &[], Some(reason))));
                     if shape.include_usage {
-                        let object = if shape.kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" };
                         out.push(sse(&json!({
-                            "id": id, "object": object, "created": created, "model": shape.model,
+                            "id": id, "object": shape.kind.object(true), "created": created, "model": shape.model,
                             "choices": [], "usage": openai::usage(&usage),
                         })));
                     }
@@ -256,7 +241,7 @@ async fn stream_events(state: Arc<State>, shape: Shape, mut acc: Accepted, tx: m
     if matches!(outcome, "cancelled" | "internal_error" | "worker_lost") {
         cancel(&state.nc, &acc.request_id);
     }
-    state.metrics.request(endpoint(shape.kind), outcome);
+    state.metrics.request(shape.kind.endpoint(), outcome);
 }
 
 /// Collects a request's events into one OpenAI response body.
@@ -282,7 +267,7 @@ async fn collect(state: &State, shape: &Shape, mut acc: Accepted) -> Result<Valu
             }
             Event::Done { finish_reason, usage, .. } => {
                 guard.done = true;
-                let id = response_id(shape.kind, &acc.request_id);
+                let id = shape.kind.response_id(&acc.request_id);
                 let logprobs = if shape.logprobs.is_some() { openai::logprobs(shape.kind, &lps) } else { Value::Null };
                 let reason = openai::finish_reason(finish_reason);
                 let choice = match shape.kind {
@@ -292,9 +277,8 @@ async fn collect(state: &State, shape: &Shape, mut acc: Accepted) -> Result<Valu
                     }),
                     Kind::Completion => json!({ "index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason }),
                 };
-                let object = if shape.kind == Kind::Chat { "chat.completion" } else { "text_completion" };
                 return Ok(json!({
-                    "id": id, "object": object, "created": unix_secs(), "model": shape.model,
+                    "id": id, "object": shape.kind.object(false), "created": unix_secs(), "model": shape.model,
                     "choices": [choice], "usage": openai::usage(&usage),
                 }));
             }
@@ -332,12 +316,12 @@ async fn serve(state: web::Data<State>, g: Result<(GenerateRequest, Shape), ApiE
     match result {
         Ok((resp, outcome)) => {
             if let Some(o) = outcome {
-                state.metrics.request(endpoint(kind), o);
+                state.metrics.request(kind.endpoint(), o);
             }
             Ok(resp)
         }
         Err(e) => {
-            state.metrics.request(endpoint(kind), e.code);
+            state.metrics.request(kind.endpoint(), e.code);
             Err(e)
         }
     }

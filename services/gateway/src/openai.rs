@@ -164,6 +164,33 @@ pub enum Kind {
     Completion,
 }
 
+impl Kind {
+    /// The endpoint's label in the metrics.
+    pub fn endpoint(self) -> &'static str {
+        match self {
+            Kind::Chat => "chat",
+            Kind::Completion => "completions",
+        }
+    }
+
+    /// The response id OpenAI's clients expect for a request.
+    pub fn response_id(self, request_id: &str) -> String {
+        match self {
+            Kind::Chat => format!("chatcmpl-{request_id}"),
+            Kind::Completion => format!("cmpl-{request_id}"),
+        }
+    }
+
+    /// `object` of a whole response and of a stream's chunk.
+    pub fn object(self, chunk: bool) -> &'static str {
+        match (self, chunk) {
+            (Kind::Chat, false) => "chat.completion",
+            (Kind::Chat, true) => "chat.completion.chunk",
+            (Kind::Completion, _) => "text_completion",
+        }
+    }
+}
+
 /// What the response writer needs to know about the request.
 #[derive(Debug, Clone)]
 pub struct Shape {
