@@ -5,11 +5,13 @@
 //! JetStream jobs stream (durable: a job accepted while no worker runs waits for one) and
 //! replies `Accepted` at once, or `Rejected` with a typed error. Bad input disturbs nothing.
 //!
-//! It also follows the workers' heartbeats: a model whose live workers already hold
-//! `intake.max_queued_requests` waiting requests refuses new ones (`queue_full`), and a request
-//! with `require_worker` is refused (`no_worker`) when no live worker serves its model. Jobs are
-//! not pushed to a chosen worker: the model's workers pull them when they have room (see the
-//! worker service), which places work on the least loaded one without stranding jobs.
+//! It also follows the workers' heartbeats and the jobs stream: a model with
+//! `intake.max_queued_requests` requests waiting (jobs no worker has taken yet, polled from the
+//! stream's consumer every 250 ms, plus jobs workers hold but have not started, from their
+//! heartbeats) refuses new ones (`queue_full`), and a request with `require_worker` is refused
+//! (`no_worker`) when no live worker serves its model. Jobs are not pushed to a chosen worker:
+//! the model's workers pull them when they have a free slot (see the worker service), which
+//! places work on the least loaded one without stranding jobs on a worker that stopped.
 
 pub mod validate;
 
@@ -39,6 +41,8 @@ pub struct IntakeActor {
     js: jetstream::Context,
     workers: WorkerTable,
     max_queued_requests: u64,
+    /// Per model: jobs in the stream that no worker has taken yet (last poll).
+    untaken: HashMap<String, u64>,
 }
 
 impl IntakeActor {
@@ -48,7 +52,7 @@ impl IntakeActor {
             llmq_protocol::decode(payload).map_err(|e| WireError::new(ErrorClass::InvalidRequest, e.to_string()))?;
         let require_worker = req.require_worker;
         let job = self.validator.validate(req)?;
-        let (mut live, mut queued) = (0, 0u64);
+        let (mut live, mut queued) = (0, self.untaken.get(&job.model).copied().unwrap_or(0));
         for w in self.workers.live_for(&job.model) {
             live += 1;
             queued += w.queued_requests as u64;
@@ -77,6 +81,31 @@ struct Incoming(async_nats::Message);
 #[derive(Message)]
 #[rtype(result = "()")]
 struct Heartbeat(WorkerStatus);
+
+#[derive(Message)]
+#[rtype(result = "()")]
+struct Untaken(String, u64);
+
+impl Handler<Untaken> for IntakeActor {
+    type Result = ();
+    fn handle(&mut self, Untaken(model, n): Untaken, _: &mut Context<Self>) {
+        self.untaken.insert(model, n);
+    }
+}
+
+/// Jobs of `model` in the stream that no worker has taken: the shared consumer's pending count,
+/// or, before any worker has created that consumer, every job stored under the model's subject.
+async fn untaken_jobs(stream: &jetstream::stream::Stream, model: &str) -> Option<u64> {
+    if let Ok(info) = stream.consumer_info(subjects::jobs_consumer(model)).await {
+        return Some(info.num_pending);
+    }
+    let mut counts = stream.info_with_subjects(subjects::jobs(model)).await.ok()?;
+    let mut n = 0;
+    while let Some(Ok((_, c))) = counts.next().await {
+        n += c as u64;
+    }
+    Some(n)
+}
 
 impl Handler<Heartbeat> for IntakeActor {
     type Result = ();
@@ -146,7 +175,7 @@ pub async fn run(settings: Settings) -> Result<(), IntakeError> {
     let nats = |e: &dyn std::fmt::Display| IntakeError::Nats(e.to_string());
     let client = async_nats::connect(&settings.nats.url).await.map_err(|e| nats(&e))?;
     let js = jetstream::new(client.clone());
-    subjects::jobs_stream(&js).await.map_err(|e| nats(&e))?;
+    let stream = subjects::jobs_stream(&js).await.map_err(|e| nats(&e))?;
     let mut sub = client
         .queue_subscribe(subjects::GENERATE, subjects::INTAKE_QUEUE.into())
         .await
@@ -158,8 +187,20 @@ pub async fn run(settings: Settings) -> Result<(), IntakeError> {
         js,
         workers: WorkerTable::new(std::time::Duration::from_millis(settings.intake.worker_timeout_ms)),
         max_queued_requests: settings.intake.max_queued_requests,
+        untaken: HashMap::new(),
     }
     .start();
+    let (poll_addr, poll_models) = (addr.clone(), settings.intake.models.clone());
+    actix::spawn(async move {
+        loop {
+            for m in &poll_models {
+                if let Some(n) = untaken_jobs(&stream, m).await {
+                    poll_addr.do_send(Untaken(m.clone(), n));
+                }
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+        }
+    });
     let beat_addr = addr.clone();
     actix::spawn(async move {
         while let Some(m) = beats.next().await {

@@ -182,16 +182,18 @@ pub struct CancelRequest(pub String);
 #[rtype(result = "WorkerStatus")]
 pub struct GetStatus;
 
-/// Runs two dummy requests through a private scheduler before the worker takes jobs: one
-/// prefilled alone, one prefilled in chunks while the first decodes (its prompt passing through
-/// every cache size up to its length), so that MLX has compiled the kernels of every kind of
-/// step before the first user's request: on a GPU the first steps otherwise take seconds, and
-/// the first chunk at each new cache size tens of milliseconds. Answers with the milliseconds
-/// it took. Leaves nothing behind.
+/// Runs two dummy requests through a private scheduler before the worker takes jobs, so that
+/// MLX has built the kernels (and the allocator holds the buffers) of every kind of step before
+/// the first user's request: a short one prefilled alone that then decodes, and a long one
+/// (`tokens`) prefilled chunk by chunk in the same steps as that decode, its cache passing
+/// through every size a prompt of that length reaches, then decoding in its own length group.
+/// On a GPU the first step of each new shape otherwise costs 100-180 ms (seen in the burst
+/// benchmark's first chunks), the very first steps seconds. Answers with the milliseconds it
+/// took. Leaves nothing behind.
 #[derive(Message)]
 #[rtype(result = "Result<f64, String>")]
 pub struct WarmUp {
-    /// Prompt tokens of each dummy request (capped by the context).
+    /// Prompt tokens of the long dummy request (capped by the context and the KV budget).
     pub tokens: usize,
 }
 
@@ -202,19 +204,22 @@ impl<E: WorkerEngine + Unpin + 'static> Handler<WarmUp> for SchedulerActor<E> {
         let (cfg, engine) = (self.cfg.clone(), &mut self.engine);
         let run = catch_unwind(AssertUnwindSafe(|| -> Result<(), String> {
             let mut s = Scheduler::new(cfg.clone());
-            // Both dummies must fit the KV budget together.
-            let fits = (cfg.kv_budget_bytes / engine.kv_bytes_per_token().max(1) / 2) as usize;
-            let len = w.tokens.min(engine.context_tokens().saturating_sub(8)).min(fits.saturating_sub(8)).max(1);
-            let prompt: Vec<u32> = (0..len as u32).map(|i| 1 + i % 50).collect();
-            let stop = StopParams { max_tokens: 4, ignore_eos: true, ..Default::default() };
-            let ids = [ReqId::MAX - 1, ReqId::MAX];
-            for (k, &id) in ids.iter().enumerate() {
-                engine.register(id, prompt.clone(), SamplingParams::default(), stop.clone(), None).map_err(|e| e.to_string())?;
-                let a = Admission { id, prompt_tokens: len, max_tokens: 4, accepted_at: Self::now() };
+            let context = engine.context_tokens().saturating_sub(8);
+            let fits = (cfg.kv_budget_bytes / engine.kv_bytes_per_token().max(1)) as usize;
+            let short = 16.min(context / 4).max(1);
+            let long = w.tokens.min(context).min(fits.saturating_sub(short + 8) * 3 / 4).max(1);
+            // The short one decodes through the long one's whole chunked prefill, then beside it.
+            let short_out = (long.div_ceil(cfg.prefill_chunk.max(1)) + 4).min(context.saturating_sub(short)).max(1);
+            let dummies = [(ReqId::MAX - 1, short, short_out), (ReqId::MAX, long, 4)];
+            for (k, &(id, len, out)) in dummies.iter().enumerate() {
+                let prompt: Vec<u32> = (0..len as u32).map(|i| 1 + (i * 7 + k as u32) % 50).collect();
+                let stop = StopParams { max_tokens: out, ignore_eos: true, ..Default::default() };
+                engine.register(id, prompt, SamplingParams::default(), stop, None).map_err(|e| e.to_string())?;
+                let a = Admission { id, prompt_tokens: len, max_tokens: out, accepted_at: Self::now() };
                 if let Some(e) = s.submit(a).into_iter().find(|e| e.event.is_terminal()) {
                     return Err(format!("{:?}", e.event));
                 }
-                // The first runs alone until it decodes; the second joins it.
+                // The first runs alone until it decodes; the second joins it; then both finish.
                 let mut ticks = 0;
                 while if k == 0 { s.active_streams() == 0 } else { !s.is_idle() } {
                     let (emits, _) = s.tick(engine, Self::now());
@@ -222,7 +227,7 @@ impl<E: WorkerEngine + Unpin + 'static> Handler<WarmUp> for SchedulerActor<E> {
                         return Err(format!("{:?}", e.event));
                     }
                     ticks += 1;
-                    if ticks > 100_000 {
+                    if ticks > 1_000_000 {
                         return Err("did not finish".into());
                     }
                 }

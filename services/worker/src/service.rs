@@ -2,9 +2,13 @@
 //! arbiter) and connects it to NATS.
 //!
 //! - jobs: one durable JetStream pull consumer per model, shared by every worker of that model.
-//!   A worker fetches one job at a time, only while it holds fewer than `worker.max_queued`
-//!   jobs: equal workers take turns, a full one takes none, a stopped one simply stops asking
-//!   (back-pressure is the placement). A job is
+//!   A worker fetches one job at a time, and only while it holds fewer than it can run at once
+//!   (`scheduler.max_batch`) — or, when no live peer of its model has a free slot by their last
+//!   heartbeats, fewer than `worker.max_queued` (then it holds the job, says `Queued`, and
+//!   starts it when a slot frees). So a job goes to a worker that can start it now whenever one
+//!   exists (two workers split 128 jobs 64/64 instead of 63/65 with one job waiting a whole
+//!   generation for a slot), nothing waits on a busy worker while another idles, a full worker
+//!   takes nothing, and a stopped one simply stops asking (back-pressure is the placement). A job is
 //!   acknowledged when its terminal event is published; while it runs, progress acks keep it.
 //!   A job delivered a second time (its worker died before finishing it) is ended with
 //!   `Error { class: worker_lost }` rather than run again under a stream that already has events.
@@ -21,7 +25,8 @@ use async_nats::jetstream::{self, consumer::pull, AckKind};
 use futures::StreamExt;
 use llmq_config::Settings;
 use llmq_engine::{default_dtype, load_named, parse_dtype};
-use llmq_protocol::{subjects, CacheCleared, Cancel, ClearCache, ErrorClass, Event, Job, StreamEvent, WireError};
+use llmq_protocol::workers::WorkerTable;
+use llmq_protocol::{subjects, CacheCleared, Cancel, ClearCache, ErrorClass, Event, Job, StreamEvent, WireError, WorkerStatus};
 use tokio::sync::mpsc;
 
 use crate::actor::{CancelRequest, ClearPrefixCache, GetStatus, Outbound, SchedulerActor, Submit, WarmUp};
@@ -35,6 +40,9 @@ pub enum WorkerError {
     #[error("NATS: {0}")]
     Nats(String),
 }
+
+/// The default warm-up prompt on a GPU (capped by the model's context and the KV budget).
+const GPU_WARM_UP_TOKENS: usize = 8192;
 
 fn nats_err(e: impl std::fmt::Display) -> WorkerError {
     WorkerError::Nats(e.to_string())
@@ -103,7 +111,13 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
         Ok(Ok(Err(e))) => return Err(WorkerError::Model(e)),
         _ => return Err(WorkerError::Model("the device thread stopped".into())),
     };
-    let warm_up = settings.worker.warm_up_tokens.unwrap_or(2 * settings.scheduler.prefill_chunk_tokens + 5);
+    // On a GPU a long warm-up prompt pays for every cache size a burst of long prompts reaches
+    // (each new size's first chunk costs 100+ ms there); on a CPU a short one is enough.
+    let warm_up = settings.worker.warm_up_tokens.unwrap_or(if llmq_engine::on_gpu() {
+        GPU_WARM_UP_TOKENS
+    } else {
+        2 * settings.scheduler.prefill_chunk_tokens + 5
+    });
     if warm_up > 0 {
         match actor.send(WarmUp { tokens: warm_up }).await {
             Ok(Ok(ms)) => tracing::info!(ms, tokens = warm_up, "warm-up done"),
@@ -199,9 +213,26 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
     });
 
     // Fetch loop: take jobs while there is room.
-    let max_queued = settings.worker.max_queued;
+    // Peers' heartbeats: does another live worker of this model have a free slot?
+    let peers = Arc::new(Mutex::new(WorkerTable::new(Duration::from_millis(3 * settings.worker.heartbeat_ms))));
+    let mut beats = client.subscribe(subjects::WORKER_STATUS_ALL).await.map_err(nats_err)?;
+    let (beat_peers, me) = (peers.clone(), worker_id.clone());
+    actix::spawn(async move {
+        while let Some(m) = beats.next().await {
+            if let Ok(s) = llmq_protocol::decode::<WorkerStatus>(&m.payload) {
+                if s.worker_id != me {
+                    beat_peers.lock().unwrap().update(s);
+                }
+            }
+        }
+    });
+    let peer_has_room = move || {
+        peers.lock().unwrap().live_for(&model_name).any(|w| w.active_streams + w.queued_requests < w.max_batch)
+    };
+    let (max_batch, max_queued) = (settings.scheduler.max_batch, settings.worker.max_queued);
     loop {
-        let room = max_queued.saturating_sub(inflight.lock().unwrap().len());
+        let limit = if peer_has_room() { max_batch.min(max_queued) } else { max_queued };
+        let room = limit.saturating_sub(inflight.lock().unwrap().len());
         if room == 0 {
             tokio::time::sleep(Duration::from_millis(10)).await;
             continue;
