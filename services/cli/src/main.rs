@@ -38,8 +38,15 @@ fn main() -> std::process::ExitCode {
     if std::env::var_os("MLX_CUDA_GRAPH_CACHE_SIZE").is_none() {
         std::env::set_var("MLX_CUDA_GRAPH_CACHE_SIZE", "8192");
     }
-    llmq_telemetry::init("warn,llmq_worker=info,llmq_intake=info,llmq_gateway=info");
-    let result = match Cli::parse().command {
+    let command = Cli::parse().command;
+    let service = match command {
+        Command::Worker(_) => "llmq-worker",
+        Command::Intake(_) => "llmq-intake",
+        Command::Gateway(_) => "llmq-gateway",
+        _ => "llmq",
+    };
+    let _traces = llmq_telemetry::init("warn,llmq_worker=info,llmq_intake=info,llmq_gateway=info", service);
+    let result = match command {
         Command::Generate(a) => generate::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Worker(a) => serve::worker(a),

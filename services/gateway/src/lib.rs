@@ -97,28 +97,41 @@ impl Drop for CancelOnDrop<'_> {
     }
 }
 
-/// An accepted request: its id and its event subscription.
+/// An accepted request: its id, its event subscription, and its trace span (open while the
+/// response is being served).
 struct Accepted {
     request_id: String,
     events: async_nats::Subscriber,
     started: Instant,
+    _span: tracing::Span,
 }
 
-/// Submits to intake, subscribed to the request's inbox first so that no event is missed.
+/// Submits to intake, subscribed to the request's inbox first so that no event is missed. The
+/// request's span (`gateway.request`) is the parent of intake's and the worker's (its trace
+/// context travels in the NATS headers).
 async fn submit(state: &State, mut g: GenerateRequest) -> Result<Accepted, ApiError> {
     let started = Instant::now();
+    let span = tracing::info_span!("gateway.request", model = %g.model, request_id = tracing::field::Empty, error = tracing::field::Empty);
     let inbox = state.nc.new_inbox();
     let events = state.nc.subscribe(inbox.clone()).await.map_err(|e| ApiError::internal(format!("NATS: {e}")))?;
     g.stream_subject = Some(inbox);
     let payload = llmq_protocol::encode(&g).map_err(|e| ApiError::internal(e.to_string()))?;
-    let reply = match tokio::time::timeout(INTAKE_TIMEOUT, state.nc.request(subjects::GENERATE, payload.into())).await {
+    let headers = llmq_telemetry::headers_for(&span);
+    let asked = state.nc.request_with_headers(subjects::GENERATE, headers, payload.into());
+    let reply = match tokio::time::timeout(INTAKE_TIMEOUT, asked).await {
         Ok(Ok(m)) => m,
         Ok(Err(e)) => return Err(ApiError::unavailable(format!("intake did not answer: {e}"))),
         Err(_) => return Err(ApiError::unavailable("intake did not answer in time")),
     };
     match llmq_protocol::decode::<GenerateReply>(&reply.payload) {
-        Ok(GenerateReply::Accepted { request_id, .. }) => Ok(Accepted { request_id, events, started }),
-        Ok(GenerateReply::Rejected { error }) => Err(ApiError::from_wire(&error)),
+        Ok(GenerateReply::Accepted { request_id, .. }) => {
+            span.record("request_id", request_id.as_str());
+            Ok(Accepted { request_id, events, started, _span: span })
+        }
+        Ok(GenerateReply::Rejected { error }) => {
+            span.record("error", tracing::field::debug(error.class));
+            Err(ApiError::from_wire(&error))
+        }
         Err(e) => Err(ApiError::internal(format!("undecodable reply from intake: {e}"))),
     }
 }

@@ -133,7 +133,27 @@ impl Handler<Incoming> for IntakeActor {
             return;
         };
         let client = self.client.clone();
+        // A child of the client's trace when it sent one (`traceparent` header); the worker's
+        // span for the job is a child of this one (the job's headers carry it on).
+        let span = tracing::info_span!(
+            "intake.accept",
+            request_id = tracing::field::Empty,
+            model = tracing::field::Empty,
+            prompt_tokens = tracing::field::Empty,
+            error = tracing::field::Empty
+        );
+        llmq_telemetry::extract(&span, msg.headers.as_ref());
         let verdict = self.admit(&msg.payload);
+        match &verdict {
+            Ok(job) => {
+                span.record("request_id", job.request_id.as_str());
+                span.record("model", job.model.as_str());
+                span.record("prompt_tokens", job.prompt_ids.len() as i64);
+            }
+            Err(e) => {
+                span.record("error", tracing::field::debug(e.class));
+            }
+        }
         let js = self.js.clone();
         ctx.spawn(
             async move {
@@ -141,8 +161,9 @@ impl Handler<Incoming> for IntakeActor {
                     Err(error) => GenerateReply::Rejected { error },
                     Ok(job) => {
                         let subject = subjects::jobs(&job.model);
+                        let headers = llmq_telemetry::headers_for(&span);
                         let stored = match llmq_protocol::encode(&job) {
-                            Ok(bytes) => match js.publish(subject, bytes.into()).await {
+                            Ok(bytes) => match js.publish_with_headers(subject, headers, bytes.into()).await {
                                 Ok(ack) => ack.await.map(|_| ()).map_err(|e| e.to_string()),
                                 Err(e) => Err(e.to_string()),
                             },
@@ -157,6 +178,7 @@ impl Handler<Incoming> for IntakeActor {
                     }
                 };
                 reply(&client, reply_to, &answer).await;
+                drop(span);
             }
             .into_actor(self),
         );

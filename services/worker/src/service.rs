@@ -127,8 +127,8 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
     }
     tracing::info!(%worker_id, model = %model_name, "worker ready");
 
-    // Jobs held here, by request id, until their terminal event is out.
-    let inflight: Arc<Mutex<HashMap<String, jetstream::Message>>> = Arc::default();
+    // Jobs held here, by request id, until their terminal event is out, with their trace spans.
+    let inflight: Arc<Mutex<HashMap<String, (jetstream::Message, tracing::Span)>>> = Arc::default();
 
     // Publisher: events in order; acks on terminal events.
     let (pub_client, pub_inflight) = (client.clone(), inflight.clone());
@@ -144,8 +144,9 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
                 Err(e) => tracing::error!(error = %e, "encoding an event"),
             }
             if terminal {
-                let msg = pub_inflight.lock().unwrap().remove(&o.request_id);
-                if let Some(m) = msg {
+                let held = pub_inflight.lock().unwrap().remove(&o.request_id);
+                if let Some((m, span)) = held {
+                    record_end(&span, &o.event.event);
                     let _ = pub_client.flush().await;
                     if let Err(e) = m.ack().await {
                         tracing::warn!(error = %e, "acknowledging a job");
@@ -203,7 +204,7 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
             }
             if last_progress.elapsed() >= progress_every {
                 last_progress = tokio::time::Instant::now();
-                let msgs: Vec<_> = hb_inflight.lock().unwrap().values().cloned().collect();
+                let msgs: Vec<_> = hb_inflight.lock().unwrap().values().map(|(m, _)| m.clone()).collect();
                 for m in msgs {
                     let _ = m.ack_with(AckKind::Progress).await;
                 }
@@ -275,9 +276,38 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
                 let _ = msg.ack().await;
                 continue;
             }
-            inflight.lock().unwrap().insert(job.request_id.clone(), msg);
+            let span = tracing::info_span!(
+                "worker.request",
+                request_id = %job.request_id,
+                prompt_tokens = job.prompt_ids.len() as i64,
+                cached_tokens = tracing::field::Empty,
+                completion_tokens = tracing::field::Empty,
+                finish_reason = tracing::field::Empty,
+                queue_ms = tracing::field::Empty,
+                ttft_ms = tracing::field::Empty,
+                error = tracing::field::Empty
+            );
+            llmq_telemetry::extract(&span, msg.headers.as_ref());
+            inflight.lock().unwrap().insert(job.request_id.clone(), (msg, span));
             actor.do_send(Submit(job));
         }
+    }
+}
+
+/// Puts a request's outcome on its span (which then closes).
+fn record_end(span: &tracing::Span, event: &Event) {
+    match event {
+        Event::Done { finish_reason, usage, timings } => {
+            span.record("cached_tokens", usage.cached as i64);
+            span.record("completion_tokens", usage.completion as i64);
+            span.record("finish_reason", tracing::field::debug(finish_reason));
+            span.record("queue_ms", timings.queue_ms);
+            span.record("ttft_ms", timings.ttft_ms);
+        }
+        Event::Error { error } => {
+            span.record("error", tracing::field::debug(error.class));
+        }
+        _ => {}
     }
 }
 
