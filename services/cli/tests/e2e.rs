@@ -241,14 +241,21 @@ fn cancel_while_queued_mid_prefill_and_decoding() {
                 }
             }
         };
-        let on_b = cancel_when(b.clone(), c.nc.clone(), |e, _| matches!(e, Event::PrefillProgress { done: 4, .. }));
+        let mut on_b_cancel = cancel_when(b.clone(), c.nc.clone(), |e, _| matches!(e, Event::PrefillProgress { done: 4, .. }));
+        // C waits (in the worker's queue or still in the jobs stream: both slots are taken) from
+        // B's first chunk on; it is cancelled then.
+        let mut on_b_cancel_c = cancel_when(cc.clone(), c.nc.clone(), |e, _| matches!(e, Event::PrefillProgress { .. }));
+        let on_b = move |e: &StreamEvent| {
+            on_b_cancel_c(e);
+            on_b_cancel(e);
+        };
         let on_a = cancel_when(a.clone(), c.nc.clone(), |e, n| {
             if matches!(e, Event::Tokens { .. }) {
                 *n += 1;
             }
             *n == 5
         });
-        let on_c = cancel_when(cc.clone(), c.nc.clone(), |e, _| matches!(e, Event::Queued { .. }));
+        let on_c = |_: &StreamEvent| {};
         let (b_run, a_run, c_run) = tokio::join!(
             Client::finish(b.clone(), b_sub, on_b),
             Client::finish(a.clone(), a_sub, on_a),
@@ -300,6 +307,26 @@ fn a_job_accepted_before_any_worker_runs_completes_when_one_starts() {
         assert_eq!(run.tokens(), local_greedy("Paris is", 6));
         let run2 = Client::finish(id2, sub2, |_| {}).await;
         assert_eq!(run2.tokens(), local_greedy("Rome is", 3));
+    });
+}
+
+#[test]
+fn a_job_cancelled_before_any_worker_runs_is_never_run() {
+    let mut stack = Stack::nats_only();
+    stack.spawn("intake", &[]);
+    rt().block_on(async {
+        let c = Client::connect(&stack.url).await;
+        let (id, sub) = c.start(GenerateRequest { ignore_eos: true, ..req("Never run me", 50) }).await;
+        c.nc.publish(subjects::CANCEL, encode(&Cancel { request_id: id.clone() }).unwrap().into()).await.unwrap();
+        c.nc.flush().await.unwrap();
+        let (other, other_sub) = c.start(req("Paris is", 3)).await;
+        // The worker starts after the cancel went out: it learns it from the cancels stream.
+        stack.spawn("worker", &[]);
+        let run = Client::finish(id, sub, |_| {}).await;
+        assert!(matches!(run.last(), Event::Error { error } if error.class == ErrorClass::Cancelled), "{:?}", run.last());
+        assert!(run.tokens().is_empty() && run.events.len() == 1, "it never started: {:?}", run.events);
+        let run = Client::finish(other, other_sub, |_| {}).await;
+        assert_eq!(run.tokens(), local_greedy("Paris is", 3), "the other job ran");
     });
 }
 

@@ -198,6 +198,9 @@ pub async fn run(settings: Settings) -> Result<(), IntakeError> {
     let client = async_nats::connect(&settings.nats.url).await.map_err(|e| nats(&e))?;
     let js = jetstream::new(client.clone());
     let stream = subjects::jobs_stream(&js).await.map_err(|e| nats(&e))?;
+    // Cancels are stored from the start, so a job cancelled while it waits with no worker up is
+    // ended, not run, by the worker that takes it.
+    subjects::cancels_stream(&js).await.map_err(|e| nats(&e))?;
     let mut sub = client
         .queue_subscribe(subjects::GENERATE, subjects::INTAKE_QUEUE.into())
         .await

@@ -49,9 +49,17 @@ pub struct SchedulerActor<E: WorkerEngine + Unpin + 'static> {
     /// Moving average of tick durations, to tell a stall from the usual.
     tick_ema_ms: f64,
     out: UnboundedSender<Outbound>,
+    /// Cancels of requests not held here (yet): a job still waiting in the jobs stream when its
+    /// cancel went out is ended with `Cancelled` when it arrives instead of run. Kept for
+    /// `CANCEL_MEMORY`.
+    cancelled: HashMap<String, std::time::Instant>,
     pub worker_id: String,
     pub model_name: String,
 }
+
+/// How long a cancel for a request not held here is remembered (the cancels stream keeps them
+/// as long, for workers that start later).
+pub const CANCEL_MEMORY: Duration = Duration::from_secs(3600);
 
 impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
     pub fn new(
@@ -76,6 +84,7 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
             ended: 0,
             tick_ema_ms: 0.0,
             out,
+            cancelled: HashMap::new(),
             worker_id,
             model_name,
         }
@@ -281,6 +290,11 @@ impl<E: WorkerEngine + Unpin + 'static> Handler<Submit> for SchedulerActor<E> {
         self.next_id += 1;
         self.meta.insert(id, Meta { request_id: job.request_id.clone(), subject: job.stream_subject.clone(), seq: 0 });
         self.by_request.insert(job.request_id.clone(), id);
+        if self.cancelled.remove(&job.request_id).is_some() {
+            let error = WireError::new(ErrorClass::Cancelled, "cancelled before it started");
+            self.publish(vec![Emit { id, event: Event::Error { error } }]);
+            return;
+        }
         let (sampling, stop) = to_engine(&job);
         let prompt_tokens = job.prompt_ids.len();
         let registered =
@@ -309,6 +323,10 @@ impl<E: WorkerEngine + Unpin + 'static> Handler<CancelRequest> for SchedulerActo
         if let Some(&id) = self.by_request.get(&request_id) {
             self.scheduler.cancel(id);
             self.schedule_tick(ctx);
+        } else {
+            let now = std::time::Instant::now();
+            self.cancelled.retain(|_, at| now.duration_since(*at) < CANCEL_MEMORY);
+            self.cancelled.insert(request_id, now);
         }
     }
 }

@@ -4,7 +4,8 @@
 //! - jobs: one durable JetStream pull consumer per model, shared by every worker of that model.
 //!   A worker fetches one job at a time, and only while it holds fewer than it can run at once
 //!   (`scheduler.max_batch`) — or, when no live peer of its model has a free slot by their last
-//!   heartbeats, fewer than `worker.max_queued` (then it holds the job, says `Queued`, and
+//!   heartbeats (listened to for two periods), fewer than `worker.max_queued` (then it holds the
+//!   job, says `Queued`, and
 //!   starts it when a slot frees). So a job goes to a worker that can start it now whenever one
 //!   exists (two workers split 128 jobs 64/64 instead of 63/65 with one job waiting a whole
 //!   generation for a slot), nothing waits on a busy worker while another idles, a full worker
@@ -12,7 +13,10 @@
 //!   acknowledged when its terminal event is published; while it runs, progress acks keep it.
 //!   A job delivered a second time (its worker died before finishing it) is ended with
 //!   `Error { class: worker_lost }` rather than run again under a stream that already has events.
-//! - cancels: `llm.v1.cancel`, broadcast; the actor ignores ids it does not hold.
+//! - cancels: `llm.v1.cancel`, broadcast; the actor cancels what it holds and remembers the
+//!   other ids for an hour, so a job cancelled while it still waited in the jobs stream ends with
+//!   `Cancelled` when it arrives instead of running. At start the worker replays the cancels the
+//!   server stored (stream `LLMQ_CANCELS_V1`), so this holds for workers started later too.
 //! - `llm.v1.cache.clear`: drops the cached prefixes (answers `CacheCleared` if asked).
 //! - heartbeats: `WorkerStatus` on `llm.v1.worker.<id>.status` every `worker.heartbeat_ms`.
 
@@ -70,6 +74,7 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
     let client = async_nats::connect(&settings.nats.url).await.map_err(nats_err)?;
     let js = jetstream::new(client.clone());
     let stream = subjects::jobs_stream(&js).await.map_err(nats_err)?;
+    let cancels_stream = subjects::cancels_stream(&js).await.map_err(nats_err)?;
     let consumer: jetstream::consumer::Consumer<pull::Config> = stream
         .get_or_create_consumer(
             &subjects::jobs_consumer(&model_name),
@@ -111,6 +116,30 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
         Ok(Ok(Err(e))) => return Err(WorkerError::Model(e)),
         _ => return Err(WorkerError::Model("the device thread stopped".into())),
     };
+    // Peers' heartbeats, heard from before the warm-up so that the peer set is known when jobs
+    // are first fetched: does another live worker of this model have a free slot? Until this
+    // worker has listened for two heartbeat periods it assumes one does (it holds at most
+    // max_batch), so a worker that just started never over-fetches for want of news.
+    let hb_period = Duration::from_millis(settings.worker.heartbeat_ms);
+    let peers = Arc::new(Mutex::new(WorkerTable::new(3 * hb_period)));
+    let listening_since = std::time::Instant::now();
+    let mut beats = client.subscribe(subjects::WORKER_STATUS_ALL).await.map_err(nats_err)?;
+    let (beat_peers, me) = (peers.clone(), worker_id.clone());
+    actix::spawn(async move {
+        while let Some(m) = beats.next().await {
+            if let Ok(s) = llmq_protocol::decode::<WorkerStatus>(&m.payload) {
+                if s.worker_id != me {
+                    beat_peers.lock().unwrap().update(s);
+                }
+            }
+        }
+    });
+    let peer_model = model_name.clone();
+    let peer_has_room = move || {
+        listening_since.elapsed() < 2 * hb_period
+            || peers.lock().unwrap().live_for(&peer_model).any(|w| w.active_streams + w.queued_requests < w.max_batch)
+    };
+
     // On a GPU a long warm-up prompt pays for every cache size a burst of long prompts reaches
     // (each new size's first chunk costs 100+ ms there); on a CPU a short one is enough.
     let warm_up = settings.worker.warm_up_tokens.unwrap_or(if llmq_engine::on_gpu() {
@@ -214,22 +243,12 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
     });
 
     // Fetch loop: take jobs while there is room.
-    // Peers' heartbeats: does another live worker of this model have a free slot?
-    let peers = Arc::new(Mutex::new(WorkerTable::new(Duration::from_millis(3 * settings.worker.heartbeat_ms))));
-    let mut beats = client.subscribe(subjects::WORKER_STATUS_ALL).await.map_err(nats_err)?;
-    let (beat_peers, me) = (peers.clone(), worker_id.clone());
-    actix::spawn(async move {
-        while let Some(m) = beats.next().await {
-            if let Ok(s) = llmq_protocol::decode::<WorkerStatus>(&m.payload) {
-                if s.worker_id != me {
-                    beat_peers.lock().unwrap().update(s);
-                }
-            }
-        }
-    });
-    let peer_has_room = move || {
-        peers.lock().unwrap().live_for(&model_name).any(|w| w.active_streams + w.queued_requests < w.max_batch)
-    };
+    // Cancels sent before this worker started, for jobs that may still be waiting in the stream
+    // (the live subscription above covers everything from its start on; twice is harmless).
+    match replay_cancels(&cancels_stream, &actor).await {
+        Ok(n) => tracing::debug!(n, "stored cancels replayed"),
+        Err(e) => tracing::warn!(error = %e, "could not replay stored cancels"),
+    }
     let (max_batch, max_queued) = (settings.scheduler.max_batch, settings.worker.max_queued);
     loop {
         let limit = if peer_has_room() { max_batch.min(max_queued) } else { max_queued };
@@ -290,6 +309,35 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
             llmq_telemetry::extract(&span, msg.headers.as_ref());
             inflight.lock().unwrap().insert(job.request_id.clone(), (msg, span));
             actor.do_send(Submit(job));
+        }
+    }
+}
+
+/// Hands every cancel the cancels stream holds to the actor (which remembers those of requests
+/// it does not hold, and ends such a job with `Cancelled` if it ever arrives). Returns how many.
+async fn replay_cancels(stream: &jetstream::stream::Stream, actor: &Addr<SchedulerActor<ModelEngine>>) -> Result<usize, String> {
+    let consumer = stream
+        .create_consumer(pull::Config {
+            deliver_policy: jetstream::consumer::DeliverPolicy::All,
+            ack_policy: jetstream::consumer::AckPolicy::None,
+            inactive_threshold: Duration::from_secs(30),
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut n = 0;
+    loop {
+        let mut batch = consumer.fetch().max_messages(1000).messages().await.map_err(|e| e.to_string())?;
+        let mut got = 0;
+        while let Some(Ok(m)) = batch.next().await {
+            got += 1;
+            if let Ok(c) = llmq_protocol::decode::<Cancel>(&m.payload) {
+                actor.do_send(CancelRequest(c.request_id));
+            }
+        }
+        n += got;
+        if got == 0 {
+            return Ok(n);
         }
     }
 }

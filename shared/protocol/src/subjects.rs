@@ -4,8 +4,12 @@
 pub const GENERATE: &str = "llm.v1.generate";
 /// Queue group of the intake services on `GENERATE`.
 pub const INTAKE_QUEUE: &str = "intake";
-/// Broadcast: `Cancel`. Whichever worker holds the request drops it.
+/// Broadcast: `Cancel`. Whichever worker holds the request drops it. The server also stores
+/// cancels in the stream `CANCELS_STREAM` for an hour, so a worker that starts later ends a
+/// cancelled job that was still waiting instead of running it.
 pub const CANCEL: &str = "llm.v1.cancel";
+/// JetStream stream keeping recent cancels (subject `CANCEL`).
+pub const CANCELS_STREAM: &str = "LLMQ_CANCELS_V1";
 /// Broadcast: `ClearCache`. Workers drop their cached prefixes (reply: `CacheCleared`).
 pub const CACHE_CLEAR: &str = "llm.v1.cache.clear";
 /// Workers' `WorkerStatus` heartbeats: `llm.v1.worker.<id>.status`.
@@ -61,6 +65,32 @@ pub async fn jobs_stream(
                 name: JOBS_STREAM.into(),
                 subjects: vec![JOBS_ALL.into()],
                 retention: stream::RetentionPolicy::WorkQueue,
+                ..Default::default()
+            })
+            .await;
+        match r {
+            Err(_) if std::time::Instant::now() < deadline => tokio::time::sleep(std::time::Duration::from_millis(200)).await,
+            r => return r,
+        }
+    }
+}
+
+/// Creates (or finds) the stream that keeps recent cancels (an hour, at most a million). Intake
+/// and workers both call this; retried like `jobs_stream`.
+#[cfg(feature = "nats")]
+pub async fn cancels_stream(
+    js: &async_nats::jetstream::Context,
+) -> Result<async_nats::jetstream::stream::Stream, async_nats::jetstream::context::CreateStreamError> {
+    use async_nats::jetstream::stream;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let r = js
+            .get_or_create_stream(stream::Config {
+                name: CANCELS_STREAM.into(),
+                subjects: vec![CANCEL.into()],
+                retention: stream::RetentionPolicy::Limits,
+                max_age: std::time::Duration::from_secs(3600),
+                max_messages: 1_000_000,
                 ..Default::default()
             })
             .await;
