@@ -50,53 +50,48 @@ pub fn is_valid_stream_subject(s: &str) -> bool {
         && s.split('.').all(|t| !t.is_empty() && !t.contains(['*', '>', ' ', '\t', '\r', '\n']))
 }
 
-/// Creates (or finds) the jobs stream: work-queue retention, so a job stays until a worker
-/// acknowledges it. Intake and workers both call this, so either may start first; a server
-/// whose JetStream is still starting is retried for up to 30 s.
 #[cfg(feature = "nats")]
-pub async fn jobs_stream(
-    js: &async_nats::jetstream::Context,
-) -> Result<async_nats::jetstream::stream::Stream, async_nats::jetstream::context::CreateStreamError> {
-    use async_nats::jetstream::stream;
+type StreamResult =
+    Result<async_nats::jetstream::stream::Stream, async_nats::jetstream::context::CreateStreamError>;
+
+/// Creates (or finds) a stream. Intake and workers both call this, so either may start first;
+/// a server whose JetStream is still starting is retried for up to 30 s.
+#[cfg(feature = "nats")]
+async fn ensure_stream(js: &async_nats::jetstream::Context, config: async_nats::jetstream::stream::Config) -> StreamResult {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     loop {
-        let r = js
-            .get_or_create_stream(stream::Config {
-                name: JOBS_STREAM.into(),
-                subjects: vec![JOBS_ALL.into()],
-                retention: stream::RetentionPolicy::WorkQueue,
-                ..Default::default()
-            })
-            .await;
-        match r {
+        match js.get_or_create_stream(config.clone()).await {
             Err(_) if std::time::Instant::now() < deadline => tokio::time::sleep(std::time::Duration::from_millis(200)).await,
             r => return r,
         }
     }
 }
 
-/// Creates (or finds) the stream that keeps recent cancels (an hour, at most a million). Intake
-/// and workers both call this; retried like `jobs_stream`.
+/// Creates (or finds) the jobs stream: work-queue retention, so a job stays until a worker
+/// acknowledges it.
 #[cfg(feature = "nats")]
-pub async fn cancels_stream(
-    js: &async_nats::jetstream::Context,
-) -> Result<async_nats::jetstream::stream::Stream, async_nats::jetstream::context::CreateStreamError> {
+pub async fn jobs_stream(js: &async_nats::jetstream::Context) -> StreamResult {
     use async_nats::jetstream::stream;
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    loop {
-        let r = js
-            .get_or_create_stream(stream::Config {
-                name: CANCELS_STREAM.into(),
-                subjects: vec![CANCEL.into()],
-                retention: stream::RetentionPolicy::Limits,
-                max_age: std::time::Duration::from_secs(3600),
-                max_messages: 1_000_000,
-                ..Default::default()
-            })
-            .await;
-        match r {
-            Err(_) if std::time::Instant::now() < deadline => tokio::time::sleep(std::time::Duration::from_millis(200)).await,
-            r => return r,
-        }
-    }
+    let config = stream::Config {
+        name: JOBS_STREAM.into(),
+        subjects: vec![JOBS_ALL.into()],
+        retention: stream::RetentionPolicy::WorkQueue,
+        ..Default::default()
+    };
+    ensure_stream(js, config).await
+}
+
+/// Creates (or finds) the stream that keeps recent cancels (an hour, at most a million).
+#[cfg(feature = "nats")]
+pub async fn cancels_stream(js: &async_nats::jetstream::Context) -> StreamResult {
+    use async_nats::jetstream::stream;
+    let config = stream::Config {
+        name: CANCELS_STREAM.into(),
+        subjects: vec![CANCEL.into()],
+        retention: stream::RetentionPolicy::Limits,
+        max_age: std::time::Duration::from_secs(3600),
+        max_messages: 1_000_000,
+        ..Default::default()
+    };
+    ensure_stream(js, config).await
 }
