@@ -9,10 +9,11 @@ set -uo pipefail
 export PATH="$PWD/.gpu/bin:$PATH" LLMQ_LOG=${LLMQ_LOG:-error}
 KV="--kv-budget-bytes 60000000000"
 LOGS=${OUT:-/tmp}
-for round in 1 2; do
-  for n in 1 2; do
-    gpus=0; [ "$n" = 2 ] && gpus=0,1
-    echo "# round $round, workers $n"
+# Three rounds, two workers first, the single worker on GPU 0, 1, 0 (RESULTS.md, 2026-11-30).
+for round in 1 2 3; do
+  for n in 2 1; do
+    gpus=0; [ "$n" = 2 ] && gpus=0,1; [ "$round" = 2 ] && [ "$n" = 1 ] && gpus=1
+    echo "# round $round, workers $n, GPUs $gpus"
     timeout 200 llmq bench batch --random-weights 8b --json $KV --streams 128 --prompt-tokens 512 \
       --output-tokens 256 --workers "$n" --gpus "$gpus"
   done
