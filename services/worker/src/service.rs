@@ -117,7 +117,8 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
         _ => return Err(WorkerError::Model("the device thread stopped".into())),
     };
     // Peers' heartbeats, heard from before the warm-up so that the peer set is known when jobs
-    // are first fetched: does another live worker of this model have a free slot? Until this
+    // are first fetched: does another live worker of this model have a free slot (and KV
+    // memory not all reserved)? Until this
     // worker has listened for two heartbeat periods it assumes one does (it holds at most
     // max_batch), so a worker that just started never over-fetches for want of news.
     let hb_period = Duration::from_millis(settings.worker.heartbeat_ms);
@@ -137,7 +138,11 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
     let peer_model = model_name.clone();
     let peer_has_room = move || {
         listening_since.elapsed() < 2 * hb_period
-            || peers.lock().unwrap().live_for(&peer_model).any(|w| w.active_streams + w.queued_requests < w.max_batch)
+            || peers
+                .lock()
+                .unwrap()
+                .live_for(&peer_model)
+                .any(|w| w.active_streams + w.queued_requests < w.max_batch && w.kv_bytes_free > 0)
     };
 
     // On a GPU a long warm-up prompt pays for every cache size a burst of long prompts reaches
