@@ -55,6 +55,9 @@ pub struct SchedulerActor<E: WorkerEngine + Unpin + 'static> {
     cancelled: HashMap<String, std::time::Instant>,
     /// The same ids in the order they came, to forget them in O(1) each.
     cancel_order: std::collections::VecDeque<(std::time::Instant, String)>,
+    /// The latest status, refreshed after every message, for heartbeats that must not wait for
+    /// a long tick (a worker busy in one is alive, not gone).
+    snapshot: Option<std::sync::Arc<std::sync::Mutex<WorkerStatus>>>,
     pub worker_id: String,
     pub model_name: String,
 }
@@ -88,8 +91,25 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
             out,
             cancelled: HashMap::new(),
             cancel_order: std::collections::VecDeque::new(),
+            snapshot: None,
             worker_id,
             model_name,
+        }
+    }
+
+    /// Keeps `shared` up to date with this actor's status (after every tick and message).
+    pub fn with_status_snapshot(mut self, shared: std::sync::Arc<std::sync::Mutex<WorkerStatus>>) -> Self {
+        self.snapshot = Some(shared);
+        self.refresh_snapshot();
+        self
+    }
+
+    fn refresh_snapshot(&self) {
+        if let Some(s) = &self.snapshot {
+            let status = self.status();
+            if let Ok(mut g) = s.lock() {
+                *g = status;
+            }
         }
     }
 
@@ -114,6 +134,7 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
     }
 
     fn schedule_tick(&mut self, ctx: &mut Context<Self>) {
+        self.refresh_snapshot();
         if !self.tick_pending && !self.scheduler.is_idle() {
             self.tick_pending = true;
             // Through the mailbox, behind any Submit or Cancel already waiting.
@@ -248,6 +269,7 @@ impl<E: WorkerEngine + Unpin + 'static> Handler<WarmUp> for SchedulerActor<E> {
             engine.reset_counters();
             Ok(())
         }));
+        self.refresh_snapshot();
         match run {
             Ok(Ok(())) => Ok(started.elapsed().as_secs_f64() * 1000.0),
             Ok(Err(e)) => Err(e),
@@ -388,12 +410,14 @@ impl<E: WorkerEngine + Unpin + 'static> Handler<GetStatus> for SchedulerActor<E>
 impl<E: WorkerEngine + Unpin + 'static> Handler<ClearPrefixCache> for SchedulerActor<E> {
     type Result = u64;
     fn handle(&mut self, _: ClearPrefixCache, _: &mut Context<Self>) -> u64 {
-        match catch_unwind(AssertUnwindSafe(|| self.engine.prefix_clear())) {
+        let freed = match catch_unwind(AssertUnwindSafe(|| self.engine.prefix_clear())) {
             Ok(freed) => freed,
             Err(_) => {
                 self.recover("panic while clearing the prefix cache");
                 0
             }
-        }
+        };
+        self.refresh_snapshot();
+        freed
     }
 }

@@ -33,7 +33,7 @@ use llmq_protocol::workers::WorkerTable;
 use llmq_protocol::{subjects, CacheCleared, Cancel, ClearCache, ErrorClass, Event, Job, StreamEvent, WireError, WorkerStatus};
 use tokio::sync::mpsc;
 
-use crate::actor::{CancelRequest, ClearPrefixCache, GetStatus, Outbound, SchedulerActor, Submit, WarmUp};
+use crate::actor::{CancelRequest, ClearPrefixCache, Outbound, SchedulerActor, Submit, WarmUp};
 use crate::engine_ops::ModelEngine;
 use crate::scheduler::SchedulerConfig;
 
@@ -98,6 +98,8 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
     let prefix_max = if prefix.max_bytes == 0 { cfg.kv_budget_bytes } else { prefix.max_bytes.min(cfg.kv_budget_bytes) };
     let (wid, mname, model_ref, dtype) =
         (worker_id.clone(), model_name.clone(), settings.worker.model.clone(), settings.worker.dtype.clone());
+    let snapshot = Arc::new(Mutex::new(WorkerStatus::default()));
+    let hb_snapshot = snapshot.clone();
     device.spawn_fn(move || {
         let loaded = (|| {
             let dtype = dtype.as_deref().map(parse_dtype).transpose().map_err(|e| e.to_string())?.unwrap_or_else(default_dtype);
@@ -108,7 +110,7 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
             if prefix.enabled {
                 engine = engine.with_prefix_cache(prefix.block_tokens, prefix_max);
             }
-            SchedulerActor::new(engine, cfg, out_tx, wid, mname).start()
+            SchedulerActor::new(engine, cfg, out_tx, wid, mname).with_status_snapshot(snapshot).start()
         }));
     });
     let actor = match tokio::task::spawn_blocking(move || ready_rx.recv()).await {
@@ -220,7 +222,7 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
     });
 
     // Heartbeats and progress acks.
-    let (hb_client, hb_actor, hb_inflight) = (client.clone(), actor.clone(), inflight.clone());
+    let (hb_client, hb_inflight) = (client.clone(), inflight.clone());
     let hb_every = Duration::from_millis(settings.worker.heartbeat_ms);
     let progress_every = Duration::from_millis(settings.worker.ack_wait_ms / 6);
     let status_subject = subjects::worker_status(&worker_id);
@@ -230,10 +232,14 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
         loop {
             if last_beat.is_none_or(|t| t.elapsed() >= hb_every) {
                 last_beat = Some(tokio::time::Instant::now());
-                if let Ok(status) = hb_actor.send(GetStatus).await {
-                    if let Ok(bytes) = llmq_protocol::encode(&status) {
-                        let _ = hb_client.publish(status_subject.clone(), bytes.into()).await;
-                    }
+                // The actor's latest snapshot, not a message to it: a worker in a long tick (a
+                // big prefill on a CPU takes seconds) must not look gone to intake, the gateway
+                // or its peers.
+                let mut status = hb_snapshot.lock().unwrap().clone();
+                status.sent_at_ms =
+                    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_millis() as u64;
+                if let Ok(bytes) = llmq_protocol::encode(&status) {
+                    let _ = hb_client.publish(status_subject.clone(), bytes.into()).await;
                 }
             }
             if last_progress.elapsed() >= progress_every {
