@@ -437,3 +437,44 @@ fn two_workers_share_the_load_and_a_killed_one_loses_only_its_own_requests() {
         }
     });
 }
+
+/// A worker busy in one long tick (a whole 1800-token prompt prefilled at once by SmolLM2 on a
+/// CPU) keeps sending heartbeats, with the request counted: intake, the gateway and its peers
+/// must not take a busy worker for a gone one.
+#[test]
+fn heartbeats_continue_through_a_long_tick() {
+    let mut stack = Stack::nats_for("smollm2");
+    stack.spawn("intake", &[]);
+    stack.spawn("worker", &[("LLMQ__SCHEDULER__IDLE_PREFILL_CHUNK_TOKENS", "4096")]);
+    rt().block_on(async {
+        let c = Client::connect(&stack.url).await;
+        let t = Instant::now();
+        while statuses(&c, Duration::from_millis(500)).await.is_empty() {
+            assert!(t.elapsed() < Duration::from_secs(120), "the worker never came up");
+        }
+        let mut beats = c.nc.subscribe(subjects::WORKER_STATUS_ALL).await.unwrap();
+        let ids: Vec<u32> = (0..1800u32).map(|i| 100 + (i * 37) % 20000).collect();
+        let long = GenerateRequest { model: "smollm2".into(), prompt_ids: Some(ids), max_tokens: Some(2), ..Default::default() };
+        let submitted = Instant::now();
+        let (id, sub) = c.start(long).await;
+        let finishing = tokio::spawn(Client::finish(id, sub, |_| {}));
+        let mut gaps = vec![];
+        let mut busy_seen = false;
+        let mut last = submitted;
+        while !finishing.is_finished() {
+            let Ok(Some(m)) = tokio::time::timeout(Duration::from_millis(100), beats.next()).await else { continue };
+            let s: WorkerStatus = decode(&m.payload).unwrap();
+            busy_seen |= s.queued_requests + s.active_streams == 1;
+            gaps.push(last.elapsed());
+            last = Instant::now();
+        }
+        let run = finishing.await.unwrap();
+        let took = submitted.elapsed();
+        assert!(matches!(run.last(), Event::Done { .. }), "{:?}", run.last());
+        // Meaningful only when the prefill tick was long: it is, on this model and a CPU.
+        assert!(took > Duration::from_millis(1500), "the prefill took only {took:?}");
+        let worst = gaps.iter().max().copied().unwrap_or(took);
+        assert!(worst < Duration::from_millis(1000), "a heartbeat gap of {worst:?} (heartbeat every 200 ms) during a {took:?} request");
+        assert!(busy_seen, "heartbeats during the tick count the request");
+    });
+}
