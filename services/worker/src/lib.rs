@@ -7,11 +7,13 @@
 //!   `llmq_engine::Model`
 //!
 //! - `actor` the scheduler actor: the device's clock, on the device thread; its warm-up
+//! - `placement` how many jobs a worker holds, from its peers' heartbeats
 //! - `service` the worker process: model loading, NATS jobs, cancels, cache clears, heartbeats
 //!
 //! All MLX work of a worker runs on one thread.
 
 pub mod actor;
 pub mod engine_ops;
+pub mod placement;
 pub mod scheduler;
 pub mod service;

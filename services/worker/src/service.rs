@@ -29,12 +29,12 @@ use async_nats::jetstream::{self, consumer::pull, AckKind};
 use futures::StreamExt;
 use llmq_config::Settings;
 use llmq_engine::{default_dtype, load_named, parse_dtype};
-use llmq_protocol::workers::WorkerTable;
 use llmq_protocol::{subjects, CacheCleared, Cancel, ClearCache, ErrorClass, Event, Job, StreamEvent, WireError, WorkerStatus};
 use tokio::sync::mpsc;
 
 use crate::actor::{CancelRequest, ClearPrefixCache, Outbound, SchedulerActor, Submit, WarmUp};
 use crate::engine_ops::ModelEngine;
+use crate::placement::Placement;
 use crate::scheduler::SchedulerConfig;
 
 #[derive(Debug, thiserror::Error)]
@@ -119,33 +119,23 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
         _ => return Err(WorkerError::Model("the device thread stopped".into())),
     };
     // Peers' heartbeats, heard from before the warm-up so that the peer set is known when jobs
-    // are first fetched: does another live worker of this model have a free slot (and KV
-    // memory not all reserved)? Until this
-    // worker has listened for two heartbeat periods it assumes one does (it holds at most
-    // max_batch), so a worker that just started never over-fetches for want of news.
-    let hb_period = Duration::from_millis(settings.worker.heartbeat_ms);
-    let peers = Arc::new(Mutex::new(WorkerTable::new(3 * hb_period)));
-    let listening_since = std::time::Instant::now();
+    // are first fetched (see `placement`).
+    let placement = Arc::new(Mutex::new(Placement::new(
+        &worker_id,
+        &model_name,
+        Duration::from_millis(settings.worker.heartbeat_ms),
+        settings.scheduler.max_batch,
+        settings.worker.max_queued,
+    )));
     let mut beats = client.subscribe(subjects::WORKER_STATUS_ALL).await.map_err(nats_err)?;
-    let (beat_peers, me) = (peers.clone(), worker_id.clone());
+    let heard = placement.clone();
     actix::spawn(async move {
         while let Some(m) = beats.next().await {
             if let Ok(s) = llmq_protocol::decode::<WorkerStatus>(&m.payload) {
-                if s.worker_id != me {
-                    beat_peers.lock().unwrap().update(s);
-                }
+                heard.lock().unwrap().heard_at(s, std::time::Instant::now());
             }
         }
     });
-    let peer_model = model_name.clone();
-    let peer_has_room = move || {
-        listening_since.elapsed() < 2 * hb_period
-            || peers
-                .lock()
-                .unwrap()
-                .live_for(&peer_model)
-                .any(|w| w.active_streams + w.queued_requests < w.max_batch && w.kv_bytes_free > 0)
-    };
 
     // On a GPU a long warm-up prompt pays for every cache size a burst of long prompts reaches
     // (each new size's first chunk costs 100+ ms there); on a CPU a short one is enough.
@@ -260,9 +250,8 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
         Ok(n) => tracing::debug!(n, "stored cancels replayed"),
         Err(e) => tracing::warn!(error = %e, "could not replay stored cancels"),
     }
-    let (max_batch, max_queued) = (settings.scheduler.max_batch, settings.worker.max_queued);
     loop {
-        let limit = if peer_has_room() { max_batch.min(max_queued) } else { max_queued };
+        let limit = placement.lock().unwrap().limit_at(std::time::Instant::now());
         let room = limit.saturating_sub(inflight.lock().unwrap().len());
         if room == 0 {
             tokio::time::sleep(Duration::from_millis(10)).await;
