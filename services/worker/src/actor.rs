@@ -50,11 +50,8 @@ pub struct SchedulerActor<E: WorkerEngine + Unpin + 'static> {
     tick_ema_ms: f64,
     out: UnboundedSender<Outbound>,
     /// Cancels of requests not held here (yet): a job still waiting in the jobs stream when its
-    /// cancel went out is ended with `Cancelled` when it arrives instead of run. Kept for
-    /// `CANCEL_MEMORY`.
-    cancelled: HashMap<String, std::time::Instant>,
-    /// The same ids in the order they came, to forget them in O(1) each.
-    cancel_order: std::collections::VecDeque<(std::time::Instant, String)>,
+    /// cancel went out is ended with `Cancelled` when it arrives instead of run.
+    cancelled: RecentCancels,
     /// The latest status, refreshed after every message, for heartbeats that must not wait for
     /// a long tick (a worker busy in one is alive, not gone).
     snapshot: Option<std::sync::Arc<std::sync::Mutex<WorkerStatus>>>,
@@ -65,6 +62,36 @@ pub struct SchedulerActor<E: WorkerEngine + Unpin + 'static> {
 /// How long a cancel for a request not held here is remembered (the cancels stream keeps them
 /// as long, for workers that start later).
 pub const CANCEL_MEMORY: Duration = Duration::from_secs(3600);
+
+/// Request ids cancelled while not held, each forgotten `CANCEL_MEMORY` after it came (in
+/// arrival order, O(1) each). Invariant: every id in `at` has an entry in `order` with the same
+/// instant; `order` may also hold entries already taken or superseded.
+#[derive(Default)]
+struct RecentCancels {
+    at: HashMap<String, std::time::Instant>,
+    order: std::collections::VecDeque<(std::time::Instant, String)>,
+}
+
+impl RecentCancels {
+    fn remember(&mut self, request_id: String, now: std::time::Instant) {
+        while let Some((t, id)) = self.order.front() {
+            if now.duration_since(*t) < CANCEL_MEMORY {
+                break;
+            }
+            if self.at.get(id) == Some(t) {
+                self.at.remove(id);
+            }
+            self.order.pop_front();
+        }
+        self.at.insert(request_id.clone(), now);
+        self.order.push_back((now, request_id));
+    }
+
+    /// Whether `request_id` was cancelled (and forgets it).
+    fn take(&mut self, request_id: &str) -> bool {
+        self.at.remove(request_id).is_some()
+    }
+}
 
 impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
     pub fn new(
@@ -89,8 +116,7 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
             ended: 0,
             tick_ema_ms: 0.0,
             out,
-            cancelled: HashMap::new(),
-            cancel_order: std::collections::VecDeque::new(),
+            cancelled: RecentCancels::default(),
             snapshot: None,
             worker_id,
             model_name,
@@ -315,7 +341,7 @@ impl<E: WorkerEngine + Unpin + 'static> Handler<Submit> for SchedulerActor<E> {
         self.next_id += 1;
         self.meta.insert(id, Meta { request_id: job.request_id.clone(), subject: job.stream_subject.clone(), seq: 0 });
         self.by_request.insert(job.request_id.clone(), id);
-        if self.cancelled.remove(&job.request_id).is_some() {
+        if self.cancelled.take(&job.request_id) {
             let error = WireError::new(ErrorClass::Cancelled, "cancelled before it started");
             self.publish(vec![Emit { id, event: Event::Error { error } }]);
             return;
@@ -349,18 +375,7 @@ impl<E: WorkerEngine + Unpin + 'static> Handler<CancelRequest> for SchedulerActo
             self.scheduler.cancel(id);
             self.schedule_tick(ctx);
         } else {
-            let now = std::time::Instant::now();
-            while let Some((at, id)) = self.cancel_order.front() {
-                if now.duration_since(*at) < CANCEL_MEMORY {
-                    break;
-                }
-                if self.cancelled.get(id) == Some(at) {
-                    self.cancelled.remove(id);
-                }
-                self.cancel_order.pop_front();
-            }
-            self.cancelled.insert(request_id.clone(), now);
-            self.cancel_order.push_back((now, request_id));
+            self.cancelled.remember(request_id, std::time::Instant::now());
         }
     }
 }
@@ -419,5 +434,31 @@ impl<E: WorkerEngine + Unpin + 'static> Handler<ClearPrefixCache> for SchedulerA
         };
         self.refresh_snapshot();
         freed
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn recent_cancels_are_taken_once_and_forgotten_after_the_memory() {
+        let t0 = std::time::Instant::now();
+        let mut c = RecentCancels::default();
+        c.remember("a".into(), t0);
+        c.remember("b".into(), t0 + Duration::from_secs(1));
+        assert!(c.take("a"));
+        assert!(!c.take("a"), "taken once");
+        // A later cancel forgets what is older than the memory, and only that.
+        c.remember("c".into(), t0 + CANCEL_MEMORY + Duration::from_millis(500));
+        assert!(c.take("b"), "b is younger than the memory");
+        c.remember("d".into(), t0 + CANCEL_MEMORY + Duration::from_secs(2));
+        assert_eq!(c.at.len(), 2);
+        assert!(c.take("c") && c.take("d"));
+        // Remembered again later: the newer instant keeps it.
+        c.remember("e".into(), t0);
+        c.remember("e".into(), t0 + CANCEL_MEMORY);
+        c.remember("f".into(), t0 + CANCEL_MEMORY + Duration::from_secs(1));
+        assert!(c.take("e"), "the second cancel of e is still remembered");
     }
 }

@@ -2,14 +2,11 @@
 //! arbiter) and connects it to NATS.
 //!
 //! - jobs: one durable JetStream pull consumer per model, shared by every worker of that model.
-//!   A worker fetches one job at a time, and only while it holds fewer than it can run at once
-//!   (`scheduler.max_batch`) — or, when no live peer of its model has a free slot by their last
-//!   heartbeats (listened to for two periods), fewer than `worker.max_queued` (then it holds the
-//!   job, says `Queued`, and
-//!   starts it when a slot frees). So a job goes to a worker that can start it now whenever one
-//!   exists (two workers split 128 jobs 64/64 instead of 63/65 with one job waiting a whole
-//!   generation for a slot), nothing waits on a busy worker while another idles, a full worker
-//!   takes nothing, and a stopped one simply stops asking (back-pressure is the placement). A job is
+//!   A worker fetches one job at a time, and only while it holds fewer than `placement` allows:
+//!   `scheduler.max_batch` (it can start each at once) while a live peer has a free slot by the
+//!   heartbeats, else up to `worker.max_queued` (held with `Queued` until a slot frees). So a job
+//!   goes to a worker that can start it whenever one exists, a full worker takes nothing, and a
+//!   stopped one simply stops asking (back-pressure is the placement). A job is
 //!   acknowledged when its terminal event is published; while it runs, progress acks keep it.
 //!   A job delivered a second time (its worker died before finishing it) is ended with
 //!   `Error { class: worker_lost }` rather than run again under a stream that already has events.
@@ -18,7 +15,8 @@
 //!   `Cancelled` when it arrives instead of running. At start the worker replays the cancels the
 //!   server stored (stream `LLMQ_CANCELS_V1`), so this holds for workers started later too.
 //! - `llm.v1.cache.clear`: drops the cached prefixes (answers `CacheCleared` if asked).
-//! - heartbeats: `WorkerStatus` on `llm.v1.worker.<id>.status` every `worker.heartbeat_ms`.
+//! - heartbeats: `WorkerStatus` on `llm.v1.worker.<id>.status` every `worker.heartbeat_ms`: the
+//!   actor's latest status snapshot, so they keep coming during a long tick.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -243,13 +241,13 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
         }
     });
 
-    // Fetch loop: take jobs while there is room.
     // Cancels sent before this worker started, for jobs that may still be waiting in the stream
     // (the live subscription above covers everything from its start on; twice is harmless).
     match replay_cancels(&cancels_stream, &actor).await {
         Ok(n) => tracing::debug!(n, "stored cancels replayed"),
         Err(e) => tracing::warn!(error = %e, "could not replay stored cancels"),
     }
+    // Fetch loop: take jobs while there is room.
     loop {
         let limit = placement.lock().unwrap().limit_at(std::time::Instant::now());
         let room = limit.saturating_sub(inflight.lock().unwrap().len());

@@ -8,7 +8,7 @@
 //!   `http/json`), batched off the serving path (`OTEL_BSP_*` tune the batching), with
 //!   `service.name` = the service (`OTEL_SERVICE_NAME` wins).
 //! - Propagation: a request's trace context crosses NATS in W3C `traceparent`/`tracestate`
-//!   message headers ([`inject`], [`extract`]): gateway -> intake on `llm.v1.generate`, intake ->
+//!   message headers ([`headers_for`], [`extract`]): gateway -> intake on `llm.v1.generate`, intake ->
 //!   worker on the jobs stream, so one trace shows a request from HTTP to its last token. A NATS
 //!   client may send its own `traceparent` to make llmq's spans children of its trace.
 //!
@@ -100,7 +100,7 @@ impl Extractor for HeaderReader<'_> {
 }
 
 /// Writes `span`'s trace context into NATS headers (nothing when it is not being exported).
-pub fn inject(span: &tracing::Span, headers: &mut async_nats::HeaderMap) {
+fn inject(span: &tracing::Span, headers: &mut async_nats::HeaderMap) {
     TraceContextPropagator::new().inject_context(&span.context(), &mut HeaderWriter(headers));
 }
 
