@@ -55,6 +55,9 @@ pub struct SchedulerActor<E: WorkerEngine + Unpin + 'static> {
     /// The latest status, refreshed after every message, for heartbeats that must not wait for
     /// a long tick (a worker busy in one is alive, not gone).
     snapshot: Option<std::sync::Arc<std::sync::Mutex<WorkerStatus>>>,
+    /// One line per tick when `LLMQ_TICK_LOG` names a file (for finding stalls): the tick's
+    /// start (ms since the first), its ms, rows decoded, chunk tokens, prompt tokens done.
+    tick_log: Option<(std::fs::File, std::time::Instant)>,
     pub worker_id: String,
     pub model_name: String,
 }
@@ -118,6 +121,13 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
             out,
             cancelled: RecentCancels::default(),
             snapshot: None,
+            tick_log: std::env::var_os("LLMQ_TICK_LOG").and_then(|p| match std::fs::File::create(&p) {
+                Ok(f) => Some((f, std::time::Instant::now())),
+                Err(e) => {
+                    tracing::warn!(path = ?p, error = %e, "cannot write the tick log");
+                    None
+                }
+            }),
             worker_id,
             model_name,
         }
@@ -399,6 +409,13 @@ impl<E: WorkerEngine + Unpin + 'static> Handler<Tick> for SchedulerActor<E> {
                     tracing::warn!(ms, usual_ms = self.tick_ema_ms, decoded = report.decoded, prefill_tokens = report.prefill_tokens, "slow tick");
                 }
                 self.tick_ema_ms = if self.tick_ema_ms == 0.0 { ms } else { 0.9 * self.tick_ema_ms + 0.1 * ms };
+                if let Some((w, t0)) = self.tick_log.as_mut() {
+                    use std::io::Write;
+                    let at = (started - *t0).as_secs_f64() * 1000.0;
+                    // One write per line, unbuffered: the worker may be killed rather than stopped.
+                    let line = format!("{at:.3} {ms:.3} {} {} {}\n", report.decoded, report.prefill_tokens, report.prefill_done);
+                    let _ = w.write_all(line.as_bytes());
+                }
                 self.publish(emits)
             }
             Err(p) => {

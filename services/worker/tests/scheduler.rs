@@ -353,3 +353,40 @@ fn static_batching_admits_a_new_batch_only_when_the_last_one_finished() {
     h.run_until_idle(100);
     h.assert_all_ended(&[1, 2]);
 }
+
+/// The fake clock charges 10 ms per decode tick and 0.1 ms per prefill token: with a budget of
+/// twice a decode-only tick, about 100 tokens fit a tick; without one every chunk is 256.
+#[test]
+fn a_tick_budget_sizes_chunks_to_keep_the_streams_gap_within_it() {
+    let run = |tick_budget: f64| {
+        let mut h = Harness::new(SchedulerConfig { tick_budget, ..cfg() });
+        h.submit(1, 4, 10_000);
+        for _ in 0..20 {
+            h.tick(); // decode-only ticks: the budget's yardstick
+        }
+        h.submit(2, 6000, 2);
+        let mut gaps = vec![];
+        while !h.of(2).iter().any(|e| matches!(e, Event::Tokens { .. })) {
+            let before = h.now;
+            let (ev, rep) = h.tick();
+            assert_eq!(rep.decoded, 1, "the stream steps every tick");
+            assert!(ev.iter().any(|e| e.id == 1 && matches!(e.event, Event::Tokens { .. })));
+            gaps.push(((h.now - before).as_secs_f64() * 1000.0, rep.prefill_tokens));
+            assert!(gaps.len() < 1000, "prompt 2 never completed");
+        }
+        h.s.cancel(1);
+        h.run_until_idle(100);
+        h.assert_all_ended(&[1, 2]);
+        gaps
+    };
+    let fixed = run(0.0);
+    assert!(fixed.iter().rev().skip(1).all(|&(_, n)| n == 256), "{fixed:?}");
+    assert!(fixed[0].0 > 35.0);
+    let sized = run(2.0);
+    assert_eq!(sized[0].1, 16, "the first chunk is the smallest");
+    let settled = &sized[8..sized.len() - 1];
+    assert!(settled.iter().all(|&(ms, n)| ms <= 21.2 && (80..=112).contains(&n)), "{sized:?}");
+    // Every prompt token is still prefilled, each in exactly one chunk.
+    assert_eq!(sized.iter().map(|g| g.1).sum::<usize>(), 6000);
+    assert!(sized.len() < 6000 / 60, "chunks far smaller than the budget allows: {}", sized.len());
+}
