@@ -13,8 +13,8 @@ const HBM_BYTES_PER_S: f64 = 4.8e12;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// single (in process), or burst, batch, static, prefix, gateway (through NATS and the
-    /// worker's actors; gateway also through the HTTP gateway)
+    /// single or ticks (in process), or burst, batch, static, prefix, gateway (through NATS
+    /// and the worker's actors; gateway also through the HTTP gateway)
     scenario: String,
     #[arg(long)]
     local: bool,
@@ -106,6 +106,92 @@ fn single(model: &Model, a: &Args) -> Result<serde_json::Value> {
     }))
 }
 
+/// What one scheduler tick costs on the engine, in process (no actors, no NATS), to size
+/// prefill chunks: a decode step of `--active` rows alone, then the same step fused with one
+/// prefill chunk of each size at each offset into a `--burst-tokens` prompt, and that chunk
+/// alone. Each figure is the median of 5 timed runs (after 2 untimed) including the
+/// evaluation; every run starts from a fresh copy of the prompt's cache at that offset.
+fn ticks(model: &Model, a: &Args) -> Result<serde_json::Value> {
+    use mlx_rs::Array;
+    let ids = |t: &[u32]| Array::from_slice(&t.iter().map(|&x| x as i32).collect::<Vec<_>>(), &[1, t.len() as i32]);
+    let mut batch = model.new_decode_batch().ok_or_else(|| anyhow::anyhow!("this model decodes without a batch"))?;
+    for i in 0..a.active {
+        let mut c = model.new_cache();
+        model.forward(&ids(&random_prompt(a.prompt_tokens, 100 + i as u64)), &mut [&mut c], true)?.eval()?;
+        batch.join(&c)?;
+    }
+    let rows = vec![11u32; a.active];
+    let timed = |f: &mut dyn FnMut() -> Result<Array>| -> Result<f64> {
+        let mut v = vec![];
+        for i in 0..7 {
+            let t0 = Instant::now();
+            f()?.eval()?;
+            if i >= 2 {
+                v.push(t0.elapsed().as_secs_f64() * 1000.0);
+            }
+        }
+        Ok((median(v) * 1000.0).round() / 1000.0)
+    };
+    let decode_ms = timed(&mut || Ok(model.step(&mut [(&rows[..], &mut batch)], None)?))?;
+    let prompt = random_prompt(a.burst_tokens, 5);
+    let mut base = model.new_cache();
+    let sizes = [16usize, 64, 128, 256, 512];
+    let mut table = vec![];
+    let mut done = 0;
+    for offset in [0, a.burst_tokens / 4, a.burst_tokens / 2, a.burst_tokens - 1024] {
+        if offset > done {
+            model.forward(&ids(&prompt[done..offset]), &mut [&mut base], true)?.eval()?;
+            done = offset;
+        }
+        let layers: Vec<(Array, Array)> =
+            (0..model.config.num_layers).map(|l| base.contents(l)).collect::<Option<_>>().unwrap_or_default();
+        let fresh = || -> Result<llmq_engine::cache::SequenceCache> {
+            let c = if offset == 0 { model.new_cache_for(a.burst_tokens) } else { model.cache_from_prefix(&layers, offset, a.burst_tokens)? };
+            for l in 0..model.config.num_layers {
+                if let Some((k, v)) = c.contents(l) {
+                    mlx_rs::transforms::eval([&k, &v])?;
+                }
+            }
+            Ok(c)
+        };
+        for &n in &sizes {
+            let chunk = &prompt[offset..offset + n];
+            let mut caches = (0..14).map(|_| fresh()).collect::<Result<Vec<_>>>()?;
+            let fused_ms = timed(&mut || {
+                let mut c = caches.pop().expect("one per run");
+                Ok(model.step(&mut [(&rows[..], &mut batch)], Some((chunk, &mut c)))?)
+            })?;
+            let alone_ms = timed(&mut || {
+                let mut c = caches.pop().expect("one per run");
+                Ok(model.forward(&ids(chunk), &mut [&mut c], true)?)
+            })?;
+            table.push(serde_json::json!({"offset": offset, "chunk": n, "fused_ms": fused_ms, "alone_ms": alone_ms}));
+        }
+    }
+    // The whole prompt joins a decode batch of its own (a new length group): the join, then
+    // the first steps of both groups together.
+    model.forward(&ids(&prompt[done..]), &mut [&mut base], true)?.eval()?;
+    let mut joins = vec![];
+    let mut two_groups = vec![];
+    for _ in 0..3 {
+        let mut long = model.new_decode_batch().expect("checked above");
+        let t0 = Instant::now();
+        long.join(&base)?;
+        long.eval()?;
+        joins.push(t0.elapsed().as_secs_f64() * 1000.0);
+        for _ in 0..3 {
+            let t0 = Instant::now();
+            model.step(&mut [(&rows[..], &mut batch), (&[11u32][..], &mut long)], None)?.eval()?;
+            two_groups.push(t0.elapsed().as_secs_f64() * 1000.0);
+        }
+    }
+    let r = |v: &[f64]| v.iter().map(|x| (x * 1000.0).round() / 1000.0).collect::<Vec<_>>();
+    Ok(serde_json::json!({
+        "scenario": "ticks", "active_streams": a.active, "decode_ms": decode_ms, "ticks": table,
+        "join_ms": r(&joins), "two_group_step_ms": r(&two_groups),
+    }))
+}
+
 fn through_nats(a: &Args) -> Result<serde_json::Value> {
     let model = match (&a.model, &a.random_weights) {
         (_, Some(shape)) => format!("random:{shape}"),
@@ -147,7 +233,7 @@ fn through_nats(a: &Args) -> Result<serde_json::Value> {
 }
 
 pub fn run(a: Args) -> Result<()> {
-    if a.scenario != "single" {
+    if !a.local && !matches!(a.scenario.as_str(), "single" | "ticks") {
         let v = through_nats(&a)?;
         if a.json {
             println!("{v}");
@@ -157,7 +243,7 @@ pub fn run(a: Args) -> Result<()> {
         return Ok(());
     }
     if !a.local {
-        bail!("the single scenario runs the engine in process: add --local");
+        bail!("the {} scenario runs the engine in process: add --local", a.scenario);
     }
     let dtype = a.dtype.as_deref().map(parse_dtype).transpose()?.unwrap_or_else(default_dtype);
     let t0 = Instant::now();
@@ -170,7 +256,8 @@ pub fn run(a: Args) -> Result<()> {
     let nbytes = model.weight_bytes();
     let mut res = match a.scenario.as_str() {
         "single" => single(&model, &a)?,
-        other => bail!("unknown scenario {other:?}: single, burst, batch, static"),
+        "ticks" => ticks(&model, &a)?,
+        other => bail!("unknown scenario {other:?}: single, ticks, burst, batch, static, prefix, gateway"),
     };
     let obj = res.as_object_mut().expect("object");
     let key = if random { "shape" } else { "model" };
@@ -180,9 +267,8 @@ pub fn run(a: Args) -> Result<()> {
     obj.insert("dtype".into(), format!("{dtype:?}").into());
     obj.insert("weight_bytes".into(), nbytes.into());
     obj.insert("load_s".into(), ((load_s * 100.0).round() / 100.0).into());
-    if random {
+    if let (true, Some(ms)) = (random, obj.get("ms_per_token").and_then(|v| v.as_f64())) {
         let roof = nbytes as f64 / HBM_BYTES_PER_S * 1000.0;
-        let ms = obj["ms_per_token"].as_f64().unwrap_or(f64::NAN);
         obj.insert("hbm_roofline_ms".into(), ((roof * 1000.0).round() / 1000.0).into());
         // Six decimals: tiny shapes on a CPU are far below the H200 roofline, and still above 0.
         obj.insert("fraction_of_roofline".into(), ((roof / ms * 1e6).round() / 1e6).into());

@@ -73,6 +73,11 @@ impl DecodeBatch {
         Ok(zeros_dtype(&[slots as i32, self.kv_heads, capacity as i32, self.head_dim], self.dtype)?)
     }
 
+    /// Evaluates the buffers (for timing what a join costs).
+    pub fn eval(&self) -> Result<()> {
+        Ok(mlx_rs::transforms::eval(self.layers.iter().flat_map(|(k, v)| [k, v]))?)
+    }
+
     /// Makes room for `slots` rows of `capacity` tokens.
     pub(crate) fn reserve(&mut self, slots: usize, capacity: usize) -> Result<()> {
         let slots = if slots > self.slots { slots.max(self.slots * 2).max(4) } else { self.slots };

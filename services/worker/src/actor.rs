@@ -55,7 +55,7 @@ pub struct SchedulerActor<E: WorkerEngine + Unpin + 'static> {
     /// The latest status, refreshed after every message, for heartbeats that must not wait for
     /// a long tick (a worker busy in one is alive, not gone).
     snapshot: Option<std::sync::Arc<std::sync::Mutex<WorkerStatus>>>,
-    /// One line per tick when `LLMQ_TICK_LOG` names a file (for finding stalls): the tick's
+    /// One line per tick when `LLMQ_TICK_LOG` names a file (`<it>.<worker id>`; for finding stalls): the tick's
     /// start (ms since the first), its ms, rows decoded, chunk tokens, prompt tokens done.
     tick_log: Option<(std::fs::File, std::time::Instant)>,
     pub worker_id: String,
@@ -121,7 +121,11 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
             out,
             cancelled: RecentCancels::default(),
             snapshot: None,
-            tick_log: std::env::var_os("LLMQ_TICK_LOG").and_then(|p| match std::fs::File::create(&p) {
+            // One file per worker: the path, a dot, the worker's id.
+            tick_log: std::env::var_os("LLMQ_TICK_LOG").map(|mut p| {
+                p.push(format!(".{worker_id}"));
+                p
+            }).and_then(|p| match std::fs::File::create(&p) {
                 Ok(f) => Some((f, std::time::Instant::now())),
                 Err(e) => {
                     tracing::warn!(path = ?p, error = %e, "cannot write the tick log");
