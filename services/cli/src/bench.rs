@@ -146,7 +146,7 @@ fn ticks(model: &Model, a: &Args) -> Result<serde_json::Value> {
         let layers: Vec<(Array, Array)> =
             (0..model.config.num_layers).map(|l| base.contents(l)).collect::<Option<_>>().unwrap_or_default();
         let fresh = || -> Result<llmq_engine::cache::SequenceCache> {
-            let c = if offset == 0 { model.new_cache_for(a.burst_tokens) } else { model.cache_from_prefix(&layers, offset, a.burst_tokens)? };
+            let c = if offset == 0 { model.new_cache() } else { model.cache_from_prefix(&layers, offset, a.burst_tokens)? };
             for l in 0..model.config.num_layers {
                 if let Some((k, v)) = c.contents(l) {
                     mlx_rs::transforms::eval([&k, &v])?;

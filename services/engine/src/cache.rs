@@ -42,30 +42,11 @@ pub struct StandardCache {
     values: Option<Array>,
     offset: usize,
     step: usize,
-    /// Capacity of the first allocation (the prompt's length, when known).
-    reserve: usize,
-}
-
-/// How a prefill chunk's queries see the cache (LLMQ_CHUNK_KEYS, read once; an A/B switch for
-/// the H200 measurements): `buffer` (default): the whole buffer under an explicit mask; `sliced`:
-/// the keys up to the chunk's end, rounded up to a whole step, under the mask.
-fn sliced_keys() -> bool {
-    static SLICED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *SLICED.get_or_init(|| std::env::var("LLMQ_CHUNK_KEYS").is_ok_and(|v| v == "sliced"))
 }
 
 impl StandardCache {
     pub fn new(step: usize) -> Self {
-        StandardCache { keys: None, values: None, offset: 0, step: step.max(1), reserve: 0 }
-    }
-
-    /// A cache whose first allocation already holds `tokens` (rounded up to a power of two of
-    /// steps): a prompt prefilled in chunks then never grows (each growth copies the whole
-    /// cache and allocates anew, and showed up as the slowest ticks of the burst benchmark).
-    pub fn for_tokens(step: usize, tokens: usize) -> Self {
-        let mut c = StandardCache::new(step);
-        c.reserve = tokens.div_ceil(c.step).next_power_of_two() * c.step;
-        c
+        StandardCache { keys: None, values: None, offset: 0, step: step.max(1) }
     }
 
     fn capacity(&self) -> usize {
@@ -106,7 +87,7 @@ impl KvCache for StandardCache {
         if end > self.capacity() {
             // Geometric growth: a long prompt prefilled in chunks copies its cache O(log n)
             // times, not once per chunk.
-            let target = end.max(2 * self.capacity()).max(self.reserve).div_ceil(self.step) * self.step;
+            let target = end.max(2 * self.capacity()).div_ceil(self.step) * self.step;
             let extra = target - self.capacity();
             self.keys = Some(grow(self.keys.as_ref(), k, extra)?);
             self.values = Some(grow(self.values.as_ref(), v, extra)?);
@@ -125,15 +106,10 @@ impl KvCache for StandardCache {
         // same shapes. Measured on an H200: 64 prompts of 512 tokens admitted twice as fast as
         // with the keys sliced to the chunk's end (RESULTS.md).
         let cap = keys.shape()[2];
-        let step = self.step as i32;
-        let seen = if sliced_keys() { ((e + step - 1) / step * step).min(cap) } else { cap };
         let q_pos = mlx_rs::ops::arange::<i32, i32>(o, e, None)?.reshape(&[t as i32, 1])?;
-        let k_pos = mlx_rs::ops::arange::<i32, i32>(None, seen, None)?.reshape(&[1, seen])?;
+        let k_pos = mlx_rs::ops::arange::<i32, i32>(None, cap, None)?.reshape(&[1, cap])?;
         let mask = k_pos.le(&q_pos)?;
-        if seen == cap {
-            return Ok((keys.clone(), values.clone(), AttnMask::Explicit(mask)));
-        }
-        Ok((keys.index((.., .., ..seen, ..)), values.index((.., .., ..seen, ..)), AttnMask::Explicit(mask)))
+        Ok((keys.clone(), values.clone(), AttnMask::Explicit(mask)))
     }
 
     fn nbytes(&self) -> usize {

@@ -317,20 +317,6 @@ impl Model {
         SequenceCache { layers }
     }
 
-    /// A fresh cache for a sequence of about `tokens` tokens (its prompt): allocated once for
-    /// all of them at its first update (LLMQ_PREFILL_KV=grow keeps the geometric growth of
-    /// `new_cache`, for A/B measurements).
-    pub fn new_cache_for(&self, tokens: usize) -> SequenceCache {
-        let grow = std::env::var("LLMQ_PREFILL_KV").is_ok_and(|v| v == "grow");
-        if self.config.sliding_window.is_some() || grow {
-            return self.new_cache();
-        }
-        let layers = (0..self.config.num_layers)
-            .map(|_| -> Box<dyn KvCache> { Box::new(StandardCache::for_tokens(CACHE_STEP, tokens)) })
-            .collect();
-        SequenceCache { layers }
-    }
-
     /// A cache holding the first `n` positions of `kv` (per layer [1, kv_heads, >=n, head_dim]),
     /// copied, with room for `capacity` tokens: a prefix-cache hit resumes prefill at position
     /// `n` of a prompt of `capacity` tokens.

@@ -239,7 +239,7 @@ impl WorkerEngine for ModelEngine {
         }
         let eos = self.tokenizer.as_ref().map(|t| t.eos_ids.clone()).unwrap_or_default();
         let seq = Seq {
-            cache: self.model.new_cache_for(prompt.len()),
+            cache: self.model.new_cache(),
             history: prompt.clone(),
             prompt,
             prefilled: 0,

@@ -13,7 +13,6 @@
 //! All MLX work of a worker runs on one thread.
 
 pub mod actor;
-pub mod chunk_budget;
 pub mod engine_ops;
 pub mod placement;
 pub mod scheduler;

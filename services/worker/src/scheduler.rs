@@ -5,8 +5,7 @@
 //!    request's prompt is looked up in the prefix cache and its prefill starts after the reused
 //!    tokens;
 //! 3. exactly one prefill chunk is chosen, for one request: `prefill_chunk` tokens while
-//!    anything decodes (or, with `tick_budget`, what fits a time budget, see `chunk_budget`),
-//!    `idle_prefill_chunk` when nothing does (the idle fast path);
+//!    anything decodes, `idle_prefill_chunk` when nothing does (the idle fast path);
 //! 4. the active decode batch steps once and the chunk is prefilled, in one engine call (the
 //!    real engine runs both in one pass over the weights); every running stream's token is
 //!    delivered first. A request whose prompt completes samples its first token and joins the
@@ -27,8 +26,6 @@ use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use llmq_protocol::{ErrorClass, Event, FinishReason, Timings, TokenLogprob, Usage, WireError};
-
-use crate::chunk_budget::ChunkBudget;
 
 pub type ReqId = u64;
 
@@ -52,11 +49,6 @@ pub struct SchedulerConfig {
     /// False: static batching, the baseline of the `static` benchmark: a new batch is admitted
     /// only when the previous one has entirely finished.
     pub continuous: bool,
-    /// Chunks sized so that a tick with one costs about this many times a decode-only tick
-    /// (`chunk_budget`); `prefill_chunk` is then the largest grant. 0: fixed chunks.
-    pub tick_budget: f64,
-    /// The smallest chunk the time budget grants.
-    pub min_prefill_chunk: usize,
 }
 
 impl Default for SchedulerConfig {
@@ -70,8 +62,6 @@ impl Default for SchedulerConfig {
             aging_tokens_per_s: 1000.0,
             interleave: true,
             continuous: true,
-            tick_budget: 0.0,
-            min_prefill_chunk: 16,
         }
     }
 }
@@ -210,20 +200,11 @@ pub struct Scheduler {
     decoding: Vec<ReqId>,
     cancels: HashSet<ReqId>,
     reserved: u64,
-    budget: ChunkBudget,
-    /// The last tick, while ticks follow each other: (its start, rows decoded, chunk tokens).
-    last_busy: Option<(Duration, usize, usize)>,
 }
 
 impl Scheduler {
     pub fn new(cfg: SchedulerConfig) -> Self {
-        let budget = ChunkBudget::new(cfg.tick_budget, cfg.min_prefill_chunk);
-        Scheduler { cfg, budget, ..Default::default() }
-    }
-
-    /// The chunk budget's moving averages: (decode-only tick ms, ms per prefill token).
-    pub fn budget_estimates(&self) -> (Option<f64>, Option<f64>) {
-        self.budget.estimates()
+        Scheduler { cfg, ..Default::default() }
     }
 
     pub fn config(&self) -> &SchedulerConfig {
@@ -331,9 +312,6 @@ impl Scheduler {
     pub fn tick(&mut self, engine: &mut impl EngineOps, now: Duration) -> (Vec<Emit>, TickReport) {
         let mut out = Vec::new();
         let mut report = TickReport::default();
-        if let Some((started, decoded, chunk)) = self.last_busy.take() {
-            self.budget.observe(decoded, chunk, now.saturating_sub(started).as_secs_f64() * 1000.0);
-        }
 
         // 1. cancellations
         for id in std::mem::take(&mut self.cancels) {
@@ -380,7 +358,7 @@ impl Scheduler {
             } else if self.decoding.is_empty() {
                 remaining.min(self.cfg.idle_prefill_chunk)
             } else {
-                remaining.min(self.budget.grant(self.cfg.prefill_chunk))
+                remaining.min(self.cfg.prefill_chunk)
             };
             (id, n)
         });
@@ -424,9 +402,6 @@ impl Scheduler {
         }
         // Sequences that ended or completed their prompt this tick were remembered.
         engine.prefix_trim(self.cfg.kv_budget_bytes - self.reserved);
-        if !self.is_idle() {
-            self.last_busy = Some((now, report.decoded, report.prefill_tokens));
-        }
         (out, report)
     }
 

@@ -62,8 +62,6 @@ pub fn scheduler_config(s: &Settings) -> SchedulerConfig {
         aging_tokens_per_s: c.aging_tokens_per_s,
         interleave: c.interleave,
         continuous: c.continuous,
-        tick_budget: c.tick_budget,
-        min_prefill_chunk: c.min_prefill_chunk_tokens,
     }
 }
 

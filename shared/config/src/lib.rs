@@ -113,12 +113,6 @@ pub struct SchedulerSettings {
     /// Queue each greedy decode step on the device before the previous one's tokens are read
     /// (hides the host's share of a step).
     pub decode_ahead: bool,
-    /// While streams decode, size each prefill chunk so that the tick carrying it takes about
-    /// this many times a decode-only tick (prefill_chunk_tokens is then the largest chunk).
-    /// 0: every chunk is prefill_chunk_tokens.
-    pub tick_budget: f64,
-    /// The smallest chunk the time budget grants.
-    pub min_prefill_chunk_tokens: usize,
 }
 
 impl Default for SchedulerSettings {
@@ -132,8 +126,6 @@ impl Default for SchedulerSettings {
             interleave: true,
             continuous: true,
             decode_ahead: true,
-            tick_budget: 0.0,
-            min_prefill_chunk_tokens: 16,
         }
     }
 }
@@ -183,12 +175,6 @@ impl Settings {
         }
         if s.idle_prefill_chunk_tokens < s.prefill_chunk_tokens {
             return bad("scheduler.idle_prefill_chunk_tokens", s.idle_prefill_chunk_tokens.to_string(), "must be at least prefill_chunk_tokens");
-        }
-        if !(s.tick_budget == 0.0 || (s.tick_budget.is_finite() && s.tick_budget > 1.0)) {
-            return bad("scheduler.tick_budget", s.tick_budget.to_string(), "must be 0 (off) or a finite number above 1");
-        }
-        if s.min_prefill_chunk_tokens == 0 || s.min_prefill_chunk_tokens > s.prefill_chunk_tokens {
-            return bad("scheduler.min_prefill_chunk_tokens", s.min_prefill_chunk_tokens.to_string(), "must be between 1 and prefill_chunk_tokens");
         }
         if s.max_batch == 0 {
             return bad("scheduler.max_batch", "0".into(), "must be at least 1");
