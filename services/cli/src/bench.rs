@@ -169,12 +169,14 @@ fn ticks(model: &Model, a: &Args) -> Result<serde_json::Value> {
         }
     }
     // The whole prompt joins a decode batch of its own (a new length group): the join, then
-    // the first steps of both groups together.
+    // steps of both groups together, the long one masked (even rounds) or row by row (odd).
     model.forward(&ids(&prompt[done..]), &mut [&mut base], true)?.eval()?;
     let mut joins = vec![];
     let mut two_groups = vec![];
-    for _ in 0..3 {
-        let mut long = model.new_decode_batch().expect("checked above");
+    let mut two_groups_per_row = vec![];
+    for round in 0..6 {
+        let per_row = round % 2 == 1;
+        let mut long = model.new_decode_batch().expect("checked above").with_per_row_attention(if per_row { 8 } else { 0 });
         let t0 = Instant::now();
         long.join(&base)?;
         long.eval()?;
@@ -182,13 +184,15 @@ fn ticks(model: &Model, a: &Args) -> Result<serde_json::Value> {
         for _ in 0..3 {
             let t0 = Instant::now();
             model.step(&mut [(&rows[..], &mut batch), (&[11u32][..], &mut long)], None)?.eval()?;
-            two_groups.push(t0.elapsed().as_secs_f64() * 1000.0);
+            let ms = t0.elapsed().as_secs_f64() * 1000.0;
+            if per_row { two_groups_per_row.push(ms) } else { two_groups.push(ms) }
         }
     }
     let r = |v: &[f64]| v.iter().map(|x| (x * 1000.0).round() / 1000.0).collect::<Vec<_>>();
     Ok(serde_json::json!({
         "scenario": "ticks", "active_streams": a.active, "decode_ms": decode_ms, "ticks": table,
         "join_ms": r(&joins), "two_group_step_ms": r(&two_groups),
+        "two_group_step_per_row_ms": r(&two_groups_per_row),
     }))
 }
 

@@ -28,6 +28,10 @@ pub struct DecodeBatch {
     head_dim: i32,
     dtype: Dtype,
     num_layers: usize,
+    /// While the batch has at most this many rows, they attend row by row over each row's own
+    /// length (no mask, MLX's fused vector kernel) instead of in one masked attention over every
+    /// row's whole capacity, which MLX runs unfused and which is slow for long rows. 0: never.
+    per_row_up_to: usize,
 }
 
 impl DecodeBatch {
@@ -41,7 +45,19 @@ impl DecodeBatch {
             head_dim: head_dim as i32,
             dtype,
             num_layers,
+            per_row_up_to: 0,
         }
+    }
+
+    /// Rows attend one by one while there are at most `rows` of them (see `per_row_up_to`).
+    pub fn with_per_row_attention(mut self, rows: usize) -> Self {
+        self.per_row_up_to = rows;
+        self
+    }
+
+    /// Whether this step's rows attend one by one.
+    pub fn per_row_attention(&self) -> bool {
+        !self.lens.is_empty() && self.lens.len() <= self.per_row_up_to
     }
 
     /// Active rows.

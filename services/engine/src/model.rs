@@ -189,6 +189,8 @@ struct GroupStep<'a> {
     positions: Array,
     write: Array,
     mask: Array,
+    /// With per-row attention: each active row's length after this step's token.
+    row_lens: Option<Vec<i32>>,
 }
 
 impl Attention {
@@ -215,7 +217,24 @@ impl Attention {
             let kv = &mut g.kv[layer];
             kv.0 = kv.0.put_along_axis(&g.write, &k, 2)?;
             kv.1 = kv.1.put_along_axis(&g.write, &v, 2)?;
-            let o = scaled_dot_product_attention(&q, &kv.0, &kv.1, self.scale, &g.mask, None)?;
+            let o = match &g.row_lens {
+                None => scaled_dot_product_attention(&q, &kv.0, &kv.1, self.scale, &g.mask, None)?,
+                Some(lens) => {
+                    // Each active row over its own keys, unmasked (MLX's fused vector kernel);
+                    // scratch rows get zeros.
+                    let mut parts = Vec::with_capacity(lens.len() + 1);
+                    for (r, &len) in lens.iter().enumerate() {
+                        let r = r as i32;
+                        let (k, v) = (kv.0.index((r..r + 1, .., ..len, ..)), kv.1.index((r..r + 1, .., ..len, ..)));
+                        parts.push(scaled_dot_product_attention(&q.index(r..r + 1), &k, &v, self.scale, None, None)?);
+                    }
+                    let n = lens.len() as i32;
+                    if n < b {
+                        parts.push(mlx_rs::ops::zeros_dtype(&[b - n, self.heads, 1, d], q.dtype())?);
+                    }
+                    if parts.len() == 1 { parts.pop().expect("one") } else { concatenate(&parts, 0)? }
+                }
+            };
             outs.push(o.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, 1, self.heads * d])?);
         }
         if let Some((cache, t)) = chunk {
@@ -401,7 +420,8 @@ impl Model {
             let cap = batch.capacity() as i32;
             let keys = mlx_rs::ops::arange::<i32, i32>(None, cap, None)?.reshape(&[1, 1, 1, cap])?;
             let mask = keys.lt(&positions.reshape(&[slots as i32, 1, 1, 1])?.add(Array::from_int(1))?)?;
-            steps.push(GroupStep { kv: &mut batch.layers[..], offset, slots: slots as i32, positions, write, mask });
+            let row_lens = batch.per_row_attention().then(|| batch.lens().iter().map(|&l| l as i32 + 1).collect());
+            steps.push(GroupStep { kv: &mut batch.layers[..], offset, slots: slots as i32, positions, write, mask, row_lens });
         }
         let mut chunk = chunk;
         let t = chunk.as_ref().map_or(0, |(c, _)| c.len() as i32);

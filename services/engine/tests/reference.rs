@@ -181,16 +181,18 @@ fn decode_batch_with_joins_and_leaves_matches_transformers() {
 }
 
 /// Sequences split over two decode batches (length groups) stepped together: one weight pass,
-/// attention per group; logits still equal transformers'.
+/// attention per group (the second group's rows also one by one, unmasked); logits still equal
+/// transformers'.
 #[test]
 fn grouped_decode_matches_transformers() {
     const STEPS: usize = 4;
-    for name in ["tiny-llama", "tiny-qwen3"] {
+    for (name, per_row) in [("tiny-llama", 0), ("tiny-qwen3", 0), ("tiny-llama", 8), ("tiny-qwen3", 8)] {
         let m = load(name);
         let cases = reference(fixture(name).join("reference.safetensors"));
         let seqs: Vec<_> = cases.iter().filter(|c| c.ids.len() > STEPS).collect();
+        assert!(seqs.len() >= 3, "the long group needs rows of different lengths");
         let mut short = m.model.new_decode_batch().unwrap();
-        let mut long = m.model.new_decode_batch().unwrap();
+        let mut long = m.model.new_decode_batch().unwrap().with_per_row_attention(per_row);
         for (i, c) in seqs.iter().enumerate() {
             let mut cache = m.model.new_cache();
             run_chunked(&m.model, &mut cache, &c.ids[..c.ids.len() - STEPS], 16);
@@ -203,7 +205,7 @@ fn grouped_decode_matches_transformers() {
             let logits = host_f32(&m.model.decode_groups(&mut [(&a[..], &mut short), (&b[..], &mut long)]).unwrap()).unwrap();
             for (r, c) in seqs.iter().enumerate() {
                 let d = max_abs_diff(&logits[r * c.vocab..(r + 1) * c.vocab], c.row(c.ids.len() - STEPS + step));
-                assert!(d < TOL, "{name} seq {r} step {step}: max |diff| {d}");
+                assert!(d < TOL, "{name} (per row: {per_row}) seq {r} step {step}: max |diff| {d}");
             }
         }
     }
