@@ -81,8 +81,8 @@ struct Ahead {
 const GROUP_BOUNDS: [usize; 4] = [2048, 8192, 32768, usize::MAX];
 
 /// Rows of a long length group (past the first) attend one by one while there are at most
-/// this many (a decode step with one 8192-token row in a group of its own took 23.5 ms against
-/// 13.8 ms without that row, masked; RESULTS.md).
+/// this many: on an H200, a decode step of 16 short rows plus one 8192-token row in a group of
+/// its own took 15.2-16.3 ms so against 22.4-23.2 ms masked (RESULTS.md).
 const PER_ROW_UP_TO: usize = 8;
 
 /// Engine calls slower than this are logged at debug level (with their parts), to find stalls.
@@ -105,10 +105,9 @@ fn wire_logprob(lp: llmq_engine::sampling::TokenLogprob, tok: Option<&Tokenizer>
 impl ModelEngine {
     pub fn new(model: Model, tokenizer: Option<Tokenizer>) -> Self {
         // Past the first group, few long rows: they attend one by one (see DecodeBatch).
-        let per_row = if std::env::var("LLMQ_LONG_GROUPS").is_ok_and(|v| v == "masked") { 0 } else { PER_ROW_UP_TO };
         let batches = model.new_decode_batch().map(|_| {
             (0..GROUP_BOUNDS.len())
-                .filter_map(|g| model.new_decode_batch().map(|b| b.with_per_row_attention(if g == 0 { 0 } else { per_row })))
+                .filter_map(|g| model.new_decode_batch().map(|b| b.with_per_row_attention(if g == 0 { 0 } else { PER_ROW_UP_TO })))
                 .collect::<Vec<_>>()
         });
         let zero = std::time::Duration::ZERO;
