@@ -1,6 +1,7 @@
 //! The decode batch: every running sequence's KV cache as one row of per-layer buffers
 //! [slots, kv_heads, capacity, head_dim], so that one decode step is one batched forward pass
-//! (one RoPE, one KV write and one attention kernel per layer for the whole batch).
+//! (one RoPE and one KV write per layer for the whole batch; one masked attention over all rows,
+//! or, for a batch of few long rows, one unmasked attention per row over its own length).
 //!
 //! Invariants: active rows are dense, 0..len(); a sequence joins by copying only its own KV into
 //! the next row, and leaves by moving the last row into its place, so nobody else's cache is
