@@ -188,9 +188,15 @@ struct GroupStep<'a> {
     slots: i32,
     positions: Array,
     write: Array,
-    mask: Array,
-    /// With per-row attention: each active row's length after this step's token.
-    row_lens: Option<Vec<i32>>,
+    attend: GroupAttention,
+}
+
+/// How a group's rows attend (see `DecodeBatch::per_row_attention`).
+enum GroupAttention {
+    /// All rows at once over the whole capacity, masked past each row's length.
+    Masked(Array),
+    /// Row by row, unmasked, over each active row's length after this step's token.
+    PerRow(Vec<i32>),
 }
 
 impl Attention {
@@ -217,9 +223,9 @@ impl Attention {
             let kv = &mut g.kv[layer];
             kv.0 = kv.0.put_along_axis(&g.write, &k, 2)?;
             kv.1 = kv.1.put_along_axis(&g.write, &v, 2)?;
-            let o = match &g.row_lens {
-                None => scaled_dot_product_attention(&q, &kv.0, &kv.1, self.scale, &g.mask, None)?,
-                Some(lens) => {
+            let o = match &g.attend {
+                GroupAttention::Masked(mask) => scaled_dot_product_attention(&q, &kv.0, &kv.1, self.scale, mask, None)?,
+                GroupAttention::PerRow(lens) => {
                     // Each active row over its own keys, unmasked (MLX's fused vector kernel);
                     // scratch rows get zeros.
                     let mut parts = Vec::with_capacity(lens.len() + 1);
@@ -417,11 +423,14 @@ impl Model {
             toks.resize(offset as usize + slots, 0);
             let positions = batch.positions();
             let write = batch.write_index(&positions)?;
-            let cap = batch.capacity() as i32;
-            let keys = mlx_rs::ops::arange::<i32, i32>(None, cap, None)?.reshape(&[1, 1, 1, cap])?;
-            let mask = keys.lt(&positions.reshape(&[slots as i32, 1, 1, 1])?.add(Array::from_int(1))?)?;
-            let row_lens = batch.per_row_attention().then(|| batch.lens().iter().map(|&l| l as i32 + 1).collect());
-            steps.push(GroupStep { kv: &mut batch.layers[..], offset, slots: slots as i32, positions, write, mask, row_lens });
+            let attend = if batch.per_row_attention() {
+                GroupAttention::PerRow(batch.lens().iter().map(|&l| l as i32 + 1).collect())
+            } else {
+                let cap = batch.capacity() as i32;
+                let keys = mlx_rs::ops::arange::<i32, i32>(None, cap, None)?.reshape(&[1, 1, 1, cap])?;
+                GroupAttention::Masked(keys.lt(&positions.reshape(&[slots as i32, 1, 1, 1])?.add(Array::from_int(1))?)?)
+            };
+            steps.push(GroupStep { kv: &mut batch.layers[..], offset, slots: slots as i32, positions, write, attend });
         }
         let mut chunk = chunk;
         let t = chunk.as_ref().map_or(0, |(c, _)| c.len() as i32);

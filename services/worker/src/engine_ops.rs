@@ -82,7 +82,7 @@ const GROUP_BOUNDS: [usize; 4] = [2048, 8192, 32768, usize::MAX];
 
 /// Rows of a long length group (past the first) attend one by one while there are at most
 /// this many: on an H200, a decode step of 16 short rows plus one 8192-token row in a group of
-/// its own took 15.2-16.3 ms so against 22.4-23.2 ms masked (RESULTS.md).
+/// its own took 15.2-18.8 ms against 22.4-25.0 ms masked (RESULTS.md).
 const PER_ROW_UP_TO: usize = 8;
 
 /// Engine calls slower than this are logged at debug level (with their parts), to find stalls.
