@@ -8,6 +8,8 @@ use llmq_engine::generate::{generate, GenerateRequest};
 use llmq_engine::sampling::{SamplingParams, StopParams};
 use llmq_engine::{default_dtype, load_model, on_gpu, parse_dtype, resolve_model, shapes, Model};
 
+use crate::bench_nats::round;
+
 /// H200 HBM bandwidth: the single-stream decode roofline is weight bytes / this.
 const HBM_BYTES_PER_S: f64 = 4.8e12;
 
@@ -101,7 +103,7 @@ fn single(model: &Model, a: &Args) -> Result<serde_json::Value> {
     let ms = median(gaps);
     Ok(serde_json::json!({
         "scenario": "single",
-        "ms_per_token": (ms * 1000.0).round() / 1000.0,
+        "ms_per_token": round(ms, 3),
         "tokens_per_s": (10000.0 / ms).round() / 10.0,
     }))
 }
@@ -130,7 +132,7 @@ fn ticks(model: &Model, a: &Args) -> Result<serde_json::Value> {
                 v.push(t0.elapsed().as_secs_f64() * 1000.0);
             }
         }
-        Ok((median(v) * 1000.0).round() / 1000.0)
+        Ok(round(median(v), 3))
     };
     let decode_ms = timed(&mut || Ok(model.step(&mut [(&rows[..], &mut batch)], None)?))?;
     let prompt = random_prompt(a.burst_tokens, 5);
@@ -188,7 +190,7 @@ fn ticks(model: &Model, a: &Args) -> Result<serde_json::Value> {
             if per_row { two_groups_per_row.push(ms) } else { two_groups.push(ms) }
         }
     }
-    let r = |v: &[f64]| v.iter().map(|x| (x * 1000.0).round() / 1000.0).collect::<Vec<_>>();
+    let r = |v: &[f64]| v.iter().map(|&x| round(x, 3)).collect::<Vec<_>>();
     Ok(serde_json::json!({
         "scenario": "ticks", "active_streams": a.active, "decode_ms": decode_ms, "ticks": table,
         "join_ms": r(&joins), "two_group_step_ms": r(&two_groups),
@@ -237,7 +239,7 @@ fn through_nats(a: &Args) -> Result<serde_json::Value> {
 }
 
 pub fn run(a: Args) -> Result<()> {
-    if !a.local && !matches!(a.scenario.as_str(), "single" | "ticks") {
+    if !matches!(a.scenario.as_str(), "single" | "ticks") {
         let v = through_nats(&a)?;
         if a.json {
             println!("{v}");
@@ -270,10 +272,10 @@ pub fn run(a: Args) -> Result<()> {
     obj.insert("device".into(), if on_gpu() { "gpu" } else { "cpu" }.into());
     obj.insert("dtype".into(), format!("{dtype:?}").into());
     obj.insert("weight_bytes".into(), nbytes.into());
-    obj.insert("load_s".into(), ((load_s * 100.0).round() / 100.0).into());
+    obj.insert("load_s".into(), round(load_s, 2).into());
     if let (true, Some(ms)) = (random, obj.get("ms_per_token").and_then(|v| v.as_f64())) {
         let roof = nbytes as f64 / HBM_BYTES_PER_S * 1000.0;
-        obj.insert("hbm_roofline_ms".into(), ((roof * 1000.0).round() / 1000.0).into());
+        obj.insert("hbm_roofline_ms".into(), round(roof, 3).into());
         // Six decimals: tiny shapes on a CPU are far below the H200 roofline, and still above 0.
         obj.insert("fraction_of_roofline".into(), ((roof / ms * 1e6).round() / 1e6).into());
     }
