@@ -306,7 +306,7 @@ impl EngineOps for ModelEngine {
     /// (see `Ahead`); otherwise decode and prefill run one after the other.
     fn step(&mut self, decode: &[ReqId], prefill: Option<(ReqId, usize)>) -> (Vec<Result<StepOut, WireError>>, Option<PrefillResult>) {
         if decode.is_empty() {
-            self.ahead = None;
+            self.discard_ahead();
         }
         if self.batches.is_none() || decode.is_empty() {
             return step_separately(self, decode, prefill);
@@ -363,12 +363,29 @@ impl EngineOps for ModelEngine {
         }
         if self.rows.iter().all(|g| g.is_empty()) {
             // Nobody is left to consume a step queued ahead.
-            self.ahead = None;
+            self.discard_ahead();
         }
     }
 }
 
+impl Drop for ModelEngine {
+    fn drop(&mut self) {
+        self.discard_ahead();
+    }
+}
+
 impl ModelEngine {
+    /// Drops a step queued ahead, after waiting for it: no device work an engine queued
+    /// outlives its use (a step still running on MLX's stream thread when the process exits
+    /// can meet freed memory; a test binary once aborted at exit with a corrupted heap).
+    fn discard_ahead(&mut self) {
+        if let Some(a) = self.ahead.take() {
+            if let Err(e) = a.tokens.eval() {
+                tracing::warn!(error = %e, "a step queued ahead failed");
+            }
+        }
+    }
+
     fn prefill_inner(&mut self, id: ReqId, n: usize) -> Result<Option<StepOut>, WireError> {
         let mut seq = self.seqs.remove(&id).ok_or_else(|| internal(format!("prefill of unknown request {id}")))?;
         let result = (|| {
