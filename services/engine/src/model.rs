@@ -26,6 +26,9 @@ pub fn host_f32(a: &Array) -> Result<Vec<f32>> {
 /// Cache growth step in tokens: decode reallocates once every this many tokens.
 const CACHE_STEP: usize = 256;
 
+/// On a GPU, prefill chunks end on multiples of this many positions (see `Model::chunk_grid`).
+pub const GPU_CHUNK_GRID: usize = 256;
+
 struct Linear {
     weight_t: Array,
     bias: Option<Array>,
@@ -101,6 +104,7 @@ pub struct Model {
     /// None when the output projection is tied to the embedding.
     lm_head_t: Option<Array>,
     dtype: Dtype,
+    chunk_grid: usize,
 }
 
 fn heads_first(x: Array, b: i32, t: i32, heads: i32, dim: i32, norm: Option<&Array>, eps: f32) -> Result<Array> {
@@ -297,7 +301,8 @@ impl Model {
             Some(w.take("lm_head.weight", &[c.vocab_size, c.hidden_size])?.t())
         };
         let dtype = w.dtype();
-        let model = Model { config, embed, layers, norm, lm_head_t, dtype };
+        let chunk_grid = if crate::on_gpu() && config.sliding_window.is_none() { GPU_CHUNK_GRID } else { 1 };
+        let model = Model { config, embed, layers, norm, lm_head_t, dtype, chunk_grid };
         mlx_rs::transforms::eval(model.parameters())?;
         Ok(model)
     }
@@ -330,6 +335,32 @@ impl Model {
     }
 
     /// A fresh, empty cache for one sequence.
+    /// Prefill chunks end on multiples of this many positions: a chunk that would end between
+    /// two is padded with copies of its last token, run, and its cache rewound past the
+    /// padding (the padding's keys are overwritten by the tokens that follow). A GPU plans its
+    /// fused attention once per shape (40-70 ms each on an H200), and a chunk's shape is its
+    /// length and where it ends: on the grid, a prompt's chunks reuse a few shapes instead of
+    /// planning a new one for every prompt length. 1 (no padding) on a CPU, where padding is
+    /// pure extra work, and for sliding-window caches, which cannot rewind.
+    pub fn chunk_grid(&self) -> usize {
+        self.chunk_grid
+    }
+
+    /// The same model with another chunk grid (tests check padding on a CPU with it).
+    pub fn with_chunk_grid(mut self, grid: usize) -> Self {
+        self.chunk_grid = if self.config.sliding_window.is_none() { grid.max(1) } else { 1 };
+        self
+    }
+
+    /// How many padding tokens a chunk of `len` tokens written from position `offset` needs
+    /// to end on the grid.
+    fn chunk_padding(&self, offset: usize, len: usize) -> usize {
+        if len < 2 {
+            return 0;
+        }
+        (offset + len).div_ceil(self.chunk_grid) * self.chunk_grid - (offset + len)
+    }
+
     pub fn new_cache(&self) -> SequenceCache {
         let layers = (0..self.config.num_layers)
             .map(|_| -> Box<dyn KvCache> {
@@ -433,14 +464,15 @@ impl Model {
             steps.push(GroupStep { kv: &mut batch.layers[..], offset, slots: slots as i32, positions, write, attend });
         }
         let mut chunk = chunk;
-        let t = chunk.as_ref().map_or(0, |(c, _)| c.len() as i32);
-        if let Some((c, _)) = &chunk {
-            if c.is_empty() {
-                return Err(EngineError::InvalidRequest("step: an empty prefill chunk".into()));
-            }
+        let mut pad = 0;
+        if let Some((c, cache)) = &chunk {
+            let (&last, _) = c.split_last().ok_or_else(|| EngineError::InvalidRequest("step: an empty prefill chunk".into()))?;
             toks.extend(c.iter().map(|&x| x as i32));
             active.push(toks.len() as i32 - 1);
+            pad = self.chunk_padding(cache.offset(), c.len());
+            toks.extend(std::iter::repeat_n(last as i32, pad));
         }
+        let t = chunk.as_ref().map_or(0, |(c, _)| (c.len() + pad) as i32);
         if active.is_empty() {
             return Err(EngineError::InvalidRequest("decode: no rows".into()));
         }
@@ -471,6 +503,9 @@ impl Model {
         for (_, batch) in groups.iter_mut() {
             batch.advance();
         }
+        if let Some((_, cache)) = chunk.as_mut() {
+            cache.rewind(pad)?;
+        }
         let rows = if active.len() == toks.len() {
             x
         } else {
@@ -493,6 +528,18 @@ impl Model {
                 caches.len()
             )));
         }
+        // One sequence's chunk is padded to the grid like `step`'s (batches of sequences decode
+        // one token each: nothing to pad).
+        let t = shape[1];
+        let pad = if caches.len() == 1 { self.chunk_padding(caches[0].offset(), t as usize) as i32 } else { 0 };
+        let padded;
+        let tokens = if pad > 0 {
+            let last = tokens.index((.., t - 1..));
+            padded = concatenate(&[tokens, &mlx_rs::ops::broadcast_to(&last, &[1, pad])?], 1)?;
+            &padded
+        } else {
+            tokens
+        };
         let eps = self.config.rms_norm_eps;
         let mut x = self.embed.take_axis(tokens, 0)?;
         for (li, layer) in self.layers.iter().enumerate() {
@@ -502,8 +549,13 @@ impl Model {
             let h = layer.mlp.forward(&rms_norm(&x, Some(&layer.post_norm), eps)?)?;
             x = x.add(&h)?;
         }
-        if last_only && shape[1] > 1 {
-            x = x.index((.., shape[1] - 1.., ..));
+        for cache in caches.iter_mut() {
+            cache.rewind(pad as usize)?;
+        }
+        if last_only && t + pad > 1 {
+            x = x.index((.., t - 1..t, ..));
+        } else if pad > 0 {
+            x = x.index((.., ..t, ..));
         }
         let x = rms_norm(&x, Some(&self.norm), eps)?;
         Ok(match &self.lm_head_t {

@@ -16,12 +16,18 @@ const TOL: f32 = 1e-4;
 const MODELS: &[&str] = &["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral"];
 
 fn check_prefill(name: &str, chunk: usize) {
-    let m = load(name);
+    check_prefill_on_grid(name, chunk, 1);
+}
+
+/// With `grid` > 1, chunks are padded to end on multiples of it (as on a GPU) and the padding
+/// rewound: the next chunk overwrites the padding's keys.
+fn check_prefill_on_grid(name: &str, chunk: usize, grid: usize) {
+    let model = load(name).model.with_chunk_grid(grid);
     for (i, case) in reference(fixture(name).join("reference.safetensors")).iter().enumerate() {
-        let mut cache = m.model.new_cache();
-        let got = run_chunked(&m.model, &mut cache, &case.ids, chunk);
+        let mut cache = model.new_cache();
+        let got = run_chunked(&model, &mut cache, &case.ids, chunk);
         let d = max_abs_diff(&got, &case.logits);
-        assert!(d < TOL, "{name} case {i} (len {}) chunk {chunk}: max |diff| {d}", case.ids.len());
+        assert!(d < TOL, "{name} case {i} (len {}) chunk {chunk} grid {grid}: max |diff| {d}", case.ids.len());
         assert_eq!(cache.offset(), case.ids.len());
     }
 }
@@ -38,6 +44,16 @@ fn prefill_in_chunks_matches_transformers() {
     for m in MODELS {
         for chunk in [1, 7, 64] {
             check_prefill(m, chunk);
+        }
+    }
+}
+
+#[test]
+fn prefill_in_chunks_padded_to_a_grid_matches_transformers() {
+    // tiny-mistral has a sliding window: its caches cannot rewind, so it never pads.
+    for m in ["tiny-llama", "tiny-qwen2", "tiny-qwen3"] {
+        for chunk in [3, 7, 16, 4096] {
+            check_prefill_on_grid(m, chunk, 8);
         }
     }
 }
@@ -213,28 +229,29 @@ fn grouped_decode_matches_transformers() {
 
 /// A decode step and another sequence's prefill chunk in one pass (`Model::step`): the decoding
 /// sequences' logits and the chunk's last-position logits still equal transformers', chunk
-/// after chunk, and the chunked sequence's cache ends where one-piece prefill's would.
+/// after chunk, and the chunked sequence's cache ends where one-piece prefill's would (also with
+/// the chunks padded to a grid, as on a GPU).
 #[test]
 fn decode_fused_with_a_prefill_chunk_matches_transformers() {
     const STEPS: usize = 4;
-    for name in ["tiny-llama", "tiny-qwen2", "tiny-qwen3"] {
-        let m = load(name);
+    for (name, grid) in [("tiny-llama", 1), ("tiny-qwen2", 1), ("tiny-qwen3", 1), ("tiny-llama", 8), ("tiny-qwen3", 8)] {
+        let model = load(name).model.with_chunk_grid(grid);
         let cases = reference(fixture(name).join("reference.safetensors"));
         let decoding: Vec<_> = cases.iter().filter(|c| c.ids.len() > STEPS && c.ids.len() < 60).collect();
         let chunked = cases.iter().max_by_key(|c| c.ids.len()).unwrap();
         assert!(chunked.ids.len() >= 4 * STEPS, "{name}: a long case to chunk");
-        let mut batch = m.model.new_decode_batch().unwrap();
+        let mut batch = model.new_decode_batch().unwrap();
         for c in &decoding {
-            let mut cache = m.model.new_cache();
-            run_chunked(&m.model, &mut cache, &c.ids[..c.ids.len() - STEPS], 16);
+            let mut cache = model.new_cache();
+            run_chunked(&model, &mut cache, &c.ids[..c.ids.len() - STEPS], 16);
             batch.join(&cache).unwrap();
         }
-        let mut cache = m.model.new_cache();
+        let mut cache = model.new_cache();
         let chunk = chunked.ids.len().div_ceil(STEPS);
         for step in 0..STEPS {
             let toks: Vec<u32> = decoding.iter().map(|c| c.ids[c.ids.len() - STEPS + step]).collect();
             let (from, to) = (step * chunk, ((step + 1) * chunk).min(chunked.ids.len()));
-            let logits = host_f32(&m.model.step(&mut [(&toks[..], &mut batch)], Some((&chunked.ids[from..to], &mut cache))).unwrap()).unwrap();
+            let logits = host_f32(&model.step(&mut [(&toks[..], &mut batch)], Some((&chunked.ids[from..to], &mut cache))).unwrap()).unwrap();
             let v = chunked.vocab;
             assert_eq!(logits.len(), (decoding.len() + 1) * v);
             for (r, c) in decoding.iter().enumerate() {
@@ -242,7 +259,7 @@ fn decode_fused_with_a_prefill_chunk_matches_transformers() {
                 assert!(d < TOL, "{name} decoding seq {r} step {step}: max |diff| {d}");
             }
             let d = max_abs_diff(&logits[decoding.len() * v..], chunked.row(to - 1));
-            assert!(d < TOL, "{name} chunk ending at {to}: max |diff| {d}");
+            assert!(d < TOL, "{name} grid {grid} chunk ending at {to}: max |diff| {d}");
         }
         assert_eq!(cache.offset(), chunked.ids.len());
     }

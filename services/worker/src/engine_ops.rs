@@ -322,6 +322,13 @@ impl EngineOps for ModelEngine {
     fn admit(&mut self, id: ReqId) -> usize {
         let (Some(seq), Some(prefix)) = (self.seqs.get_mut(&id), self.prefix.as_mut()) else { return 0 };
         let Some((n, kv)) = prefix.lookup(seq.salt.as_deref(), &seq.prompt) else { return 0 };
+        // Whole grid blocks only, so that the prompt's chunks still start on the grid (see
+        // `Model::chunk_grid`).
+        let grid = self.model.chunk_grid();
+        let n = n / grid * grid;
+        if n == 0 {
+            return 0;
+        }
         match self.model.cache_from_prefix(&kv.layers, n, seq.prompt.len()) {
             Ok(cache) => {
                 seq.cache = cache;
