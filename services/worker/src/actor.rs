@@ -280,21 +280,31 @@ impl<E: WorkerEngine + Unpin + 'static> Handler<WarmUp> for SchedulerActor<E> {
             let context = engine.context_tokens().saturating_sub(8);
             let fits = (cfg.kv_budget_bytes / engine.kv_bytes_per_token().max(1)) as usize;
             let short = 16.min(context / 4).max(1);
-            let long = w.tokens.min(context).min(fits.saturating_sub(short + 8) * 3 / 4).max(1);
-            // The short one decodes through the long one's whole chunked prefill, then beside it.
-            let short_out = (long.div_ceil(cfg.prefill_chunk.max(1)) + 4).min(context.saturating_sub(short)).max(1);
-            let dummies = [(ReqId::MAX - 1, short, short_out), (ReqId::MAX, long, 4)];
-            for (k, &(id, len, out)) in dummies.iter().enumerate() {
-                let prompt: Vec<u32> = (0..len as u32).map(|i| 1 + (i * 7 + k as u32) % 50).collect();
-                let stop = StopParams { max_tokens: out, ignore_eos: true, ..Default::default() };
-                engine.register(id, prompt, SamplingParams::default(), stop, None).map_err(|e| e.to_string())?;
-                let a = Admission { id, prompt_tokens: len, max_tokens: out, accepted_at: Self::now() };
-                if let Some(e) = s.submit(a).into_iter().find(|e| e.event.is_terminal()) {
-                    return Err(format!("{:?}", e.event));
+            let long = w.tokens.min(context).min(fits.saturating_sub(short + 8) * 3 / 8).max(1);
+            // MLX plans kernels, cuDNN attention and CUDA graphs once per shape, tens of ms
+            // each on a GPU. The phases below make the shapes a burst of long prompts meets:
+            // a long prompt alone (the idle engine's large prefill steps); a short one that
+            // decodes throughout; two long ones together, the first chunked beside the short
+            // one's decode, then decoding as a length group of its own beside the second's
+            // chunks.
+            let chunks = long.div_ceil(cfg.prefill_chunk.max(1));
+            let out = |n: usize| n.min(context.saturating_sub(long.max(short))).max(1);
+            let phases: [&[(usize, usize)]; 3] = [&[(long, 1)], &[(short, out(2 * chunks + 8))], &[(long, out(chunks + 4)), (long, 4)]];
+            let mut id = ReqId::MAX - 4;
+            for (k, phase) in phases.iter().enumerate() {
+                for &(len, max_tokens) in phase.iter() {
+                    id += 1;
+                    let prompt: Vec<u32> = (0..len as u32).map(|i| 1 + (i * 7 + (id % 50) as u32) % 50).collect();
+                    let stop = StopParams { max_tokens, ignore_eos: true, ..Default::default() };
+                    engine.register(id, prompt, SamplingParams::default(), stop, None).map_err(|e| e.to_string())?;
+                    let a = Admission { id, prompt_tokens: len, max_tokens, accepted_at: Self::now() };
+                    if let Some(e) = s.submit(a).into_iter().find(|e| e.event.is_terminal()) {
+                        return Err(format!("{:?}", e.event));
+                    }
                 }
-                // The first runs alone until it decodes; the second joins it; then both finish.
+                // The short one's phase ends when it decodes; the others run to their end.
                 let mut ticks = 0;
-                while if k == 0 { s.active_streams() == 0 } else { !s.is_idle() } {
+                while if k == 1 { s.active_streams() == 0 } else { !s.is_idle() } {
                     let (emits, _) = s.tick(engine, Self::now());
                     if let Some(e) = emits.iter().find(|e| matches!(e.event, Event::Error { .. })) {
                         return Err(format!("{:?}", e.event));
