@@ -1,5 +1,6 @@
 //! The scheduler driving the real engine (SmolLM2): chunked and interleaved prefill gives the
-//! same greedy tokens as one-piece generation, and all KV memory comes back.
+//! same greedy tokens as one-piece generation (also with chunks padded to a grid, as on a GPU),
+//! and all KV memory comes back.
 
 use std::time::Instant;
 
@@ -29,11 +30,11 @@ fn chunked_interleaved_prefill_gives_the_same_greedy_tokens() {
         })
         .collect();
 
-    let tokenizer = loaded.tokenizer;
-    let mut engine = ModelEngine::new(loaded.model, tokenizer);
-    // Twice: with decode steps queued ahead (the default) and without.
-    for ahead in [true, false] {
-        engine = engine.with_decode_ahead(ahead);
+    // With decode steps queued ahead (the default), without, and with chunks padded to a grid
+    // as on a GPU.
+    for (ahead, grid) in [(true, 1), (false, 1), (true, 8)] {
+        let fresh = load_model(&resolve_model("smollm2").unwrap(), Dtype::Float32).unwrap();
+        let mut engine = ModelEngine::new(fresh.model.with_chunk_grid(grid), fresh.tokenizer).with_decode_ahead(ahead);
         let bpt = engine.kv_bytes_per_token();
         let mut s = Scheduler::new(SchedulerConfig {
             prefill_chunk: 7,
@@ -66,7 +67,7 @@ fn chunked_interleaved_prefill_gives_the_same_greedy_tokens() {
                 .filter(|e| e.id == i as u64)
                 .flat_map(|e| if let Event::Tokens { ids, .. } = &e.event { ids.clone() } else { vec![] })
                 .collect();
-            assert_eq!(&got, want, "request {i}");
+            assert_eq!(&got, want, "request {i}, decode_ahead {ahead}, grid {grid}");
             assert!(events.iter().filter(|e| e.id == i as u64).last().unwrap().event.is_terminal());
         }
         assert_eq!(engine.held(), 0);
