@@ -2,7 +2,9 @@
 """Which attention path MLX takes, and what it costs, for the shapes of an llmq tick (8b shape:
 32 query heads, 8 KV heads, head dim 128, bf16, 32 layers). Diagnostic only: run on the GPU
 machine inside the peer's environment (unpack-mlx-cuda.sh peer). Prints one JSON line per case:
-milliseconds for the op repeated over 32 layers' buffers, median of 15 timed runs."""
+milliseconds for the op repeated over 32 layers' buffers, median of 15 timed runs; then what the
+first call of a new attention shape costs (MLX plans a cuDNN graph per shape) and what fresh
+device buffers cost. RESULTS.md (fifth session) has its output."""
 import json, time
 import mlx.core as mx
 
@@ -105,8 +107,44 @@ def write_cases(out):
         print(json.dumps({"case": "write_scatter", "rows": rows, "cap": cap, "ms": timed(step)}), flush=True)
 
 
+def ms_once(f):
+    t0 = time.perf_counter()
+    mx.eval(f())
+    return round((time.perf_counter() - t0) * 1e3, 3)
+
+
+def plan_cases():
+    kv = buffers(1, 8192)
+    mx.eval(*[a for p in kv for a in p])
+    for t, e in ((256, 4608), (256, 4864), (200, 5064), (136, 5200), (256, 4608), (200, 5064)):
+        q = mx.random.normal((1, H, t, D)).astype(DT)
+        mx.eval(q)
+        f = lambda: [mx.fast.scaled_dot_product_attention(q, k[:, :, :e], v[:, :, :e], scale=SCALE, mask="causal") for k, v in kv]
+        print(json.dumps({"case": "causal_sliced_new_shape", "t": t, "e": e, "first_ms": ms_once(f), "second_ms": ms_once(f)}), flush=True)
+    for t in (256, 200, 136, 256):
+        q = mx.random.normal((1, H, t, D)).astype(DT)
+        am = mx.where(mx.arange(8192).reshape(1, 8192) <= mx.arange(4000, 4000 + t).reshape(t, 1), 0.0, -float("inf")).astype(DT)
+        mx.eval(q, am)
+        f = lambda: [mx.fast.scaled_dot_product_attention(q, k, v, scale=SCALE, mask=am) for k, v in kv]
+        print(json.dumps({"case": "add_buffer_new_t", "t": t, "first_ms": ms_once(f), "second_ms": ms_once(f)}), flush=True)
+
+
+def alloc_cases():
+    for n in (1024, 4096, 8192):
+        make = lambda: [mx.zeros((1, KVH, n, D), dtype=DT) for _ in range(64)]
+        b = make()
+        t0 = time.perf_counter(); mx.eval(*b); fresh = (time.perf_counter() - t0) * 1e3
+        del b
+        b = make()
+        t0 = time.perf_counter(); mx.eval(*b); reused = (time.perf_counter() - t0) * 1e3
+        del b
+        print(json.dumps({"case": "alloc64", "tokens": n, "fresh_ms": round(fresh, 3), "reused_ms": round(reused, 3)}), flush=True)
+
+
 if __name__ == "__main__":
     print(json.dumps({"mlx": mx.__version__, "device": str(mx.default_device())}))
     chunk_cases(None)
     decode_cases(None)
     write_cases(None)
+    plan_cases()
+    alloc_cases()
