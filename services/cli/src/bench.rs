@@ -113,8 +113,12 @@ fn single(model: &Model, a: &Args) -> Result<serde_json::Value> {
 /// prefill chunk of each size at each offset into a `--burst-tokens` prompt, and that chunk
 /// alone. Each figure is the median of 5 timed runs (after 2 untimed) including the
 /// evaluation; every run starts from a fresh copy of the prompt's cache at that offset.
-fn ticks(model: &Model, a: &Args) -> Result<serde_json::Value> {
+fn ticks(model: &mut Model, a: &Args) -> Result<serde_json::Value> {
     use mlx_rs::Array;
+    // As a worker does: chunks of these sizes, started on multiples of them, are not padded.
+    let sizes = [16usize, 64, 128, 256, 512];
+    model.fit_chunk_grid(&sizes);
+    let model = &*model;
     let ids = |t: &[u32]| Array::from_slice(&t.iter().map(|&x| x as i32).collect::<Vec<_>>(), &[1, t.len() as i32]);
     let mut batch = model.new_decode_batch().ok_or_else(|| anyhow::anyhow!("this model decodes without a batch"))?;
     for i in 0..a.active {
@@ -137,7 +141,6 @@ fn ticks(model: &Model, a: &Args) -> Result<serde_json::Value> {
     let decode_ms = timed(&mut || Ok(model.step(&mut [(&rows[..], &mut batch)], None)?))?;
     let prompt = random_prompt(a.burst_tokens, 5);
     let mut base = model.new_cache();
-    let sizes = [16usize, 64, 128, 256, 512];
     let mut table = vec![];
     let mut done = 0;
     for offset in [0, a.burst_tokens / 4, a.burst_tokens / 2, a.burst_tokens - 1024] {
@@ -253,7 +256,7 @@ pub fn run(a: Args) -> Result<()> {
     }
     let dtype = a.dtype.as_deref().map(parse_dtype).transpose()?.unwrap_or_else(default_dtype);
     let t0 = Instant::now();
-    let (model, label, random) = match (&a.model, &a.random_weights) {
+    let (mut model, label, random) = match (&a.model, &a.random_weights) {
         (_, Some(shape)) => (shapes::random_model(shape, dtype, 0)?, shape.clone(), true),
         (Some(name), None) => (load_model(&resolve_model(name)?, dtype)?.model, name.clone(), false),
         (None, None) => bail!("give --model NAME or --random-weights SHAPE"),
@@ -262,7 +265,7 @@ pub fn run(a: Args) -> Result<()> {
     let nbytes = model.weight_bytes();
     let mut res = match a.scenario.as_str() {
         "single" => single(&model, &a)?,
-        "ticks" => ticks(&model, &a)?,
+        "ticks" => ticks(&mut model, &a)?,
         other => bail!("unknown scenario {other:?}: single, ticks, burst, batch, static, prefix, gateway"),
     };
     let obj = res.as_object_mut().expect("object");

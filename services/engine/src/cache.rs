@@ -104,8 +104,9 @@ impl KvCache for StandardCache {
         let values = self.values.as_mut().expect("allocated above");
         values.try_index_mut((.., .., o..e, ..), v)?;
         self.offset = end;
-        // New tokens attend over the keys up to their end (a chunk bottom-right causal): MLX runs that as one
-        // fused (cuDNN) attention. An explicit mask over the buffer took MLX's unfused path:
+        // New tokens attend over the keys up to their end, a chunk bottom-right causal: MLX
+        // runs that as one fused (cuDNN) attention. An explicit mask over the buffer took MLX's
+        // unfused path:
         // 15.9 ms against 2.5 ms for 32 layers of a 256-token chunk at position 7168 of an
         // 8192-token buffer on an H200 (RESULTS.md). The fused kernel is planned once per shape
         // (40-70 ms the first time), which is why the model pads chunks to a grid of positions

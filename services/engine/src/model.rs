@@ -334,7 +334,6 @@ impl Model {
         self.dtype
     }
 
-    /// A fresh, empty cache for one sequence.
     /// Prefill chunks end on multiples of this many positions: a chunk that would end between
     /// two is padded with copies of its last token, run, and its cache rewound past the
     /// padding (the padding's keys are overwritten by the tokens that follow). A GPU plans its
@@ -352,6 +351,15 @@ impl Model {
         self
     }
 
+    /// Shrinks the chunk grid to divide every one of `chunk_sizes`, so that chunks of those
+    /// sizes started on the grid end on it without padding.
+    pub fn fit_chunk_grid(&mut self, chunk_sizes: &[usize]) {
+        fn gcd(a: usize, b: usize) -> usize {
+            if b == 0 { a } else { gcd(b, a % b) }
+        }
+        self.chunk_grid = chunk_sizes.iter().fold(self.chunk_grid, |g, &n| gcd(g, n)).max(1);
+    }
+
     /// How many padding tokens a chunk of `len` tokens written from position `offset` needs
     /// to end on the grid.
     fn chunk_padding(&self, offset: usize, len: usize) -> usize {
@@ -361,6 +369,7 @@ impl Model {
         (offset + len).div_ceil(self.chunk_grid) * self.chunk_grid - (offset + len)
     }
 
+    /// A fresh, empty cache for one sequence.
     pub fn new_cache(&self) -> SequenceCache {
         let layers = (0..self.config.num_layers)
             .map(|_| -> Box<dyn KvCache> {

@@ -104,9 +104,9 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
             load_named(&model_ref, dtype).map_err(|e| format!("{model_ref}: {e}"))
         })();
         let _ = ready_tx.send(loaded.map(|m| {
-            // The chunk grid divides the chunk sizes, so that whole chunks are never padded.
-            let grid = gcd(gcd(m.model.chunk_grid(), cfg.prefill_chunk), cfg.idle_prefill_chunk);
-            let model = m.model.with_chunk_grid(grid);
+            // Whole chunks are never padded.
+            let mut model = m.model;
+            model.fit_chunk_grid(&[cfg.prefill_chunk, cfg.idle_prefill_chunk]);
             let mut engine = ModelEngine::new(model, m.tokenizer).with_decode_ahead(decode_ahead);
             if prefix.enabled {
                 engine = engine.with_prefix_cache(prefix.block_tokens, prefix_max);
@@ -363,8 +363,4 @@ fn record_end(span: &tracing::Span, event: &Event) {
 fn rand_u32() -> u32 {
     let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
     (t.as_nanos() as u32) ^ (std::process::id().rotate_left(16))
-}
-
-fn gcd(a: usize, b: usize) -> usize {
-    if b == 0 { a } else { gcd(b, a % b) }
 }
