@@ -139,11 +139,12 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
     });
 
     // On a GPU a long warm-up prompt pays for every cache size a burst of long prompts reaches
-    // (each new size's first chunk costs 100+ ms there); on a CPU a short one is enough.
+    // (each new size's first chunk costs 100+ ms there); on a CPU a short one is enough (the
+    // warm-up runs three long prompts: about 6 s of SmolLM2 at 261 tokens on a 2-core CPU).
     let warm_up = settings.worker.warm_up_tokens.unwrap_or(if llmq_engine::on_gpu() {
         GPU_WARM_UP_TOKENS
     } else {
-        2 * settings.scheduler.prefill_chunk_tokens + 5
+        settings.scheduler.prefill_chunk_tokens + 5
     });
     if warm_up > 0 {
         match actor.send(WarmUp { tokens: warm_up }).await {

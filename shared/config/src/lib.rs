@@ -86,9 +86,9 @@ pub struct WorkerSettings {
     /// A job not acknowledged for this long (its worker died) is handed to another worker;
     /// running jobs are kept alive with progress acks six times per period.
     pub ack_wait_ms: u64,
-    /// Prompt length of the warm-up's dummy requests (run before taking jobs, so that MLX has
-    /// compiled its kernels for the cache sizes up to this); default: twice the prefill chunk
-    /// (and a few); 0: no warm-up.
+    /// Prompt length of the warm-up's long dummy requests (run before taking jobs, so that MLX
+    /// has planned its kernels for the cache sizes up to this); default: 8192 on a GPU, one
+    /// prefill chunk and a few on a CPU; 0: no warm-up.
     pub warm_up_tokens: Option<usize>,
 }
 
