@@ -1,7 +1,8 @@
 //! The prefix cache inside the real engine, driven by the scheduler: greedy tokens with a cache
 //! hit equal those of the same prompt generated alone without any cache (`generate`, itself
 //! checked against transformers), for exact and partial hits, chunked prefill after the reused
-//! prefix, hits on a prefix of a request still running, sliding-window models, eviction under
+//! prefix, hits on a prefix of a request still running, whole grid blocks on a chunk grid,
+//! sliding-window models, eviction under
 //! memory pressure, cancellation, salts; and the bytes held add up.
 
 use std::time::Duration;
@@ -168,6 +169,35 @@ fn exact_and_partial_hits_give_the_same_greedy_tokens() {
         assert!((st.hit_rate() - 68.0 / 132.0).abs() < 1e-9);
         rig.check_memory_returns();
     }
+}
+
+/// On a chunk grid (as on a GPU, here 8 positions), hits reuse whole grid blocks only, so the
+/// chunks after them start on the grid; the tokens are still those of the prompt alone.
+#[test]
+fn on_a_chunk_grid_hits_reuse_whole_blocks() {
+    let model = tiny("tiny-llama");
+    let (a, want_a) = pick(&model, |s| prompt(s, 40));
+    let (partial, want_partial) = pick(&model, |s| [&a[..29], &prompt(2000 + s, 23)].concat());
+    let mut rig = Rig::new(model.with_chunk_grid(8), 100_000, 8);
+    let first = rig.submit(&a, None);
+    rig.run();
+    let exact = rig.submit(&a, None);
+    rig.run();
+    let part = rig.submit(&partial, None);
+    rig.run();
+    assert_eq!(rig.tokens(first), want_a, "no hit");
+    assert_eq!(rig.tokens(exact), want_a, "exact hit");
+    assert_eq!(rig.cached(exact), 32, "39 reusable tokens, 4 whole blocks");
+    assert_eq!(rig.tokens(part), want_partial, "partial hit");
+    assert_eq!(rig.cached(part), 24, "29 shared tokens, 3 whole blocks");
+    let progress: Vec<u32> = rig
+        .events
+        .iter()
+        .filter(|(i, _)| *i == part)
+        .filter_map(|(_, e)| if let Event::PrefillProgress { done, .. } = e { Some(*done) } else { None })
+        .collect();
+    assert_eq!(progress, vec![32, 40, 48, 52]);
+    rig.check_memory_returns();
 }
 
 /// A prompt's KV is cached as soon as its prefill completes: a request arriving while the
