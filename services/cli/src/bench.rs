@@ -8,7 +8,7 @@ use llmq_engine::generate::{generate, GenerateRequest};
 use llmq_engine::sampling::{SamplingParams, StopParams};
 use llmq_engine::{default_dtype, load_model, on_gpu, parse_dtype, resolve_model, shapes, Model};
 
-use crate::bench_nats::round;
+use crate::bench_nats::{median, round};
 
 /// H200 HBM bandwidth: the single-stream decode roofline is weight bytes / this.
 const HBM_BYTES_PER_S: f64 = 4.8e12;
@@ -67,11 +67,6 @@ pub struct Args {
     /// KV budget of the worker in bytes (default: the worker's).
     #[arg(long)]
     kv_budget_bytes: Option<u64>,
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 /// The peer's prompt: token ids drawn from [10, 4000), fixed seed.
