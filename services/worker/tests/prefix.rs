@@ -116,6 +116,15 @@ impl Rig {
             .collect()
     }
 
+    /// The prompt tokens done in each of the request's `PrefillProgress` events.
+    fn progress(&self, id: ReqId) -> Vec<u32> {
+        self.events
+            .iter()
+            .filter(|(i, _)| *i == id)
+            .filter_map(|(_, e)| if let Event::PrefillProgress { done, .. } = e { Some(*done) } else { None })
+            .collect()
+    }
+
     /// Done's usage.cached (panics if the request did not end with Done).
     fn cached(&self, id: ReqId) -> u32 {
         match self.events.iter().rev().find(|(i, _)| *i == id) {
@@ -157,13 +166,7 @@ fn exact_and_partial_hits_give_the_same_greedy_tokens() {
         assert_eq!(rig.tokens(part), want_partial, "{name}: partial hit");
         assert_eq!(rig.cached(part), 29, "{name}: the shared prefix reused");
         // Progress after a hit starts past the reused tokens and ends at the total.
-        let progress: Vec<u32> = rig
-            .events
-            .iter()
-            .filter(|(i, _)| *i == part)
-            .filter_map(|(_, e)| if let Event::PrefillProgress { done, .. } = e { Some(*done) } else { None })
-            .collect();
-        assert_eq!(progress, vec![34, 39, 44, 49, 52]);
+        assert_eq!(rig.progress(part), vec![34, 39, 44, 49, 52]);
         let st = rig.engine.prefix_stats();
         assert_eq!((st.lookups, st.hits, st.reused_tokens), (3, 2, 68));
         assert!((st.hit_rate() - 68.0 / 132.0).abs() < 1e-9);
@@ -190,13 +193,7 @@ fn on_a_chunk_grid_hits_reuse_whole_blocks() {
     assert_eq!(rig.cached(exact), 32, "39 reusable tokens, 4 whole blocks");
     assert_eq!(rig.tokens(part), want_partial, "partial hit");
     assert_eq!(rig.cached(part), 24, "29 shared tokens, 3 whole blocks");
-    let progress: Vec<u32> = rig
-        .events
-        .iter()
-        .filter(|(i, _)| *i == part)
-        .filter_map(|(_, e)| if let Event::PrefillProgress { done, .. } = e { Some(*done) } else { None })
-        .collect();
-    assert_eq!(progress, vec![32, 40, 48, 52]);
+    assert_eq!(rig.progress(part), vec![32, 40, 48, 52]);
     rig.check_memory_returns();
 }
 
