@@ -90,6 +90,8 @@ pub struct PrefixCache<P> {
     clock: u64,
     held: u64,
     stats: PrefixStats,
+    /// Hits are whole multiples of this many tokens (see `with_reuse_unit`).
+    reuse_unit: usize,
 }
 
 fn root_hash(salt: Option<&str>) -> u64 {
@@ -126,7 +128,15 @@ impl<P: Payload> PrefixCache<P> {
             clock: 0,
             held: 0,
             stats: PrefixStats::default(),
+            reuse_unit: 1,
         }
+    }
+
+    /// Hits are rounded down to whole multiples of `unit` tokens (a GPU engine's chunk grid,
+    /// so that the prefill after a hit starts on it); a hit shorter than one unit is a miss.
+    pub fn with_reuse_unit(mut self, unit: usize) -> Self {
+        self.reuse_unit = unit.max(1);
+        self
     }
 
     pub fn held_bytes(&self) -> u64 {
@@ -157,13 +167,18 @@ impl<P: Payload> PrefixCache<P> {
             .max_by_key(|&(id, n)| (n, self.entries[&id].last_used))
     }
 
-    /// The longest reusable prefix of `prompt`: its length (at most `prompt.len() - 1`) and the
-    /// entry holding its KV (positions 0..length of the payload). Counts toward the hit rate.
+    /// The longest reusable prefix of `prompt`: its length (at most `prompt.len() - 1`, a
+    /// multiple of the reuse unit) and the entry holding its KV (positions 0..length of the
+    /// payload). Counts toward the hit rate.
     pub fn lookup(&mut self, salt: Option<&str>, prompt: &[u32]) -> Option<(usize, &P)> {
         self.stats.lookups += 1;
         self.stats.prompt_tokens += prompt.len() as u64;
         let usable = &prompt[..prompt.len().saturating_sub(1)];
         let (id, n) = self.best_match(salt, usable, block_hashes(salt, usable, self.block))?;
+        let n = n / self.reuse_unit * self.reuse_unit;
+        if n == 0 {
+            return None;
+        }
         self.clock += 1;
         self.stats.hits += 1;
         self.stats.reused_tokens += n as u64;
@@ -299,6 +314,21 @@ mod tests {
         assert!(c.lookup(None, &d).is_none());
         let s = c.stats();
         assert_eq!((s.lookups, s.hits, s.reused_tokens, s.prompt_tokens), (3, 2, 15, 27));
+    }
+
+    #[test]
+    fn hits_are_whole_reuse_units() {
+        let mut c = PrefixCache::new(4, 1000).with_reuse_unit(8);
+        let a = seq(0, 20);
+        assert!(put(&mut c, None, &a));
+        // 19 reusable tokens: two whole units.
+        assert_eq!(c.lookup(None, &a).map(|(n, _)| n), Some(16));
+        // 6 shared tokens, less than one unit: a miss, counted as one.
+        let mut b = seq(0, 6);
+        b.extend([99, 98, 97]);
+        assert!(c.lookup(None, &b).is_none());
+        let s = c.stats();
+        assert_eq!((s.lookups, s.hits, s.reused_tokens), (2, 1, 16));
     }
 
     #[test]

@@ -134,9 +134,12 @@ impl ModelEngine {
     }
 
     /// Turns the prefix cache on: `block` tokens per index block, at most `max_bytes` held (the
-    /// scheduler also trims it to the KV budget left over by running requests).
+    /// scheduler also trims it to the KV budget left over by running requests); hits come in
+    /// whole blocks of the model's chunk grid.
     pub fn with_prefix_cache(mut self, block: usize, max_bytes: u64) -> Self {
-        self.prefix = Some(PrefixCache::new(block, max_bytes));
+        // Hits in whole chunk-grid blocks, so that the chunks after one start on the grid (see
+        // `Model::chunk_grid`).
+        self.prefix = Some(PrefixCache::new(block, max_bytes).with_reuse_unit(self.model.chunk_grid()));
         self
     }
 
@@ -322,13 +325,6 @@ impl EngineOps for ModelEngine {
     fn admit(&mut self, id: ReqId) -> usize {
         let (Some(seq), Some(prefix)) = (self.seqs.get_mut(&id), self.prefix.as_mut()) else { return 0 };
         let Some((n, kv)) = prefix.lookup(seq.salt.as_deref(), &seq.prompt) else { return 0 };
-        // Whole grid blocks only, so that the prompt's chunks still start on the grid (see
-        // `Model::chunk_grid`).
-        let grid = self.model.chunk_grid();
-        let n = n / grid * grid;
-        if n == 0 {
-            return 0;
-        }
         match self.model.cache_from_prefix(&kv.layers, n, seq.prompt.len()) {
             Ok(cache) => {
                 seq.cache = cache;

@@ -194,6 +194,8 @@ fn on_a_chunk_grid_hits_reuse_whole_blocks() {
     assert_eq!(rig.tokens(part), want_partial, "partial hit");
     assert_eq!(rig.cached(part), 24, "29 shared tokens, 3 whole blocks");
     assert_eq!(rig.progress(part), vec![32, 40, 48, 52]);
+    let st = rig.engine.prefix_stats();
+    assert_eq!((st.hits, st.reused_tokens), (2, 56), "the hit rate counts what was reused");
     rig.check_memory_returns();
 }
 
