@@ -42,7 +42,7 @@ def manual(q, k, v, mask_add):
     return (p @ v).reshape(1, H, t, D)
 
 
-def chunk_cases(out):
+def chunk_cases():
     for off, cap in ((0, 256), (0, 512), (2048, 4096), (4096, 8192), (7168, 8192)):
         kv = buffers(1, cap)
         for t in (16, 64, 256, 512):
@@ -65,7 +65,7 @@ def chunk_cases(out):
             print(json.dumps(r), flush=True)
 
 
-def decode_cases(out):
+def decode_cases():
     # One row of a long length group: query [1, H, 1, D] over its first `n` keys of a buffer of
     # `rows` rows.
     for rows, cap, n in ((1, 8448, 8200), (8, 8448, 8200), (1, 4352, 4100)):
@@ -90,7 +90,7 @@ def decode_cases(out):
         print(json.dumps(r), flush=True)
 
 
-def write_cases(out):
+def write_cases():
     # Writing one token per row into a group buffer: put_along_axis (what a decode step does).
     for rows, cap in ((16, 256), (1, 8448), (8, 8448)):
         kv = buffers(rows, cap)
@@ -143,8 +143,8 @@ def alloc_cases():
 
 if __name__ == "__main__":
     print(json.dumps({"mlx": mx.__version__, "device": str(mx.default_device())}))
-    chunk_cases(None)
-    decode_cases(None)
-    write_cases(None)
+    chunk_cases()
+    decode_cases()
+    write_cases()
     plan_cases()
     alloc_cases()
