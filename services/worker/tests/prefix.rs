@@ -89,6 +89,13 @@ impl Rig {
         id
     }
 
+    /// Submits `p` (no salt) and runs until every request has ended.
+    fn submit_and_run(&mut self, p: &[u32]) -> ReqId {
+        let id = self.submit(p, None);
+        self.run();
+        id
+    }
+
     fn tick(&mut self) {
         self.now += Duration::from_millis(10);
         let (emits, _) = self.s.tick(&mut self.engine, self.now);
@@ -153,12 +160,9 @@ fn exact_and_partial_hits_give_the_same_greedy_tokens() {
         // 29 shared tokens, then 23 new ones (chunks of 5 after the hit).
         let (partial, want_partial) = pick(&model, |s| [&a[..29], &prompt(1000 + s, 23)].concat());
         let mut rig = Rig::new(model, 100_000, 5);
-        let first = rig.submit(&a, None);
-        rig.run();
-        let exact = rig.submit(&a, None);
-        rig.run();
-        let part = rig.submit(&partial, None);
-        rig.run();
+        let first = rig.submit_and_run(&a);
+        let exact = rig.submit_and_run(&a);
+        let part = rig.submit_and_run(&partial);
         assert_eq!(rig.tokens(first), want_a, "{name}: no hit");
         assert_eq!(rig.cached(first), 0);
         assert_eq!(rig.tokens(exact), want_a, "{name}: exact hit");
@@ -182,12 +186,9 @@ fn on_a_chunk_grid_hits_reuse_whole_blocks() {
     let (a, want_a) = pick(&model, |s| prompt(s, 40));
     let (partial, want_partial) = pick(&model, |s| [&a[..29], &prompt(2000 + s, 23)].concat());
     let mut rig = Rig::new(model.with_chunk_grid(8), 100_000, 8);
-    let first = rig.submit(&a, None);
-    rig.run();
-    let exact = rig.submit(&a, None);
-    rig.run();
-    let part = rig.submit(&partial, None);
-    rig.run();
+    let first = rig.submit_and_run(&a);
+    let exact = rig.submit_and_run(&a);
+    let part = rig.submit_and_run(&partial);
     assert_eq!(rig.tokens(first), want_a, "no hit");
     assert_eq!(rig.tokens(exact), want_a, "exact hit");
     assert_eq!(rig.cached(exact), 32, "39 reusable tokens, 4 whole blocks");
