@@ -432,9 +432,9 @@ impl Model {
     /// A decode step whose inputs are still on the device: `tokens` [rows] int32, the groups'
     /// rows in order (the tokens the previous step chose), so the step can be queued before
     /// the previous one's results reach the host. The groups' host token slices only give the
-    /// row counts.
-    pub fn step_on_device(&self, groups: &mut [(&[u32], &mut DecodeBatch)], tokens: &Array) -> Result<Array> {
-        self.step_inner(groups, Some(tokens), None)
+    /// row counts. A prefill chunk (host tokens) may share the pass, as in `step`.
+    pub fn step_on_device(&self, groups: &mut [(&[u32], &mut DecodeBatch)], tokens: &Array, chunk: Option<(&[u32], &mut SequenceCache)>) -> Result<Array> {
+        self.step_inner(groups, Some(tokens), chunk)
     }
 
     fn step_inner(
@@ -472,6 +472,8 @@ impl Model {
             };
             steps.push(GroupStep { kv: &mut batch.layers[..], offset, slots: slots as i32, positions, write, attend });
         }
+        let decode_slots = toks.len();
+        let decode_rows = active.len();
         let mut chunk = chunk;
         let mut pad = 0;
         if let Some((c, cache)) = &chunk {
@@ -488,15 +490,21 @@ impl Model {
         let x0 = match device_tokens {
             None => Array::from_slice(&toks, &[toks.len() as i32, 1]),
             Some(d) => {
-                // Slot i takes device token k when it is the k-th active row; scratch rows
-                // take the appended 0.
-                let pad = active.len() as i32;
-                let mut src = vec![pad; toks.len()];
-                for (k, &slot) in active.iter().enumerate() {
+                // Decode slot i takes device token k when it is the k-th active row; scratch
+                // rows take the appended 0; a chunk's rows keep their host tokens.
+                let zero = decode_rows as i32;
+                let mut src = vec![zero; decode_slots];
+                for (k, &slot) in active[..decode_rows].iter().enumerate() {
                     src[slot as usize] = k as i32;
                 }
                 let padded = concatenate(&[d.as_dtype(Dtype::Int32)?.reshape(&[-1])?, Array::from_slice(&[0i32], &[1])], 0)?;
-                padded.take_axis(Array::from_slice(&src, &[src.len() as i32]), 0)?.reshape(&[toks.len() as i32, 1])?
+                let rows = padded.take_axis(Array::from_slice(&src, &[decode_slots as i32]), 0)?;
+                let rows = if toks.len() > decode_slots {
+                    concatenate(&[rows, Array::from_slice(&toks[decode_slots..], &[(toks.len() - decode_slots) as i32])], 0)?
+                } else {
+                    rows
+                };
+                rows.reshape(&[toks.len() as i32, 1])?
             }
         };
         let eps = self.config.rms_norm_eps;

@@ -61,6 +61,8 @@ pub struct ModelEngine {
     ahead: Option<Ahead>,
     /// Whether decode steps are queued ahead at all.
     decode_ahead: bool,
+    /// Prefill chunks that ran in a step queued ahead.
+    chunks_ahead: u64,
 }
 
 /// A decode step queued ahead: built from the previous step's greedy tokens while they were
@@ -124,7 +126,13 @@ impl ModelEngine {
             prefix: None,
             ahead: None,
             decode_ahead: true,
+            chunks_ahead: 0,
         }
+    }
+
+    /// How many prefill chunks have run in decode steps queued ahead.
+    pub fn chunks_queued_ahead(&self) -> u64 {
+        self.chunks_ahead
     }
 
     /// Turns queuing decode steps ahead on or off (on by default).
@@ -469,7 +477,10 @@ impl ModelEngine {
                 None => (logits, None),
             };
             let mut taken: Vec<(ReqId, Seq)> = order.iter().map(|id| (*id, self.seqs.remove(id).expect("checked"))).collect();
-            let speculate = self.decode_ahead && pre.is_none() && taken.iter().all(|(_, s)| s.sampler.params().is_plain_greedy());
+            // A chunk that does not complete its prompt needs nothing from the host, so the
+            // next step can be queued after it as after a plain decode step.
+            let chunk_is_final = pre.as_ref().is_some_and(|(_, n, s)| s.prefilled + n >= s.prompt.len());
+            let speculate = self.decode_ahead && !chunk_is_final && taken.iter().all(|(_, s)| s.sampler.params().is_plain_greedy());
             let mut greedy = None;
             let chosen = if speculate {
                 // Keep the device tokens: the next step is queued from them.
@@ -505,7 +516,9 @@ impl ModelEngine {
         })();
         self.batches = Some(batches);
         if let Ok((_, _, Some((order, tokens)))) = &result {
-            self.queue_ahead(order.clone(), tokens);
+            if let Err(e) = self.queue_ahead(order.clone(), tokens, None) {
+                tracing::warn!(error = %e, "could not queue the next decode step");
+            }
         }
         let pre_result = pre.map(|(id, n, mut seq)| {
             let r = match &result {
@@ -535,26 +548,55 @@ impl ModelEngine {
     }
 
     /// Queues the decode step that follows one whose greedy tokens are `tokens` (on the device),
-    /// for the rows `order`. On failure nothing is queued (the next step is built as usual).
-    fn queue_ahead(&mut self, order: Vec<ReqId>, tokens: &Array) {
-        let Some(mut batches) = self.batches.take() else { return };
+    /// for the rows `order`, with `chunk` (a request and a token count: a prefill chunk that
+    /// does not complete its prompt) in the same pass; the chunk then counts as done. On failure
+    /// nothing is queued (the next step is built as usual); a failed chunk is the request's
+    /// error.
+    fn queue_ahead(&mut self, order: Vec<ReqId>, tokens: &Array, chunk: Option<(ReqId, usize)>) -> Result<(), WireError> {
+        let Some(mut batches) = self.batches.take() else { return Ok(()) };
+        let mut pre = chunk.and_then(|(id, n)| self.seqs.remove(&id).map(|seq| (id, n, seq)));
         let counts: Vec<Vec<u32>> = self.rows.iter().map(|g| vec![0; g.len()]).collect();
         let queued = (|| -> Result<Array, WireError> {
+            if chunk.is_some() && pre.is_none() {
+                return Err(internal("prefill of an unknown request"));
+            }
             let mut groups: Vec<(&[u32], &mut DecodeBatch)> = counts.iter().map(|t| &t[..]).zip(batches.iter_mut()).collect();
-            let logits = self.model.step_on_device(&mut groups, tokens).map_err(internal)?;
-            let next = argmax_rows(&logits, order.len() as i32)?;
+            let toks: Option<Vec<u32>> = pre.as_ref().map(|(_, n, s)| s.prompt[s.prefilled..s.prefilled + n].to_vec());
+            let part = pre.as_mut().zip(toks.as_ref()).map(|((_, _, s), c)| (&c[..], &mut s.cache));
+            let rows = order.len() as i32;
+            let logits = self.model.step_on_device(&mut groups, tokens, part).map_err(internal)?;
+            let next = argmax_rows(&logits.index(..rows), rows)?;
             mlx_rs::transforms::async_eval([&next]).map_err(internal)?;
             Ok(next)
         })();
         self.batches = Some(batches);
-        match queued {
-            Ok(tokens) => self.ahead = Some(Ahead { order, tokens }),
-            Err(e) => tracing::warn!(error = %e, "could not queue the next decode step"),
+        let r = match queued {
+            Ok(tokens) => {
+                self.ahead = Some(Ahead { order, tokens });
+                if let Some((_, n, seq)) = pre.as_mut() {
+                    seq.prefilled += *n;
+                    self.chunks_ahead += 1;
+                }
+                Ok(())
+            }
+            Err(e) => Err(e),
+        };
+        if let Some((id, _, seq)) = pre {
+            self.seqs.insert(id, seq);
         }
+        r
     }
 
-    /// A tick whose decode step was queued ahead: queues the next one first (when nothing else
-    /// shares it), then reads this one's tokens; a prefill chunk runs on its own after.
+    /// Whether a granted chunk can share a step queued ahead: its request is prefilling and the
+    /// chunk does not complete the prompt (the first token needs the host).
+    fn chunk_can_queue(&self, id: ReqId, n: usize) -> bool {
+        self.seqs.get(&id).is_some_and(|s| s.row.is_none() && s.prefilled + n < s.prompt.len())
+    }
+
+    /// A tick whose decode step was queued ahead: queues the next one first, with the granted
+    /// prefill chunk in the same pass unless it completes its prompt; then reads this one's
+    /// tokens. A chunk that completes its prompt runs on its own after (its first token needs
+    /// the host), and nothing is queued behind it.
     fn deliver_ahead(&mut self, ahead: Ahead, ids: &[ReqId], chunk: Option<(ReqId, usize)>) -> (Vec<Result<StepOut, WireError>>, Option<PrefillResult>) {
         let order: Vec<ReqId> = self.rows.iter().flatten().copied().collect();
         let pos: HashMap<ReqId, usize> = ahead.order.iter().enumerate().map(|(i, id)| (*id, i)).collect();
@@ -562,10 +604,18 @@ impl ModelEngine {
             let e = internal("the queued decode step is out of step with the scheduler");
             return (ids.iter().map(|_| Err(e.clone())).collect(), chunk.map(|_| Err(e.clone())));
         }
-        if chunk.is_none() {
+        let fold = chunk.filter(|&(id, n)| self.chunk_can_queue(id, n));
+        let mut folded = None;
+        if chunk.is_none() || fold.is_some() {
             let idx: Vec<i32> = order.iter().map(|id| pos[id] as i32).collect();
             match ahead.tokens.take_axis(Array::from_slice(&idx, &[idx.len() as i32]), 0) {
-                Ok(current) => self.queue_ahead(order, &current),
+                Ok(current) => match self.queue_ahead(order, &current, fold) {
+                    Ok(()) => folded = fold.map(|_| Ok(None)),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "could not queue the next decode step");
+                        folded = fold.map(|_| Err(e));
+                    }
+                },
                 Err(e) => tracing::warn!(error = %e, "could not queue the next decode step"),
             }
         }
@@ -580,7 +630,11 @@ impl ModelEngine {
                 out
             })
             .collect();
-        (outs, chunk.map(|(id, n)| self.prefill_inner(id, n)))
+        let pre = match folded {
+            Some(r) => Some(r),
+            None => chunk.map(|(id, n)| self.prefill_inner(id, n)),
+        };
+        (outs, pre)
     }
 
     fn decode_inner(&mut self, ids: &[ReqId]) -> Vec<Result<StepOut, WireError>> {

@@ -1,6 +1,6 @@
 //! The scheduler driving the real engine (SmolLM2): chunked and interleaved prefill gives the
-//! same greedy tokens as one-piece generation (also with chunks padded to a grid, as on a GPU),
-//! and all KV memory comes back.
+//! same greedy tokens as one-piece generation (also with chunks sharing decode steps queued
+//! ahead, and padded to a grid), and all KV memory comes back.
 
 use std::time::Instant;
 
@@ -30,8 +30,8 @@ fn chunked_interleaved_prefill_gives_the_same_greedy_tokens() {
         })
         .collect();
 
-    // With decode steps queued ahead (the default), without, and with chunks padded to a grid
-    // as on a GPU.
+    // With decode steps queued ahead (the default; prefill chunks then share the queued steps),
+    // without, and with chunks padded to a grid as on a GPU.
     for (ahead, grid) in [(true, 1), (false, 1), (true, 8)] {
         let fresh = load_model(&resolve_model("smollm2").unwrap(), Dtype::Float32).unwrap();
         let mut engine = ModelEngine::new(fresh.model.with_chunk_grid(grid), fresh.tokenizer).with_decode_ahead(ahead);
@@ -70,6 +70,7 @@ fn chunked_interleaved_prefill_gives_the_same_greedy_tokens() {
             assert_eq!(&got, want, "request {i}, decode_ahead {ahead}, grid {grid}");
             assert!(events.iter().filter(|e| e.id == i as u64).last().unwrap().event.is_terminal());
         }
+        assert_eq!(engine.chunks_queued_ahead() > 0, ahead, "chunks queued ahead with decode_ahead {ahead}");
         assert_eq!(engine.held(), 0);
         assert_eq!(engine.kv_bytes_in_use(), 0, "decode_ahead {ahead}");
         assert_eq!(s.reserved_kv_bytes(), 0);
