@@ -190,6 +190,18 @@ fn argmax_rows(logits: &Array, rows: i32) -> Result<Array, WireError> {
     am.as_dtype(Dtype::Int32).map_err(internal)
 }
 
+/// Builds and launches, without waiting for it, the decode step that follows one whose greedy
+/// tokens are `tokens` (on the device, `rows` of them), with a prefill chunk in the same pass
+/// when given; returns that step's greedy tokens (being evaluated).
+fn launch_step(model: &Model, rows: &[Vec<ReqId>], batches: &mut [DecodeBatch], tokens: &Array, n: i32, chunk: Option<(&[u32], &mut SequenceCache)>) -> Result<Array, WireError> {
+    let counts: Vec<Vec<u32>> = rows.iter().map(|g| vec![0; g.len()]).collect();
+    let mut groups: Vec<(&[u32], &mut DecodeBatch)> = counts.iter().map(|t| &t[..]).zip(batches.iter_mut()).collect();
+    let logits = model.step_on_device(&mut groups, tokens, chunk).map_err(internal)?;
+    let next = argmax_rows(&logits.index(..n), n)?;
+    mlx_rs::transforms::async_eval([&next]).map_err(internal)?;
+    Ok(next)
+}
+
 /// Token ids of an int32 device array, read on the host (waits for the device).
 fn host_ids(a: &Array) -> Result<Vec<u32>, WireError> {
     Ok(a.try_as_slice::<i32>().map_err(internal)?.iter().map(|&v| v as u32).collect())
@@ -481,12 +493,16 @@ impl ModelEngine {
             // next step can be queued after it as after a plain decode step.
             let chunk_is_final = pre.as_ref().is_some_and(|(_, n, s)| s.prefilled + n >= s.prompt.len());
             let speculate = self.decode_ahead && !chunk_is_final && taken.iter().all(|(_, s)| s.sampler.params().is_plain_greedy());
-            let mut greedy = None;
+            let mut next = None;
             let chosen = if speculate {
-                // Keep the device tokens: the next step is queued from them.
+                // The next step is launched from this one's device tokens before the host reads
+                // them, so the device never waits for the host in between.
                 argmax_rows(&logits, rows).and_then(|dev| {
+                    match launch_step(&self.model, &self.rows, &mut batches, &dev, rows, None) {
+                        Ok(tokens) => next = Some(Ahead { order: order.clone(), tokens }),
+                        Err(e) => tracing::warn!(error = %e, "could not queue the next decode step"),
+                    }
                     let host = host_ids(&dev)?;
-                    greedy = Some(dev);
                     Ok(host.into_iter().map(|t| (t, None)).collect::<Vec<_>>())
                 })
             } else {
@@ -512,18 +528,17 @@ impl ModelEngine {
             for (id, s) in taken {
                 self.seqs.insert(id, s);
             }
-            Ok((outs, chunk_logits, greedy.map(|g| (order, g))))
+            Ok((outs, chunk_logits, next))
         })();
         self.batches = Some(batches);
-        if let Ok((_, _, Some((order, tokens)))) = &result {
-            if let Err(e) = self.queue_ahead(order.clone(), tokens, None) {
-                tracing::warn!(error = %e, "could not queue the next decode step");
-            }
-        }
+        let result = result.map(|(outs, logits, next)| {
+            self.ahead = next;
+            (outs, logits)
+        });
         let pre_result = pre.map(|(id, n, mut seq)| {
             let r = match &result {
                 Err(e) => Err(e.clone()),
-                Ok((_, logits, _)) => {
+                Ok((_, logits)) => {
                     seq.prefilled = (seq.prefilled + n).min(seq.prompt.len());
                     match logits {
                         Some(l) if seq.prefilled == seq.prompt.len() => self.complete_prompt(id, &mut seq, l).map(Some),
@@ -535,7 +550,7 @@ impl ModelEngine {
             r
         });
         let outs = match result {
-            Ok((mut outs, _, _)) => ids
+            Ok((mut outs, _)) => ids
                 .iter()
                 .map(|id| {
                     let i = outs.iter().position(|(x, _)| x == id).expect("every id has a row");
@@ -555,19 +570,13 @@ impl ModelEngine {
     fn queue_ahead(&mut self, order: Vec<ReqId>, tokens: &Array, chunk: Option<(ReqId, usize)>) -> Result<(), WireError> {
         let Some(mut batches) = self.batches.take() else { return Ok(()) };
         let mut pre = chunk.and_then(|(id, n)| self.seqs.remove(&id).map(|seq| (id, n, seq)));
-        let counts: Vec<Vec<u32>> = self.rows.iter().map(|g| vec![0; g.len()]).collect();
         let queued = (|| -> Result<Array, WireError> {
             if chunk.is_some() && pre.is_none() {
                 return Err(internal("prefill of an unknown request"));
             }
-            let mut groups: Vec<(&[u32], &mut DecodeBatch)> = counts.iter().map(|t| &t[..]).zip(batches.iter_mut()).collect();
             let toks: Option<Vec<u32>> = pre.as_ref().map(|(_, n, s)| s.prompt[s.prefilled..s.prefilled + n].to_vec());
             let part = pre.as_mut().zip(toks.as_ref()).map(|((_, _, s), c)| (&c[..], &mut s.cache));
-            let rows = order.len() as i32;
-            let logits = self.model.step_on_device(&mut groups, tokens, part).map_err(internal)?;
-            let next = argmax_rows(&logits.index(..rows), rows)?;
-            mlx_rs::transforms::async_eval([&next]).map_err(internal)?;
-            Ok(next)
+            launch_step(&self.model, &self.rows, &mut batches, tokens, order.len() as i32, part)
         })();
         self.batches = Some(batches);
         let r = match queued {
