@@ -61,21 +61,31 @@ pub struct ModelEngine {
     ahead: Option<Ahead>,
     /// Whether decode steps are queued ahead at all.
     decode_ahead: bool,
-    /// Prefill chunks that ran in a step queued ahead.
+    /// Prefill chunks that ran in a step queued ahead, and how many of them completed their
+    /// prompt.
     chunks_ahead: u64,
+    completions_ahead: u64,
+    /// Host time of the last step queued ahead's delivery: joining a completed prompt,
+    /// queuing the next step, waiting for the tokens, and the chunk run on its own (ms).
+    parts: [f64; 4],
 }
 
 /// A decode step queued ahead: built from the previous step's greedy tokens while they were
 /// still on the device, so the device starts it before the host has read those tokens, handled
 /// them and come back for the next step (the host's share of a step is then hidden behind the
-/// device's). Only when every row decodes greedily and no prefill chunk shares the step. Rows
-/// that leave before it is consumed are simply ignored; its KV writes are real (the batch is
-/// already advanced), so it is always consumed, never rolled back.
+/// device's). Only when every row decodes greedily. A prefill chunk may share it; when that
+/// chunk completes its prompt (a greedy request), the request's first token is the step's last
+/// token, and the request joins the decode batch when the step is delivered. Rows that leave
+/// before it is consumed are simply ignored; its KV writes are real (the batch is already
+/// advanced), so it is always consumed, never rolled back.
 struct Ahead {
     /// The requests it steps, in row order when it was queued.
     order: Vec<ReqId>,
-    /// Their tokens [rows] (int32, being evaluated).
+    /// Their tokens [rows] (int32, being evaluated), then the chunk's greedy token if a chunk
+    /// shares the step.
     tokens: Array,
+    /// The request whose prompt the step's chunk completes: its first token is `tokens[rows]`.
+    completing: Option<ReqId>,
 }
 
 /// Length groups of the decode batches: a sequence joins the first group whose bound exceeds
@@ -127,12 +137,15 @@ impl ModelEngine {
             ahead: None,
             decode_ahead: true,
             chunks_ahead: 0,
+            completions_ahead: 0,
+            parts: [0.0; 4],
         }
     }
 
-    /// How many prefill chunks have run in decode steps queued ahead.
-    pub fn chunks_queued_ahead(&self) -> u64 {
-        self.chunks_ahead
+    /// How many prefill chunks have run in decode steps queued ahead, and how many of those
+    /// completed their prompt.
+    pub fn chunks_queued_ahead(&self) -> (u64, u64) {
+        (self.chunks_ahead, self.completions_ahead)
     }
 
     /// Turns queuing decode steps ahead on or off (on by default).
@@ -191,13 +204,14 @@ fn argmax_rows(logits: &Array, rows: i32) -> Result<Array, WireError> {
 }
 
 /// Builds and launches, without waiting for it, the decode step that follows one whose greedy
-/// tokens are `tokens` (on the device, `rows` of them), with a prefill chunk in the same pass
-/// when given; returns that step's greedy tokens (being evaluated).
-fn launch_step(model: &Model, rows: &[Vec<ReqId>], batches: &mut [DecodeBatch], tokens: &Array, n: i32, chunk: Option<(&[u32], &mut SequenceCache)>) -> Result<Array, WireError> {
+/// tokens are `tokens` (on the device, one a row), with a prefill chunk in the same pass when
+/// given; returns that step's greedy tokens (being evaluated): one a row, then the greedy token
+/// after the chunk.
+fn launch_step(model: &Model, rows: &[Vec<ReqId>], batches: &mut [DecodeBatch], tokens: &Array, chunk: Option<(&[u32], &mut SequenceCache)>) -> Result<Array, WireError> {
     let counts: Vec<Vec<u32>> = rows.iter().map(|g| vec![0; g.len()]).collect();
     let mut groups: Vec<(&[u32], &mut DecodeBatch)> = counts.iter().map(|t| &t[..]).zip(batches.iter_mut()).collect();
     let logits = model.step_on_device(&mut groups, tokens, chunk).map_err(internal)?;
-    let next = argmax_rows(&logits.index(..n), n)?;
+    let next = argmax_rows(&logits, logits.shape()[0])?;
     mlx_rs::transforms::async_eval([&next]).map_err(internal)?;
     Ok(next)
 }
@@ -296,6 +310,10 @@ impl WorkerEngine for ModelEngine {
         self.prefix.as_mut().map_or(0, |p| p.clear())
     }
 
+    fn step_parts(&self) -> Vec<(&'static str, f64)> {
+        ["join", "queue", "wait", "alone"].into_iter().zip(self.parts).collect()
+    }
+
     fn reset_counters(&mut self) {
         let zero = std::time::Duration::ZERO;
         (self.prefill_time, self.prefill_calls, self.decode_time, self.decode_calls) = (zero, 0, zero, 0);
@@ -384,7 +402,8 @@ impl EngineOps for ModelEngine {
                 Err(e) => tracing::error!(error = %e, "leaving the decode batch"),
             }
         }
-        if self.rows.iter().all(|g| g.is_empty()) {
+        let joining = self.ahead.as_ref().and_then(|a| a.completing).is_some_and(|c| self.seqs.contains_key(&c));
+        if self.rows.iter().all(|g| g.is_empty()) && !joining {
             // Nobody is left to consume a step queued ahead.
             self.discard_ahead();
         }
@@ -435,6 +454,14 @@ impl ModelEngine {
         let t0 = std::time::Instant::now();
         let (t, lp) = choose(logits, &mut [&mut *seq], self.tokenizer.as_ref())?.pop().expect("one row");
         let out = self.take_token(seq, t, lp)?;
+        let sample = t0.elapsed();
+        self.join_batch(id, seq, sample)?;
+        Ok(out)
+    }
+
+    /// The rest of a prompt's completion, its first token aside: remembers the prompt's KV and
+    /// moves the sequence into its length group's decode batch.
+    fn join_batch(&mut self, id: ReqId, seq: &mut Seq, sample: std::time::Duration) -> Result<(), WireError> {
         let t1 = std::time::Instant::now();
         let layers = (0..self.model.config.num_layers).map(|l| seq.cache.contents(l)).collect();
         Self::remember(&mut self.prefix, seq.salt.as_deref(), &seq.prompt, layers);
@@ -446,11 +473,11 @@ impl ModelEngine {
             seq.cache = self.model.new_cache();
         }
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1000.0;
-        let (sample, remember, join) = (ms(t1 - t0), ms(t2 - t1), ms(t2.elapsed()));
+        let (sample, remember, join) = (ms(sample), ms(t2 - t1), ms(t2.elapsed()));
         if sample + remember + join > SLOW_MS {
             tracing::debug!(request = id, prompt = seq.prompt.len(), sample, remember, join, "slow prompt completion (ms)");
         }
-        Ok(out)
+        Ok(())
     }
 
     /// One step of the decode batches, in the same pass as `chunk`'s prefill tokens when given;
@@ -459,6 +486,7 @@ impl ModelEngine {
         if let Some(ahead) = self.ahead.take() {
             return self.deliver_ahead(ahead, ids, chunk);
         }
+        self.parts = [0.0; 4];
         let mut pre = match chunk.map(|(id, n)| (id, n, self.seqs.remove(&id))) {
             Some((id, n, Some(seq))) => Some((id, n, seq)),
             Some((id, _, None)) => {
@@ -498,8 +526,8 @@ impl ModelEngine {
                 // The next step is launched from this one's device tokens before the host reads
                 // them, so the device never waits for the host in between.
                 argmax_rows(&logits, rows).and_then(|dev| {
-                    match launch_step(&self.model, &self.rows, &mut batches, &dev, rows, None) {
-                        Ok(tokens) => next = Some(Ahead { order: order.clone(), tokens }),
+                    match launch_step(&self.model, &self.rows, &mut batches, &dev, None) {
+                        Ok(tokens) => next = Some(Ahead { order: order.clone(), tokens, completing: None }),
                         Err(e) => tracing::warn!(error = %e, "could not queue the next decode step"),
                     }
                     let host = host_ids(&dev)?;
@@ -563,10 +591,9 @@ impl ModelEngine {
     }
 
     /// Queues the decode step that follows one whose greedy tokens are `tokens` (on the device),
-    /// for the rows `order`, with `chunk` (a request and a token count: a prefill chunk that
-    /// does not complete its prompt) in the same pass; the chunk then counts as done. On failure
-    /// nothing is queued (the next step is built as usual); a failed chunk is the request's
-    /// error.
+    /// for the rows `order`, with `chunk` (a request and a token count, see `chunk_can_queue`)
+    /// in the same pass; the chunk then counts as done. On failure nothing is queued (the next
+    /// step is built as usual); a failed chunk is the request's error.
     fn queue_ahead(&mut self, order: Vec<ReqId>, tokens: &Array, chunk: Option<(ReqId, usize)>) -> Result<(), WireError> {
         let Some(mut batches) = self.batches.take() else { return Ok(()) };
         let mut pre = chunk.and_then(|(id, n)| self.seqs.remove(&id).map(|seq| (id, n, seq)));
@@ -576,16 +603,19 @@ impl ModelEngine {
             }
             let toks: Option<Vec<u32>> = pre.as_ref().map(|(_, n, s)| s.prompt[s.prefilled..s.prefilled + n].to_vec());
             let part = pre.as_mut().zip(toks.as_ref()).map(|((_, _, s), c)| (&c[..], &mut s.cache));
-            launch_step(&self.model, &self.rows, &mut batches, tokens, order.len() as i32, part)
+            launch_step(&self.model, &self.rows, &mut batches, tokens, part)
         })();
         self.batches = Some(batches);
         let r = match queued {
             Ok(tokens) => {
-                self.ahead = Some(Ahead { order, tokens });
-                if let Some((_, n, seq)) = pre.as_mut() {
+                let mut completing = None;
+                if let Some((id, n, seq)) = pre.as_mut() {
                     seq.prefilled += *n;
                     self.chunks_ahead += 1;
+                    completing = (seq.prefilled == seq.prompt.len()).then_some(*id);
+                    self.completions_ahead += completing.is_some() as u64;
                 }
+                self.ahead = Some(Ahead { order, tokens, completing });
                 Ok(())
             }
             Err(e) => Err(e),
@@ -596,23 +626,40 @@ impl ModelEngine {
         r
     }
 
-    /// Whether a granted chunk can share a step queued ahead: its request is prefilling and the
-    /// chunk does not complete the prompt (the first token needs the host).
+    /// Whether a granted chunk can share a step queued ahead: its request is prefilling, and
+    /// either the chunk does not complete the prompt or the request samples greedily (its first
+    /// token is then the step's greedy token after the chunk; other sampling needs the host).
     fn chunk_can_queue(&self, id: ReqId, n: usize) -> bool {
-        self.seqs.get(&id).is_some_and(|s| s.row.is_none() && s.prefilled + n < s.prompt.len())
+        self.seqs
+            .get(&id)
+            .is_some_and(|s| s.row.is_none() && (s.prefilled + n < s.prompt.len() || s.sampler.params().is_plain_greedy()))
     }
 
-    /// A tick whose decode step was queued ahead: queues the next one first, with the granted
-    /// prefill chunk in the same pass unless it completes its prompt; then reads this one's
-    /// tokens. A chunk that completes its prompt runs on its own after (its first token needs
-    /// the host), and nothing is queued behind it.
+    /// A tick whose decode step was queued ahead: a request whose prompt that step completed
+    /// joins the decode batch; the next step is queued, with the granted prefill chunk in the
+    /// same pass when it can be (`chunk_can_queue`); then this one's tokens are read (the joined
+    /// request's first token among them). A chunk that cannot share the step runs on its own
+    /// after, and nothing is queued behind it.
     fn deliver_ahead(&mut self, ahead: Ahead, ids: &[ReqId], chunk: Option<(ReqId, usize)>) -> (Vec<Result<StepOut, WireError>>, Option<PrefillResult>) {
+        let mut pos: HashMap<ReqId, usize> = ahead.order.iter().enumerate().map(|(i, id)| (*id, i)).collect();
+        let mut failed_join = None;
+        let t0 = std::time::Instant::now();
+        if let Some(id) = ahead.completing {
+            if let Some(mut seq) = self.seqs.remove(&id) {
+                pos.insert(id, ahead.order.len());
+                if let Err(e) = self.join_batch(id, &mut seq, std::time::Duration::ZERO) {
+                    failed_join = Some((id, e));
+                }
+                self.seqs.insert(id, seq);
+            }
+        }
         let order: Vec<ReqId> = self.rows.iter().flatten().copied().collect();
-        let pos: HashMap<ReqId, usize> = ahead.order.iter().enumerate().map(|(i, id)| (*id, i)).collect();
-        if ids.len() != order.len() || order.iter().any(|id| !pos.contains_key(id)) || ids.iter().any(|id| !order.contains(id)) {
+        let decode: Vec<ReqId> = ids.iter().copied().filter(|id| failed_join.as_ref().is_none_or(|(f, _)| f != id)).collect();
+        if decode.len() != order.len() || order.iter().any(|id| !pos.contains_key(id)) || decode.iter().any(|id| !order.contains(id)) {
             let e = internal("the queued decode step is out of step with the scheduler");
             return (ids.iter().map(|_| Err(e.clone())).collect(), chunk.map(|_| Err(e.clone())));
         }
+        let t1 = std::time::Instant::now();
         let fold = chunk.filter(|&(id, n)| self.chunk_can_queue(id, n));
         let mut folded = None;
         if chunk.is_none() || fold.is_some() {
@@ -628,10 +675,15 @@ impl ModelEngine {
                 Err(e) => tracing::warn!(error = %e, "could not queue the next decode step"),
             }
         }
+        let t2 = std::time::Instant::now();
         let host = host_ids(&ahead.tokens);
+        let t3 = std::time::Instant::now();
         let outs = ids
             .iter()
             .map(|id| {
+                if let Some((_, e)) = failed_join.as_ref().filter(|(f, _)| f == id) {
+                    return Err(e.clone());
+                }
                 let t = host.as_ref().map_err(Clone::clone)?[pos[id]];
                 let mut seq = self.seqs.remove(id).ok_or_else(|| internal(format!("decode of unknown request {id}")))?;
                 let out = self.take_token(&mut seq, t, None);
@@ -643,6 +695,8 @@ impl ModelEngine {
             Some(r) => Some(r),
             None => chunk.map(|(id, n)| self.prefill_inner(id, n)),
         };
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1000.0;
+        self.parts = [ms(t1 - t0), ms(t2 - t1), ms(t3 - t2), ms(t3.elapsed())];
         (outs, pre)
     }
 

@@ -8,8 +8,9 @@
 //!    anything decodes, `idle_prefill_chunk` when nothing does (the idle fast path);
 //! 4. the active decode batch steps once and the chunk is prefilled, in one engine call (the
 //!    real engine runs both in one pass over the weights); every running stream's token is
-//!    delivered first. A request whose prompt completes samples its first token and joins the
-//!    decode batch at the next tick.
+//!    delivered first. A request whose prompt completes joins the decode batch at the next
+//!    tick; its first token comes with the chunk that completed the prompt or, from an engine
+//!    that ran that chunk in a step queued ahead, with its first decode step.
 //!
 //! Prefill order: shortest remaining prompt first, with aging (a request's remaining tokens
 //! count down by `aging_tokens_per_s` for every second it has waited), so short prompts do not
@@ -75,7 +76,10 @@ pub struct StepOut {
     pub finished: Option<FinishReason>,
 }
 
-/// What a prefill chunk gave: the first output token when it completed the prompt.
+/// What a prefill chunk gave: the first output token when it completed the prompt. A chunk
+/// that completed its prompt may also give `None`: its first token then comes as that
+/// request's result of the next decode step (an engine that runs the chunk in a step queued
+/// ahead of the host does that).
 pub type PrefillResult = Result<Option<StepOut>, WireError>;
 
 /// A tick's work done as two calls: the decode step, then the prefill chunk.
@@ -91,7 +95,7 @@ pub fn step_separately<E: EngineOps + ?Sized>(
 /// The work the scheduler hands out. Implemented by the real engine and by tests' fakes.
 pub trait EngineOps {
     /// Prefills the next `n` prompt tokens of `id`. When they complete the prompt, also samples
-    /// the first output token and returns it.
+    /// the first output token and returns it (see `PrefillResult` for the one exception).
     fn prefill(&mut self, id: ReqId, n: usize) -> Result<Option<StepOut>, WireError>;
     /// One batched decode step over `ids`; one result per id, in order.
     fn decode(&mut self, ids: &[ReqId]) -> Vec<Result<StepOut, WireError>>;
@@ -142,6 +146,10 @@ pub trait WorkerEngine: EngineOps {
     }
     /// Zeroes the counters behind `call_times` and `prefix_stats` (after the warm-up).
     fn reset_counters(&mut self) {}
+    /// Host milliseconds of the last tick's parts, for the tick log (none by default).
+    fn step_parts(&self) -> Vec<(&'static str, f64)> {
+        vec![]
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -387,12 +395,9 @@ impl Scheduler {
                     if done == total {
                         self.prefilling.retain(|&x| x != id);
                         self.decoding.push(id);
-                        match first {
-                            Some(step) => self.deliver(engine, id, step, now, &mut out),
-                            None => {
-                                let error = WireError::new(ErrorClass::Internal, "prefill completed without a first token");
-                                self.finish(engine, id, Event::Error { error }, &mut out);
-                            }
+                        // Without a first token now, it comes from the next decode step.
+                        if let Some(step) = first {
+                            self.deliver(engine, id, step, now, &mut out);
                         }
                     }
                 }
