@@ -523,16 +523,21 @@ impl Model {
         if let Some((_, cache)) = chunk.as_mut() {
             cache.rewind(pad)?;
         }
-        let rows = if active.len() == toks.len() {
-            x
-        } else {
-            x.take_axis(Array::from_slice(&active, &[active.len() as i32]), 0)?
-        };
+        // The output head runs over every decode slot (scratch ones too) and the chunk's last
+        // position, then the active rows are picked: its shape follows the batch's slots, not
+        // how many of them are in use, so the warm-up's rounds cover it (a new shape costs
+        // tens of ms on a GPU the first time).
+        let chunk_last = (active.len() > decode_rows).then(|| active[decode_rows]);
+        let keep: Vec<i32> = (0..decode_slots as i32).chain(chunk_last).collect();
+        let rows = if keep.len() == toks.len() { x } else { x.take_axis(Array::from_slice(&keep, &[keep.len() as i32]), 0)? };
         let x = rms_norm(&rows, Some(&self.norm), eps)?;
-        Ok(match &self.lm_head_t {
+        let logits = match &self.lm_head_t {
             Some(h) => x.matmul(h)?,
             None => x.matmul(self.embed.t())?,
-        })
+        };
+        // Active decode slots keep their index; the chunk's last position is the last row.
+        let pick: Vec<i32> = active[..decode_rows].iter().copied().chain(chunk_last.map(|_| decode_slots as i32)).collect();
+        Ok(if pick.len() == keep.len() { logits } else { logits.take_axis(Array::from_slice(&pick, &[pick.len() as i32]), 0)? })
     }
 
     /// Runs `tokens` [B, T] (int32) through the model, appending to each sequence's cache.

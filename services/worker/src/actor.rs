@@ -255,19 +255,36 @@ pub struct CancelRequest(pub String);
 #[rtype(result = "WorkerStatus")]
 pub struct GetStatus;
 
-/// Runs two dummy requests through a private scheduler before the worker takes jobs, so that
-/// MLX has built the kernels (and the allocator holds the buffers) of every kind of step before
-/// the first user's request: a short one prefilled alone that then decodes, and a long one
-/// (`tokens`) prefilled chunk by chunk in the same steps as that decode, its cache passing
-/// through every size a prompt of that length reaches, then decoding in its own length group.
-/// On a GPU the first step of each new shape otherwise costs 100-180 ms (seen in the burst
-/// benchmark's first chunks), the very first steps seconds. Answers with the milliseconds it
-/// took. Leaves nothing behind.
+/// Runs dummy requests through a private scheduler before the worker takes jobs, so that MLX
+/// has built the kernels (and the allocator holds the buffers) of every kind of step before the
+/// first user's request: a long one (`tokens`) prefilled alone, then one round per entry of
+/// `rows`: that many short ones prefilled and decoding, and two long ones prefilled chunk by
+/// chunk in the same steps as their decode, the first then decoding in a length group of its
+/// own beside the second's chunks, everything to its end. On a GPU the first step of each new
+/// shape otherwise costs 10-180 ms (seen in the burst benchmark: its first chunks, and the
+/// tick in which the first long prompt joins 16 decoding streams when the warm-up had only
+/// one). Answers with the milliseconds it took. Leaves nothing behind.
 #[derive(Message)]
 #[rtype(result = "Result<f64, String>")]
 pub struct WarmUp {
-    /// Prompt tokens of the long dummy request (capped by the context and the KV budget).
+    /// Prompt tokens of the long dummy requests (capped by the context and the KV budget).
     pub tokens: usize,
+    /// Short requests decoding in each round (at least one round).
+    pub rows: Vec<usize>,
+}
+
+/// Rows of the warm-up's rounds on a GPU: one round for each size the decode batch's buffers
+/// take up to `max_batch` (they grow by doubling from 4 rows), so that every row count's step
+/// shapes (the matrix products' sizes follow the batch's slots) have run once: 1, 5, 9, 17, 33
+/// rows for a batch of 64, leaving room for the two long prompts.
+pub fn warm_up_rows(max_batch: usize) -> Vec<usize> {
+    let mut rows = vec![1];
+    let mut slots = 8;
+    while slots / 2 + 1 + 2 <= max_batch {
+        rows.push(slots / 2 + 1);
+        slots *= 2;
+    }
+    rows
 }
 
 impl<E: WorkerEngine + Unpin + 'static> Handler<WarmUp> for SchedulerActor<E> {
@@ -280,18 +297,27 @@ impl<E: WorkerEngine + Unpin + 'static> Handler<WarmUp> for SchedulerActor<E> {
             let context = engine.context_tokens().saturating_sub(8);
             let fits = (cfg.kv_budget_bytes / engine.kv_bytes_per_token().max(1)) as usize;
             let short = 16.min(context / 4).max(1);
-            let long = w.tokens.min(context).min(fits.saturating_sub(short + 8) * 3 / 8).max(1);
-            // MLX plans kernels, cuDNN attention and CUDA graphs once per shape, tens of ms
+            let most_rows = w.rows.iter().copied().max().unwrap_or(1).clamp(1, cfg.max_batch.saturating_sub(2).max(1));
+            // The short ones' reservations, at most (their outputs last two long prefills).
+            let short_room = most_rows * (short + 2 * w.tokens.div_ceil(cfg.prefill_chunk.max(1)) + 8 + most_rows);
+            let long = w.tokens.min(context).min(fits.saturating_sub(short_room) * 3 / 8).max(1);
+            // MLX plans kernels, cuDNN attention and matrix products once per shape, tens of ms
             // each on a GPU. The phases below make the shapes a burst of long prompts meets:
-            // a long prompt alone (the idle engine's large prefill steps); a short one that
-            // decodes throughout; two long ones together, the first chunked beside the short
-            // one's decode, then decoding as a length group of its own beside the second's
-            // chunks.
+            // a long prompt alone (the idle engine's large prefill steps); then, per round,
+            // short ones decoding throughout and two long ones together, the first chunked
+            // beside the short ones' decode, then decoding as a length group of its own beside
+            // the second's chunks.
             let chunks = long.div_ceil(cfg.prefill_chunk.max(1));
             let out = |n: usize| n.min(context.saturating_sub(long.max(short))).max(1);
-            let phases: [&[(usize, usize)]; 3] = [&[(long, 1)], &[(short, out(2 * chunks + 8))], &[(long, out(chunks + 4)), (long, 4)]];
-            let mut id = ReqId::MAX - 4;
-            for (k, phase) in phases.iter().enumerate() {
+            // (requests as (prompt, max tokens), whether the phase ends when they all decode)
+            let mut phases: Vec<(Vec<(usize, usize)>, bool)> = vec![(vec![(long, 1)], false)];
+            for &n in w.rows.iter().chain(w.rows.is_empty().then_some(&1)) {
+                let n = n.clamp(1, most_rows);
+                phases.push((vec![(short, out(2 * chunks + 8 + n)); n], true));
+                phases.push((vec![(long, out(chunks + 4)), (long, 4)], false));
+            }
+            let mut id = ReqId::MAX - (phases.iter().map(|p| p.0.len()).sum::<usize>() as ReqId) - 1;
+            for (phase, until_decoding) in &phases {
                 for &(len, max_tokens) in phase.iter() {
                     id += 1;
                     let prompt: Vec<u32> = (0..len as u32).map(|i| 1 + (i * 7 + (id % 50) as u32) % 50).collect();
@@ -302,9 +328,9 @@ impl<E: WorkerEngine + Unpin + 'static> Handler<WarmUp> for SchedulerActor<E> {
                         return Err(format!("{:?}", e.event));
                     }
                 }
-                // The short one's phase ends when it decodes; the others run to their end.
+                // A phase of short ones ends when they all decode; the others run to their end.
                 let mut ticks = 0;
-                while if k == 1 { s.active_streams() == 0 } else { !s.is_idle() } {
+                while if *until_decoding { s.active_streams() < phase.len() } else { !s.is_idle() } {
                     let (emits, _) = s.tick(engine, Self::now());
                     if let Some(e) = emits.iter().find(|e| matches!(e.event, Event::Error { .. })) {
                         return Err(format!("{:?}", e.event));
@@ -427,7 +453,11 @@ impl<E: WorkerEngine + Unpin + 'static> Handler<Tick> for SchedulerActor<E> {
                     use std::io::Write;
                     let at = (started - *t0).as_secs_f64() * 1000.0;
                     // One write per line, unbuffered: the worker may be killed rather than stopped.
-                    let line = format!("{at:.3} {ms:.3} {} {} {}\n", report.decoded, report.prefill_tokens, report.prefill_done);
+                    let mut line = format!("{at:.3} {ms:.3} {} {} {}", report.decoded, report.prefill_tokens, report.prefill_done);
+                    for (name, part_ms) in self.engine.step_parts() {
+                        line.push_str(&format!(" {name}={part_ms:.3}"));
+                    }
+                    line.push('\n');
                     let _ = w.write_all(line.as_bytes());
                 }
                 self.publish(emits)
@@ -471,6 +501,15 @@ impl<E: WorkerEngine + Unpin + 'static> Handler<ClearPrefixCache> for SchedulerA
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn warm_up_rounds_cover_every_size_of_the_decode_batch() {
+        // The batch's buffers hold 4, 8, 16, ... rows: one round with a row count of each size.
+        assert_eq!(warm_up_rows(64), vec![1, 5, 9, 17, 33]);
+        assert_eq!(warm_up_rows(8), vec![1, 5]);
+        assert_eq!(warm_up_rows(4), vec![1]);
+        assert_eq!(warm_up_rows(1), vec![1]);
+    }
 
     #[test]
     fn recent_cancels_are_taken_once_and_forgotten_after_the_memory() {

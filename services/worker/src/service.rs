@@ -146,8 +146,10 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
     } else {
         settings.scheduler.prefill_chunk_tokens + 5
     });
+    // On a GPU, rounds for every size of the decode batch (a step's shapes follow it).
+    let rows = if llmq_engine::on_gpu() { crate::actor::warm_up_rows(settings.scheduler.max_batch) } else { vec![1] };
     if warm_up > 0 {
-        match actor.send(WarmUp { tokens: warm_up }).await {
+        match actor.send(WarmUp { tokens: warm_up, rows }).await {
             Ok(Ok(ms)) => tracing::info!(ms, tokens = warm_up, "warm-up done"),
             Ok(Err(e)) => tracing::warn!(error = %e, "warm-up failed; serving anyway"),
             Err(e) => return Err(WorkerError::Model(format!("the device thread stopped: {e}"))),

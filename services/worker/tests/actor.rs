@@ -122,7 +122,7 @@ fn warm_up_leaves_nothing_behind() {
         let engine = llmq_worker::engine_ops::ModelEngine::new(loaded.model, loaded.tokenizer).with_prefix_cache(16, 1 << 30);
         let cfg = SchedulerConfig { prefill_chunk: 16, kv_budget_bytes: 1 << 30, ..Default::default() };
         let addr = SchedulerActor::new(engine, cfg, tx, "w".into(), "tiny".into()).start();
-        let ms = addr.send(llmq_worker::actor::WarmUp { tokens: 40 }).await.unwrap().unwrap();
+        let ms = addr.send(llmq_worker::actor::WarmUp { tokens: 40, rows: vec![1, 3] }).await.unwrap().unwrap();
         assert!(ms > 0.0);
         let s = addr.send(llmq_worker::actor::GetStatus).await.unwrap();
         assert_eq!((s.kv_bytes_used, s.prefix_entries, s.prefix_reused_tokens, s.prefill_calls, s.decode_calls), (0, 0, 0, 0, 0), "{s:?}");
