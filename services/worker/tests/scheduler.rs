@@ -17,6 +17,9 @@ struct FakeEngine {
     released: Vec<ReqId>,
     prefill_calls: Vec<(ReqId, usize)>,
     decode_calls: Vec<Vec<ReqId>>,
+    /// Like an engine whose prefill chunks ride in decode steps queued ahead: a chunk that
+    /// completes its prompt gives no token; the request's first decode step gives its first.
+    defer_first: bool,
 }
 
 impl FakeEngine {
@@ -35,7 +38,8 @@ impl EngineOps for FakeEngine {
         let done = self.prefilled.entry(id).or_default();
         *done += n;
         assert!(*done <= self.prompt[&id], "prefilled past the prompt");
-        Ok((*done == self.prompt[&id]).then(|| self.token(id)))
+        let complete = *done == self.prompt[&id];
+        Ok((complete && !self.defer_first).then(|| self.token(id)))
     }
     fn decode(&mut self, ids: &[ReqId]) -> Vec<Result<StepOut, WireError>> {
         self.decode_calls.push(ids.to_vec());
@@ -322,6 +326,51 @@ fn synchronous_baseline_prefills_whole_prompts() {
     h.submit(2, 9000, 2);
     let (_, rep) = h.tick();
     assert_eq!(rep.prefill_tokens, 9000);
+}
+
+#[test]
+fn a_first_token_deferred_to_the_next_decode_step() {
+    let mut h = Harness::new(cfg());
+    h.e.defer_first = true;
+    h.submit(1, 5, 100);
+    h.tick(); // idle: prompt 1 complete, no token yet
+    assert!(!h.of(1).iter().any(|e| matches!(e, Event::Tokens { .. })));
+    h.tick(); // its first decode step gives its first token
+    assert_eq!(h.e.decode_calls.last().unwrap(), &vec![1]);
+    assert!(matches!(h.of(1).last().unwrap(), Event::Tokens { ids, .. } if ids == &vec![1]));
+    // Two more: one that needs a single token, one cancelled between its prompt's completion
+    // and its first token.
+    h.submit(2, 300, 1);
+    h.submit(3, 20, 50);
+    let until_complete = |h: &mut Harness, id: ReqId| {
+        for _ in 0..10 {
+            h.tick();
+            if h.of(id).iter().any(|e| matches!(e, Event::PrefillProgress { done, total } if done == total)) {
+                return;
+            }
+        }
+        panic!("prompt {id} not complete");
+    };
+    until_complete(&mut h, 3);
+    h.s.cancel(3);
+    until_complete(&mut h, 2);
+    h.run_until_idle(200);
+    h.assert_all_ended(&[1, 2, 3]);
+    assert!(!h.of(3).iter().any(|e| matches!(e, Event::Tokens { .. })), "cancelled before its first token");
+    assert!(matches!(h.of(3).last().unwrap(), Event::Error { error } if error.class == ErrorClass::Cancelled));
+    match h.of(2)[..] {
+        [.., Event::Tokens { ids, .. }, Event::Done { usage, timings, .. }] => {
+            assert_eq!((ids.clone(), usage.completion), (vec![1], 1));
+            assert!(timings.ttft_ms > 0.0, "the first token came a tick after the prompt");
+        }
+        ref ev => panic!("{ev:?}"),
+    }
+    for id in [1, 2] {
+        match h.of(id).last().unwrap() {
+            Event::Done { usage, .. } => assert_eq!(usage.completion as usize, h.e.max_tokens[&id]),
+            e => panic!("{e:?}"),
+        }
+    }
 }
 
 #[test]
