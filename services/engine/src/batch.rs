@@ -7,7 +7,9 @@
 //! the next row, and leaves by moving the last row into its place, so nobody else's cache is
 //! copied or re-padded when the batch changes (buffers grow by doubling rows and by 256-token
 //! steps of capacity, which copies everything but happens rarely). Rows past len() are scratch:
-//! computed and ignored. With no sequence left, the buffers are freed.
+//! computed and ignored. With no sequence left, the buffers are freed. A batch of long rows
+//! (one that attends row by row) starts at one row: its first sequence's KV, with room to
+//! grow, becomes its buffers (nothing else is allocated, zeroed or copied for it).
 
 use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
 use mlx_rs::ops::{broadcast_to, concatenate, zeros_dtype};
@@ -97,7 +99,9 @@ impl DecodeBatch {
 
     /// Makes room for `slots` rows of `capacity` tokens.
     pub(crate) fn reserve(&mut self, slots: usize, capacity: usize) -> Result<()> {
-        let slots = if slots > self.slots { slots.max(self.slots * 2).max(4) } else { self.slots };
+        // Short rows come many at a time; long ones few (a row there is gigabytes).
+        let least = if self.per_row_up_to > 0 { 1 } else { 4 };
+        let slots = if slots > self.slots { slots.max(self.slots * 2).max(least) } else { self.slots };
         let capacity = if capacity > self.capacity { capacity.div_ceil(CAPACITY_STEP) * CAPACITY_STEP } else { self.capacity };
         if slots == self.slots && capacity == self.capacity {
             return Ok(());
@@ -136,12 +140,27 @@ impl DecodeBatch {
     pub fn join(&mut self, cache: &SequenceCache) -> Result<usize> {
         let len = cache.offset();
         let row = self.lens.len();
+        let contents = |l: usize| {
+            cache.contents(l).ok_or_else(|| EngineError::InvalidRequest("a sliding-window cache cannot join the decode batch".into()))
+        };
+        if row == 0 && self.per_row_up_to > 0 {
+            // The first long row: its own KV plus room to grow are the buffers.
+            let capacity = (len + 1).div_ceil(CAPACITY_STEP) * CAPACITY_STEP;
+            let room = self.zeros(1, capacity - len)?;
+            self.layers = (0..self.num_layers)
+                .map(|l| {
+                    let (ck, cv) = contents(l)?;
+                    Ok((concatenate(&[&ck, &room], 2)?, concatenate(&[&cv, &room], 2)?))
+                })
+                .collect::<Result<_>>()?;
+            (self.slots, self.capacity) = (1, capacity);
+            self.lens.push(len);
+            return Ok(0);
+        }
         self.reserve(row + 1, len + 1)?;
         let r = row as i32;
         for (l, (k, v)) in self.layers.iter_mut().enumerate() {
-            let (ck, cv) = cache.contents(l).ok_or_else(|| {
-                EngineError::InvalidRequest("a sliding-window cache cannot join the decode batch".into())
-            })?;
+            let (ck, cv) = contents(l)?;
             k.try_index_mut((r..r + 1, .., 0..len as i32, ..), &ck)?;
             v.try_index_mut((r..r + 1, .., 0..len as i32, ..), &cv)?;
         }
