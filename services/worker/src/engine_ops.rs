@@ -66,7 +66,8 @@ pub struct ModelEngine {
     chunks_ahead: u64,
     completions_ahead: u64,
     /// Host time of the last step queued ahead's delivery: joining a completed prompt,
-    /// queuing the next step, waiting for the tokens, and the chunk run on its own (ms).
+    /// queuing the next step, waiting for the tokens, and the rest (handling the tokens, and a
+    /// chunk run on its own if any) (ms).
     parts: [f64; 4],
 }
 
@@ -311,7 +312,7 @@ impl WorkerEngine for ModelEngine {
     }
 
     fn step_parts(&self) -> Vec<(&'static str, f64)> {
-        ["join", "queue", "wait", "alone"].into_iter().zip(self.parts).collect()
+        ["join", "queue", "wait", "rest"].into_iter().zip(self.parts).collect()
     }
 
     fn reset_counters(&mut self) {
