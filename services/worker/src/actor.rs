@@ -328,9 +328,10 @@ impl<E: WorkerEngine + Unpin + 'static> Handler<WarmUp> for SchedulerActor<E> {
                         return Err(format!("{:?}", e.event));
                     }
                 }
-                // A phase of short ones ends when they all decode; the others run to their end.
+                // A phase of short ones ends when none is waiting or prefilling any more (all
+                // decode, unless one already finished); the others run to their end.
                 let mut ticks = 0;
-                while if *until_decoding { s.active_streams() < phase.len() } else { !s.is_idle() } {
+                while if *until_decoding { s.queued_requests() > 0 } else { !s.is_idle() } {
                     let (emits, _) = s.tick(engine, Self::now());
                     if let Some(e) = emits.iter().find(|e| matches!(e.event, Event::Error { .. })) {
                         return Err(format!("{:?}", e.event));
