@@ -1,6 +1,7 @@
 //! The scheduler driving the real engine (SmolLM2): chunked and interleaved prefill gives the
 //! same greedy tokens as one-piece generation (also with chunks, final ones included, sharing
-//! decode steps queued ahead, and padded to a grid), and all KV memory comes back.
+//! decode steps queued ahead, padded to a grid, and beside a sampled request, which turns
+//! queuing ahead off while it decodes), and all KV memory comes back.
 
 use std::time::Instant;
 
@@ -14,6 +15,7 @@ use mlx_rs::Dtype;
 
 #[test]
 fn chunked_interleaved_prefill_gives_the_same_greedy_tokens() {
+    const SAMPLED: u64 = 10;
     let loaded = load_model(&resolve_model("smollm2").unwrap(), Dtype::Float32).unwrap();
     let tok = loaded.tokenizer.as_ref().unwrap();
     let prompts = [
@@ -31,8 +33,9 @@ fn chunked_interleaved_prefill_gives_the_same_greedy_tokens() {
         .collect();
 
     // With decode steps queued ahead (the default; prefill chunks then share the queued steps),
-    // without, and with chunks padded to a grid as on a GPU.
-    for (ahead, grid) in [(true, 1), (false, 1), (true, 8)] {
+    // without, with chunks padded to a grid as on a GPU, and with a sampled request among the
+    // greedy ones.
+    for (ahead, grid, with_sampled) in [(true, 1, false), (false, 1, false), (true, 8, false), (true, 1, true)] {
         let fresh = load_model(&resolve_model("smollm2").unwrap(), Dtype::Float32).unwrap();
         let mut engine = ModelEngine::new(fresh.model.with_chunk_grid(grid), fresh.tokenizer).with_decode_ahead(ahead);
         let bpt = engine.kv_bytes_per_token();
@@ -49,6 +52,14 @@ fn chunked_interleaved_prefill_gives_the_same_greedy_tokens() {
             let id = i as u64;
             engine.register(id, p.clone(), SamplingParams::default(), stop.clone(), None).unwrap();
             events.extend(s.submit(Admission { id, prompt_tokens: p.len(), max_tokens: 12, accepted_at: start.elapsed() }));
+            if i == 1 && with_sampled {
+                // A sampled request among the greedy ones: while it decodes no step is queued
+                // ahead, and its own prompt's last chunk cannot ride in one.
+                let p = tok.prompt_ids("Name a colour.", true).unwrap();
+                let sampling = SamplingParams { temperature: 0.7, seed: Some(3), ..Default::default() };
+                engine.register(SAMPLED, p.clone(), sampling, stop.clone(), None).unwrap();
+                events.extend(s.submit(Admission { id: SAMPLED, prompt_tokens: p.len(), max_tokens: 12, accepted_at: start.elapsed() }));
+            }
             // Arrivals spread over ticks, so prefills interleave with running decodes.
             for _ in 0..3 {
                 events.extend(s.tick(&mut engine, start.elapsed()).0);
@@ -61,20 +72,30 @@ fn chunked_interleaved_prefill_gives_the_same_greedy_tokens() {
             events.extend(s.tick(&mut engine, start.elapsed()).0);
         }
         assert!(s.is_idle());
+        if with_sampled {
+            let sampled: Vec<&Event> = events.iter().filter(|e| e.id == SAMPLED).map(|e| &e.event).collect();
+            let n: usize = sampled.iter().map(|e| if let Event::Tokens { ids, .. } = e { ids.len() } else { 0 }).sum();
+            match sampled.last() {
+                Some(Event::Done { usage, .. }) => assert!(n >= 1 && usage.completion as usize == n, "sampled request: {n} tokens, {usage:?}"),
+                e => panic!("sampled request ended with {e:?}"),
+            }
+        }
         for (i, want) in alone.iter().enumerate() {
             let got: Vec<u32> = events
                 .iter()
                 .filter(|e| e.id == i as u64)
                 .flat_map(|e| if let Event::Tokens { ids, .. } = &e.event { ids.clone() } else { vec![] })
                 .collect();
-            assert_eq!(&got, want, "request {i}, decode_ahead {ahead}, grid {grid}");
+            assert_eq!(&got, want, "request {i}, decode_ahead {ahead}, grid {grid}, with a sampled one {with_sampled}");
             assert!(events.iter().filter(|e| e.id == i as u64).last().unwrap().event.is_terminal());
         }
         // Chunks, and chunks that complete a prompt (its first token then comes with the next
         // decode step), ride in steps queued ahead.
         let (chunks, completions) = engine.chunks_queued_ahead();
-        assert_eq!(chunks > 0, ahead, "chunks queued ahead with decode_ahead {ahead}");
-        assert_eq!(completions > 0, ahead, "prompts completed ahead with decode_ahead {ahead}");
+        if !with_sampled {
+            assert_eq!(chunks > 0, ahead, "chunks queued ahead with decode_ahead {ahead}");
+            assert_eq!(completions > 0, ahead, "prompts completed ahead with decode_ahead {ahead}");
+        }
         assert_eq!(engine.held(), 0);
         assert_eq!(engine.kv_bytes_in_use(), 0, "decode_ahead {ahead}");
         assert_eq!(s.reserved_kv_bytes(), 0);
