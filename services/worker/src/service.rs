@@ -139,15 +139,15 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
     });
 
     // On a GPU a long warm-up prompt pays for every cache size a burst of long prompts reaches
-    // (each new size's first chunk costs 100+ ms there); on a CPU a short one is enough (the
-    // warm-up runs three long prompts: about 6 s of SmolLM2 at 261 tokens on a 2-core CPU).
-    let warm_up = settings.worker.warm_up_tokens.unwrap_or(if llmq_engine::on_gpu() {
-        GPU_WARM_UP_TOKENS
+    // (each new size's first chunk costs 100+ ms there), in one round for every size of the
+    // decode batch (a step's shapes follow it); on a CPU one round of a short one is enough (it
+    // runs three long prompts: about 6 s of SmolLM2 at 261 tokens on a 2-core CPU).
+    let (default_tokens, rows) = if llmq_engine::on_gpu() {
+        (GPU_WARM_UP_TOKENS, crate::actor::warm_up_rows(settings.scheduler.max_batch))
     } else {
-        settings.scheduler.prefill_chunk_tokens + 5
-    });
-    // On a GPU, rounds for every size of the decode batch (a step's shapes follow it).
-    let rows = if llmq_engine::on_gpu() { crate::actor::warm_up_rows(settings.scheduler.max_batch) } else { vec![1] };
+        (settings.scheduler.prefill_chunk_tokens + 5, vec![1])
+    };
+    let warm_up = settings.worker.warm_up_tokens.unwrap_or(default_tokens);
     if warm_up > 0 {
         match actor.send(WarmUp { tokens: warm_up, rows }).await {
             Ok(Ok(ms)) => tracing::info!(ms, tokens = warm_up, "warm-up done"),
