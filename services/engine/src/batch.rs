@@ -20,6 +20,11 @@ use crate::error::{EngineError, Result};
 
 const CAPACITY_STEP: usize = 256;
 
+/// `tokens` rounded up to whole capacity steps.
+fn whole_steps(tokens: usize) -> usize {
+    tokens.div_ceil(CAPACITY_STEP) * CAPACITY_STEP
+}
+
 pub struct DecodeBatch {
     /// Per layer: (keys, values), each [slots, kv_heads, capacity, head_dim].
     pub(crate) layers: Vec<(Array, Array)>,
@@ -102,7 +107,7 @@ impl DecodeBatch {
         // Short rows come many at a time; long ones few (a row there is gigabytes).
         let least = if self.per_row_up_to > 0 { 1 } else { 4 };
         let slots = if slots > self.slots { slots.max(self.slots * 2).max(least) } else { self.slots };
-        let capacity = if capacity > self.capacity { capacity.div_ceil(CAPACITY_STEP) * CAPACITY_STEP } else { self.capacity };
+        let capacity = if capacity > self.capacity { whole_steps(capacity) } else { self.capacity };
         if slots == self.slots && capacity == self.capacity {
             return Ok(());
         }
@@ -145,7 +150,7 @@ impl DecodeBatch {
         };
         if row == 0 && self.per_row_up_to > 0 {
             // The first long row: its own KV plus room to grow are the buffers.
-            let capacity = (len + 1).div_ceil(CAPACITY_STEP) * CAPACITY_STEP;
+            let capacity = whole_steps(len + 1);
             let room = self.zeros(1, capacity - len)?;
             self.layers = (0..self.num_layers)
                 .map(|l| {
