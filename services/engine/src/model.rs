@@ -15,6 +15,7 @@ use crate::batch::DecodeBatch;
 use crate::cache::{AttnMask, KvCache, RotatingCache, SequenceCache, StandardCache};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
+use crate::row_attention::RowAttention;
 use crate::weights::Weights;
 
 /// Copies an array to the host as f32, materialising views and casting first.
@@ -105,6 +106,8 @@ pub struct Model {
     lm_head_t: Option<Array>,
     dtype: Dtype,
     chunk_grid: usize,
+    /// Decode attention by row lengths (NVIDIA GPUs); None: masked attention.
+    row_attention: Option<RowAttention>,
 }
 
 fn heads_first(x: Array, b: i32, t: i32, heads: i32, dim: i32, norm: Option<&Array>, eps: f32) -> Result<Array> {
@@ -192,13 +195,16 @@ struct GroupStep<'a> {
     slots: i32,
     positions: Array,
     write: Array,
-    attend: GroupAttention,
+    attend: GroupAttention<'a>,
 }
 
 /// How a group's rows attend (see `DecodeBatch::per_row_attention`).
-enum GroupAttention {
+enum GroupAttention<'a> {
     /// All rows at once over the whole capacity, masked past each row's length.
     Masked(Array),
+    /// All rows at once, each over its own length ([slots] int32; scratch rows 0; the
+    /// longest given apart), by the row attention kernel (used for every group when present).
+    Lengths(Array, usize, &'a RowAttention),
     /// Row by row, unmasked, over each active row's length after this step's token.
     PerRow(Vec<i32>),
 }
@@ -229,6 +235,7 @@ impl Attention {
             kv.1 = kv.1.put_along_axis(&g.write, &v, 2)?;
             let o = match &g.attend {
                 GroupAttention::Masked(mask) => scaled_dot_product_attention(&q, &kv.0, &kv.1, self.scale, mask, None)?,
+                GroupAttention::Lengths(lens, longest, kernel) => kernel.apply(&q, &kv.0, &kv.1, lens, *longest)?,
                 GroupAttention::PerRow(lens) => {
                     // Each active row over its own keys, unmasked (MLX's fused vector kernel);
                     // scratch rows get zeros.
@@ -302,7 +309,9 @@ impl Model {
         };
         let dtype = w.dtype();
         let chunk_grid = if crate::on_gpu() && config.sliding_window.is_none() { GPU_CHUNK_GRID } else { 1 };
-        let model = Model { config, embed, layers, norm, lm_head_t, dtype, chunk_grid };
+        let scale = layers.first().map_or(1.0, |l| l.attn.scale);
+        let row_attention = RowAttention::new(c.num_heads as i32, c.num_kv_heads as i32, c.head_dim as i32, scale);
+        let model = Model { config, embed, layers, norm, lm_head_t, dtype, chunk_grid, row_attention };
         mlx_rs::transforms::eval(model.parameters())?;
         Ok(model)
     }
@@ -349,6 +358,18 @@ impl Model {
     pub fn with_chunk_grid(mut self, grid: usize) -> Self {
         self.chunk_grid = if self.config.sliding_window.is_none() { grid.max(1) } else { 1 };
         self
+    }
+
+    /// The same model with its decode batches attending through masked attention even where
+    /// the row attention kernel would run (tests compare the two).
+    pub fn with_masked_decode_attention(mut self) -> Self {
+        self.row_attention = None;
+        self
+    }
+
+    /// Whether decode batches attend through the row attention kernel.
+    pub fn uses_row_attention(&self) -> bool {
+        self.row_attention.is_some()
     }
 
     /// Shrinks the chunk grid to divide every one of `chunk_sizes`, so that chunks of those
@@ -463,7 +484,11 @@ impl Model {
             toks.resize(offset as usize + slots, 0);
             let positions = batch.positions();
             let write = batch.write_index(&positions)?;
-            let attend = if batch.per_row_attention() {
+            let attend = if let Some(kernel) = self.row_attention.as_ref() {
+                let mut lens: Vec<i32> = batch.lens().iter().map(|&l| l as i32 + 1).collect();
+                lens.resize(slots, 0);
+                GroupAttention::Lengths(Array::from_slice(&lens, &[slots as i32]), longest + 1, kernel)
+            } else if batch.per_row_attention() {
                 GroupAttention::PerRow(batch.lens().iter().map(|&l| l as i32 + 1).collect())
             } else {
                 let cap = batch.capacity() as i32;
