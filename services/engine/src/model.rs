@@ -15,7 +15,7 @@ use crate::batch::DecodeBatch;
 use crate::cache::{AttnMask, KvCache, RotatingCache, SequenceCache, StandardCache};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
-use crate::row_attention::RowAttention;
+use crate::row_attention::{RowAttention, RowPlan};
 use crate::weights::Weights;
 
 /// Copies an array to the host as f32, materialising views and casting first.
@@ -195,18 +195,27 @@ struct GroupStep<'a> {
     slots: i32,
     positions: Array,
     write: Array,
-    attend: GroupAttention<'a>,
+    attend: GroupAttention,
 }
 
 /// How a group's rows attend (see `DecodeBatch::per_row_attention`).
-enum GroupAttention<'a> {
+enum GroupAttention {
+    /// With every other group's, through the row attention kernel (`RowStep`).
+    Rows,
     /// All rows at once over the whole capacity, masked past each row's length.
     Masked(Array),
-    /// All rows at once, each over its own length ([slots] int32; scratch rows 0; the
-    /// longest given apart), by the row attention kernel (used for every group when present).
-    Lengths(Array, usize, &'a RowAttention),
     /// Row by row, unmasked, over each active row's length after this step's token.
     PerRow(Vec<i32>),
+}
+
+/// A decode step's attention through the row attention kernel: every group's rows in one
+/// launch a layer, planned once for the step.
+struct RowStep<'a> {
+    kernel: &'a RowAttention,
+    plan: RowPlan,
+    /// Every decode slot's position, groups in order [slots] int32.
+    positions: Array,
+    slots: i32,
 }
 
 impl Attention {
@@ -217,12 +226,41 @@ impl Attention {
     /// With `chunk`, the last `t` rows are one sequence's prefill chunk (one token per row):
     /// they attend over that sequence's cache, so a decode step and a prefill chunk share one
     /// pass over the weights.
-    fn forward_grouped(&self, x: &Array, layer: usize, groups: &mut [GroupStep<'_>], chunk: Option<(&mut (dyn KvCache + 'static), i32)>) -> Result<Array> {
+    fn forward_grouped(
+        &self,
+        x: &Array,
+        layer: usize,
+        groups: &mut [GroupStep<'_>],
+        rows_step: Option<&RowStep<'_>>,
+        chunk: Option<(&mut (dyn KvCache + 'static), i32)>,
+    ) -> Result<Array> {
         let d = self.head_dim;
         let qkv = self.qkv.forward(x)?;
         let (qe, ke) = (self.heads * d, (self.heads + self.kv_heads) * d);
         let mut outs = Vec::with_capacity(groups.len() + 1);
-        for g in groups.iter_mut() {
+        if let Some(rs) = rows_step {
+            // Every group's rows together: one projection split, one rotation, one attention
+            // launch; only the KV writes go group by group.
+            let b = rs.slots;
+            let rows = if x.shape()[0] == b { qkv.clone() } else { qkv.index(..b) };
+            let q = heads_first(rows.index((.., .., ..qe)), b, 1, self.heads, d, self.q_norm.as_ref(), self.eps)?;
+            let k = heads_first(rows.index((.., .., qe..ke)), b, 1, self.kv_heads, d, self.k_norm.as_ref(), self.eps)?;
+            let v = heads_first(rows.index((.., .., ke..)), b, 1, self.kv_heads, d, None, self.eps)?;
+            let q = rope_dynamic(&q, d, false, self.rope_theta, 1.0, &rs.positions, None)?;
+            let k = rope_dynamic(&k, d, false, self.rope_theta, 1.0, &rs.positions, None)?;
+            let single = groups.len() == 1;
+            for g in groups.iter_mut() {
+                let span = g.offset..g.offset + g.slots;
+                let (gk, gv) = if single { (k.clone(), v.clone()) } else { (k.index(span.clone()), v.index(span)) };
+                let kv = &mut g.kv[layer];
+                kv.0 = kv.0.put_along_axis(&g.write, &gk, 2)?;
+                kv.1 = kv.1.put_along_axis(&g.write, &gv, 2)?;
+            }
+            let bufs: Vec<(&Array, &Array)> = groups.iter().map(|g| (&g.kv[layer].0, &g.kv[layer].1)).collect();
+            let o = rs.kernel.apply(&rs.plan, &q, &bufs)?;
+            outs.push(o.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, 1, self.heads * d])?);
+        }
+        for g in groups.iter_mut().filter(|g| !matches!(g.attend, GroupAttention::Rows)) {
             let rows = qkv.index(g.offset..g.offset + g.slots);
             let b = g.slots;
             let q = heads_first(rows.index((.., .., ..qe)), b, 1, self.heads, d, self.q_norm.as_ref(), self.eps)?;
@@ -235,7 +273,7 @@ impl Attention {
             kv.1 = kv.1.put_along_axis(&g.write, &v, 2)?;
             let o = match &g.attend {
                 GroupAttention::Masked(mask) => scaled_dot_product_attention(&q, &kv.0, &kv.1, self.scale, mask, None)?,
-                GroupAttention::Lengths(lens, longest, kernel) => kernel.apply(&q, &kv.0, &kv.1, lens, *longest)?,
+                GroupAttention::Rows => unreachable!("attended with the other groups above"),
                 GroupAttention::PerRow(lens) => {
                     // Each active row over its own keys, unmasked (MLX's fused vector kernel);
                     // scratch rows get zeros.
@@ -310,7 +348,7 @@ impl Model {
         let dtype = w.dtype();
         let chunk_grid = if crate::on_gpu() && config.sliding_window.is_none() { GPU_CHUNK_GRID } else { 1 };
         let scale = layers.first().map_or(1.0, |l| l.attn.scale);
-        let row_attention = RowAttention::new(c.num_heads as i32, c.num_kv_heads as i32, c.head_dim as i32, scale);
+        let row_attention = RowAttention::new(c.num_heads as i32, c.num_kv_heads as i32, c.head_dim as i32, scale, dtype);
         let model = Model { config, embed, layers, norm, lm_head_t, dtype, chunk_grid, row_attention };
         mlx_rs::transforms::eval(model.parameters())?;
         Ok(model)
@@ -467,6 +505,9 @@ impl Model {
         let mut toks: Vec<i32> = vec![];
         let mut active: Vec<i32> = vec![];
         let mut steps = Vec::with_capacity(groups.len());
+        // Keys each decode slot attends over (its length after this step; scratch slots 0),
+        // for the row attention kernel.
+        let mut keys: Vec<usize> = vec![];
         for (tokens, batch) in groups.iter_mut() {
             let n = batch.len();
             if tokens.len() != n {
@@ -484,10 +525,10 @@ impl Model {
             toks.resize(offset as usize + slots, 0);
             let positions = batch.positions();
             let write = batch.write_index(&positions)?;
-            let attend = if let Some(kernel) = self.row_attention.as_ref() {
-                let mut lens: Vec<i32> = batch.lens().iter().map(|&l| l as i32 + 1).collect();
-                lens.resize(slots, 0);
-                GroupAttention::Lengths(Array::from_slice(&lens, &[slots as i32]), longest + 1, kernel)
+            keys.extend(batch.lens().iter().map(|&l| l + 1));
+            keys.resize(offset as usize + slots, 0);
+            let attend = if self.row_attention.is_some() {
+                GroupAttention::Rows
             } else if batch.per_row_attention() {
                 GroupAttention::PerRow(batch.lens().iter().map(|&l| l as i32 + 1).collect())
             } else {
@@ -499,6 +540,11 @@ impl Model {
         }
         let decode_slots = toks.len();
         let decode_rows = active.len();
+        let rows_step = self.row_attention.as_ref().filter(|_| decode_slots > 0).map(|kernel| {
+            // A slot's position is its length before this step's token (scratch slots 0).
+            let positions: Vec<i32> = keys.iter().map(|&k| k.saturating_sub(1) as i32).collect();
+            RowStep { kernel, plan: kernel.plan(&keys), positions: Array::from_slice(&positions, &[decode_slots as i32]), slots: decode_slots as i32 }
+        });
         let mut chunk = chunk;
         let mut pad = 0;
         if let Some((c, cache)) = &chunk {
@@ -536,7 +582,7 @@ impl Model {
         let mut x = self.embed.take_axis(&x0, 0)?;
         for (li, layer) in self.layers.iter().enumerate() {
             let part = chunk.as_mut().map(|(_, cache)| (&mut *cache.layers[li], t));
-            let h = layer.attn.forward_grouped(&rms_norm(&x, Some(&layer.input_norm), eps)?, li, &mut steps, part)?;
+            let h = layer.attn.forward_grouped(&rms_norm(&x, Some(&layer.input_norm), eps)?, li, &mut steps, rows_step.as_ref(), part)?;
             x = x.add(&h)?;
             let h = layer.mlp.forward(&rms_norm(&x, Some(&layer.post_norm), eps)?)?;
             x = x.add(&h)?;

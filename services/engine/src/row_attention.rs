@@ -1,23 +1,26 @@
-//! Decode attention over rows of different lengths, as one CUDA kernel (NVIDIA GPUs only).
+//! Decode attention over rows of different lengths, as CUDA kernels (NVIDIA GPUs only).
 //!
-//! A decode batch keeps its rows in shared KV buffers [rows, kv_heads, capacity, head_dim];
-//! each row attends over its own first `len` keys. MLX's fused attention takes no per-row
-//! lengths: with a mask array it falls back to unfused matrix products over the whole
-//! capacity, which on an H200 cost 18.9 ms a step for 64 rows over 1024 slots at the 8b shape
-//! against 2.9 ms unmasked (RESULTS.md, seventh session). This kernel takes each row's length
-//! instead of a mask and reads only those keys.
+//! A decode step's rows live in one or more decode batches (length groups), each with its own
+//! KV buffers [slots, kv_heads, capacity, head_dim]; each row attends over its own first `len`
+//! keys. MLX's fused attention takes no per-row lengths: with a mask array it falls back to
+//! unfused matrix products over the whole capacity, which on an H200 cost 18.9 ms a step for
+//! 64 rows over 1024 slots at the 8b shape against 2.9 ms unmasked (RESULTS.md, seventh
+//! session), and a group attending apart costs a dozen more operations a layer on the host.
+//! These kernels attend every row of every group in one launch, reading only each row's keys.
 //!
-//! The kernel (our own source, compiled by MLX through NVRTC the first time it runs): one
-//! thread block per (row, kv head), all query heads of that kv head together (grouped-query
-//! attention), so every key and value is read once. The block's warps take the keys in turn;
-//! each lane holds `head_dim / 32` dimensions; scores use a running maximum (online softmax),
-//! and the warps' partial results are merged in shared memory at the end. A row of length 0
-//! (a scratch slot) gets zeros.
+//! The kernels (our own source, compiled by MLX through NVRTC when the model loads): the
+//! step's work is a list of items (row, first key, end key), one thread block per item and kv
+//! head, every query head of that kv head together (grouped-query attention), so each key and
+//! value is read once. A row's keys form one item, or several when a few long rows would leave
+//! the GPU idle (`plan`); a second kernel then merges the items of each row. Within a block the
+//! warps take the keys in turn; each lane holds `head_dim / 32` dimensions; scores keep a
+//! running maximum (online softmax), and the warps' partial results are merged in shared memory.
+//! A row of length 0 (a scratch slot) gets zeros.
 //!
-//! Invariants: inputs are row-contiguous (MLX copies them otherwise, which is correct but
-//! slow, so callers pass the batch's own buffers); `lens[r] <= capacity`; the output has the
-//! queries' shape and dtype. On a machine without CUDA, `RowAttention::new` gives `None` and
-//! callers use masked attention.
+//! Invariants: the buffers are row-contiguous (MLX copies them otherwise, which is correct but
+//! slow, so callers pass the batches' own buffers); every item's keys lie within its row's
+//! capacity; the output has the queries' shape and dtype. On a machine without CUDA,
+//! `RowAttention::new` gives `None` and callers use masked attention.
 
 use std::ffi::{c_char, CString};
 
@@ -33,28 +36,30 @@ const KEYS_PER_BLOCK: i32 = 512;
 /// Thread blocks that keep the GPU busy without splitting keys (an H200 has 132 SMs).
 const ENOUGH_BLOCKS: i32 = 256;
 
-/// The part every kernel shares: one block's share of one (row, kv head)'s keys, accumulated
-/// with a running maximum by the warps in turn, then merged over the warps in shared memory,
-/// leaving in `m[g]`, `total[g]` and `o` the block's maximum score, softmax sum and weighted
-/// values (thread `t` holds dimension `t % D` of query head `t / D`). `SCALE`, `G` (query heads
-/// per kv head), `D` (head dim) and `T` (dtype) are set per model. Inputs: `q` [rows, heads, 1,
-/// D], `k`, `v` [rows, kv_heads, cap, D], `lens` [rows] int32. The grid holds `splits` blocks
-/// per (row, kv head); block `s` takes the `s`-th of `splits` equal parts of the row's keys.
+/// The part both attention kernels share: one block's item (keys `begin..end` of one row) for
+/// one kv head, accumulated with a running maximum by the warps in turn, then merged over the
+/// warps in shared memory, leaving in `m`, `total` and `o` the block's maximum score, softmax
+/// sum and weighted values (thread `t` holds dimension `t % D` of query head `t / D`). `SCALE`,
+/// `G` (query heads per kv head), `D` (head dim) and `T` (dtype) are set per model. Inputs: `q`
+/// [rows, heads, 1, D] (every group's rows in order), `work` [items, 3] int32, and each group's
+/// `k<i>`, `v<i>` [slots, kv_heads, cap, D]; `@SELECT@` becomes the choice of a row's group.
 const ACCUMULATE: &str = r#"
     constexpr int PER = D / 32;
-    const int kv_heads = k_shape[1];
-    const int cap = k_shape[2];
-    const int splits = gridDim.x / (q_shape[0] * kv_heads);
-    const int pair = blockIdx.x / splits;
-    const int split = blockIdx.x % splits;
-    const int row = pair / kv_heads;
+    const int kv_heads = k0_shape[1];
+    const int item = blockIdx.x / kv_heads;
+    const int head = blockIdx.x % kv_heads;
+    const int row = work[item * 3];
+    const int begin = work[item * 3 + 1];
+    const int end = work[item * 3 + 2];
+    const int pair = row * kv_heads + head;
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
-    const int len = min(lens[row], cap);
-    const int share = (len + splits - 1) / splits;
-    const int begin = split * share;
-    const int end = min(len, begin + share);
-    const size_t base = (size_t)pair * cap * D + lane * PER;
+    const T* kp;
+    const T* vp;
+    int cap;
+    int local = row;
+@SELECT@
+    const size_t base = ((size_t)local * kv_heads + head) * cap * D + lane * PER;
     const size_t qbase = (size_t)pair * G * D + lane * PER;
     float qr[G][PER];
     float acc[G][PER];
@@ -72,8 +77,8 @@ const ACCUMULATE: &str = r#"
         float kr[PER];
         float vr[PER];
         for (int i = 0; i < PER; ++i) {
-            kr[i] = static_cast<float>(k[base + (size_t)j * D + i]);
-            vr[i] = static_cast<float>(v[base + (size_t)j * D + i]);
+            kr[i] = static_cast<float>(kp[base + (size_t)j * D + i]);
+            vr[i] = static_cast<float>(vp[base + (size_t)j * D + i]);
         }
         for (int g = 0; g < G; ++g) {
             float s = 0.f;
@@ -124,15 +129,14 @@ const ACCUMULATE: &str = r#"
         }
 "#;
 
-/// One block per (row, kv head): the result goes straight to `out` (like `q`).
+/// Every row one item: the result goes straight to `out` (like `q`).
 const WHOLE: &str = r#"
         out[(size_t)pair * G * D + t] = static_cast<T>(total > 0.f ? o / total : 0.f);
     }
 "#;
 
-/// Keys split over several blocks: each writes its normalised share to `part` (f32 [rows,
-/// kv_heads, splits, G, D]) and its maximum and sum to `stats` (f32 [rows, kv_heads, splits,
-/// G, 2]), for `MERGE`.
+/// Rows over several items: each block writes its normalised share to `part` (f32 [items,
+/// kv_heads, G, D]) and its maximum and sum to `stats` (f32 [items, kv_heads, G, 2]).
 const SPLIT: &str = r#"
         part[(size_t)blockIdx.x * G * D + t] = total > 0.f ? o / total : 0.f;
         if (d == 0) {
@@ -142,21 +146,25 @@ const SPLIT: &str = r#"
     }
 "#;
 
-/// Merges the splits' shares of each (row, kv head), one block each, into `out`.
+/// Merges each row's items (`spans` [rows, 2] int32: first item, count) into `out`, one
+/// block per (row, kv head).
 const MERGE: &str = r#"
-    const int splits = part_shape[2];
-    const size_t pair = blockIdx.x;
+    const int kv_heads = part_shape[1];
+    const int row = blockIdx.x / kv_heads;
+    const int head = blockIdx.x % kv_heads;
+    const int first = spans[row * 2];
+    const int count = spans[row * 2 + 1];
     for (int t = threadIdx.x; t < G * D; t += blockDim.x) {
         const int g = t / D;
         const int d = t % D;
         float m = -1e30f;
-        for (int s = 0; s < splits; ++s) {
-            m = fmaxf(m, stats[((pair * splits + s) * G + g) * 2]);
+        for (int s = 0; s < count; ++s) {
+            m = fmaxf(m, stats[(((size_t)(first + s) * kv_heads + head) * G + g) * 2]);
         }
         float total = 0.f;
         float o = 0.f;
-        for (int s = 0; s < splits; ++s) {
-            const size_t at = (pair * splits + s) * G + g;
+        for (int s = 0; s < count; ++s) {
+            const size_t at = ((size_t)(first + s) * kv_heads + head) * G + g;
             const float l = stats[at * 2 + 1];
             if (l > 0.f) {
                 const float c = __expf(stats[at * 2] - m) * l;
@@ -164,9 +172,29 @@ const MERGE: &str = r#"
                 o += part[at * D + d] * c;
             }
         }
-        out[pair * G * D + t] = static_cast<T>(total > 0.f ? o / total : 0.f);
+        out[(size_t)blockIdx.x * G * D + t] = static_cast<T>(total > 0.f ? o / total : 0.f);
     }
 "#;
+
+/// Most length groups one launch covers (the worker has four).
+pub const MAX_GROUPS: usize = 4;
+
+/// The source that points `kp`, `vp` and `cap` at the buffers of row `local`'s group (of
+/// `groups`) and makes `local` its row within the group.
+fn select_group(groups: usize) -> String {
+    let mut src = String::new();
+    for i in 0..groups {
+        let take = format!("kp = k{i}; vp = v{i}; cap = k{i}_shape[2];");
+        if i + 1 < groups {
+            src.push_str(&format!("    if (local < k{i}_shape[0]) {{ {take} }} else {{ local -= k{i}_shape[0];\n"));
+        } else {
+            src.push_str(&format!("    {take}\n"));
+        }
+    }
+    src.push_str(&"    }".repeat(groups - 1));
+    src.push('\n');
+    src
+}
 
 /// One custom kernel of MLX (compiled through NVRTC the first time it runs), freed on drop.
 struct Kernel(mlx_sys::mlx_fast_cuda_kernel);
@@ -287,23 +315,37 @@ impl Drop for Kernel {
     }
 }
 
-/// The kernels of one model's attention shape: `whole` (one block per row and kv head), and
-/// `split` then `merge` (the keys of each spread over several blocks, for few long rows).
+/// The kernels of one model's attention shape: `whole` (every row one item) and `split` (rows
+/// over several items, then `merge`). Both attention kernels take `MAX_GROUPS` groups' buffers;
+/// a step with fewer passes `spare` (one zero slot, never read) for the rest, so each kernel
+/// has one form, compiled when the model loads (`new` runs each once): a kernel's first run
+/// costs about 1.4 s on an H200 (NVRTC), which a form first met while serving would stall
+/// every stream for.
 pub struct RowAttention {
     whole: Kernel,
     split: Kernel,
     merge: Kernel,
+    spare: Array,
     heads: i32,
     kv_heads: i32,
     head_dim: i32,
 }
 
+/// A decode step's work for the kernels, made once a step (`RowAttention::plan`) and used by
+/// every layer: the items, and with split rows each row's items.
+pub struct RowPlan {
+    work: Array,
+    items: i32,
+    rows: i32,
+    spans: Option<Array>,
+}
+
 impl RowAttention {
-    /// The kernels for `heads` query heads over `kv_heads` kv heads of `head_dim` dimensions,
-    /// scores scaled by `scale`; `None` without CUDA or for a shape they do not cover
-    /// (`head_dim` a multiple of 32 up to 256, `heads` a multiple of `kv_heads`), and when
-    /// `LLMQ_MASKED_DECODE_ATTENTION` is set (to compare the two).
-    pub fn new(heads: i32, kv_heads: i32, head_dim: i32, scale: f32) -> Option<Self> {
+    /// The kernels for `heads` query heads over `kv_heads` kv heads of `head_dim` dimensions
+    /// in `dtype`, scores scaled by `scale`, compiled; `None` without CUDA or for a shape they
+    /// do not cover (`head_dim` a multiple of 32 up to 256, `heads` a multiple of `kv_heads`),
+    /// and when `LLMQ_MASKED_DECODE_ATTENTION` is set (to compare the two).
+    pub fn new(heads: i32, kv_heads: i32, head_dim: i32, scale: f32, dtype: Dtype) -> Option<Self> {
         let mut cuda = false;
         if unsafe { mlx_sys::mlx_cuda_is_available(&mut cuda) } != 0 || !cuda || !crate::on_gpu() {
             return None;
@@ -316,15 +358,34 @@ impl RowAttention {
         }
         let header = format!("constexpr float SCALE = {scale:.9e}f;\nconstexpr int WARPS = {WARPS};\n");
         let made = (|| -> Result<RowAttention, Exception> {
-            let inputs = ["q", "k", "v", "lens"];
-            Ok(RowAttention {
-                whole: Kernel::new("llmq_row_attention", &inputs, &["out"], &format!("{ACCUMULATE}{WHOLE}"), &header)?,
-                split: Kernel::new("llmq_row_attention_split", &inputs, &["part", "stats"], &format!("{ACCUMULATE}{SPLIT}"), &header)?,
-                merge: Kernel::new("llmq_row_attention_merge", &["part", "stats"], &["out"], MERGE, "")?,
+            let mut inputs = vec!["q".to_string(), "work".to_string()];
+            for i in 0..MAX_GROUPS {
+                inputs.extend([format!("k{i}"), format!("v{i}")]);
+            }
+            let inputs: Vec<&str> = inputs.iter().map(|s| s.as_str()).collect();
+            let body = ACCUMULATE.replace("@SELECT@", &select_group(MAX_GROUPS));
+            let r = RowAttention {
+                whole: Kernel::new("llmq_row_attention", &inputs, &["out"], &format!("{body}{WHOLE}"), &header)?,
+                split: Kernel::new("llmq_row_attention_split", &inputs, &["part", "stats"], &format!("{body}{SPLIT}"), &header)?,
+                merge: Kernel::new("llmq_row_attention_merge", &["part", "stats", "spans"], &["out"], MERGE, "")?,
+                spare: mlx_rs::ops::zeros_dtype(&[1, kv_heads, 1, head_dim], dtype)?,
                 heads,
                 kv_heads,
                 head_dim,
-            })
+            };
+            // Compile both forms now: one row over one key, whole, then split.
+            let q = mlx_rs::ops::zeros_dtype(&[1, heads, 1, head_dim], dtype)?;
+            let spare = r.spare.clone();
+            for split in [false, true] {
+                let plan = RowPlan {
+                    work: Array::from_slice(&[0i32, 0, 1], &[1, 3]),
+                    items: 1,
+                    rows: 1,
+                    spans: split.then(|| Array::from_slice(&[0i32, 1], &[1, 2])),
+                };
+                r.apply(&plan, &q, &[(&spare, &spare)])?.eval()?;
+            }
+            Ok(r)
         })();
         match made {
             Ok(r) => Some(r),
@@ -335,33 +396,69 @@ impl RowAttention {
         }
     }
 
-    /// Attention of each row's query `q` [rows, heads, 1, head_dim] over its first `lens[r]`
-    /// keys and values of `k`, `v` [rows, kv_heads, capacity, head_dim]; `lens` int32 [rows],
-    /// at most `longest`. Few long rows spread their keys over several blocks.
-    pub fn apply(&self, q: &Array, k: &Array, v: &Array, lens: &Array, longest: usize) -> Result<Array, Exception> {
+    /// The work of a step whose rows (every group's slots in order) attend over `lens` keys
+    /// each (0 for a scratch slot). Every row is one item, unless that leaves fewer than
+    /// `ENOUGH_BLOCKS` blocks and some row is longer than `KEYS_PER_BLOCK`: rows are then cut
+    /// into items of at most that many keys.
+    pub fn plan(&self, lens: &[usize]) -> RowPlan {
+        let rows = lens.len() as i32;
+        let longest = lens.iter().copied().max().unwrap_or(0);
+        let per = KEYS_PER_BLOCK as usize;
+        let split = rows * self.kv_heads < ENOUGH_BLOCKS && longest > per;
+        let (mut work, mut spans) = (vec![], vec![]);
+        for (r, &len) in lens.iter().enumerate() {
+            let n = if split { len.div_ceil(per).max(1) } else { 1 };
+            spans.extend([(work.len() / 3) as i32, n as i32]);
+            for i in 0..n {
+                let (b, e) = (len * i / n, len * (i + 1) / n);
+                work.extend([r as i32, b as i32, e as i32]);
+            }
+        }
+        let items = (work.len() / 3) as i32;
+        RowPlan {
+            work: Array::from_slice(&work, &[items, 3]),
+            items,
+            rows,
+            spans: split.then(|| Array::from_slice(&spans, &[rows, 2])),
+        }
+    }
+
+    /// Attention of each row's query `q` [rows, heads, 1, head_dim] (every group's slots in
+    /// order) over its keys and values in its group's buffers `kv` ([slots, kv_heads, capacity,
+    /// head_dim] each), as `plan` laid out.
+    pub fn apply(&self, plan: &RowPlan, q: &Array, kv: &[(&Array, &Array)]) -> Result<Array, Exception> {
         let rows = q.shape()[0];
-        if q.shape() != [rows, self.heads, 1, self.head_dim] || k.shape()[..2] != [rows, self.kv_heads] || lens.shape() != [rows] {
+        let slots: i32 = kv.iter().map(|(k, _)| k.shape()[0]).sum();
+        let shapes_fit = q.shape() == [rows, self.heads, 1, self.head_dim]
+            && rows == plan.rows
+            && slots == rows
+            && kv.iter().all(|(k, v)| k.shape()[1] == self.kv_heads && k.shape() == v.shape());
+        if !shapes_fit || kv.is_empty() || kv.len() > MAX_GROUPS {
             return Err(Exception::custom(format!(
-                "row attention kernel: shapes q {:?}, k {:?}, lens {:?} do not fit",
+                "row attention kernel: q {:?} over {} groups of {slots} slots does not fit",
                 q.shape(),
-                k.shape(),
-                lens.shape()
+                kv.len()
             )));
         }
         let g = self.heads / self.kv_heads;
         let ints = [("G", g), ("D", self.head_dim)];
-        let pairs = rows * self.kv_heads;
-        let up = |a: i32, b: i32| (a + b - 1) / b.max(1);
-        let splits = up(longest as i32, KEYS_PER_BLOCK).min(up(ENOUGH_BLOCKS, pairs)).max(1);
-        let (dtype, threads) = (q.dtype(), WARPS * 32);
-        if splits == 1 {
-            return Ok(self.whole.apply(&[q, k, v, lens], &[(q.shape(), dtype)], pairs, threads, dtype, &ints)?.remove(0));
+        let mut inputs = vec![q, &plan.work];
+        for i in 0..MAX_GROUPS {
+            // Spare slots come after every real group, so no row's search reaches them.
+            let (k, v) = kv.get(i).copied().unwrap_or((&self.spare, &self.spare));
+            inputs.extend([k, v]);
         }
-        let part_shape = [rows, self.kv_heads, splits, g, self.head_dim];
-        let stats_shape = [rows, self.kv_heads, splits, g, 2];
+        let (dtype, threads) = (q.dtype(), WARPS * 32);
+        let blocks = plan.items * self.kv_heads;
+        let Some(spans) = plan.spans.as_ref() else {
+            return Ok(self.whole.apply(&inputs, &[(q.shape(), dtype)], blocks, threads, dtype, &ints)?.remove(0));
+        };
+        let part_shape = [plan.items, self.kv_heads, g, self.head_dim];
+        let stats_shape = [plan.items, self.kv_heads, g, 2];
         let f32 = Dtype::Float32;
-        let parts = self.split.apply(&[q, k, v, lens], &[(&part_shape, f32), (&stats_shape, f32)], pairs * splits, threads, dtype, &ints)?;
+        let parts = self.split.apply(&inputs, &[(&part_shape, f32), (&stats_shape, f32)], blocks, threads, dtype, &ints)?;
         let merge_threads = (g * self.head_dim).min(1024);
-        Ok(self.merge.apply(&[&parts[0], &parts[1]], &[(q.shape(), dtype)], pairs, merge_threads, dtype, &ints)?.remove(0))
+        let out = self.merge.apply(&[&parts[0], &parts[1], spans], &[(q.shape(), dtype)], rows * self.kv_heads, merge_threads, dtype, &ints)?;
+        Ok(out.into_iter().next().expect("one output"))
     }
 }

@@ -2,7 +2,8 @@
 //! an independent implementation (unfused matrix products): random queries, keys and values
 //! at the 8b shape (32 query heads over 8 kv heads of 128) and SmolLM2's (9 over 3 of 64), in
 //! bf16 and f32, with rows of length 0 (a scratch slot), 1, the whole capacity and between,
-//! in one block per row and kv head and with the keys split over several.
+//! rows of one group and of several in one launch, in one block per row and kv head and with
+//! the keys split over several.
 //!
 //! These tests need CUDA: `cargo test -p llmq-engine --test row_attention -- --ignored` on a
 //! GPU machine (RESULTS.md records the run). On a CPU they are skipped by `#[ignore]`.
@@ -21,33 +22,48 @@ fn host(a: &Array) -> Vec<f32> {
     a.as_dtype(Dtype::Float32).unwrap().to_vec_exact::<f32>().unwrap()
 }
 
-fn check(heads: i32, kv_heads: i32, dim: i32, cap: i32, lens: &[i32], dtype: Dtype, tol: f32) {
+/// Rows in `groups` (each a buffer capacity and its rows' lengths) attended in one launch,
+/// each row against MLX's masked attention over its own keys.
+fn check(heads: i32, kv_heads: i32, dim: i32, groups: &[(i32, &[usize])], dtype: Dtype, tol: f32) {
     let scale = 1.0 / (dim as f32).sqrt();
-    let kernel = RowAttention::new(heads, kv_heads, dim, scale).expect("CUDA and a covered shape");
+    let kernel = RowAttention::new(heads, kv_heads, dim, scale, dtype).expect("CUDA and a covered shape");
+    let lens: Vec<usize> = groups.iter().flat_map(|(_, l)| l.iter().copied()).collect();
     let rows = lens.len() as i32;
     let q = normal(&[rows, heads, 1, dim], dtype, 1);
-    let k = normal(&[rows, kv_heads, cap, dim], dtype, 2);
-    let v = normal(&[rows, kv_heads, cap, dim], dtype, 3);
-    let longest = lens.iter().copied().max().unwrap_or(0) as usize;
-    let got = kernel.apply(&q, &k, &v, &Array::from_slice(lens, &[rows]), longest).unwrap();
+    let bufs: Vec<(Array, Array)> = groups
+        .iter()
+        .enumerate()
+        .map(|(i, (cap, l))| {
+            let shape = [l.len() as i32, kv_heads, *cap, dim];
+            (normal(&shape, dtype, 2 + 2 * i as u64), normal(&shape, dtype, 3 + 2 * i as u64))
+        })
+        .collect();
+    let kv: Vec<(&Array, &Array)> = bufs.iter().map(|(k, v)| (k, v)).collect();
+    let got = kernel.apply(&kernel.plan(&lens), &q, &kv).unwrap();
     assert_eq!(got.shape(), q.shape());
     assert_eq!(got.dtype(), dtype);
     let got = host(&got);
     let per_row = (heads * dim) as usize;
-    for (r, &len) in lens.iter().enumerate() {
-        let row = &got[r * per_row..(r + 1) * per_row];
-        if len == 0 {
-            assert!(row.iter().all(|&x| x == 0.0), "a row of length 0 gives zeros");
-            continue;
+    let mut r = 0;
+    for (gi, (_, l)) in groups.iter().enumerate() {
+        for (local, &len) in l.iter().enumerate() {
+            let row = &got[r * per_row..(r + 1) * per_row];
+            if len == 0 {
+                assert!(row.iter().all(|&x| x == 0.0), "a row of length 0 gives zeros");
+            } else {
+                // The reference: this row alone over its first `len` keys, through MLX's masked
+                // path (a mask that keeps every key forces the unfused implementation).
+                let (local, len) = (local as i32, len as i32);
+                let (k, v) = &bufs[gi];
+                let (kr, vr) = (k.index((local..local + 1, .., ..len, ..)), v.index((local..local + 1, .., ..len, ..)));
+                let mask = Array::from_slice(&vec![true; len as usize], &[1, 1, 1, len]);
+                let qr = q.index(r as i32..r as i32 + 1);
+                let want = host(&scaled_dot_product_attention(&qr, &kr, &vr, scale, &mask, None).unwrap());
+                let d = row.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+                assert!(d < tol, "heads {heads}/{kv_heads} dim {dim} {dtype:?} group {gi} row {local} len {len}: max |diff| {d}");
+            }
+            r += 1;
         }
-        // The reference: this row alone over its first `len` keys, through MLX's masked path
-        // (a mask that keeps every key forces the unfused implementation).
-        let r = r as i32;
-        let (kr, vr) = (k.index((r..r + 1, .., ..len, ..)), v.index((r..r + 1, .., ..len, ..)));
-        let mask = Array::from_slice(&vec![true; len as usize], &[1, 1, 1, len]);
-        let want = host(&scaled_dot_product_attention(&q.index(r..r + 1), &kr, &vr, scale, &mask, None).unwrap());
-        let d = row.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
-        assert!(d < tol, "heads {heads}/{kv_heads} dim {dim} {dtype:?} row {r} len {len}: max |diff| {d}");
     }
 }
 
@@ -55,59 +71,72 @@ fn check(heads: i32, kv_heads: i32, dim: i32, cap: i32, lens: &[i32], dtype: Dty
 #[ignore = "needs CUDA (run on the GPU machine)"]
 fn matches_masked_attention_at_the_8b_shape() {
     let lens = [0, 1, 2, 17, 255, 256, 300, 511, 512, 100, 7, 64];
-    check(32, 8, 128, 512, &lens, Dtype::Float32, 1e-4);
-    check(32, 8, 128, 512, &lens, Dtype::Bfloat16, 2e-2);
-    // Few long rows: their keys are split over several blocks, then merged.
-    let long = [8193, 0, 3000, 1];
-    check(32, 8, 128, 8704, &long, Dtype::Float32, 1e-4);
-    check(32, 8, 128, 8704, &long, Dtype::Bfloat16, 2e-2);
+    for (dtype, tol) in [(Dtype::Float32, 1e-4), (Dtype::Bfloat16, 2e-2)] {
+        // 32 rows of one group: every row one item.
+        let many: Vec<usize> = lens.iter().cycle().take(32).copied().collect();
+        check(32, 8, 128, &[(512, &many)], dtype, tol);
+        // Few rows, some long: their keys are split over several blocks, then merged.
+        check(32, 8, 128, &[(8704, &[8193, 0, 3000, 1])], dtype, tol);
+        // Three groups of different capacities in one launch, split and not.
+        check(32, 8, 128, &[(512, &lens[..8]), (2304, &[2049, 2300]), (8448, &[8200])], dtype, tol);
+        check(32, 8, 128, &[(1024, &many), (4096, &[3000])], dtype, tol);
+    }
 }
 
 #[test]
 #[ignore = "needs CUDA (run on the GPU machine)"]
 fn matches_masked_attention_at_smollm2s_shape() {
     let lens = [1, 0, 33, 128, 129, 1000, 1024, 3];
-    check(9, 3, 64, 1024, &lens, Dtype::Float32, 1e-4);
-    check(9, 3, 64, 1024, &lens, Dtype::Bfloat16, 2e-2);
-    check(9, 3, 64, 4096, &[4000, 513], Dtype::Float32, 1e-4);
+    check(9, 3, 64, &[(1024, &lens)], Dtype::Float32, 1e-4);
+    check(9, 3, 64, &[(1024, &lens)], Dtype::Bfloat16, 2e-2);
+    check(9, 3, 64, &[(4096, &[4000, 513])], Dtype::Float32, 1e-4);
+    check(9, 3, 64, &[(256, &[5, 200]), (4096, &[4000]), (1024, &[700, 0]), (8192, &[8000])], Dtype::Float32, 1e-4);
 }
 
 #[test]
 #[ignore = "needs CUDA (run on the GPU machine)"]
 fn a_shape_it_does_not_cover_is_refused() {
-    assert!(RowAttention::new(32, 8, 16, 0.25).is_none(), "head_dim 16 is not a multiple of 32");
-    assert!(RowAttention::new(30, 8, 128, 0.1).is_none(), "30 heads do not group over 8");
+    assert!(RowAttention::new(32, 8, 16, 0.25, Dtype::Bfloat16).is_none(), "head_dim 16 is not a multiple of 32");
+    assert!(RowAttention::new(30, 8, 128, 0.1, Dtype::Bfloat16).is_none(), "30 heads do not group over 8");
 }
 
-/// A whole model's decode batch through the kernel and through masked attention: a
-/// random-weight model of SmolLM2's shape (head_dim 64, bf16) decodes five sequences of
-/// different lengths (the longest splits its keys over blocks) for six steps both ways, fed the same tokens (masked attention's greedy
-/// ones); the logits agree to bf16 precision.
+/// A whole model's decode step through the kernel and through masked attention: a
+/// random-weight model of SmolLM2's shape (head_dim 64, bf16) decodes six sequences of
+/// different lengths in two decode batches (length groups; the long one's rows attend one by
+/// one on the masked side) for six steps both ways, fed the same tokens (masked attention's
+/// greedy ones); the logits agree to bf16 precision.
 #[test]
 #[ignore = "needs CUDA (run on the GPU machine)"]
-fn a_decode_batch_gives_the_same_logits_through_the_kernel() {
+fn a_decode_step_gives_the_same_logits_through_the_kernel() {
     use llmq_engine::shapes::random_model;
     let fast = random_model("smollm2", Dtype::Bfloat16, 7).unwrap();
     let masked = random_model("smollm2", Dtype::Bfloat16, 7).unwrap().with_masked_decode_attention();
     assert!(fast.uses_row_attention() && !masked.uses_row_attention());
     let vocab = fast.config.vocab_size;
-    let prompts: Vec<Vec<u32>> = [5usize, 40, 300, 17, 1500].iter().map(|&n| (0..n as u32).map(|i| (i * 31 + n as u32) % 1000 + 1).collect()).collect();
+    let lens = [5usize, 40, 300, 17, 1500, 2600];
+    let prompts: Vec<Vec<u32>> = lens.iter().map(|&n| (0..n as u32).map(|i| (i * 31 + n as u32) % 1000 + 1).collect()).collect();
     let mut batches = vec![];
     for model in [&fast, &masked] {
-        let mut batch = model.new_decode_batch().unwrap();
+        let mut short = model.new_decode_batch().unwrap();
+        let mut long = model.new_decode_batch().unwrap().with_per_row_attention(8);
         for p in &prompts {
             let mut cache = model.new_cache();
             let x = Array::from_slice(&p.iter().map(|&t| t as i32).collect::<Vec<_>>(), &[1, p.len() as i32]);
             model.forward(&x, &mut [&mut cache], true).unwrap().eval().unwrap();
-            batch.join(&cache).unwrap();
+            if p.len() < 1000 { short.join(&cache).unwrap() } else { long.join(&cache).unwrap() };
         }
-        batches.push(batch);
+        batches.push((short, long));
     }
+    let split = lens.iter().filter(|&&n| n < 1000).count();
     let mut toks: Vec<u32> = vec![1; prompts.len()];
     for step in 0..6 {
-        let a = host(&fast.decode_batch(&toks, &mut batches[0]).unwrap());
-        let b = host(&masked.decode_batch(&toks, &mut batches[1]).unwrap());
-        let d = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+        let mut out = vec![];
+        for (model, (short, long)) in [&fast, &masked].into_iter().zip(batches.iter_mut()) {
+            let (a, b) = toks.split_at(split);
+            out.push(host(&model.decode_groups(&mut [(a, short), (b, long)]).unwrap()));
+        }
+        let (a, b) = (&out[0], &out[1]);
+        let d = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
         let scale = b.iter().fold(0.0f32, |m, x| m.max(x.abs()));
         assert!(d <= 0.02 * scale.max(1.0), "step {step}: max |diff| {d} (logits up to {scale})");
         let top = |l: &[f32]| l.iter().enumerate().fold((0, f32::MIN), |m, (i, &x)| if x > m.1 { (i, x) } else { m }).0 as u32;
