@@ -50,6 +50,9 @@ pub struct ModelEngine {
     prefill_calls: u64,
     decode_time: std::time::Duration,
     decode_calls: u64,
+    /// Time spent on KV bookkeeping outside those calls: admissions (prefix lookups), releases
+    /// (remembering a sequence's KV, leaving the batch) and prefix-cache trims.
+    kv_time: std::time::Duration,
     /// Decoding sequences as rows of shared KV buffers, one batch per length group so that
     /// short sequences do not attend over the longest one's capacity (None for sliding-window
     /// models, whose sequences decode each against its own cache).
@@ -132,6 +135,7 @@ impl ModelEngine {
             prefill_calls: 0,
             decode_time: zero,
             decode_calls: 0,
+            kv_time: zero,
             batches,
             rows: vec![vec![]; GROUP_BOUNDS.len()],
             prefix: None,
@@ -263,9 +267,10 @@ impl WorkerEngine for ModelEngine {
         batch + prefix + self.seqs.values().map(|s| s.cache.nbytes() as u64).sum::<u64>()
     }
 
-    /// Milliseconds spent in prefill and decode calls since start.
+    /// Milliseconds spent in the engine since start: prefill and decode calls, and the KV
+    /// bookkeeping of admissions, releases and prefix-cache trims.
     fn engine_ms(&self) -> f64 {
-        (self.prefill_time + self.decode_time).as_secs_f64() * 1000.0
+        (self.prefill_time + self.decode_time + self.kv_time).as_secs_f64() * 1000.0
     }
 
     /// (prefill calls, their ms, decode calls, their ms) since start.
@@ -317,7 +322,7 @@ impl WorkerEngine for ModelEngine {
 
     fn reset_counters(&mut self) {
         let zero = std::time::Duration::ZERO;
-        (self.prefill_time, self.prefill_calls, self.decode_time, self.decode_calls) = (zero, 0, zero, 0);
+        (self.prefill_time, self.prefill_calls, self.decode_time, self.decode_calls, self.kv_time) = (zero, 0, zero, 0, zero);
         if let Some(p) = self.prefix.as_mut() {
             p.reset_stats();
         }
@@ -362,6 +367,28 @@ impl EngineOps for ModelEngine {
 
     /// Looks the prompt up in the prefix cache; a hit becomes the start of the request's cache.
     fn admit(&mut self, id: ReqId) -> usize {
+        let t0 = std::time::Instant::now();
+        let n = self.admit_inner(id);
+        self.kv_time += t0.elapsed();
+        n
+    }
+
+    fn prefix_trim(&mut self, max_bytes: u64) -> u64 {
+        let t0 = std::time::Instant::now();
+        let held = self.prefix.as_mut().map_or(0, |p| p.trim(max_bytes));
+        self.kv_time += t0.elapsed();
+        held
+    }
+
+    fn release(&mut self, id: ReqId) {
+        let t0 = std::time::Instant::now();
+        self.release_inner(id);
+        self.kv_time += t0.elapsed();
+    }
+}
+
+impl ModelEngine {
+    fn admit_inner(&mut self, id: ReqId) -> usize {
         let (Some(seq), Some(prefix)) = (self.seqs.get_mut(&id), self.prefix.as_mut()) else { return 0 };
         let Some((n, kv)) = prefix.lookup(seq.salt.as_deref(), &seq.prompt) else { return 0 };
         match self.model.cache_from_prefix(&kv.layers, n, seq.prompt.len()) {
@@ -377,11 +404,7 @@ impl EngineOps for ModelEngine {
         }
     }
 
-    fn prefix_trim(&mut self, max_bytes: u64) -> u64 {
-        self.prefix.as_mut().map_or(0, |p| p.trim(max_bytes))
-    }
-
-    fn release(&mut self, id: ReqId) {
+    fn release_inner(&mut self, id: ReqId) {
         let Some(seq) = self.seqs.remove(&id) else { return };
         // What it fed the model so far (prompt, then outputs but the last) stays reusable.
         let (fed, layers) = match (seq.row, self.batches.as_ref()) {

@@ -132,7 +132,8 @@ pub trait WorkerEngine: EngineOps {
     fn kv_bytes_per_token(&self) -> u64;
     fn kv_bytes_in_use(&self) -> u64;
     fn context_tokens(&self) -> usize;
-    /// Milliseconds inside prefill and decode calls since start.
+    /// Milliseconds inside the engine since start: prefill and decode calls, and the KV
+    /// bookkeeping of admissions, releases and prefix-cache trims.
     fn engine_ms(&self) -> f64;
     /// (prefill calls, their ms, decode calls, their ms) since start.
     fn call_times(&self) -> (u64, f64, u64, f64);

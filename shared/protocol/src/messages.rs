@@ -247,8 +247,9 @@ pub struct WorkerStatus {
     pub prefix_evictions: u64,
     pub sent_at_ms: u64,
     /// Ticks since start, and their time: `tick_wall_ms` from each tick's start to the next
-    /// one's (or to going idle), `engine_ms` inside the model's prefill and decode calls. The
-    /// difference is the control overhead (scheduling, actor messages, NATS publishing).
+    /// one's (or to going idle), `engine_ms` inside the engine (prefill and decode calls, and
+    /// the KV bookkeeping of admissions, releases and prefix trims). The difference is the
+    /// control overhead (scheduling, actor messages, NATS publishing).
     pub ticks: u64,
     pub tick_wall_ms: f64,
     pub engine_ms: f64,
