@@ -221,7 +221,9 @@ struct RowStep<'a> {
 impl Attention {
     /// One decode step for every row of every group: projections once over all rows, then per
     /// group each row's token is written at its own position (one scatter per buffer) and
-    /// attends over its row, masked past its length.
+    /// attends over its row: every group's rows in one launch of the row attention kernel when
+    /// the model has it (`rows_step`), else group by group, masked past each row's length or
+    /// row by row.
     ///
     /// With `chunk`, the last `t` rows are one sequence's prefill chunk (one token per row):
     /// they attend over that sequence's cache, so a decode step and a prefill chunk share one

@@ -18,8 +18,8 @@
 //! A row of length 0 (a scratch slot) gets zeros.
 //!
 //! Invariants: the buffers are row-contiguous (MLX copies them otherwise, which is correct but
-//! slow, so callers pass the batches' own buffers); every item's keys lie within its row's
-//! capacity; the output has the queries' shape and dtype. On a machine without CUDA,
+//! slow, so callers pass the batches' own buffers); an item never reads past its group's
+//! capacity (its end is clamped to it); the output has the queries' shape and dtype. On a machine without CUDA,
 //! `RowAttention::new` gives `None` and callers use masked attention.
 
 use std::ffi::{c_char, CString};
@@ -30,7 +30,7 @@ use mlx_rs::{Array, Dtype, StreamOrDevice};
 /// Warps per thread block.
 const WARPS: i32 = 8;
 
-/// Rows of keys a block takes at most before the keys are split over several blocks.
+/// Keys one block takes at most when rows are cut into items (see `RowAttention::plan`).
 const KEYS_PER_BLOCK: i32 = 512;
 
 /// Thread blocks that keep the GPU busy without splitting keys (an H200 has 132 SMs).
@@ -59,6 +59,7 @@ const ACCUMULATE: &str = r#"
     int cap;
     int local = row;
 @SELECT@
+    const int stop = min(end, cap);
     const size_t base = ((size_t)local * kv_heads + head) * cap * D + lane * PER;
     const size_t qbase = (size_t)pair * G * D + lane * PER;
     float qr[G][PER];
@@ -73,7 +74,7 @@ const ACCUMULATE: &str = r#"
         mx[g] = -1e30f;
         sum[g] = 0.f;
     }
-    for (int j = begin + warp; j < end; j += WARPS) {
+    for (int j = begin + warp; j < stop; j += WARPS) {
         float kr[PER];
         float vr[PER];
         for (int i = 0; i < PER; ++i) {
