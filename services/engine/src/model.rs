@@ -219,6 +219,24 @@ struct RowStep<'a> {
 }
 
 impl Attention {
+    /// Decode rows' queries, keys and values [b, heads, 1, d] from their fused projections
+    /// `rows` [b, 1, ...], each row rotated at its own position (`positions` [b] int32).
+    fn decode_heads(&self, rows: &Array, b: i32, positions: &Array) -> Result<(Array, Array, Array)> {
+        let d = self.head_dim;
+        let (qe, ke) = (self.heads * d, (self.heads + self.kv_heads) * d);
+        let q = heads_first(rows.index((.., .., ..qe)), b, 1, self.heads, d, self.q_norm.as_ref(), self.eps)?;
+        let k = heads_first(rows.index((.., .., qe..ke)), b, 1, self.kv_heads, d, self.k_norm.as_ref(), self.eps)?;
+        let v = heads_first(rows.index((.., .., ke..)), b, 1, self.kv_heads, d, None, self.eps)?;
+        let q = rope_dynamic(&q, d, false, self.rope_theta, 1.0, positions, None)?;
+        let k = rope_dynamic(&k, d, false, self.rope_theta, 1.0, positions, None)?;
+        Ok((q, k, v))
+    }
+
+    /// Attention output [b, heads, 1, d] back to rows [b, 1, heads * d].
+    fn rows_first(&self, o: &Array, b: i32) -> Result<Array> {
+        Ok(o.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, 1, self.heads * self.head_dim])?)
+    }
+
     /// One decode step for every row of every group: projections once over all rows, then per
     /// group each row's token is written at its own position (one scatter per buffer) and
     /// attends over its row: every group's rows in one launch of the row attention kernel when
@@ -238,18 +256,13 @@ impl Attention {
     ) -> Result<Array> {
         let d = self.head_dim;
         let qkv = self.qkv.forward(x)?;
-        let (qe, ke) = (self.heads * d, (self.heads + self.kv_heads) * d);
         let mut outs = Vec::with_capacity(groups.len() + 1);
         if let Some(rs) = rows_step {
             // Every group's rows together: one projection split, one rotation, one attention
             // launch; only the KV writes go group by group.
             let b = rs.slots;
             let rows = if x.shape()[0] == b { qkv.clone() } else { qkv.index(..b) };
-            let q = heads_first(rows.index((.., .., ..qe)), b, 1, self.heads, d, self.q_norm.as_ref(), self.eps)?;
-            let k = heads_first(rows.index((.., .., qe..ke)), b, 1, self.kv_heads, d, self.k_norm.as_ref(), self.eps)?;
-            let v = heads_first(rows.index((.., .., ke..)), b, 1, self.kv_heads, d, None, self.eps)?;
-            let q = rope_dynamic(&q, d, false, self.rope_theta, 1.0, &rs.positions, None)?;
-            let k = rope_dynamic(&k, d, false, self.rope_theta, 1.0, &rs.positions, None)?;
+            let (q, k, v) = self.decode_heads(&rows, b, &rs.positions)?;
             let single = groups.len() == 1;
             for g in groups.iter_mut() {
                 let span = g.offset..g.offset + g.slots;
@@ -259,40 +272,35 @@ impl Attention {
                 kv.1 = kv.1.put_along_axis(&g.write, &gv, 2)?;
             }
             let bufs: Vec<(&Array, &Array)> = groups.iter().map(|g| (&g.kv[layer].0, &g.kv[layer].1)).collect();
-            let o = rs.kernel.apply(&rs.plan, &q, &bufs)?;
-            outs.push(o.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, 1, self.heads * d])?);
-        }
-        for g in groups.iter_mut().filter(|g| !matches!(g.attend, GroupAttention::Rows)) {
-            let rows = qkv.index(g.offset..g.offset + g.slots);
-            let b = g.slots;
-            let q = heads_first(rows.index((.., .., ..qe)), b, 1, self.heads, d, self.q_norm.as_ref(), self.eps)?;
-            let k = heads_first(rows.index((.., .., qe..ke)), b, 1, self.kv_heads, d, self.k_norm.as_ref(), self.eps)?;
-            let v = heads_first(rows.index((.., .., ke..)), b, 1, self.kv_heads, d, None, self.eps)?;
-            let q = rope_dynamic(&q, d, false, self.rope_theta, 1.0, &g.positions, None)?;
-            let k = rope_dynamic(&k, d, false, self.rope_theta, 1.0, &g.positions, None)?;
-            let kv = &mut g.kv[layer];
-            kv.0 = kv.0.put_along_axis(&g.write, &k, 2)?;
-            kv.1 = kv.1.put_along_axis(&g.write, &v, 2)?;
-            let o = match &g.attend {
-                GroupAttention::Masked(mask) => scaled_dot_product_attention(&q, &kv.0, &kv.1, self.scale, mask, None)?,
-                GroupAttention::Rows => unreachable!("attended with the other groups above"),
-                GroupAttention::PerRow(lens) => {
-                    // Each active row over its own keys, unmasked (MLX's fused vector kernel);
-                    // scratch rows get zeros.
-                    let mut parts = Vec::with_capacity(lens.len() + 1);
-                    for (r, &len) in lens.iter().enumerate() {
-                        let r = r as i32;
-                        let (k, v) = (kv.0.index((r..r + 1, .., ..len, ..)), kv.1.index((r..r + 1, .., ..len, ..)));
-                        parts.push(scaled_dot_product_attention(&q.index(r..r + 1), &k, &v, self.scale, None, None)?);
+            outs.push(self.rows_first(&rs.kernel.apply(&rs.plan, &q, &bufs)?, b)?);
+        } else {
+            for g in groups.iter_mut() {
+                let b = g.slots;
+                let (q, k, v) = self.decode_heads(&qkv.index(g.offset..g.offset + b), b, &g.positions)?;
+                let kv = &mut g.kv[layer];
+                kv.0 = kv.0.put_along_axis(&g.write, &k, 2)?;
+                kv.1 = kv.1.put_along_axis(&g.write, &v, 2)?;
+                let o = match &g.attend {
+                    GroupAttention::Masked(mask) => scaled_dot_product_attention(&q, &kv.0, &kv.1, self.scale, mask, None)?,
+                    GroupAttention::Rows => unreachable!("a step attends through the row attention kernel whole or not at all"),
+                    GroupAttention::PerRow(lens) => {
+                        // Each active row over its own keys, unmasked (MLX's fused vector kernel);
+                        // scratch rows get zeros.
+                        let mut parts = Vec::with_capacity(lens.len() + 1);
+                        for (r, &len) in lens.iter().enumerate() {
+                            let r = r as i32;
+                            let (k, v) = (kv.0.index((r..r + 1, .., ..len, ..)), kv.1.index((r..r + 1, .., ..len, ..)));
+                            parts.push(scaled_dot_product_attention(&q.index(r..r + 1), &k, &v, self.scale, None, None)?);
+                        }
+                        let n = lens.len() as i32;
+                        if n < b {
+                            parts.push(mlx_rs::ops::zeros_dtype(&[b - n, self.heads, 1, d], q.dtype())?);
+                        }
+                        if parts.len() == 1 { parts.pop().expect("one") } else { concatenate(&parts, 0)? }
                     }
-                    let n = lens.len() as i32;
-                    if n < b {
-                        parts.push(mlx_rs::ops::zeros_dtype(&[b - n, self.heads, 1, d], q.dtype())?);
-                    }
-                    if parts.len() == 1 { parts.pop().expect("one") } else { concatenate(&parts, 0)? }
-                }
-            };
-            outs.push(o.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, 1, self.heads * d])?);
+                };
+                outs.push(self.rows_first(&o, b)?);
+            }
         }
         if let Some((cache, t)) = chunk {
             let rows = x.shape()[0];
