@@ -1,17 +1,20 @@
-//! The scheduler actor: owns the scheduler and the engine on the device thread, and is the
-//! device's clock. It ticks while there is work and sleeps on its mailbox when there is none;
-//! `Submit` and `CancelRequest` messages are handled between ticks, so a cancel lands within
-//! one tick. Outgoing events leave through a channel to the NATS side, in order.
+//! The scheduler actor: owns the scheduler (the policy) on the device thread, and is the
+//! device's clock. It ticks while there is work and sleeps on its mailbox when there is none.
+//! A tick is one asynchronous exchange with the engine, the prefill, decode and cache actors
+//! (see `engine`), during which this actor handles no other message: `Submit` and
+//! `CancelRequest` are handled between ticks, so a cancel lands within one tick. Outgoing
+//! events leave through a channel to the NATS side, in order.
 //!
 //! Invariants: events of a request carry consecutive sequence numbers from 0; a panic inside a
-//! tick never escapes the actor: every request it held ends with an `Error` event, the engine's
-//! state is rebuilt, and the worker goes on.
+//! tick never escapes the actor: every request it held ends with an `Error` event, the engine
+//! is reset (its actors drop every request's state), and the worker goes on.
 
 use std::collections::HashMap;
-use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::panic::AssertUnwindSafe;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use actix::prelude::*;
+use futures::FutureExt;
 use llmq_engine::sampling::{SamplingParams, StopParams};
 use llmq_protocol::{ErrorClass, Event, Job, StreamEvent, WireError, WorkerStatus};
 use tokio::sync::mpsc::UnboundedSender;
@@ -34,7 +37,8 @@ struct Meta {
 
 pub struct SchedulerActor<E: WorkerEngine + Unpin + 'static> {
     scheduler: Scheduler,
-    engine: E,
+    /// None only while an exchange with it is under way (no other message is handled then).
+    engine: Option<E>,
     cfg: SchedulerConfig,
     meta: HashMap<ReqId, Meta>,
     by_request: HashMap<String, ReqId>,
@@ -107,7 +111,7 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
         cfg.kv_bytes_per_token = engine.kv_bytes_per_token();
         SchedulerActor {
             scheduler: Scheduler::new(cfg.clone()),
-            engine,
+            engine: Some(engine),
             cfg,
             meta: HashMap::new(),
             by_request: HashMap::new(),
@@ -154,7 +158,7 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
     }
 
     fn now() -> Duration {
-        SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default()
+        now()
     }
 
     fn publish(&mut self, emits: Vec<Emit>) {
@@ -182,13 +186,11 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
         }
     }
 
-    /// After a panic: end every held request with an error and start from clean state.
+    /// After a panic (the engine already reset): end every held request with an error and
+    /// start from clean state.
     fn recover(&mut self, what: &str) {
         tracing::error!(what, "scheduler panicked; failing its requests and resetting");
         let ids: Vec<ReqId> = self.meta.keys().copied().collect();
-        for &id in &ids {
-            self.engine_release(id);
-        }
         let emits = ids
             .into_iter()
             .map(|id| Emit { id, event: Event::Error { error: WireError::new(ErrorClass::Internal, format!("worker fault: {what}")) } })
@@ -197,18 +199,39 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
         self.publish(emits);
     }
 
-    fn engine_release(&mut self, id: ReqId) {
-        self.engine.release(id);
+    /// Runs `work` on the engine while this actor handles nothing else, then `then` with its
+    /// result (the engine is back in place by then); `busy` answers if the engine is away.
+    fn exchange<T: 'static, R: 'static, F>(
+        &mut self,
+        busy: R,
+        work: impl FnOnce(E) -> F,
+        then: impl FnOnce(T, &mut Self, &mut Context<Self>) -> R + 'static,
+    ) -> AtomicResponse<Self, R>
+    where
+        F: std::future::Future<Output = (E, T)> + 'static,
+    {
+        let Some(engine) = self.engine.take() else {
+            tracing::error!("the engine is busy in another exchange");
+            return AtomicResponse::new(Box::pin(actix::fut::ready(busy)));
+        };
+        AtomicResponse::new(Box::pin(work(engine).into_actor(self).map(move |(engine, r), act, ctx| {
+            act.engine = Some(engine);
+            then(r, act, ctx)
+        })))
     }
 
     pub fn status(&self) -> WorkerStatus {
-        let used = self.engine.kv_bytes_in_use();
-        let prefix = self.engine.prefix_stats();
-        let (prefill_calls, prefill_ms, decode_calls, decode_ms) = self.engine.call_times();
+        let Some(engine) = self.engine.as_ref() else {
+            // Mid-exchange (never seen by a message handler): the last snapshot.
+            return self.snapshot.as_ref().and_then(|s| s.lock().ok().map(|g| g.clone())).unwrap_or_default();
+        };
+        let used = engine.kv_bytes_in_use();
+        let prefix = engine.prefix_stats();
+        let (prefill_calls, prefill_ms, decode_calls, decode_ms) = engine.call_times();
         WorkerStatus {
             worker_id: self.worker_id.clone(),
             model: self.model_name.clone(),
-            context_tokens: self.engine.context_tokens() as u32,
+            context_tokens: engine.context_tokens() as u32,
             active_streams: self.scheduler.active_streams() as u32,
             queued_requests: self.scheduler.queued_requests() as u32,
             ended_requests: self.ended,
@@ -225,7 +248,7 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
             ticks: self.ticks,
             // Up to now: the time since the last tick started counts as between-tick time.
             tick_wall_ms: (self.tick_wall + self.tick_started.map_or(Duration::ZERO, |s| s.elapsed())).as_secs_f64() * 1000.0,
-            engine_ms: self.engine.engine_ms(),
+            engine_ms: engine.engine_ms(),
             prefill_calls,
             prefill_ms,
             decode_calls,
@@ -287,71 +310,92 @@ pub fn warm_up_rows(max_batch: usize) -> Vec<usize> {
     rows
 }
 
-impl<E: WorkerEngine + Unpin + 'static> Handler<WarmUp> for SchedulerActor<E> {
-    type Result = Result<f64, String>;
-    fn handle(&mut self, w: WarmUp, _: &mut Context<Self>) -> Result<f64, String> {
-        let started = std::time::Instant::now();
-        let (cfg, engine) = (self.cfg.clone(), &mut self.engine);
-        let run = catch_unwind(AssertUnwindSafe(|| -> Result<(), String> {
-            let mut s = Scheduler::new(cfg.clone());
-            let context = engine.context_tokens().saturating_sub(8);
-            let fits = (cfg.kv_budget_bytes / engine.kv_bytes_per_token().max(1)) as usize;
-            let short = 16.min(context / 4).max(1);
-            let most_rows = w.rows.iter().copied().max().unwrap_or(1).clamp(1, cfg.max_batch.saturating_sub(2).max(1));
-            // The short ones' reservations, at most (their outputs last two long prefills).
-            let short_room = most_rows * (short + 2 * w.tokens.div_ceil(cfg.prefill_chunk.max(1)) + 8 + most_rows);
-            let long = w.tokens.min(context).min(fits.saturating_sub(short_room) * 3 / 8).max(1);
-            // MLX plans kernels, cuDNN attention and matrix products once per shape, tens of ms
-            // each on a GPU. The phases below make the shapes a burst of long prompts meets:
-            // a long prompt alone (the idle engine's large prefill steps); then, per round,
-            // short ones decoding throughout and two long ones together, the first chunked
-            // beside the short ones' decode, then decoding as a length group of its own beside
-            // the second's chunks.
-            let chunks = long.div_ceil(cfg.prefill_chunk.max(1));
-            let out = |n: usize| n.min(context.saturating_sub(long.max(short))).max(1);
-            // (requests as (prompt, max tokens), whether the phase ends when they all decode)
-            let mut phases: Vec<(Vec<(usize, usize)>, bool)> = vec![(vec![(long, 1)], false)];
-            for &n in w.rows.iter().chain(w.rows.is_empty().then_some(&1)) {
-                let n = n.clamp(1, most_rows);
-                phases.push((vec![(short, out(2 * chunks + 8 + n)); n], true));
-                phases.push((vec![(long, out(chunks + 4)), (long, 4)], false));
+/// The warm-up's dummy requests, through a private scheduler and `engine`, to their end.
+async fn warm_up<E: WorkerEngine>(engine: &mut E, cfg: SchedulerConfig, w: WarmUp) -> Result<(), String> {
+    let mut s = Scheduler::new(cfg.clone());
+    let context = engine.context_tokens().saturating_sub(8);
+    let fits = (cfg.kv_budget_bytes / engine.kv_bytes_per_token().max(1)) as usize;
+    let short = 16.min(context / 4).max(1);
+    let most_rows = w.rows.iter().copied().max().unwrap_or(1).clamp(1, cfg.max_batch.saturating_sub(2).max(1));
+    // The short ones' reservations, at most (their outputs last two long prefills).
+    let short_room = most_rows * (short + 2 * w.tokens.div_ceil(cfg.prefill_chunk.max(1)) + 8 + most_rows);
+    let long = w.tokens.min(context).min(fits.saturating_sub(short_room) * 3 / 8).max(1);
+    // MLX plans kernels, cuDNN attention and matrix products once per shape, tens of ms each on
+    // a GPU. The phases below make the shapes a burst of long prompts meets: a long prompt
+    // alone (the idle engine's large prefill steps); then, per round, short ones decoding
+    // throughout and two long ones together, the first chunked beside the short ones' decode,
+    // then decoding as a length group of its own beside the second's chunks.
+    let chunks = long.div_ceil(cfg.prefill_chunk.max(1));
+    let out = |n: usize| n.min(context.saturating_sub(long.max(short))).max(1);
+    // (requests as (prompt, max tokens), whether the phase ends when they all decode)
+    let mut phases: Vec<(Vec<(usize, usize)>, bool)> = vec![(vec![(long, 1)], false)];
+    for &n in w.rows.iter().chain(w.rows.is_empty().then_some(&1)) {
+        let n = n.clamp(1, most_rows);
+        phases.push((vec![(short, out(2 * chunks + 8 + n)); n], true));
+        phases.push((vec![(long, out(chunks + 4)), (long, 4)], false));
+    }
+    let mut id = ReqId::MAX - (phases.iter().map(|p| p.0.len()).sum::<usize>() as ReqId) - 1;
+    for (phase, until_decoding) in &phases {
+        for &(len, max_tokens) in phase.iter() {
+            id += 1;
+            let prompt: Vec<u32> = (0..len as u32).map(|i| 1 + (i * 7 + (id % 50) as u32) % 50).collect();
+            let stop = StopParams { max_tokens, ignore_eos: true, ..Default::default() };
+            engine.register(id, prompt, SamplingParams::default(), stop, None).await.map_err(|e| e.to_string())?;
+            let a = Admission { id, prompt_tokens: len, max_tokens, accepted_at: now() };
+            if let Some(e) = s.submit(a).into_iter().find(|e| e.event.is_terminal()) {
+                return Err(format!("{:?}", e.event));
             }
-            let mut id = ReqId::MAX - (phases.iter().map(|p| p.0.len()).sum::<usize>() as ReqId) - 1;
-            for (phase, until_decoding) in &phases {
-                for &(len, max_tokens) in phase.iter() {
-                    id += 1;
-                    let prompt: Vec<u32> = (0..len as u32).map(|i| 1 + (i * 7 + (id % 50) as u32) % 50).collect();
-                    let stop = StopParams { max_tokens, ignore_eos: true, ..Default::default() };
-                    engine.register(id, prompt, SamplingParams::default(), stop, None).map_err(|e| e.to_string())?;
-                    let a = Admission { id, prompt_tokens: len, max_tokens, accepted_at: Self::now() };
-                    if let Some(e) = s.submit(a).into_iter().find(|e| e.event.is_terminal()) {
-                        return Err(format!("{:?}", e.event));
-                    }
-                }
-                // A phase of short ones ends when none is waiting or prefilling any more (all
-                // decode, unless one already finished); the others run to their end.
-                let mut ticks = 0;
-                while if *until_decoding { s.queued_requests() > 0 } else { !s.is_idle() } {
-                    let (emits, _) = s.tick(engine, Self::now());
-                    if let Some(e) = emits.iter().find(|e| matches!(e.event, Event::Error { .. })) {
-                        return Err(format!("{:?}", e.event));
-                    }
-                    ticks += 1;
-                    if ticks > 1_000_000 {
-                        return Err("did not finish".into());
-                    }
-                }
-            }
-            engine.prefix_clear();
-            engine.reset_counters();
-            Ok(())
-        }));
-        self.refresh_snapshot();
-        match run {
-            Ok(Ok(())) => Ok(started.elapsed().as_secs_f64() * 1000.0),
-            Ok(Err(e)) => Err(e),
-            Err(_) => Err("panic during warm-up".into()),
         }
+        // A phase of short ones ends when none is waiting or prefilling any more (all decode,
+        // unless one already finished); the others run to their end.
+        let mut ticks = 0;
+        while if *until_decoding { s.queued_requests() > 0 } else { !s.is_idle() } {
+            let (emits, _) = s.tick(engine, now()).await;
+            if let Some(e) = emits.iter().find(|e| matches!(e.event, Event::Error { .. })) {
+                return Err(format!("{:?}", e.event));
+            }
+            ticks += 1;
+            if ticks > 1_000_000 {
+                return Err("did not finish".into());
+            }
+        }
+    }
+    engine.prefix_clear().await;
+    engine.reset_counters().await;
+    Ok(())
+}
+
+fn now() -> Duration {
+    SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default()
+}
+
+/// A panic's message.
+fn panic_text(p: Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_else(|| "panic".into())
+}
+
+impl<E: WorkerEngine + Unpin + 'static> Handler<WarmUp> for SchedulerActor<E> {
+    type Result = AtomicResponse<Self, Result<f64, String>>;
+    fn handle(&mut self, w: WarmUp, _: &mut Context<Self>) -> Self::Result {
+        let started = std::time::Instant::now();
+        let cfg = self.cfg.clone();
+        self.exchange(
+            Err("the engine is busy".into()),
+            move |mut engine| async move {
+                let run = AssertUnwindSafe(warm_up(&mut engine, cfg, w)).catch_unwind().await;
+                let run = run.unwrap_or_else(|p| Err(format!("panic during warm-up: {}", panic_text(p))));
+                if run.is_err() {
+                    // Nothing of it stays behind.
+                    engine.reset().await;
+                    engine.prefix_clear().await;
+                }
+                (engine, run)
+            },
+            move |run, act, _| {
+                act.refresh_snapshot();
+                run.map(|()| started.elapsed().as_secs_f64() * 1000.0)
+            },
+        )
     }
 }
 
@@ -383,10 +427,10 @@ fn to_engine(job: &Job) -> (SamplingParams, StopParams) {
 }
 
 impl<E: WorkerEngine + Unpin + 'static> Handler<Submit> for SchedulerActor<E> {
-    type Result = ();
-    fn handle(&mut self, Submit(job): Submit, ctx: &mut Context<Self>) {
+    type Result = AtomicResponse<Self, ()>;
+    fn handle(&mut self, Submit(job): Submit, _: &mut Context<Self>) -> Self::Result {
         if self.by_request.contains_key(&job.request_id) {
-            return; // a duplicate delivery of a job already running here
+            return AtomicResponse::new(Box::pin(actix::fut::ready(()))); // a duplicate delivery of a job already running here
         }
         let id = self.next_id;
         self.next_id += 1;
@@ -395,27 +439,42 @@ impl<E: WorkerEngine + Unpin + 'static> Handler<Submit> for SchedulerActor<E> {
         if self.cancelled.take(&job.request_id) {
             let error = WireError::new(ErrorClass::Cancelled, "cancelled before it started");
             self.publish(vec![Emit { id, event: Event::Error { error } }]);
-            return;
+            return AtomicResponse::new(Box::pin(actix::fut::ready(())));
         }
         let (sampling, stop) = to_engine(&job);
         let prompt_tokens = job.prompt_ids.len();
-        let registered =
-            catch_unwind(AssertUnwindSafe(|| self.engine.register(id, job.prompt_ids, sampling, stop, job.cache_salt)));
-        let emits = match registered {
-            Ok(Ok(())) => self.scheduler.submit(Admission {
-                id,
-                prompt_tokens,
-                max_tokens: job.stop.max_tokens as usize,
-                accepted_at: Duration::from_millis(job.accepted_at_ms),
-            }),
-            Ok(Err(error)) => vec![Emit { id, event: Event::Error { error } }],
-            Err(_) => vec![Emit { id, event: Event::Error { error: WireError::new(ErrorClass::Internal, "worker fault while registering") } }],
+        let admission = Admission {
+            id,
+            prompt_tokens,
+            max_tokens: job.stop.max_tokens as usize,
+            accepted_at: Duration::from_millis(job.accepted_at_ms),
         };
-        if emits.iter().any(|e| e.event.is_terminal()) {
-            self.engine_release(id);
+        if let Some(error) = self.scheduler.refusal(&admission) {
+            self.publish(vec![Emit { id, event: Event::Error { error } }]);
+            return AtomicResponse::new(Box::pin(actix::fut::ready(())));
         }
-        self.publish(emits);
-        self.schedule_tick(ctx);
+        let (prompt, salt) = (job.prompt_ids, job.cache_salt);
+        self.exchange(
+            (),
+            move |mut engine| async move {
+                let registered = AssertUnwindSafe(engine.register(id, prompt, sampling, stop, salt)).catch_unwind().await;
+                let refused = !matches!(registered, Ok(Ok(())));
+                if refused {
+                    // Whatever the engine made of it goes.
+                    engine.release(&[id]).await;
+                }
+                (engine, registered)
+            },
+            move |registered, act, ctx| {
+                let emits = match registered {
+                    Ok(Ok(())) => act.scheduler.submit(admission),
+                    Ok(Err(error)) => vec![Emit { id, event: Event::Error { error } }],
+                    Err(_) => vec![Emit { id, event: Event::Error { error: WireError::new(ErrorClass::Internal, "worker fault while registering") } }],
+                };
+                act.publish(emits);
+                act.schedule_tick(ctx);
+            },
+        )
     }
 }
 
@@ -432,8 +491,8 @@ impl<E: WorkerEngine + Unpin + 'static> Handler<CancelRequest> for SchedulerActo
 }
 
 impl<E: WorkerEngine + Unpin + 'static> Handler<Tick> for SchedulerActor<E> {
-    type Result = ();
-    fn handle(&mut self, _: Tick, ctx: &mut Context<Self>) {
+    type Result = AtomicResponse<Self, ()>;
+    fn handle(&mut self, _: Tick, _: &mut Context<Self>) -> Self::Result {
         self.tick_pending = false;
         let started = std::time::Instant::now();
         if let Some(prev) = self.tick_started.replace(started) {
@@ -441,39 +500,57 @@ impl<E: WorkerEngine + Unpin + 'static> Handler<Tick> for SchedulerActor<E> {
         }
         self.ticks += 1;
         let now = Self::now();
-        let (scheduler, engine) = (&mut self.scheduler, &mut self.engine);
-        match catch_unwind(AssertUnwindSafe(|| scheduler.tick(engine, now))) {
-            Ok((emits, report)) => {
-                // A stall: a tick four times slower than the recent ones (and over 100 ms).
-                let ms = started.elapsed().as_secs_f64() * 1000.0;
-                if ms > 100.0 && self.tick_ema_ms > 0.0 && ms > 4.0 * self.tick_ema_ms {
-                    tracing::warn!(ms, usual_ms = self.tick_ema_ms, decoded = report.decoded, prefill_tokens = report.prefill_tokens, "slow tick");
+        // The policy's state goes with the exchange and comes back with it.
+        let mut scheduler = std::mem::take(&mut self.scheduler);
+        self.exchange(
+            (),
+            move |mut engine| async move {
+                let ticked = AssertUnwindSafe(scheduler.tick(&mut engine, now)).catch_unwind().await;
+                if ticked.is_err() {
+                    engine.reset().await;
                 }
-                self.tick_ema_ms = if self.tick_ema_ms == 0.0 { ms } else { 0.9 * self.tick_ema_ms + 0.1 * ms };
-                if let Some((w, t0)) = self.tick_log.as_mut() {
-                    use std::io::Write;
-                    let at = (started - *t0).as_secs_f64() * 1000.0;
-                    // One write per line, unbuffered: the worker may be killed rather than stopped.
-                    let mut line = format!("{at:.3} {ms:.3} {} {} {}", report.decoded, report.prefill_tokens, report.prefill_done);
-                    for (name, part_ms) in self.engine.step_parts() {
-                        line.push_str(&format!(" {name}={part_ms:.3}"));
+                (engine, (scheduler, ticked))
+            },
+            move |(scheduler, ticked), act, ctx| {
+                act.scheduler = scheduler;
+                match ticked {
+                    Ok((emits, report)) => {
+                        act.log_tick(started, &report);
+                        act.publish(emits)
                     }
-                    line.push('\n');
-                    let _ = w.write_all(line.as_bytes());
+                    Err(p) => act.recover(&panic_text(p)),
                 }
-                self.publish(emits)
-            }
-            Err(p) => {
-                let what = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));
-                self.recover(&what.unwrap_or_else(|| "panic".into()));
-            }
+                if act.scheduler.is_idle() {
+                    if let Some(s) = act.tick_started.take() {
+                        act.tick_wall += s.elapsed();
+                    }
+                }
+                act.schedule_tick(ctx);
+            },
+        )
+    }
+}
+
+impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
+    /// Warns of a stall, and writes the tick's line to the tick log if there is one.
+    fn log_tick(&mut self, started: std::time::Instant, report: &crate::scheduler::TickReport) {
+        // A stall: a tick four times slower than the recent ones (and over 100 ms).
+        let ms = started.elapsed().as_secs_f64() * 1000.0;
+        if ms > 100.0 && self.tick_ema_ms > 0.0 && ms > 4.0 * self.tick_ema_ms {
+            tracing::warn!(ms, usual_ms = self.tick_ema_ms, decoded = report.decoded, prefill_tokens = report.prefill_tokens, "slow tick");
         }
-        if self.scheduler.is_idle() {
-            if let Some(s) = self.tick_started.take() {
-                self.tick_wall += s.elapsed();
+        self.tick_ema_ms = if self.tick_ema_ms == 0.0 { ms } else { 0.9 * self.tick_ema_ms + 0.1 * ms };
+        if let Some((w, t0)) = self.tick_log.as_mut() {
+            use std::io::Write;
+            let at = (started - *t0).as_secs_f64() * 1000.0;
+            // One write per line, unbuffered: the worker may be killed rather than stopped.
+            let mut line = format!("{at:.3} {ms:.3} {} {} {}", report.decoded, report.prefill_tokens, report.prefill_done);
+            for (name, part_ms) in self.engine.iter().flat_map(|e| e.step_parts()) {
+                line.push_str(&format!(" {name}={part_ms:.3}"));
             }
+            line.push('\n');
+            let _ = w.write_all(line.as_bytes());
         }
-        self.schedule_tick(ctx);
     }
 }
 
@@ -485,17 +562,19 @@ impl<E: WorkerEngine + Unpin + 'static> Handler<GetStatus> for SchedulerActor<E>
 }
 
 impl<E: WorkerEngine + Unpin + 'static> Handler<ClearPrefixCache> for SchedulerActor<E> {
-    type Result = u64;
-    fn handle(&mut self, _: ClearPrefixCache, _: &mut Context<Self>) -> u64 {
-        let freed = match catch_unwind(AssertUnwindSafe(|| self.engine.prefix_clear())) {
-            Ok(freed) => freed,
-            Err(_) => {
-                self.recover("panic while clearing the prefix cache");
-                0
-            }
-        };
-        self.refresh_snapshot();
-        freed
+    type Result = AtomicResponse<Self, u64>;
+    fn handle(&mut self, _: ClearPrefixCache, _: &mut Context<Self>) -> Self::Result {
+        self.exchange(
+            0,
+            |mut engine| async move {
+                let freed = engine.prefix_clear().await;
+                (engine, freed)
+            },
+            |freed, act, _| {
+                act.refresh_snapshot();
+                freed
+            },
+        )
     }
 }
 

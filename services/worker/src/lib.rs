@@ -1,19 +1,26 @@
-//! llmq's engine worker: one model on one device.
+//! llmq's engine worker: one model on one device, served by four actors on the device thread.
 //!
-//! - `scheduler` the device's clock: decode first, then one bounded prefill chunk per tick
-//!   (both in one engine call)
-//! - `engine_ops` the real work behind the scheduler: prefill chunks fused with the batched
-//!   decode step, decode steps queued ahead, KV caches and the prefix cache, on an
-//!   `llmq_engine::Model`
-//!
-//! - `actor` the scheduler actor: the device's clock, on the device thread; its warm-up
+//! - `scheduler` the policy: decode first, then one bounded prefill chunk per tick, admission
+//!   against the KV budget, prefill order (tested against a fake engine and a fake clock)
+//! - `actor` the scheduler actor: the device's clock; it drives the engine once per tick; its
+//!   warm-up
+//! - `engine` the engine the scheduler drives, made of the three role actors below (their
+//!   messages: who lends what to whom each tick)
+//! - `prefill` the prefill actor: requests whose prompt is not complete, their own KV caches
+//! - `decode` the decode actor: the decode batches and their rows, the step queued ahead
+//! - `cache` the cache actor: the prefix cache
+//! - `seq` a request's sequence and the work the prefill and decode actors share
 //! - `placement` how many jobs a worker holds, from its peers' heartbeats
 //! - `service` the worker process: model loading, NATS jobs, cancels, cache clears, heartbeats
 //!
-//! All MLX work of a worker runs on one thread.
+//! All MLX work of a worker runs on one thread: the device thread, which runs the four actors.
 
 pub mod actor;
-pub mod engine_ops;
+pub mod cache;
+pub mod decode;
+pub mod engine;
 pub mod placement;
+pub mod prefill;
 pub mod scheduler;
+pub mod seq;
 pub mod service;

@@ -83,45 +83,56 @@ pub struct StepOut {
 pub type PrefillResult = Result<Option<StepOut>, WireError>;
 
 /// A tick's work done as two calls: the decode step, then the prefill chunk.
-pub fn step_separately<E: EngineOps + ?Sized>(
+pub async fn step_separately<E: EngineOps + ?Sized>(
     engine: &mut E,
     decode: &[ReqId],
     prefill: Option<(ReqId, usize)>,
 ) -> (Vec<Result<StepOut, WireError>>, Option<PrefillResult>) {
-    let outs = if decode.is_empty() { vec![] } else { engine.decode(decode) };
-    (outs, prefill.map(|(id, n)| engine.prefill(id, n)))
+    let outs = if decode.is_empty() { vec![] } else { engine.decode(decode).await };
+    let pre = match prefill {
+        Some((id, n)) => Some(engine.prefill(id, n).await),
+        None => None,
+    };
+    (outs, pre)
 }
 
-/// The work the scheduler hands out. Implemented by the real engine and by tests' fakes.
+/// The work the scheduler hands out. Implemented by the worker's prefill, decode and cache
+/// actors (`engine::ActorEngine`, through messages) and by tests' fakes. Asynchronous because
+/// the real work is done by other actors; a fake answers at once.
+#[allow(async_fn_in_trait)]
 pub trait EngineOps {
     /// Prefills the next `n` prompt tokens of `id`. When they complete the prompt, also samples
     /// the first output token and returns it (see `PrefillResult` for the one exception).
-    fn prefill(&mut self, id: ReqId, n: usize) -> Result<Option<StepOut>, WireError>;
+    async fn prefill(&mut self, id: ReqId, n: usize) -> Result<Option<StepOut>, WireError>;
     /// One batched decode step over `ids`; one result per id, in order.
-    fn decode(&mut self, ids: &[ReqId]) -> Vec<Result<StepOut, WireError>>;
+    async fn decode(&mut self, ids: &[ReqId]) -> Vec<Result<StepOut, WireError>>;
     /// A tick's work: one decode step over `decode` and the prefill chunk, if any. An engine
     /// may run both in one pass (the decode results come first either way).
-    fn step(&mut self, decode: &[ReqId], prefill: Option<(ReqId, usize)>) -> (Vec<Result<StepOut, WireError>>, Option<PrefillResult>) {
-        step_separately(self, decode, prefill)
+    async fn step(&mut self, decode: &[ReqId], prefill: Option<(ReqId, usize)>) -> (Vec<Result<StepOut, WireError>>, Option<PrefillResult>) {
+        step_separately(self, decode, prefill).await
     }
-    /// Frees everything held for `id` (called once per request, whatever its end).
-    fn release(&mut self, id: ReqId);
+    /// Frees everything held for `ids` (each request once, whatever its end; an id the engine
+    /// does not hold is ignored).
+    async fn release(&mut self, ids: &[ReqId]);
     /// Prepares an admitted request's prefill: returns how many of its prompt tokens were
     /// reused from the prefix cache (less than the prompt). An engine without one reuses none.
-    fn admit(&mut self, _id: ReqId) -> usize {
+    async fn admit(&mut self, _id: ReqId) -> usize {
         0
     }
     /// Evicts cached prefixes until at most `max_bytes` are held; returns the bytes held.
-    fn prefix_trim(&mut self, _max_bytes: u64) -> u64 {
+    async fn prefix_trim(&mut self, _max_bytes: u64) -> u64 {
         0
     }
 }
 
 /// What the scheduler actor needs of an engine beyond the work itself: admitting requests and
-/// reporting on memory and time. `ModelEngine` is the real one; tests use fakes.
+/// reporting on memory and time. `ActorEngine` is the real one; tests use fakes. The reports
+/// are what the engine knew after its last call (the real one's actors send theirs with every
+/// answer).
+#[allow(async_fn_in_trait)]
 pub trait WorkerEngine: EngineOps {
     /// Creates a request's state, validating its parameters.
-    fn register(
+    async fn register(
         &mut self,
         id: ReqId,
         prompt: Vec<u32>,
@@ -129,6 +140,9 @@ pub trait WorkerEngine: EngineOps {
         stop: llmq_engine::sampling::StopParams,
         cache_salt: Option<String>,
     ) -> Result<(), WireError>;
+    /// Drops every request's state (after a fault: the engine starts again from clean state,
+    /// its prefix cache aside).
+    async fn reset(&mut self);
     fn kv_bytes_per_token(&self) -> u64;
     fn kv_bytes_in_use(&self) -> u64;
     fn context_tokens(&self) -> usize;
@@ -142,11 +156,11 @@ pub trait WorkerEngine: EngineOps {
         Default::default()
     }
     /// Drops every cached prefix; returns the bytes freed.
-    fn prefix_clear(&mut self) -> u64 {
+    async fn prefix_clear(&mut self) -> u64 {
         0
     }
     /// Zeroes the counters behind `call_times` and `prefix_stats` (after the warm-up).
-    fn reset_counters(&mut self) {}
+    async fn reset_counters(&mut self) {}
     /// Host milliseconds of the last tick's parts, for the tick log (none by default).
     fn step_parts(&self) -> Vec<(&'static str, f64)> {
         vec![]
@@ -209,6 +223,8 @@ pub struct Scheduler {
     decoding: Vec<ReqId>,
     cancels: HashSet<ReqId>,
     reserved: u64,
+    /// Ended, not yet released in the engine.
+    ended: Vec<ReqId>,
 }
 
 impl Scheduler {
@@ -224,20 +240,27 @@ impl Scheduler {
         (a.prompt_tokens + a.max_tokens) as u64 * self.cfg.kv_bytes_per_token
     }
 
+    /// Why a request can never run here (it could never fit the KV budget, or its prompt is
+    /// empty), if so.
+    pub fn refusal(&self, a: &Admission) -> Option<WireError> {
+        let need = self.reservation(a);
+        if a.prompt_tokens == 0 {
+            Some(WireError::new(ErrorClass::InvalidRequest, "empty prompt"))
+        } else if need > self.cfg.kv_budget_bytes {
+            Some(WireError::new(
+                ErrorClass::NeverFits,
+                format!("needs {need} KV bytes, more than the worker's whole budget of {}", self.cfg.kv_budget_bytes),
+            ))
+        } else {
+            None
+        }
+    }
+
     /// Queues a request. Returns its first events: `Queued`, or an `Error` for a request that
-    /// could never fit the KV budget (it is then already finished).
+    /// could never run (see `refusal`; it is then already finished).
     pub fn submit(&mut self, a: Admission) -> Vec<Emit> {
         let id = a.id;
-        let need = self.reservation(&a);
-        if need > self.cfg.kv_budget_bytes || a.prompt_tokens == 0 {
-            let error = if a.prompt_tokens == 0 {
-                WireError::new(ErrorClass::InvalidRequest, "empty prompt")
-            } else {
-                WireError::new(
-                    ErrorClass::NeverFits,
-                    format!("needs {need} KV bytes, more than the worker's whole budget of {}", self.cfg.kv_budget_bytes),
-                )
-            };
+        if let Some(error) = self.refusal(&a) {
             return vec![Emit { id, event: Event::Error { error } }];
         }
         let position = self.waiting.len() as u32;
@@ -273,16 +296,24 @@ impl Scheduler {
         self.reserved
     }
 
-    fn finish(&mut self, engine: &mut impl EngineOps, id: ReqId, event: Event, out: &mut Vec<Emit>) {
+    /// Ends a request: its reservation is returned at once, and the engine frees what it
+    /// holds for it at the next `release_ended` (before any more work is handed out).
+    fn finish(&mut self, id: ReqId, event: Event, out: &mut Vec<Emit>) {
         if let Some(r) = self.reqs.remove(&id) {
             self.reserved -= r.reserved;
             self.waiting.retain(|&x| x != id);
             self.prefilling.retain(|&x| x != id);
             self.decoding.retain(|&x| x != id);
-            if r.admitted_at.is_some() {
-                engine.release(id);
-            }
+            self.ended.push(id);
             out.push(Emit { id, event });
+        }
+    }
+
+    /// Tells the engine to free the requests ended since the last call, in one call.
+    async fn release_ended(&mut self, engine: &mut impl EngineOps) {
+        if !self.ended.is_empty() {
+            let ids = std::mem::take(&mut self.ended);
+            engine.release(&ids).await;
         }
     }
 
@@ -302,7 +333,7 @@ impl Scheduler {
     }
 
     /// Handles one sequence's output: a Tokens event, then Done if it finished.
-    fn deliver(&mut self, engine: &mut impl EngineOps, id: ReqId, step: StepOut, now: Duration, out: &mut Vec<Emit>) {
+    fn deliver(&mut self, id: ReqId, step: StepOut, now: Duration, out: &mut Vec<Emit>) {
         let finished = step.finished;
         if let Some(r) = self.reqs.get_mut(&id) {
             r.completion += step.ids.len();
@@ -313,20 +344,21 @@ impl Scheduler {
         }
         if let Some(reason) = finished {
             let ev = self.done_event(id, reason, now);
-            self.finish(engine, id, ev, out);
+            self.finish(id, ev, out);
         }
     }
 
     /// One turn of the clock. `now` is the scheduler clock's time.
-    pub fn tick(&mut self, engine: &mut impl EngineOps, now: Duration) -> (Vec<Emit>, TickReport) {
+    pub async fn tick(&mut self, engine: &mut impl EngineOps, now: Duration) -> (Vec<Emit>, TickReport) {
         let mut out = Vec::new();
         let mut report = TickReport::default();
 
         // 1. cancellations
         for id in std::mem::take(&mut self.cancels) {
             let error = WireError::new(ErrorClass::Cancelled, "cancelled by the client");
-            self.finish(engine, id, Event::Error { error }, &mut out);
+            self.finish(id, Event::Error { error }, &mut out);
         }
+        self.release_ended(engine).await;
 
         // 2. admission, in arrival order, within the KV budget and the batch limit
         let mut still_waiting = Vec::new();
@@ -340,14 +372,14 @@ impl Scheduler {
                 && self.reserved + need <= self.cfg.kv_budget_bytes
             {
                 self.reserved += need;
-                let cached = engine.admit(id).min(self.reqs[&id].a.prompt_tokens.saturating_sub(1));
+                let cached = engine.admit(id).await.min(self.reqs[&id].a.prompt_tokens.saturating_sub(1));
                 let r = self.reqs.get_mut(&id).expect("waiting ids are held");
                 r.reserved = need;
                 r.admitted_at = Some(now);
                 r.prefilled = cached;
                 r.cached = cached;
                 self.prefilling.push(id);
-                engine.prefix_trim(self.cfg.kv_budget_bytes - self.reserved);
+                engine.prefix_trim(self.cfg.kv_budget_bytes - self.reserved).await;
             } else {
                 still_waiting.push(id);
             }
@@ -375,12 +407,12 @@ impl Scheduler {
         // 4. the work: the decode batch steps (its tokens are delivered first), and the chunk
         //    is prefilled, in one engine call
         let ids = self.decoding.clone();
-        let (results, prefilled) = engine.step(&ids, chunk);
+        let (results, prefilled) = engine.step(&ids, chunk).await;
         report.decoded = ids.len();
         for (id, res) in ids.into_iter().zip(results) {
             match res {
-                Ok(step) => self.deliver(engine, id, step, now, &mut out),
-                Err(error) => self.finish(engine, id, Event::Error { error }, &mut out),
+                Ok(step) => self.deliver(id, step, now, &mut out),
+                Err(error) => self.finish(id, Event::Error { error }, &mut out),
             }
         }
         if let (Some((id, n)), Some(result)) = (chunk, prefilled) {
@@ -398,16 +430,17 @@ impl Scheduler {
                         self.decoding.push(id);
                         // Without a first token now, it comes from the next decode step.
                         if let Some(step) = first {
-                            self.deliver(engine, id, step, now, &mut out);
+                            self.deliver(id, step, now, &mut out);
                         }
                     }
                 }
                 Ok(_) => {}
-                Err(error) => self.finish(engine, id, Event::Error { error }, &mut out),
+                Err(error) => self.finish(id, Event::Error { error }, &mut out),
             }
         }
+        self.release_ended(engine).await;
         // Sequences that ended or completed their prompt this tick were remembered.
-        engine.prefix_trim(self.cfg.kv_budget_bytes - self.reserved);
+        engine.prefix_trim(self.cfg.kv_budget_bytes - self.reserved).await;
         (out, report)
     }
 

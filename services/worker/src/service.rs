@@ -31,7 +31,7 @@ use llmq_protocol::{subjects, CacheCleared, Cancel, ClearCache, ErrorClass, Even
 use tokio::sync::mpsc;
 
 use crate::actor::{CancelRequest, ClearPrefixCache, Outbound, SchedulerActor, Submit, WarmUp};
-use crate::engine_ops::ModelEngine;
+use crate::engine::{ActorEngine, EngineOptions};
 use crate::placement::Placement;
 use crate::scheduler::SchedulerConfig;
 
@@ -88,7 +88,7 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
 
     // The device thread: the model is loaded there, and it and its arrays never leave it.
     let (out_tx, mut out_rx) = mpsc::unbounded_channel::<Outbound>();
-    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<Addr<SchedulerActor<ModelEngine>>, String>>();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<Addr<SchedulerActor<ActorEngine>>, String>>();
     let device = Arbiter::new();
     let cfg = scheduler_config(&settings);
     let prefix = settings.prefix_cache.clone();
@@ -107,10 +107,8 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
             // Whole chunks are never padded.
             let mut model = m.model;
             model.fit_chunk_grid(&[cfg.prefill_chunk, cfg.idle_prefill_chunk]);
-            let mut engine = ModelEngine::new(model, m.tokenizer).with_decode_ahead(decode_ahead);
-            if prefix.enabled {
-                engine = engine.with_prefix_cache(prefix.block_tokens, prefix_max);
-            }
+            let opts = EngineOptions { decode_ahead, prefix: prefix.enabled.then_some((prefix.block_tokens, prefix_max)) };
+            let engine = ActorEngine::start(model, m.tokenizer, opts);
             SchedulerActor::new(engine, cfg, out_tx, wid, mname).with_status_snapshot(snapshot).start()
         }));
     });
@@ -319,7 +317,7 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
 
 /// Hands every cancel the cancels stream holds to the actor (which remembers those of requests
 /// it does not hold, and ends such a job with `Cancelled` if it ever arrives). Returns how many.
-async fn replay_cancels(stream: &jetstream::stream::Stream, actor: &Addr<SchedulerActor<ModelEngine>>) -> Result<usize, String> {
+async fn replay_cancels(stream: &jetstream::stream::Stream, actor: &Addr<SchedulerActor<ActorEngine>>) -> Result<usize, String> {
     let consumer = stream
         .create_consumer(pull::Config {
             deliver_policy: jetstream::consumer::DeliverPolicy::All,

@@ -28,25 +28,30 @@ impl Fake {
 }
 
 impl EngineOps for Fake {
-    fn prefill(&mut self, id: ReqId, _n: usize) -> Result<Option<StepOut>, WireError> {
+    async fn prefill(&mut self, id: ReqId, _n: usize) -> Result<Option<StepOut>, WireError> {
         Ok(Some(self.token(id)))
     }
-    fn decode(&mut self, ids: &[ReqId]) -> Vec<Result<StepOut, WireError>> {
+    async fn decode(&mut self, ids: &[ReqId]) -> Vec<Result<StepOut, WireError>> {
         if ids.iter().any(|id| self.prompt[id] == 13) {
             panic!("injected fault");
         }
         ids.iter().map(|&id| Ok(self.token(id))).collect()
     }
-    fn release(&mut self, id: ReqId) {
-        self.prompt.remove(&id);
+    async fn release(&mut self, ids: &[ReqId]) {
+        for id in ids {
+            self.prompt.remove(id);
+        }
     }
 }
 
 impl WorkerEngine for Fake {
-    fn register(&mut self, id: ReqId, prompt: Vec<u32>, _s: SamplingParams, stop: StopParams, _salt: Option<String>) -> Result<(), WireError> {
+    async fn register(&mut self, id: ReqId, prompt: Vec<u32>, _s: SamplingParams, stop: StopParams, _salt: Option<String>) -> Result<(), WireError> {
         self.prompt.insert(id, prompt.len());
         self.max.insert(id, stop.max_tokens);
         Ok(())
+    }
+    async fn reset(&mut self) {
+        self.prompt.clear();
     }
     fn kv_bytes_per_token(&self) -> u64 {
         1
@@ -119,7 +124,8 @@ fn warm_up_leaves_nothing_behind() {
     let loaded = llmq_engine::load_model(&dir, mlx_rs::Dtype::Float32).unwrap();
     actix::System::new().block_on(async {
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-        let engine = llmq_worker::engine_ops::ModelEngine::new(loaded.model, loaded.tokenizer).with_prefix_cache(16, 1 << 30);
+        let opts = llmq_worker::engine::EngineOptions { prefix: Some((16, 1 << 30)), ..Default::default() };
+        let engine = llmq_worker::engine::ActorEngine::start(loaded.model, loaded.tokenizer, opts);
         let cfg = SchedulerConfig { prefill_chunk: 16, kv_budget_bytes: 1 << 30, ..Default::default() };
         let addr = SchedulerActor::new(engine, cfg, tx, "w".into(), "tiny".into()).start();
         let ms = addr.send(llmq_worker::actor::WarmUp { tokens: 40, rows: vec![1, 3] }).await.unwrap().unwrap();
@@ -128,5 +134,71 @@ fn warm_up_leaves_nothing_behind() {
         assert_eq!((s.kv_bytes_used, s.prefix_entries, s.prefix_reused_tokens, s.prefill_calls, s.decode_calls), (0, 0, 0, 0, 0), "{s:?}");
         assert_eq!((s.active_streams, s.queued_requests), (0, 0));
         assert!(rx.try_recv().is_err(), "the warm-up publishes nothing");
+    });
+}
+
+fn long_job(id: &str, prompt_len: usize, max_tokens: u32) -> Job {
+    let mut j = job(id, prompt_len, max_tokens);
+    j.model = "tiny".into();
+    j.prompt_ids = (0..prompt_len as u32).map(|i| 3 + i % 40).collect();
+    j.stop.ignore_eos = true;
+    j
+}
+
+/// The real role actors (tiny Llama): a panic inside the prefill actor ends the request it was
+/// prefilling with an `Error` while a decoding stream goes on; a panic inside the decode actor
+/// ends that stream; the worker then serves a new request, and no KV is left behind.
+#[test]
+fn a_panicking_role_actor_fails_its_own_requests_and_the_rest_go_on() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-llama");
+    let loaded = llmq_engine::load_model(&dir, mlx_rs::Dtype::Float32).unwrap();
+    actix::System::new().block_on(async {
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let engine = llmq_worker::engine::ActorEngine::start(loaded.model, loaded.tokenizer, Default::default());
+        let (prefill, decode) = (engine.prefill.clone(), engine.decode.clone());
+        let cfg = SchedulerConfig { prefill_chunk: 8, kv_budget_bytes: 1 << 30, ..Default::default() };
+        let addr = SchedulerActor::new(engine, cfg, tx, "w".into(), "tiny".into()).start();
+        let mut seen: HashMap<String, Vec<Event>> = HashMap::new();
+        let until = |seen: &HashMap<String, Vec<Event>>, id: &str, f: &dyn Fn(&Event) -> bool| seen.get(id).is_some_and(|v| v.iter().any(f));
+        async fn pump(rx: &mut tokio::sync::mpsc::UnboundedReceiver<Outbound>, seen: &mut HashMap<String, Vec<Event>>) {
+            let o = tokio::time::timeout(Duration::from_secs(20), rx.recv()).await.expect("event").expect("open");
+            seen.entry(o.request_id).or_default().push(o.event.event);
+        }
+        let tokens = |seen: &HashMap<String, Vec<Event>>, id: &str| seen.get(id).map_or(0, |v| v.iter().filter(|e| matches!(e, Event::Tokens { .. })).count());
+
+        addr.do_send(Submit(long_job("a", 10, 400)));
+        while !until(&seen, "a", &|e| matches!(e, Event::Tokens { .. })) {
+            pump(&mut rx, &mut seen).await;
+        }
+        // "c" prefills in 8-token chunks beside "a"'s decode; mid-prefill, the prefill actor panics.
+        addr.do_send(Submit(long_job("c", 480, 8)));
+        while !until(&seen, "c", &|e| matches!(e, Event::PrefillProgress { .. })) {
+            pump(&mut rx, &mut seen).await;
+        }
+        prefill.do_send(llmq_worker::prefill::InjectPanic);
+        let c = until_terminal(&mut rx, "c", &mut seen).await;
+        match &c {
+            Event::Error { error } => assert!(error.class == ErrorClass::Internal && error.message.contains("fault in prefill"), "{error}"),
+            e => panic!("c ended with {e:?}"),
+        }
+        assert!(!until(&seen, "a", &|e| e.is_terminal()), "a is not disturbed");
+        let before = tokens(&seen, "a");
+        while tokens(&seen, "a") < before + 3 {
+            pump(&mut rx, &mut seen).await;
+        }
+        // Now the decode actor panics: "a" ends with an error.
+        decode.do_send(llmq_worker::decode::InjectPanic);
+        match until_terminal(&mut rx, "a", &mut seen).await {
+            Event::Error { error } => assert!(error.class == ErrorClass::Internal && error.message.contains("fault in decode"), "{error}"),
+            e => panic!("a ended with {e:?}"),
+        }
+        // The worker goes on, and holds nothing of the failed requests.
+        addr.do_send(Submit(long_job("d", 20, 5)));
+        assert!(matches!(until_terminal(&mut rx, "d", &mut seen).await, Event::Done { .. }));
+        for id in ["a", "c", "d"] {
+            assert_eq!(seen[id].iter().filter(|e| e.is_terminal()).count(), 1, "{id}: exactly one terminal event");
+        }
+        let s = addr.send(llmq_worker::actor::GetStatus).await.unwrap();
+        assert_eq!((s.kv_bytes_used, s.active_streams, s.queued_requests), (0, 0, 0), "{s:?}");
     });
 }

@@ -1,7 +1,8 @@
 //! The scheduler driving the real engine (SmolLM2): chunked and interleaved prefill gives the
 //! same greedy tokens as one-piece generation (also with chunks, final ones included, sharing
 //! decode steps queued ahead, padded to a grid, and beside a sampled request, which turns
-//! queuing ahead off while it decodes), and all KV memory comes back.
+//! queuing ahead off while it decodes), and all KV memory comes back. The engine is the
+//! worker's: its prefill, decode and cache actors, driven through their messages.
 
 use std::time::Instant;
 
@@ -9,7 +10,7 @@ use llmq_engine::generate::{generate, GenerateRequest};
 use llmq_engine::sampling::{SamplingParams, StopParams};
 use llmq_engine::{load_model, resolve_model};
 use llmq_protocol::Event;
-use llmq_worker::engine_ops::ModelEngine;
+use llmq_worker::engine::{ActorEngine, EngineOptions};
 use llmq_worker::scheduler::{Admission, Scheduler, SchedulerConfig, WorkerEngine};
 use mlx_rs::Dtype;
 
@@ -36,8 +37,10 @@ fn chunked_interleaved_prefill_gives_the_same_greedy_tokens() {
     // without, with chunks padded to a grid as on a GPU, and with a sampled request among the
     // greedy ones.
     for (ahead, grid, with_sampled) in [(true, 1, false), (false, 1, false), (true, 8, false), (true, 1, true)] {
+      actix::System::new().block_on(async {
         let fresh = load_model(&resolve_model("smollm2").unwrap(), Dtype::Float32).unwrap();
-        let mut engine = ModelEngine::new(fresh.model.with_chunk_grid(grid), fresh.tokenizer).with_decode_ahead(ahead);
+        let opts = EngineOptions { decode_ahead: ahead, prefix: None };
+        let mut engine = ActorEngine::start(fresh.model.with_chunk_grid(grid), fresh.tokenizer, opts);
         let bpt = engine.kv_bytes_per_token();
         let mut s = Scheduler::new(SchedulerConfig {
             prefill_chunk: 7,
@@ -50,26 +53,26 @@ fn chunked_interleaved_prefill_gives_the_same_greedy_tokens() {
         let mut events = vec![];
         for (i, p) in prompts.iter().enumerate() {
             let id = i as u64;
-            engine.register(id, p.clone(), SamplingParams::default(), stop.clone(), None).unwrap();
+            engine.register(id, p.clone(), SamplingParams::default(), stop.clone(), None).await.unwrap();
             events.extend(s.submit(Admission { id, prompt_tokens: p.len(), max_tokens: 12, accepted_at: start.elapsed() }));
             if i == 1 && with_sampled {
                 // A sampled request among the greedy ones: while it decodes no step is queued
                 // ahead, and its own prompt's last chunk cannot ride in one.
                 let p = tok.prompt_ids("Name a colour.", true).unwrap();
                 let sampling = SamplingParams { temperature: 0.7, seed: Some(3), ..Default::default() };
-                engine.register(SAMPLED, p.clone(), sampling, stop.clone(), None).unwrap();
+                engine.register(SAMPLED, p.clone(), sampling, stop.clone(), None).await.unwrap();
                 events.extend(s.submit(Admission { id: SAMPLED, prompt_tokens: p.len(), max_tokens: 12, accepted_at: start.elapsed() }));
             }
             // Arrivals spread over ticks, so prefills interleave with running decodes.
             for _ in 0..3 {
-                events.extend(s.tick(&mut engine, start.elapsed()).0);
+                events.extend(s.tick(&mut engine, start.elapsed()).await.0);
             }
         }
         for _ in 0..500 {
             if s.is_idle() {
                 break;
             }
-            events.extend(s.tick(&mut engine, start.elapsed()).0);
+            events.extend(s.tick(&mut engine, start.elapsed()).await.0);
         }
         assert!(s.is_idle());
         if with_sampled {
@@ -99,5 +102,6 @@ fn chunked_interleaved_prefill_gives_the_same_greedy_tokens() {
         assert_eq!(engine.held(), 0);
         assert_eq!(engine.kv_bytes_in_use(), 0, "decode_ahead {ahead}");
         assert_eq!(s.reserved_kv_bytes(), 0);
+      });
     }
 }

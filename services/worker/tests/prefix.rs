@@ -11,7 +11,7 @@ use llmq_engine::generate::{generate, GenerateRequest};
 use llmq_engine::sampling::{SamplingParams, StopParams};
 use llmq_engine::{load_model, Model};
 use llmq_protocol::Event;
-use llmq_worker::engine_ops::ModelEngine;
+use llmq_worker::engine::{ActorEngine, EngineOptions};
 use llmq_worker::scheduler::{Admission, ReqId, Scheduler, SchedulerConfig, WorkerEngine};
 use mlx_rs::Dtype;
 
@@ -59,16 +59,20 @@ fn prompt(seed: u64, n: usize) -> Vec<u32> {
 
 /// A scheduler over the real engine with a prefix cache; requests by id, events collected.
 struct Rig {
-    engine: ModelEngine,
+    engine: ActorEngine,
     s: Scheduler,
     now: Duration,
     events: Vec<(ReqId, Event)>,
     next: ReqId,
+    /// The actors' system: every call into the engine runs on it.
+    sys: actix::SystemRunner,
 }
 
 impl Rig {
     fn new(model: Model, budget_tokens: u64, chunk: usize) -> Rig {
-        let engine = ModelEngine::new(model, None).with_prefix_cache(BLOCK, u64::MAX);
+        let sys = actix::System::new();
+        let opts = EngineOptions { prefix: Some((BLOCK, u64::MAX)), ..Default::default() };
+        let engine = sys.block_on(async { ActorEngine::start(model, None, opts) });
         let bpt = engine.kv_bytes_per_token();
         let s = Scheduler::new(SchedulerConfig {
             prefill_chunk: chunk,
@@ -77,13 +81,13 @@ impl Rig {
             kv_budget_bytes: budget_tokens * bpt,
             ..Default::default()
         });
-        Rig { engine, s, now: Duration::ZERO, events: vec![], next: 0 }
+        Rig { engine, s, now: Duration::ZERO, events: vec![], next: 0, sys }
     }
 
     fn submit(&mut self, p: &[u32], salt: Option<&str>) -> ReqId {
         let id = self.next;
         self.next += 1;
-        self.engine.register(id, p.to_vec(), SamplingParams::default(), stop(), salt.map(Into::into)).unwrap();
+        self.sys.block_on(self.engine.register(id, p.to_vec(), SamplingParams::default(), stop(), salt.map(Into::into))).unwrap();
         let a = Admission { id, prompt_tokens: p.len(), max_tokens: MAX_TOKENS, accepted_at: self.now };
         self.events.extend(self.s.submit(a).into_iter().map(|e| (e.id, e.event)));
         id
@@ -98,7 +102,7 @@ impl Rig {
 
     fn tick(&mut self) {
         self.now += Duration::from_millis(10);
-        let (emits, _) = self.s.tick(&mut self.engine, self.now);
+        let (emits, _) = self.sys.block_on(self.s.tick(&mut self.engine, self.now));
         self.events.extend(emits.into_iter().map(|e| (e.id, e.event)));
         // The cache lives in what the running requests' reservations leave over.
         let left = self.s.config().kv_budget_bytes - self.s.reserved_kv_bytes();
@@ -147,7 +151,7 @@ impl Rig {
         assert_eq!(self.s.reserved_kv_bytes(), 0);
         let held = self.engine.prefix_stats().held_bytes;
         assert_eq!(self.engine.kv_bytes_in_use(), held);
-        assert_eq!(self.engine.prefix_clear(), held);
+        assert_eq!(self.sys.block_on(self.engine.prefix_clear()), held);
         assert_eq!(self.engine.kv_bytes_in_use(), 0);
     }
 }

@@ -32,7 +32,7 @@ impl FakeEngine {
 }
 
 impl EngineOps for FakeEngine {
-    fn prefill(&mut self, id: ReqId, n: usize) -> Result<Option<StepOut>, WireError> {
+    async fn prefill(&mut self, id: ReqId, n: usize) -> Result<Option<StepOut>, WireError> {
         self.live.insert(id);
         self.prefill_calls.push((id, n));
         let done = self.prefilled.entry(id).or_default();
@@ -41,13 +41,15 @@ impl EngineOps for FakeEngine {
         let complete = *done == self.prompt[&id];
         Ok((complete && !self.defer_first).then(|| self.token(id)))
     }
-    fn decode(&mut self, ids: &[ReqId]) -> Vec<Result<StepOut, WireError>> {
+    async fn decode(&mut self, ids: &[ReqId]) -> Vec<Result<StepOut, WireError>> {
         self.decode_calls.push(ids.to_vec());
         ids.iter().map(|&id| Ok(self.token(id))).collect()
     }
-    fn release(&mut self, id: ReqId) {
-        assert!(self.live.remove(&id) || !self.prefilled.contains_key(&id), "released twice: {id}");
-        self.released.push(id);
+    async fn release(&mut self, ids: &[ReqId]) {
+        for &id in ids {
+            assert!(self.live.remove(&id) || !self.prefilled.contains_key(&id), "released twice: {id}");
+            self.released.push(id);
+        }
     }
 }
 
@@ -72,7 +74,7 @@ impl Harness {
     }
     /// One tick; the fake clock advances 10 ms per decode step plus 0.1 ms per prefill token.
     fn tick(&mut self) -> (Vec<Emit>, TickReport) {
-        let (ev, rep) = self.s.tick(&mut self.e, self.now);
+        let (ev, rep) = futures::executor::block_on(self.s.tick(&mut self.e, self.now));
         self.now += Duration::from_millis(if rep.decoded > 0 { 10 } else { 0 }) + Duration::from_micros(100 * rep.prefill_tokens as u64);
         self.events.extend(ev.clone());
         self.reports.push(rep.clone());

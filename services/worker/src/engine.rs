@@ -1,0 +1,243 @@
+//! The engine the scheduler drives, made of the worker's three role actors: `PrefillActor`,
+//! `DecodeActor` and `CacheActor`, all on the device thread (MLX work of a worker runs on one
+//! thread; each actor still owns its state and is reached only by messages). `ActorEngine`
+//! turns the scheduler's calls into their messages:
+//!
+//! - register and admit: the prefill actor (which asks the cache actor for a cached prefix);
+//! - a tick with decode rows: the granted chunk's sequence is lent by the prefill actor to the
+//!   decode actor, which steps every row and runs the chunk in the same pass over the weights,
+//!   and gives the sequence back unless the chunk completed its prompt (it then joins the
+//!   decode batch there);
+//! - a tick without decode rows: the prefill actor runs the chunk; a completed prompt's
+//!   sequence moves to the decode actor (`Join`);
+//! - releases go to both role actors (each forgets what it holds); trims to the cache actor.
+//!
+//! Invariants: every call waits for its answers, so the scheduler's next call sees their
+//! effects; a lost actor (its mailbox closed) turns into internal errors for the requests of
+//! the call, never a panic; the figures it reports are those of each actor's last answer.
+
+use actix::prelude::*;
+use llmq_engine::sampling::{SamplingParams, StopParams};
+use llmq_engine::{Model, Tokenizer};
+use llmq_protocol::WireError;
+
+use crate::cache::{self, CacheActor, Report, Reply};
+use crate::decode::{self, DecodeActor, Lent, Step};
+use crate::prefill::{self, Chunked, PrefillActor};
+use crate::scheduler::{EngineOps, PrefillResult, ReqId, StepOut, WorkerEngine};
+use crate::seq::{internal, Shared};
+
+/// How the role actors are set up.
+#[derive(Debug, Clone)]
+pub struct EngineOptions {
+    /// Queue decode steps ahead on the device (see the decode actor's `Ahead`).
+    pub decode_ahead: bool,
+    /// The prefix cache: tokens per index block and the most bytes it may hold; None: off.
+    pub prefix: Option<(usize, u64)>,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions { decode_ahead: true, prefix: None }
+    }
+}
+
+pub struct ActorEngine {
+    pub prefill: Addr<PrefillActor>,
+    pub decode: Addr<DecodeActor>,
+    pub cache: Addr<CacheActor>,
+    kv_bytes_per_token: u64,
+    context_tokens: usize,
+    /// The last report of each actor: prefill, decode, cache.
+    reports: [Report; 3],
+}
+
+const PREFILL: usize = 0;
+const DECODE: usize = 1;
+const CACHE: usize = 2;
+
+impl ActorEngine {
+    /// Starts the three actors on the current thread (the device thread) around `model`.
+    pub fn start(model: Model, tokenizer: Option<Tokenizer>, opts: EngineOptions) -> Self {
+        let c = &model.config;
+        let elem = match model.dtype() {
+            mlx_rs::Dtype::Float32 => 4,
+            _ => 2,
+        };
+        let kv_bytes_per_token = 2 * (c.num_layers * c.num_kv_heads * c.head_dim * elem) as u64;
+        let context_tokens = c.max_position_embeddings;
+        // Hits in whole chunk-grid blocks, so that the chunks after one start on the grid (see
+        // `Model::chunk_grid`).
+        let cache = CacheActor::new(opts.prefix.map(|(block, max)| (block, model.chunk_grid(), max))).start();
+        let shared = Shared { model: std::rc::Rc::new(model), tokenizer: tokenizer.map(std::rc::Rc::new) };
+        let prefill = PrefillActor::new(shared.clone(), cache.clone()).start();
+        let decode = DecodeActor::new(shared, cache.clone(), opts.decode_ahead).start();
+        ActorEngine { prefill, decode, cache, kv_bytes_per_token, context_tokens, reports: Default::default() }
+    }
+
+    /// An answer's value, its report noted; a lost actor gives `lost`.
+    fn take<T>(&mut self, role: usize, answer: Result<Reply<T>, MailboxError>, lost: impl FnOnce(WireError) -> T) -> T {
+        match answer {
+            Ok(r) => {
+                self.reports[role] = r.report;
+                r.value
+            }
+            Err(e) => lost(internal(format!("{} actor lost: {e}", ["prefill", "decode", "cache"][role]))),
+        }
+    }
+
+    /// Requests held by the prefill and decode actors.
+    pub fn held(&self) -> usize {
+        self.reports[PREFILL].held + self.reports[DECODE].held
+    }
+
+    /// Prefill chunks run in a step queued ahead, and of those the ones that completed their
+    /// prompt.
+    pub fn chunks_queued_ahead(&self) -> (u64, u64) {
+        self.reports[DECODE].chunks_ahead
+    }
+
+    /// A chunk with no decode step beside it, run by the prefill actor; a completed prompt's
+    /// sequence joins the decode batch.
+    async fn prefill_alone(&mut self, id: ReqId, n: usize) -> PrefillResult {
+        let answer = self.prefill.send(prefill::Chunk { id, n }).await;
+        match self.take(PREFILL, answer, Err)? {
+            Chunked::Partial => Ok(None),
+            Chunked::Complete { first, seq } => {
+                let answer = self.decode.send(decode::Join { id, seq }).await;
+                self.take(DECODE, answer, Err)?;
+                Ok(Some(first))
+            }
+        }
+    }
+}
+
+impl EngineOps for ActorEngine {
+    async fn prefill(&mut self, id: ReqId, n: usize) -> Result<Option<StepOut>, WireError> {
+        self.prefill_alone(id, n).await
+    }
+
+    async fn decode(&mut self, ids: &[ReqId]) -> Vec<Result<StepOut, WireError>> {
+        self.step(ids, None).await.0
+    }
+
+    async fn step(&mut self, ids: &[ReqId], chunk: Option<(ReqId, usize)>) -> (Vec<Result<StepOut, WireError>>, Option<PrefillResult>) {
+        if ids.is_empty() {
+            let pre = match chunk {
+                Some((id, n)) => Some(self.prefill_alone(id, n).await),
+                None => None,
+            };
+            return (vec![], pre);
+        }
+        let mut lend_error = None;
+        let lent = match chunk {
+            Some((id, n)) => {
+                let answer = self.prefill.send(prefill::Lend(id)).await;
+                match self.take(PREFILL, answer, Err) {
+                    Ok(seq) => Some(Lent { id, n, seq }),
+                    Err(e) => {
+                        lend_error = Some(e);
+                        None
+                    }
+                }
+            }
+            None => None,
+        };
+        let answer = self.decode.send(Step { ids: ids.to_vec(), chunk: lent }).await;
+        let stepped = self.take(DECODE, answer, |e| decode::Stepped {
+            outs: ids.iter().map(|_| Err(e.clone())).collect(),
+            chunk: chunk.map(|_| (Err(e.clone()), None)),
+        });
+        let pre = match (stepped.chunk, chunk) {
+            (Some((result, back)), Some((id, _))) => {
+                if let Some(seq) = back {
+                    let answer = self.prefill.send(prefill::Return { id, seq }).await;
+                    self.take(PREFILL, answer, |_| ());
+                }
+                Some(result)
+            }
+            _ => lend_error.map(Err),
+        };
+        (stepped.outs, pre)
+    }
+
+    async fn release(&mut self, ids: &[ReqId]) {
+        let answer = self.prefill.send(prefill::Release(ids.to_vec())).await;
+        self.take(PREFILL, answer, |_| ());
+        let answer = self.decode.send(decode::Release(ids.to_vec())).await;
+        self.take(DECODE, answer, |_| ());
+    }
+
+    async fn admit(&mut self, id: ReqId) -> usize {
+        let answer = self.prefill.send(prefill::Admit(id)).await;
+        self.take(PREFILL, answer, |_| 0)
+    }
+
+    async fn prefix_trim(&mut self, max_bytes: u64) -> u64 {
+        let answer = self.cache.send(cache::Trim(max_bytes)).await;
+        self.take(CACHE, answer, |_| 0)
+    }
+}
+
+impl WorkerEngine for ActorEngine {
+    async fn register(&mut self, id: ReqId, prompt: Vec<u32>, sampling: SamplingParams, stop: StopParams, salt: Option<String>) -> Result<(), WireError> {
+        let answer = self.prefill.send(prefill::Register { id, prompt, sampling, stop, salt }).await;
+        self.take(PREFILL, answer, Err)
+    }
+
+    async fn reset(&mut self) {
+        let answer = self.prefill.send(prefill::Reset).await;
+        self.take(PREFILL, answer, |_| ());
+        let answer = self.decode.send(decode::Reset).await;
+        self.take(DECODE, answer, |_| ());
+    }
+
+    /// KV bytes one token takes across all layers (keys and values).
+    fn kv_bytes_per_token(&self) -> u64 {
+        self.kv_bytes_per_token
+    }
+
+    /// KV bytes the actors held at their last answers.
+    fn kv_bytes_in_use(&self) -> u64 {
+        self.reports.iter().map(|r| r.kv_bytes).sum()
+    }
+
+    fn context_tokens(&self) -> usize {
+        self.context_tokens
+    }
+
+    /// Milliseconds of work in the three actors since start: prefill and decode calls, and the
+    /// KV bookkeeping of admissions, joins, releases and prefix-cache trims.
+    fn engine_ms(&self) -> f64 {
+        self.reports.iter().map(|r| r.busy.ms()).sum()
+    }
+
+    /// (prefill calls, their ms, decode calls, their ms) since start.
+    fn call_times(&self) -> (u64, f64, u64, f64) {
+        let (p, d) = (&self.reports[PREFILL].busy, &self.reports[DECODE].busy);
+        (p.calls, p.ms(), d.calls, d.ms())
+    }
+
+    fn prefix_stats(&self) -> llmq_engine::prefix::PrefixStats {
+        self.reports[CACHE].prefix.clone()
+    }
+
+    async fn prefix_clear(&mut self) -> u64 {
+        let answer = self.cache.send(cache::Clear).await;
+        self.take(CACHE, answer, |_| 0)
+    }
+
+    fn step_parts(&self) -> Vec<(&'static str, f64)> {
+        ["join", "queue", "wait", "rest"].into_iter().zip(self.reports[DECODE].parts).collect()
+    }
+
+    async fn reset_counters(&mut self) {
+        let answer = self.prefill.send(prefill::ResetCounters).await;
+        self.take(PREFILL, answer, |_| ());
+        let answer = self.decode.send(decode::ResetCounters).await;
+        self.take(DECODE, answer, |_| ());
+        if let Ok(report) = self.cache.send(cache::ResetCounters).await {
+            self.reports[CACHE] = report;
+        }
+    }
+}
