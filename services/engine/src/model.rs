@@ -187,6 +187,19 @@ fn swiglu(g: &Array, u: &Array) -> Result<Array> {
     Ok(compiled((g, u))?)
 }
 
+/// A prefill chunk's share of a step: its tokens, its sequence's cache, and the layers it runs
+/// through in this step. A chunk's stages are consecutive ranges of layers ending at the last;
+/// a stage after the first takes the hidden state the one before it gave (`hidden`, None for
+/// a stage from layer 0). Each layer's cache takes the chunk's keys and values in the stage that
+/// runs that layer, so between stages the layers hold different lengths: the sequence's cache
+/// is whole again only after the last stage.
+pub struct ChunkStage<'a> {
+    pub tokens: &'a [u32],
+    pub cache: &'a mut SequenceCache,
+    pub layers: std::ops::Range<usize>,
+    pub hidden: Option<Array>,
+}
+
 /// One decode batch's share of a grouped decode step: its rows' place in the step's rows, and
 /// the inputs that make each row write and attend at its own position.
 struct GroupStep<'a> {
@@ -495,7 +508,21 @@ impl Model {
     /// in the same pass: the weights are read once for both. Returns logits [rows (+1), 1,
     /// vocab]: the groups' rows in order, then (with a chunk) the chunk's last position.
     pub fn step(&self, groups: &mut [(&[u32], &mut DecodeBatch)], chunk: Option<(&[u32], &mut SequenceCache)>) -> Result<Array> {
-        self.step_inner(groups, None, chunk)
+        let layers = self.layers.len();
+        Ok(self.step_inner(groups, None, chunk.map(|(tokens, cache)| ChunkStage { tokens, cache, layers: 0..layers, hidden: None }))?.0)
+    }
+
+    /// A step whose prefill chunk runs through only some of the layers (`ChunkStage`): a
+    /// chunk's layers can be spread over several steps, each then carrying a part of its
+    /// work. Returns the logits (the groups' rows, then the chunk's last position when this
+    /// stage ends at the last layer) and, when it does not, the chunk's hidden state for the
+    /// next stage. `tokens` as in `step_on_device` when given.
+    pub fn step_staged(&self, groups: &mut [(&[u32], &mut DecodeBatch)], tokens: Option<&Array>, chunk: Option<ChunkStage>) -> Result<(Array, Option<Array>)> {
+        self.step_inner(groups, tokens, chunk)
+    }
+
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
     }
 
     /// A decode step whose inputs are still on the device: `tokens` [rows] int32, the groups'
@@ -503,15 +530,16 @@ impl Model {
     /// the previous one's results reach the host. The groups' host token slices only give the
     /// row counts. A prefill chunk (host tokens) may share the pass, as in `step`.
     pub fn step_on_device(&self, groups: &mut [(&[u32], &mut DecodeBatch)], tokens: &Array, chunk: Option<(&[u32], &mut SequenceCache)>) -> Result<Array> {
-        self.step_inner(groups, Some(tokens), chunk)
+        let layers = self.layers.len();
+        Ok(self.step_inner(groups, Some(tokens), chunk.map(|(tokens, cache)| ChunkStage { tokens, cache, layers: 0..layers, hidden: None }))?.0)
     }
 
     fn step_inner(
         &self,
         groups: &mut [(&[u32], &mut DecodeBatch)],
         device_tokens: Option<&Array>,
-        chunk: Option<(&[u32], &mut SequenceCache)>,
-    ) -> Result<Array> {
+        chunk: Option<ChunkStage>,
+    ) -> Result<(Array, Option<Array>)> {
         let mut toks: Vec<i32> = vec![];
         let mut active: Vec<i32> = vec![];
         let mut steps = Vec::with_capacity(groups.len());
@@ -557,14 +585,31 @@ impl Model {
         });
         let mut chunk = chunk;
         let mut pad = 0;
-        if let Some((c, cache)) = &chunk {
+        let n_layers = self.layers.len();
+        let (range, mut hidden_in) = match chunk.as_mut() {
+            Some(c) => (c.layers.clone(), c.hidden.take()),
+            None => (0..0, None),
+        };
+        let last_stage = range.end == n_layers;
+        if let Some(ChunkStage { tokens: c, cache, .. }) = &chunk {
             let (&last, _) = c.split_last().ok_or_else(|| EngineError::InvalidRequest("step: an empty prefill chunk".into()))?;
-            toks.extend(c.iter().map(|&x| x as i32));
-            active.push(toks.len() as i32 - 1);
-            pad = self.chunk_padding(cache.offset(), c.len());
-            toks.extend(std::iter::repeat_n(last as i32, pad));
+            if range.start >= range.end || range.end > n_layers || (range.start == 0) != hidden_in.is_none() {
+                return Err(EngineError::InvalidRequest(format!("step: chunk stage over layers {range:?} of {n_layers}")));
+            }
+            if !last_stage && decode_slots == 0 {
+                return Err(EngineError::InvalidRequest("step: a chunk stage short of the last layer needs decode rows".into()));
+            }
+            // Every layer of the stage holds the positions before the chunk.
+            pad = self.chunk_padding(cache.layers[range.start].offset(), c.len());
+            if range.start == 0 {
+                toks.extend(c.iter().map(|&x| x as i32));
+                toks.extend(std::iter::repeat_n(last as i32, pad));
+            }
+            if last_stage {
+                active.push((decode_slots + c.len()) as i32 - 1);
+            }
         }
-        let t = chunk.as_ref().map_or(0, |(c, _)| (c.len() + pad) as i32);
+        let t = chunk.as_ref().map_or(0, |c| (c.tokens.len() + pad) as i32);
         if active.is_empty() {
             return Err(EngineError::InvalidRequest("decode: no rows".into()));
         }
@@ -589,20 +634,35 @@ impl Model {
             }
         };
         let eps = self.config.rms_norm_eps;
-        let mut x = self.embed.take_axis(&x0, 0)?;
+        // The rows: decode slots, then (in the stage's layers) the chunk's padded positions.
+        let mut x = match (&hidden_in, decode_slots) {
+            (Some(_), 0) => hidden_in.take().expect("matched"),
+            _ => self.embed.take_axis(&x0, 0)?,
+        };
+        let mut hidden_out = None;
         for (li, layer) in self.layers.iter().enumerate() {
-            let part = chunk.as_mut().map(|(_, cache)| (&mut *cache.layers[li], t));
+            let in_stage = chunk.is_some() && range.contains(&li);
+            if let Some(h) = hidden_in.take_if(|_| li == range.start) {
+                x = concatenate(&[x, h], 0)?;
+            }
+            let part = chunk.as_mut().filter(|_| in_stage).map(|c| (&mut *c.cache.layers[li], t));
             let h = layer.attn.forward_grouped(&rms_norm(&x, Some(&layer.input_norm), eps)?, li, &mut steps, rows_step.as_ref(), part)?;
             x = x.add(&h)?;
             let h = layer.mlp.forward(&rms_norm(&x, Some(&layer.post_norm), eps)?)?;
             x = x.add(&h)?;
+            if in_stage && li + 1 == range.end && !last_stage {
+                hidden_out = Some(x.index(decode_slots as i32..));
+                x = x.index(..decode_slots as i32);
+            }
         }
         drop(steps);
         for (_, batch) in groups.iter_mut() {
             batch.advance();
         }
-        if let Some((_, cache)) = chunk.as_mut() {
-            cache.rewind(pad)?;
+        if let Some(c) = chunk.as_mut() {
+            for li in range.clone() {
+                c.cache.layers[li].rewind(pad)?;
+            }
         }
         // The output head runs over every decode slot (scratch ones too) and the chunk's last
         // position, then the active rows are picked: its shape follows the batch's slots, not
@@ -610,7 +670,7 @@ impl Model {
         // tens of ms on a GPU the first time).
         let chunk_last = (active.len() > decode_rows).then(|| active[decode_rows]);
         let keep: Vec<i32> = (0..decode_slots as i32).chain(chunk_last).collect();
-        let rows = if keep.len() == toks.len() { x } else { x.take_axis(Array::from_slice(&keep, &[keep.len() as i32]), 0)? };
+        let rows = if keep.len() as i32 == x.shape()[0] { x } else { x.take_axis(Array::from_slice(&keep, &[keep.len() as i32]), 0)? };
         let x = rms_norm(&rows, Some(&self.norm), eps)?;
         let logits = match &self.lm_head_t {
             Some(h) => x.matmul(h)?,
@@ -618,7 +678,8 @@ impl Model {
         };
         // Active decode slots keep their index; the chunk's last position is the last row.
         let pick: Vec<i32> = active[..decode_rows].iter().copied().chain(chunk_last.map(|_| decode_slots as i32)).collect();
-        Ok(if pick.len() == keep.len() { logits } else { logits.take_axis(Array::from_slice(&pick, &[pick.len() as i32]), 0)? })
+        let logits = if pick.len() == keep.len() { logits } else { logits.take_axis(Array::from_slice(&pick, &[pick.len() as i32]), 0)? };
+        Ok((logits, hidden_out))
     }
 
     /// Runs `tokens` [B, T] (int32) through the model, appending to each sequence's cache.

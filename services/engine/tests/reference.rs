@@ -9,7 +9,7 @@
 mod common;
 
 use common::*;
-use llmq_engine::model::host_f32;
+use llmq_engine::model::{host_f32, ChunkStage};
 use mlx_rs::Array;
 
 const TOL: f32 = 1e-4;
@@ -260,6 +260,57 @@ fn decode_fused_with_a_prefill_chunk_matches_transformers() {
             }
             let d = max_abs_diff(&logits[decoding.len() * v..], chunked.row(to - 1));
             assert!(d < TOL, "{name} grid {grid} chunk ending at {to}: max |diff| {d}");
+        }
+        assert_eq!(cache.offset(), chunked.ids.len());
+    }
+}
+
+/// A prefill chunk's layers spread over two decode steps (`Model::step_staged`; the fixtures
+/// have two layers: one a step): every step's decoding logits and each chunk's last-position
+/// logits (after its second stage) still equal transformers', also padded to a grid; the
+/// chunked sequence's cache ends where one-piece prefill's would.
+#[test]
+fn decode_fused_with_a_chunk_in_stages_matches_transformers() {
+    const CHUNKS: usize = 3;
+    const STEPS: usize = 2 * CHUNKS;
+    for (name, grid) in [("tiny-llama", 1), ("tiny-qwen3", 1), ("tiny-llama", 8), ("tiny-qwen2", 8)] {
+        let model = load(name).model.with_chunk_grid(grid);
+        let layers = model.num_layers();
+        assert!(layers >= 2, "{name}: two layers to split");
+        let cases = reference(fixture(name).join("reference.safetensors"));
+        let decoding: Vec<_> = cases.iter().filter(|c| c.ids.len() > STEPS && c.ids.len() < 60).collect();
+        assert!(!decoding.is_empty(), "{name}: cases to decode");
+        let chunked = cases.iter().max_by_key(|c| c.ids.len()).unwrap();
+        let mut batch = model.new_decode_batch().unwrap();
+        for c in &decoding {
+            let mut cache = model.new_cache();
+            run_chunked(&model, &mut cache, &c.ids[..c.ids.len() - STEPS], 16);
+            batch.join(&cache).unwrap();
+        }
+        let mut cache = model.new_cache();
+        let chunk = chunked.ids.len().div_ceil(CHUNKS);
+        let v = chunked.vocab;
+        let mut hidden = None;
+        for step in 0..STEPS {
+            let toks: Vec<u32> = decoding.iter().map(|c| c.ids[c.ids.len() - STEPS + step]).collect();
+            let k = step / 2;
+            let (from, to) = (k * chunk, ((k + 1) * chunk).min(chunked.ids.len()));
+            let last = step % 2 == 1;
+            let stage = if last { layers / 2..layers } else { 0..layers / 2 };
+            let part = ChunkStage { tokens: &chunked.ids[from..to], cache: &mut cache, layers: stage, hidden: hidden.take() };
+            let (logits, h) = model.step_staged(&mut [(&toks[..], &mut batch)], None, Some(part)).unwrap();
+            assert_eq!(h.is_some(), !last, "{name} step {step}: a hidden state between stages only");
+            hidden = h;
+            let logits = host_f32(&logits).unwrap();
+            assert_eq!(logits.len(), (decoding.len() + last as usize) * v);
+            for (r, c) in decoding.iter().enumerate() {
+                let d = max_abs_diff(&logits[r * v..(r + 1) * v], c.row(c.ids.len() - STEPS + step));
+                assert!(d < TOL, "{name} grid {grid} decoding seq {r} step {step}: max |diff| {d}");
+            }
+            if last {
+                let d = max_abs_diff(&logits[decoding.len() * v..], chunked.row(to - 1));
+                assert!(d < TOL, "{name} grid {grid} chunk ending at {to}: max |diff| {d}");
+            }
         }
         assert_eq!(cache.offset(), chunked.ids.len());
     }
