@@ -642,6 +642,9 @@ impl Model {
         let mut hidden_out = None;
         for (li, layer) in self.layers.iter().enumerate() {
             let in_stage = chunk.is_some() && range.contains(&li);
+            if !in_stage && decode_slots == 0 {
+                continue; // only the chunk's stage has rows here
+            }
             if let Some(h) = hidden_in.take_if(|_| li == range.start) {
                 x = concatenate(&[x, h], 0)?;
             }

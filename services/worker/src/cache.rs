@@ -27,6 +27,8 @@ pub struct Report {
     /// The decode actor's prefill chunks run in a step queued ahead, and of those the ones that
     /// completed their prompt.
     pub chunks_ahead: (u64, u64),
+    /// The decode actor's chunk stages that left their chunk part-way through the model.
+    pub stages_pending: u64,
 }
 
 /// An answer and its actor's report.

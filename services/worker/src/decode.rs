@@ -17,13 +17,14 @@ use std::collections::HashMap;
 use actix::prelude::*;
 use llmq_engine::batch::DecodeBatch;
 use llmq_engine::cache::SequenceCache;
+use llmq_engine::model::ChunkStage;
 use llmq_engine::Model;
 use llmq_protocol::WireError;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::Array;
 
 use crate::cache::{CacheActor, Remember, Report, Reply};
-use crate::scheduler::{PrefillResult, ReqId, StepOut};
+use crate::scheduler::{PrefillResult, Prefilled, ReqId, StepOut};
 use crate::seq::{argmax_rows, choose, guarded, host_ids, internal, run_chunk, unknown, Busy, Seq, Shared};
 
 /// Length groups of the decode batches: a sequence joins the first group whose bound exceeds
@@ -64,6 +65,13 @@ pub struct DecodeActor {
     /// Requests dropped by a restart after a panic, with its message, until released: their
     /// steps fail with it while the other rows go on.
     lost: HashMap<ReqId, String>,
+    /// Steps a chunk's layers are spread over while rows decode (1: a chunk runs through every
+    /// layer in one step).
+    stages: usize,
+    /// The chunk part-way through the model, between two of its stages.
+    staged: Option<InFlight>,
+    /// Stages that left their chunk part-way (for tests and the tick log).
+    stages_pending: u64,
 }
 
 /// A decode step queued ahead: built from the previous step's greedy tokens while they were
@@ -91,21 +99,47 @@ pub struct Lent {
     pub seq: Box<Seq>,
 }
 
+/// The chunk granted to a step: a new one lent by the prefill actor, or the one in flight here
+/// (its layers spread over steps) going on.
+pub enum Grant {
+    New(Lent),
+    Continue(ReqId),
+}
+
 /// One step of every decode row (`ids`: the scheduler's decode batch, each exactly once), with
-/// a lent chunk in the same pass when given.
+/// the granted chunk (or its next stage) in the same pass when given.
 #[derive(Message)]
 #[rtype(result = "Reply<Stepped>")]
 pub struct Step {
     pub ids: Vec<ReqId>,
-    pub chunk: Option<Lent>,
+    pub chunk: Option<Grant>,
 }
 
 pub struct Stepped {
     /// One result per id of the step, in order.
     pub outs: Vec<Result<StepOut, WireError>>,
-    /// The lent chunk's result, and its sequence when it goes back to the prefill actor (its
-    /// prompt is not complete, or the chunk failed).
+    /// The chunk's result, and its sequence when it goes back to the prefill actor (its
+    /// prompt is not complete, or the chunk failed). A chunk part-way through the model
+    /// (`Prefilled::Pending`) stays here with its sequence.
     pub chunk: Option<(PrefillResult, Option<Box<Seq>>)>,
+}
+
+/// A chunk in the decode actor's hands: the lent chunk, the first layer of its next stage (0:
+/// not started) and the hidden state entering that layer.
+struct InFlight {
+    lent: Lent,
+    next: usize,
+    hidden: Option<Array>,
+}
+
+impl InFlight {
+    fn new(lent: Lent) -> Self {
+        InFlight { lent, next: 0, hidden: None }
+    }
+    /// Whether the stage ending at layer `end` completes the prompt.
+    fn completes(&self, end: usize, layers: usize) -> bool {
+        end == layers && self.lent.seq.prefilled + self.lent.n >= self.lent.seq.prompt.len()
+    }
 }
 
 /// A sequence whose prompt was completed by the prefill actor joins the decode batch.
@@ -144,19 +178,28 @@ fn new_batches(model: &Model) -> Option<Vec<DecodeBatch>> {
 /// tokens are `tokens` (on the device, one a row), with a prefill chunk in the same pass when
 /// given; returns that step's greedy tokens (being evaluated): one a row, then the greedy token
 /// after the chunk.
-fn launch_step(model: &Model, rows: &[Vec<ReqId>], batches: &mut [DecodeBatch], tokens: &Array, chunk: Option<(&[u32], &mut SequenceCache)>) -> Result<Array, WireError> {
+fn launch_step(model: &Model, rows: &[Vec<ReqId>], batches: &mut [DecodeBatch], tokens: &Array, chunk: Option<ChunkStage>) -> Result<(Array, Option<Array>), WireError> {
     let counts: Vec<Vec<u32>> = rows.iter().map(|g| vec![0; g.len()]).collect();
     let mut groups: Vec<(&[u32], &mut DecodeBatch)> = counts.iter().map(|t| &t[..]).zip(batches.iter_mut()).collect();
-    let logits = model.step_on_device(&mut groups, tokens, chunk).map_err(internal)?;
+    let (logits, hidden) = model.step_staged(&mut groups, Some(tokens), chunk).map_err(internal)?;
     let next = argmax_rows(&logits, logits.shape()[0])?;
-    mlx_rs::transforms::async_eval([&next]).map_err(internal)?;
-    Ok(next)
+    let mut pending = vec![&next];
+    pending.extend(hidden.as_ref());
+    mlx_rs::transforms::async_eval(pending).map_err(internal)?;
+    Ok((next, hidden))
 }
 
 impl DecodeActor {
-    pub fn new(shared: Shared, cache: Addr<CacheActor>, decode_ahead: bool) -> Self {
+    /// `stages`: steps a chunk's layers are spread over while rows decode (1: none).
+    pub fn new(shared: Shared, cache: Addr<CacheActor>, decode_ahead: bool, stages: usize) -> Self {
+        let batches = new_batches(&shared.model);
+        // Sliding-window models decode row by row: their chunks run whole.
+        let stages = if batches.is_some() { stages.clamp(1, shared.model.num_layers().max(1)) } else { 1 };
         DecodeActor {
-            batches: new_batches(&shared.model),
+            stages,
+            staged: None,
+            stages_pending: 0,
+            batches,
             rows: vec![vec![]; GROUP_BOUNDS.len()],
             shared,
             cache,
@@ -174,13 +217,15 @@ impl DecodeActor {
         let batch: u64 = self.batches.iter().flatten().map(|b| b.nbytes() as u64).sum();
         let own: u64 = self.seqs.values().map(|s| s.cache.nbytes() as u64).sum();
         let joining = self.ahead.as_ref().and_then(|a| a.completing.as_ref()).map_or(0, |(_, s)| s.cache.nbytes() as u64);
-        let held = self.seqs.len() + self.ahead.as_ref().is_some_and(|a| a.completing.is_some()) as usize;
+        let staged = self.staged.as_ref().map_or(0, |c| c.lent.seq.cache.nbytes() as u64);
+        let held = self.seqs.len() + self.ahead.as_ref().is_some_and(|a| a.completing.is_some()) as usize + self.staged.is_some() as usize;
         let report = Report {
-            kv_bytes: batch + own + joining,
+            kv_bytes: batch + own + joining + staged,
             held,
             busy: self.busy,
             parts: self.parts,
             chunks_ahead: self.chunks_ahead,
+            stages_pending: self.stages_pending,
             ..Default::default()
         };
         Reply { value, report }
@@ -191,7 +236,8 @@ impl DecodeActor {
     fn restart(&mut self, what: &str) {
         tracing::error!(what, "the decode actor panicked; dropping its sequences and batches");
         let completing = self.ahead.as_ref().and_then(|a| a.completing.as_ref()).map(|(id, _)| *id);
-        for id in self.seqs.keys().copied().chain(completing) {
+        let staged = self.staged.as_ref().map(|c| c.lent.id);
+        for id in self.seqs.keys().copied().chain(completing).chain(staged) {
             self.lost.insert(id, what.to_string());
         }
         self.clear();
@@ -202,6 +248,7 @@ impl DecodeActor {
         if let Some(a) = self.ahead.take() {
             let _ = guarded(|| a.tokens.eval());
         }
+        self.staged = None;
         self.seqs.clear();
         self.batches = new_batches(&self.shared.model);
         self.rows = vec![vec![]; GROUP_BOUNDS.len()];
@@ -290,6 +337,11 @@ impl DecodeActor {
     fn release(&mut self, ids: Vec<ReqId>) {
         for id in ids {
             self.lost.remove(&id);
+            if self.staged.as_ref().is_some_and(|c| c.lent.id == id) {
+                // Part-way through the model its layers hold different lengths: nothing of it
+                // is remembered.
+                self.staged = None;
+            }
             if let Some(seq) = self.seqs.remove(&id) {
                 self.release_seq(seq);
             } else if let Some(a) = self.ahead.as_mut().filter(|a| a.completing.as_ref().is_some_and(|(c, _)| *c == id)) {
@@ -305,10 +357,45 @@ impl DecodeActor {
         }
     }
 
-    fn step(&mut self, ids: &[ReqId], chunk: Option<Lent>) -> Stepped {
+    /// Where the stage of `c` that runs in a step ends: a share of the layers while rows
+    /// decode, every remaining layer otherwise.
+    fn stage_end(&self, c: &InFlight, rows: bool) -> usize {
+        let layers = self.shared.model.num_layers();
+        if rows { (c.next + layers.div_ceil(self.stages)).min(layers) } else { layers }
+    }
+
+    /// A chunk's stage is done (its work queued or run; `logits`: the chunk's last position's,
+    /// after its last stage): part-way, it stays here; done, its prompt advances and it goes back
+    /// to the prefill actor, or its completed prompt joins the batch now (`logits` given) or
+    /// when the step queued ahead is delivered (not given; its first token is that step's).
+    fn stage_done(&mut self, mut c: InFlight, end: usize, hidden: Option<Array>, logits: Option<&Array>) -> (PrefillResult, Option<Box<Seq>>) {
+        if end < self.shared.model.num_layers() {
+            c.next = end;
+            c.hidden = hidden;
+            self.staged = Some(c);
+            self.stages_pending += 1;
+            return (Ok(Prefilled::Pending), None);
+        }
+        let Lent { id, n, mut seq } = c.lent;
+        seq.prefilled = (seq.prefilled + n).min(seq.prompt.len());
+        if seq.prefilled < seq.prompt.len() {
+            return (Ok(Prefilled::Done(None)), Some(seq));
+        }
+        match logits {
+            Some(l) => (self.complete(id, *seq, l).map(|first| Prefilled::Done(Some(first))), None),
+            None => {
+                self.chunks_ahead.1 += 1;
+                let ahead = self.ahead.as_mut().expect("a step was queued");
+                ahead.completing = Some((id, *seq));
+                (Ok(Prefilled::Done(None)), None)
+            }
+        }
+    }
+
+    fn step(&mut self, ids: &[ReqId], chunk: Option<InFlight>) -> Stepped {
         if ids.is_empty() {
-            // No row left to step (the rest were lost): the chunk runs on its own.
-            return Stepped { outs: vec![], chunk: chunk.map(|l| self.chunk_alone(l)) };
+            // No row to step (none left, or the rest were lost): the chunk runs on its own.
+            return Stepped { outs: vec![], chunk: chunk.map(|c| self.chunk_alone(c)) };
         }
         if self.batches.is_none() {
             return self.step_unbatched(ids, chunk);
@@ -318,6 +405,8 @@ impl DecodeActor {
         }
         self.parts = [0.0; 4];
         let mut pre = chunk;
+        let end = pre.as_ref().map_or(0, |c| self.stage_end(c, true));
+        let layers = self.shared.model.num_layers();
         let mut batches = self.batches.take().expect("batch mode");
         let result = (|| {
             let order: Vec<ReqId> = self.rows.iter().flatten().copied().collect();
@@ -327,21 +416,26 @@ impl DecodeActor {
             let toks: Vec<Vec<u32>> =
                 self.rows.iter().map(|g| g.iter().map(|id| self.seqs[id].next.unwrap_or(0)).collect()).collect();
             let mut groups: Vec<(&[u32], &mut DecodeBatch)> = toks.iter().map(|t| &t[..]).zip(batches.iter_mut()).collect();
-            let chunk_toks: Option<Vec<u32>> = pre.as_ref().map(|l| l.seq.chunk(l.n));
-            let part = pre.as_mut().zip(chunk_toks.as_ref()).map(|(l, c)| (&c[..], &mut l.seq.cache));
+            let chunk_toks: Option<Vec<u32>> = pre.as_ref().map(|c| c.lent.seq.chunk(c.lent.n));
+            let part = pre.as_mut().zip(chunk_toks.as_ref()).map(|(c, t)| ChunkStage {
+                tokens: &t[..],
+                cache: &mut c.lent.seq.cache,
+                layers: c.next..end,
+                hidden: c.hidden.take(),
+            });
             let t0 = std::time::Instant::now();
-            let logits = self.shared.model.step(&mut groups, part).map_err(internal)?;
+            let (logits, hidden) = self.shared.model.step_staged(&mut groups, None, part).map_err(internal)?;
             drop(groups);
             let built = t0.elapsed();
             let rows = order.len() as i32;
             let (logits, chunk_logits) = match pre {
-                Some(_) => (logits.index(..rows), Some(logits.index(rows..))),
-                None => (logits, None),
+                Some(_) if end == layers => (logits.index(..rows), Some(logits.index(rows..))),
+                _ => (logits, None),
             };
             let mut taken: Vec<(ReqId, Seq)> = order.iter().map(|id| (*id, self.seqs.remove(id).expect("checked"))).collect();
             // A chunk that does not complete its prompt needs nothing from the host, so the
             // next step can be queued after it as after a plain decode step.
-            let chunk_is_final = pre.as_ref().is_some_and(|l| l.seq.prefilled + l.n >= l.seq.prompt.len());
+            let chunk_is_final = pre.as_ref().is_some_and(|c| c.completes(end, layers));
             let speculate = self.decode_ahead && !chunk_is_final && taken.iter().all(|(_, s)| s.greedy());
             let mut next = None;
             let tok = self.shared.tokenizer.clone();
@@ -350,7 +444,7 @@ impl DecodeActor {
                 // them, so the device never waits for the host in between.
                 argmax_rows(&logits, rows).and_then(|dev| {
                     match launch_step(&self.shared.model, &self.rows, &mut batches, &dev, None) {
-                        Ok(tokens) => next = Some(Ahead { order: order.clone(), tokens, completing: None }),
+                        Ok((tokens, _)) => next = Some(Ahead { order: order.clone(), tokens, completing: None }),
                         Err(e) => tracing::warn!(error = %e, "could not queue the next decode step"),
                     }
                     let host = host_ids(&dev)?;
@@ -379,25 +473,20 @@ impl DecodeActor {
             for (id, s) in taken {
                 self.seqs.insert(id, s);
             }
-            Ok((outs, chunk_logits, next))
+            Ok((outs, chunk_logits, hidden, next))
         })();
         self.batches = Some(batches);
-        let result = result.map(|(outs, logits, next)| {
+        let result = result.map(|(outs, logits, hidden, next)| {
             self.ahead = next;
-            (outs, logits)
+            (outs, logits, hidden)
         });
-        let chunk = pre.map(|Lent { id, n, mut seq }| match &result {
-            Err(e) => (Err(e.clone()), Some(seq)),
-            Ok((_, logits)) => {
-                seq.prefilled = (seq.prefilled + n).min(seq.prompt.len());
-                match logits {
-                    Some(l) if seq.prefilled == seq.prompt.len() => (self.complete(id, *seq, l).map(Some), None),
-                    _ => (Ok(None), Some(seq)),
-                }
-            }
-        });
+        let (result, chunk) = match result {
+            Err(e) => (Err(e.clone()), pre.map(|c| (Err(e), Some(c.lent.seq)))),
+            // A prompt completed here joins now: its logits are on hand.
+            Ok((outs, logits, hidden)) => (Ok(outs), pre.map(|c| self.stage_done(c, end, hidden, logits.as_ref()))),
+        };
         let outs = match result {
-            Ok((mut outs, _)) => ids
+            Ok(mut outs) => ids
                 .iter()
                 .map(|id| {
                     let i = outs.iter().position(|(x, _)| x == id).expect("every id has a row");
@@ -410,49 +499,47 @@ impl DecodeActor {
     }
 
     /// Queues the decode step that follows one whose greedy tokens are `tokens` (on the
-    /// device), for the rows `order`, with a lent chunk (see `chunk_can_queue`) in the same
-    /// pass; the chunk then counts as done. On failure nothing is queued (the next step is
-    /// built as usual) and the chunk comes back with the error.
-    fn queue_ahead(&mut self, order: Vec<ReqId>, tokens: &Array, mut chunk: Option<Lent>) -> Result<Option<Lent>, (WireError, Option<Lent>)> {
-        let Some(mut batches) = self.batches.take() else { return Ok(chunk) };
-        let toks: Option<Vec<u32>> = chunk.as_ref().map(|l| l.seq.chunk(l.n));
-        let part = chunk.as_mut().zip(toks.as_ref()).map(|(l, c)| (&c[..], &mut l.seq.cache));
+    /// device), for the rows `order`, with the granted chunk's next stage (see
+    /// `chunk_can_queue`) in the same pass; the stage then counts as done. On failure nothing
+    /// is queued (the next step is built as usual) and the chunk comes back with the error.
+    fn queue_ahead(&mut self, order: Vec<ReqId>, tokens: &Array, mut chunk: Option<InFlight>) -> Result<Option<(PrefillResult, Option<Box<Seq>>)>, (WireError, Option<InFlight>)> {
+        let Some(mut batches) = self.batches.take() else { return Err((internal("no decode batches"), chunk)) };
+        let end = chunk.as_ref().map_or(0, |c| self.stage_end(c, true));
+        let toks: Option<Vec<u32>> = chunk.as_ref().map(|c| c.lent.seq.chunk(c.lent.n));
+        let hidden_in = chunk.as_mut().and_then(|c| c.hidden.clone());
+        let part = chunk.as_mut().zip(toks.as_ref()).map(|(c, t)| ChunkStage {
+            tokens: &t[..],
+            cache: &mut c.lent.seq.cache,
+            layers: c.next..end,
+            hidden: hidden_in,
+        });
         let queued = launch_step(&self.shared.model, &self.rows, &mut batches, tokens, part);
         self.batches = Some(batches);
         match queued {
-            Ok(tokens) => {
-                let mut completing = None;
-                let mut back = None;
-                if let Some(mut l) = chunk {
-                    l.seq.prefilled += l.n;
-                    self.chunks_ahead.0 += 1;
-                    if l.seq.prefilled == l.seq.prompt.len() {
-                        self.chunks_ahead.1 += 1;
-                        completing = Some((l.id, *l.seq));
-                    } else {
-                        back = Some(l);
-                    }
-                }
-                self.ahead = Some(Ahead { order, tokens, completing });
-                Ok(back)
+            Ok((tokens, hidden)) => {
+                self.ahead = Some(Ahead { order, tokens, completing: None });
+                Ok(chunk.map(|c| {
+                    self.chunks_ahead.0 += (end == self.shared.model.num_layers()) as u64;
+                    self.stage_done(c, end, hidden, None)
+                }))
             }
             Err(e) => Err((e, chunk)),
         }
     }
 
-    /// Whether a lent chunk can share a step queued ahead: either it does not complete the
-    /// prompt or the request samples greedily (its first token is then the step's greedy token
-    /// after the chunk; other sampling needs the host).
-    fn chunk_can_queue(l: &Lent) -> bool {
-        l.seq.prefilled + l.n < l.seq.prompt.len() || l.seq.greedy()
+    /// Whether the chunk's next stage can share a step queued ahead: either it does not
+    /// complete the prompt or the request samples greedily (its first token is then the step's
+    /// greedy token after the chunk; other sampling needs the host).
+    fn chunk_can_queue(&self, c: &InFlight) -> bool {
+        !c.completes(self.stage_end(c, true), self.shared.model.num_layers()) || c.lent.seq.greedy()
     }
 
     /// A step queued ahead is delivered: a request whose prompt that step completed joins the
-    /// decode batch; the next step is queued, with the lent chunk in the same pass when it can
-    /// be (`chunk_can_queue`); then this one's tokens are read (the joined request's first
-    /// token among them). A chunk that cannot share the step runs on its own after, and
+    /// decode batch; the next step is queued, with the chunk's next stage in the same pass when
+    /// it can be (`chunk_can_queue`); then this one's tokens are read (the joined request's
+    /// first token among them). A chunk that cannot share the step runs on its own after, and
     /// nothing is queued behind it.
-    fn deliver_ahead(&mut self, ahead: Ahead, ids: &[ReqId], chunk: Option<Lent>) -> Stepped {
+    fn deliver_ahead(&mut self, ahead: Ahead, ids: &[ReqId], chunk: Option<InFlight>) -> Stepped {
         let Ahead { order: ahead_order, tokens, completing } = ahead;
         let mut pos: HashMap<ReqId, usize> = ahead_order.iter().enumerate().map(|(i, id)| (*id, i)).collect();
         let mut failed_join = None;
@@ -468,22 +555,22 @@ impl DecodeActor {
         if decode.len() != order.len() || order.iter().any(|id| !pos.contains_key(id)) || decode.iter().any(|id| !order.contains(id)) {
             let e = internal("the queued decode step is out of step with the scheduler");
             let _ = tokens.eval();
-            return Stepped { outs: ids.iter().map(|_| Err(e.clone())).collect(), chunk: chunk.map(|l| (Err(e.clone()), Some(l.seq))) };
+            return Stepped { outs: ids.iter().map(|_| Err(e.clone())).collect(), chunk: chunk.map(|c| (Err(e.clone()), Some(c.lent.seq))) };
         }
         let t1 = std::time::Instant::now();
-        // The chunk's outcome when it rode in the queued step; otherwise it is still to run.
-        let mut folded: Option<(PrefillResult, Option<Box<Seq>>)> = None;
+        // The chunk's outcome when its stage rode in the queued step; otherwise it is still to run.
+        let mut folded = None;
         let mut alone = None;
         match chunk {
-            Some(l) if !Self::chunk_can_queue(&l) => alone = Some(l),
+            Some(c) if !self.chunk_can_queue(&c) => alone = Some(c),
             chunk => {
                 let idx: Vec<i32> = order.iter().map(|id| pos[id] as i32).collect();
                 match tokens.take_axis(Array::from_slice(&idx, &[idx.len() as i32]), 0) {
                     Ok(current) => match self.queue_ahead(order, &current, chunk) {
-                        Ok(back) => folded = back.map(|l| (Ok(None), Some(l.seq))).or(self.ahead.as_ref().and_then(|a| a.completing.as_ref()).map(|_| (Ok(None), None))),
-                        Err((e, l)) => {
+                        Ok(outcome) => folded = outcome,
+                        Err((e, c)) => {
                             tracing::warn!(error = %e, "could not queue the next decode step");
-                            folded = l.map(|l| (Err(e), Some(l.seq)));
+                            folded = c.map(|c| (Err(e), Some(c.lent.seq)));
                         }
                     },
                     Err(e) => {
@@ -508,24 +595,36 @@ impl DecodeActor {
                 seq.take_token(tok.as_deref(), t, None)
             })
             .collect();
-        let chunk = folded.or_else(|| alone.map(|l| self.chunk_alone(l)));
+        let chunk = folded.or_else(|| alone.map(|c| self.chunk_alone(c)));
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1000.0;
         self.parts = [ms(t1 - t0), ms(t2 - t1), ms(t3 - t2), ms(t3.elapsed())];
         Stepped { outs, chunk }
     }
 
-    /// A lent chunk run on its own pass (it could not share a step); a completed prompt joins.
-    fn chunk_alone(&mut self, Lent { id, n, mut seq }: Lent) -> (PrefillResult, Option<Box<Seq>>) {
-        match run_chunk(&self.shared.model, &mut seq, n) {
-            Ok(None) => (Ok(None), Some(seq)),
-            Ok(Some(logits)) => (self.complete(id, *seq, &logits).map(Some), None),
-            Err(e) => (Err(e), Some(seq)),
+    /// A chunk run to its end on its own pass (it could not share a step, or no row decodes):
+    /// a new one as a plain prefill, one part-way through from its next layer; a completed
+    /// prompt joins.
+    fn chunk_alone(&mut self, mut c: InFlight) -> (PrefillResult, Option<Box<Seq>>) {
+        let layers = self.shared.model.num_layers();
+        if c.next == 0 {
+            let Lent { id, n, mut seq } = c.lent;
+            return match run_chunk(&self.shared.model, &mut seq, n) {
+                Ok(None) => (Ok(Prefilled::Done(None)), Some(seq)),
+                Ok(Some(logits)) => (self.complete(id, *seq, &logits).map(|first| Prefilled::Done(Some(first))), None),
+                Err(e) => (Err(e), Some(seq)),
+            };
+        }
+        let toks = c.lent.seq.chunk(c.lent.n);
+        let part = ChunkStage { tokens: &toks, cache: &mut c.lent.seq.cache, layers: c.next..layers, hidden: c.hidden.take() };
+        match self.shared.model.step_staged(&mut [], None, Some(part)) {
+            Ok((logits, _)) => self.stage_done(c, layers, None, Some(&logits)),
+            Err(e) => (Err(internal(e)), Some(c.lent.seq)),
         }
     }
 
-    /// Sliding-window models: every sequence decodes against its own cache; a lent chunk runs
+    /// Sliding-window models: every sequence decodes against its own cache; the chunk runs
     /// after the step, on its own.
-    fn step_unbatched(&mut self, ids: &[ReqId], chunk: Option<Lent>) -> Stepped {
+    fn step_unbatched(&mut self, ids: &[ReqId], chunk: Option<InFlight>) -> Stepped {
         let mut taken: Vec<(ReqId, Seq)> = ids.iter().filter_map(|id| self.seqs.remove(id).map(|s| (*id, s))).collect();
         let tok = self.shared.tokenizer.clone();
         let result = (|| {
@@ -546,7 +645,7 @@ impl DecodeActor {
         for (id, s) in taken {
             self.seqs.insert(id, s);
         }
-        Stepped { outs, chunk: chunk.map(|l| self.chunk_alone(l)) }
+        Stepped { outs, chunk: chunk.map(|c| self.chunk_alone(c)) }
     }
 }
 
@@ -565,8 +664,20 @@ impl Handler<Step> for DecodeActor {
     fn handle(&mut self, Step { ids, chunk }: Step, _: &mut Context<Self>) -> Self::Result {
         // Rows lost to an earlier restart fail with its fault; the others step.
         let live: Vec<ReqId> = ids.iter().copied().filter(|id| !self.lost.contains_key(id)).collect();
+        let chunk_id = chunk.as_ref().map(|g| match g {
+            Grant::New(l) => l.id,
+            Grant::Continue(id) => *id,
+        });
+        // The chunk in flight goes on only for its own request.
+        let (chunk, mismatch) = match chunk {
+            Some(Grant::New(l)) => (Some(InFlight::new(l)), None),
+            Some(Grant::Continue(id)) => match self.staged.take_if(|c| c.lent.id == id) {
+                Some(c) => (Some(c), None),
+                None => (None, Some(self.lost.get(&id).map_or_else(|| unknown("chunk in flight", id), |what| Self::fault(what)))),
+            },
+            None => (None, None),
+        };
         let mut busy = self.busy;
-        let chunk_id = chunk.as_ref().map(|l| l.id);
         let r = busy.time(true, || guarded(|| self.step(&live, chunk)));
         self.busy = busy;
         let mut stepped = r.unwrap_or_else(|what| {
@@ -583,6 +694,9 @@ impl Handler<Step> for DecodeActor {
                     None => outs.next().unwrap_or_else(|| Err(internal("missing step result"))),
                 })
                 .collect();
+        }
+        if let Some(e) = mismatch {
+            stepped.chunk = Some((Err(e), None));
         }
         MessageResult(self.reply(stepped))
     }
@@ -619,6 +733,7 @@ impl Handler<Reset> for DecodeActor {
     type Result = MessageResult<Reset>;
     fn handle(&mut self, _: Reset, _: &mut Context<Self>) -> Self::Result {
         self.clear();
+        self.staged = None;
         self.lost.clear();
         MessageResult(self.reply(()))
     }
@@ -644,6 +759,7 @@ impl Handler<ResetCounters> for DecodeActor {
     fn handle(&mut self, _: ResetCounters, _: &mut Context<Self>) -> Self::Result {
         self.busy = Busy::default();
         self.chunks_ahead = (0, 0);
+        self.stages_pending = 0;
         MessageResult(self.reply(()))
     }
 }

@@ -22,9 +22,9 @@ use llmq_engine::{Model, Tokenizer};
 use llmq_protocol::WireError;
 
 use crate::cache::{self, CacheActor, Report, Reply};
-use crate::decode::{self, DecodeActor, Lent, Step};
+use crate::decode::{self, DecodeActor, Grant, Lent, Step};
 use crate::prefill::{self, Chunked, PrefillActor};
-use crate::scheduler::{EngineOps, PrefillResult, ReqId, StepOut, WorkerEngine};
+use crate::scheduler::{EngineOps, PrefillResult, Prefilled, ReqId, StepOut, WorkerEngine};
 use crate::seq::{internal, Shared};
 
 /// How the role actors are set up.
@@ -34,11 +34,14 @@ pub struct EngineOptions {
     pub decode_ahead: bool,
     /// The prefix cache: tokens per index block and the most bytes it may hold; None: off.
     pub prefix: Option<(usize, u64)>,
+    /// Steps a prefill chunk's layers are spread over while streams decode (1: every layer of
+    /// a chunk in one step).
+    pub chunk_stages: usize,
 }
 
 impl Default for EngineOptions {
     fn default() -> Self {
-        EngineOptions { decode_ahead: true, prefix: None }
+        EngineOptions { decode_ahead: true, prefix: None, chunk_stages: 1 }
     }
 }
 
@@ -50,6 +53,8 @@ pub struct ActorEngine {
     context_tokens: usize,
     /// The last report of each actor: prefill, decode, cache.
     reports: [Report; 3],
+    /// The request whose chunk the decode actor has part-way through the model.
+    staged: Option<ReqId>,
 }
 
 const PREFILL: usize = 0;
@@ -71,8 +76,8 @@ impl ActorEngine {
         let cache = CacheActor::new(opts.prefix.map(|(block, max)| (block, model.chunk_grid(), max))).start();
         let shared = Shared { model: std::rc::Rc::new(model), tokenizer: tokenizer.map(std::rc::Rc::new) };
         let prefill = PrefillActor::new(shared.clone(), cache.clone()).start();
-        let decode = DecodeActor::new(shared, cache.clone(), opts.decode_ahead).start();
-        ActorEngine { prefill, decode, cache, kv_bytes_per_token, context_tokens, reports: Default::default() }
+        let decode = DecodeActor::new(shared, cache.clone(), opts.decode_ahead, opts.chunk_stages).start();
+        ActorEngine { prefill, decode, cache, kv_bytes_per_token, context_tokens, reports: Default::default(), staged: None }
     }
 
     /// An answer's value, its report noted; a lost actor gives `lost`.
@@ -97,9 +102,15 @@ impl ActorEngine {
         self.reports[DECODE].chunks_ahead
     }
 
+    /// Chunk stages that left their chunk part-way through the model (its layers spread over
+    /// steps).
+    pub fn stages_pending(&self) -> u64 {
+        self.reports[DECODE].stages_pending
+    }
+
     /// A chunk with no decode step beside it, run by the prefill actor; a completed prompt's
     /// sequence joins the decode batch.
-    async fn prefill_alone(&mut self, id: ReqId, n: usize) -> PrefillResult {
+    async fn prefill_alone(&mut self, id: ReqId, n: usize) -> Result<Option<StepOut>, WireError> {
         let answer = self.prefill.send(prefill::Chunk { id, n }).await;
         match self.take(PREFILL, answer, Err)? {
             Chunked::Partial => Ok(None),
@@ -122,32 +133,39 @@ impl EngineOps for ActorEngine {
     }
 
     async fn step(&mut self, ids: &[ReqId], chunk: Option<(ReqId, usize)>) -> (Vec<Result<StepOut, WireError>>, Option<PrefillResult>) {
-        if ids.is_empty() {
+        // A chunk part-way through the model goes on where it is, in the decode actor.
+        let going_on = chunk.filter(|(id, _)| self.staged == Some(*id));
+        if ids.is_empty() && going_on.is_none() {
             let pre = match chunk {
-                Some((id, n)) => Some(self.prefill_alone(id, n).await),
+                Some((id, n)) => Some(self.prefill_alone(id, n).await.map(Prefilled::Done)),
                 None => None,
             };
             return (vec![], pre);
         }
         let mut lend_error = None;
-        let lent = match chunk {
-            Some((id, n)) => {
+        let grant = match (chunk, going_on) {
+            (_, Some((id, _))) => Some(Grant::Continue(id)),
+            (Some((id, n)), None) => {
                 let answer = self.prefill.send(prefill::Lend(id)).await;
                 match self.take(PREFILL, answer, Err) {
-                    Ok(seq) => Some(Lent { id, n, seq }),
+                    Ok(seq) => Some(Grant::New(Lent { id, n, seq })),
                     Err(e) => {
                         lend_error = Some(e);
                         None
                     }
                 }
             }
-            None => None,
+            (None, None) => None,
         };
-        let answer = self.decode.send(Step { ids: ids.to_vec(), chunk: lent }).await;
+        let answer = self.decode.send(Step { ids: ids.to_vec(), chunk: grant }).await;
         let stepped = self.take(DECODE, answer, |e| decode::Stepped {
             outs: ids.iter().map(|_| Err(e.clone())).collect(),
             chunk: chunk.map(|_| (Err(e.clone()), None)),
         });
+        self.staged = match (&stepped.chunk, chunk) {
+            (Some((Ok(Prefilled::Pending), _)), Some((id, _))) => Some(id),
+            _ => None,
+        };
         let pre = match (stepped.chunk, chunk) {
             (Some((result, back)), Some((id, _))) => {
                 if let Some(seq) = back {
@@ -162,6 +180,9 @@ impl EngineOps for ActorEngine {
     }
 
     async fn release(&mut self, ids: &[ReqId]) {
+        if self.staged.is_some_and(|s| ids.contains(&s)) {
+            self.staged = None;
+        }
         let answer = self.prefill.send(prefill::Release(ids.to_vec())).await;
         self.take(PREFILL, answer, |_| ());
         let answer = self.decode.send(decode::Release(ids.to_vec())).await;
@@ -186,6 +207,7 @@ impl WorkerEngine for ActorEngine {
     }
 
     async fn reset(&mut self) {
+        self.staged = None;
         let answer = self.prefill.send(prefill::Reset).await;
         self.take(PREFILL, answer, |_| ());
         let answer = self.decode.send(decode::Reset).await;

@@ -5,7 +5,9 @@
 //!    request's prompt is looked up in the prefix cache and its prefill starts after the reused
 //!    tokens;
 //! 3. exactly one prefill chunk is chosen, for one request: `prefill_chunk` tokens while
-//!    anything decodes, `idle_prefill_chunk` when nothing does (the idle fast path);
+//!    anything decodes, `idle_prefill_chunk` when nothing does (the idle fast path); a chunk
+//!    the engine has part-way through (its layers spread over ticks: `Prefilled::Pending`) is
+//!    granted again until it is done;
 //! 4. the active decode batch steps once and the chunk is prefilled, in one engine call (the
 //!    real engine runs both in one pass over the weights); every running stream's token is
 //!    delivered first. A request whose prompt completes joins the decode batch at the next
@@ -76,11 +78,21 @@ pub struct StepOut {
     pub finished: Option<FinishReason>,
 }
 
-/// What a prefill chunk gave: the first output token when it completed the prompt. A chunk
-/// that completed its prompt may also give `None`: its first token then comes as that
-/// request's result of the next decode step (an engine that runs the chunk in a step queued
-/// ahead of the host does that).
-pub type PrefillResult = Result<Option<StepOut>, WireError>;
+/// What a granted prefill chunk gave in a tick.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prefilled {
+    /// The chunk is part-way through the model (an engine may spread a chunk's layers over
+    /// several ticks, each carrying a part of its work): none of its tokens is done yet, and
+    /// the scheduler grants the same chunk again at the next tick.
+    Pending,
+    /// The chunk is done; with the first output token when it completed the prompt. A chunk
+    /// that completed its prompt may also give `None`: its first token then comes as that
+    /// request's result of the next decode step (an engine that runs the chunk in a step queued
+    /// ahead of the host does that).
+    Done(Option<StepOut>),
+}
+
+pub type PrefillResult = Result<Prefilled, WireError>;
 
 /// A tick's work done as two calls: the decode step, then the prefill chunk.
 pub async fn step_separately<E: EngineOps + ?Sized>(
@@ -90,7 +102,7 @@ pub async fn step_separately<E: EngineOps + ?Sized>(
 ) -> (Vec<Result<StepOut, WireError>>, Option<PrefillResult>) {
     let outs = if decode.is_empty() { vec![] } else { engine.decode(decode).await };
     let pre = match prefill {
-        Some((id, n)) => Some(engine.prefill(id, n).await),
+        Some((id, n)) => Some(engine.prefill(id, n).await.map(Prefilled::Done)),
         None => None,
     };
     (outs, pre)
@@ -225,6 +237,9 @@ pub struct Scheduler {
     reserved: u64,
     /// Ended, not yet released in the engine.
     ended: Vec<ReqId>,
+    /// The chunk the engine has part-way through (`Prefilled::Pending`): granted again until
+    /// it is done, so only one prefill advances at a time.
+    in_flight: Option<(ReqId, usize)>,
 }
 
 impl Scheduler {
@@ -391,8 +406,9 @@ impl Scheduler {
         }
         self.waiting = still_waiting;
 
-        // 3. exactly one prefill chunk, to one request
-        let chunk = self.pick_prefill(now).map(|id| {
+        // 3. exactly one prefill chunk, to one request: the one in flight, or a new one
+        let in_flight = self.in_flight.take().filter(|(id, _)| self.prefilling.contains(id));
+        let chunk = in_flight.or_else(|| self.pick_prefill(now).map(|id| {
             let remaining = self.reqs[&id].remaining();
             let n = if !self.cfg.interleave {
                 remaining
@@ -402,7 +418,7 @@ impl Scheduler {
                 remaining.min(self.cfg.prefill_chunk)
             };
             (id, n)
-        });
+        }));
 
         // 4. the work: the decode batch steps (its tokens are delivered first), and the chunk
         //    is prefilled, in one engine call
@@ -419,7 +435,13 @@ impl Scheduler {
             report.prefill_tokens = n;
             report.prefill_request = Some(id);
             match result {
-                Ok(first) if self.reqs.contains_key(&id) => {
+                Ok(Prefilled::Pending) => {
+                    if let Some(r) = self.reqs.get(&id) {
+                        self.in_flight = Some((id, n));
+                        report.prefill_done = r.prefilled;
+                    }
+                }
+                Ok(Prefilled::Done(first)) if self.reqs.contains_key(&id) => {
                     let r = self.reqs.get_mut(&id).expect("checked");
                     r.prefilled += n;
                     let (done, total) = (r.prefilled as u32, r.a.prompt_tokens as u32);

@@ -93,6 +93,13 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
     let cfg = scheduler_config(&settings);
     let prefix = settings.prefix_cache.clone();
     let decode_ahead = settings.scheduler.decode_ahead;
+    // A chunk's layers over two steps on a GPU: a chunk tick there costs about twice a decode
+    // step (RESULTS.md, "Eighth session"); on a CPU the chunk is granted whole.
+    let chunk_stages = match settings.scheduler.prefill_chunk_stages {
+        0 if llmq_engine::on_gpu() => 2,
+        0 => 1,
+        n => n,
+    };
     let prefix_max = if prefix.max_bytes == 0 { cfg.kv_budget_bytes } else { prefix.max_bytes.min(cfg.kv_budget_bytes) };
     let (wid, mname, model_ref, dtype) =
         (worker_id.clone(), model_name.clone(), settings.worker.model.clone(), settings.worker.dtype.clone());
@@ -107,7 +114,7 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
             // Whole chunks are never padded.
             let mut model = m.model;
             model.fit_chunk_grid(&[cfg.prefill_chunk, cfg.idle_prefill_chunk]);
-            let opts = EngineOptions { decode_ahead, prefix: prefix.enabled.then_some((prefix.block_tokens, prefix_max)) };
+            let opts = EngineOptions { decode_ahead, prefix: prefix.enabled.then_some((prefix.block_tokens, prefix_max)), chunk_stages };
             let engine = ActorEngine::start(model, m.tokenizer, opts);
             SchedulerActor::new(engine, cfg, out_tx, wid, mname).with_status_snapshot(snapshot).start()
         }));

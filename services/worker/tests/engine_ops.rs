@@ -36,10 +36,13 @@ fn chunked_interleaved_prefill_gives_the_same_greedy_tokens() {
     // With decode steps queued ahead (the default; prefill chunks then share the queued steps),
     // without, with chunks padded to a grid as on a GPU, and with a sampled request among the
     // greedy ones.
-    for (ahead, grid, with_sampled) in [(true, 1, false), (false, 1, false), (true, 8, false), (true, 1, true)] {
+    // Last, with each chunk's layers spread over two or three decode steps (as on a GPU).
+    for (ahead, grid, with_sampled, stages) in
+        [(true, 8, false, 2), (true, 1, false, 1), (false, 1, false, 1), (true, 8, false, 1), (true, 1, true, 1), (false, 1, true, 3)]
+    {
       actix::System::new().block_on(async {
         let fresh = load_model(&resolve_model("smollm2").unwrap(), Dtype::Float32).unwrap();
-        let opts = EngineOptions { decode_ahead: ahead, prefix: None };
+        let opts = EngineOptions { decode_ahead: ahead, prefix: None, chunk_stages: stages };
         let mut engine = ActorEngine::start(fresh.model.with_chunk_grid(grid), fresh.tokenizer, opts);
         let bpt = engine.kv_bytes_per_token();
         let mut s = Scheduler::new(SchedulerConfig {
@@ -89,7 +92,8 @@ fn chunked_interleaved_prefill_gives_the_same_greedy_tokens() {
                 .filter(|e| e.id == i as u64)
                 .flat_map(|e| if let Event::Tokens { ids, .. } = &e.event { ids.clone() } else { vec![] })
                 .collect();
-            assert_eq!(&got, want, "request {i}, decode_ahead {ahead}, grid {grid}, with a sampled one {with_sampled}");
+            let end = events.iter().filter(|e| e.id == i as u64).last().map(|e| &e.event);
+            assert_eq!(&got, want, "request {i}, decode_ahead {ahead}, grid {grid}, with a sampled one {with_sampled}, stages {stages}: ended with {end:?}");
             assert!(events.iter().filter(|e| e.id == i as u64).last().unwrap().event.is_terminal());
         }
         // Chunks, and chunks that complete a prompt (its first token then comes with the next
@@ -99,6 +103,7 @@ fn chunked_interleaved_prefill_gives_the_same_greedy_tokens() {
             assert_eq!(chunks > 0, ahead, "chunks queued ahead with decode_ahead {ahead}");
             assert_eq!(completions > 0, ahead, "prompts completed ahead with decode_ahead {ahead}");
         }
+        assert_eq!(engine.stages_pending() > 0, stages > 1, "chunks part-way through the model with {stages} stages");
         assert_eq!(engine.held(), 0);
         assert_eq!(engine.kv_bytes_in_use(), 0, "decode_ahead {ahead}");
         assert_eq!(s.reserved_kv_bytes(), 0);

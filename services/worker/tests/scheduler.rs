@@ -20,6 +20,13 @@ struct FakeEngine {
     /// Like an engine whose prefill chunks ride in decode steps queued ahead: a chunk that
     /// completes its prompt gives no token; the request's first decode step gives its first.
     defer_first: bool,
+    /// Like an engine that spreads a chunk's layers over this many ticks while rows decode:
+    /// the chunk is `Pending` until its last one.
+    stages: usize,
+    /// (request, stages run) of the chunk in flight.
+    stage: Option<(ReqId, usize)>,
+    /// Every chunk granted beside decode rows, with whether it was still pending after.
+    grants: Vec<(ReqId, usize, bool)>,
 }
 
 impl FakeEngine {
@@ -44,6 +51,25 @@ impl EngineOps for FakeEngine {
     async fn decode(&mut self, ids: &[ReqId]) -> Vec<Result<StepOut, WireError>> {
         self.decode_calls.push(ids.to_vec());
         ids.iter().map(|&id| Ok(self.token(id))).collect()
+    }
+    async fn step(&mut self, decode: &[ReqId], prefill: Option<(ReqId, usize)>) -> (Vec<Result<StepOut, WireError>>, Option<PrefillResult>) {
+        if let (Some((id, n)), false) = (prefill, decode.is_empty()) {
+            let ran = match self.stage {
+                Some((s, k)) => {
+                    assert_eq!(s, id, "another chunk granted while one is in flight");
+                    k + 1
+                }
+                None => 1,
+            };
+            if ran < self.stages {
+                self.stage = Some((id, ran));
+                self.grants.push((id, n, true));
+                return (self.decode(decode).await, Some(Ok(Prefilled::Pending)));
+            }
+            self.stage = None;
+            self.grants.push((id, n, false));
+        }
+        step_separately(self, decode, prefill).await
     }
     async fn release(&mut self, ids: &[ReqId]) {
         for &id in ids {
@@ -403,4 +429,36 @@ fn static_batching_admits_a_new_batch_only_when_the_last_one_finished() {
     }
     h.run_until_idle(100);
     h.assert_all_ended(&[1, 2]);
+}
+
+/// An engine that spreads each chunk's layers over two ticks: the stream decodes every tick,
+/// the chunk in flight is granted again until it is done (a shorter prompt arriving meanwhile
+/// waits for it), progress comes once per chunk, and the results match whole chunks.
+#[test]
+fn a_chunk_in_flight_is_granted_again_until_done() {
+    let mut h = Harness::new(cfg());
+    h.e.stages = 2;
+    h.submit(1, 10, 40);
+    h.tick(); // idle: prompt 1 prefilled whole, first token
+    h.submit(2, 1000, 4);
+    for i in 0..3 {
+        let (ev, rep) = h.tick();
+        assert_eq!(rep.decoded, 1, "tick {i}: the active stream steps");
+        assert!(ev.iter().any(|e| e.id == 1 && matches!(e.event, Event::Tokens { .. })), "tick {i}: token for stream 1");
+    }
+    // Mid-chunk (its first stage ran), a short prompt arrives: shortest-first would pick it,
+    // but the chunk in flight finishes first.
+    h.submit(3, 20, 2);
+    h.run_until_idle(200);
+    let g = &h.e.grants;
+    for w in g.windows(2) {
+        if w[0].2 {
+            assert_eq!((w[1].0, w[1].1), (w[0].0, w[0].1), "a pending chunk is granted again, unchanged: {g:?}");
+        }
+    }
+    let first_3 = g.iter().position(|x| x.0 == 3).expect("3 prefilled beside the stream");
+    assert!(!g[first_3 - 1].2, "3's chunk starts only after 2's in-flight chunk is done: {g:?}");
+    let progress: Vec<u32> = h.of(2).iter().filter_map(|e| if let Event::PrefillProgress { done, .. } = e { Some(*done) } else { None }).collect();
+    assert_eq!(progress, vec![256, 512, 768, 1000], "one progress event per chunk, when done");
+    h.assert_all_ended(&[1, 2, 3]);
 }

@@ -113,6 +113,9 @@ pub struct SchedulerSettings {
     /// Queue each greedy decode step on the device before the previous one's tokens are read
     /// (hides the host's share of a step).
     pub decode_ahead: bool,
+    /// Decode steps a prefill chunk's layers are spread over while streams decode, each step
+    /// carrying a share of the chunk's work; 0: the worker picks (2 on a GPU, 1 on a CPU).
+    pub prefill_chunk_stages: usize,
 }
 
 impl Default for SchedulerSettings {
@@ -126,6 +129,7 @@ impl Default for SchedulerSettings {
             interleave: true,
             continuous: true,
             decode_ahead: true,
+            prefill_chunk_stages: 0,
         }
     }
 }
@@ -172,6 +176,9 @@ impl Settings {
         let s = &self.scheduler;
         if s.prefill_chunk_tokens == 0 {
             return bad("scheduler.prefill_chunk_tokens", "0".into(), "must be at least 1");
+        }
+        if s.prefill_chunk_stages > 64 {
+            return bad("scheduler.prefill_chunk_stages", s.prefill_chunk_stages.to_string(), "must be at most 64 (0: the worker picks)");
         }
         if s.idle_prefill_chunk_tokens < s.prefill_chunk_tokens {
             return bad("scheduler.idle_prefill_chunk_tokens", s.idle_prefill_chunk_tokens.to_string(), "must be at least prefill_chunk_tokens");
