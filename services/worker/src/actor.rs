@@ -548,6 +548,9 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
             for (name, part_ms) in self.engine.iter().flat_map(|e| e.step_parts()) {
                 line.push_str(&format!(" {name}={part_ms:.3}"));
             }
+            // MLX's memory: in use by arrays, and held in its buffer cache (GB).
+            let gb = |r: mlx_rs::error::Result<usize>| r.map_or(f64::NAN, |b| b as f64 / 1e9);
+            line.push_str(&format!(" active_gb={:.2} cache_gb={:.2}", gb(mlx_rs::memory::active_memory()), gb(mlx_rs::memory::cache_memory())));
             line.push('\n');
             let _ = w.write_all(line.as_bytes());
         }

@@ -93,13 +93,7 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
     let cfg = scheduler_config(&settings);
     let prefix = settings.prefix_cache.clone();
     let decode_ahead = settings.scheduler.decode_ahead;
-    // A chunk's layers over two steps on a GPU: a chunk tick there costs about twice a decode
-    // step (RESULTS.md, "Eighth session"); on a CPU the chunk is granted whole.
-    let chunk_stages = match settings.scheduler.prefill_chunk_stages {
-        0 if llmq_engine::on_gpu() => 2,
-        0 => 1,
-        n => n,
-    };
+    let chunk_stages = settings.scheduler.prefill_chunk_stages;
     let prefix_max = if prefix.max_bytes == 0 { cfg.kv_budget_bytes } else { prefix.max_bytes.min(cfg.kv_budget_bytes) };
     let (wid, mname, model_ref, dtype) =
         (worker_id.clone(), model_name.clone(), settings.worker.model.clone(), settings.worker.dtype.clone());

@@ -114,7 +114,7 @@ pub struct SchedulerSettings {
     /// (hides the host's share of a step).
     pub decode_ahead: bool,
     /// Decode steps a prefill chunk's layers are spread over while streams decode, each step
-    /// carrying a share of the chunk's work; 0: the worker picks (2 on a GPU, 1 on a CPU).
+    /// carrying a share of the chunk's work (1: a chunk runs through every layer in one step).
     pub prefill_chunk_stages: usize,
 }
 
@@ -129,7 +129,7 @@ impl Default for SchedulerSettings {
             interleave: true,
             continuous: true,
             decode_ahead: true,
-            prefill_chunk_stages: 0,
+            prefill_chunk_stages: 1,
         }
     }
 }
@@ -177,8 +177,8 @@ impl Settings {
         if s.prefill_chunk_tokens == 0 {
             return bad("scheduler.prefill_chunk_tokens", "0".into(), "must be at least 1");
         }
-        if s.prefill_chunk_stages > 64 {
-            return bad("scheduler.prefill_chunk_stages", s.prefill_chunk_stages.to_string(), "must be at most 64 (0: the worker picks)");
+        if !(1..=64).contains(&s.prefill_chunk_stages) {
+            return bad("scheduler.prefill_chunk_stages", s.prefill_chunk_stages.to_string(), "must be 1 to 64");
         }
         if s.idle_prefill_chunk_tokens < s.prefill_chunk_tokens {
             return bad("scheduler.idle_prefill_chunk_tokens", s.idle_prefill_chunk_tokens.to_string(), "must be at least prefill_chunk_tokens");
@@ -271,6 +271,9 @@ mod tests {
         std::fs::write(&f, "[scheduler]\nprefill_chunk_tokens = 0\n").unwrap();
         let err = load(Some(&f)).unwrap_err().to_string();
         assert!(err.contains("scheduler.prefill_chunk_tokens"), "{err}");
+        std::fs::write(&f, "[scheduler]\nprefill_chunk_stages = 0\n").unwrap();
+        let err = load(Some(&f)).unwrap_err().to_string();
+        assert!(err.contains("scheduler.prefill_chunk_stages"), "{err}");
         std::fs::write(&f, "[scheduler]\nprefil_chunk_tokens = 5\n").unwrap();
         let err = load(Some(&f)).unwrap_err().to_string();
         assert!(err.contains("prefil_chunk_tokens"), "unknown keys are named: {err}");
