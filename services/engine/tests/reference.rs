@@ -227,6 +227,17 @@ fn grouped_decode_matches_transformers() {
     }
 }
 
+/// A decode batch of `cases`, each prefilled up to `steps` tokens short of its end.
+fn batch_short_of(model: &llmq_engine::Model, cases: &[&Case], steps: usize) -> llmq_engine::batch::DecodeBatch {
+    let mut batch = model.new_decode_batch().unwrap();
+    for c in cases {
+        let mut cache = model.new_cache();
+        run_chunked(model, &mut cache, &c.ids[..c.ids.len() - steps], 16);
+        batch.join(&cache).unwrap();
+    }
+    batch
+}
+
 /// A decode step and another sequence's prefill chunk in one pass (`Model::step`): the decoding
 /// sequences' logits and the chunk's last-position logits still equal transformers', chunk
 /// after chunk, and the chunked sequence's cache ends where one-piece prefill's would (also with
@@ -240,12 +251,7 @@ fn decode_fused_with_a_prefill_chunk_matches_transformers() {
         let decoding: Vec<_> = cases.iter().filter(|c| c.ids.len() > STEPS && c.ids.len() < 60).collect();
         let chunked = cases.iter().max_by_key(|c| c.ids.len()).unwrap();
         assert!(chunked.ids.len() >= 4 * STEPS, "{name}: a long case to chunk");
-        let mut batch = model.new_decode_batch().unwrap();
-        for c in &decoding {
-            let mut cache = model.new_cache();
-            run_chunked(&model, &mut cache, &c.ids[..c.ids.len() - STEPS], 16);
-            batch.join(&cache).unwrap();
-        }
+        let mut batch = batch_short_of(&model, &decoding, STEPS);
         let mut cache = model.new_cache();
         let chunk = chunked.ids.len().div_ceil(STEPS);
         for step in 0..STEPS {
@@ -281,12 +287,7 @@ fn decode_fused_with_a_chunk_in_stages_matches_transformers() {
         let decoding: Vec<_> = cases.iter().filter(|c| c.ids.len() > STEPS && c.ids.len() < 60).collect();
         assert!(!decoding.is_empty(), "{name}: cases to decode");
         let chunked = cases.iter().max_by_key(|c| c.ids.len()).unwrap();
-        let mut batch = model.new_decode_batch().unwrap();
-        for c in &decoding {
-            let mut cache = model.new_cache();
-            run_chunked(&model, &mut cache, &c.ids[..c.ids.len() - STEPS], 16);
-            batch.join(&cache).unwrap();
-        }
+        let mut batch = batch_short_of(&model, &decoding, STEPS);
         let mut cache = model.new_cache();
         let chunk = chunked.ids.len().div_ceil(CHUNKS);
         let v = chunked.vocab;

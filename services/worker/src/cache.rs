@@ -12,30 +12,8 @@ use actix::prelude::*;
 use llmq_engine::prefix::{KvPrefix, PrefixCache};
 use mlx_rs::Array;
 
+use crate::messages::{Reply, Report, ResetCounters};
 use crate::seq::{guarded, Busy};
-
-/// What an actor reports with every answer: its KV bytes, how many sequences (or entries) it
-/// holds, its work time, and role-specific counters (zero where they do not apply).
-#[derive(Debug, Clone, Default)]
-pub struct Report {
-    pub kv_bytes: u64,
-    pub held: usize,
-    pub busy: Busy,
-    pub prefix: llmq_engine::prefix::PrefixStats,
-    /// The decode actor's host time of the last step's parts (join, queue, wait, rest; ms).
-    pub parts: [f64; 4],
-    /// The decode actor's prefill chunks run in a step queued ahead, and of those the ones that
-    /// completed their prompt.
-    pub chunks_ahead: (u64, u64),
-    /// The decode actor's chunk stages that left their chunk part-way through the model.
-    pub stages_pending: u64,
-}
-
-/// An answer and its actor's report.
-pub struct Reply<T> {
-    pub value: T,
-    pub report: Report,
-}
 
 pub struct CacheActor {
     prefix: Option<PrefixCache<KvPrefix>>,
@@ -108,11 +86,6 @@ pub struct Trim(pub u64);
 #[rtype(result = "Reply<u64>")]
 pub struct Clear;
 
-/// Zero the counters (after the warm-up).
-#[derive(Message)]
-#[rtype(result = "Report")]
-pub struct ResetCounters;
-
 impl Handler<Lookup> for CacheActor {
     type Result = MessageResult<Lookup>;
     fn handle(&mut self, m: Lookup, _: &mut Context<Self>) -> Self::Result {
@@ -156,6 +129,6 @@ impl Handler<ResetCounters> for CacheActor {
         if let Some(p) = self.prefix.as_mut() {
             p.reset_stats();
         }
-        MessageResult(self.report())
+        MessageResult(self.reply(()))
     }
 }

@@ -23,7 +23,8 @@ use llmq_protocol::WireError;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::Array;
 
-use crate::cache::{CacheActor, Remember, Report, Reply};
+use crate::cache::{CacheActor, Remember};
+use crate::messages::{InjectPanic, Release, Reply, Report, Reset, ResetCounters};
 use crate::scheduler::{PrefillResult, Prefilled, ReqId, StepOut};
 use crate::seq::{argmax_rows, choose, guarded, host_ids, internal, run_chunk, unknown, Busy, Seq, Shared};
 
@@ -149,21 +150,6 @@ pub struct Join {
     pub id: ReqId,
     pub seq: Box<Seq>,
 }
-
-/// Forget these requests (ended): their rows leave the batch; their KV goes to the cache actor.
-#[derive(Message)]
-#[rtype(result = "Reply<()>")]
-pub struct Release(pub Vec<ReqId>);
-
-/// Drop every sequence and the batches (after a fault elsewhere).
-#[derive(Message)]
-#[rtype(result = "Reply<()>")]
-pub struct Reset;
-
-/// Zero the work counters (after the warm-up).
-#[derive(Message)]
-#[rtype(result = "Reply<()>")]
-pub struct ResetCounters;
 
 fn new_batches(model: &Model) -> Option<Vec<DecodeBatch>> {
     // Past the first group, few long rows: they attend one by one (see DecodeBatch).
@@ -738,12 +724,6 @@ impl Handler<Reset> for DecodeActor {
         MessageResult(self.reply(()))
     }
 }
-
-/// Makes the actor panic inside a handler, as a bug would (for tests of its recovery).
-#[doc(hidden)]
-#[derive(Message)]
-#[rtype(result = "()")]
-pub struct InjectPanic;
 
 impl Handler<InjectPanic> for DecodeActor {
     type Result = ();

@@ -21,7 +21,8 @@ use llmq_engine::sampling::{SamplingParams, StopParams};
 use llmq_engine::{Model, Tokenizer};
 use llmq_protocol::WireError;
 
-use crate::cache::{self, CacheActor, Report, Reply};
+use crate::cache::{self, CacheActor};
+use crate::messages::{Release, Reply, Report, Reset, ResetCounters};
 use crate::decode::{self, DecodeActor, Grant, Lent, Step};
 use crate::prefill::{self, Chunked, PrefillActor};
 use crate::scheduler::{EngineOps, PrefillResult, Prefilled, ReqId, StepOut, WorkerEngine};
@@ -183,9 +184,9 @@ impl EngineOps for ActorEngine {
         if self.staged.is_some_and(|s| ids.contains(&s)) {
             self.staged = None;
         }
-        let answer = self.prefill.send(prefill::Release(ids.to_vec())).await;
+        let answer = self.prefill.send(Release(ids.to_vec())).await;
         self.take(PREFILL, answer, |_| ());
-        let answer = self.decode.send(decode::Release(ids.to_vec())).await;
+        let answer = self.decode.send(Release(ids.to_vec())).await;
         self.take(DECODE, answer, |_| ());
     }
 
@@ -208,9 +209,9 @@ impl WorkerEngine for ActorEngine {
 
     async fn reset(&mut self) {
         self.staged = None;
-        let answer = self.prefill.send(prefill::Reset).await;
+        let answer = self.prefill.send(Reset).await;
         self.take(PREFILL, answer, |_| ());
-        let answer = self.decode.send(decode::Reset).await;
+        let answer = self.decode.send(Reset).await;
         self.take(DECODE, answer, |_| ());
     }
 
@@ -254,12 +255,11 @@ impl WorkerEngine for ActorEngine {
     }
 
     async fn reset_counters(&mut self) {
-        let answer = self.prefill.send(prefill::ResetCounters).await;
+        let answer = self.prefill.send(ResetCounters).await;
         self.take(PREFILL, answer, |_| ());
-        let answer = self.decode.send(decode::ResetCounters).await;
+        let answer = self.decode.send(ResetCounters).await;
         self.take(DECODE, answer, |_| ());
-        if let Ok(report) = self.cache.send(cache::ResetCounters).await {
-            self.reports[CACHE] = report;
-        }
+        let answer = self.cache.send(ResetCounters).await;
+        self.take(CACHE, answer, |_| ());
     }
 }

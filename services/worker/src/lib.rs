@@ -9,6 +9,7 @@
 //! - `prefill` the prefill actor: requests whose prompt is not complete, their own KV caches
 //! - `decode` the decode actor: the decode batches and their rows, the step queued ahead
 //! - `cache` the cache actor: the prefix cache
+//! - `messages` what the role actors share: the report every answer carries, common messages
 //! - `seq` a request's sequence and the work the prefill and decode actors share
 //! - `placement` how many jobs a worker holds, from its peers' heartbeats
 //! - `service` the worker process: model loading, NATS jobs, cancels, cache clears, heartbeats
@@ -19,6 +20,7 @@ pub mod actor;
 pub mod cache;
 pub mod decode;
 pub mod engine;
+pub mod messages;
 pub mod placement;
 pub mod prefill;
 pub mod scheduler;

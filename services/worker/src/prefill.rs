@@ -17,7 +17,8 @@ use actix::prelude::*;
 use llmq_engine::sampling::{SamplingParams, StopParams};
 use llmq_protocol::WireError;
 
-use crate::cache::{CacheActor, Lookup, Remember, Report, Reply};
+use crate::cache::{CacheActor, Lookup, Remember};
+use crate::messages::{InjectPanic, Release, Reply, Report, Reset, ResetCounters};
 use crate::scheduler::{ReqId, StepOut};
 use crate::seq::{guarded, internal, run_chunk, unknown, Busy, Seq, Shared};
 
@@ -133,21 +134,6 @@ pub struct Return {
     pub id: ReqId,
     pub seq: Box<Seq>,
 }
-
-/// Forget these requests (ended); what each computed goes to the cache actor.
-#[derive(Message)]
-#[rtype(result = "Reply<()>")]
-pub struct Release(pub Vec<ReqId>);
-
-/// Drop every sequence (after a fault elsewhere).
-#[derive(Message)]
-#[rtype(result = "Reply<()>")]
-pub struct Reset;
-
-/// Zero the work counters (after the warm-up).
-#[derive(Message)]
-#[rtype(result = "Reply<()>")]
-pub struct ResetCounters;
 
 impl Handler<Register> for PrefillActor {
     type Result = MessageResult<Register>;
@@ -272,12 +258,6 @@ impl Handler<Reset> for PrefillActor {
         MessageResult(self.reply(()))
     }
 }
-
-/// Makes the actor panic inside a handler, as a bug would (for tests of its recovery).
-#[doc(hidden)]
-#[derive(Message)]
-#[rtype(result = "()")]
-pub struct InjectPanic;
 
 impl Handler<InjectPanic> for PrefillActor {
     type Result = ();

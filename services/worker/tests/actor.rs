@@ -175,7 +175,7 @@ fn a_panicking_role_actor_fails_its_own_requests_and_the_rest_go_on() {
         while !until(&seen, "c", &|e| matches!(e, Event::PrefillProgress { .. })) {
             pump(&mut rx, &mut seen).await;
         }
-        prefill.do_send(llmq_worker::prefill::InjectPanic);
+        prefill.do_send(llmq_worker::messages::InjectPanic);
         let c = until_terminal(&mut rx, "c", &mut seen).await;
         match &c {
             Event::Error { error } => assert!(error.class == ErrorClass::Internal && error.message.contains("fault in prefill"), "{error}"),
@@ -187,7 +187,7 @@ fn a_panicking_role_actor_fails_its_own_requests_and_the_rest_go_on() {
             pump(&mut rx, &mut seen).await;
         }
         // Now the decode actor panics: "a" ends with an error.
-        decode.do_send(llmq_worker::decode::InjectPanic);
+        decode.do_send(llmq_worker::messages::InjectPanic);
         match until_terminal(&mut rx, "a", &mut seen).await {
             Event::Error { error } => assert!(error.class == ErrorClass::Internal && error.message.contains("fault in decode"), "{error}"),
             e => panic!("a ended with {e:?}"),

@@ -1,0 +1,55 @@
+//! What the role actors (prefill, decode, cache) have in common: the report every answer
+//! carries, and the messages more than one of them answers.
+//!
+//! Invariant: every answer of a role actor carries its report as of the end of that message,
+//! so the scheduler's figures (KV bytes, work time) are never older than its last exchange.
+
+use actix::prelude::*;
+
+use crate::scheduler::ReqId;
+use crate::seq::Busy;
+
+/// What an actor reports with every answer: its KV bytes, how many sequences (or entries) it
+/// holds, its work time, and role-specific counters (zero where they do not apply).
+#[derive(Debug, Clone, Default)]
+pub struct Report {
+    pub kv_bytes: u64,
+    pub held: usize,
+    pub busy: Busy,
+    pub prefix: llmq_engine::prefix::PrefixStats,
+    /// The decode actor's host time of the last step's parts (join, queue, wait, rest; ms).
+    pub parts: [f64; 4],
+    /// The decode actor's prefill chunks run in a step queued ahead, and of those the ones that
+    /// completed their prompt.
+    pub chunks_ahead: (u64, u64),
+    /// The decode actor's chunk stages that left their chunk part-way through the model.
+    pub stages_pending: u64,
+}
+
+/// An answer and its actor's report.
+pub struct Reply<T> {
+    pub value: T,
+    pub report: Report,
+}
+
+/// Forget these requests (ended): the prefill and decode actors drop what they hold of them
+/// and send what each computed to the cache actor.
+#[derive(Message)]
+#[rtype(result = "Reply<()>")]
+pub struct Release(pub Vec<ReqId>);
+
+/// Drop every request's state (after a fault elsewhere).
+#[derive(Message)]
+#[rtype(result = "Reply<()>")]
+pub struct Reset;
+
+/// Zero the work counters (after the warm-up).
+#[derive(Message)]
+#[rtype(result = "Reply<()>")]
+pub struct ResetCounters;
+
+/// Makes the actor panic inside a handler, as a bug would (for tests of its recovery).
+#[doc(hidden)]
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct InjectPanic;
