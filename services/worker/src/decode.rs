@@ -137,6 +137,13 @@ impl InFlight {
     fn new(lent: Lent) -> Self {
         InFlight { lent, next: 0, hidden: None }
     }
+    /// The sequence to give back to the prefill actor after a failed stage: none once a stage
+    /// has run (its layers then hold different lengths, and a release there would remember
+    /// them as a prefix); the request fails either way.
+    fn back(self) -> Option<Box<Seq>> {
+        (self.next == 0).then_some(self.lent.seq)
+    }
+
     /// Whether the stage ending at layer `end` completes the prompt.
     fn completes(&self, end: usize, layers: usize) -> bool {
         end == layers && self.lent.seq.prefilled + self.lent.n >= self.lent.seq.prompt.len()
@@ -467,7 +474,7 @@ impl DecodeActor {
             (outs, logits, hidden)
         });
         let (result, chunk) = match result {
-            Err(e) => (Err(e.clone()), pre.map(|c| (Err(e), Some(c.lent.seq)))),
+            Err(e) => (Err(e.clone()), pre.map(|c| (Err(e), c.back()))),
             // A prompt completed here joins now: its logits are on hand.
             Ok((outs, logits, hidden)) => (Ok(outs), pre.map(|c| self.stage_done(c, end, hidden, logits.as_ref()))),
         };
@@ -541,7 +548,7 @@ impl DecodeActor {
         if decode.len() != order.len() || order.iter().any(|id| !pos.contains_key(id)) || decode.iter().any(|id| !order.contains(id)) {
             let e = internal("the queued decode step is out of step with the scheduler");
             let _ = tokens.eval();
-            return Stepped { outs: ids.iter().map(|_| Err(e.clone())).collect(), chunk: chunk.map(|c| (Err(e.clone()), Some(c.lent.seq))) };
+            return Stepped { outs: ids.iter().map(|_| Err(e.clone())).collect(), chunk: chunk.map(|c| (Err(e.clone()), c.back())) };
         }
         let t1 = std::time::Instant::now();
         // The chunk's outcome when its stage rode in the queued step; otherwise it is still to run.
@@ -556,7 +563,7 @@ impl DecodeActor {
                         Ok(outcome) => folded = outcome,
                         Err((e, c)) => {
                             tracing::warn!(error = %e, "could not queue the next decode step");
-                            folded = c.map(|c| (Err(e), Some(c.lent.seq)));
+                            folded = c.map(|c| (Err(e), c.back()));
                         }
                     },
                     Err(e) => {
@@ -604,7 +611,7 @@ impl DecodeActor {
         let part = ChunkStage { tokens: &toks, cache: &mut c.lent.seq.cache, layers: c.next..layers, hidden: c.hidden.take() };
         match self.shared.model.step_staged(&mut [], None, Some(part)) {
             Ok((logits, _)) => self.stage_done(c, layers, None, Some(&logits)),
-            Err(e) => (Err(internal(e)), Some(c.lent.seq)),
+            Err(e) => (Err(internal(e)), c.back()),
         }
     }
 
