@@ -36,9 +36,9 @@ fn chunked_interleaved_prefill_gives_the_same_greedy_tokens() {
     // With decode steps queued ahead (the default; prefill chunks then share the queued steps),
     // without, with chunks padded to a grid as on a GPU, and with a sampled request among the
     // greedy ones.
-    // Last, with each chunk's layers spread over two or three decode steps (as on a GPU).
+    // Last, with each chunk's layers spread over two or three decode steps (`prefill_chunk_stages`).
     for (ahead, grid, with_sampled, stages) in
-        [(true, 8, false, 2), (true, 1, false, 1), (false, 1, false, 1), (true, 8, false, 1), (true, 1, true, 1), (false, 1, true, 3)]
+        [(true, 1, false, 1), (false, 1, false, 1), (true, 8, false, 1), (true, 1, true, 1), (true, 8, false, 2), (true, 1, true, 2), (false, 1, true, 3)]
     {
       actix::System::new().block_on(async {
         let fresh = load_model(&resolve_model("smollm2").unwrap(), Dtype::Float32).unwrap();
