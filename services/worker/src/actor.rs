@@ -20,6 +20,7 @@ use llmq_protocol::{ErrorClass, Event, Job, StreamEvent, WireError, WorkerStatus
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::scheduler::{Admission, Emit, ReqId, Scheduler, SchedulerConfig, WorkerEngine};
+use crate::seq::panic_text;
 
 /// An event ready to publish; `terminal` tells the NATS side to acknowledge the job.
 #[derive(Debug)]
@@ -157,10 +158,6 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
         }
     }
 
-    fn now() -> Duration {
-        now()
-    }
-
     fn publish(&mut self, emits: Vec<Emit>) {
         for e in emits {
             let terminal = e.event.is_terminal();
@@ -244,7 +241,7 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
             prefix_entries: prefix.entries,
             prefix_reused_tokens: prefix.reused_tokens,
             prefix_evictions: prefix.evictions,
-            sent_at_ms: Self::now().as_millis() as u64,
+            sent_at_ms: now().as_millis() as u64,
             ticks: self.ticks,
             // Up to now: the time since the last tick started counts as between-tick time.
             tick_wall_ms: (self.tick_wall + self.tick_started.map_or(Duration::ZERO, |s| s.elapsed())).as_secs_f64() * 1000.0,
@@ -367,11 +364,6 @@ async fn warm_up<E: WorkerEngine>(engine: &mut E, cfg: SchedulerConfig, w: WarmU
 
 fn now() -> Duration {
     SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default()
-}
-
-/// A panic's message.
-fn panic_text(p: Box<dyn std::any::Any + Send>) -> String {
-    p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_else(|| "panic".into())
 }
 
 impl<E: WorkerEngine + Unpin + 'static> Handler<WarmUp> for SchedulerActor<E> {
@@ -499,7 +491,7 @@ impl<E: WorkerEngine + Unpin + 'static> Handler<Tick> for SchedulerActor<E> {
             self.tick_wall += started - prev;
         }
         self.ticks += 1;
-        let now = Self::now();
+        let now = now();
         // The policy's state goes with the exchange and comes back with it.
         let mut scheduler = std::mem::take(&mut self.scheduler);
         self.exchange(

@@ -8,8 +8,10 @@
 //!
 //! Invariants: a step feeds each row the token it sampled last; a join copies only the joining
 //! sequence's own KV (no other row is padded or copied); a step queued ahead is always
-//! consumed or waited for, never rolled back (its KV writes are real); a panic in a handler
-//! drops the batches and every sequence held here (the step's requests fail) and never
+//! consumed or waited for, never rolled back (its KV writes are real); a chunk part-way
+//! through the model (its layers spread over steps) stays here until its last stage and is
+//! never remembered as a prefix before; a panic in a handler drops the batches and every
+//! sequence held here (those requests fail at their next step, the others go on) and never
 //! escapes.
 
 use std::collections::HashMap;
@@ -144,6 +146,12 @@ impl InFlight {
         (self.next == 0).then_some(self.lent.seq)
     }
 
+    /// Its stage up to layer `end` as the model takes it (`tokens`: the chunk's, from
+    /// `Seq::chunk`); the hidden state goes with it.
+    fn stage<'a>(&'a mut self, tokens: &'a [u32], end: usize) -> ChunkStage<'a> {
+        ChunkStage { tokens, cache: &mut self.lent.seq.cache, layers: self.next..end, hidden: self.hidden.take() }
+    }
+
     /// Whether the stage ending at layer `end` completes the prompt.
     fn completes(&self, end: usize, layers: usize) -> bool {
         end == layers && self.lent.seq.prefilled + self.lent.n >= self.lent.seq.prompt.len()
@@ -249,6 +257,15 @@ impl DecodeActor {
 
     fn fault(what: &str) -> WireError {
         internal(format!("worker fault in decode: {what}"))
+    }
+
+    /// Runs a handler's work, timed (a call when `call`); a panic restarts the actor and comes
+    /// back as its message.
+    fn work<T>(&mut self, call: bool, f: impl FnOnce(&mut Self) -> T) -> Result<T, String> {
+        let mut busy = self.busy;
+        let r = busy.time(call, || guarded(|| f(self)));
+        self.busy = busy;
+        r.inspect_err(|what| self.restart(what))
     }
 
     fn remember(&self, salt: Option<String>, tokens: &[u32], layers: Option<Vec<(Array, Array)>>) {
@@ -410,12 +427,7 @@ impl DecodeActor {
                 self.rows.iter().map(|g| g.iter().map(|id| self.seqs[id].next.unwrap_or(0)).collect()).collect();
             let mut groups: Vec<(&[u32], &mut DecodeBatch)> = toks.iter().map(|t| &t[..]).zip(batches.iter_mut()).collect();
             let chunk_toks: Option<Vec<u32>> = pre.as_ref().map(|c| c.lent.seq.chunk(c.lent.n));
-            let part = pre.as_mut().zip(chunk_toks.as_ref()).map(|(c, t)| ChunkStage {
-                tokens: &t[..],
-                cache: &mut c.lent.seq.cache,
-                layers: c.next..end,
-                hidden: c.hidden.take(),
-            });
+            let part = pre.as_mut().zip(chunk_toks.as_ref()).map(|(c, t)| c.stage(t, end));
             let t0 = std::time::Instant::now();
             let (logits, hidden) = self.shared.model.step_staged(&mut groups, None, part).map_err(internal)?;
             drop(groups);
@@ -499,13 +511,7 @@ impl DecodeActor {
         let Some(mut batches) = self.batches.take() else { return Err((internal("no decode batches"), chunk)) };
         let end = chunk.as_ref().map_or(0, |c| self.stage_end(c, true));
         let toks: Option<Vec<u32>> = chunk.as_ref().map(|c| c.lent.seq.chunk(c.lent.n));
-        let hidden_in = chunk.as_mut().and_then(|c| c.hidden.clone());
-        let part = chunk.as_mut().zip(toks.as_ref()).map(|(c, t)| ChunkStage {
-            tokens: &t[..],
-            cache: &mut c.lent.seq.cache,
-            layers: c.next..end,
-            hidden: hidden_in,
-        });
+        let part = chunk.as_mut().zip(toks.as_ref()).map(|(c, t)| c.stage(t, end));
         let queued = launch_step(&self.shared.model, &self.rows, &mut batches, tokens, part);
         self.batches = Some(batches);
         match queued {
@@ -608,8 +614,7 @@ impl DecodeActor {
             };
         }
         let toks = c.lent.seq.chunk(c.lent.n);
-        let part = ChunkStage { tokens: &toks, cache: &mut c.lent.seq.cache, layers: c.next..layers, hidden: c.hidden.take() };
-        match self.shared.model.step_staged(&mut [], None, Some(part)) {
+        match self.shared.model.step_staged(&mut [], None, Some(c.stage(&toks, layers))) {
             Ok((logits, _)) => self.stage_done(c, layers, None, Some(&logits)),
             Err(e) => (Err(internal(e)), c.back()),
         }
@@ -670,11 +675,7 @@ impl Handler<Step> for DecodeActor {
             },
             None => (None, None),
         };
-        let mut busy = self.busy;
-        let r = busy.time(true, || guarded(|| self.step(&live, chunk)));
-        self.busy = busy;
-        let mut stepped = r.unwrap_or_else(|what| {
-            self.restart(&what);
+        let mut stepped = self.work(true, |a| a.step(&live, chunk)).unwrap_or_else(|what| {
             let e = Self::fault(&what);
             Stepped { outs: live.iter().map(|_| Err(e.clone())).collect(), chunk: chunk_id.map(|_| (Err(e.clone()), None)) }
         });
@@ -698,13 +699,7 @@ impl Handler<Step> for DecodeActor {
 impl Handler<Join> for DecodeActor {
     type Result = MessageResult<Join>;
     fn handle(&mut self, Join { id, seq }: Join, _: &mut Context<Self>) -> Self::Result {
-        let mut busy = self.busy;
-        let r = busy.time(false, || guarded(|| self.join(id, *seq)));
-        self.busy = busy;
-        let r = r.unwrap_or_else(|what| {
-            self.restart(&what);
-            Err(internal(format!("worker fault in decode: {what}")))
-        });
+        let r = self.work(false, |a| a.join(id, *seq)).unwrap_or_else(|what| Err(Self::fault(&what)));
         MessageResult(self.reply(r))
     }
 }
@@ -712,12 +707,8 @@ impl Handler<Join> for DecodeActor {
 impl Handler<Release> for DecodeActor {
     type Result = MessageResult<Release>;
     fn handle(&mut self, Release(ids): Release, _: &mut Context<Self>) -> Self::Result {
-        let mut busy = self.busy;
-        let r = busy.time(false, || guarded(|| self.release(ids)));
-        self.busy = busy;
-        if let Err(what) = r {
-            self.restart(&what);
-        }
+        // A panic restarts the actor: nothing of it is left to release.
+        let _ = self.work(false, |a| a.release(ids));
         MessageResult(self.reply(()))
     }
 }
@@ -726,7 +717,6 @@ impl Handler<Reset> for DecodeActor {
     type Result = MessageResult<Reset>;
     fn handle(&mut self, _: Reset, _: &mut Context<Self>) -> Self::Result {
         self.clear();
-        self.staged = None;
         self.lost.clear();
         MessageResult(self.reply(()))
     }
@@ -735,9 +725,7 @@ impl Handler<Reset> for DecodeActor {
 impl Handler<InjectPanic> for DecodeActor {
     type Result = ();
     fn handle(&mut self, _: InjectPanic, _: &mut Context<Self>) {
-        if let Err(what) = guarded(|| panic!("injected fault")) {
-            self.restart(&what);
-        }
+        let _ = self.work(false, |_| -> () { panic!("injected fault") });
     }
 }
 

@@ -9,7 +9,7 @@
 //!
 //! Invariants: a sequence is here from `Register` until its prompt completes or it is
 //! released, except while lent; a panic in a handler drops every sequence held here (their
-//! requests then fail as unknown) and never escapes.
+//! requests then fail with the fault at their next chunk) and never escapes.
 
 use std::collections::HashMap;
 

@@ -114,7 +114,7 @@ pub async fn step_separately<E: EngineOps + ?Sized>(
 #[allow(async_fn_in_trait)]
 pub trait EngineOps {
     /// Prefills the next `n` prompt tokens of `id`. When they complete the prompt, also samples
-    /// the first output token and returns it (see `PrefillResult` for the one exception).
+    /// the first output token and returns it (see `Prefilled::Done` for the one exception).
     async fn prefill(&mut self, id: ReqId, n: usize) -> Result<Option<StepOut>, WireError>;
     /// One batched decode step over `ids`; one result per id, in order.
     async fn decode(&mut self, ids: &[ReqId]) -> Vec<Result<StepOut, WireError>>;

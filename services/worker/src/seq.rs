@@ -182,7 +182,10 @@ impl Busy {
 /// Runs an actor's handler body; a panic inside it becomes `Err` with its message (the caller
 /// then resets the actor's state), so no panic crosses the actor's boundary.
 pub fn guarded<T>(f: impl FnOnce() -> T) -> Result<T, String> {
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(|p| {
-        p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_else(|| "panic".into())
-    })
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(panic_text)
+}
+
+/// A panic's message.
+pub fn panic_text(p: Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_else(|| "panic".into())
 }

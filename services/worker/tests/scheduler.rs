@@ -106,6 +106,14 @@ impl Harness {
         self.reports.push(rep.clone());
         (ev, rep)
     }
+    /// One tick in which `stream`, the only one decoding, steps and gets a token (`i`: the
+    /// tick's number, for messages).
+    fn tick_streaming(&mut self, stream: ReqId, i: usize) -> TickReport {
+        let (ev, rep) = self.tick();
+        assert_eq!(rep.decoded, 1, "tick {i}: the active stream steps");
+        assert!(ev.iter().any(|e| e.id == stream && matches!(e.event, Event::Tokens { .. })), "tick {i}: token for stream {stream}");
+        rep
+    }
     fn run_until_idle(&mut self, max_ticks: usize) {
         for _ in 0..max_ticks {
             if self.s.is_idle() {
@@ -142,9 +150,7 @@ fn decode_steps_every_tick_while_a_competing_prefill_advances_one_chunk_per_tick
     h.tick(); // idle: prompt 1 prefilled whole, first token
     h.submit(2, 5000, 4);
     for i in 0..19 {
-        let (ev, rep) = h.tick();
-        assert_eq!(rep.decoded, 1, "tick {i}: the active stream steps");
-        assert!(ev.iter().any(|e| e.id == 1 && matches!(e.event, Event::Tokens { .. })), "tick {i}: token for stream 1");
+        let rep = h.tick_streaming(1, i);
         assert_eq!(rep.prefill_request, Some(2));
         assert_eq!(rep.prefill_tokens, 256, "tick {i}: one chunk of 256");
     }
@@ -442,9 +448,7 @@ fn a_chunk_in_flight_is_granted_again_until_done() {
     h.tick(); // idle: prompt 1 prefilled whole, first token
     h.submit(2, 1000, 4);
     for i in 0..3 {
-        let (ev, rep) = h.tick();
-        assert_eq!(rep.decoded, 1, "tick {i}: the active stream steps");
-        assert!(ev.iter().any(|e| e.id == 1 && matches!(e.event, Event::Tokens { .. })), "tick {i}: token for stream 1");
+        h.tick_streaming(1, i);
     }
     // Mid-chunk (its first stage ran), a short prompt arrives: shortest-first would pick it,
     // but the chunk in flight finishes first.
