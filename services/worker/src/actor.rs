@@ -307,32 +307,57 @@ pub fn warm_up_rows(max_batch: usize) -> Vec<usize> {
     rows
 }
 
+/// The sizes prefill chunks take beside decoding streams: those the tick budget chooses
+/// from, or the one fixed size.
+pub fn chunk_sizes(cfg: &SchedulerConfig) -> Vec<usize> {
+    if cfg.tick_budget > 0.0 {
+        crate::budget::ChunkSizer::sizes(cfg.min_prefill_chunk, cfg.prefill_chunk)
+    } else {
+        vec![cfg.prefill_chunk]
+    }
+}
+
 /// The warm-up's dummy requests, through a private scheduler and `engine`, to their end.
 async fn warm_up<E: WorkerEngine>(engine: &mut E, cfg: SchedulerConfig, w: WarmUp) -> Result<(), String> {
-    let mut s = Scheduler::new(cfg.clone());
+    // Chunks of a fixed size per round (the tick budget's choices depend on measured times).
+    let fixed = |size: usize| SchedulerConfig { prefill_chunk: size, tick_budget: 0.0, ..cfg.clone() };
+    let mut s = Scheduler::new(fixed(cfg.prefill_chunk));
+    let sizes = chunk_sizes(&cfg);
     let context = engine.context_tokens().saturating_sub(8);
     let fits = (cfg.kv_budget_bytes / engine.kv_bytes_per_token().max(1)) as usize;
     let short = 16.min(context / 4).max(1);
     let most_rows = w.rows.iter().copied().max().unwrap_or(1).clamp(1, cfg.max_batch.saturating_sub(2).max(1));
-    // The short ones' reservations, at most (their outputs last two long prefills).
-    let short_room = most_rows * (short + 2 * w.tokens.div_ceil(cfg.prefill_chunk.max(1)) + 8 + most_rows);
+    // The short ones' reservations, at most (their outputs last two long prefills in the
+    // smallest chunks).
+    let most_chunks = w.tokens.div_ceil(sizes[0].max(1));
+    let short_room = most_rows * (short + 2 * most_chunks + 8 + most_rows);
     let long = w.tokens.min(context).min(fits.saturating_sub(short_room) * 3 / 8).max(1);
     // MLX plans kernels, cuDNN attention and matrix products once per shape, tens of ms each on
     // a GPU. The phases below make the shapes a burst of long prompts meets: a long prompt
     // alone (the idle engine's large prefill steps); then, per round, short ones decoding
     // throughout and two long ones together, the first chunked beside the short ones' decode,
-    // then decoding as a length group of its own beside the second's chunks.
-    let chunks = long.div_ceil(cfg.prefill_chunk.max(1));
+    // then decoding as a length group of its own beside the second's chunks. One round per
+    // size of the decode batch with the largest chunks, then one with each smaller chunk size
+    // the tick budget may grant (its attention shapes; the decode batch's are met already; a
+    // CPU plans nothing).
     let out = |n: usize| n.min(context.saturating_sub(long.max(short))).max(1);
-    // (requests as (prompt, max tokens), whether the phase ends when they all decode)
-    let mut phases: Vec<(Vec<(usize, usize)>, bool)> = vec![(vec![(long, 1)], false)];
-    for &n in w.rows.iter().chain(w.rows.is_empty().then_some(&1)) {
+    let mut rounds: Vec<(usize, usize)> = w.rows.iter().chain(w.rows.is_empty().then_some(&1)).map(|&n| (cfg.prefill_chunk, n)).collect();
+    if llmq_engine::on_gpu() {
+        rounds.extend(sizes.iter().filter(|&&size| size != cfg.prefill_chunk).map(|&size| (size, 1)));
+    }
+    // (requests as (prompt, max tokens), whether the phase ends when they all decode, chunk)
+    let mut phases: Vec<(Vec<(usize, usize)>, bool, usize)> = vec![(vec![(long, 1)], false, cfg.prefill_chunk)];
+    for (size, n) in rounds {
         let n = n.clamp(1, most_rows);
-        phases.push((vec![(short, out(2 * chunks + 8 + n)); n], true));
-        phases.push((vec![(long, out(chunks + 4)), (long, 4)], false));
+        let chunks = long.div_ceil(size.max(1));
+        phases.push((vec![(short, out(2 * chunks + 8 + n)); n], true, size));
+        phases.push((vec![(long, out(chunks + 4)), (long, 4)], false, size));
     }
     let mut id = ReqId::MAX - (phases.iter().map(|p| p.0.len()).sum::<usize>() as ReqId) - 1;
-    for (phase, until_decoding) in &phases {
+    for (phase, until_decoding, size) in &phases {
+        if *size != s.config().prefill_chunk && s.is_idle() {
+            s = Scheduler::new(fixed(*size));
+        }
         for &(len, max_tokens) in phase.iter() {
             id += 1;
             let prompt: Vec<u32> = (0..len as u32).map(|i| 1 + (i * 7 + (id % 50) as u32) % 50).collect();

@@ -2,6 +2,7 @@
 //!
 //! - `scheduler` the policy: decode first, then one bounded prefill chunk per tick, admission
 //!   against the KV budget, prefill order (tested against a fake engine and a fake clock)
+//! - `budget` prefill chunks sized to a time budget per tick (measured decode and chunk times)
 //! - `actor` the scheduler actor: the device's clock; it drives the engine once per tick; its
 //!   warm-up
 //! - `engine` the engine the scheduler drives, made of the three role actors below (their
@@ -17,6 +18,7 @@
 //! All MLX work of a worker runs on one thread: the device thread, which runs the four actors.
 
 pub mod actor;
+pub mod budget;
 pub mod cache;
 pub mod decode;
 pub mod engine;

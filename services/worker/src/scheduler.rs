@@ -7,7 +7,8 @@
 //! 3. exactly one prefill chunk is chosen, for one request: `prefill_chunk` tokens while
 //!    anything decodes, `idle_prefill_chunk` when nothing does (the idle fast path); a chunk
 //!    the engine has part-way through (its layers spread over ticks: `Prefilled::Pending`) is
-//!    granted again until it is done;
+//!    granted again until it is done; with a `tick_budget`, a chunk beside decoding streams is
+//!    sized to it from measured tick times instead (`budget`);
 //! 4. the active decode batch steps once and the chunk is prefilled, in one engine call (the
 //!    real engine runs both in one pass over the weights); every running stream's token is
 //!    delivered first. A request whose prompt completes joins the decode batch at the next
@@ -28,6 +29,7 @@
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
+use crate::budget::ChunkSizer;
 use llmq_protocol::{ErrorClass, Event, FinishReason, Timings, TokenLogprob, Usage, WireError};
 
 pub type ReqId = u64;
@@ -52,6 +54,12 @@ pub struct SchedulerConfig {
     /// False: static batching, the baseline of the `static` benchmark: a new batch is admitted
     /// only when the previous one has entirely finished.
     pub continuous: bool,
+    /// Time a tick carrying a prefill chunk may take, as a multiple of a decode-only tick: the
+    /// chunk is sized to it, between `min_prefill_chunk` and `prefill_chunk` tokens (see
+    /// `budget`). 0: every chunk beside decoding streams is `prefill_chunk` tokens.
+    pub tick_budget: f64,
+    /// The smallest chunk the tick budget sizes down to.
+    pub min_prefill_chunk: usize,
 }
 
 impl Default for SchedulerConfig {
@@ -65,6 +73,8 @@ impl Default for SchedulerConfig {
             aging_tokens_per_s: 1000.0,
             interleave: true,
             continuous: true,
+            tick_budget: 0.0,
+            min_prefill_chunk: 256,
         }
     }
 }
@@ -240,11 +250,13 @@ pub struct Scheduler {
     /// The chunk the engine has part-way through (`Prefilled::Pending`): granted again until
     /// it is done, so only one prefill advances at a time.
     in_flight: Option<(ReqId, usize)>,
+    sizer: ChunkSizer,
 }
 
 impl Scheduler {
     pub fn new(cfg: SchedulerConfig) -> Self {
-        Scheduler { cfg, ..Default::default() }
+        let sizer = ChunkSizer::new(cfg.tick_budget, cfg.min_prefill_chunk, cfg.prefill_chunk);
+        Scheduler { cfg, sizer, ..Default::default() }
     }
 
     pub fn config(&self) -> &SchedulerConfig {
@@ -367,6 +379,7 @@ impl Scheduler {
     pub async fn tick(&mut self, engine: &mut impl EngineOps, now: Duration) -> (Vec<Emit>, TickReport) {
         let mut out = Vec::new();
         let mut report = TickReport::default();
+        self.sizer.tick_started(now);
 
         // 1. cancellations
         for id in std::mem::take(&mut self.cancels) {
@@ -414,6 +427,8 @@ impl Scheduler {
                 remaining
             } else if self.decoding.is_empty() {
                 remaining.min(self.cfg.idle_prefill_chunk)
+            } else if self.sizer.enabled() {
+                self.sizer.size(self.reqs[&id].prefilled, remaining)
             } else {
                 remaining.min(self.cfg.prefill_chunk)
             };
@@ -463,6 +478,7 @@ impl Scheduler {
         self.release_ended(engine).await;
         // Sequences that ended or completed their prompt this tick were remembered.
         engine.prefix_trim(self.cfg.kv_budget_bytes - self.reserved).await;
+        self.sizer.tick_ended(now, report.decoded, report.prefill_tokens, !self.is_idle());
         (out, report)
     }
 

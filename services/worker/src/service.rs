@@ -62,6 +62,8 @@ pub fn scheduler_config(s: &Settings) -> SchedulerConfig {
         aging_tokens_per_s: c.aging_tokens_per_s,
         interleave: c.interleave,
         continuous: c.continuous,
+        tick_budget: c.tick_budget,
+        min_prefill_chunk: c.min_prefill_chunk_tokens,
     }
 }
 
@@ -105,9 +107,11 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
             load_named(&model_ref, dtype).map_err(|e| format!("{model_ref}: {e}"))
         })();
         let _ = ready_tx.send(loaded.map(|m| {
-            // Whole chunks are never padded.
+            // Whole chunks, of every size the tick budget grants, are never padded.
             let mut model = m.model;
-            model.fit_chunk_grid(&[cfg.prefill_chunk, cfg.idle_prefill_chunk]);
+            let mut sizes = crate::actor::chunk_sizes(&cfg);
+            sizes.push(cfg.idle_prefill_chunk);
+            model.fit_chunk_grid(&sizes);
             let opts = EngineOptions { decode_ahead, prefix: prefix.enabled.then_some((prefix.block_tokens, prefix_max)), chunk_stages };
             let engine = ActorEngine::start(model, m.tokenizer, opts);
             SchedulerActor::new(engine, cfg, out_tx, wid, mname).with_status_snapshot(snapshot).start()

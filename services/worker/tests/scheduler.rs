@@ -85,11 +85,23 @@ struct Harness {
     now: Duration,
     events: Vec<Emit>,
     reports: Vec<TickReport>,
+    /// Fake clock: what each prefill token adds to a tick.
+    per_token: Duration,
+    /// Fake clock: each tick's duration, in order.
+    ticks: Vec<Duration>,
 }
 
 impl Harness {
     fn new(cfg: SchedulerConfig) -> Self {
-        Harness { s: Scheduler::new(cfg), e: FakeEngine::default(), now: Duration::ZERO, events: vec![], reports: vec![] }
+        Harness {
+            s: Scheduler::new(cfg),
+            e: FakeEngine::default(),
+            now: Duration::ZERO,
+            events: vec![],
+            reports: vec![],
+            per_token: Duration::from_micros(100),
+            ticks: vec![],
+        }
     }
     fn submit(&mut self, id: ReqId, prompt: usize, max_tokens: usize) {
         self.e.max_tokens.insert(id, max_tokens);
@@ -98,10 +110,13 @@ impl Harness {
         let ev = self.s.submit(a);
         self.events.extend(ev);
     }
-    /// One tick; the fake clock advances 10 ms per decode step plus 0.1 ms per prefill token.
+    /// One tick; the fake clock advances 10 ms per decode step plus `per_token` (0.1 ms) per
+    /// prefill token.
     fn tick(&mut self) -> (Vec<Emit>, TickReport) {
         let (ev, rep) = futures::executor::block_on(self.s.tick(&mut self.e, self.now));
-        self.now += Duration::from_millis(if rep.decoded > 0 { 10 } else { 0 }) + Duration::from_micros(100 * rep.prefill_tokens as u64);
+        let took = Duration::from_millis(if rep.decoded > 0 { 10 } else { 0 }) + self.per_token * rep.prefill_tokens as u32;
+        self.now += took;
+        self.ticks.push(took);
         self.events.extend(ev.clone());
         self.reports.push(rep.clone());
         (ev, rep)
@@ -465,4 +480,51 @@ fn a_chunk_in_flight_is_granted_again_until_done() {
     let progress: Vec<u32> = h.of(2).iter().filter_map(|e| if let Event::PrefillProgress { done, .. } = e { Some(*done) } else { None }).collect();
     assert_eq!(progress, vec![256, 512, 768, 1000], "one progress event per chunk, when done");
     h.assert_all_ended(&[1, 2, 3]);
+}
+
+/// With a tick budget, chunks beside a decoding stream are sized to keep a tick within the
+/// budget times a decode-only tick, from measured times: the first chunk (nothing measured yet)
+/// is the largest, then every tick stays within the budget; when chunks get cheaper they grow
+/// back, each size starting on its own grid; the prompt still completes, one chunk per tick.
+#[test]
+fn chunks_are_sized_to_the_tick_budget() {
+    let mut h = Harness::new(SchedulerConfig { tick_budget: 2.0, min_prefill_chunk: 64, ..cfg() });
+    h.submit(1, 10, 10_000);
+    h.tick(); // idle: prompt 1 prefilled whole
+    for i in 0..5 {
+        h.tick_streaming(1, i); // decode-only ticks: 10 ms
+    }
+    h.submit(2, 6000, 4);
+    let mut grants = vec![];
+    for i in 0..30 {
+        let rep = h.tick_streaming(1, i);
+        assert_eq!(rep.prefill_request, Some(2));
+        grants.push(rep.prefill_tokens);
+    }
+    // 0.1 ms a token: 256 tokens take 25.6 ms beyond the 10 ms step; 10 ms of room fits 64.
+    assert_eq!(grants[0], 256, "nothing measured yet: {grants:?}");
+    assert!(grants[1..].iter().all(|&n| n == 64), "{grants:?}");
+    let last = h.ticks.len();
+    assert!(h.ticks[last - 29..].iter().all(|t| *t <= Duration::from_millis(20)), "{:?}", &h.ticks[last - 29..]);
+
+    // Cheaper chunks (0.02 ms a token): they grow back to 256, each size on its own grid.
+    h.per_token = Duration::from_micros(20);
+    let mut prefilled = 256 + 29 * 64;
+    let mut sizes = vec![];
+    while h.s.active_streams() == 1 && sizes.len() < 100 {
+        let rep = h.tick_streaming(1, 0);
+        if rep.prefill_tokens == 0 {
+            break;
+        }
+        let n = rep.prefill_tokens;
+        assert!(n == 6000 - prefilled || prefilled % n == 0, "a {n}-token chunk at {prefilled}: {sizes:?}");
+        prefilled += n;
+        sizes.push(n);
+    }
+    assert_eq!(prefilled, 6000, "{sizes:?}");
+    assert!(sizes.windows(2).any(|w| w == [256, 256]), "back to whole chunks: {sizes:?}");
+    h.run_until_idle(20_000);
+    h.s.cancel(1);
+    h.run_until_idle(10);
+    assert_eq!(h.s.reserved_kv_bytes(), 0);
 }

@@ -116,6 +116,12 @@ pub struct SchedulerSettings {
     /// Decode steps a prefill chunk's layers are spread over while streams decode, each step
     /// carrying a share of the chunk's work (1: a chunk runs through every layer in one step).
     pub prefill_chunk_stages: usize,
+    /// Time a tick carrying a prefill chunk may take, as a multiple of a decode-only tick
+    /// (measured): chunks are sized to it, between `min_prefill_chunk_tokens` and
+    /// `prefill_chunk_tokens`. 0: every chunk is `prefill_chunk_tokens`.
+    pub tick_budget: f64,
+    /// The smallest chunk the tick budget sizes down to.
+    pub min_prefill_chunk_tokens: usize,
 }
 
 impl Default for SchedulerSettings {
@@ -130,6 +136,8 @@ impl Default for SchedulerSettings {
             continuous: true,
             decode_ahead: true,
             prefill_chunk_stages: 1,
+            tick_budget: 0.0,
+            min_prefill_chunk_tokens: 128,
         }
     }
 }
@@ -179,6 +187,12 @@ impl Settings {
         }
         if !(1..=64).contains(&s.prefill_chunk_stages) {
             return bad("scheduler.prefill_chunk_stages", s.prefill_chunk_stages.to_string(), "must be 1 to 64");
+        }
+        if !(s.tick_budget == 0.0 || (s.tick_budget > 1.0 && s.tick_budget.is_finite())) {
+            return bad("scheduler.tick_budget", s.tick_budget.to_string(), "must be 0 (off) or a finite number above 1");
+        }
+        if s.min_prefill_chunk_tokens == 0 {
+            return bad("scheduler.min_prefill_chunk_tokens", "0".into(), "must be at least 1");
         }
         if s.idle_prefill_chunk_tokens < s.prefill_chunk_tokens {
             return bad("scheduler.idle_prefill_chunk_tokens", s.idle_prefill_chunk_tokens.to_string(), "must be at least prefill_chunk_tokens");
@@ -274,6 +288,14 @@ mod tests {
         std::fs::write(&f, "[scheduler]\nprefill_chunk_stages = 0\n").unwrap();
         let err = load(Some(&f)).unwrap_err().to_string();
         assert!(err.contains("scheduler.prefill_chunk_stages"), "{err}");
+        for bad_budget in ["1.0", "-2.0", "nan"] {
+            std::fs::write(&f, format!("[scheduler]\ntick_budget = {bad_budget}\n")).unwrap();
+            let err = load(Some(&f)).unwrap_err().to_string();
+            assert!(err.contains("scheduler.tick_budget"), "{bad_budget}: {err}");
+        }
+        std::fs::write(&f, "[scheduler]\ntick_budget = 0.0\nmin_prefill_chunk_tokens = 64\n").unwrap();
+        let s = load(Some(&f)).unwrap();
+        assert_eq!((s.scheduler.tick_budget, s.scheduler.min_prefill_chunk_tokens), (0.0, 64));
         std::fs::write(&f, "[scheduler]\nprefil_chunk_tokens = 5\n").unwrap();
         let err = load(Some(&f)).unwrap_err().to_string();
         assert!(err.contains("prefil_chunk_tokens"), "unknown keys are named: {err}");
