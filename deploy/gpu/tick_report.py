@@ -1,0 +1,44 @@
+"""Summarises worker tick logs (`LLMQ_TICK_LOG`) of the burst benchmark.
+
+Usage: python3 deploy/gpu/tick_report.py TICKLOG...
+
+A tick log line starts with: tick start (ms), tick duration (ms), rows decoded, chunk tokens,
+prompt tokens done. Tick times here are intervals from one tick's start to the next (the gap a
+stream sees). Printed per log: the decode-only ticks before the burst, the burst's ticks by
+chunk size (median, p90, max, max over the decode-only median), the six longest, and chunk
+ticks by chunk size and offset into the prompt.
+"""
+import sys, statistics as st, glob
+def pct(xs, p):
+    xs = sorted(xs); return xs[min(len(xs)-1, int(p*len(xs)))] if xs else float('nan')
+for path in sys.argv[1:]:
+    rows = []
+    for line in open(path):
+        f = line.split()
+        if len(f) < 5: continue
+        rows.append((float(f[0]), float(f[1]), int(f[2]), int(f[3]), int(f[4])))
+    # burst phase: from the first tick with >=16 rows and a chunk
+    start = next((i for i, r in enumerate(rows) if r[2] >= 16 and r[3] > 0), None)
+    if start is None:
+        print(path, "no burst"); continue
+    # intervals between consecutive tick starts
+    iv = [(rows[i+1][0] - rows[i][0], rows[i]) for i in range(len(rows)-1)]
+    dec = [d for d, r in iv[:start] if r[2] >= 16 and r[3] == 0]
+    burst = [(d, r) for d, r in iv[start:] if r[2] >= 16]
+    end = max(i for i, (d, r) in enumerate(burst) if r[3] > 0)
+    burst = burst[:end+2]
+    by = {}
+    for d, r in burst:
+        by.setdefault(r[3], []).append(d)
+    D = st.median(dec[-200:]) if dec else float('nan')
+    print(f"{path}: decode-only before burst median {D:.2f} ms (n={len(dec)})")
+    for n, ds in sorted(by.items()):
+        print(f"  chunk {n:5d}: n={len(ds):4d} median {st.median(ds):6.2f} p90 {pct(ds,0.9):6.2f} max {max(ds):6.2f}  ({max(ds)/D:.2f}x)")
+    top = sorted(burst, key=lambda x: -x[0])[:6]
+    print("  top:", "; ".join(f"{d:.1f}ms rows={r[2]} chunk={r[3]} done={r[4]}" for d, r in top))
+    # chunk tick by done offset bucket (size 256/128 both)
+    buck = {}
+    for d, r in burst:
+        if r[3] > 0:
+            buck.setdefault((r[3], min(r[4] // 2048, 3)), []).append(d)
+    print("  by offset:", "; ".join(f"{k[0]}@{k[1]*2}-{k[1]*2+2}k {st.median(v):.1f}" for k, v in sorted(buck.items())))
