@@ -5,10 +5,11 @@ Usage: python3 deploy/gpu/tick_report.py TICKLOG...
 A tick log line starts with: tick start (ms), tick duration (ms), rows decoded, chunk tokens,
 prompt tokens done. Tick times here are intervals from one tick's start to the next (the gap a
 stream sees). Printed per log: the decode-only ticks before the burst, the burst's ticks by
-chunk size (median, p90, max, max over the decode-only median), the six longest, and chunk
-ticks by chunk size and offset into the prompt.
+chunk size (median, p90, max, max over the decode-only median), the six longest, every tick
+with 16 or more rows by rows and whether it carried a chunk, and chunk ticks by chunk size
+and offset into the prompt.
 """
-import sys, statistics as st, glob
+import sys, statistics as st
 def pct(xs, p):
     xs = sorted(xs); return xs[min(len(xs)-1, int(p*len(xs)))] if xs else float('nan')
 for path in sys.argv[1:]:
@@ -41,4 +42,9 @@ for path in sys.argv[1:]:
     for d, r in burst:
         if r[3] > 0:
             buck.setdefault((r[3], min(r[4] // 2048, 3)), []).append(d)
+    kinds = {}
+    for d, r in iv:
+        if r[2] >= 16:
+            kinds.setdefault((r[2], r[3] > 0), []).append(d)
+    print("  by rows (+c: with a chunk):", "; ".join(f"{k[0]}{'+c' if k[1] else ''} n={len(v)} median {st.median(v):.1f} max {max(v):.1f}" for k, v in sorted(kinds.items())))
     print("  by offset:", "; ".join(f"{k[0]}@{k[1]*2}-{k[1]*2+2}k {st.median(v):.1f}" for k, v in sorted(buck.items())))
