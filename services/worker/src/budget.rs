@@ -98,7 +98,7 @@ impl ChunkSizer {
     /// Tokens to grant a prompt with `prefilled` positions done and `remaining` to go, beside a
     /// decode batch.
     pub fn size(&self, prefilled: usize, remaining: usize) -> usize {
-        let min = self.sizes[0];
+        let Some(&min) = self.sizes.first() else { return remaining.max(1) };
         let off = prefilled % min;
         if off != 0 {
             return (min - off).min(remaining).max(1);

@@ -74,7 +74,7 @@ impl Default for SchedulerConfig {
             interleave: true,
             continuous: true,
             tick_budget: 0.0,
-            min_prefill_chunk: 256,
+            min_prefill_chunk: 128,
         }
     }
 }
