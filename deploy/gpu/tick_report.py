@@ -6,18 +6,20 @@ A tick log line starts with: tick start (ms), tick duration (ms), rows decoded, 
 prompt tokens done. Tick times here are intervals from one tick's start to the next (the gap a
 stream sees). Printed per log: the decode-only ticks before the burst, the burst's ticks by
 chunk size (median, p90, max, max over the decode-only median), the six longest, every tick
-with 16 or more rows by rows and whether it carried a chunk, and chunk ticks by chunk size
+with 16 or more rows by rows and whether it carried a chunk (with the decode actor's host
+time parts: queueing the next step, of it building and launching, waiting), and chunk ticks by chunk size
 and offset into the prompt.
 """
 import sys, statistics as st
 def pct(xs, p):
     xs = sorted(xs); return xs[min(len(xs)-1, int(p*len(xs)))] if xs else float('nan')
 for path in sys.argv[1:]:
-    rows = []
+    rows, parts = [], []
     for line in open(path):
         f = line.split()
         if len(f) < 5: continue
         rows.append((float(f[0]), float(f[1]), int(f[2]), int(f[3]), int(f[4])))
+        parts.append({k: float(v) for k, v in (x.split("=", 1) for x in f[5:] if "=" in x)})
     # burst phase: from the first tick with >=16 rows and a chunk
     start = next((i for i, r in enumerate(rows) if r[2] >= 16 and r[3] > 0), None)
     if start is None:
@@ -43,8 +45,12 @@ for path in sys.argv[1:]:
         if r[3] > 0:
             buck.setdefault((r[3], min(r[4] // 2048, 3)), []).append(d)
     kinds = {}
-    for d, r in iv:
+    for i, (d, r) in enumerate(iv):
         if r[2] >= 16:
-            kinds.setdefault((r[2], r[3] > 0), []).append(d)
-    print("  by rows (+c: with a chunk):", "; ".join(f"{k[0]}{'+c' if k[1] else ''} n={len(v)} median {st.median(v):.1f} max {max(v):.1f}" for k, v in sorted(kinds.items())))
+            kinds.setdefault((r[2], r[3] > 0), []).append((d, parts[i]))
+    for k, v in sorted(kinds.items()):
+        ds = [d for d, _ in v]
+        named = {n: st.median(p.get(n, 0.0) for _, p in v) for n in ("queue", "build", "launch", "wait")}
+        print(f"  rows {k[0]}{'+c' if k[1] else '  '}: n={len(v):4d} median {st.median(ds):5.1f} max {max(ds):5.1f}  "
+              + " ".join(f"{n} {x:.2f}" for n, x in named.items()))
     print("  by offset:", "; ".join(f"{k[0]}@{k[1]*2}-{k[1]*2+2}k {st.median(v):.1f}" for k, v in sorted(buck.items())))

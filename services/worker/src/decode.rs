@@ -63,7 +63,9 @@ pub struct DecodeActor {
     chunks_ahead: (u64, u64),
     /// Host time of the last step queued ahead's delivery: joining a completed prompt, queuing
     /// the next step, waiting for the tokens, and the rest (ms).
-    parts: [f64; 4],
+    parts: [f64; 6],
+    /// The last queued step's host time building its graph and launching it (ms).
+    launched: (f64, f64),
     busy: Busy,
     /// Requests dropped by a restart after a panic, with its message, until released: their
     /// steps fail with it while the other rows go on.
@@ -178,15 +180,25 @@ fn new_batches(model: &Model) -> Option<Vec<DecodeBatch>> {
 /// Builds and launches, without waiting for it, the decode step that follows one whose greedy
 /// tokens are `tokens` (on the device, one a row), with a prefill chunk in the same pass when
 /// given; returns that step's greedy tokens (being evaluated): one a row, then the greedy token
-/// after the chunk.
-fn launch_step(model: &Model, rows: &[Vec<ReqId>], batches: &mut [DecodeBatch], tokens: &Array, chunk: Option<ChunkStage>) -> Result<(Array, Option<Array>), WireError> {
+/// after the chunk. `took`: the host's ms building the step's graph and launching it.
+fn launch_step(
+    model: &Model,
+    rows: &[Vec<ReqId>],
+    batches: &mut [DecodeBatch],
+    tokens: &Array,
+    chunk: Option<ChunkStage>,
+    took: &mut (f64, f64),
+) -> Result<(Array, Option<Array>), WireError> {
+    let t0 = std::time::Instant::now();
     let counts: Vec<Vec<u32>> = rows.iter().map(|g| vec![0; g.len()]).collect();
     let mut groups: Vec<(&[u32], &mut DecodeBatch)> = counts.iter().map(|t| &t[..]).zip(batches.iter_mut()).collect();
     let (logits, hidden) = model.step_staged(&mut groups, Some(tokens), chunk).map_err(internal)?;
     let next = argmax_rows(&logits, logits.shape()[0])?;
     let mut pending = vec![&next];
     pending.extend(hidden.as_ref());
+    let t1 = std::time::Instant::now();
     mlx_rs::transforms::async_eval(pending).map_err(internal)?;
+    *took = ((t1 - t0).as_secs_f64() * 1000.0, t1.elapsed().as_secs_f64() * 1000.0);
     Ok((next, hidden))
 }
 
@@ -208,7 +220,8 @@ impl DecodeActor {
             ahead: None,
             decode_ahead,
             chunks_ahead: (0, 0),
-            parts: [0.0; 4],
+            parts: [0.0; 6],
+            launched: (0.0, 0.0),
             busy: Busy::default(),
             lost: HashMap::new(),
         }
@@ -413,7 +426,7 @@ impl DecodeActor {
         if let Some(ahead) = self.ahead.take() {
             return self.deliver_ahead(ahead, ids, chunk);
         }
-        self.parts = [0.0; 4];
+        self.parts = [0.0; 6];
         let mut pre = chunk;
         let end = pre.as_ref().map_or(0, |c| self.stage_end(c, true));
         let layers = self.shared.model.num_layers();
@@ -448,7 +461,7 @@ impl DecodeActor {
                 // The next step is launched from this one's device tokens before the host reads
                 // them, so the device never waits for the host in between.
                 argmax_rows(&logits, rows).and_then(|dev| {
-                    match launch_step(&self.shared.model, &self.rows, &mut batches, &dev, None) {
+                    match launch_step(&self.shared.model, &self.rows, &mut batches, &dev, None, &mut self.launched) {
                         Ok((tokens, _)) => next = Some(Ahead { order: order.clone(), tokens, completing: None }),
                         Err(e) => tracing::warn!(error = %e, "could not queue the next decode step"),
                     }
@@ -512,7 +525,7 @@ impl DecodeActor {
         let end = chunk.as_ref().map_or(0, |c| self.stage_end(c, true));
         let toks: Option<Vec<u32>> = chunk.as_ref().map(|c| c.lent.seq.chunk(c.lent.n));
         let part = chunk.as_mut().zip(toks.as_ref()).map(|(c, t)| c.stage(t, end));
-        let queued = launch_step(&self.shared.model, &self.rows, &mut batches, tokens, part);
+        let queued = launch_step(&self.shared.model, &self.rows, &mut batches, tokens, part, &mut self.launched);
         self.batches = Some(batches);
         match queued {
             Ok((tokens, hidden)) => {
@@ -596,7 +609,8 @@ impl DecodeActor {
             .collect();
         let chunk = folded.or_else(|| alone.map(|c| self.chunk_alone(c)));
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1000.0;
-        self.parts = [ms(t1 - t0), ms(t2 - t1), ms(t3 - t2), ms(t3.elapsed())];
+        let (build, launch) = std::mem::take(&mut self.launched);
+        self.parts = [ms(t1 - t0), ms(t2 - t1), build, launch, ms(t3 - t2), ms(t3.elapsed())];
         Stepped { outs, chunk }
     }
 

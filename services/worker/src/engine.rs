@@ -251,7 +251,7 @@ impl WorkerEngine for ActorEngine {
     }
 
     fn step_parts(&self) -> Vec<(&'static str, f64)> {
-        ["join", "queue", "wait", "rest"].into_iter().zip(self.reports[DECODE].parts).collect()
+        ["join", "queue", "build", "launch", "wait", "rest"].into_iter().zip(self.reports[DECODE].parts).collect()
     }
 
     async fn reset_counters(&mut self) {

@@ -17,8 +17,9 @@ pub struct Report {
     pub held: usize,
     pub busy: Busy,
     pub prefix: llmq_engine::prefix::PrefixStats,
-    /// The decode actor's host time of the last step's parts (join, queue, wait, rest; ms).
-    pub parts: [f64; 4],
+    /// The decode actor's host time of the last step's parts (ms): join, queue (the next step,
+    /// of which: build its graph, launch it), wait (for the last step's tokens), rest.
+    pub parts: [f64; 6],
     /// The decode actor's prefill chunks run in a step queued ahead, and of those the ones that
     /// completed their prompt.
     pub chunks_ahead: (u64, u64),
