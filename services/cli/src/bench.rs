@@ -122,18 +122,28 @@ fn ticks(model: &mut Model, a: &Args) -> Result<serde_json::Value> {
         batch.join(&c)?;
     }
     let rows = vec![11u32; a.active];
-    let timed = |f: &mut dyn FnMut() -> Result<Array>| -> Result<f64> {
-        let mut v = vec![];
+    // Also the host's share: building the step's graph, then launching it (`async_eval`, from
+    // an idle device), as medians in `host_ms`.
+    let mut host_ms: Vec<serde_json::Value> = vec![];
+    let mut timed_parts = |what: String, f: &mut dyn FnMut() -> Result<Array>| -> Result<f64> {
+        let (mut v, mut build, mut launch) = (vec![], vec![], vec![]);
         for i in 0..7 {
             let t0 = Instant::now();
-            f()?.eval()?;
+            let out = f()?;
+            let t1 = Instant::now();
+            mlx_rs::transforms::async_eval([&out])?;
+            let t2 = Instant::now();
+            out.eval()?;
             if i >= 2 {
                 v.push(t0.elapsed().as_secs_f64() * 1000.0);
+                build.push((t1 - t0).as_secs_f64() * 1000.0);
+                launch.push((t2 - t1).as_secs_f64() * 1000.0);
             }
         }
+        host_ms.push(serde_json::json!({"step": what, "build_ms": round(median(build), 3), "launch_ms": round(median(launch), 3)}));
         Ok(round(median(v), 3))
     };
-    let decode_ms = timed(&mut || Ok(model.step(&mut [(&rows[..], &mut batch)], None)?))?;
+    let decode_ms = timed_parts("decode".into(), &mut || Ok(model.step(&mut [(&rows[..], &mut batch)], None)?))?;
     let prompt = random_prompt(a.burst_tokens, 5);
     let mut base = model.new_cache();
     let mut table = vec![];
@@ -157,11 +167,11 @@ fn ticks(model: &mut Model, a: &Args) -> Result<serde_json::Value> {
         for &n in &sizes {
             let chunk = &prompt[offset..offset + n];
             let mut caches = (0..14).map(|_| fresh()).collect::<Result<Vec<_>>>()?;
-            let fused_ms = timed(&mut || {
+            let fused_ms = timed_parts(format!("decode + {n} at {offset}"), &mut || {
                 let mut c = caches.pop().expect("one per run");
                 Ok(model.step(&mut [(&rows[..], &mut batch)], Some((chunk, &mut c)))?)
             })?;
-            let alone_ms = timed(&mut || {
+            let alone_ms = timed_parts(format!("{n} alone at {offset}"), &mut || {
                 let mut c = caches.pop().expect("one per run");
                 Ok(model.forward(&ids(chunk), &mut [&mut c], true)?)
             })?;
@@ -190,7 +200,7 @@ fn ticks(model: &mut Model, a: &Args) -> Result<serde_json::Value> {
     }
     let r = |v: &[f64]| v.iter().map(|&x| round(x, 3)).collect::<Vec<_>>();
     Ok(serde_json::json!({
-        "scenario": "ticks", "active_streams": a.active, "decode_ms": decode_ms, "ticks": table,
+        "scenario": "ticks", "active_streams": a.active, "decode_ms": decode_ms, "ticks": table, "host_ms": host_ms,
         "join_ms": r(&joins), "two_group_step_ms": r(&two_groups),
         "two_group_step_per_row_ms": r(&two_groups_per_row),
     }))
