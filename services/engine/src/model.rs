@@ -168,13 +168,19 @@ impl Attention {
         let off = cache.offset() as i32;
         let q = rope(&q, d, false, self.rope_theta, 1.0, off, None)?;
         let k = rope(&k, d, false, self.rope_theta, 1.0, off, None)?;
-        let (keys, values, mask) = cache.update(&k, &v)?;
-        let o = match &mask {
-            AttnMask::None => scaled_dot_product_attention(&q, &keys, &values, self.scale, None, None)?,
-            AttnMask::Causal => scaled_dot_product_attention(&q, &keys, &values, self.scale, ScaledDotProductAttentionMask::Causal, None)?,
-            AttnMask::Explicit(m) => scaled_dot_product_attention(&q, &keys, &values, self.scale, m, None)?,
-        };
+        let o = self.attend_cached(&q, &k, &v, cache)?;
         Ok(o.transpose_axes(&[0, 2, 1, 3])?.reshape(&[1, t, self.heads * d])?)
+    }
+
+    /// One sequence's new queries, keys and values [1, heads, t, d] (rotated): the keys and
+    /// values appended to its cache, the queries attending over what the cache returns.
+    fn attend_cached(&self, q: &Array, k: &Array, v: &Array, cache: &mut (dyn KvCache + 'static)) -> Result<Array> {
+        let (keys, values, mask) = cache.update(k, v)?;
+        Ok(match &mask {
+            AttnMask::None => scaled_dot_product_attention(q, &keys, &values, self.scale, None, None)?,
+            AttnMask::Causal => scaled_dot_product_attention(q, &keys, &values, self.scale, ScaledDotProductAttentionMask::Causal, None)?,
+            AttnMask::Explicit(m) => scaled_dot_product_attention(q, &keys, &values, self.scale, m, None)?,
+        })
     }
 }
 
@@ -206,7 +212,6 @@ struct GroupStep<'a> {
     kv: &'a mut [(Array, Array)],
     offset: i32,
     slots: i32,
-    positions: Array,
     write: Array,
     attend: GroupAttention,
 }
@@ -226,8 +231,6 @@ enum GroupAttention {
 struct RowStep<'a> {
     kernel: &'a RowAttention,
     plan: RowPlan,
-    /// Every decode slot's position, groups in order [slots] int32.
-    positions: Array,
     slots: i32,
 }
 
@@ -245,9 +248,9 @@ impl Attention {
         Ok((q, k, v))
     }
 
-    /// Attention output [b, heads, 1, d] back to rows [b, 1, heads * d].
-    fn rows_first(&self, o: &Array, b: i32) -> Result<Array> {
-        Ok(o.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, 1, self.heads * self.head_dim])?)
+    /// Attention output [b, heads, 1, d] as rows [b, 1, heads, d].
+    fn rows_first(&self, o: &Array) -> Result<Array> {
+        Ok(o.transpose_axes(&[0, 2, 1, 3])?)
     }
 
     /// One decode step for every row of every group: projections once over all rows, then per
@@ -265,17 +268,21 @@ impl Attention {
         layer: usize,
         groups: &mut [GroupStep<'_>],
         rows_step: Option<&RowStep<'_>>,
+        rotation: &Array,
         chunk: Option<(&mut (dyn KvCache + 'static), i32)>,
     ) -> Result<Array> {
         let d = self.head_dim;
+        let n = x.shape()[0];
         let qkv = self.qkv.forward(x)?;
+        // Every row's heads in one pass, each rotated at its own position (a chunk's rows at
+        // theirs): one rotation of the queries and one of the keys a layer.
+        let (q, k, v) = self.decode_heads(&qkv, n, rotation)?;
         let mut outs = Vec::with_capacity(groups.len() + 1);
         if let Some(rs) = rows_step {
-            // Every group's rows together: one projection split, one rotation, one attention
-            // launch; only the KV writes go group by group.
+            // Every group's rows together: one attention launch; only the KV writes go group
+            // by group.
             let b = rs.slots;
-            let rows = if x.shape()[0] == b { qkv.clone() } else { qkv.index(..b) };
-            let (q, k, v) = self.decode_heads(&rows, b, &rs.positions)?;
+            let (q, k, v) = if n == b { (q.clone(), k.clone(), v.clone()) } else { (q.index(..b), k.index(..b), v.index(..b)) };
             let single = groups.len() == 1;
             for g in groups.iter_mut() {
                 let span = g.offset..g.offset + g.slots;
@@ -285,11 +292,12 @@ impl Attention {
                 kv.1 = kv.1.put_along_axis(&g.write, &gv, 2)?;
             }
             let bufs: Vec<(&Array, &Array)> = groups.iter().map(|g| (&g.kv[layer].0, &g.kv[layer].1)).collect();
-            outs.push(self.rows_first(&rs.kernel.apply(&rs.plan, &q, &bufs)?, b)?);
+            outs.push(self.rows_first(&rs.kernel.apply(&rs.plan, &q, &bufs)?)?);
         } else {
             for g in groups.iter_mut() {
                 let b = g.slots;
-                let (q, k, v) = self.decode_heads(&qkv.index(g.offset..g.offset + b), b, &g.positions)?;
+                let span = g.offset..g.offset + b;
+                let (q, k, v) = (q.index(span.clone()), k.index(span.clone()), v.index(span));
                 let kv = &mut g.kv[layer];
                 kv.0 = kv.0.put_along_axis(&g.write, &k, 2)?;
                 kv.1 = kv.1.put_along_axis(&g.write, &v, 2)?;
@@ -312,18 +320,18 @@ impl Attention {
                         if parts.len() == 1 { parts.pop().expect("one") } else { concatenate(&parts, 0)? }
                     }
                 };
-                outs.push(self.rows_first(&o, b)?);
+                outs.push(self.rows_first(&o)?);
             }
         }
         if let Some((cache, t)) = chunk {
-            let rows = x.shape()[0];
-            // The chunk's rows as one sequence [1, t, ...].
-            let c = qkv.index(rows - t..).reshape(&[1, t, -1])?;
-            let o = self.attend_sequence(&c, cache)?;
-            outs.push(o.reshape(&[t, 1, self.heads * d])?);
+            // The chunk's rows as one sequence [1, heads, t, d] (views of the rows' heads), its
+            // output back as rows [t, 1, heads, d]: the concatenation below lays it out.
+            let seq = |a: &Array| a.index(n - t..).transpose_axes(&[2, 1, 0, 3]);
+            let o = self.attend_cached(&seq(&q)?, &seq(&k)?, &seq(&v)?, cache)?;
+            outs.push(o.transpose_axes(&[2, 0, 1, 3])?);
         }
         let o = if outs.len() == 1 { outs.pop().unwrap() } else { concatenate(&outs, 0)? };
-        self.o.forward(&o)
+        self.o.forward(&o.reshape(&[n, 1, self.heads * d])?)
     }
 }
 
@@ -574,15 +582,19 @@ impl Model {
                 let keys = mlx_rs::ops::arange::<i32, i32>(None, cap, None)?.reshape(&[1, 1, 1, cap])?;
                 GroupAttention::Masked(keys.lt(&positions.reshape(&[slots as i32, 1, 1, 1])?.add(Array::from_int(1))?)?)
             };
-            steps.push(GroupStep { kv: &mut batch.layers[..], offset, slots: slots as i32, positions, write, attend });
+            steps.push(GroupStep { kv: &mut batch.layers[..], offset, slots: slots as i32, write, attend });
         }
         let decode_slots = toks.len();
         let decode_rows = active.len();
-        let rows_step = self.row_attention.as_ref().filter(|_| decode_slots > 0).map(|kernel| {
-            // A slot's position is its length before this step's token (scratch slots 0).
-            let positions: Vec<i32> = keys.iter().map(|&k| k.saturating_sub(1) as i32).collect();
-            RowStep { kernel, plan: kernel.plan(&keys), positions: Array::from_slice(&positions, &[decode_slots as i32]), slots: decode_slots as i32 }
-        });
+        let rows_step = self
+            .row_attention
+            .as_ref()
+            .filter(|_| decode_slots > 0)
+            .map(|kernel| RowStep { kernel, plan: kernel.plan(&keys), slots: decode_slots as i32 });
+        // Where each row is rotated: a decode slot at its length before this step's token
+        // (scratch slots 0), then, in the chunk's layers, the chunk's positions.
+        let mut rotation: Vec<i32> = keys.iter().map(|&k| k.saturating_sub(1) as i32).collect();
+        let rotate_decode = Array::from_slice(&rotation, &[decode_slots as i32]);
         let mut chunk = chunk;
         let mut pad = 0;
         let n_layers = self.layers.len();
@@ -610,6 +622,11 @@ impl Model {
             }
         }
         let t = chunk.as_ref().map_or(0, |c| (c.tokens.len() + pad) as i32);
+        let rotate_all = chunk.as_ref().map(|c| {
+            let off = c.cache.layers[range.start].offset() as i32;
+            rotation.extend(off..off + t);
+            Array::from_slice(&rotation, &[rotation.len() as i32])
+        });
         if active.is_empty() {
             return Err(EngineError::InvalidRequest("decode: no rows".into()));
         }
@@ -649,7 +666,8 @@ impl Model {
                 x = concatenate(&[x, h], 0)?;
             }
             let part = chunk.as_mut().filter(|_| in_stage).map(|c| (&mut *c.cache.layers[li], t));
-            let h = layer.attn.forward_grouped(&rms_norm(&x, Some(&layer.input_norm), eps)?, li, &mut steps, rows_step.as_ref(), part)?;
+            let rotation = if in_stage { rotate_all.as_ref().expect("a chunk's layers") } else { &rotate_decode };
+            let h = layer.attn.forward_grouped(&rms_norm(&x, Some(&layer.input_norm), eps)?, li, &mut steps, rows_step.as_ref(), rotation, part)?;
             x = x.add(&h)?;
             let h = layer.mlp.forward(&rms_norm(&x, Some(&layer.post_norm), eps)?)?;
             x = x.add(&h)?;

@@ -143,3 +143,40 @@ fn a_decode_step_gives_the_same_logits_through_the_kernel() {
         toks = (0..toks.len()).map(|r| top(&b[r * vocab..(r + 1) * vocab])).collect();
     }
 }
+
+/// A step that carries a prefill chunk (its rows rotated with the decode rows', its attention
+/// over its own cache) gives the same logits, decode rows and chunk, through the kernel as
+/// through masked attention, chunk after chunk.
+#[test]
+#[ignore = "needs CUDA (run on the GPU machine)"]
+fn a_step_with_a_prefill_chunk_gives_the_same_logits_through_the_kernel() {
+    use llmq_engine::shapes::random_model;
+    let fast = random_model("smollm2", Dtype::Bfloat16, 7).unwrap();
+    let masked = random_model("smollm2", Dtype::Bfloat16, 7).unwrap().with_masked_decode_attention();
+    let lens = [5usize, 40, 300, 17];
+    let prompts: Vec<Vec<u32>> = lens.iter().map(|&n| (0..n as u32).map(|i| (i * 31 + n as u32) % 1000 + 1).collect()).collect();
+    let long: Vec<u32> = (0..1024u32).map(|i| (i * 17) % 1000 + 1).collect();
+    let mut state = vec![];
+    for model in [&fast, &masked] {
+        let mut batch = model.new_decode_batch().unwrap();
+        for p in &prompts {
+            let mut cache = model.new_cache();
+            let x = Array::from_slice(&p.iter().map(|&t| t as i32).collect::<Vec<_>>(), &[1, p.len() as i32]);
+            model.forward(&x, &mut [&mut cache], true).unwrap().eval().unwrap();
+            batch.join(&cache).unwrap();
+        }
+        state.push((batch, model.new_cache()));
+    }
+    let toks: Vec<u32> = vec![1; prompts.len()];
+    for (step, chunk) in long.chunks(256).enumerate() {
+        let mut out = vec![];
+        for (model, (batch, cache)) in [&fast, &masked].into_iter().zip(state.iter_mut()) {
+            out.push(host(&model.step(&mut [(&toks[..], batch)], Some((chunk, cache))).unwrap()));
+        }
+        let (a, b) = (&out[0], &out[1]);
+        assert_eq!(a.len(), b.len());
+        let d = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+        let scale = b.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+        assert!(d <= 0.02 * scale.max(1.0), "step {step}: max |diff| {d} (logits up to {scale})");
+    }
+}
