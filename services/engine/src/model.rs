@@ -235,9 +235,10 @@ struct RowStep<'a> {
 }
 
 impl Attention {
-    /// Decode rows' queries, keys and values [b, heads, 1, d] from their fused projections
-    /// `rows` [b, 1, ...], each row rotated at its own position (`positions` [b] int32).
-    fn decode_heads(&self, rows: &Array, b: i32, positions: &Array) -> Result<(Array, Array, Array)> {
+    /// Rows' queries, keys and values [b, heads, 1, d] from their fused projections `rows`
+    /// [b, 1, ...] (a row: a decode slot's token or one of a prefill chunk's), each rotated at
+    /// its own position (`positions` [b] int32).
+    fn row_heads(&self, rows: &Array, b: i32, positions: &Array) -> Result<(Array, Array, Array)> {
         let d = self.head_dim;
         let (qe, ke) = (self.heads * d, (self.heads + self.kv_heads) * d);
         let q = heads_first(rows.index((.., .., ..qe)), b, 1, self.heads, d, self.q_norm.as_ref(), self.eps)?;
@@ -276,7 +277,7 @@ impl Attention {
         let qkv = self.qkv.forward(x)?;
         // Every row's heads in one pass, each rotated at its own position (a chunk's rows at
         // theirs): one rotation of the queries and one of the keys a layer.
-        let (q, k, v) = self.decode_heads(&qkv, n, rotation)?;
+        let (q, k, v) = self.row_heads(&qkv, n, rotation)?;
         let mut outs = Vec::with_capacity(groups.len() + 1);
         if let Some(rs) = rows_step {
             // Every group's rows together: one attention launch; only the KV writes go group
