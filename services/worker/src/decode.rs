@@ -570,6 +570,8 @@ impl DecodeActor {
             return Stepped { outs: ids.iter().map(|_| Err(e.clone())).collect(), chunk: chunk.map(|c| (Err(e.clone()), c.back())) };
         }
         let t1 = std::time::Instant::now();
+        // This delivery's own launch only (a step launched synchronously earlier set it too).
+        self.launched = (0.0, 0.0);
         // The chunk's outcome when its stage rode in the queued step; otherwise it is still to run.
         let mut folded = None;
         let mut alone = None;
@@ -609,7 +611,7 @@ impl DecodeActor {
             .collect();
         let chunk = folded.or_else(|| alone.map(|c| self.chunk_alone(c)));
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1000.0;
-        let (build, launch) = std::mem::take(&mut self.launched);
+        let (build, launch) = self.launched;
         self.parts = [ms(t1 - t0), ms(t2 - t1), build, launch, ms(t3 - t2), ms(t3.elapsed())];
         Stepped { outs, chunk }
     }
