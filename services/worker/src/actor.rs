@@ -307,22 +307,12 @@ pub fn warm_up_rows(max_batch: usize) -> Vec<usize> {
     rows
 }
 
-/// The sizes prefill chunks take beside decoding streams: those the tick budget chooses
-/// from, or the one fixed size.
-pub fn chunk_sizes(cfg: &SchedulerConfig) -> Vec<usize> {
-    if cfg.tick_budget > 0.0 {
-        crate::budget::ChunkSizer::sizes(cfg.min_prefill_chunk, cfg.prefill_chunk)
-    } else {
-        vec![cfg.prefill_chunk]
-    }
-}
-
 /// The warm-up's dummy requests, through a private scheduler and `engine`, to their end.
 async fn warm_up<E: WorkerEngine>(engine: &mut E, cfg: SchedulerConfig, w: WarmUp) -> Result<(), String> {
     // Chunks of a fixed size per round (the tick budget's choices depend on measured times).
     let fixed = |size: usize| SchedulerConfig { prefill_chunk: size, tick_budget: 0.0, ..cfg.clone() };
     let mut s = Scheduler::new(fixed(cfg.prefill_chunk));
-    let sizes = chunk_sizes(&cfg);
+    let sizes = cfg.chunk_sizes();
     let context = engine.context_tokens().saturating_sub(8);
     let fits = (cfg.kv_budget_bytes / engine.kv_bytes_per_token().max(1)) as usize;
     let short = 16.min(context / 4).max(1);

@@ -79,6 +79,18 @@ impl Default for SchedulerConfig {
     }
 }
 
+impl SchedulerConfig {
+    /// The sizes prefill chunks take beside decoding streams: those the tick budget chooses
+    /// from, or the one fixed size.
+    pub fn chunk_sizes(&self) -> Vec<usize> {
+        if self.tick_budget > 0.0 {
+            ChunkSizer::sizes(self.min_prefill_chunk, self.prefill_chunk)
+        } else {
+            vec![self.prefill_chunk]
+        }
+    }
+}
+
 /// What one decode step or the end of a prefill produced for one sequence.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct StepOut {

@@ -109,7 +109,7 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
         let _ = ready_tx.send(loaded.map(|m| {
             // Whole chunks, of every size the tick budget grants, are never padded.
             let mut model = m.model;
-            let mut sizes = crate::actor::chunk_sizes(&cfg);
+            let mut sizes = cfg.chunk_sizes();
             sizes.push(cfg.idle_prefill_chunk);
             model.fit_chunk_grid(&sizes);
             let opts = EngineOptions { decode_ahead, prefix: prefix.enabled.then_some((prefix.block_tokens, prefix_max)), chunk_stages };
