@@ -595,7 +595,6 @@ impl Model {
         // Where each row is rotated: a decode slot at its length before this step's token
         // (scratch slots 0), then, in the chunk's layers, the chunk's positions.
         let mut rotation: Vec<i32> = keys.iter().map(|&k| k.saturating_sub(1) as i32).collect();
-        let rotate_decode = Array::from_slice(&rotation, &[decode_slots as i32]);
         let mut chunk = chunk;
         let mut pad = 0;
         let n_layers = self.layers.len();
@@ -623,6 +622,9 @@ impl Model {
             }
         }
         let t = chunk.as_ref().map_or(0, |c| (c.tokens.len() + pad) as i32);
+        // The decode rows alone, for the layers outside the chunk's stage (all of them without a
+        // chunk).
+        let rotate_decode = (range != (0..n_layers)).then(|| Array::from_slice(&rotation, &[decode_slots as i32]));
         let rotate_all = chunk.as_ref().map(|c| {
             let off = c.cache.layers[range.start].offset() as i32;
             rotation.extend(off..off + t);
@@ -667,7 +669,7 @@ impl Model {
                 x = concatenate(&[x, h], 0)?;
             }
             let part = chunk.as_mut().filter(|_| in_stage).map(|c| (&mut *c.cache.layers[li], t));
-            let rotation = if in_stage { rotate_all.as_ref().expect("a chunk's layers") } else { &rotate_decode };
+            let rotation = if in_stage { rotate_all.as_ref() } else { rotate_decode.as_ref() }.expect("built for these layers");
             let h = layer.attn.forward_grouped(&rms_norm(&x, Some(&layer.input_norm), eps)?, li, &mut steps, rows_step.as_ref(), rotation, part)?;
             x = x.add(&h)?;
             let h = layer.mlp.forward(&rms_norm(&x, Some(&layer.post_norm), eps)?)?;
