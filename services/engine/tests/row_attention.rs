@@ -108,21 +108,16 @@ fn a_shape_it_does_not_cover_is_refused() {
 #[test]
 #[ignore = "needs CUDA (run on the GPU machine)"]
 fn a_decode_step_gives_the_same_logits_through_the_kernel() {
-    use llmq_engine::shapes::random_model;
-    let fast = random_model("smollm2", Dtype::Bfloat16, 7).unwrap();
-    let masked = random_model("smollm2", Dtype::Bfloat16, 7).unwrap().with_masked_decode_attention();
-    assert!(fast.uses_row_attention() && !masked.uses_row_attention());
+    let (fast, masked) = kernel_and_masked_models();
     let vocab = fast.config.vocab_size;
     let lens = [5usize, 40, 300, 17, 1500, 2600];
-    let prompts: Vec<Vec<u32>> = lens.iter().map(|&n| (0..n as u32).map(|i| (i * 31 + n as u32) % 1000 + 1).collect()).collect();
+    let prompts: Vec<Vec<u32>> = lens.iter().map(|&n| prompt(n)).collect();
     let mut batches = vec![];
     for model in [&fast, &masked] {
         let mut short = model.new_decode_batch().unwrap();
         let mut long = model.new_decode_batch().unwrap().with_per_row_attention(8);
         for p in &prompts {
-            let mut cache = model.new_cache();
-            let x = Array::from_slice(&p.iter().map(|&t| t as i32).collect::<Vec<_>>(), &[1, p.len() as i32]);
-            model.forward(&x, &mut [&mut cache], true).unwrap().eval().unwrap();
+            let cache = prefilled(model, p);
             if p.len() < 1000 { short.join(&cache).unwrap() } else { long.join(&cache).unwrap() };
         }
         batches.push((short, long));
@@ -135,13 +130,42 @@ fn a_decode_step_gives_the_same_logits_through_the_kernel() {
             let (a, b) = toks.split_at(split);
             out.push(host(&model.decode_groups(&mut [(a, short), (b, long)]).unwrap()));
         }
-        let (a, b) = (&out[0], &out[1]);
-        let d = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
-        let scale = b.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-        assert!(d <= 0.02 * scale.max(1.0), "step {step}: max |diff| {d} (logits up to {scale})");
+        let b = &out[1];
+        assert_close(&out[0], b, step);
         let top = |l: &[f32]| l.iter().enumerate().fold((0, f32::MIN), |m, (i, &x)| if x > m.1 { (i, x) } else { m }).0 as u32;
         toks = (0..toks.len()).map(|r| top(&b[r * vocab..(r + 1) * vocab])).collect();
     }
+}
+
+/// The same random-weight model of SmolLM2's shape (bf16) twice: through the row attention
+/// kernel, and with masked decode attention.
+fn kernel_and_masked_models() -> (llmq_engine::Model, llmq_engine::Model) {
+    use llmq_engine::shapes::random_model;
+    let fast = random_model("smollm2", Dtype::Bfloat16, 7).unwrap();
+    let masked = random_model("smollm2", Dtype::Bfloat16, 7).unwrap().with_masked_decode_attention();
+    assert!(fast.uses_row_attention() && !masked.uses_row_attention());
+    (fast, masked)
+}
+
+/// A deterministic prompt of `n` tokens.
+fn prompt(n: usize) -> Vec<u32> {
+    (0..n as u32).map(|i| (i * 31 + n as u32) % 1000 + 1).collect()
+}
+
+/// A sequence's cache after `model` prefilled `p` in one piece.
+fn prefilled(model: &llmq_engine::Model, p: &[u32]) -> llmq_engine::cache::SequenceCache {
+    let mut cache = model.new_cache();
+    let x = Array::from_slice(&p.iter().map(|&t| t as i32).collect::<Vec<_>>(), &[1, p.len() as i32]);
+    model.forward(&x, &mut [&mut cache], true).unwrap().eval().unwrap();
+    cache
+}
+
+/// Logits through the kernel (`a`) and through masked attention (`b`) agree to bf16 precision.
+fn assert_close(a: &[f32], b: &[f32], step: usize) {
+    assert_eq!(a.len(), b.len());
+    let d = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+    let scale = b.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+    assert!(d <= 0.02 * scale.max(1.0), "step {step}: max |diff| {d} (logits up to {scale})");
 }
 
 /// A step that carries a prefill chunk (its rows rotated with the decode rows', its attention
@@ -150,20 +174,14 @@ fn a_decode_step_gives_the_same_logits_through_the_kernel() {
 #[test]
 #[ignore = "needs CUDA (run on the GPU machine)"]
 fn a_step_with_a_prefill_chunk_gives_the_same_logits_through_the_kernel() {
-    use llmq_engine::shapes::random_model;
-    let fast = random_model("smollm2", Dtype::Bfloat16, 7).unwrap();
-    let masked = random_model("smollm2", Dtype::Bfloat16, 7).unwrap().with_masked_decode_attention();
-    let lens = [5usize, 40, 300, 17];
-    let prompts: Vec<Vec<u32>> = lens.iter().map(|&n| (0..n as u32).map(|i| (i * 31 + n as u32) % 1000 + 1).collect()).collect();
+    let (fast, masked) = kernel_and_masked_models();
+    let prompts: Vec<Vec<u32>> = [5usize, 40, 300, 17].iter().map(|&n| prompt(n)).collect();
     let long: Vec<u32> = (0..1024u32).map(|i| (i * 17) % 1000 + 1).collect();
     let mut state = vec![];
     for model in [&fast, &masked] {
         let mut batch = model.new_decode_batch().unwrap();
         for p in &prompts {
-            let mut cache = model.new_cache();
-            let x = Array::from_slice(&p.iter().map(|&t| t as i32).collect::<Vec<_>>(), &[1, p.len() as i32]);
-            model.forward(&x, &mut [&mut cache], true).unwrap().eval().unwrap();
-            batch.join(&cache).unwrap();
+            batch.join(&prefilled(model, p)).unwrap();
         }
         state.push((batch, model.new_cache()));
     }
@@ -173,10 +191,6 @@ fn a_step_with_a_prefill_chunk_gives_the_same_logits_through_the_kernel() {
         for (model, (batch, cache)) in [&fast, &masked].into_iter().zip(state.iter_mut()) {
             out.push(host(&model.step(&mut [(&toks[..], batch)], Some((chunk, cache))).unwrap()));
         }
-        let (a, b) = (&out[0], &out[1]);
-        assert_eq!(a.len(), b.len());
-        let d = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
-        let scale = b.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-        assert!(d <= 0.02 * scale.max(1.0), "step {step}: max |diff| {d} (logits up to {scale})");
+        assert_close(&out[0], &out[1], step);
     }
 }
