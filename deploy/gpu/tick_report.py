@@ -37,8 +37,13 @@ for path in sys.argv[1:]:
     print(f"{path}: decode-only before burst median {D:.2f} ms (n={len(dec)})")
     for n, ds in sorted(by.items()):
         print(f"  chunk {n:5d}: n={len(ds):4d} median {st.median(ds):6.2f} p90 {pct(ds,0.9):6.2f} max {max(ds):6.2f}  ({max(ds)/D:.2f}x)")
+    # the longest intervals, each with the parts of the tick that started it
+    idx = {id(r): i for i, r in enumerate(rows)}
     top = sorted(burst, key=lambda x: -x[0])[:6]
-    print("  top:", "; ".join(f"{d:.1f}ms rows={r[2]} chunk={r[3]} done={r[4]}" for d, r in top))
+    for d, r in top:
+        p = parts[idx[id(r)]]
+        print(f"  top {d:6.1f}ms rows={r[2]} chunk={r[3]} done={r[4]} "
+              + " ".join(f"{n}={p[n]:.1f}" for n in ("join", "queue", "build", "launch", "wait", "rest") if n in p))
     # chunk tick by done offset bucket (size 256/128 both)
     buck = {}
     for d, r in burst:
