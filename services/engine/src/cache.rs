@@ -39,6 +39,12 @@ pub trait KvCache: Send {
     fn contents(&self) -> Option<(Array, Array)> {
         None
     }
+    /// The whole key and value buffers [1, kv_heads, capacity, head_dim], position i at
+    /// index i, for a kernel that reads them in place; None when positions are not laid out
+    /// that way (a sliding window) or nothing was written yet.
+    fn buffers(&self) -> Option<(Array, Array)> {
+        None
+    }
 }
 
 /// Grows geometrically (in whole steps) and writes new tokens in place: decode copies nothing
@@ -125,6 +131,10 @@ impl KvCache for StandardCache {
 
     fn nbytes(&self) -> usize {
         self.keys.as_ref().map_or(0, |k| k.nbytes()) + self.values.as_ref().map_or(0, |v| v.nbytes())
+    }
+
+    fn buffers(&self) -> Option<(Array, Array)> {
+        Some((self.keys.clone()?, self.values.clone()?))
     }
 
     fn contents(&self) -> Option<(Array, Array)> {

@@ -15,6 +15,7 @@ use crate::batch::DecodeBatch;
 use crate::cache::{AttnMask, KvCache, RotatingCache, SequenceCache, StandardCache};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
+use crate::chunk_attention::ChunkAttention;
 use crate::row_attention::{RowAttention, RowPlan};
 use crate::weights::Weights;
 
@@ -108,6 +109,8 @@ pub struct Model {
     chunk_grid: usize,
     /// Decode attention by row lengths (NVIDIA GPUs); None: masked attention.
     row_attention: Option<RowAttention>,
+    /// A prefill chunk's attention inside a decode step (NVIDIA GPUs, bf16); None: MLX's.
+    chunk_attention: Option<ChunkAttention>,
 }
 
 fn heads_first(x: Array, b: i32, t: i32, heads: i32, dim: i32, norm: Option<&Array>, eps: f32) -> Result<Array> {
@@ -176,10 +179,16 @@ impl Attention {
     /// values appended to its cache, the queries attending over what the cache returns.
     fn attend_cached(&self, q: &Array, k: &Array, v: &Array, cache: &mut (dyn KvCache + 'static)) -> Result<Array> {
         let (keys, values, mask) = cache.update(k, v)?;
-        Ok(match &mask {
-            AttnMask::None => scaled_dot_product_attention(q, &keys, &values, self.scale, None, None)?,
-            AttnMask::Causal => scaled_dot_product_attention(q, &keys, &values, self.scale, ScaledDotProductAttentionMask::Causal, None)?,
-            AttnMask::Explicit(m) => scaled_dot_product_attention(q, &keys, &values, self.scale, m, None)?,
+        self.attend(q, &keys, &values, &mask)
+    }
+
+    /// Queries [1, heads, t, d] over the keys and values a cache update returned, through
+    /// MLX's fused attention.
+    fn attend(&self, q: &Array, keys: &Array, values: &Array, mask: &AttnMask) -> Result<Array> {
+        Ok(match mask {
+            AttnMask::None => scaled_dot_product_attention(q, keys, values, self.scale, None, None)?,
+            AttnMask::Causal => scaled_dot_product_attention(q, keys, values, self.scale, ScaledDotProductAttentionMask::Causal, None)?,
+            AttnMask::Explicit(m) => scaled_dot_product_attention(q, keys, values, self.scale, m, None)?,
         })
     }
 }
@@ -271,6 +280,7 @@ impl Attention {
         rows_step: Option<&RowStep<'_>>,
         rotation: &Array,
         chunk: Option<(&mut (dyn KvCache + 'static), i32)>,
+        chunk_kernel: Option<&ChunkAttention>,
     ) -> Result<Array> {
         let d = self.head_dim;
         let n = x.shape()[0];
@@ -325,11 +335,18 @@ impl Attention {
             }
         }
         if let Some((cache, t)) = chunk {
-            // The chunk's rows as one sequence [1, heads, t, d] (views of the rows' heads), its
-            // output back as rows [t, 1, heads, d]: the concatenation below lays it out.
+            // The chunk's keys and values into its sequence's cache (as one sequence [1, heads,
+            // t, d], views of the rows' heads); its queries attend there through our kernel
+            // (rows in, rows out) where the cache lays its buffers out for it, else through
+            // MLX's. Its output, as rows [t, 1, heads, d], is laid out by the concatenation.
             let seq = |a: &Array| a.index(n - t..).transpose_axes(&[2, 1, 0, 3]);
-            let o = self.attend_cached(&seq(&q)?, &seq(&k)?, &seq(&v)?, cache)?;
-            outs.push(o.transpose_axes(&[2, 0, 1, 3])?);
+            let off = cache.offset();
+            let (keys, values, mask) = cache.update(&seq(&k)?, &seq(&v)?)?;
+            let o = match (chunk_kernel, cache.buffers()) {
+                (Some(kernel), Some((kb, vb))) => kernel.apply(&q.index(n - t..), &kb, &vb, off)?.transpose_axes(&[0, 2, 1, 3])?,
+                _ => self.attend(&seq(&q)?, &keys, &values, &mask)?.transpose_axes(&[2, 0, 1, 3])?,
+            };
+            outs.push(o);
         }
         let o = if outs.len() == 1 { outs.pop().unwrap() } else { concatenate(&outs, 0)? };
         self.o.forward(&o.reshape(&[n, 1, self.heads * d])?)
@@ -381,7 +398,9 @@ impl Model {
         let chunk_grid = if crate::on_gpu() && config.sliding_window.is_none() { GPU_CHUNK_GRID } else { 1 };
         let scale = layers.first().map_or(1.0, |l| l.attn.scale);
         let row_attention = RowAttention::new(c.num_heads as i32, c.num_kv_heads as i32, c.head_dim as i32, scale, dtype);
-        let model = Model { config, embed, layers, norm, lm_head_t, dtype, chunk_grid, row_attention };
+        let chunk_attention =
+            ChunkAttention::wanted().then(|| ChunkAttention::new(c.num_heads as i32, c.num_kv_heads as i32, c.head_dim as i32, scale, dtype)).flatten();
+        let model = Model { config, embed, layers, norm, lm_head_t, dtype, chunk_grid, row_attention, chunk_attention };
         mlx_rs::transforms::eval(model.parameters())?;
         Ok(model)
     }
@@ -430,16 +449,32 @@ impl Model {
         self
     }
 
-    /// The same model with its decode batches attending through masked attention even where
-    /// the row attention kernel would run (tests compare the two).
+    /// The same model attending through MLX's attention throughout (decode batches masked,
+    /// prefill chunks fused by MLX) even where our kernels would run (tests compare the two).
     pub fn with_masked_decode_attention(mut self) -> Self {
         self.row_attention = None;
+        self.chunk_attention = None;
         self
     }
 
     /// Whether decode batches attend through the row attention kernel.
     pub fn uses_row_attention(&self) -> bool {
         self.row_attention.is_some()
+    }
+
+    /// The same model with prefill chunks inside decode steps attending through the chunk
+    /// attention kernels where they can run (see `ChunkAttention::wanted` for why that is not
+    /// the default).
+    pub fn with_chunk_attention_kernel(mut self) -> Self {
+        let c = &self.config;
+        let scale = self.layers.first().map_or(1.0, |l| l.attn.scale);
+        self.chunk_attention = ChunkAttention::new(c.num_heads as i32, c.num_kv_heads as i32, c.head_dim as i32, scale, self.dtype);
+        self
+    }
+
+    /// Whether a prefill chunk inside a decode step attends through the chunk attention kernels.
+    pub fn uses_chunk_attention(&self) -> bool {
+        self.chunk_attention.is_some()
     }
 
     /// Shrinks the chunk grid to divide every one of `chunk_sizes`, so that chunks of those
@@ -670,7 +705,7 @@ impl Model {
             }
             let part = chunk.as_mut().filter(|_| in_stage).map(|c| (&mut *c.cache.layers[li], t));
             let rotation = if in_stage { rotate_all.as_ref() } else { rotate_decode.as_ref() }.expect("built for these layers");
-            let h = layer.attn.forward_grouped(&rms_norm(&x, Some(&layer.input_norm), eps)?, li, &mut steps, rows_step.as_ref(), rotation, part)?;
+            let h = layer.attn.forward_grouped(&rms_norm(&x, Some(&layer.input_norm), eps)?, li, &mut steps, rows_step.as_ref(), rotation, part, self.chunk_attention.as_ref())?;
             x = x.add(&h)?;
             let h = layer.mlp.forward(&rms_norm(&x, Some(&layer.post_norm), eps)?)?;
             x = x.add(&h)?;

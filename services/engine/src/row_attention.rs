@@ -198,7 +198,7 @@ fn select_group(groups: usize) -> String {
 }
 
 /// One custom kernel of MLX (compiled through NVRTC the first time it runs), freed on drop.
-struct Kernel(mlx_sys::mlx_fast_cuda_kernel);
+pub(crate) struct Kernel(mlx_sys::mlx_fast_cuda_kernel);
 
 // SAFETY: the handle is an immutable description of the kernel (its name, source and argument
 // names); applying it only reads it, and MLX serialises the resulting work on its stream.
@@ -257,11 +257,12 @@ impl Drop for Arrays {
 }
 
 impl Kernel {
-    fn new(name: &str, inputs: &[&str], outputs: &[&str], source: &str, header: &str) -> Result<Self, Exception> {
+    /// A kernel over `inputs` into `outputs`, with `shared_bytes` of dynamic shared memory.
+    pub(crate) fn new(name: &str, inputs: &[&str], outputs: &[&str], source: &str, header: &str, shared_bytes: i32) -> Result<Self, Exception> {
         let (name, source, header) = (c_string(name)?, c_string(source)?, c_string(header)?);
         let (inputs, outputs) = (Strings::new(inputs)?, Strings::new(outputs)?);
         let raw = unsafe {
-            mlx_sys::mlx_fast_cuda_kernel_new(name.as_ptr(), inputs.0, outputs.0, source.as_ptr(), header.as_ptr(), true, 0)
+            mlx_sys::mlx_fast_cuda_kernel_new(name.as_ptr(), inputs.0, outputs.0, source.as_ptr(), header.as_ptr(), true, shared_bytes)
         };
         if raw.ctx.is_null() {
             return Err(failed("creating the kernel"));
@@ -271,7 +272,7 @@ impl Kernel {
 
     /// Queues the kernel over `inputs` with `blocks` blocks of `threads` threads; `T` is
     /// `dtype`, and the integer template arguments are `ints`.
-    fn apply(&self, inputs: &[&Array], outputs: &[(&[i32], Dtype)], blocks: i32, threads: i32, dtype: Dtype, ints: &[(&str, i32)]) -> Result<Vec<Array>, Exception> {
+    pub(crate) fn apply(&self, inputs: &[&Array], outputs: &[(&[i32], Dtype)], blocks: i32, threads: i32, dtype: Dtype, ints: &[(&str, i32)]) -> Result<Vec<Array>, Exception> {
         let config = Config(unsafe { mlx_sys::mlx_fast_cuda_kernel_config_new() });
         if config.0.ctx.is_null() {
             return Err(failed("creating a launch configuration"));
@@ -366,9 +367,9 @@ impl RowAttention {
             let inputs: Vec<&str> = inputs.iter().map(|s| s.as_str()).collect();
             let body = ACCUMULATE.replace("@SELECT@", &select_group(MAX_GROUPS));
             let r = RowAttention {
-                whole: Kernel::new("llmq_row_attention", &inputs, &["out"], &format!("{body}{WHOLE}"), &header)?,
-                split: Kernel::new("llmq_row_attention_split", &inputs, &["part", "stats"], &format!("{body}{SPLIT}"), &header)?,
-                merge: Kernel::new("llmq_row_attention_merge", &["part", "stats", "spans"], &["out"], MERGE, "")?,
+                whole: Kernel::new("llmq_row_attention", &inputs, &["out"], &format!("{body}{WHOLE}"), &header, 0)?,
+                split: Kernel::new("llmq_row_attention_split", &inputs, &["part", "stats"], &format!("{body}{SPLIT}"), &header, 0)?,
+                merge: Kernel::new("llmq_row_attention_merge", &["part", "stats", "spans"], &["out"], MERGE, "", 0)?,
                 spare: mlx_rs::ops::zeros_dtype(&[1, kv_heads, 1, head_dim], dtype)?,
                 heads,
                 kv_heads,

@@ -137,13 +137,14 @@ fn a_decode_step_gives_the_same_logits_through_the_kernel() {
     }
 }
 
-/// The same random-weight model of SmolLM2's shape (bf16) twice: through the row attention
-/// kernel, and with masked decode attention.
+/// The same random-weight model of SmolLM2's shape (bf16) twice: through our attention
+/// kernels (decode rows and prefill chunks), and through MLX's attention throughout.
 fn kernel_and_masked_models() -> (llmq_engine::Model, llmq_engine::Model) {
     use llmq_engine::shapes::random_model;
-    let fast = random_model("smollm2", Dtype::Bfloat16, 7).unwrap();
+    let fast = random_model("smollm2", Dtype::Bfloat16, 7).unwrap().with_chunk_attention_kernel();
     let masked = random_model("smollm2", Dtype::Bfloat16, 7).unwrap().with_masked_decode_attention();
     assert!(fast.uses_row_attention() && !masked.uses_row_attention());
+    assert!(fast.uses_chunk_attention() && !masked.uses_chunk_attention());
     (fast, masked)
 }
 
