@@ -43,9 +43,13 @@ pub struct Args {
     /// burst: tokens of each burst prompt.
     #[arg(long, default_value_t = 8192)]
     burst_tokens: usize,
-    /// Prefill chunk granted per decode tick.
+    /// Prefill tokens granted per decode tick (`scheduler.prefill_chunk_tokens`).
     #[arg(long, default_value_t = 256)]
     chunk: usize,
+    /// Ticks a chunk's layers are spread over (`scheduler.prefill_chunk_stages`; default: the
+    /// worker's, 4 on a GPU and 1 on a CPU).
+    #[arg(long)]
+    stages: Option<usize>,
     /// The synchronous baseline: prefill whole prompts at once, even while streams decode.
     #[arg(long)]
     no_interleave: bool,
@@ -219,6 +223,9 @@ fn through_nats(a: &Args) -> Result<serde_json::Value> {
     if let Some(b) = a.kv_budget_bytes {
         worker_env.push(("LLMQ__SCHEDULER__KV_BUDGET_BYTES".to_string(), b.to_string()));
     }
+    if let Some(n) = a.stages {
+        worker_env.push(("LLMQ__SCHEDULER__PREFILL_CHUNK_STAGES".to_string(), n.to_string()));
+    }
     worker_env.push(("LLMQ__SCHEDULER__MAX_BATCH".to_string(), a.streams.max(a.active + a.burst).to_string()));
     worker_env.push(("LLMQ__WORKER__MAX_QUEUED".to_string(), (2 * a.streams.max(a.active + a.burst)).to_string()));
     let knobs = crate::bench_nats::Knobs {
@@ -243,6 +250,7 @@ fn through_nats(a: &Args) -> Result<serde_json::Value> {
     let key = if a.random_weights.is_some() { "shape" } else { "model" };
     obj.insert(key.into(), a.random_weights.clone().or(a.model.clone()).into());
     obj.insert("engine".into(), "llmq".into());
+    obj.insert("prefill_stages".into(), a.stages.map_or_else(|| "worker default".into(), serde_json::Value::from));
     Ok(v)
 }
 

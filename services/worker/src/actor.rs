@@ -317,9 +317,12 @@ async fn warm_up<E: WorkerEngine>(engine: &mut E, cfg: SchedulerConfig, w: WarmU
     let fits = (cfg.kv_budget_bytes / engine.kv_bytes_per_token().max(1)) as usize;
     let short = 16.min(context / 4).max(1);
     let most_rows = w.rows.iter().copied().max().unwrap_or(1).clamp(1, cfg.max_batch.saturating_sub(2).max(1));
+    // Ticks of one long prefill in chunks of `size` beside decoding rows (a chunk may take
+    // several: its stages).
+    let ticks = |engine: &E, size: usize, tokens: usize| tokens.div_ceil(size.max(1)) * engine.chunk_ticks(size);
     // The short ones' reservations, at most (their outputs last two long prefills in the
-    // smallest chunks).
-    let most_chunks = w.tokens.div_ceil(sizes[0].max(1));
+    // chunks that take the most ticks).
+    let most_chunks = sizes.iter().map(|&size| ticks(engine, size, w.tokens)).max().unwrap_or(1);
     let short_room = most_rows * (short + 2 * most_chunks + 8 + most_rows);
     let long = w.tokens.min(context).min(fits.saturating_sub(short_room) * 3 / 8).max(1);
     // MLX plans kernels, cuDNN attention and matrix products once per shape, tens of ms each on
@@ -339,7 +342,7 @@ async fn warm_up<E: WorkerEngine>(engine: &mut E, cfg: SchedulerConfig, w: WarmU
     let mut phases: Vec<(Vec<(usize, usize)>, bool, usize)> = vec![(vec![(long, 1)], false, cfg.prefill_chunk)];
     for (size, n) in rounds {
         let n = n.clamp(1, most_rows);
-        let chunks = long.div_ceil(size.max(1));
+        let chunks = ticks(engine, size, long);
         phases.push((vec![(short, out(2 * chunks + 8 + n)); n], true, size));
         phases.push((vec![(long, out(chunks + 4)), (long, 4)], false, size));
     }

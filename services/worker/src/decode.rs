@@ -42,6 +42,14 @@ const PER_ROW_UP_TO: usize = 8;
 /// Steps slower than this are logged at debug level (with their parts), to find stalls.
 const SLOW_MS: f64 = 80.0;
 
+/// Steps a prefill chunk of `n` tokens is spread over while rows decode: one per
+/// `stage_tokens` of it, at most `stages`. Each step then carries about `stage_tokens` tokens'
+/// worth of prefill work through the whole model, whatever the chunk's length: a short chunk
+/// (a short prompt, or a long one's end) is not held back for stages it does not need.
+pub fn stages_for(n: usize, stage_tokens: usize, stages: usize) -> usize {
+    n.div_ceil(stage_tokens.max(1)).clamp(1, stages.max(1))
+}
+
 fn group_of(len: usize) -> usize {
     GROUP_BOUNDS.iter().position(|&b| len < b).unwrap_or(GROUP_BOUNDS.len() - 1)
 }
@@ -70,9 +78,10 @@ pub struct DecodeActor {
     /// Requests dropped by a restart after a panic, with its message, until released: their
     /// steps fail with it while the other rows go on.
     lost: HashMap<ReqId, String>,
-    /// Steps a chunk's layers are spread over while rows decode (1: a chunk runs through every
-    /// layer in one step).
+    /// Steps a chunk's layers are spread over at most while rows decode (1: a chunk runs
+    /// through every layer in one step), and a chunk's tokens per step (`stages_for`).
     stages: usize,
+    stage_tokens: usize,
     /// The chunk part-way through the model, between two of its stages.
     staged: Option<InFlight>,
     /// Stages that left their chunk part-way (for tests and the tick log).
@@ -203,13 +212,15 @@ fn launch_step(
 }
 
 impl DecodeActor {
-    /// `stages`: steps a chunk's layers are spread over while rows decode (1: none).
-    pub fn new(shared: Shared, cache: Addr<CacheActor>, decode_ahead: bool, stages: usize) -> Self {
+    /// `stages`: steps a chunk's layers are spread over at most while rows decode (1: none);
+    /// `stage_tokens`: a chunk's tokens per step (see `stages_for`).
+    pub fn new(shared: Shared, cache: Addr<CacheActor>, decode_ahead: bool, stages: usize, stage_tokens: usize) -> Self {
         let batches = new_batches(&shared.model);
         // Sliding-window models decode row by row: their chunks run whole.
         let stages = if batches.is_some() { stages.clamp(1, shared.model.num_layers().max(1)) } else { 1 };
         DecodeActor {
             stages,
+            stage_tokens: stage_tokens.max(1),
             staged: None,
             stages_pending: 0,
             batches,
@@ -380,11 +391,11 @@ impl DecodeActor {
         }
     }
 
-    /// Where the stage of `c` that runs in a step ends: a share of the layers while rows
-    /// decode, every remaining layer otherwise.
+    /// Where the stage of `c` that runs in a step ends: while rows decode, a share of the
+    /// layers (see `stages_for`), every remaining layer otherwise.
     fn stage_end(&self, c: &InFlight, rows: bool) -> usize {
         let layers = self.shared.model.num_layers();
-        if rows { (c.next + layers.div_ceil(self.stages)).min(layers) } else { layers }
+        if rows { (c.next + layers.div_ceil(stages_for(c.lent.n, self.stage_tokens, self.stages))).min(layers) } else { layers }
     }
 
     /// A chunk's stage is done (its work queued or run; `logits`: the chunk's last position's,
@@ -752,5 +763,23 @@ impl Handler<ResetCounters> for DecodeActor {
         self.chunks_ahead = (0, 0);
         self.stages_pending = 0;
         MessageResult(self.reply(()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::stages_for;
+
+    #[test]
+    fn a_chunk_takes_one_stage_per_stage_tokens_up_to_the_most() {
+        // 1024-token chunks in up to 4 stages of 256 tokens' work (a GPU's default).
+        assert_eq!(stages_for(1024, 256, 4), 4);
+        assert_eq!(stages_for(512, 256, 4), 2, "a 512-token prompt: two ticks, not four");
+        assert_eq!(stages_for(257, 256, 4), 2);
+        assert_eq!(stages_for(100, 256, 4), 1);
+        assert_eq!(stages_for(1, 256, 4), 1);
+        assert_eq!(stages_for(4096, 256, 4), 4, "never more than the most");
+        assert_eq!(stages_for(1024, 256, 1), 1);
+        assert_eq!(stages_for(7, 0, 3), 3, "0 tokens a stage counts as 1");
     }
 }

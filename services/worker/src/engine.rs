@@ -35,14 +35,16 @@ pub struct EngineOptions {
     pub decode_ahead: bool,
     /// The prefix cache: tokens per index block and the most bytes it may hold; None: off.
     pub prefix: Option<(usize, u64)>,
-    /// Steps a prefill chunk's layers are spread over while streams decode (1: every layer of
-    /// a chunk in one step).
+    /// Steps a prefill chunk's layers are spread over at most while streams decode (1: every
+    /// layer of a chunk in one step), and a chunk's tokens per step: a chunk of n tokens is
+    /// spread over n / `stage_tokens` steps, rounded up, at most `chunk_stages`.
     pub chunk_stages: usize,
+    pub stage_tokens: usize,
 }
 
 impl Default for EngineOptions {
     fn default() -> Self {
-        EngineOptions { decode_ahead: true, prefix: None, chunk_stages: 1 }
+        EngineOptions { decode_ahead: true, prefix: None, chunk_stages: 1, stage_tokens: 256 }
     }
 }
 
@@ -56,6 +58,8 @@ pub struct ActorEngine {
     reports: [Report; 3],
     /// The request whose chunk the decode actor has part-way through the model.
     staged: Option<ReqId>,
+    /// `EngineOptions::chunk_stages` and `stage_tokens`.
+    stages: (usize, usize),
 }
 
 const PREFILL: usize = 0;
@@ -77,8 +81,9 @@ impl ActorEngine {
         let cache = CacheActor::new(opts.prefix.map(|(block, max)| (block, model.chunk_grid(), max))).start();
         let shared = Shared { model: std::rc::Rc::new(model), tokenizer: tokenizer.map(std::rc::Rc::new) };
         let prefill = PrefillActor::new(shared.clone(), cache.clone()).start();
-        let decode = DecodeActor::new(shared, cache.clone(), opts.decode_ahead, opts.chunk_stages).start();
-        ActorEngine { prefill, decode, cache, kv_bytes_per_token, context_tokens, reports: Default::default(), staged: None }
+        let decode = DecodeActor::new(shared, cache.clone(), opts.decode_ahead, opts.chunk_stages, opts.stage_tokens).start();
+        let stages = (opts.chunk_stages, opts.stage_tokens);
+        ActorEngine { prefill, decode, cache, kv_bytes_per_token, context_tokens, reports: Default::default(), staged: None, stages }
     }
 
     /// An answer's value, its report noted; a lost actor gives `lost`.
@@ -227,6 +232,10 @@ impl WorkerEngine for ActorEngine {
 
     fn context_tokens(&self) -> usize {
         self.context_tokens
+    }
+
+    fn chunk_ticks(&self, n: usize) -> usize {
+        decode::stages_for(n, self.stages.1, self.stages.0)
     }
 
     /// Milliseconds of work in the three actors since start: prefill and decode calls, and the

@@ -5,7 +5,9 @@
 //!    request's prompt is looked up in the prefix cache and its prefill starts after the reused
 //!    tokens;
 //! 3. exactly one prefill chunk is chosen, for one request: `prefill_chunk` tokens while
-//!    anything decodes, `idle_prefill_chunk` when nothing does (the idle fast path); a chunk
+//!    anything decodes (ending on a multiple of `prefill_chunk`, so a prefix hit off that grid
+//!    is first brought back onto it), `idle_prefill_chunk` when nothing does (the idle fast
+//!    path); a chunk
 //!    the engine has part-way through (its layers spread over ticks: `Prefilled::Pending`) is
 //!    granted again until it is done; with a `tick_budget`, a chunk beside decoding streams is
 //!    sized to it from measured tick times instead (`budget`);
@@ -179,6 +181,11 @@ pub trait WorkerEngine: EngineOps {
     async fn reset(&mut self);
     fn kv_bytes_per_token(&self) -> u64;
     fn kv_bytes_in_use(&self) -> u64;
+    /// Ticks a prefill chunk of `n` tokens takes beside decoding rows (an engine that spreads
+    /// a chunk's layers over steps takes more than one).
+    fn chunk_ticks(&self, _n: usize) -> usize {
+        1
+    }
     fn context_tokens(&self) -> usize;
     /// Milliseconds inside the engine since start: prefill and decode calls, and the KV
     /// bookkeeping of admissions, releases and prefix-cache trims.
@@ -442,7 +449,10 @@ impl Scheduler {
             } else if self.sizer.enabled() {
                 self.sizer.size(self.reqs[&id].prefilled, remaining)
             } else {
-                remaining.min(self.cfg.prefill_chunk)
+                // On the grid of its own size: a chunk after a prefix hit off that grid first
+                // brings the prompt back onto it, so a GPU meets the shapes it planned at warm-up.
+                let at = self.reqs[&id].prefilled % self.cfg.prefill_chunk.max(1);
+                remaining.min(self.cfg.prefill_chunk - at)
             };
             (id, n)
         }));

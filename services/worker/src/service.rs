@@ -51,10 +51,12 @@ fn nats_err(e: impl std::fmt::Display) -> WorkerError {
 }
 
 
-pub fn scheduler_config(s: &Settings) -> SchedulerConfig {
+/// The scheduler's settings for a worker on a GPU (`gpu`) or a CPU: a chunk granted beside
+/// decoding streams spans its stages (`SchedulerSettings::chunk_tokens`).
+pub fn scheduler_config(s: &Settings, gpu: bool) -> SchedulerConfig {
     let c = &s.scheduler;
     SchedulerConfig {
-        prefill_chunk: c.prefill_chunk_tokens,
+        prefill_chunk: c.chunk_tokens(gpu),
         idle_prefill_chunk: c.idle_prefill_chunk_tokens,
         max_batch: c.max_batch,
         kv_budget_bytes: c.kv_budget_bytes,
@@ -92,10 +94,12 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
     let (out_tx, mut out_rx) = mpsc::unbounded_channel::<Outbound>();
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<Addr<SchedulerActor<ActorEngine>>, String>>();
     let device = Arbiter::new();
-    let cfg = scheduler_config(&settings);
+    let gpu = llmq_engine::on_gpu();
+    let cfg = scheduler_config(&settings, gpu);
+    let cfg_chunk = cfg.prefill_chunk;
     let prefix = settings.prefix_cache.clone();
     let decode_ahead = settings.scheduler.decode_ahead;
-    let chunk_stages = settings.scheduler.prefill_chunk_stages;
+    let (chunk_stages, stage_tokens) = (settings.scheduler.chunk_stages(gpu), settings.scheduler.prefill_chunk_tokens);
     let prefix_max = if prefix.max_bytes == 0 { cfg.kv_budget_bytes } else { prefix.max_bytes.min(cfg.kv_budget_bytes) };
     let (wid, mname, model_ref, dtype) =
         (worker_id.clone(), model_name.clone(), settings.worker.model.clone(), settings.worker.dtype.clone());
@@ -112,7 +116,7 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
             let mut sizes = cfg.chunk_sizes();
             sizes.push(cfg.idle_prefill_chunk);
             model.fit_chunk_grid(&sizes);
-            let opts = EngineOptions { decode_ahead, prefix: prefix.enabled.then_some((prefix.block_tokens, prefix_max)), chunk_stages };
+            let opts = EngineOptions { decode_ahead, prefix: prefix.enabled.then_some((prefix.block_tokens, prefix_max)), chunk_stages, stage_tokens };
             let engine = ActorEngine::start(model, m.tokenizer, opts);
             SchedulerActor::new(engine, cfg, out_tx, wid, mname).with_status_snapshot(snapshot).start()
         }));
@@ -145,10 +149,10 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
     // (each new size's first chunk costs 100+ ms there), in one round for every size of the
     // decode batch (a step's shapes follow it); on a CPU one round of a short one is enough (it
     // runs three long prompts: about 6 s of SmolLM2 at 261 tokens on a 2-core CPU).
-    let (default_tokens, rows) = if llmq_engine::on_gpu() {
+    let (default_tokens, rows) = if gpu {
         (GPU_WARM_UP_TOKENS, crate::actor::warm_up_rows(settings.scheduler.max_batch))
     } else {
-        (settings.scheduler.prefill_chunk_tokens + 5, vec![1])
+        (cfg_chunk + 5, vec![1])
     };
     let warm_up = settings.worker.warm_up_tokens.unwrap_or(default_tokens);
     if warm_up > 0 {

@@ -202,3 +202,110 @@ fn a_panicking_role_actor_fails_its_own_requests_and_the_rest_go_on() {
         assert_eq!((s.kv_bytes_used, s.active_streams, s.queued_requests), (0, 0, 0), "{s:?}");
     });
 }
+
+/// Like a decode actor that spreads a chunk's layers over `ticks` steps while rows decode: a
+/// chunk beside decode rows is `Pending` until its last step. Logs each step as the prompt
+/// lengths of its decode rows and of its chunk's request.
+#[derive(Default)]
+struct Staged {
+    ticks: usize,
+    prompt: HashMap<ReqId, usize>,
+    max: HashMap<ReqId, usize>,
+    made: HashMap<ReqId, usize>,
+    done: HashMap<ReqId, usize>,
+    stage: usize,
+    log: std::sync::Arc<std::sync::Mutex<Vec<(Vec<usize>, Option<usize>)>>>,
+}
+
+impl EngineOps for Staged {
+    async fn prefill(&mut self, id: ReqId, n: usize) -> Result<Option<StepOut>, WireError> {
+        let done = self.done.entry(id).or_default();
+        *done += n;
+        if *done < self.prompt[&id] {
+            return Ok(None);
+        }
+        let made = self.made.entry(id).or_default();
+        *made += 1;
+        let finished = (*made >= self.max[&id]).then_some(FinishReason::Length);
+        Ok(Some(StepOut { ids: vec![1], text: "x".into(), logprobs: vec![], finished }))
+    }
+    async fn decode(&mut self, ids: &[ReqId]) -> Vec<Result<StepOut, WireError>> {
+        ids.iter()
+            .map(|&id| {
+                let made = self.made.entry(id).or_default();
+                *made += 1;
+                let finished = (*made >= self.max[&id]).then_some(FinishReason::Length);
+                Ok(StepOut { ids: vec![1], text: "x".into(), logprobs: vec![], finished })
+            })
+            .collect()
+    }
+    async fn step(&mut self, decode: &[ReqId], prefill: Option<(ReqId, usize)>) -> (Vec<Result<StepOut, WireError>>, Option<PrefillResult>) {
+        let rows = decode.iter().map(|id| self.prompt[id]).collect();
+        self.log.lock().unwrap().push((rows, prefill.map(|(id, _)| self.prompt[&id])));
+        if prefill.is_some() && !decode.is_empty() {
+            self.stage += 1;
+            if self.stage < self.ticks {
+                return (self.decode(decode).await, Some(Ok(Prefilled::Pending)));
+            }
+            self.stage = 0;
+        }
+        step_separately(self, decode, prefill).await
+    }
+    async fn release(&mut self, ids: &[ReqId]) {
+        for id in ids {
+            self.prompt.remove(id);
+        }
+    }
+}
+
+impl WorkerEngine for Staged {
+    async fn register(&mut self, id: ReqId, prompt: Vec<u32>, _s: SamplingParams, stop: StopParams, _salt: Option<String>) -> Result<(), WireError> {
+        self.prompt.insert(id, prompt.len());
+        self.max.insert(id, stop.max_tokens);
+        Ok(())
+    }
+    async fn reset(&mut self) {}
+    fn kv_bytes_per_token(&self) -> u64 {
+        1
+    }
+    fn kv_bytes_in_use(&self) -> u64 {
+        0
+    }
+    fn context_tokens(&self) -> usize {
+        4096
+    }
+    fn chunk_ticks(&self, _n: usize) -> usize {
+        self.ticks
+    }
+    fn engine_ms(&self) -> f64 {
+        0.0
+    }
+    fn call_times(&self) -> (u64, f64, u64, f64) {
+        (0, 0.0, 0, 0.0)
+    }
+}
+
+/// With chunks that take several ticks each, the warm-up's short requests still decode beside
+/// every chunk of both long prompts, and the first long prompt decodes beside the second's
+/// first chunk: the steps a burst meets have all run (an H200 otherwise paid 30-40 ms for the
+/// first of them in a burst; RESULTS.md, "Eleventh session").
+#[test]
+fn the_warm_up_keeps_short_rows_decoding_through_long_prefills_in_staged_chunks() {
+    actix::System::new().block_on(async {
+        let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
+        let engine = Staged { ticks: 4, ..Default::default() };
+        let log = engine.log.clone();
+        let cfg = SchedulerConfig { prefill_chunk: 16, kv_budget_bytes: 1 << 30, ..Default::default() };
+        let addr = SchedulerActor::new(engine, cfg, tx, "w".into(), "fake".into()).start();
+        addr.send(llmq_worker::actor::WarmUp { tokens: 64, rows: vec![1, 3] }).await.unwrap().unwrap();
+        let log = log.lock().unwrap();
+        let (long, short) = (64, 16);
+        let beside_rows: Vec<&(Vec<usize>, Option<usize>)> = log.iter().filter(|(rows, chunk)| *chunk == Some(long) && !rows.is_empty()).collect();
+        assert_eq!(beside_rows.len(), 2 * 2 * 4 * 4, "two rounds of two long prompts, four chunks of four ticks each");
+        for (rows, _) in &beside_rows {
+            assert!(rows.contains(&short), "a long prompt's chunk with no short row decoding: {rows:?}");
+        }
+        let with_both = beside_rows.iter().filter(|(rows, _)| rows.contains(&long) && rows.contains(&short)).count();
+        assert_eq!(with_both, 2 * 4 * 4, "the first long prompt decodes beside every tick of the second's chunks");
+    });
+}

@@ -42,7 +42,8 @@ fn chunked_interleaved_prefill_gives_the_same_greedy_tokens() {
     {
       actix::System::new().block_on(async {
         let fresh = load_model(&resolve_model("smollm2").unwrap(), Dtype::Float32).unwrap();
-        let opts = EngineOptions { decode_ahead: ahead, prefix: None, chunk_stages: stages };
+        // Chunks of 7 tokens: with `stages` stages, 7 / stages tokens (rounded up) a step.
+        let opts = EngineOptions { decode_ahead: ahead, prefix: None, chunk_stages: stages, stage_tokens: 7usize.div_ceil(stages) };
         let mut engine = ActorEngine::start(fresh.model.with_chunk_grid(grid), fresh.tokenizer, opts);
         let bpt = engine.kv_bytes_per_token();
         let mut s = Scheduler::new(SchedulerConfig {

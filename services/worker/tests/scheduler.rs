@@ -27,6 +27,8 @@ struct FakeEngine {
     stage: Option<(ReqId, usize)>,
     /// Every chunk granted beside decode rows, with whether it was still pending after.
     grants: Vec<(ReqId, usize, bool)>,
+    /// Prompt tokens a request finds in the prefix cache at admission.
+    cached: HashMap<ReqId, usize>,
 }
 
 impl FakeEngine {
@@ -39,6 +41,13 @@ impl FakeEngine {
 }
 
 impl EngineOps for FakeEngine {
+    async fn admit(&mut self, id: ReqId) -> usize {
+        let hit = self.cached.get(&id).copied().unwrap_or(0);
+        if hit > 0 {
+            self.prefilled.insert(id, hit);
+        }
+        hit
+    }
     async fn prefill(&mut self, id: ReqId, n: usize) -> Result<Option<StepOut>, WireError> {
         self.live.insert(id);
         self.prefill_calls.push((id, n));
@@ -480,6 +489,28 @@ fn a_chunk_in_flight_is_granted_again_until_done() {
     let progress: Vec<u32> = h.of(2).iter().filter_map(|e| if let Event::PrefillProgress { done, .. } = e { Some(*done) } else { None }).collect();
     assert_eq!(progress, vec![256, 512, 768, 1000], "one progress event per chunk, when done");
     h.assert_all_ended(&[1, 2, 3]);
+}
+
+/// A prompt whose prefix was cached off the chunk grid gets a shorter first chunk beside a
+/// decoding stream, which brings it back onto the grid; every later chunk is whole and ends on
+/// it. The idle fast path takes no such detour.
+#[test]
+fn a_prefix_hit_off_the_chunk_grid_is_brought_back_onto_it() {
+    let mut h = Harness::new(cfg());
+    h.submit(1, 10, 40);
+    h.tick(); // idle: prompt 1 prefilled whole
+    h.e.cached.insert(2, 100);
+    h.submit(2, 1000, 4);
+    h.run_until_idle(200);
+    let chunks: Vec<usize> = h.e.prefill_calls.iter().filter(|c| c.0 == 2).map(|c| c.1).collect();
+    assert_eq!(chunks, vec![156, 256, 256, 232], "100 cached: 156 to reach 256, then the grid");
+    h.assert_all_ended(&[1, 2]);
+
+    let mut h = Harness::new(cfg());
+    h.e.cached.insert(1, 100);
+    h.submit(1, 1000, 4);
+    h.tick();
+    assert_eq!(h.e.prefill_calls, vec![(1, 900)], "idle: the rest of the prompt at once");
 }
 
 /// With a tick budget, chunks beside a decoding stream are sized to keep a tick within the

@@ -113,15 +113,35 @@ pub struct SchedulerSettings {
     /// Queue each greedy decode step on the device before the previous one's tokens are read
     /// (hides the host's share of a step).
     pub decode_ahead: bool,
-    /// Decode steps a prefill chunk's layers are spread over while streams decode, each step
-    /// carrying a share of the chunk's work (1: a chunk runs through every layer in one step).
-    pub prefill_chunk_stages: usize,
+    /// Ticks a prefill chunk's layers are spread over while streams decode: a chunk granted
+    /// beside decoding streams is `prefill_chunk_tokens` times this many tokens, and each tick
+    /// carries about `prefill_chunk_tokens` tokens' worth of its work (a share of its layers);
+    /// a shorter chunk takes fewer ticks. Default (None): 4 on a GPU, where a chunk's per-layer
+    /// host costs are then paid for four times as many tokens, 1 on a CPU.
+    pub prefill_chunk_stages: Option<usize>,
     /// Time a tick carrying a prefill chunk may take, as a multiple of a decode-only tick
     /// (measured): chunks are sized to it, between `min_prefill_chunk_tokens` and
     /// `prefill_chunk_tokens`. 0: every chunk is `prefill_chunk_tokens`.
     pub tick_budget: f64,
     /// The smallest chunk the tick budget sizes down to.
     pub min_prefill_chunk_tokens: usize,
+}
+
+/// `scheduler.prefill_chunk_stages` when not set, on a GPU.
+pub const GPU_PREFILL_CHUNK_STAGES: usize = 4;
+
+impl SchedulerSettings {
+    /// Ticks a full prefill chunk is spread over: `prefill_chunk_stages`, or its device default
+    /// (on a GPU no more than keeps the chunk within `idle_prefill_chunk_tokens`).
+    pub fn chunk_stages(&self, gpu: bool) -> usize {
+        let fits = (self.idle_prefill_chunk_tokens / self.prefill_chunk_tokens.max(1)).max(1);
+        self.prefill_chunk_stages.unwrap_or(if gpu { GPU_PREFILL_CHUNK_STAGES.min(fits) } else { 1 })
+    }
+
+    /// Tokens of a prefill chunk granted beside decoding streams.
+    pub fn chunk_tokens(&self, gpu: bool) -> usize {
+        self.prefill_chunk_tokens.saturating_mul(self.chunk_stages(gpu))
+    }
 }
 
 impl Default for SchedulerSettings {
@@ -135,7 +155,7 @@ impl Default for SchedulerSettings {
             interleave: true,
             continuous: true,
             decode_ahead: true,
-            prefill_chunk_stages: 1,
+            prefill_chunk_stages: None,
             tick_budget: 0.0,
             min_prefill_chunk_tokens: 128,
         }
@@ -185,8 +205,8 @@ impl Settings {
         if s.prefill_chunk_tokens == 0 {
             return bad("scheduler.prefill_chunk_tokens", "0".into(), "must be at least 1");
         }
-        if !(1..=64).contains(&s.prefill_chunk_stages) {
-            return bad("scheduler.prefill_chunk_stages", s.prefill_chunk_stages.to_string(), "must be 1 to 64");
+        if let Some(n) = s.prefill_chunk_stages.filter(|n| !(1..=64).contains(n)) {
+            return bad("scheduler.prefill_chunk_stages", n.to_string(), "must be 1 to 64");
         }
         if !(s.tick_budget == 0.0 || (s.tick_budget > 1.0 && s.tick_budget.is_finite())) {
             return bad("scheduler.tick_budget", s.tick_budget.to_string(), "must be 0 (off) or a finite number above 1");
@@ -194,8 +214,12 @@ impl Settings {
         if s.min_prefill_chunk_tokens == 0 {
             return bad("scheduler.min_prefill_chunk_tokens", "0".into(), "must be at least 1");
         }
-        if s.idle_prefill_chunk_tokens < s.prefill_chunk_tokens {
-            return bad("scheduler.idle_prefill_chunk_tokens", s.idle_prefill_chunk_tokens.to_string(), "must be at least prefill_chunk_tokens");
+        if s.idle_prefill_chunk_tokens < s.prefill_chunk_tokens.saturating_mul(s.prefill_chunk_stages.unwrap_or(1)) {
+            return bad(
+                "scheduler.idle_prefill_chunk_tokens",
+                s.idle_prefill_chunk_tokens.to_string(),
+                "must be at least prefill_chunk_tokens (times prefill_chunk_stages)",
+            );
         }
         if s.max_batch == 0 {
             return bad("scheduler.max_batch", "0".into(), "must be at least 1");
@@ -288,6 +312,17 @@ mod tests {
         std::fs::write(&f, "[scheduler]\nprefill_chunk_stages = 0\n").unwrap();
         let err = load(Some(&f)).unwrap_err().to_string();
         assert!(err.contains("scheduler.prefill_chunk_stages"), "{err}");
+        // Stages: 4 on a GPU and 1 on a CPU unless set; a staged chunk fits the idle chunk.
+        assert_eq!((d.scheduler.chunk_stages(true), d.scheduler.chunk_tokens(true)), (4, 1024));
+        assert_eq!((d.scheduler.chunk_stages(false), d.scheduler.chunk_tokens(false)), (1, 256));
+        std::fs::write(&f, "[scheduler]\nidle_prefill_chunk_tokens = 512\n").unwrap();
+        assert_eq!(load(Some(&f)).unwrap().scheduler.chunk_stages(true), 2);
+        std::fs::write(&f, "[scheduler]\nprefill_chunk_stages = 3\n").unwrap();
+        let s = load(Some(&f)).unwrap();
+        assert_eq!((s.scheduler.chunk_stages(true), s.scheduler.chunk_tokens(false)), (3, 768));
+        std::fs::write(&f, "[scheduler]\nprefill_chunk_stages = 32\n").unwrap();
+        let err = load(Some(&f)).unwrap_err().to_string();
+        assert!(err.contains("scheduler.idle_prefill_chunk_tokens"), "{err}");
         for bad_budget in ["1.0", "-2.0", "nan"] {
             std::fs::write(&f, format!("[scheduler]\ntick_budget = {bad_budget}\n")).unwrap();
             let err = load(Some(&f)).unwrap_err().to_string();
