@@ -111,8 +111,17 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
             load_named(&model_ref, dtype).map_err(|e| format!("{model_ref}: {e}"))
         })();
         let _ = ready_tx.send(loaded.map(|m| {
-            // Whole chunks, of every size the tick budget grants, are never padded.
             let mut model = m.model;
+            // A sliding-window model's chunks run whole (the decode actor stages only chunks
+            // beside decode batches, which such a model has none of): one stage's tokens each.
+            let mut cfg = cfg;
+            let chunk_stages = if model.config.sliding_window.is_some() {
+                cfg.prefill_chunk = stage_tokens;
+                1
+            } else {
+                chunk_stages
+            };
+            // Whole chunks, of every size the tick budget grants, are never padded.
             let mut sizes = cfg.chunk_sizes();
             sizes.push(cfg.idle_prefill_chunk);
             model.fit_chunk_grid(&sizes);
