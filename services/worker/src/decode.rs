@@ -50,6 +50,13 @@ pub fn stages_for(n: usize, stage_tokens: usize, stages: usize) -> usize {
     n.div_ceil(stage_tokens.max(1)).clamp(1, stages.max(1))
 }
 
+/// The most steps a chunk's layers are spread over on `model` when `stages` are asked for: at
+/// most one a layer, and 1 for a model without decode batches (sliding-window models decode
+/// row by row: their chunks run whole).
+pub fn chunk_stages(model: &Model, stages: usize) -> usize {
+    if model.new_decode_batch().is_some() { stages.clamp(1, model.num_layers().max(1)) } else { 1 }
+}
+
 fn group_of(len: usize) -> usize {
     GROUP_BOUNDS.iter().position(|&b| len < b).unwrap_or(GROUP_BOUNDS.len() - 1)
 }
@@ -216,8 +223,7 @@ impl DecodeActor {
     /// `stage_tokens`: a chunk's tokens per step (see `stages_for`).
     pub fn new(shared: Shared, cache: Addr<CacheActor>, decode_ahead: bool, stages: usize, stage_tokens: usize) -> Self {
         let batches = new_batches(&shared.model);
-        // Sliding-window models decode row by row: their chunks run whole.
-        let stages = if batches.is_some() { stages.clamp(1, shared.model.num_layers().max(1)) } else { 1 };
+        let stages = chunk_stages(&shared.model, stages);
         DecodeActor {
             stages,
             stage_tokens: stage_tokens.max(1),

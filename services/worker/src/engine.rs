@@ -58,8 +58,10 @@ pub struct ActorEngine {
     reports: [Report; 3],
     /// The request whose chunk the decode actor has part-way through the model.
     staged: Option<ReqId>,
-    /// `EngineOptions::chunk_stages` and `stage_tokens`.
-    stages: (usize, usize),
+    /// The most steps the decode actor spreads a chunk over (`decode::chunk_stages`), and a
+    /// chunk's tokens per step (`EngineOptions::stage_tokens`).
+    chunk_stages: usize,
+    stage_tokens: usize,
 }
 
 const PREFILL: usize = 0;
@@ -81,9 +83,10 @@ impl ActorEngine {
         let cache = CacheActor::new(opts.prefix.map(|(block, max)| (block, model.chunk_grid(), max))).start();
         let shared = Shared { model: std::rc::Rc::new(model), tokenizer: tokenizer.map(std::rc::Rc::new) };
         let prefill = PrefillActor::new(shared.clone(), cache.clone()).start();
-        let decode = DecodeActor::new(shared, cache.clone(), opts.decode_ahead, opts.chunk_stages, opts.stage_tokens).start();
-        let stages = (opts.chunk_stages, opts.stage_tokens);
-        ActorEngine { prefill, decode, cache, kv_bytes_per_token, context_tokens, reports: Default::default(), staged: None, stages }
+        let chunk_stages = decode::chunk_stages(&shared.model, opts.chunk_stages);
+        let decode = DecodeActor::new(shared, cache.clone(), opts.decode_ahead, chunk_stages, opts.stage_tokens).start();
+        let stage_tokens = opts.stage_tokens;
+        ActorEngine { prefill, decode, cache, kv_bytes_per_token, context_tokens, reports: Default::default(), staged: None, chunk_stages, stage_tokens }
     }
 
     /// An answer's value, its report noted; a lost actor gives `lost`.
@@ -235,7 +238,7 @@ impl WorkerEngine for ActorEngine {
     }
 
     fn chunk_ticks(&self, n: usize) -> usize {
-        decode::stages_for(n, self.stages.1, self.stages.0)
+        decode::stages_for(n, self.stage_tokens, self.chunk_stages)
     }
 
     /// Milliseconds of work in the three actors since start: prefill and decode calls, and the

@@ -112,15 +112,11 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
         })();
         let _ = ready_tx.send(loaded.map(|m| {
             let mut model = m.model;
-            // A sliding-window model's chunks run whole (the decode actor stages only chunks
-            // beside decode batches, which such a model has none of): one stage's tokens each.
+            // A chunk beside decoding streams spans the stages this model's decode actor runs
+            // it in (fewer than asked for a sliding-window model, or one with fewer layers).
+            let chunk_stages = crate::decode::chunk_stages(&model, chunk_stages);
             let mut cfg = cfg;
-            let chunk_stages = if model.config.sliding_window.is_some() {
-                cfg.prefill_chunk = stage_tokens;
-                1
-            } else {
-                chunk_stages
-            };
+            cfg.prefill_chunk = stage_tokens.saturating_mul(chunk_stages);
             // Whole chunks, of every size the tick budget grants, are never padded.
             let mut sizes = cfg.chunk_sizes();
             sizes.push(cfg.idle_prefill_chunk);
