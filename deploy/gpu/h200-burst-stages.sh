@@ -16,22 +16,28 @@ for name in $PLAN; do
   case $name in
     b8def) a="burst --random-weights 8b";;
     b8s1) a="burst --random-weights 8b --stages 1";;
+    b8nb) a="burst --random-weights 8b --tick-budget 0";;
+    b8b17) a="burst --random-weights 8b --tick-budget 1.7";;
+    b8b13) a="burst --random-weights 8b --tick-budget 1.3";;
     b8c128) a="burst --random-weights 8b --chunk 128 --stages 8";;
     b8c512) a="burst --random-weights 8b --chunk 512 --stages 2";;
     b8c192) a="burst --random-weights 8b --chunk 192 --stages 4";;
+    bat8nb) a="batch --random-weights 8b --streams 64 --prompt-tokens 512 --output-tokens 256 --tick-budget 0";;
     bat8def) a="batch --random-weights 8b --streams 64 --prompt-tokens 512 --output-tokens 256";;
     bat8c128) a="batch --random-weights 8b --streams 64 --prompt-tokens 512 --output-tokens 256 --chunk 128 --stages 8";;
     b1def) a="burst --random-weights 1b";;
+    t8) a="ticks --local --random-weights 8b";;
     *) echo "unknown $name"; continue;;
   esac
   t0=$(date +%s)
   LLMQ_TICK_LOG=$OUT/r/$i-$name.ticks timeout 200 llmq bench $a --json $KV > $OUT/r/$i-$name.json 2> $OUT/r/$i-$name.err
   rc=$?
+  [ $name = t8 ] && python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print("decode_ms", d["decode_ms"]); [print(h) for h in d["host_ms"] if "alone" not in h["step"]]' $OUT/r/$i-$name.json
   echo "== $i $name rc=$rc $(( $(date +%s) - t0 ))s"; python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print({k: d.get(k) for k in ["worst_gap_ms","steady_gap_ms","worst_over_steady","last_burst_first_token_s","steady_output_tokens_per_s","output_tokens_per_s","control_overhead_fraction"] if k in d})' $OUT/r/$i-$name.json 2>&1 | tail -1
 done
 if [ -n "${PEER:-}" ]; then
   ( eval "$(bash .gpu/unpack-mlx-cuda.sh peer .gpu/mlx/peer)"; timeout 300 python3 .gpu/peer_mlx_lm.py --shape 8b --scenarios ${PEER_SCEN:-batch,burst} 2>&1 | tail -n 6 ) > $OUT/r/peer.txt 2>&1
   cat $OUT/r/peer.txt
 fi
-for f in $OUT/r/*b8*.ticks $OUT/r/*b1*.ticks; do [ -f $f ] && { echo "## $f"; python3 deploy/gpu/tick_report.py $f 2>&1 | head -9; }; done
+for f in $OUT/r/*b8*.ticks* $OUT/r/*b1*.ticks*; do [ -f $f ] && { echo "## $f"; python3 deploy/gpu/tick_report.py $f 2>&1 | head -9; }; done
 tar -C $OUT -czf $OUT/r.tgz r

@@ -7,8 +7,9 @@ prompt tokens done. Tick times here are intervals from one tick's start to the n
 stream sees). Printed per log: the decode-only ticks before the burst, the burst's ticks by
 chunk size (median, p90, max, max over the decode-only median), the six longest, every tick
 with 16 or more rows by rows and whether it carried a chunk (with the decode actor's host
-time parts: queueing the next step, of it building and launching, waiting), and chunk ticks by chunk size
-and offset into the prompt.
+time parts: queueing the next step, of it building and launching, waiting), chunk ticks by chunk size
+and offset into the prompt, and burst ticks by the layers of the chunk stage they launched
+(the tick budget's choice).
 """
 import sys, statistics as st
 def pct(xs, p):
@@ -59,3 +60,11 @@ for path in sys.argv[1:]:
         print(f"  rows {k[0]}{'+c' if k[1] else '  '}: n={len(v):4d} median {st.median(ds):5.1f} max {max(ds):5.1f}  "
               + " ".join(f"{n} {x:.2f}" for n, x in named.items()))
     print("  by offset:", "; ".join(f"{k[0]}@{k[1]*2}-{k[1]*2+2}k {st.median(v):.1f}" for k, v in sorted(buck.items())))
+    # burst ticks by the layers of the chunk stage they launched (tick budget; 0: none)
+    lay = {}
+    for d, r in burst:
+        p = parts[idx[id(r)]]
+        if "layers" in p:
+            lay.setdefault((r[2], int(p["layers"])), []).append(d)
+    if lay:
+        print("  by stage layers:", "; ".join(f"{k[0]} rows L={k[1]} n={len(v)} median {st.median(v):.1f} max {max(v):.1f}" for k, v in sorted(lay.items())))

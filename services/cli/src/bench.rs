@@ -50,6 +50,10 @@ pub struct Args {
     /// worker's, 4 on a GPU and 1 on a CPU).
     #[arg(long)]
     stages: Option<usize>,
+    /// Tick budget (`scheduler.tick_budget`; 0: off; default: the worker's, 1.5 on a GPU with
+    /// stages).
+    #[arg(long)]
+    tick_budget: Option<f64>,
     /// The synchronous baseline: prefill whole prompts at once, even while streams decode.
     #[arg(long)]
     no_interleave: bool,
@@ -202,6 +206,31 @@ fn ticks(model: &mut Model, a: &Args) -> Result<serde_json::Value> {
             if per_row { two_groups_per_row.push(ms) } else { two_groups.push(ms) }
         }
     }
+    // Where a second length group's cost goes (host parts in `host_ms`): a 17th row in the
+    // same group, in a group of its own as a short row, and as the long prompt (whose keys the
+    // row kernel splits over blocks).
+    let short = |seed: u64| -> Result<llmq_engine::cache::SequenceCache> {
+        let mut c = model.new_cache();
+        model.forward(&ids(&random_prompt(a.prompt_tokens, seed)), &mut [&mut c], true)?.eval()?;
+        Ok(c)
+    };
+    let extra = short(99)?;
+    let mut with_extra = model.new_decode_batch().expect("checked above");
+    for i in 0..a.active {
+        with_extra.join(&short(100 + i as u64)?)?;
+    }
+    with_extra.join(&extra)?;
+    let rows17 = vec![11u32; a.active + 1];
+    timed_parts(format!("{} rows in one group", a.active + 1), &mut || Ok(model.step(&mut [(&rows17[..], &mut with_extra)], None)?))?;
+    drop(with_extra);
+    let mut own = model.new_decode_batch().expect("checked above").with_per_row_attention(8);
+    own.join(&extra)?;
+    timed_parts(format!("{} rows + a short row in its own group", a.active), &mut || Ok(model.step(&mut [(&rows[..], &mut batch), (&[11u32][..], &mut own)], None)?))?;
+    drop(own);
+    let mut long = model.new_decode_batch().expect("checked above").with_per_row_attention(8);
+    long.join(&base)?;
+    timed_parts(format!("{} rows + the long row in its own group", a.active), &mut || Ok(model.step(&mut [(&rows[..], &mut batch), (&[11u32][..], &mut long)], None)?))?;
+    drop(long);
     let r = |v: &[f64]| v.iter().map(|&x| round(x, 3)).collect::<Vec<_>>();
     Ok(serde_json::json!({
         "scenario": "ticks", "active_streams": a.active, "decode_ms": decode_ms, "ticks": table, "host_ms": host_ms,
@@ -225,6 +254,9 @@ fn through_nats(a: &Args) -> Result<serde_json::Value> {
     }
     if let Some(n) = a.stages {
         worker_env.push(("LLMQ__SCHEDULER__PREFILL_CHUNK_STAGES".to_string(), n.to_string()));
+    }
+    if let Some(b) = a.tick_budget {
+        worker_env.push(("LLMQ__SCHEDULER__TICK_BUDGET".to_string(), b.to_string()));
     }
     worker_env.push(("LLMQ__SCHEDULER__MAX_BATCH".to_string(), a.streams.max(a.active + a.burst).to_string()));
     worker_env.push(("LLMQ__WORKER__MAX_QUEUED".to_string(), (2 * a.streams.max(a.active + a.burst)).to_string()));
@@ -251,6 +283,7 @@ fn through_nats(a: &Args) -> Result<serde_json::Value> {
     obj.insert(key.into(), a.random_weights.clone().or(a.model.clone()).into());
     obj.insert("engine".into(), "llmq".into());
     obj.insert("prefill_stages".into(), a.stages.map_or_else(|| "worker default".into(), serde_json::Value::from));
+    obj.insert("tick_budget".into(), a.tick_budget.map_or_else(|| "worker default".into(), serde_json::Value::from));
     Ok(v)
 }
 

@@ -1,9 +1,12 @@
-//! Prefill chunks sized to a time budget per tick.
+//! Prefill work sized to a time budget per tick.
 //!
-//! A tick that carries a prefill chunk beside the decode batch takes a decode step's time plus
-//! the chunk's, and that tick is the gap every running stream sees between two tokens. With a
-//! budget `b`, the chunk is sized so that such a tick takes at most `b` times a tick of the
-//! decode batch alone. Both times are measured, from the scheduler's clock:
+//! A tick that carries prefill work beside the decode batch takes a decode step's time plus
+//! the work's, and that tick is the gap every running stream sees between two tokens. With a
+//! budget `b`, the work is sized so that such a tick takes at most `b` times a tick of the
+//! decode batch alone. Two users: the scheduler sizes whole chunks (`size`, chunks in one tick),
+//! and the decode actor sizes each tick's share of a chunk spread over ticks (`pick`, in tokens'
+//! worth through the whole model; its clock is the interval between its steps). Both times are
+//! measured:
 //!
 //! - a tick's time is the interval from its start to the next tick's start (what a stream sees
 //!   between two tokens), taken only when the next tick followed at once (the scheduler was not
@@ -103,19 +106,33 @@ impl ChunkSizer {
         if off != 0 {
             return (min - off).min(remaining).max(1);
         }
-        // Sizes that may start here, largest first, with the time each is expected to add.
-        let aligned = (0..self.sizes.len()).rev().filter(|&i| prefilled % self.sizes[i] == 0);
-        let expected: Vec<(usize, Option<f64>)> = aligned.map(|i| (self.sizes[i], self.expected_ms(i))).collect();
-        let pick = match self.decode_ms {
+        // Sizes that may start here.
+        let aligned: Vec<usize> = (0..self.sizes.len()).filter(|&i| prefilled % self.sizes[i] == 0).collect();
+        self.choose(&aligned).min(remaining).max(1)
+    }
+
+    /// The prefill work to give the next tick when any size may be chosen (a chunk's share
+    /// spread over ticks has no grid to keep): as `size`, without alignment.
+    pub fn pick(&self) -> usize {
+        let all: Vec<usize> = (0..self.sizes.len()).collect();
+        self.choose(&all)
+    }
+
+    /// Of the sizes at `candidates` (indices, ascending): the largest expected to fit the
+    /// budget; when none is, the one with the shortest expected tick; before both times are
+    /// known, the largest.
+    fn choose(&self, candidates: &[usize]) -> usize {
+        let expected: Vec<(usize, Option<f64>)> = candidates.iter().rev().map(|&i| (self.sizes[i], self.expected_ms(i))).collect();
+        let first = self.sizes.first().copied().unwrap_or(1);
+        match self.decode_ms {
             Some(d) if expected.iter().all(|(_, e)| e.is_some()) => {
                 let room = (self.budget - 1.0) * d;
                 let fits = expected.iter().find(|(_, e)| e.is_some_and(|e| e <= room));
                 let cheapest = || expected.iter().min_by(|a, b| a.1.partial_cmp(&b.1).unwrap_or(std::cmp::Ordering::Equal));
-                fits.or_else(cheapest).map_or(min, |(s, _)| *s)
+                fits.or_else(cheapest).map_or(first, |(s, _)| *s)
             }
-            _ => expected.first().map_or(min, |(s, _)| *s),
-        };
-        pick.min(remaining).max(1)
+            _ => expected.first().map_or(first, |(s, _)| *s),
+        }
     }
 
     /// The time a chunk of `sizes[i]` is expected to add to a tick: the least of its own
@@ -200,6 +217,31 @@ mod tests {
         s.tick_ended(t, 16, 256, false);
         s.tick_started(t + ms(5000));
         assert_eq!(s.size(256, 10_000), 256);
+    }
+
+    #[test]
+    fn picked_work_shrinks_to_the_budget_anywhere_and_grows_back() {
+        // A staged chunk's share of a tick has no grid: any size may follow any other.
+        let (mut s, mut t) = with_decode_ticks(1.5);
+        let mut picked = vec![];
+        for i in 0..8 {
+            let w = s.pick();
+            s.tick_ended(t, 16, w, true);
+            // 8 ms of extra device time for 256 tokens' work, in proportion below; cheaper from
+            // the fifth tick (a slower host: the device has slack).
+            let per_token = if i < 4 { 8.0 / 256.0 } else { 1.0 / 256.0 };
+            t += Duration::from_secs_f64((10.0 + per_token * w as f64) / 1000.0);
+            s.tick_started(t);
+            picked.push(w);
+        }
+        // 256 (unmeasured) first, then 128 (4 ms fits 5 ms of room; 256's 8 does not)...
+        assert_eq!(&picked[..4], &[256, 128, 128, 128], "{picked:?} {:?}", s.estimates());
+        // ...and back to 256 once it is cheap (estimated up from the smaller size measured).
+        assert_eq!(*picked.last().unwrap(), 256, "{picked:?} {:?}", s.estimates());
+        // Idle time between two ticks is not a tick's time.
+        s.tick_ended(t, 16, 256, false);
+        s.tick_started(t + ms(5000));
+        assert_eq!(s.pick(), 256);
     }
 
     #[test]

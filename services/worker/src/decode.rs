@@ -25,6 +25,7 @@ use llmq_protocol::WireError;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::Array;
 
+use crate::budget::ChunkSizer;
 use crate::cache::{CacheActor, Remember};
 use crate::messages::{InjectPanic, Release, Reply, Report, Reset, ResetCounters};
 use crate::scheduler::{PrefillResult, Prefilled, ReqId, StepOut};
@@ -57,6 +58,58 @@ pub fn chunk_stages(model: &Model, stages: usize) -> usize {
     if model.new_decode_batch().is_some() { stages.clamp(1, model.num_layers().max(1)) } else { 1 }
 }
 
+/// How a chunk granted beside decoding rows is spread over steps. Fixed: one step per
+/// `stage_tokens` of it, at most `stages` (`stages_for`). With a tick budget (`budget` > 0 and
+/// more than one stage), each step's share is sized to it instead: the work a step carries
+/// (tokens' worth through the whole model) is chosen between `min_tokens` and `stage_tokens`
+/// from measured step times (`ChunkSizer::pick`), so a chunk takes up to `most` steps. On a GPU
+/// whose decode step is short, a 256-token share can cost more than the budget allows (it is
+/// the device's time, not the host's), and a smaller share keeps the streams' gap within it.
+#[derive(Debug, Clone, Copy)]
+pub struct Staging {
+    pub stages: usize,
+    pub stage_tokens: usize,
+    pub budget: f64,
+    pub min_tokens: usize,
+    /// The most steps a chunk takes.
+    pub most: usize,
+}
+
+impl Staging {
+    /// The staging of `model` for the settings asked (see `chunk_stages`): a budget only with
+    /// more than one stage; never more steps than layers.
+    pub fn new(model: &Model, stages: usize, stage_tokens: usize, budget: f64, min_tokens: usize) -> Self {
+        Self::for_layers(model.num_layers(), chunk_stages(model, stages), stage_tokens, budget, min_tokens)
+    }
+
+    /// The staging of a model of `layers` layers whose chunks take `stages` steps at most at
+    /// full work.
+    pub fn for_layers(layers: usize, stages: usize, stage_tokens: usize, budget: f64, min_tokens: usize) -> Self {
+        let stages = stages.max(1);
+        let stage_tokens = stage_tokens.max(1);
+        let budget = if stages > 1 { budget } else { 0.0 };
+        let min_tokens = if budget > 0.0 { min_tokens.clamp(1, stage_tokens) } else { stage_tokens };
+        let most = (stages * stage_tokens.div_ceil(min_tokens)).clamp(stages, layers.max(stages));
+        Staging { stages, stage_tokens, budget, min_tokens, most }
+    }
+
+    /// The most steps a chunk of `n` tokens takes beside decoding rows.
+    pub fn most_ticks(&self, n: usize) -> usize {
+        stages_for(n, self.min_tokens, self.most)
+    }
+
+    /// Layers a step runs of a chunk of `n` tokens (of `layers`) when it carries `work` tokens'
+    /// worth.
+    pub fn stage_layers(&self, n: usize, work: usize, layers: usize) -> usize {
+        layers.div_ceil(stages_for(n, work, self.most))
+    }
+
+    /// The sizer of each step's work (off without a budget).
+    fn sizer(&self) -> ChunkSizer {
+        ChunkSizer::new(self.budget, self.min_tokens, self.stage_tokens)
+    }
+}
+
 fn group_of(len: usize) -> usize {
     GROUP_BOUNDS.iter().position(|&b| len < b).unwrap_or(GROUP_BOUNDS.len() - 1)
 }
@@ -85,10 +138,17 @@ pub struct DecodeActor {
     /// Requests dropped by a restart after a panic, with its message, until released: their
     /// steps fail with it while the other rows go on.
     lost: HashMap<ReqId, String>,
-    /// Steps a chunk's layers are spread over at most while rows decode (1: a chunk runs
-    /// through every layer in one step), and a chunk's tokens per step (`stages_for`).
-    stages: usize,
-    stage_tokens: usize,
+    /// How a chunk's layers are spread over steps while rows decode.
+    staging: Staging,
+    /// With a tick budget, sizes each step's share of a chunk from the steps' times (the
+    /// interval from one `Step` to the next, while rows decode: the gap a stream sees).
+    sizer: ChunkSizer,
+    /// The work (tokens' worth) a stage of the current step carries.
+    stage_work: usize,
+    /// The origin of the sizer's clock.
+    clock: std::time::Instant,
+    /// The last step's chunk stage: layers run and the work it carried (0 without a stage).
+    last_stage: (usize, usize),
     /// The chunk part-way through the model, between two of its stages.
     staged: Option<InFlight>,
     /// Stages that left their chunk part-way (for tests and the tick log).
@@ -219,14 +279,15 @@ fn launch_step(
 }
 
 impl DecodeActor {
-    /// `stages`: steps a chunk's layers are spread over at most while rows decode (1: none);
-    /// `stage_tokens`: a chunk's tokens per step (see `stages_for`).
-    pub fn new(shared: Shared, cache: Addr<CacheActor>, decode_ahead: bool, stages: usize, stage_tokens: usize) -> Self {
+    /// `staging`: how a chunk's layers are spread over steps while rows decode.
+    pub fn new(shared: Shared, cache: Addr<CacheActor>, decode_ahead: bool, staging: Staging) -> Self {
         let batches = new_batches(&shared.model);
-        let stages = chunk_stages(&shared.model, stages);
         DecodeActor {
-            stages,
-            stage_tokens: stage_tokens.max(1),
+            staging,
+            sizer: staging.sizer(),
+            stage_work: staging.stage_tokens,
+            clock: std::time::Instant::now(),
+            last_stage: (0, 0),
             staged: None,
             stages_pending: 0,
             batches,
@@ -257,6 +318,7 @@ impl DecodeActor {
             parts: self.parts,
             chunks_ahead: self.chunks_ahead,
             stages_pending: self.stages_pending,
+            stage: self.last_stage,
             ..Default::default()
         };
         Reply { value, report }
@@ -397,11 +459,11 @@ impl DecodeActor {
         }
     }
 
-    /// Where the stage of `c` that runs in a step ends: while rows decode, a share of the
-    /// layers (see `stages_for`), every remaining layer otherwise.
+    /// Where the stage of `c` that runs in a step ends: while rows decode, the layers that
+    /// carry this step's work (see `Staging`), every remaining layer otherwise.
     fn stage_end(&self, c: &InFlight, rows: bool) -> usize {
         let layers = self.shared.model.num_layers();
-        if rows { (c.next + layers.div_ceil(stages_for(c.lent.n, self.stage_tokens, self.stages))).min(layers) } else { layers }
+        if rows { (c.next + self.staging.stage_layers(c.lent.n, self.stage_work, layers)).min(layers) } else { layers }
     }
 
     /// A chunk's stage is done (its work queued or run; `logits`: the chunk's last position's,
@@ -409,6 +471,7 @@ impl DecodeActor {
     /// to the prefill actor, or its completed prompt joins the batch now (`logits` given) or
     /// when the step queued ahead is delivered (not given; its first token is that step's).
     fn stage_done(&mut self, mut c: InFlight, end: usize, hidden: Option<Array>, logits: Option<&Array>) -> (PrefillResult, Option<Box<Seq>>) {
+        self.last_stage = (end.saturating_sub(c.next), self.stage_work);
         if end < self.shared.model.num_layers() {
             c.next = end;
             c.hidden = hidden;
@@ -695,6 +758,16 @@ impl Handler<Step> for DecodeActor {
     fn handle(&mut self, Step { ids, chunk }: Step, _: &mut Context<Self>) -> Self::Result {
         // Rows lost to an earlier restart fail with its fault; the others step.
         let live: Vec<ReqId> = ids.iter().copied().filter(|id| !self.lost.contains_key(id)).collect();
+        // The step's time runs to the next `Step`; with rows decoding, the scheduler sends
+        // that at once (it is never idle while streams decode), so the interval is their gap.
+        let started = self.clock.elapsed();
+        self.last_stage = (0, 0);
+        if !live.is_empty() {
+            self.sizer.tick_started(started);
+            if self.sizer.enabled() {
+                self.stage_work = self.sizer.pick();
+            }
+        }
         let chunk_id = chunk.as_ref().map(|g| match g {
             Grant::New(l) => l.id,
             Grant::Continue(id) => *id,
@@ -725,6 +798,8 @@ impl Handler<Step> for DecodeActor {
         if let Some(e) = mismatch {
             stepped.chunk = Some((Err(e), None));
         }
+        let work = if self.last_stage.0 > 0 { self.stage_work } else { 0 };
+        self.sizer.tick_ended(started, live.len(), work, !live.is_empty());
         MessageResult(self.reply(stepped))
     }
 }
@@ -774,7 +849,28 @@ impl Handler<ResetCounters> for DecodeActor {
 
 #[cfg(test)]
 mod tests {
-    use super::stages_for;
+    use super::{stages_for, Staging};
+
+    #[test]
+    fn a_tick_budget_spreads_a_chunk_over_more_steps_of_less_work() {
+        // The 8b shape on a GPU: 32 layers, 1024-token chunks in 4 stages of 256 tokens' work,
+        // down to 128 with the budget.
+        let s = Staging::for_layers(32, 4, 256, 1.5, 128);
+        assert_eq!((s.most, s.min_tokens), (8, 128));
+        assert_eq!(s.stage_layers(1024, 256, 32), 8, "256 tokens' work: a quarter of the layers");
+        assert_eq!(s.stage_layers(1024, 128, 32), 4, "128: an eighth");
+        assert_eq!(s.stage_layers(512, 128, 32), 8, "a 512-token chunk: 128 tokens' work in 8 layers");
+        assert_eq!(s.most_ticks(1024), 8, "the warm-up plans for the most steps");
+        // Without a budget, stages as fixed: the work never shrinks.
+        let fixed = Staging::for_layers(32, 4, 256, 0.0, 128);
+        assert_eq!((fixed.most, fixed.min_tokens, fixed.most_ticks(1024)), (4, 256, 4));
+        // One stage: no budget here (the scheduler sizes whole chunks instead).
+        let one = Staging::for_layers(32, 1, 256, 1.5, 128);
+        assert_eq!((one.budget, one.most, one.most_ticks(1024)), (0.0, 1, 1));
+        // Never more steps than layers.
+        let shallow = Staging::for_layers(6, 4, 256, 1.5, 16);
+        assert_eq!((shallow.most, shallow.stage_layers(1024, 16, 6)), (6, 1));
+    }
 
     #[test]
     fn a_chunk_takes_one_stage_per_stage_tokens_up_to_the_most() {

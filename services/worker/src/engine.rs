@@ -40,11 +40,15 @@ pub struct EngineOptions {
     /// spread over n / `stage_tokens` steps, rounded up, at most `chunk_stages`.
     pub chunk_stages: usize,
     pub stage_tokens: usize,
+    /// With more than one stage, each step's share of a chunk is sized to this tick budget
+    /// (0: off), down to `min_stage_tokens` tokens' worth (see `decode::Staging`).
+    pub stage_budget: f64,
+    pub min_stage_tokens: usize,
 }
 
 impl Default for EngineOptions {
     fn default() -> Self {
-        EngineOptions { decode_ahead: true, prefix: None, chunk_stages: 1, stage_tokens: 256 }
+        EngineOptions { decode_ahead: true, prefix: None, chunk_stages: 1, stage_tokens: 256, stage_budget: 0.0, min_stage_tokens: 128 }
     }
 }
 
@@ -58,10 +62,8 @@ pub struct ActorEngine {
     reports: [Report; 3],
     /// The request whose chunk the decode actor has part-way through the model.
     staged: Option<ReqId>,
-    /// The most steps the decode actor spreads a chunk over (`decode::chunk_stages`), and a
-    /// chunk's tokens per step (`EngineOptions::stage_tokens`).
-    chunk_stages: usize,
-    stage_tokens: usize,
+    /// How the decode actor spreads a chunk over steps.
+    staging: decode::Staging,
 }
 
 const PREFILL: usize = 0;
@@ -83,10 +85,9 @@ impl ActorEngine {
         let cache = CacheActor::new(opts.prefix.map(|(block, max)| (block, model.chunk_grid(), max))).start();
         let shared = Shared { model: std::rc::Rc::new(model), tokenizer: tokenizer.map(std::rc::Rc::new) };
         let prefill = PrefillActor::new(shared.clone(), cache.clone()).start();
-        let chunk_stages = decode::chunk_stages(&shared.model, opts.chunk_stages);
-        let decode = DecodeActor::new(shared, cache.clone(), opts.decode_ahead, chunk_stages, opts.stage_tokens).start();
-        let stage_tokens = opts.stage_tokens;
-        ActorEngine { prefill, decode, cache, kv_bytes_per_token, context_tokens, reports: Default::default(), staged: None, chunk_stages, stage_tokens }
+        let staging = decode::Staging::new(&shared.model, opts.chunk_stages, opts.stage_tokens, opts.stage_budget, opts.min_stage_tokens);
+        let decode = DecodeActor::new(shared, cache.clone(), opts.decode_ahead, staging).start();
+        ActorEngine { prefill, decode, cache, kv_bytes_per_token, context_tokens, reports: Default::default(), staged: None, staging }
     }
 
     /// An answer's value, its report noted; a lost actor gives `lost`.
@@ -238,7 +239,7 @@ impl WorkerEngine for ActorEngine {
     }
 
     fn chunk_ticks(&self, n: usize) -> usize {
-        decode::stages_for(n, self.stage_tokens, self.chunk_stages)
+        self.staging.most_ticks(n)
     }
 
     /// Milliseconds of work in the three actors since start: prefill and decode calls, and the
@@ -263,7 +264,9 @@ impl WorkerEngine for ActorEngine {
     }
 
     fn step_parts(&self) -> Vec<(&'static str, f64)> {
-        ["join", "queue", "build", "launch", "wait", "rest"].into_iter().zip(self.reports[DECODE].parts).collect()
+        let r = &self.reports[DECODE];
+        let stage = [("layers", r.stage.0 as f64), ("work", r.stage.1 as f64)];
+        ["join", "queue", "build", "launch", "wait", "rest"].into_iter().zip(r.parts).chain(stage).collect()
     }
 
     async fn reset_counters(&mut self) {

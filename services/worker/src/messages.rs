@@ -25,6 +25,9 @@ pub struct Report {
     pub chunks_ahead: (u64, u64),
     /// The decode actor's chunk stages that left their chunk part-way through the model.
     pub stages_pending: u64,
+    /// The decode actor's last step's chunk stage: layers run and the work (tokens' worth) it
+    /// carried; (0, 0) without one.
+    pub stage: (usize, usize),
 }
 
 /// An answer and its actor's report.

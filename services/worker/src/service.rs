@@ -52,7 +52,8 @@ fn nats_err(e: impl std::fmt::Display) -> WorkerError {
 
 
 /// The scheduler's settings for a worker on a GPU (`gpu`) or a CPU: a chunk granted beside
-/// decoding streams spans its stages (`SchedulerSettings::chunk_tokens`).
+/// decoding streams spans its stages (`SchedulerSettings::chunk_tokens`); with stages, the
+/// tick budget sizes each tick's share of a chunk in the decode actor, not the chunks here.
 pub fn scheduler_config(s: &Settings, gpu: bool) -> SchedulerConfig {
     let c = &s.scheduler;
     SchedulerConfig {
@@ -64,7 +65,7 @@ pub fn scheduler_config(s: &Settings, gpu: bool) -> SchedulerConfig {
         aging_tokens_per_s: c.aging_tokens_per_s,
         interleave: c.interleave,
         continuous: c.continuous,
-        tick_budget: c.tick_budget,
+        tick_budget: if c.chunk_stages(gpu) > 1 { 0.0 } else { c.tick_budget(gpu) },
         min_prefill_chunk: c.min_prefill_chunk_tokens,
     }
 }
@@ -100,6 +101,8 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
     let prefix = settings.prefix_cache.clone();
     let decode_ahead = settings.scheduler.decode_ahead;
     let (chunk_stages, stage_tokens) = (settings.scheduler.chunk_stages(gpu), settings.scheduler.prefill_chunk_tokens);
+    let (stage_budget, min_stage_tokens) = (settings.scheduler.tick_budget(gpu), settings.scheduler.min_prefill_chunk_tokens);
+    let explicit_budget = settings.scheduler.tick_budget;
     let prefix_max = if prefix.max_bytes == 0 { cfg.kv_budget_bytes } else { prefix.max_bytes.min(cfg.kv_budget_bytes) };
     let (wid, mname, model_ref, dtype) =
         (worker_id.clone(), model_name.clone(), settings.worker.model.clone(), settings.worker.dtype.clone());
@@ -117,11 +120,17 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
             let chunk_stages = crate::decode::chunk_stages(&model, chunk_stages);
             let mut cfg = cfg;
             cfg.prefill_chunk = stage_tokens.saturating_mul(chunk_stages);
+            if chunk_stages == 1 {
+                // No stages on this model: a budget set sizes whole chunks (the default one is
+                // for stages only).
+                cfg.tick_budget = explicit_budget.unwrap_or(0.0);
+            }
             // Whole chunks, of every size the tick budget grants, are never padded.
             let mut sizes = cfg.chunk_sizes();
             sizes.push(cfg.idle_prefill_chunk);
             model.fit_chunk_grid(&sizes);
-            let opts = EngineOptions { decode_ahead, prefix: prefix.enabled.then_some((prefix.block_tokens, prefix_max)), chunk_stages, stage_tokens };
+            let prefix = prefix.enabled.then_some((prefix.block_tokens, prefix_max));
+            let opts = EngineOptions { decode_ahead, prefix, chunk_stages, stage_tokens, stage_budget, min_stage_tokens };
             let engine = ActorEngine::start(model, m.tokenizer, opts);
             SchedulerActor::new(engine, cfg, out_tx, wid, mname).with_status_snapshot(snapshot).start()
         }));

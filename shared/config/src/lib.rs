@@ -119,16 +119,21 @@ pub struct SchedulerSettings {
     /// a shorter chunk takes fewer ticks. Default (None): 4 on a GPU, where a chunk's per-layer
     /// host costs are then paid for four times as many tokens, 1 on a CPU.
     pub prefill_chunk_stages: Option<usize>,
-    /// Time a tick carrying a prefill chunk may take, as a multiple of a decode-only tick
-    /// (measured): chunks are sized to it, between `min_prefill_chunk_tokens` and
-    /// `prefill_chunk_tokens`. 0: every chunk is `prefill_chunk_tokens`.
-    pub tick_budget: f64,
-    /// The smallest chunk the tick budget sizes down to.
+    /// Time a tick carrying prefill work may take, as a multiple of a decode-only tick
+    /// (measured). With chunks in stages, each tick's share of a chunk is sized to it, between
+    /// `min_prefill_chunk_tokens` and `prefill_chunk_tokens` tokens' worth; with chunks in one
+    /// tick, the chunks themselves are. 0: off (every tick carries `prefill_chunk_tokens`'
+    /// worth). Default (None): 1.5 on a GPU with stages, off otherwise.
+    pub tick_budget: Option<f64>,
+    /// The least prefill work (tokens' worth) the tick budget sizes a tick's down to.
     pub min_prefill_chunk_tokens: usize,
 }
 
 /// `scheduler.prefill_chunk_stages` when not set, on a GPU.
 pub const GPU_PREFILL_CHUNK_STAGES: usize = 4;
+
+/// `scheduler.tick_budget` when not set, on a GPU whose chunks run in stages.
+pub const GPU_TICK_BUDGET: f64 = 1.5;
 
 impl SchedulerSettings {
     /// Ticks a full prefill chunk is spread over: `prefill_chunk_stages`, or its device default
@@ -141,6 +146,11 @@ impl SchedulerSettings {
     /// Tokens of a prefill chunk granted beside decoding streams.
     pub fn chunk_tokens(&self, gpu: bool) -> usize {
         self.prefill_chunk_tokens.saturating_mul(self.chunk_stages(gpu))
+    }
+
+    /// The tick budget: `tick_budget`, or its device default (0: off).
+    pub fn tick_budget(&self, gpu: bool) -> f64 {
+        self.tick_budget.unwrap_or(if gpu && self.chunk_stages(gpu) > 1 { GPU_TICK_BUDGET } else { 0.0 })
     }
 }
 
@@ -156,7 +166,7 @@ impl Default for SchedulerSettings {
             continuous: true,
             decode_ahead: true,
             prefill_chunk_stages: None,
-            tick_budget: 0.0,
+            tick_budget: None,
             min_prefill_chunk_tokens: 128,
         }
     }
@@ -208,8 +218,8 @@ impl Settings {
         if let Some(n) = s.prefill_chunk_stages.filter(|n| !(1..=64).contains(n)) {
             return bad("scheduler.prefill_chunk_stages", n.to_string(), "must be 1 to 64");
         }
-        if !(s.tick_budget == 0.0 || (s.tick_budget > 1.0 && s.tick_budget.is_finite())) {
-            return bad("scheduler.tick_budget", s.tick_budget.to_string(), "must be 0 (off) or a finite number above 1");
+        if let Some(b) = s.tick_budget.filter(|&b| !(b == 0.0 || (b > 1.0 && b.is_finite()))) {
+            return bad("scheduler.tick_budget", b.to_string(), "must be 0 (off) or a finite number above 1");
         }
         if s.min_prefill_chunk_tokens == 0 {
             return bad("scheduler.min_prefill_chunk_tokens", "0".into(), "must be at least 1");
@@ -315,11 +325,14 @@ mod tests {
         // Stages: 4 on a GPU and 1 on a CPU unless set; a staged chunk fits the idle chunk.
         assert_eq!((d.scheduler.chunk_stages(true), d.scheduler.chunk_tokens(true)), (4, 1024));
         assert_eq!((d.scheduler.chunk_stages(false), d.scheduler.chunk_tokens(false)), (1, 256));
+        assert_eq!((d.scheduler.tick_budget(true), d.scheduler.tick_budget(false)), (GPU_TICK_BUDGET, 0.0), "a budget by default only for a GPU's stages");
         std::fs::write(&f, "[scheduler]\nidle_prefill_chunk_tokens = 512\n").unwrap();
         assert_eq!(load(Some(&f)).unwrap().scheduler.chunk_stages(true), 2);
         std::fs::write(&f, "[scheduler]\nprefill_chunk_stages = 3\n").unwrap();
         let s = load(Some(&f)).unwrap();
         assert_eq!((s.scheduler.chunk_stages(true), s.scheduler.chunk_tokens(false)), (3, 768));
+        std::fs::write(&f, "[scheduler]\nprefill_chunk_stages = 1\n").unwrap();
+        assert_eq!(load(Some(&f)).unwrap().scheduler.tick_budget(true), 0.0, "no stages, no default budget");
         std::fs::write(&f, "[scheduler]\nprefill_chunk_stages = 32\n").unwrap();
         let err = load(Some(&f)).unwrap_err().to_string();
         assert!(err.contains("scheduler.idle_prefill_chunk_tokens"), "{err}");
@@ -330,7 +343,7 @@ mod tests {
         }
         std::fs::write(&f, "[scheduler]\ntick_budget = 0.0\nmin_prefill_chunk_tokens = 64\n").unwrap();
         let s = load(Some(&f)).unwrap();
-        assert_eq!((s.scheduler.tick_budget, s.scheduler.min_prefill_chunk_tokens), (0.0, 64));
+        assert_eq!((s.scheduler.tick_budget(true), s.scheduler.min_prefill_chunk_tokens), (0.0, 64));
         std::fs::write(&f, "[scheduler]\nprefil_chunk_tokens = 5\n").unwrap();
         let err = load(Some(&f)).unwrap_err().to_string();
         assert!(err.contains("prefil_chunk_tokens"), "unknown keys are named: {err}");
