@@ -58,8 +58,8 @@ pub fn chunk_stages(model: &Model, stages: usize) -> usize {
     if model.new_decode_batch().is_some() { stages.clamp(1, model.num_layers().max(1)) } else { 1 }
 }
 
-/// How a chunk granted beside decoding rows is spread over steps. Fixed: one step per
-/// `stage_tokens` of it, at most `stages` (`stages_for`). With a tick budget (`budget` > 0 and
+/// How a chunk granted beside decoding rows is spread over steps. Fixed (no budget): one step
+/// per `stage_tokens` of it, at most `most`, the stages asked (`stages_for`). With a tick budget (`budget` > 0 and
 /// more than one stage), each step's share is sized to it instead: the work a step carries
 /// (tokens' worth through the whole model) is chosen between `min_tokens` and `stage_tokens`
 /// from measured step times (`ChunkSizer::pick`), so a chunk takes up to `most` steps. On a GPU
@@ -67,7 +67,6 @@ pub fn chunk_stages(model: &Model, stages: usize) -> usize {
 /// the device's time, not the host's), and a smaller share keeps the streams' gap within it.
 #[derive(Debug, Clone, Copy)]
 pub struct Staging {
-    pub stages: usize,
     pub stage_tokens: usize,
     pub budget: f64,
     pub min_tokens: usize,
@@ -90,7 +89,7 @@ impl Staging {
         let budget = if stages > 1 { budget } else { 0.0 };
         let min_tokens = if budget > 0.0 { min_tokens.clamp(1, stage_tokens) } else { stage_tokens };
         let most = (stages * stage_tokens.div_ceil(min_tokens)).clamp(stages, layers.max(stages));
-        Staging { stages, stage_tokens, budget, min_tokens, most }
+        Staging { stage_tokens, budget, min_tokens, most }
     }
 
     /// The most steps a chunk of `n` tokens takes beside decoding rows.
@@ -798,8 +797,8 @@ impl Handler<Step> for DecodeActor {
         if let Some(e) = mismatch {
             stepped.chunk = Some((Err(e), None));
         }
-        let work = if self.last_stage.0 > 0 { self.stage_work } else { 0 };
-        self.sizer.tick_ended(started, live.len(), work, !live.is_empty());
+        // The work of the stage this step ran (0 without one).
+        self.sizer.tick_ended(started, live.len(), self.last_stage.1, !live.is_empty());
         MessageResult(self.reply(stepped))
     }
 }

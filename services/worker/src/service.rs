@@ -25,7 +25,7 @@ use std::time::Duration;
 use actix::prelude::*;
 use async_nats::jetstream::{self, consumer::pull, AckKind};
 use futures::StreamExt;
-use llmq_config::Settings;
+use llmq_config::{SchedulerSettings, Settings};
 use llmq_engine::{default_dtype, load_named, parse_dtype};
 use llmq_protocol::{subjects, CacheCleared, Cancel, ClearCache, ErrorClass, Event, Job, StreamEvent, WireError, WorkerStatus};
 use tokio::sync::mpsc;
@@ -51,13 +51,13 @@ fn nats_err(e: impl std::fmt::Display) -> WorkerError {
 }
 
 
-/// The scheduler's settings for a worker on a GPU (`gpu`) or a CPU: a chunk granted beside
-/// decoding streams spans its stages (`SchedulerSettings::chunk_tokens`); with stages, the
-/// tick budget sizes each tick's share of a chunk in the decode actor, not the chunks here.
-pub fn scheduler_config(s: &Settings, gpu: bool) -> SchedulerConfig {
-    let c = &s.scheduler;
+/// The scheduler's settings for a worker whose chunks beside decoding streams run in `stages`
+/// stages: such a chunk spans them; with stages, the tick budget sizes each tick's share of a
+/// chunk in the decode actor, so here it sizes nothing; without, a budget set (the default one
+/// is for stages only) sizes whole chunks.
+pub fn scheduler_config(c: &SchedulerSettings, stages: usize) -> SchedulerConfig {
     SchedulerConfig {
-        prefill_chunk: c.chunk_tokens(gpu),
+        prefill_chunk: c.prefill_chunk_tokens.saturating_mul(stages),
         idle_prefill_chunk: c.idle_prefill_chunk_tokens,
         max_batch: c.max_batch,
         kv_budget_bytes: c.kv_budget_bytes,
@@ -65,7 +65,7 @@ pub fn scheduler_config(s: &Settings, gpu: bool) -> SchedulerConfig {
         aging_tokens_per_s: c.aging_tokens_per_s,
         interleave: c.interleave,
         continuous: c.continuous,
-        tick_budget: if c.chunk_stages(gpu) > 1 { 0.0 } else { c.tick_budget(gpu) },
+        tick_budget: if stages > 1 { 0.0 } else { c.tick_budget.unwrap_or(0.0) },
         min_prefill_chunk: c.min_prefill_chunk_tokens,
     }
 }
@@ -96,13 +96,13 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<Addr<SchedulerActor<ActorEngine>>, String>>();
     let device = Arbiter::new();
     let gpu = llmq_engine::on_gpu();
-    let cfg = scheduler_config(&settings, gpu);
+    let sched = settings.scheduler.clone();
+    let cfg = scheduler_config(&sched, sched.chunk_stages(gpu));
     let cfg_chunk = cfg.prefill_chunk;
     let prefix = settings.prefix_cache.clone();
     let decode_ahead = settings.scheduler.decode_ahead;
     let (chunk_stages, stage_tokens) = (settings.scheduler.chunk_stages(gpu), settings.scheduler.prefill_chunk_tokens);
     let (stage_budget, min_stage_tokens) = (settings.scheduler.tick_budget(gpu), settings.scheduler.min_prefill_chunk_tokens);
-    let explicit_budget = settings.scheduler.tick_budget;
     let prefix_max = if prefix.max_bytes == 0 { cfg.kv_budget_bytes } else { prefix.max_bytes.min(cfg.kv_budget_bytes) };
     let (wid, mname, model_ref, dtype) =
         (worker_id.clone(), model_name.clone(), settings.worker.model.clone(), settings.worker.dtype.clone());
@@ -118,13 +118,7 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
             // A chunk beside decoding streams spans the stages this model's decode actor runs
             // it in (fewer than asked for a sliding-window model, or one with fewer layers).
             let chunk_stages = crate::decode::chunk_stages(&model, chunk_stages);
-            let mut cfg = cfg;
-            cfg.prefill_chunk = stage_tokens.saturating_mul(chunk_stages);
-            if chunk_stages == 1 {
-                // No stages on this model: a budget set sizes whole chunks (the default one is
-                // for stages only).
-                cfg.tick_budget = explicit_budget.unwrap_or(0.0);
-            }
+            let cfg = scheduler_config(&sched, chunk_stages);
             // Whole chunks, of every size the tick budget grants, are never padded.
             let mut sizes = cfg.chunk_sizes();
             sizes.push(cfg.idle_prefill_chunk);
