@@ -3,12 +3,14 @@
 # batch runs alternated in one call, with their tick logs, for comparing chunk settings
 # (RESULTS.md, "Eleventh session"). Expects .gpu/mlx/part2 (after the stash step),
 # .gpu/binpack/bin.tar.xz (llmq and Debian's nats-server in bin/), and for PEER=1 .gpu/mlx/peer
-# and .gpu/peer_mlx_lm.py. PLAN: run names (see below), e.g. PLAN="b8def b8s1 b8def".
+# and .gpu/peer_mlx_lm.py; test binaries in bin/tests run first (GPU-only tests). PLAN: run names (see below), e.g. PLAN="b8def b8s1 b8def".
 set -uo pipefail
 eval "$(bash .gpu/unpack-mlx-cuda.sh unpack .gpu/mlx/part2)"
 [ -x .gpu/bin/llmq ] || tar -C .gpu -xJf .gpu/binpack/bin.tar.xz
 export PATH="$PWD/.gpu/bin:$PATH" LLMQ_LOG=error
 KV="--kv-budget-bytes 60000000000"
+# GPU-only test binaries carried in bin/tests (cargo test --no-run), run first.
+for t in .gpu/bin/tests/*; do [ -x "$t" ] && { echo "## $t"; "$t" --ignored --test-threads=1 2>&1 | tail -n 15; }; done
 mkdir -p $OUT/r
 i=0
 for name in $PLAN; do

@@ -289,18 +289,30 @@ impl Attention {
         // theirs): one rotation of the queries and one of the keys a layer.
         let (q, k, v) = self.row_heads(&qkv, n, rotation)?;
         let mut outs = Vec::with_capacity(groups.len() + 1);
+        // With the row attention kernel, the rows' keys and values are cut once into each
+        // group's share and the chunk's (one split, not a slice per piece: each graph node
+        // costs the host several microseconds a layer).
+        let mut chunk_qkv = None;
         if let Some(rs) = rows_step {
             // Every group's rows together: one attention launch; only the KV writes go group
             // by group.
             let b = rs.slots;
-            let (q, k, v) = if n == b { (q.clone(), k.clone(), v.clone()) } else { (q.index(..b), k.index(..b), v.index(..b)) };
-            let single = groups.len() == 1;
-            for g in groups.iter_mut() {
-                let span = g.offset..g.offset + g.slots;
-                let (gk, gv) = if single { (k.clone(), v.clone()) } else { (k.index(span.clone()), v.index(span)) };
+            let mut bounds: Vec<i32> = groups.iter().skip(1).map(|g| g.offset).collect();
+            if n > b {
+                bounds.push(b);
+            }
+            let (mut ks, mut vs) = if bounds.is_empty() { (vec![k.clone()], vec![v.clone()]) } else { (k.split_at_indices(&bounds, 0)?, v.split_at_indices(&bounds, 0)?) };
+            let q = if n > b {
+                let mut qs = q.split_at_indices(&[b], 0)?;
+                chunk_qkv = Some((qs.pop().expect("two parts"), ks.pop().expect("a chunk part"), vs.pop().expect("a chunk part")));
+                qs.pop().expect("two parts")
+            } else {
+                q.clone()
+            };
+            for (g, (gk, gv)) in groups.iter_mut().zip(ks.iter().zip(&vs)) {
                 let kv = &mut g.kv[layer];
-                kv.0 = kv.0.put_along_axis(&g.write, &gk, 2)?;
-                kv.1 = kv.1.put_along_axis(&g.write, &gv, 2)?;
+                kv.0 = kv.0.put_along_axis(&g.write, gk, 2)?;
+                kv.1 = kv.1.put_along_axis(&g.write, gv, 2)?;
             }
             let bufs: Vec<(&Array, &Array)> = groups.iter().map(|g| (&g.kv[layer].0, &g.kv[layer].1)).collect();
             outs.push(self.rows_first(&rs.kernel.apply(&rs.plan, &q, &bufs)?)?);
@@ -339,12 +351,17 @@ impl Attention {
             // t, d], views of the rows' heads); its queries attend there through our kernel
             // (rows in, rows out) where the cache lays its buffers out for it, else through
             // MLX's. Its output, as rows [t, 1, heads, d], is laid out by the concatenation.
-            let seq = |a: &Array| a.index(n - t..).transpose_axes(&[2, 1, 0, 3]);
+            let rows = |a: &Array| if t == n { a.clone() } else { a.index(n - t..) };
+            let seq = |a: &Array| a.transpose_axes(&[2, 1, 0, 3]);
+            let (cq, ck, cv) = match chunk_qkv.take() {
+                Some(parts) => parts,
+                None => (rows(&q), rows(&k), rows(&v)),
+            };
             let off = cache.offset();
-            let (keys, values, mask) = cache.update(&seq(&k)?, &seq(&v)?)?;
+            let (keys, values, mask) = cache.update(&seq(&ck)?, &seq(&cv)?)?;
             let o = match (chunk_kernel, cache.buffers()) {
-                (Some(kernel), Some((kb, vb))) => kernel.apply(&q.index(n - t..), &kb, &vb, off)?.transpose_axes(&[0, 2, 1, 3])?,
-                _ => self.attend(&seq(&q)?, &keys, &values, &mask)?.transpose_axes(&[2, 0, 1, 3])?,
+                (Some(kernel), Some((kb, vb))) => kernel.apply(&cq, &kb, &vb, off)?.transpose_axes(&[0, 2, 1, 3])?,
+                _ => self.attend(&seq(&cq)?, &keys, &values, &mask)?.transpose_axes(&[2, 0, 1, 3])?,
             };
             outs.push(o);
         }

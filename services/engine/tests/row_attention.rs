@@ -195,3 +195,37 @@ fn a_step_with_a_prefill_chunk_gives_the_same_logits_through_the_kernel() {
         assert_close(&out[0], &out[1], step);
     }
 }
+
+/// A step with two length groups and a prefill chunk (the rows' keys and values cut into each
+/// group's share and the chunk's), the chunk attending through MLX's attention as by default:
+/// the same logits through the row kernel as through masked attention, chunk after chunk.
+#[test]
+#[ignore = "needs CUDA (run on the GPU machine)"]
+fn a_step_with_two_groups_and_a_chunk_gives_the_same_logits_through_the_kernel() {
+    use llmq_engine::shapes::random_model;
+    let fast = random_model("smollm2", Dtype::Bfloat16, 7).unwrap();
+    let masked = random_model("smollm2", Dtype::Bfloat16, 7).unwrap().with_masked_decode_attention();
+    assert!(fast.uses_row_attention() && !fast.uses_chunk_attention());
+    let (short_lens, long_lens) = ([5usize, 40, 300, 17], [1500usize]);
+    let long_prompt: Vec<u32> = (0..1024u32).map(|i| (i * 13) % 1000 + 1).collect();
+    let mut state = vec![];
+    for model in [&fast, &masked] {
+        let mut short = model.new_decode_batch().unwrap();
+        let mut long = model.new_decode_batch().unwrap().with_per_row_attention(8);
+        for &n in &short_lens {
+            short.join(&prefilled(model, &prompt(n))).unwrap();
+        }
+        for &n in &long_lens {
+            long.join(&prefilled(model, &prompt(n))).unwrap();
+        }
+        state.push((short, long, model.new_cache()));
+    }
+    let (a, b) = (vec![1u32; short_lens.len()], vec![2u32; long_lens.len()]);
+    for (step, chunk) in long_prompt.chunks(256).enumerate() {
+        let mut out = vec![];
+        for (model, (short, long, cache)) in [&fast, &masked].into_iter().zip(state.iter_mut()) {
+            out.push(host(&model.step(&mut [(&a[..], short), (&b[..], long)], Some((chunk, cache))).unwrap()));
+        }
+        assert_close(&out[0], &out[1], step);
+    }
+}

@@ -53,6 +53,8 @@ pub struct SchedulerActor<E: WorkerEngine + Unpin + 'static> {
     ended: u64,
     /// Moving average of tick durations, to tell a stall from the usual.
     tick_ema_ms: f64,
+    /// The machine's stolen time at the last tick log line (ms), for the next line's share.
+    last_steal: Option<f64>,
     out: UnboundedSender<Outbound>,
     /// Cancels of requests not held here (yet): a job still waiting in the jobs stream when its
     /// cancel went out is ended with `Cancelled` when it arrives instead of run.
@@ -123,6 +125,7 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
             tick_wall: Duration::ZERO,
             ended: 0,
             tick_ema_ms: 0.0,
+            last_steal: None,
             out,
             cancelled: RecentCancels::default(),
             snapshot: None,
@@ -561,6 +564,12 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
             // MLX's memory: in use by arrays, and held in its buffer cache (GB).
             let gb = |r: mlx_rs::error::Result<usize>| r.map_or(f64::NAN, |b| b as f64 / 1e9);
             line.push_str(&format!(" active_gb={:.2} cache_gb={:.2}", gb(mlx_rs::memory::active_memory()), gb(mlx_rs::memory::cache_memory())));
+            // The machine: time the hypervisor took from its CPUs since the last line (ms, all
+            // CPUs together), and threads runnable now.
+            if let Some((steal, runnable)) = crate::usage::machine_steal_and_runnable() {
+                let last = self.last_steal.replace(steal).unwrap_or(steal);
+                line.push_str(&format!(" steal={:.0} runnable={runnable:.0}", steal - last));
+            }
             line.push('\n');
             let _ = w.write_all(line.as_bytes());
         }

@@ -22,6 +22,12 @@
 //! smaller size upward, an upper bound when costs are partly fixed; downward, a guess to try).
 //! The sizer grants the largest size expected to fit the budget; when none is, the size with
 //! the shortest expected tick (it does not shrink chunks that cost as much as larger ones).
+//! While none fits, a smaller size whose time was last measured `REMEASURE_TICKS` chunk ticks
+//! ago or more is granted once to measure it again (the largest such; the sizes below it count
+//! as measured then too), and that sample replaces its old time: a
+//! size abandoned after a few slow ticks (a host hiccup, a tick with an extra length group)
+//! would otherwise never be tried again, though it may fit now. A smaller size costs little to
+//! try: at worst about what the size it replaces costs.
 //!
 //! Sizes: `min`, `2·min`, `4·min`, ... below `max`, then `max`. A chunk of size `s` starts at a
 //! multiple of `s` of the prompt's positions, so that on a GPU each size meets one attention
@@ -40,6 +46,10 @@ use std::time::Duration;
 const DECODE_WEIGHT: f64 = 0.2;
 const CHUNK_WEIGHT: f64 = 0.25;
 
+/// Chunk ticks after which a smaller size's time is stale and, while no size fits the budget,
+/// measured again.
+const REMEASURE_TICKS: u32 = 16;
+
 #[derive(Debug, Clone, Default)]
 pub struct ChunkSizer {
     /// Allowed tick time over a decode-only tick's; 0: off (always `max`).
@@ -49,6 +59,8 @@ pub struct ChunkSizer {
     decode_ms: Option<f64>,
     /// Per entry of `sizes`: a tick's time beyond `decode_ms` with a chunk of that size.
     extra_ms: Vec<Option<f64>>,
+    /// Per entry of `sizes`: chunk ticks measured since that size's own last measurement.
+    age: Vec<u32>,
     /// The last tick's start, rows decoded and chunk tokens, while the next follows at once.
     last: Option<(Duration, usize, usize)>,
 }
@@ -56,7 +68,7 @@ pub struct ChunkSizer {
 impl ChunkSizer {
     pub fn new(budget: f64, min: usize, max: usize) -> Self {
         let sizes = Self::sizes(min, max);
-        ChunkSizer { budget, extra_ms: vec![None; sizes.len()], sizes, ..Default::default() }
+        ChunkSizer { budget, extra_ms: vec![None; sizes.len()], age: vec![0; sizes.len()], sizes, ..Default::default() }
     }
 
     /// The sizes chunks take between `min` and `max` tokens: `min` doubled while below `max`,
@@ -88,8 +100,16 @@ impl ChunkSizer {
         if chunk == 0 {
             self.decode_ms = avg(self.decode_ms, DECODE_WEIGHT, ms);
         } else if let (Some(d), Some(i)) = (self.decode_ms, self.sizes.iter().position(|&s| s == chunk)) {
-            // (A prompt's last chunk, of whatever tokens were left, is not timed.)
-            self.extra_ms[i] = avg(self.extra_ms[i], CHUNK_WEIGHT, (ms - d).max(0.0));
+            // (A prompt's last chunk, of whatever tokens were left, is not timed.) A stale time
+            // is replaced, not averaged.
+            let stale = self.stale(i);
+            self.extra_ms[i] = avg(self.extra_ms[i], if stale { 1.0 } else { CHUNK_WEIGHT }, (ms - d).max(0.0));
+            for a in &mut self.age {
+                *a = a.saturating_add(1);
+            }
+            // A retry speaks for the sizes below it too: one retry per stale period.
+            let fresh = if stale { 0..=i } else { i..=i };
+            self.age[fresh].fill(0);
         }
     }
 
@@ -130,10 +150,20 @@ impl ChunkSizer {
                 let room = (self.budget - 1.0) * d;
                 let fits = expected.iter().find(|(_, e)| e.is_some_and(|e| e <= room));
                 let cheapest = || expected.iter().min_by(|a, b| a.1.partial_cmp(&b.1).unwrap_or(std::cmp::Ordering::Equal));
-                fits.or_else(cheapest).map_or(first, |(s, _)| *s)
+                let pick = fits.or_else(cheapest).map_or(first, |(s, _)| *s);
+                if fits.is_some() {
+                    return pick;
+                }
+                // None fits: a smaller size measured long ago is tried again (the largest such).
+                candidates.iter().rev().find(|&&i| self.sizes[i] < pick && self.stale(i)).map_or(pick, |&i| self.sizes[i])
             }
             _ => expected.first().map_or(first, |(s, _)| *s),
         }
+    }
+
+    /// Whether `sizes[i]`'s measured time is old enough to measure again.
+    fn stale(&self, i: usize) -> bool {
+        self.extra_ms[i].is_some() && self.age[i] >= REMEASURE_TICKS
     }
 
     /// The time a chunk of `sizes[i]` is expected to add to a tick: the least of its own
@@ -256,5 +286,44 @@ mod tests {
         assert_eq!(&sizes[..2], &[256, 128], "{sizes:?}");
         assert!(sizes[2..].iter().all(|&n| n == 256 || n == 64), "{sizes:?}");
         assert_eq!(*sizes.last().unwrap(), 256, "{sizes:?} {:?}", s.estimates());
+    }
+
+    #[test]
+    fn a_smaller_size_abandoned_after_slow_ticks_is_measured_again_and_kept_when_it_fits() {
+        let (mut s, mut t) = with_decode_ticks(1.5);
+        let mut tick = |s: &mut ChunkSizer, extra: &dyn Fn(usize) -> f64| {
+            let w = s.pick();
+            s.tick_ended(t, 16, w, true);
+            t += Duration::from_secs_f64((10.0 + extra(w)) / 1000.0);
+            s.tick_started(t);
+            w
+        };
+        // Slow ticks while the smaller sizes are first tried: none fits 5 ms of room, and 256
+        // (6 ms) is the cheapest.
+        let slow = |n: usize| if n < 256 { 9.0 } else { 6.0 };
+        let first: Vec<usize> = (0..6).map(|_| tick(&mut s, &slow)).collect();
+        assert_eq!(first, vec![256, 128, 64, 256, 256, 256], "{:?}", s.estimates());
+        // Now the work costs in proportion (128: 4 ms, fits); 256 alone would stay over budget.
+        let fair = |n: usize| 8.0 * n as f64 / 256.0;
+        let later: Vec<usize> = (0..40).map(|_| tick(&mut s, &fair)).collect();
+        let tried = later.iter().position(|&w| w != 256).expect("a smaller size is tried again");
+        assert!(tried < REMEASURE_TICKS as usize, "{later:?}");
+        assert_eq!(later[tried], 128, "the largest stale size below the cheapest: {later:?}");
+        assert!(later[tried..].iter().all(|&w| w == 128), "kept once it fits: {later:?} {:?}", s.estimates());
+    }
+
+    #[test]
+    fn sizes_that_stay_slow_are_retried_only_now_and_then() {
+        let (mut s, mut t) = with_decode_ticks(1.5);
+        let mut sizes = vec![];
+        for _ in 0..64 {
+            let w = s.pick();
+            s.tick_ended(t, 16, w, true);
+            t += Duration::from_secs_f64((10.0 + if w < 256 { 9.0 } else { 6.0 }) / 1000.0);
+            s.tick_started(t);
+            sizes.push(w);
+        }
+        let smaller = sizes[3..].iter().filter(|&&w| w < 256).count();
+        assert!((1..=64 / REMEASURE_TICKS as usize + 1).contains(&smaller), "{sizes:?}");
     }
 }

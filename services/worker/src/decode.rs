@@ -131,6 +131,8 @@ pub struct DecodeActor {
     /// Host time of the last step queued ahead's delivery: joining a completed prompt, queuing
     /// the next step, waiting for the tokens, and the rest (ms).
     parts: [f64; 6],
+    /// The thread's own use over that delivery (`usage::ThreadUsage::since`).
+    thread: [f64; 4],
     /// The last queued step's host time building its graph and launching it (ms).
     launched: (f64, f64),
     busy: Busy,
@@ -298,6 +300,7 @@ impl DecodeActor {
             decode_ahead,
             chunks_ahead: (0, 0),
             parts: [0.0; 6],
+            thread: [0.0; 4],
             launched: (0.0, 0.0),
             busy: Busy::default(),
             lost: HashMap::new(),
@@ -315,6 +318,7 @@ impl DecodeActor {
             held,
             busy: self.busy,
             parts: self.parts,
+            thread: self.thread,
             chunks_ahead: self.chunks_ahead,
             stages_pending: self.stages_pending,
             stage: self.last_stage,
@@ -634,6 +638,7 @@ impl DecodeActor {
         let Ahead { order: ahead_order, tokens, completing } = ahead;
         let mut pos: HashMap<ReqId, usize> = ahead_order.iter().enumerate().map(|(i, id)| (*id, i)).collect();
         let mut failed_join = None;
+        let used = crate::usage::ThreadUsage::now();
         let t0 = std::time::Instant::now();
         if let Some((id, seq)) = completing {
             pos.insert(id, ahead_order.len());
@@ -692,6 +697,7 @@ impl DecodeActor {
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1000.0;
         let (build, launch) = self.launched;
         self.parts = [ms(t1 - t0), ms(t2 - t1), build, launch, ms(t3 - t2), ms(t3.elapsed())];
+        self.thread = crate::usage::ThreadUsage::now().since(&used);
         Stepped { outs, chunk }
     }
 

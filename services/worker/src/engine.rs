@@ -266,7 +266,8 @@ impl WorkerEngine for ActorEngine {
     fn step_parts(&self) -> Vec<(&'static str, f64)> {
         let r = &self.reports[DECODE];
         let stage = [("layers", r.stage.0 as f64), ("work", r.stage.1 as f64)];
-        ["join", "queue", "build", "launch", "wait", "rest"].into_iter().zip(r.parts).chain(stage).collect()
+        let thread = ["cpu", "faults", "vcsw", "ivcsw"].into_iter().zip(r.thread);
+        ["join", "queue", "build", "launch", "wait", "rest"].into_iter().zip(r.parts).chain(stage).chain(thread).collect()
     }
 
     async fn reset_counters(&mut self) {

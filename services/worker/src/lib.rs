@@ -28,3 +28,4 @@ pub mod prefill;
 pub mod scheduler;
 pub mod seq;
 pub mod service;
+pub mod usage;

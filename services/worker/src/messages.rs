@@ -20,6 +20,9 @@ pub struct Report {
     /// The decode actor's host time of the last step's parts (ms): join, queue (the next step,
     /// of which: build its graph, launch it), wait (for the last step's tokens), rest.
     pub parts: [f64; 6],
+    /// The decode thread's own use over that delivery: CPU ms, minor page faults, voluntary and
+    /// involuntary context switches (`usage::ThreadUsage`).
+    pub thread: [f64; 4],
     /// The decode actor's prefill chunks run in a step queued ahead, and of those the ones that
     /// completed their prompt.
     pub chunks_ahead: (u64, u64),
