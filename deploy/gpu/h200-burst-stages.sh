@@ -35,7 +35,7 @@ for name in $PLAN; do
   LLMQ_TICK_LOG=$OUT/r/$i-$name.ticks timeout 200 llmq bench $a --json $KV > $OUT/r/$i-$name.json 2> $OUT/r/$i-$name.err
   rc=$?
   [ $name = t8 ] && python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print("decode_ms", d["decode_ms"]); [print(h) for h in d["host_ms"] if "alone" not in h["step"]]' $OUT/r/$i-$name.json
-  echo "== $i $name rc=$rc $(( $(date +%s) - t0 ))s"; python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print({k: d.get(k) for k in ["worst_gap_ms","steady_gap_ms","worst_over_steady","last_burst_first_token_s","steady_output_tokens_per_s","output_tokens_per_s","control_overhead_fraction"] if k in d})' $OUT/r/$i-$name.json 2>&1 | tail -1
+  echo "== $i $name rc=$rc $(( $(date +%s) - t0 ))s"; python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print({k: d.get(k) for k in ["worst_gap_ms","steady_gap_ms","worst_over_steady","last_burst_first_token_s","steady_gap_after_ms","steady_output_tokens_per_s","output_tokens_per_s","control_overhead_fraction"] if k in d})' $OUT/r/$i-$name.json 2>&1 | tail -1
 done
 if [ -n "${PEER:-}" ]; then
   ( eval "$(bash .gpu/unpack-mlx-cuda.sh peer .gpu/mlx/peer)"; timeout 300 python3 .gpu/peer_mlx_lm.py --shape 8b --scenarios ${PEER_SCEN:-batch,burst} 2>&1 | tail -n 6 ) > $OUT/r/peer.txt 2>&1

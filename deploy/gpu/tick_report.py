@@ -44,7 +44,7 @@ for path in sys.argv[1:]:
     for d, r in top:
         p = parts[idx[id(r)]]
         print(f"  top {d:6.1f}ms rows={r[2]} chunk={r[3]} done={r[4]} "
-              + " ".join(f"{n}={p[n]:.1f}" for n in ("join", "queue", "build", "launch", "wait", "rest", "cpu", "faults", "vcsw", "ivcsw", "steal", "runnable") if n in p))
+              + " ".join(f"{n}={p[n]:.1f}" for n in ("join", "queue", "build", "launch", "wait", "rest", "cpu", "faults", "vcsw", "ivcsw", "steal", "runnable", "alu_us", "walk_us") if n in p))
     # chunk tick by done offset bucket (size 256/128 both)
     buck = {}
     for d, r in burst:

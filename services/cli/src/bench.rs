@@ -50,7 +50,7 @@ pub struct Args {
     /// worker's, 4 on a GPU and 1 on a CPU).
     #[arg(long)]
     stages: Option<usize>,
-    /// Tick budget (`scheduler.tick_budget`; 0: off; default: the worker's, 1.5 on a GPU with
+    /// Tick budget (`scheduler.tick_budget`; 0: off; default: the worker's, 1.3 on a GPU with
     /// stages).
     #[arg(long)]
     tick_budget: Option<f64>,

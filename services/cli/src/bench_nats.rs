@@ -251,15 +251,22 @@ async fn burst((mut c, mut rx): (Client, mpsc::UnboundedReceiver<Seen>), k: &Kno
     }
     let mut last: HashMap<usize, Instant> = HashMap::new();
     let mut count: HashMap<usize, usize> = HashMap::new();
-    let (mut before, mut during) = (vec![], vec![]);
-    // Warm up, then measure the steady gap over 40 tokens of every active stream.
-    let mut phase = 0; // 0 warm, 1 steady, 2 burst
+    let (mut before, mut during, mut after) = (vec![], vec![], vec![]);
+    // Warm up, then measure the steady gap over 40 tokens of every active stream; after the
+    // burst, 40 more (the pace then tells whether the machine's own speed changed meanwhile:
+    // a shared host's CPUs can run this work at different speeds from one second to the next).
+    let mut phase = 0; // 0 warm, 1 steady, 2 burst, 3 after
+    let mut status1 = None;
+    let mut after_from = 0;
     let mut status0 = None;
     let mut burst_at = Instant::now();
     let mut burst_ids: Vec<usize> = vec![];
     let mut first: HashMap<usize, f64> = HashMap::new();
     while let Some(s) = rx.recv().await {
         if s.terminal && s.stream < k.active {
+            if phase == 3 {
+                break; // its token cap reached after the burst: the pace after is what was seen
+            }
             bail!("an active stream ended early");
         }
         if s.stream < k.active && s.tokens > 0 {
@@ -268,18 +275,22 @@ async fn burst((mut c, mut rx): (Client, mpsc::UnboundedReceiver<Seen>), k: &Kno
                 match phase {
                     1 => before.push(gap),
                     2 => during.push(gap),
+                    3 => after.push(gap),
                     _ => {}
                 }
             }
             *count.entry(s.stream).or_default() += 1;
         } else if burst_ids.contains(&s.stream) && s.tokens > 0 && !first.contains_key(&s.stream) {
             first.insert(s.stream, (s.at - burst_at).as_secs_f64());
-            if first.len() == k.burst {
-                break;
-            }
         }
         let min = active.iter().map(|i| count.get(i).copied().unwrap_or(0)).min().unwrap_or(0);
-        if phase == 0 && min >= 20 {
+        if phase == 2 && first.len() == k.burst {
+            phase = 3;
+            after_from = min;
+            status1 = Some(c.status().await?);
+        } else if phase == 3 && min >= after_from + 40 {
+            break;
+        } else if phase == 0 && min >= 20 {
             phase = 1;
         } else if phase == 1 && min >= 60 {
             phase = 2;
@@ -290,7 +301,10 @@ async fn burst((mut c, mut rx): (Client, mpsc::UnboundedReceiver<Seen>), k: &Kno
             }
         }
     }
-    let status1 = c.status().await?;
+    let status1 = match status1 {
+        Some(s) => s,
+        None => c.status().await?,
+    };
     c.cancel_all().await?;
     let steady = median(before);
     let worst = during.iter().copied().fold(0.0, f64::max);
@@ -300,6 +314,7 @@ async fn burst((mut c, mut rx): (Client, mpsc::UnboundedReceiver<Seen>), k: &Kno
         "steady_gap_ms": round(steady, 2), "worst_gap_ms": round(worst, 2),
         "worst_over_steady": round(worst / steady, 1),
         "last_burst_first_token_s": round(first.values().copied().fold(0.0, f64::max), 3),
+        "steady_gap_after_ms": round(median(after), 2),
     });
     if let Some(s0) = status0 {
         v.as_object_mut().unwrap().extend(overhead(&s0, &status1).as_object().unwrap().clone());

@@ -55,6 +55,8 @@ pub struct SchedulerActor<E: WorkerEngine + Unpin + 'static> {
     tick_ema_ms: f64,
     /// The machine's stolen time at the last tick log line (ms), for the next line's share.
     last_steal: Option<f64>,
+    /// The machine's TLB shootdowns at the last tick log line.
+    last_tlb: Option<f64>,
     out: UnboundedSender<Outbound>,
     /// Cancels of requests not held here (yet): a job still waiting in the jobs stream when its
     /// cancel went out is ended with `Cancelled` when it arrives instead of run.
@@ -126,6 +128,7 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
             ended: 0,
             tick_ema_ms: 0.0,
             last_steal: None,
+            last_tlb: None,
             out,
             cancelled: RecentCancels::default(),
             snapshot: None,
@@ -569,6 +572,11 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
             if let Some((steal, runnable)) = crate::usage::machine_steal_and_runnable() {
                 let last = self.last_steal.replace(steal).unwrap_or(steal);
                 line.push_str(&format!(" steal={:.0} runnable={runnable:.0}", steal - last));
+            }
+            // TLB shootdowns on the machine since the last line (all CPUs).
+            if let Some(tlb) = crate::usage::tlb_shootdowns() {
+                let last = self.last_tlb.replace(tlb).unwrap_or(tlb);
+                line.push_str(&format!(" tlb={:.0}", tlb - last));
             }
             line.push('\n');
             let _ = w.write_all(line.as_bytes());

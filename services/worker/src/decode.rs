@@ -132,7 +132,10 @@ pub struct DecodeActor {
     /// the next step, waiting for the tokens, and the rest (ms).
     parts: [f64; 6],
     /// The thread's own use over that delivery (`usage::ThreadUsage::since`).
-    thread: [f64; 4],
+    thread: [f64; 6],
+    /// With a tick log (`LLMQ_TICK_LOG`), the CPU speed probe run after each delivery.
+    probe: Option<crate::usage::SpeedProbe>,
+    probe_us: [f64; 2],
     /// The last queued step's host time building its graph and launching it (ms).
     launched: (f64, f64),
     busy: Busy,
@@ -300,7 +303,9 @@ impl DecodeActor {
             decode_ahead,
             chunks_ahead: (0, 0),
             parts: [0.0; 6],
-            thread: [0.0; 4],
+            thread: [0.0; 6],
+            probe: std::env::var_os("LLMQ_TICK_LOG").map(|_| crate::usage::SpeedProbe::new()),
+            probe_us: [0.0; 2],
             launched: (0.0, 0.0),
             busy: Busy::default(),
             lost: HashMap::new(),
@@ -319,6 +324,7 @@ impl DecodeActor {
             busy: self.busy,
             parts: self.parts,
             thread: self.thread,
+            probe_us: self.probe_us,
             chunks_ahead: self.chunks_ahead,
             stages_pending: self.stages_pending,
             stage: self.last_stage,
@@ -698,6 +704,10 @@ impl DecodeActor {
         let (build, launch) = self.launched;
         self.parts = [ms(t1 - t0), ms(t2 - t1), build, launch, ms(t3 - t2), ms(t3.elapsed())];
         self.thread = crate::usage::ThreadUsage::now().since(&used);
+        if let Some(p) = &self.probe {
+            let (alu, walk) = p.run();
+            self.probe_us = [alu, walk];
+        }
         Stepped { outs, chunk }
     }
 

@@ -266,8 +266,9 @@ impl WorkerEngine for ActorEngine {
     fn step_parts(&self) -> Vec<(&'static str, f64)> {
         let r = &self.reports[DECODE];
         let stage = [("layers", r.stage.0 as f64), ("work", r.stage.1 as f64)];
-        let thread = ["cpu", "faults", "vcsw", "ivcsw"].into_iter().zip(r.thread);
-        ["join", "queue", "build", "launch", "wait", "rest"].into_iter().zip(r.parts).chain(stage).chain(thread).collect()
+        let thread = ["cpu", "faults", "vcsw", "ivcsw", "minstr", "mcycles"].into_iter().zip(r.thread);
+        let probe = ["alu_us", "walk_us"].into_iter().zip(r.probe_us);
+        ["join", "queue", "build", "launch", "wait", "rest"].into_iter().zip(r.parts).chain(stage).chain(thread).chain(probe).collect()
     }
 
     async fn reset_counters(&mut self) {

@@ -21,8 +21,11 @@ pub struct Report {
     /// of which: build its graph, launch it), wait (for the last step's tokens), rest.
     pub parts: [f64; 6],
     /// The decode thread's own use over that delivery: CPU ms, minor page faults, voluntary and
-    /// involuntary context switches (`usage::ThreadUsage`).
-    pub thread: [f64; 4],
+    /// involuntary context switches, millions of instructions and cycles (`usage::ThreadUsage`).
+    pub thread: [f64; 6],
+    /// With a tick log, `usage::SpeedProbe`'s microseconds after that delivery (the CPU's speed
+    /// for the decode thread then); zeros without.
+    pub probe_us: [f64; 2],
     /// The decode actor's prefill chunks run in a step queued ahead, and of those the ones that
     /// completed their prompt.
     pub chunks_ahead: (u64, u64),

@@ -123,7 +123,7 @@ pub struct SchedulerSettings {
     /// (measured). With chunks in stages, each tick's share of a chunk is sized to it, between
     /// `min_prefill_chunk_tokens` and `prefill_chunk_tokens` tokens' worth; with chunks in one
     /// tick, the chunks themselves are. 0: off (every tick carries `prefill_chunk_tokens`'
-    /// worth). Default (None): 1.5 on a GPU with stages, off otherwise.
+    /// worth). Default (None): 1.3 on a GPU with stages, off otherwise.
     pub tick_budget: Option<f64>,
     /// The least prefill work (tokens' worth) the tick budget sizes a tick's down to.
     pub min_prefill_chunk_tokens: usize,
@@ -133,7 +133,7 @@ pub struct SchedulerSettings {
 pub const GPU_PREFILL_CHUNK_STAGES: usize = 4;
 
 /// `scheduler.tick_budget` when not set, on a GPU whose chunks run in stages.
-pub const GPU_TICK_BUDGET: f64 = 1.5;
+pub const GPU_TICK_BUDGET: f64 = 1.3;
 
 impl SchedulerSettings {
     /// Ticks a full prefill chunk is spread over: `prefill_chunk_stages`, or its device default
