@@ -288,24 +288,28 @@ mod tests {
         assert_eq!(*sizes.last().unwrap(), 256, "{sizes:?} {:?}", s.estimates());
     }
 
+    /// Times the sizer as the decode actor would (`pick`, any size after any other), as `run`.
+    fn picks(s: &mut ChunkSizer, t: &mut Duration, ticks: usize, extra: impl Fn(usize) -> f64) -> Vec<usize> {
+        (0..ticks)
+            .map(|_| {
+                let w = s.pick();
+                s.tick_ended(*t, 16, w, true);
+                *t += Duration::from_secs_f64((10.0 + extra(w)) / 1000.0);
+                s.tick_started(*t);
+                w
+            })
+            .collect()
+    }
+
     #[test]
     fn a_smaller_size_abandoned_after_slow_ticks_is_measured_again_and_kept_when_it_fits() {
         let (mut s, mut t) = with_decode_ticks(1.5);
-        let mut tick = |s: &mut ChunkSizer, extra: &dyn Fn(usize) -> f64| {
-            let w = s.pick();
-            s.tick_ended(t, 16, w, true);
-            t += Duration::from_secs_f64((10.0 + extra(w)) / 1000.0);
-            s.tick_started(t);
-            w
-        };
         // Slow ticks while the smaller sizes are first tried: none fits 5 ms of room, and 256
         // (6 ms) is the cheapest.
-        let slow = |n: usize| if n < 256 { 9.0 } else { 6.0 };
-        let first: Vec<usize> = (0..6).map(|_| tick(&mut s, &slow)).collect();
+        let first = picks(&mut s, &mut t, 6, |n| if n < 256 { 9.0 } else { 6.0 });
         assert_eq!(first, vec![256, 128, 64, 256, 256, 256], "{:?}", s.estimates());
         // Now the work costs in proportion (128: 4 ms, fits); 256 alone would stay over budget.
-        let fair = |n: usize| 8.0 * n as f64 / 256.0;
-        let later: Vec<usize> = (0..40).map(|_| tick(&mut s, &fair)).collect();
+        let later = picks(&mut s, &mut t, 40, |n| 8.0 * n as f64 / 256.0);
         let tried = later.iter().position(|&w| w != 256).expect("a smaller size is tried again");
         assert!(tried < REMEASURE_TICKS as usize, "{later:?}");
         assert_eq!(later[tried], 128, "the largest stale size below the cheapest: {later:?}");
@@ -315,14 +319,7 @@ mod tests {
     #[test]
     fn sizes_that_stay_slow_are_retried_only_now_and_then() {
         let (mut s, mut t) = with_decode_ticks(1.5);
-        let mut sizes = vec![];
-        for _ in 0..64 {
-            let w = s.pick();
-            s.tick_ended(t, 16, w, true);
-            t += Duration::from_secs_f64((10.0 + if w < 256 { 9.0 } else { 6.0 }) / 1000.0);
-            s.tick_started(t);
-            sizes.push(w);
-        }
+        let sizes = picks(&mut s, &mut t, 64, |n| if n < 256 { 9.0 } else { 6.0 });
         let smaller = sizes[3..].iter().filter(|&&w| w < 256).count();
         assert!((1..=64 / REMEASURE_TICKS as usize + 1).contains(&smaller), "{sizes:?}");
     }

@@ -204,6 +204,53 @@ pub fn tlb_shootdowns() -> Option<f64> {
     Some(line.split_ascii_whitespace().skip(1).map_while(|v| v.parse::<f64>().ok()).sum())
 }
 
+/// The machine's counters (`machine_steal_and_runnable`, `tlb_shootdowns`), read by a thread
+/// of its own every `period`, so that whoever logs them pays nothing: reading
+/// `/proc/interrupts` takes hundreds of microseconds on a 16-CPU machine, too much for a tick's
+/// critical path. The thread stops when this is dropped.
+pub struct MachineSampler {
+    /// Stolen ms so far, threads runnable, TLB shootdowns so far (f64 bits; NaN unread).
+    latest: std::sync::Arc<[std::sync::atomic::AtomicU64; 3]>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl MachineSampler {
+    pub fn start(period: std::time::Duration) -> Self {
+        use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+        let nan = f64::NAN.to_bits();
+        let latest = std::sync::Arc::new([AtomicU64::new(nan), AtomicU64::new(nan), AtomicU64::new(nan)]);
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let (l, s) = (latest.clone(), stop.clone());
+        let spawned = std::thread::Builder::new().name("llmq-machine-sampler".into()).spawn(move || {
+            while !s.load(Ordering::Relaxed) {
+                let (steal, runnable) = machine_steal_and_runnable().unwrap_or((f64::NAN, f64::NAN));
+                let tlb = tlb_shootdowns().unwrap_or(f64::NAN);
+                for (slot, v) in l.iter().zip([steal, runnable, tlb]) {
+                    slot.store(v.to_bits(), Ordering::Relaxed);
+                }
+                std::thread::sleep(period);
+            }
+        });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "no machine sampler: the tick log goes without the machine's counters");
+        }
+        MachineSampler { latest, stop }
+    }
+
+    /// The latest reading: stolen ms so far, threads runnable, TLB shootdowns so far (NaN
+    /// where not read yet or not readable).
+    pub fn latest(&self) -> [f64; 3] {
+        let get = |i: usize| f64::from_bits(self.latest[i].load(std::sync::atomic::Ordering::Relaxed));
+        [get(0), get(1), get(2)]
+    }
+}
+
+impl Drop for MachineSampler {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -234,6 +281,13 @@ mod tests {
             if let Some(tlb) = tlb_shootdowns() {
                 assert!(tlb >= 0.0, "{tlb}");
             }
+            let sampler = MachineSampler::start(std::time::Duration::from_millis(5));
+            let t = std::time::Instant::now();
+            while sampler.latest()[1].is_nan() && t.elapsed() < std::time::Duration::from_secs(5) {
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            let [steal, running, _] = sampler.latest();
+            assert!(steal >= 0.0 && running >= 1.0, "the sampler read the machine: {steal} {running}");
         }
     }
 }

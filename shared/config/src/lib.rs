@@ -143,11 +143,6 @@ impl SchedulerSettings {
         self.prefill_chunk_stages.unwrap_or(if gpu { GPU_PREFILL_CHUNK_STAGES.min(fits) } else { 1 })
     }
 
-    /// Tokens of a prefill chunk granted beside decoding streams.
-    pub fn chunk_tokens(&self, gpu: bool) -> usize {
-        self.prefill_chunk_tokens.saturating_mul(self.chunk_stages(gpu))
-    }
-
     /// The tick budget: `tick_budget`, or its device default (0: off).
     pub fn tick_budget(&self, gpu: bool) -> f64 {
         self.tick_budget.unwrap_or(if gpu && self.chunk_stages(gpu) > 1 { GPU_TICK_BUDGET } else { 0.0 })
@@ -323,14 +318,13 @@ mod tests {
         let err = load(Some(&f)).unwrap_err().to_string();
         assert!(err.contains("scheduler.prefill_chunk_stages"), "{err}");
         // Stages: 4 on a GPU and 1 on a CPU unless set; a staged chunk fits the idle chunk.
-        assert_eq!((d.scheduler.chunk_stages(true), d.scheduler.chunk_tokens(true)), (4, 1024));
-        assert_eq!((d.scheduler.chunk_stages(false), d.scheduler.chunk_tokens(false)), (1, 256));
+        assert_eq!((d.scheduler.chunk_stages(true), d.scheduler.chunk_stages(false)), (4, 1));
         assert_eq!((d.scheduler.tick_budget(true), d.scheduler.tick_budget(false)), (GPU_TICK_BUDGET, 0.0), "a budget by default only for a GPU's stages");
         std::fs::write(&f, "[scheduler]\nidle_prefill_chunk_tokens = 512\n").unwrap();
         assert_eq!(load(Some(&f)).unwrap().scheduler.chunk_stages(true), 2);
         std::fs::write(&f, "[scheduler]\nprefill_chunk_stages = 3\n").unwrap();
         let s = load(Some(&f)).unwrap();
-        assert_eq!((s.scheduler.chunk_stages(true), s.scheduler.chunk_tokens(false)), (3, 768));
+        assert_eq!((s.scheduler.chunk_stages(true), s.scheduler.chunk_stages(false)), (3, 3), "an explicit setting holds on a CPU too");
         std::fs::write(&f, "[scheduler]\nprefill_chunk_stages = 1\n").unwrap();
         assert_eq!(load(Some(&f)).unwrap().scheduler.tick_budget(true), 0.0, "no stages, no default budget");
         std::fs::write(&f, "[scheduler]\nprefill_chunk_stages = 32\n").unwrap();
