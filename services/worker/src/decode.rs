@@ -516,6 +516,8 @@ impl DecodeActor {
             return self.deliver_ahead(ahead, ids, chunk);
         }
         self.parts = [0.0; 6];
+        self.thread = [0.0; 6];
+        self.probe_us = [0.0; 2];
         let mut pre = chunk;
         let end = pre.as_ref().map_or(0, |c| self.stage_end(c, true));
         let layers = self.shared.model.num_layers();
