@@ -131,11 +131,13 @@ pub struct DecodeActor {
     /// Host time of the last step queued ahead's delivery: joining a completed prompt, queuing
     /// the next step, waiting for the tokens, and the rest (ms).
     parts: [f64; 6],
-    /// The thread's own use over that delivery (`usage::ThreadUsage::since`).
+    /// With a tick log: the thread's own use over that delivery (`usage::ThreadUsage::since`),
+    /// and the CPU speed probe's microseconds after it; zeros without.
     thread: [f64; 6],
-    /// With a tick log (`LLMQ_TICK_LOG`), the CPU speed probe run after each delivery.
-    probe: Option<crate::usage::SpeedProbe>,
     probe_us: [f64; 2],
+    /// The speed probe, made only with a tick log (`LLMQ_TICK_LOG`): without one, a delivery
+    /// measures nothing of the kind.
+    probe: Option<crate::usage::SpeedProbe>,
     /// The last queued step's host time building its graph and launching it (ms).
     launched: (f64, f64),
     busy: Busy,
@@ -646,7 +648,7 @@ impl DecodeActor {
         let Ahead { order: ahead_order, tokens, completing } = ahead;
         let mut pos: HashMap<ReqId, usize> = ahead_order.iter().enumerate().map(|(i, id)| (*id, i)).collect();
         let mut failed_join = None;
-        let used = crate::usage::ThreadUsage::now();
+        let used = self.probe.is_some().then(crate::usage::ThreadUsage::now);
         let t0 = std::time::Instant::now();
         if let Some((id, seq)) = completing {
             pos.insert(id, ahead_order.len());
@@ -705,8 +707,8 @@ impl DecodeActor {
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1000.0;
         let (build, launch) = self.launched;
         self.parts = [ms(t1 - t0), ms(t2 - t1), build, launch, ms(t3 - t2), ms(t3.elapsed())];
-        self.thread = crate::usage::ThreadUsage::now().since(&used);
-        if let Some(p) = &self.probe {
+        if let (Some(used), Some(p)) = (used, &self.probe) {
+            self.thread = crate::usage::ThreadUsage::now().since(&used);
             let (alu, walk) = p.run();
             self.probe_us = [alu, walk];
         }

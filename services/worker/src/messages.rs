@@ -21,7 +21,8 @@ pub struct Report {
     /// of which: build its graph, launch it), wait (for the last step's tokens), rest.
     pub parts: [f64; 6],
     /// The decode thread's own use over that delivery: CPU ms, minor page faults, voluntary and
-    /// involuntary context switches, millions of instructions and cycles (`usage::ThreadUsage`).
+    /// involuntary context switches, millions of instructions and cycles (`usage::ThreadUsage`);
+    /// only with a tick log, zeros without.
     pub thread: [f64; 6],
     /// With a tick log, `usage::SpeedProbe`'s microseconds after that delivery (the CPU's speed
     /// for the decode thread then); zeros without.

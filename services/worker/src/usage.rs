@@ -1,7 +1,10 @@
-//! The calling thread's own resource use (Linux `getrusage(RUSAGE_THREAD)`), for the tick log:
-//! when a step's host time jumps, whether the device thread was computing (CPU time close to
-//! the wall time), descheduled (involuntary switches, CPU time far below the wall time),
-//! blocked (voluntary switches) or faulting pages in.
+//! What the tick log (`LLMQ_TICK_LOG`) records beside a step's host time, to tell why that
+//! time jumps. Of the decode thread: its own resource use (`ThreadUsage`: `getrusage
+//! (RUSAGE_THREAD)`, and the CPU's instruction and cycle counts where the machine exposes them),
+//! whether it was computing (CPU time close to the wall time), descheduled (involuntary
+//! switches), blocked (voluntary switches) or faulting pages in; and its CPU's speed right after
+//! (`SpeedProbe`). Of the machine (`MachineSampler`, its own thread): time stolen by the
+//! hypervisor, runnable threads, TLB shootdowns. None of it runs without a tick log.
 
 /// A reading of the calling thread's counters.
 #[derive(Debug, Clone, Copy, Default)]
