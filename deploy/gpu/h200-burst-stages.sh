@@ -12,10 +12,19 @@ KV="--kv-budget-bytes 60000000000"
 # GPU-only test binaries carried in bin/tests (cargo test --no-run), run first.
 for t in .gpu/bin/tests/*; do [ -x "$t" ] && { echo "## $t"; "$t" --ignored --test-threads=1 2>&1 | tail -n 15; }; done
 mkdir -p $OUT/r
+# The machine's CPUs: NUMA nodes, caches, where the GPU sits (for reading `core` in tick logs).
+{ lscpu; grep . /sys/devices/system/node/node*/cpulist; nvidia-smi topo -m; } > $OUT/r/machine.txt 2>&1
+grep -i "model name\|^CPU(s)\|NUMA node\|L3\|Thread(s)" $OUT/r/machine.txt
 i=0
 for name in $PLAN; do
   i=$((i+1))
-  case $name in
+  e=""
+  # NAME@CPUS: the same run with the worker's device thread pinned to CPUS (worker.device_cpus).
+  [[ $name == *@* ]] && e="LLMQ__WORKER__DEVICE_CPUS=${name#*@}"
+  case ${name%@*} in
+    b8cache0) a="burst --random-weights 8b"; e="$e LLMQ__WORKER__MLX_CACHE_LIMIT_BYTES=0";;
+    b8cache8) a="burst --random-weights 8b"; e="$e LLMQ__WORKER__MLX_CACHE_LIMIT_BYTES=8000000000";;
+    b8mem140) a="burst --random-weights 8b"; e="$e LLMQ__WORKER__MLX_MEMORY_LIMIT_BYTES=140000000000";;
     b8def) a="burst --random-weights 8b";;
     b8s1) a="burst --random-weights 8b --stages 1";;
     b8nb) a="burst --random-weights 8b --tick-budget 0";;
@@ -31,15 +40,16 @@ for name in $PLAN; do
     t8) a="ticks --local --random-weights 8b";;
     *) echo "unknown $name"; continue;;
   esac
+  tag=${name//[@,]/_}
   t0=$(date +%s)
-  LLMQ_TICK_LOG=$OUT/r/$i-$name.ticks timeout 200 llmq bench $a --json $KV > $OUT/r/$i-$name.json 2> $OUT/r/$i-$name.err
+  env $e LLMQ_TICK_LOG=$OUT/r/$i-$tag.ticks timeout 200 llmq bench $a --json $KV > $OUT/r/$i-$tag.json 2> $OUT/r/$i-$tag.err
   rc=$?
-  [ $name = t8 ] && python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print("decode_ms", d["decode_ms"]); [print(h) for h in d["host_ms"] if "alone" not in h["step"]]' $OUT/r/$i-$name.json
-  echo "== $i $name rc=$rc $(( $(date +%s) - t0 ))s"; python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print({k: d.get(k) for k in ["worst_gap_ms","steady_gap_ms","worst_over_steady","last_burst_first_token_s","steady_gap_after_ms","steady_output_tokens_per_s","output_tokens_per_s","control_overhead_fraction"] if k in d})' $OUT/r/$i-$name.json 2>&1 | tail -1
+  [ ${name%@*} = t8 ] && python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print("decode_ms", d["decode_ms"]); [print(h) for h in d["host_ms"] if "alone" not in h["step"]]' $OUT/r/$i-$tag.json
+  echo "== $i $name rc=$rc $(( $(date +%s) - t0 ))s"; python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print({k: d.get(k) for k in ["worst_gap_ms","steady_gap_ms","worst_over_steady","last_burst_first_token_s","steady_gap_after_ms","steady_output_tokens_per_s","output_tokens_per_s","control_overhead_fraction"] if k in d})' $OUT/r/$i-$tag.json 2>&1 | tail -1
 done
 if [ -n "${PEER:-}" ]; then
   ( eval "$(bash .gpu/unpack-mlx-cuda.sh peer .gpu/mlx/peer)"; timeout 300 python3 .gpu/peer_mlx_lm.py --shape 8b --scenarios ${PEER_SCEN:-batch,burst} 2>&1 | tail -n 6 ) > $OUT/r/peer.txt 2>&1
   cat $OUT/r/peer.txt
 fi
-for f in $OUT/r/*b8*.ticks* $OUT/r/*b1*.ticks*; do [ -f $f ] && { echo "## $f"; python3 deploy/gpu/tick_report.py $f 2>&1 | head -9; }; done
+for f in $OUT/r/*b8*.ticks* $OUT/r/*b1*.ticks*; do [ -f $f ] && { echo "## $f"; python3 deploy/gpu/tick_report.py $f 2>&1 | grep -v "^  top\|by offset\|by stage\|^  rows"; }; done
 tar -C $OUT -czf $OUT/r.tgz r

@@ -132,9 +132,10 @@ pub struct DecodeActor {
     /// the next step, waiting for the tokens, and the rest (ms).
     parts: [f64; 6],
     /// With a tick log: the thread's own use over that delivery (`usage::ThreadUsage::since`),
-    /// and the CPU speed probe's microseconds after it; zeros without.
+    /// and the CPU speed probe after it (its microseconds, the CPU the thread ran on); zeros
+    /// without.
     thread: [f64; 6],
-    probe_us: [f64; 2],
+    probed: [f64; 3],
     /// The speed probe, made only with a tick log (`LLMQ_TICK_LOG`): without one, a delivery
     /// measures nothing of the kind.
     probe: Option<crate::usage::SpeedProbe>,
@@ -307,7 +308,7 @@ impl DecodeActor {
             parts: [0.0; 6],
             thread: [0.0; 6],
             probe: std::env::var_os("LLMQ_TICK_LOG").map(|_| crate::usage::SpeedProbe::new()),
-            probe_us: [0.0; 2],
+            probed: [0.0; 3],
             launched: (0.0, 0.0),
             busy: Busy::default(),
             lost: HashMap::new(),
@@ -326,7 +327,7 @@ impl DecodeActor {
             busy: self.busy,
             parts: self.parts,
             thread: self.thread,
-            probe_us: self.probe_us,
+            probe: self.probed,
             chunks_ahead: self.chunks_ahead,
             stages_pending: self.stages_pending,
             stage: self.last_stage,
@@ -519,7 +520,7 @@ impl DecodeActor {
         }
         self.parts = [0.0; 6];
         self.thread = [0.0; 6];
-        self.probe_us = [0.0; 2];
+        self.probed = [0.0; 3];
         let mut pre = chunk;
         let end = pre.as_ref().map_or(0, |c| self.stage_end(c, true));
         let layers = self.shared.model.num_layers();
@@ -709,8 +710,8 @@ impl DecodeActor {
         self.parts = [ms(t1 - t0), ms(t2 - t1), build, launch, ms(t3 - t2), ms(t3.elapsed())];
         if let (Some(used), Some(p)) = (used, &self.probe) {
             self.thread = crate::usage::ThreadUsage::now().since(&used);
-            let (alu, walk) = p.run();
-            self.probe_us = [alu, walk];
+            let (alu, walk, core) = p.run();
+            self.probed = [alu, walk, core];
         }
         Stepped { outs, chunk }
     }

@@ -267,7 +267,7 @@ impl WorkerEngine for ActorEngine {
         let r = &self.reports[DECODE];
         let stage = [("layers", r.stage.0 as f64), ("work", r.stage.1 as f64)];
         let thread = ["cpu", "faults", "vcsw", "ivcsw", "minstr", "mcycles"].into_iter().zip(r.thread);
-        let probe = ["alu_us", "walk_us"].into_iter().zip(r.probe_us);
+        let probe = ["alu_us", "walk_us", "core"].into_iter().zip(r.probe);
         ["join", "queue", "build", "launch", "wait", "rest"].into_iter().zip(r.parts).chain(stage).chain(thread).chain(probe).collect()
     }
 

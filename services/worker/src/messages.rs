@@ -24,9 +24,9 @@ pub struct Report {
     /// involuntary context switches, millions of instructions and cycles (`usage::ThreadUsage`);
     /// only with a tick log, zeros without.
     pub thread: [f64; 6],
-    /// With a tick log, `usage::SpeedProbe`'s microseconds after that delivery (the CPU's speed
-    /// for the decode thread then); zeros without.
-    pub probe_us: [f64; 2],
+    /// With a tick log, `usage::SpeedProbe` after that delivery: its two timings (us, the CPU's
+    /// speed for the decode thread then) and the CPU the thread ran on; zeros without.
+    pub probe: [f64; 3],
     /// The decode actor's prefill chunks run in a step queued ahead, and of those the ones that
     /// completed their prompt.
     pub chunks_ahead: (u64, u64),

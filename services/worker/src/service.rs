@@ -71,6 +71,44 @@ pub fn scheduler_config(c: &SchedulerSettings, stages: usize) -> SchedulerConfig
 }
 
 /// Runs a worker until the process is stopped. Must be called inside an actix System.
+/// Sets MLX's allocator limits (`worker.mlx_memory_limit_bytes`, `worker.mlx_cache_limit_bytes`)
+/// on the device thread, before the model loads; MLX keeps its own where a setting is absent.
+fn set_mlx_limits(memory: Option<u64>, cache: Option<u64>) -> Result<(), String> {
+    if let Some(b) = memory {
+        mlx_rs::memory::set_memory_limit(b as usize).map_err(|e| format!("worker.mlx_memory_limit_bytes: {e}"))?;
+    }
+    if let Some(b) = cache {
+        mlx_rs::memory::set_cache_limit(b as usize).map_err(|e| format!("worker.mlx_cache_limit_bytes: {e}"))?;
+    }
+    Ok(())
+}
+
+/// Keeps the calling thread (and threads it starts later) on `cpus` (`worker.device_cpus`).
+fn pin_this_thread(cpus: &[usize]) -> Result<(), String> {
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: `set` is a zeroed cpu_set_t on the stack; CPU_SET writes inside it (the
+        // numbers are below 4096, checked by the config, and CPU_SET ignores those past its
+        // size); pid 0 is the calling thread.
+        let rc = unsafe {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            for &c in cpus {
+                libc::CPU_SET(c, &mut set);
+            }
+            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set)
+        };
+        if rc != 0 {
+            return Err(format!("CPUs {cpus:?}: {}", std::io::Error::last_os_error()));
+        }
+        tracing::info!(?cpus, "device thread pinned");
+        Ok(())
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        Err(format!("CPUs {cpus:?}: pinning threads needs Linux"))
+    }
+}
+
 pub async fn run(settings: Settings) -> Result<(), WorkerError> {
     let worker_id = settings.worker.id.clone().unwrap_or_else(|| format!("w{:08x}", rand_u32()));
     let model_name = settings.worker.model.clone();
@@ -106,10 +144,16 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
     let prefix_max = if prefix.max_bytes == 0 { cfg.kv_budget_bytes } else { prefix.max_bytes.min(cfg.kv_budget_bytes) };
     let (wid, mname, model_ref, dtype) =
         (worker_id.clone(), model_name.clone(), settings.worker.model.clone(), settings.worker.dtype.clone());
+    let (mlx_memory_limit, mlx_cache_limit) = (settings.worker.mlx_memory_limit_bytes, settings.worker.mlx_cache_limit_bytes);
+    let device_cpus = settings.worker.device_cpus.as_deref().map(llmq_config::cpu_list).transpose().map_err(WorkerError::Model)?;
     let snapshot = Arc::new(Mutex::new(WorkerStatus::default()));
     let hb_snapshot = snapshot.clone();
     device.spawn_fn(move || {
         let loaded = (|| {
+            if let Some(cpus) = &device_cpus {
+                pin_this_thread(cpus).map_err(|e| format!("worker.device_cpus: {e}"))?;
+            }
+            set_mlx_limits(mlx_memory_limit, mlx_cache_limit)?;
             let dtype = dtype.as_deref().map(parse_dtype).transpose().map_err(|e| e.to_string())?.unwrap_or_else(default_dtype);
             load_named(&model_ref, dtype).map_err(|e| format!("{model_ref}: {e}"))
         })();

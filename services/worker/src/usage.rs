@@ -147,8 +147,10 @@ impl SpeedProbe {
         SpeedProbe { next }
     }
 
-    /// Microseconds of (the integer chain, the buffer walk) now.
-    pub fn run(&self) -> (f64, f64) {
+    /// Microseconds of (the integer chain, the buffer walk) now, and the CPU the thread ran
+    /// the walk on (-1 where unknown): a thread moved to another core, or to another NUMA
+    /// node's, finds its caches cold or its memory remote.
+    pub fn run(&self) -> (f64, f64, f64) {
         let t = std::time::Instant::now();
         let mut x = std::hint::black_box(0x1234_5678u32);
         for _ in 0..ALU_STEPS {
@@ -164,7 +166,21 @@ impl SpeedProbe {
             at = self.next[at] as usize;
         }
         std::hint::black_box(at);
-        (alu.as_secs_f64() * 1e6, t.elapsed().as_secs_f64() * 1e6)
+        let walk = t.elapsed();
+        (alu.as_secs_f64() * 1e6, walk.as_secs_f64() * 1e6, current_cpu())
+    }
+}
+
+/// The CPU the calling thread runs on now, -1 where unknown.
+pub fn current_cpu() -> f64 {
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: no arguments; returns a CPU number or -1.
+        unsafe { libc::sched_getcpu() as f64 }
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        -1.0
     }
 }
 

@@ -10,12 +10,19 @@ use llmq_protocol::*;
 use llmq_worker::actor::{Outbound, SchedulerActor, Submit};
 use llmq_worker::scheduler::*;
 
-/// One token per step; panics when it decodes a request whose prompt has 13 tokens.
+/// One token per step; panics when it decodes a request whose prompt has 13 tokens. With
+/// `ticks` above 1 it is like a decode actor that spreads a chunk's layers over `ticks` steps
+/// while rows decode: a chunk beside decode rows is `Pending` until its last step. Logs each
+/// step as the prompt lengths of its decode rows and of its chunk's request.
 #[derive(Default)]
 struct Fake {
+    ticks: usize,
     prompt: HashMap<ReqId, usize>,
     max: HashMap<ReqId, usize>,
     made: HashMap<ReqId, usize>,
+    done: HashMap<ReqId, usize>,
+    stage: usize,
+    log: std::sync::Arc<std::sync::Mutex<Vec<(Vec<usize>, Option<usize>)>>>,
 }
 
 impl Fake {
@@ -28,14 +35,28 @@ impl Fake {
 }
 
 impl EngineOps for Fake {
-    async fn prefill(&mut self, id: ReqId, _n: usize) -> Result<Option<StepOut>, WireError> {
-        Ok(Some(self.token(id)))
+    async fn prefill(&mut self, id: ReqId, n: usize) -> Result<Option<StepOut>, WireError> {
+        let done = self.done.entry(id).or_default();
+        *done += n;
+        Ok((*done >= self.prompt[&id]).then(|| self.token(id)))
     }
     async fn decode(&mut self, ids: &[ReqId]) -> Vec<Result<StepOut, WireError>> {
         if ids.iter().any(|id| self.prompt[id] == 13) {
             panic!("injected fault");
         }
         ids.iter().map(|&id| Ok(self.token(id))).collect()
+    }
+    async fn step(&mut self, decode: &[ReqId], prefill: Option<(ReqId, usize)>) -> (Vec<Result<StepOut, WireError>>, Option<PrefillResult>) {
+        let rows = decode.iter().map(|id| self.prompt[id]).collect();
+        self.log.lock().unwrap().push((rows, prefill.map(|(id, _)| self.prompt[&id])));
+        if prefill.is_some() && !decode.is_empty() {
+            self.stage += 1;
+            if self.stage < self.ticks {
+                return (self.decode(decode).await, Some(Ok(Prefilled::Pending)));
+            }
+            self.stage = 0;
+        }
+        step_separately(self, decode, prefill).await
     }
     async fn release(&mut self, ids: &[ReqId]) {
         for id in ids {
@@ -61,6 +82,9 @@ impl WorkerEngine for Fake {
     }
     fn context_tokens(&self) -> usize {
         4096
+    }
+    fn chunk_ticks(&self, _n: usize) -> usize {
+        self.ticks.max(1)
     }
     fn engine_ms(&self) -> f64 {
         0.0
@@ -203,88 +227,6 @@ fn a_panicking_role_actor_fails_its_own_requests_and_the_rest_go_on() {
     });
 }
 
-/// Like a decode actor that spreads a chunk's layers over `ticks` steps while rows decode: a
-/// chunk beside decode rows is `Pending` until its last step. Logs each step as the prompt
-/// lengths of its decode rows and of its chunk's request.
-#[derive(Default)]
-struct Staged {
-    ticks: usize,
-    prompt: HashMap<ReqId, usize>,
-    max: HashMap<ReqId, usize>,
-    made: HashMap<ReqId, usize>,
-    done: HashMap<ReqId, usize>,
-    stage: usize,
-    log: std::sync::Arc<std::sync::Mutex<Vec<(Vec<usize>, Option<usize>)>>>,
-}
-
-impl EngineOps for Staged {
-    async fn prefill(&mut self, id: ReqId, n: usize) -> Result<Option<StepOut>, WireError> {
-        let done = self.done.entry(id).or_default();
-        *done += n;
-        if *done < self.prompt[&id] {
-            return Ok(None);
-        }
-        let made = self.made.entry(id).or_default();
-        *made += 1;
-        let finished = (*made >= self.max[&id]).then_some(FinishReason::Length);
-        Ok(Some(StepOut { ids: vec![1], text: "x".into(), logprobs: vec![], finished }))
-    }
-    async fn decode(&mut self, ids: &[ReqId]) -> Vec<Result<StepOut, WireError>> {
-        ids.iter()
-            .map(|&id| {
-                let made = self.made.entry(id).or_default();
-                *made += 1;
-                let finished = (*made >= self.max[&id]).then_some(FinishReason::Length);
-                Ok(StepOut { ids: vec![1], text: "x".into(), logprobs: vec![], finished })
-            })
-            .collect()
-    }
-    async fn step(&mut self, decode: &[ReqId], prefill: Option<(ReqId, usize)>) -> (Vec<Result<StepOut, WireError>>, Option<PrefillResult>) {
-        let rows = decode.iter().map(|id| self.prompt[id]).collect();
-        self.log.lock().unwrap().push((rows, prefill.map(|(id, _)| self.prompt[&id])));
-        if prefill.is_some() && !decode.is_empty() {
-            self.stage += 1;
-            if self.stage < self.ticks {
-                return (self.decode(decode).await, Some(Ok(Prefilled::Pending)));
-            }
-            self.stage = 0;
-        }
-        step_separately(self, decode, prefill).await
-    }
-    async fn release(&mut self, ids: &[ReqId]) {
-        for id in ids {
-            self.prompt.remove(id);
-        }
-    }
-}
-
-impl WorkerEngine for Staged {
-    async fn register(&mut self, id: ReqId, prompt: Vec<u32>, _s: SamplingParams, stop: StopParams, _salt: Option<String>) -> Result<(), WireError> {
-        self.prompt.insert(id, prompt.len());
-        self.max.insert(id, stop.max_tokens);
-        Ok(())
-    }
-    async fn reset(&mut self) {}
-    fn kv_bytes_per_token(&self) -> u64 {
-        1
-    }
-    fn kv_bytes_in_use(&self) -> u64 {
-        0
-    }
-    fn context_tokens(&self) -> usize {
-        4096
-    }
-    fn chunk_ticks(&self, _n: usize) -> usize {
-        self.ticks
-    }
-    fn engine_ms(&self) -> f64 {
-        0.0
-    }
-    fn call_times(&self) -> (u64, f64, u64, f64) {
-        (0, 0.0, 0, 0.0)
-    }
-}
-
 /// With chunks that take several ticks each, the warm-up's short requests still decode beside
 /// every chunk of both long prompts, and the first long prompt decodes beside the second's
 /// first chunk: the steps a burst meets have all run (an H200 otherwise paid 30-40 ms for the
@@ -293,7 +235,7 @@ impl WorkerEngine for Staged {
 fn the_warm_up_keeps_short_rows_decoding_through_long_prefills_in_staged_chunks() {
     actix::System::new().block_on(async {
         let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
-        let engine = Staged { ticks: 4, ..Default::default() };
+        let engine = Fake { ticks: 4, ..Default::default() };
         let log = engine.log.clone();
         let cfg = SchedulerConfig { prefill_chunk: 16, kv_budget_bytes: 1 << 30, ..Default::default() };
         let addr = SchedulerActor::new(engine, cfg, tx, "w".into(), "fake".into()).start();
