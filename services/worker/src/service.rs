@@ -87,9 +87,11 @@ fn set_mlx_limits(memory: Option<u64>, cache: Option<u64>) -> Result<(), String>
 fn pin_this_thread(cpus: &[usize]) -> Result<(), String> {
     #[cfg(target_os = "linux")]
     {
-        // SAFETY: `set` is a zeroed cpu_set_t on the stack; CPU_SET writes inside it (the
-        // numbers are below 4096, checked by the config, and CPU_SET ignores those past its
-        // size); pid 0 is the calling thread.
+        if let Some(c) = cpus.iter().find(|&&c| c >= libc::CPU_SETSIZE as usize) {
+            return Err(format!("CPU {c}: this build pins threads to CPUs below {}", libc::CPU_SETSIZE));
+        }
+        // SAFETY: `set` is a zeroed cpu_set_t on the stack; CPU_SET writes inside it (every
+        // number is below CPU_SETSIZE); pid 0 is the calling thread.
         let rc = unsafe {
             let mut set: libc::cpu_set_t = std::mem::zeroed();
             for &c in cpus {
@@ -425,4 +427,38 @@ fn record_end(span: &tracing::Span, event: &Event) {
 fn rand_u32() -> u32 {
     let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
     (t.as_nanos() as u32) ^ (std::process::id().rotate_left(16))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A pinned thread runs only on its CPUs (the last one this machine lets the process use);
+    /// a CPU the machine does not have is an error naming it.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn the_device_thread_can_be_pinned_to_a_cpu() {
+        let allowed: Vec<usize> = {
+            // SAFETY: a zeroed cpu_set_t filled in by the kernel for this thread.
+            let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+            let rc = unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
+            assert_eq!(rc, 0);
+            (0..libc::CPU_SETSIZE as usize).filter(|&c| unsafe { libc::CPU_ISSET(c, &set) }).collect()
+        };
+        let cpu = *allowed.last().expect("some CPU");
+        let seen = std::thread::spawn(move || {
+            pin_this_thread(&[cpu]).unwrap();
+            // Threads started from a pinned thread inherit its CPUs.
+            let child = std::thread::spawn(|| (0..50).map(|_| crate::usage::current_cpu()).collect::<Vec<_>>()).join().unwrap();
+            let own: Vec<f64> = (0..50).map(|_| { std::thread::yield_now(); crate::usage::current_cpu() }).collect();
+            (own, child)
+        })
+        .join()
+        .unwrap();
+        assert!(seen.0.iter().chain(&seen.1).all(|&c| c == cpu as f64), "pinned to {cpu}: {seen:?}");
+        for absent in [4095, 1000] {
+            let err = std::thread::spawn(move || pin_this_thread(&[absent])).join().unwrap().unwrap_err();
+            assert!(err.contains(&absent.to_string()), "{err}");
+        }
+    }
 }

@@ -292,9 +292,10 @@ mod tests {
             assert!(used[4..].iter().all(|v| v.is_nan() || *v > 0.0), "{used:?}");
             eprintln!("30 ms busy: {used:?}");
             let probe = SpeedProbe::new();
-            let (alu, walk) = probe.run();
+            let (alu, walk, core) = probe.run();
             assert!(alu > 0.0 && walk > 0.0 && alu < 1e5 && walk < 1e5, "{alu} {walk}");
-            eprintln!("probe: {alu:.1} us integer chain, {walk:.1} us walk");
+            assert!(core >= 0.0 && core < 4096.0 && core.fract() == 0.0, "the probe ran on CPU {core}");
+            eprintln!("probe: {alu:.1} us integer chain, {walk:.1} us walk, on CPU {core}");
             let (steal, running) = machine_steal_and_runnable().expect("/proc/stat");
             assert!(steal >= 0.0 && running >= 1.0, "{steal} {running}");
             if let Some(tlb) = tlb_shootdowns() {
