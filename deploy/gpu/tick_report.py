@@ -70,7 +70,8 @@ for path in sys.argv[1:]:
         print("  by stage layers:", "; ".join(f"{k[0]} rows L={k[1]} n={len(v)} median {st.median(v):.1f} max {max(v):.1f}" for k, v in sorted(lay.items())))
     # The host's pace by phase: 16-row decode-only steps before the burst, during it, after it.
     # build: the step's graph building (ms); walk/alu: the speed probe (us); tlb: shootdowns a
-    # tick; churn: MLX's cache moved a tick (GB, up or down); mem: MLX's in-use plus cached GB.
+    # tick; churn: MLX's cache moved a tick (GB, up or down); mem: MLX's in-use plus cached GB;
+    # busy: the machine's CPU ms a tick, all CPUs (the decode thread's own: cpu).
     b0 = start
     b1 = idx[id(burst[-1][1])] if burst else len(rows) - 1
     phases = {"before": range(max(0, b0 - 200), b0), "burst": range(b0, b1 + 1), "after": range(b1 + 1, len(rows))}
@@ -82,11 +83,15 @@ for path in sys.argv[1:]:
             xs = [parts[i][key] for i in sel if key in parts[i] and (not only_decode or rows[i][3] == 0)]
             xs = [x for x in xs if x == x]
             return st.median(xs) if xs else float('nan')
+        def mean(key):
+            xs = [parts[i][key] for i in sel if key in parts[i] and parts[i][key] == parts[i][key]]
+            return sum(xs) / len(xs) if xs else float('nan')
         churn = [abs(parts[i].get("cache_gb", 0) - parts[i - 1].get("cache_gb", 0)) for i in sel if i > 0]
         mem = [parts[i].get("active_gb", 0) + parts[i].get("cache_gb", 0) for i in sel]
         print(f"  phase {name:6s}: ticks {len(sel):4d} build {med('build', True):.2f} walk {med('walk_us'):.0f} alu {med('alu_us'):.0f} "
               f"tlb {med('tlb'):.0f} (sum {sum(parts[i].get('tlb', 0) for i in sel if parts[i].get('tlb', 0) == parts[i].get('tlb', 0)):.0f}) "
-              f"churn {st.median(churn) if churn else 0:.2f} GB mem {max(mem):.1f} GB")
+              f"churn {st.median(churn) if churn else 0:.2f} GB mem {max(mem):.1f} GB "
+              f"busy {mean('busy'):.1f} ms/tick (decode thread {mean('cpu'):.1f})")
         # The CPUs the decode thread ran on (the probe's `core`), most used first, with each
         # one's median walk: a thread moved to a slower place shows here.
         cores = {}

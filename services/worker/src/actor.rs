@@ -53,9 +53,9 @@ pub struct SchedulerActor<E: WorkerEngine + Unpin + 'static> {
     ended: u64,
     /// Moving average of tick durations, to tell a stall from the usual.
     tick_ema_ms: f64,
-    /// With a tick log: the machine's counters, and the stolen ms and TLB shootdowns at the
-    /// last line (for the next line's share).
-    machine: Option<(crate::usage::MachineSampler, [f64; 2])>,
+    /// With a tick log: the machine's counters, and the busy and stolen ms and TLB shootdowns
+    /// at the last line (for the next line's share).
+    machine: Option<(crate::usage::MachineSampler, [f64; 3])>,
     out: UnboundedSender<Outbound>,
     /// Cancels of requests not held here (yet): a job still waiting in the jobs stream when its
     /// cancel went out is ended with `Cancelled` when it arrives instead of run.
@@ -126,7 +126,7 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
             tick_wall: Duration::ZERO,
             ended: 0,
             tick_ema_ms: 0.0,
-            machine: std::env::var_os("LLMQ_TICK_LOG").map(|_| (crate::usage::MachineSampler::start(Duration::from_millis(10)), [f64::NAN; 2])),
+            machine: std::env::var_os("LLMQ_TICK_LOG").map(|_| (crate::usage::MachineSampler::start(Duration::from_millis(10)), [f64::NAN; 3])),
             out,
             cancelled: RecentCancels::default(),
             snapshot: None,
@@ -565,18 +565,19 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
             // MLX's memory: in use by arrays, and held in its buffer cache (GB).
             let gb = |r: mlx_rs::error::Result<usize>| r.map_or(f64::NAN, |b| b as f64 / 1e9);
             line.push_str(&format!(" active_gb={:.2} cache_gb={:.2}", gb(mlx_rs::memory::active_memory()), gb(mlx_rs::memory::cache_memory())));
-            // The machine (read by its own thread, every 10 ms): time the hypervisor took from
-            // its CPUs since the last line (ms, all CPUs together), threads runnable, and TLB
-            // shootdowns since the last line (all CPUs).
+            // The machine (read by its own thread, every 10 ms): its CPUs' busy time and the
+            // time the hypervisor took from them since the last line (ms, all CPUs together;
+            // in steps of the kernel's clock tick), threads runnable, and TLB shootdowns since
+            // the last line (all CPUs).
             if let Some((sampler, last)) = self.machine.as_mut() {
-                let [steal, runnable, tlb] = sampler.latest();
+                let [busy, steal, runnable, tlb] = sampler.latest();
                 let since = |now: f64, then: &mut f64| {
                     let d = if then.is_nan() { 0.0 } else { now - *then };
                     *then = now;
                     d
                 };
-                let (ds, dt) = (since(steal, &mut last[0]), since(tlb, &mut last[1]));
-                line.push_str(&format!(" steal={ds:.0} runnable={runnable:.0} tlb={dt:.0}"));
+                let (db, ds, dt) = (since(busy, &mut last[0]), since(steal, &mut last[1]), since(tlb, &mut last[2]));
+                line.push_str(&format!(" busy={db:.0} steal={ds:.0} runnable={runnable:.0} tlb={dt:.0}"));
             }
             line.push('\n');
             let _ = w.write_all(line.as_bytes());

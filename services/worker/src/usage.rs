@@ -190,17 +190,24 @@ impl Default for SpeedProbe {
     }
 }
 
-/// The whole machine's time stolen by the hypervisor (ms, summed over CPUs) and the threads
-/// runnable now, from `/proc/stat`; None where it cannot be read.
-pub fn machine_steal_and_runnable() -> Option<(f64, f64)> {
+/// The whole machine's CPU time so far, from `/proc/stat` (ms, summed over CPUs, in steps of
+/// the kernel's clock tick): busy (user, nice, system, irq, softirq) and stolen by the
+/// hypervisor; and the threads runnable now. None where it cannot be read.
+pub fn machine_cpu() -> Option<(f64, f64, f64)> {
     let text = std::fs::read_to_string("/proc/stat").ok()?;
-    let mut steal = None;
+    let (mut busy, mut steal) = (None, None);
     let mut running = None;
     for line in text.lines() {
         let mut f = line.split_ascii_whitespace();
         match f.next() {
             // cpu user nice system idle iowait irq softirq steal ...
-            Some("cpu") => steal = f.nth(7).and_then(|v| v.parse::<f64>().ok()),
+            Some("cpu") => {
+                let v: Vec<f64> = f.take(8).map_while(|v| v.parse::<f64>().ok()).collect();
+                if v.len() == 8 {
+                    busy = Some(v[0] + v[1] + v[2] + v[5] + v[6]);
+                    steal = Some(v[7]);
+                }
+            }
             Some("procs_running") => running = f.next().and_then(|v| v.parse::<f64>().ok()),
             _ => {}
         }
@@ -210,7 +217,7 @@ pub fn machine_steal_and_runnable() -> Option<(f64, f64)> {
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
     #[cfg(not(target_os = "linux"))]
     let hz = 100.0;
-    Some((steal? * 1000.0 / hz, running?))
+    Some((busy? * 1000.0 / hz, steal? * 1000.0 / hz, running?))
 }
 
 /// TLB shootdowns the machine's CPUs have taken so far (`/proc/interrupts`, summed over CPUs):
@@ -223,13 +230,14 @@ pub fn tlb_shootdowns() -> Option<f64> {
     Some(line.split_ascii_whitespace().skip(1).map_while(|v| v.parse::<f64>().ok()).sum())
 }
 
-/// The machine's counters (`machine_steal_and_runnable`, `tlb_shootdowns`), read by a thread
+/// The machine's counters (`machine_cpu`, `tlb_shootdowns`), read by a thread
 /// of its own every `period`, so that whoever logs them pays nothing: reading
 /// `/proc/interrupts` takes hundreds of microseconds on a 16-CPU machine, too much for a tick's
 /// critical path. The thread stops when this is dropped.
 pub struct MachineSampler {
-    /// Stolen ms so far, threads runnable, TLB shootdowns so far (f64 bits; NaN unread).
-    latest: std::sync::Arc<[std::sync::atomic::AtomicU64; 3]>,
+    /// Busy ms so far, stolen ms so far, threads runnable, TLB shootdowns so far (f64 bits; NaN
+    /// unread).
+    latest: std::sync::Arc<[std::sync::atomic::AtomicU64; 4]>,
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
@@ -237,14 +245,14 @@ impl MachineSampler {
     pub fn start(period: std::time::Duration) -> Self {
         use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
         let nan = f64::NAN.to_bits();
-        let latest = std::sync::Arc::new([AtomicU64::new(nan), AtomicU64::new(nan), AtomicU64::new(nan)]);
+        let latest = std::sync::Arc::new([(); 4].map(|_| AtomicU64::new(nan)));
         let stop = std::sync::Arc::new(AtomicBool::new(false));
         let (l, s) = (latest.clone(), stop.clone());
         let spawned = std::thread::Builder::new().name("llmq-machine-sampler".into()).spawn(move || {
             while !s.load(Ordering::Relaxed) {
-                let (steal, runnable) = machine_steal_and_runnable().unwrap_or((f64::NAN, f64::NAN));
+                let (busy, steal, runnable) = machine_cpu().unwrap_or((f64::NAN, f64::NAN, f64::NAN));
                 let tlb = tlb_shootdowns().unwrap_or(f64::NAN);
-                for (slot, v) in l.iter().zip([steal, runnable, tlb]) {
+                for (slot, v) in l.iter().zip([busy, steal, runnable, tlb]) {
                     slot.store(v.to_bits(), Ordering::Relaxed);
                 }
                 std::thread::sleep(period);
@@ -256,11 +264,10 @@ impl MachineSampler {
         MachineSampler { latest, stop }
     }
 
-    /// The latest reading: stolen ms so far, threads runnable, TLB shootdowns so far (NaN
-    /// where not read yet or not readable).
-    pub fn latest(&self) -> [f64; 3] {
-        let get = |i: usize| f64::from_bits(self.latest[i].load(std::sync::atomic::Ordering::Relaxed));
-        [get(0), get(1), get(2)]
+    /// The latest reading: busy ms so far, stolen ms so far, threads runnable, TLB shootdowns
+    /// so far (NaN where not read yet or not readable).
+    pub fn latest(&self) -> [f64; 4] {
+        [0, 1, 2, 3].map(|i| f64::from_bits(self.latest[i].load(std::sync::atomic::Ordering::Relaxed)))
     }
 }
 
@@ -296,18 +303,18 @@ mod tests {
             assert!(alu > 0.0 && walk > 0.0 && alu < 1e5 && walk < 1e5, "{alu} {walk}");
             assert!(core >= 0.0 && core < 4096.0 && core.fract() == 0.0, "the probe ran on CPU {core}");
             eprintln!("probe: {alu:.1} us integer chain, {walk:.1} us walk, on CPU {core}");
-            let (steal, running) = machine_steal_and_runnable().expect("/proc/stat");
-            assert!(steal >= 0.0 && running >= 1.0, "{steal} {running}");
+            let (busy, steal, running) = machine_cpu().expect("/proc/stat");
+            assert!(busy > 0.0 && steal >= 0.0 && running >= 1.0, "{busy} {steal} {running}");
             if let Some(tlb) = tlb_shootdowns() {
                 assert!(tlb >= 0.0, "{tlb}");
             }
             let sampler = MachineSampler::start(std::time::Duration::from_millis(5));
             let t = std::time::Instant::now();
-            while sampler.latest()[1].is_nan() && t.elapsed() < std::time::Duration::from_secs(5) {
+            while sampler.latest()[2].is_nan() && t.elapsed() < std::time::Duration::from_secs(5) {
                 std::thread::sleep(std::time::Duration::from_millis(5));
             }
-            let [steal, running, _] = sampler.latest();
-            assert!(steal >= 0.0 && running >= 1.0, "the sampler read the machine: {steal} {running}");
+            let [busy, steal, running, _] = sampler.latest();
+            assert!(busy > 0.0 && steal >= 0.0 && running >= 1.0, "the sampler read the machine: {busy} {steal} {running}");
         }
     }
 }
