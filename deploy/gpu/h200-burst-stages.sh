@@ -19,9 +19,12 @@ i=0
 for name in $PLAN; do
   i=$((i+1))
   e=""
-  # NAME@CPUS: the same run with the worker's device thread pinned to CPUS (worker.device_cpus).
-  [[ $name == *@* ]] && e="LLMQ__WORKER__DEVICE_CPUS=${name#*@}"
-  case ${name%@*} in
+  # NAME~: without a tick log (what it costs shows in the control overhead); NAME^: with every
+  # thread's CPU time sampled beside it (deploy/gpu/thread_cpu.py, into NAME.threads).
+  log="LLMQ_TICK_LOG=$OUT/r/$i-${name//[~^]/_}.ticks"
+  [[ $name == *~* ]] && log=""
+  base=${name%[~^]}
+  case $base in
     b8cache0) a="burst --random-weights 8b"; e="$e LLMQ__WORKER__MLX_CACHE_LIMIT_BYTES=0";;
     b8cache8) a="burst --random-weights 8b"; e="$e LLMQ__WORKER__MLX_CACHE_LIMIT_BYTES=8000000000";;
     b8mem140) a="burst --random-weights 8b"; e="$e LLMQ__WORKER__MLX_MEMORY_LIMIT_BYTES=140000000000";;
@@ -40,11 +43,14 @@ for name in $PLAN; do
     t8) a="ticks --local --random-weights 8b";;
     *) echo "unknown $name"; continue;;
   esac
-  tag=${name//[@,]/_}
+  tag=${name//[~^]/_}
+  sampler=""
+  [[ $name == *^* ]] && { python3 deploy/gpu/thread_cpu.py 0.25 > $OUT/r/$i-$tag.threads & sampler=$!; }
   t0=$(date +%s)
-  env $e LLMQ_TICK_LOG=$OUT/r/$i-$tag.ticks timeout 200 llmq bench $a --json $KV > $OUT/r/$i-$tag.json 2> $OUT/r/$i-$tag.err
+  env $e $log timeout 200 llmq bench $a --json $KV > $OUT/r/$i-$tag.json 2> $OUT/r/$i-$tag.err
   rc=$?
-  [ ${name%@*} = t8 ] && python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print("decode_ms", d["decode_ms"]); [print(h) for h in d["host_ms"] if "alone" not in h["step"]]' $OUT/r/$i-$tag.json
+  [ -n "$sampler" ] && kill $sampler
+  [ $base = t8 ] && python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print("decode_ms", d["decode_ms"]); [print(h) for h in d["host_ms"] if "alone" not in h["step"]]' $OUT/r/$i-$tag.json
   echo "== $i $name rc=$rc $(( $(date +%s) - t0 ))s"; python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print({k: d.get(k) for k in ["worst_gap_ms","steady_gap_ms","worst_over_steady","last_burst_first_token_s","steady_gap_after_ms","steady_output_tokens_per_s","output_tokens_per_s","control_overhead_fraction"] if k in d})' $OUT/r/$i-$tag.json 2>&1 | tail -1
 done
 if [ -n "${PEER:-}" ]; then

@@ -83,34 +83,6 @@ fn set_mlx_limits(memory: Option<u64>, cache: Option<u64>) -> Result<(), String>
     Ok(())
 }
 
-/// Keeps the calling thread (and threads it starts later) on `cpus` (`worker.device_cpus`).
-fn pin_this_thread(cpus: &[usize]) -> Result<(), String> {
-    #[cfg(target_os = "linux")]
-    {
-        if let Some(c) = cpus.iter().find(|&&c| c >= libc::CPU_SETSIZE as usize) {
-            return Err(format!("CPU {c}: this build pins threads to CPUs below {}", libc::CPU_SETSIZE));
-        }
-        // SAFETY: `set` is a zeroed cpu_set_t on the stack; CPU_SET writes inside it (every
-        // number is below CPU_SETSIZE); pid 0 is the calling thread.
-        let rc = unsafe {
-            let mut set: libc::cpu_set_t = std::mem::zeroed();
-            for &c in cpus {
-                libc::CPU_SET(c, &mut set);
-            }
-            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set)
-        };
-        if rc != 0 {
-            return Err(format!("CPUs {cpus:?}: {}", std::io::Error::last_os_error()));
-        }
-        tracing::info!(?cpus, "device thread pinned");
-        Ok(())
-    }
-    #[cfg(not(target_os = "linux"))]
-    {
-        Err(format!("CPUs {cpus:?}: pinning threads needs Linux"))
-    }
-}
-
 pub async fn run(settings: Settings) -> Result<(), WorkerError> {
     let worker_id = settings.worker.id.clone().unwrap_or_else(|| format!("w{:08x}", rand_u32()));
     let model_name = settings.worker.model.clone();
@@ -147,14 +119,10 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
     let (wid, mname, model_ref, dtype) =
         (worker_id.clone(), model_name.clone(), settings.worker.model.clone(), settings.worker.dtype.clone());
     let (mlx_memory_limit, mlx_cache_limit) = (settings.worker.mlx_memory_limit_bytes, settings.worker.mlx_cache_limit_bytes);
-    let device_cpus = settings.worker.device_cpus.as_deref().map(llmq_config::cpu_list).transpose().map_err(WorkerError::Model)?;
     let snapshot = Arc::new(Mutex::new(WorkerStatus::default()));
     let hb_snapshot = snapshot.clone();
     device.spawn_fn(move || {
         let loaded = (|| {
-            if let Some(cpus) = &device_cpus {
-                pin_this_thread(cpus).map_err(|e| format!("worker.device_cpus: {e}"))?;
-            }
             set_mlx_limits(mlx_memory_limit, mlx_cache_limit)?;
             let dtype = dtype.as_deref().map(parse_dtype).transpose().map_err(|e| e.to_string())?.unwrap_or_else(default_dtype);
             load_named(&model_ref, dtype).map_err(|e| format!("{model_ref}: {e}"))
@@ -429,36 +397,3 @@ fn rand_u32() -> u32 {
     (t.as_nanos() as u32) ^ (std::process::id().rotate_left(16))
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A pinned thread runs only on its CPUs (the last one this machine lets the process use);
-    /// a CPU the machine does not have is an error naming it.
-    #[cfg(target_os = "linux")]
-    #[test]
-    fn the_device_thread_can_be_pinned_to_a_cpu() {
-        let allowed: Vec<usize> = {
-            // SAFETY: a zeroed cpu_set_t filled in by the kernel for this thread.
-            let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-            let rc = unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
-            assert_eq!(rc, 0);
-            (0..libc::CPU_SETSIZE as usize).filter(|&c| unsafe { libc::CPU_ISSET(c, &set) }).collect()
-        };
-        let cpu = *allowed.last().expect("some CPU");
-        let seen = std::thread::spawn(move || {
-            pin_this_thread(&[cpu]).unwrap();
-            // Threads started from a pinned thread inherit its CPUs.
-            let child = std::thread::spawn(|| (0..50).map(|_| crate::usage::current_cpu()).collect::<Vec<_>>()).join().unwrap();
-            let own: Vec<f64> = (0..50).map(|_| { std::thread::yield_now(); crate::usage::current_cpu() }).collect();
-            (own, child)
-        })
-        .join()
-        .unwrap();
-        assert!(seen.0.iter().chain(&seen.1).all(|&c| c == cpu as f64), "pinned to {cpu}: {seen:?}");
-        for absent in [4095, 1000] {
-            let err = std::thread::spawn(move || pin_this_thread(&[absent])).join().unwrap().unwrap_err();
-            assert!(err.contains(&absent.to_string()), "{err}");
-        }
-    }
-}

@@ -96,34 +96,11 @@ pub struct WorkerSettings {
     /// Most bytes MLX keeps in its cache of freed buffers for reuse. Default: MLX's own (the
     /// memory limit); 0 frees every buffer as soon as it is dropped.
     pub mlx_cache_limit_bytes: Option<u64>,
-    /// The CPUs the device thread (the one that builds and launches every step) may run on, as
-    /// a Linux CPU list ("2", "0-3,8"); threads MLX starts from it inherit them. Default: any
-    /// (where the OS puts it). See `cpu_list`.
-    pub device_cpus: Option<String>,
-}
-
-/// The CPUs of a Linux CPU list ("0-3,8,10-11"), in order; an error names the bad part.
-pub fn cpu_list(list: &str) -> Result<Vec<usize>, String> {
-    let mut cpus = vec![];
-    for part in list.split(',').map(str::trim) {
-        let num = |s: &str| s.trim().parse::<usize>().map_err(|_| format!("'{part}' is not a CPU number or range"));
-        let (a, b) = match part.split_once('-') {
-            Some((a, b)) => (num(a)?, num(b)?),
-            None => (num(part)?, num(part)?),
-        };
-        if a > b || b >= 4096 {
-            return Err(format!("'{part}' is not a range of CPUs below 4096"));
-        }
-        cpus.extend(a..=b);
-    }
-    cpus.sort_unstable();
-    cpus.dedup();
-    Ok(cpus)
 }
 
 impl Default for WorkerSettings {
     fn default() -> Self {
-        WorkerSettings { id: None, model: "smollm2".into(), dtype: None, device: None, heartbeat_ms: 1000, max_queued: 256, ack_wait_ms: 30_000, warm_up_tokens: None, mlx_memory_limit_bytes: None, mlx_cache_limit_bytes: None, device_cpus: None }
+        WorkerSettings { id: None, model: "smollm2".into(), dtype: None, device: None, heartbeat_ms: 1000, max_queued: 256, ack_wait_ms: 30_000, warm_up_tokens: None, mlx_memory_limit_bytes: None, mlx_cache_limit_bytes: None }
     }
 }
 
@@ -273,11 +250,6 @@ impl Settings {
         if self.worker.ack_wait_ms < 600 {
             return bad("worker.ack_wait_ms", self.worker.ack_wait_ms.to_string(), "must be at least 600");
         }
-        if let Some(l) = &self.worker.device_cpus {
-            if let Err(why) = cpu_list(l) {
-                return bad("worker.device_cpus", format!("{l:?} ({why})"), "must be a CPU list such as 2 or 0-3,8");
-            }
-        }
         if self.worker.max_queued == 0 {
             return bad("worker.max_queued", "0".into(), "must be at least 1");
         }
@@ -376,15 +348,6 @@ mod tests {
         let s = load(Some(&f)).unwrap();
         assert_eq!((s.worker.mlx_cache_limit_bytes, s.worker.mlx_memory_limit_bytes), (Some(0), Some(100_000_000_000)));
         assert_eq!((d.worker.mlx_cache_limit_bytes, d.worker.mlx_memory_limit_bytes), (None, None), "MLX's own limits by default");
-        assert_eq!(cpu_list("3"), Ok(vec![3]));
-        assert_eq!(cpu_list("8, 0-2,2"), Ok(vec![0, 1, 2, 8]));
-        for bad_list in ["", "a", "3-1", "1-", "5000"] {
-            std::fs::write(&f, format!("[worker]\ndevice_cpus = \"{bad_list}\"\n")).unwrap();
-            let err = load(Some(&f)).unwrap_err().to_string();
-            assert!(err.contains("worker.device_cpus"), "{bad_list}: {err}");
-        }
-        std::fs::write(&f, "[worker]\ndevice_cpus = \"0-1\"\n").unwrap();
-        assert_eq!(load(Some(&f)).unwrap().worker.device_cpus.as_deref(), Some("0-1"));
         std::fs::write(&f, "[scheduler]\nprefil_chunk_tokens = 5\n").unwrap();
         let err = load(Some(&f)).unwrap_err().to_string();
         assert!(err.contains("prefil_chunk_tokens"), "unknown keys are named: {err}");
