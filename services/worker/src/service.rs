@@ -70,7 +70,6 @@ pub fn scheduler_config(c: &SchedulerSettings, stages: usize) -> SchedulerConfig
     }
 }
 
-/// Runs a worker until the process is stopped. Must be called inside an actix System.
 /// Sets MLX's allocator limits (`worker.mlx_memory_limit_bytes`, `worker.mlx_cache_limit_bytes`)
 /// on the device thread, before the model loads; MLX keeps its own where a setting is absent.
 fn set_mlx_limits(memory: Option<u64>, cache: Option<u64>) -> Result<(), String> {
@@ -83,6 +82,7 @@ fn set_mlx_limits(memory: Option<u64>, cache: Option<u64>) -> Result<(), String>
     Ok(())
 }
 
+/// Runs a worker until the process is stopped. Must be called inside an actix System.
 pub async fn run(settings: Settings) -> Result<(), WorkerError> {
     let worker_id = settings.worker.id.clone().unwrap_or_else(|| format!("w{:08x}", rand_u32()));
     let model_name = settings.worker.model.clone();
@@ -396,4 +396,3 @@ fn rand_u32() -> u32 {
     let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
     (t.as_nanos() as u32) ^ (std::process::id().rotate_left(16))
 }
-
