@@ -21,9 +21,9 @@ for name in $PLAN; do
   e=""
   # NAME~: without a tick log (what it costs shows in the control overhead); NAME^: with every
   # thread's CPU time sampled beside it (deploy/gpu/thread_cpu.py, into NAME.threads).
-  log="LLMQ_TICK_LOG=$OUT/r/$i-${name//[~^]/_}.ticks"
+  log="LLMQ_TICK_LOG=$OUT/r/$i-${name//[~^%]/_}.ticks"
   [[ $name == *~* ]] && log=""
-  base=${name%[~^]}
+  base=${name%[~^%]}
   case $base in
     b8cache0) a="burst --random-weights 8b"; e="$e LLMQ__WORKER__MLX_CACHE_LIMIT_BYTES=0";;
     b8cache8) a="burst --random-weights 8b"; e="$e LLMQ__WORKER__MLX_CACHE_LIMIT_BYTES=8000000000";;
@@ -43,9 +43,11 @@ for name in $PLAN; do
     t8) a="ticks --local --random-weights 8b";;
     *) echo "unknown $name"; continue;;
   esac
-  tag=${name//[~^]/_}
+  tag=${name//[~^%]/_}
   sampler=""
   [[ $name == *^* ]] && { python3 deploy/gpu/thread_cpu.py 0.25 > $OUT/r/$i-$tag.threads & sampler=$!; }
+  # NAME%: the speed probe in a process of its own beside the run (into NAME.probe).
+  [[ $name == *%* ]] && { .gpu/bin/memory_probe 10 200 > $OUT/r/$i-$tag.probe & sampler=$!; }
   t0=$(date +%s)
   env $e $log timeout 200 llmq bench $a --json $KV > $OUT/r/$i-$tag.json 2> $OUT/r/$i-$tag.err
   rc=$?

@@ -135,7 +135,12 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
                 p.push(format!(".{worker_id}"));
                 p
             }).and_then(|p| match std::fs::File::create(&p) {
-                Ok(f) => Some((f, std::time::Instant::now())),
+                Ok(mut f) => {
+                    // Where the lines' time starts, as UNIX ms (to line them up with other logs).
+                    let unix_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
+                    let _ = std::io::Write::write_all(&mut f, format!("# t0_unix_ms {unix_ms}\n").as_bytes());
+                    Some((f, std::time::Instant::now()))
+                }
                 Err(e) => {
                     tracing::warn!(path = ?p, error = %e, "cannot write the tick log");
                     None
