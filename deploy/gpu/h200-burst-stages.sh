@@ -20,14 +20,16 @@ for name in $PLAN; do
   i=$((i+1))
   e=""
   # NAME~: without a tick log (what it costs shows in the control overhead); NAME^: with every
-  # thread's CPU time sampled beside it (deploy/gpu/thread_cpu.py, into NAME.threads).
-  log="LLMQ_TICK_LOG=$OUT/r/$i-${name//[~^%]/_}.ticks"
-  [[ $name == *~* ]] && log=""
+  # thread's CPU time sampled beside it (deploy/gpu/thread_cpu.py, into NAME.threads); NAME%:
+  # with the speed probe in a process of its own beside it (memory_probe, into NAME.probe).
+  tag=${name//[~^%]/_}
   base=${name%[~^%]}
+  log="LLMQ_TICK_LOG=$OUT/r/$i-$tag.ticks"
+  [[ $name == *~* ]] && log=""
   case $base in
-    b8cache0) a="burst --random-weights 8b"; e="$e LLMQ__WORKER__MLX_CACHE_LIMIT_BYTES=0";;
-    b8cache8) a="burst --random-weights 8b"; e="$e LLMQ__WORKER__MLX_CACHE_LIMIT_BYTES=8000000000";;
-    b8mem140) a="burst --random-weights 8b"; e="$e LLMQ__WORKER__MLX_MEMORY_LIMIT_BYTES=140000000000";;
+    b8cache0) a="burst --random-weights 8b"; e="LLMQ__WORKER__MLX_CACHE_LIMIT_BYTES=0";;
+    b8cache8) a="burst --random-weights 8b"; e="LLMQ__WORKER__MLX_CACHE_LIMIT_BYTES=8000000000";;
+    b8mem140) a="burst --random-weights 8b"; e="LLMQ__WORKER__MLX_MEMORY_LIMIT_BYTES=140000000000";;
     b8def) a="burst --random-weights 8b";;
     b8s1) a="burst --random-weights 8b --stages 1";;
     b8nb) a="burst --random-weights 8b --tick-budget 0";;
@@ -43,10 +45,8 @@ for name in $PLAN; do
     t8) a="ticks --local --random-weights 8b";;
     *) echo "unknown $name"; continue;;
   esac
-  tag=${name//[~^%]/_}
   sampler=""
   [[ $name == *^* ]] && { python3 deploy/gpu/thread_cpu.py 0.25 > $OUT/r/$i-$tag.threads & sampler=$!; }
-  # NAME%: the speed probe in a process of its own beside the run (into NAME.probe).
   [[ $name == *%* ]] && { .gpu/bin/memory_probe 10 200 > $OUT/r/$i-$tag.probe & sampler=$!; }
   t0=$(date +%s)
   env $e $log timeout 200 llmq bench $a --json $KV > $OUT/r/$i-$tag.json 2> $OUT/r/$i-$tag.err

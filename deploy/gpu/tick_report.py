@@ -79,17 +79,20 @@ for path in sys.argv[1:]:
         sel = [i for i in rng if rows[i][2] >= 16]
         if not sel:
             continue
+        def vals(key, only_decode=False):
+            # The phase's readings of `key` (NaN where unread), of decode-only ticks if asked.
+            xs = [parts[i].get(key, float('nan')) for i in sel if not only_decode or rows[i][3] == 0]
+            return [x for x in xs if x == x]
         def med(key, only_decode=False):
-            xs = [parts[i][key] for i in sel if key in parts[i] and (not only_decode or rows[i][3] == 0)]
-            xs = [x for x in xs if x == x]
+            xs = vals(key, only_decode)
             return st.median(xs) if xs else float('nan')
         def mean(key):
-            xs = [parts[i][key] for i in sel if key in parts[i] and parts[i][key] == parts[i][key]]
+            xs = vals(key)
             return sum(xs) / len(xs) if xs else float('nan')
         churn = [abs(parts[i].get("cache_gb", 0) - parts[i - 1].get("cache_gb", 0)) for i in sel if i > 0]
         mem = [parts[i].get("active_gb", 0) + parts[i].get("cache_gb", 0) for i in sel]
         print(f"  phase {name:6s}: ticks {len(sel):4d} build {med('build', True):.2f} walk {med('walk_us'):.0f} alu {med('alu_us'):.0f} "
-              f"tlb {med('tlb'):.0f} (sum {sum(parts[i].get('tlb', 0) for i in sel if parts[i].get('tlb', 0) == parts[i].get('tlb', 0)):.0f}) "
+              f"tlb {med('tlb'):.0f} (sum {sum(vals('tlb')):.0f}) "
               f"churn {st.median(churn) if churn else 0:.2f} GB mem {max(mem):.1f} GB "
               f"busy {mean('busy'):.1f} ms/tick (decode thread {mean('cpu'):.1f})")
         # The CPUs the decode thread ran on (the probe's `core`), most used first, with each

@@ -8,7 +8,7 @@
 
 use std::io::Write;
 
-use llmq_worker::usage::SpeedProbe;
+use llmq_worker::usage::{unix_ms, SpeedProbe};
 
 fn main() {
     let mut args = std::env::args().skip(1).map(|a| a.parse::<u64>().expect("whole numbers: PERIOD_MS SECONDS"));
@@ -18,8 +18,7 @@ fn main() {
     let end = std::time::Instant::now() + std::time::Duration::from_secs(seconds);
     while std::time::Instant::now() < end {
         let (alu, walk, core) = probe.run();
-        let unix_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
-        if writeln!(out, "{unix_ms} {alu:.1} {walk:.1} {core}").and_then(|_| out.flush()).is_err() {
+        if writeln!(out, "{} {alu:.1} {walk:.1} {core}", unix_ms()).and_then(|_| out.flush()).is_err() {
             break; // the reader went away
         }
         std::thread::sleep(std::time::Duration::from_millis(period));

@@ -137,8 +137,7 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
             }).and_then(|p| match std::fs::File::create(&p) {
                 Ok(mut f) => {
                     // Where the lines' time starts, as UNIX ms (to line them up with other logs).
-                    let unix_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
-                    let _ = std::io::Write::write_all(&mut f, format!("# t0_unix_ms {unix_ms}\n").as_bytes());
+                    let _ = std::io::Write::write_all(&mut f, format!("# t0_unix_ms {}\n", crate::usage::unix_ms()).as_bytes());
                     Some((f, std::time::Instant::now()))
                 }
                 Err(e) => {

@@ -172,7 +172,7 @@ impl SpeedProbe {
 }
 
 /// The CPU the calling thread runs on now, -1 where unknown.
-pub fn current_cpu() -> f64 {
+fn current_cpu() -> f64 {
     #[cfg(target_os = "linux")]
     {
         // SAFETY: no arguments; returns a CPU number or -1.
@@ -182,6 +182,11 @@ pub fn current_cpu() -> f64 {
     {
         -1.0
     }
+}
+
+/// The time now as UNIX milliseconds (0 before 1970), to line up the tick log with other logs.
+pub fn unix_ms() -> u128 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis())
 }
 
 impl Default for SpeedProbe {
