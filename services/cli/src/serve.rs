@@ -107,25 +107,45 @@ pub fn free_port() -> Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
-/// Starts nats-server with JetStream on 127.0.0.1:`port`, storing under `dir`; waits until it
-/// accepts connections.
-pub fn start_nats(port: u16, dir: &std::path::Path) -> Result<Child> {
+/// Starts nats-server with JetStream on 127.0.0.1, on `port` or (None) a free port it picks
+/// itself, storing under `dir`; returns it and its client URL once it accepts connections.
+///
+/// The URL comes from the ports file nats-server writes into `dir` once it listens, so it is
+/// always this server's own: a port picked here and bound by the server later could be taken
+/// in between (parallel test stacks did), and a connection test would then reach the other
+/// server. A server that exits first (its port in use) is an error.
+pub fn start_nats(port: Option<u16>, dir: &std::path::Path) -> Result<(Child, String)> {
     std::fs::create_dir_all(dir)?;
-    let child = Command::new("nats-server")
-        .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
+    let port = port.map_or("-1".to_string(), |p| p.to_string());
+    let mut child = Command::new("nats-server")
+        .args(["-a", "127.0.0.1", "-p", &port, "-js", "--ports_file_dir"])
+        .arg(dir)
+        .arg("-sd")
         .arg(dir)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
         .context("starting nats-server (Debian package nats-server; `make setup` installs it)")?;
+    let ports_file = dir.join(format!("nats-server_{}.ports", child.id()));
     let deadline = Instant::now() + Duration::from_secs(10);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+    loop {
+        // {"nats":["nats://127.0.0.1:PORT"]}; read again while it is being written.
+        let url = std::fs::read(&ports_file)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+            .and_then(|v| v["nats"][0].as_str().map(str::to_string));
+        if let Some(url) = url {
+            return Ok((child, url));
+        }
+        if let Some(status) = child.try_wait()? {
+            bail!("nats-server exited ({status}) before listening on port {port} (-1: one of its choosing); is the port in use?");
+        }
         if Instant::now() > deadline {
-            bail!("nats-server did not start listening on port {port}");
+            let _ = child.kill();
+            bail!("nats-server did not start listening on port {port} within 10 s");
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    Ok(child)
 }
 
 /// A running local stack: nats-server, intake and workers, stopped when dropped.
@@ -153,14 +173,12 @@ pub fn start_stack(
     gateway: Option<&str>,
     gpus: &[u32],
 ) -> Result<Stack> {
-    let port = match port {
-        Some(p) => p,
-        None => free_port()?,
-    };
-    let url = format!("nats://127.0.0.1:{port}");
-    let dir = std::env::temp_dir().join(format!("llmq-stack-{}-{port}", std::process::id()));
+    static STACKS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = STACKS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("llmq-stack-{}-{n}", std::process::id()));
+    let (nats, url) = start_nats(port, &dir)?;
     let mut stack = Stack { url: url.clone(), children: Children::default(), dir: dir.clone() };
-    stack.children.push("nats-server", start_nats(port, &dir)?);
+    stack.children.push("nats-server", nats);
     let exe = std::env::current_exe()?;
     let spawn = |what: &str, env: &[(String, String)]| -> Result<Child> {
         let mut c = Command::new(&exe);

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -40,25 +41,41 @@ impl Stack {
         Stack::nats_for(&fixture())
     }
 
-    /// nats-server alone; services spawned later serve `model`.
+    /// nats-server alone, on a port of its own choosing; services spawned later serve `model`.
+    /// Its URL is read from the ports file it writes once it listens (as `llmq up` does, in
+    /// `serve::start_nats`): a port picked here and bound later could be taken by a parallel
+    /// test's server in between, and this stack would then talk to that one.
     pub fn nats_for(model: &str) -> Stack {
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let dir = std::env::temp_dir().join(format!("llmq-e2e-{}-{port}", std::process::id()));
+        static STACKS: AtomicUsize = AtomicUsize::new(0);
+        let n = STACKS.fetch_add(1, Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("llmq-e2e-{}-{n}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let nats = Command::new("nats-server")
-            .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
+            .args(["-a", "127.0.0.1", "-p", "-1", "-js", "--ports_file_dir"])
+            .arg(&dir)
+            .arg("-sd")
             .arg(&dir)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .expect("nats-server (Debian package nats-server)");
-        let s = Stack { url: format!("nats://127.0.0.1:{port}"), dir, procs: vec![Proc(nats)], model: model.to_string() };
+        let ports_file = dir.join(format!("nats-server_{}.ports", nats.id()));
+        let mut s = Stack { url: String::new(), dir, procs: vec![Proc(nats)], model: model.to_string() };
         let t = Instant::now();
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        loop {
+            // {"nats":["nats://127.0.0.1:PORT"]}; read again while it is being written.
+            let url = std::fs::read(&ports_file)
+                .ok()
+                .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+                .and_then(|v| v["nats"][0].as_str().map(str::to_string));
+            if let Some(url) = url {
+                s.url = url;
+                return s;
+            }
+            assert!(s.procs[0].0.try_wait().unwrap().is_none(), "nats-server exited before listening");
             assert!(t.elapsed() < Duration::from_secs(10), "nats-server did not start");
             std::thread::sleep(Duration::from_millis(20));
         }
-        s
     }
 
     /// Starts `llmq <what>` against this stack's NATS; returns its index (for `kill`).
