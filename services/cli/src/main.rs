@@ -4,6 +4,7 @@ mod bench;
 mod bench_nats;
 mod client;
 mod generate;
+mod nats_url;
 mod serve;
 
 use clap::{Parser, Subcommand};

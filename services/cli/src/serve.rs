@@ -126,15 +126,9 @@ pub fn start_nats(port: Option<u16>, dir: &std::path::Path) -> Result<(Child, St
         .stderr(Stdio::null())
         .spawn()
         .context("starting nats-server (Debian package nats-server; `make setup` installs it)")?;
-    let ports_file = dir.join(format!("nats-server_{}.ports", child.id()));
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        // {"nats":["nats://127.0.0.1:PORT"]}; read again while it is being written.
-        let url = std::fs::read(&ports_file)
-            .ok()
-            .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
-            .and_then(|v| v["nats"][0].as_str().map(str::to_string));
-        if let Some(url) = url {
+        if let Some(url) = crate::nats_url::from_ports_file(dir, child.id()) {
             return Ok((child, url));
         }
         if let Some(status) = child.try_wait()? {

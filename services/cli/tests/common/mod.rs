@@ -3,9 +3,13 @@
 #![allow(dead_code)]
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
+
+// The ports-file reader `llmq up` uses (the binary crate has no library to import from).
+#[path = "../../src/nats_url.rs"]
+mod nats_url;
 
 pub fn fixture() -> String {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-llama").canonicalize().unwrap().display().to_string()
@@ -59,16 +63,11 @@ impl Stack {
             .stderr(Stdio::null())
             .spawn()
             .expect("nats-server (Debian package nats-server)");
-        let ports_file = dir.join(format!("nats-server_{}.ports", nats.id()));
+        let pid = nats.id();
         let mut s = Stack { url: String::new(), dir, procs: vec![Proc(nats)], model: model.to_string() };
         let t = Instant::now();
         loop {
-            // {"nats":["nats://127.0.0.1:PORT"]}; read again while it is being written.
-            let url = std::fs::read(&ports_file)
-                .ok()
-                .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
-                .and_then(|v| v["nats"][0].as_str().map(str::to_string));
-            if let Some(url) = url {
+            if let Some(url) = nats_url::from_ports_file(&s.dir, pid) {
                 s.url = url;
                 return s;
             }
