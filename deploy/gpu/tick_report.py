@@ -1,12 +1,15 @@
 """Summarises worker tick logs (`LLMQ_TICK_LOG`) of the burst benchmark.
 
-Usage: python3 deploy/gpu/tick_report.py TICKLOG...
+Usage: python3 deploy/gpu/tick_report.py [--rows N] TICKLOG...
+
+N: the active streams of the scenario (the benchmark's `--active`, 16 by default); ticks with
+at least N rows are the ones the streams see.
 
 A tick log line starts with: tick start (ms), tick duration (ms), rows decoded, chunk tokens,
 prompt tokens done. Tick times here are intervals from one tick's start to the next (the gap a
 stream sees). Printed per log: the decode-only ticks before the burst, the burst's ticks by
 chunk size (median, p90, max, max over the decode-only median), the six longest, every tick
-with 16 or more rows by rows and whether it carried a chunk (with the decode actor's host
+with N or more rows by rows and whether it carried a chunk (with the decode actor's host
 time parts: queueing the next step, of it building and launching, waiting), chunk ticks by chunk size
 and offset into the prompt, and burst ticks by the layers of the chunk stage they launched
 (the tick budget's choice).
@@ -14,21 +17,25 @@ and offset into the prompt, and burst ticks by the layers of the chunk stage the
 import sys, statistics as st
 def pct(xs, p):
     xs = sorted(xs); return xs[min(len(xs)-1, int(p*len(xs)))] if xs else float('nan')
-for path in sys.argv[1:]:
+args = sys.argv[1:]
+ACTIVE = 16
+if args[:1] == ["--rows"]:
+    ACTIVE, args = int(args[1]), args[2:]
+for path in args:
     rows, parts = [], []
     for line in open(path):
         f = line.split()
         if len(f) < 5: continue
         rows.append((float(f[0]), float(f[1]), int(f[2]), int(f[3]), int(f[4])))
         parts.append({k: float(v) for k, v in (x.split("=", 1) for x in f[5:] if "=" in x)})
-    # burst phase: from the first tick with >=16 rows and a chunk
-    start = next((i for i, r in enumerate(rows) if r[2] >= 16 and r[3] > 0), None)
+    # burst phase: from the first tick with every active stream and a chunk
+    start = next((i for i, r in enumerate(rows) if r[2] >= ACTIVE and r[3] > 0), None)
     if start is None:
         print(path, "no burst"); continue
     # intervals between consecutive tick starts
     iv = [(rows[i+1][0] - rows[i][0], rows[i]) for i in range(len(rows)-1)]
-    dec = [d for d, r in iv[:start] if r[2] >= 16 and r[3] == 0]
-    burst = [(d, r) for d, r in iv[start:] if r[2] >= 16]
+    dec = [d for d, r in iv[:start] if r[2] >= ACTIVE and r[3] == 0]
+    burst = [(d, r) for d, r in iv[start:] if r[2] >= ACTIVE]
     end = max(i for i, (d, r) in enumerate(burst) if r[3] > 0)
     burst = burst[:end+2]
     by = {}
@@ -52,7 +59,7 @@ for path in sys.argv[1:]:
             buck.setdefault((r[3], min(r[4] // 2048, 3)), []).append(d)
     kinds = {}
     for i, (d, r) in enumerate(iv):
-        if r[2] >= 16:
+        if r[2] >= ACTIVE:
             kinds.setdefault((r[2], r[3] > 0), []).append((d, parts[i]))
     for k, v in sorted(kinds.items()):
         ds = [d for d, _ in v]
@@ -68,7 +75,7 @@ for path in sys.argv[1:]:
             lay.setdefault((r[2], int(p["layers"])), []).append(d)
     if lay:
         print("  by stage layers:", "; ".join(f"{k[0]} rows L={k[1]} n={len(v)} median {st.median(v):.1f} max {max(v):.1f}" for k, v in sorted(lay.items())))
-    # The host's pace by phase: 16-row decode-only steps before the burst, during it, after it.
+    # The host's pace by phase: decode-only steps before the burst, during it, after it.
     # build: the step's graph building (ms); walk/alu: the speed probe (us); tlb: shootdowns a
     # tick; churn: MLX's cache moved a tick (GB, up or down); mem: MLX's in-use plus cached GB;
     # busy: the machine's CPU ms a tick, all CPUs (the decode thread's own: cpu).
@@ -76,7 +83,7 @@ for path in sys.argv[1:]:
     b1 = idx[id(burst[-1][1])] if burst else len(rows) - 1
     phases = {"before": range(max(0, b0 - 200), b0), "burst": range(b0, b1 + 1), "after": range(b1 + 1, len(rows))}
     for name, rng in phases.items():
-        sel = [i for i in rng if rows[i][2] >= 16]
+        sel = [i for i in rng if rows[i][2] >= ACTIVE]
         if not sel:
             continue
         def vals(key, only_decode=False):
