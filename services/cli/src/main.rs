@@ -4,7 +4,7 @@ mod bench;
 mod bench_nats;
 mod client;
 mod generate;
-mod nats_url;
+mod nats_server;
 mod serve;
 
 use clap::{Parser, Subcommand};

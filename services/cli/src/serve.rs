@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use futures::StreamExt;
 
 #[derive(clap::Args)]
@@ -107,41 +107,6 @@ pub fn free_port() -> Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
-/// Starts nats-server with JetStream on 127.0.0.1, on `port` or (None) a free port it picks
-/// itself, storing under `dir`; returns it and its client URL once it accepts connections.
-///
-/// The URL comes from the ports file nats-server writes into `dir` once it listens, so it is
-/// always this server's own: a port picked here and bound by the server later could be taken
-/// in between (parallel test stacks did), and a connection test would then reach the other
-/// server. A server that exits first (its port in use) is an error.
-pub fn start_nats(port: Option<u16>, dir: &std::path::Path) -> Result<(Child, String)> {
-    std::fs::create_dir_all(dir)?;
-    let port = port.map_or("-1".to_string(), |p| p.to_string());
-    let mut child = Command::new("nats-server")
-        .args(["-a", "127.0.0.1", "-p", &port, "-js", "--ports_file_dir"])
-        .arg(dir)
-        .arg("-sd")
-        .arg(dir)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .context("starting nats-server (Debian package nats-server; `make setup` installs it)")?;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        if let Some(url) = crate::nats_url::from_ports_file(dir, child.id()) {
-            return Ok((child, url));
-        }
-        if let Some(status) = child.try_wait()? {
-            bail!("nats-server exited ({status}) before listening on port {port} (-1: one of its choosing); is the port in use?");
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            bail!("nats-server did not start listening on port {port} within 10 s");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 /// A running local stack: nats-server, intake and workers, stopped when dropped.
 pub struct Stack {
     pub url: String,
@@ -170,7 +135,7 @@ pub fn start_stack(
     static STACKS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let n = STACKS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let dir = std::env::temp_dir().join(format!("llmq-stack-{}-{n}", std::process::id()));
-    let (nats, url) = start_nats(port, &dir)?;
+    let (nats, url) = crate::nats_server::start(port, &dir)?;
     let mut stack = Stack { url: url.clone(), children: Children::default(), dir: dir.clone() };
     stack.children.push("nats-server", nats);
     let exe = std::env::current_exe()?;

@@ -5,11 +5,10 @@
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
 
-// The ports-file reader `llmq up` uses (the binary crate has no library to import from).
-#[path = "../../src/nats_url.rs"]
-mod nats_url;
+// How `llmq up` starts nats-server (the binary crate has no library to import from).
+#[path = "../../src/nats_server.rs"]
+mod nats_server;
 
 pub fn fixture() -> String {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-llama").canonicalize().unwrap().display().to_string()
@@ -45,36 +44,14 @@ impl Stack {
         Stack::nats_for(&fixture())
     }
 
-    /// nats-server alone, on a port of its own choosing; services spawned later serve `model`.
-    /// Its URL is read from the ports file it writes once it listens (as `llmq up` does, in
-    /// `serve::start_nats`): a port picked here and bound later could be taken by a parallel
-    /// test's server in between, and this stack would then talk to that one.
+    /// nats-server alone, on a port of its own choosing (started as `llmq up` starts it, so its
+    /// URL is its own: `nats_server`); services spawned later serve `model`.
     pub fn nats_for(model: &str) -> Stack {
         static STACKS: AtomicUsize = AtomicUsize::new(0);
         let n = STACKS.fetch_add(1, Ordering::Relaxed);
         let dir = std::env::temp_dir().join(format!("llmq-e2e-{}-{n}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let nats = Command::new("nats-server")
-            .args(["-a", "127.0.0.1", "-p", "-1", "-js", "--ports_file_dir"])
-            .arg(&dir)
-            .arg("-sd")
-            .arg(&dir)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("nats-server (Debian package nats-server)");
-        let pid = nats.id();
-        let mut s = Stack { url: String::new(), dir, procs: vec![Proc(nats)], model: model.to_string() };
-        let t = Instant::now();
-        loop {
-            if let Some(url) = nats_url::from_ports_file(&s.dir, pid) {
-                s.url = url;
-                return s;
-            }
-            assert!(s.procs[0].0.try_wait().unwrap().is_none(), "nats-server exited before listening");
-            assert!(t.elapsed() < Duration::from_secs(10), "nats-server did not start");
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        let (nats, url) = nats_server::start(None, &dir).expect("nats-server (Debian package nats-server)");
+        Stack { url, dir, procs: vec![Proc(nats)], model: model.to_string() }
     }
 
     /// Starts `llmq <what>` against this stack's NATS; returns its index (for `kill`).
