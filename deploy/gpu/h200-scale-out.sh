@@ -9,7 +9,7 @@ set -uo pipefail
 export PATH="$PWD/.gpu/bin:$PATH" LLMQ_LOG=${LLMQ_LOG:-error}
 KV="--kv-budget-bytes 60000000000"
 LOGS=${OUT:-/tmp}
-# Three rounds, two workers first, the single worker on GPU 0, 1, 0 (RESULTS.md, 2026-11-30).
+# Three rounds, two workers first, the single worker on GPU 0, 1, 0.
 for round in 1 2 3; do
   for n in 2 1; do
     gpus=0; [ "$n" = 2 ] && gpus=0,1; [ "$round" = 2 ] && [ "$n" = 1 ] && gpus=1

@@ -1,4 +1,4 @@
-"""Summarises worker tick logs (`LLMQ_TICK_LOG`) of the burst benchmark.
+"""Summarises worker tick logs (`worker.tick_log`, e.g. LLMQ__WORKER__TICK_LOG=PATH) of the burst benchmark.
 
 Usage: python3 deploy/gpu/tick_report.py [--rows N] TICKLOG...
 
@@ -51,7 +51,7 @@ for path in args:
     for d, r in top:
         p = parts[idx[id(r)]]
         print(f"  top {d:6.1f}ms rows={r[2]} chunk={r[3]} done={r[4]} "
-              + " ".join(f"{n}={p[n]:.1f}" for n in ("join", "queue", "build", "launch", "wait", "rest", "cpu", "faults", "vcsw", "ivcsw", "steal", "runnable", "alu_us", "walk_us") if n in p))
+              + " ".join(f"{n}={p[n]:.1f}" for n in ("join", "queue", "build", "launch", "wait", "rest") if n in p))
     # chunk tick by done offset bucket (size 256/128 both)
     buck = {}
     for d, r in burst:
@@ -76,9 +76,8 @@ for path in args:
     if lay:
         print("  by stage layers:", "; ".join(f"{k[0]} rows L={k[1]} n={len(v)} median {st.median(v):.1f} max {max(v):.1f}" for k, v in sorted(lay.items())))
     # The host's pace by phase: decode-only steps before the burst, during it, after it.
-    # build: the step's graph building (ms); walk/alu: the speed probe (us); tlb: shootdowns a
-    # tick; churn: MLX's cache moved a tick (GB, up or down); mem: MLX's in-use plus cached GB;
-    # busy: the machine's CPU ms a tick, all CPUs (the decode thread's own: cpu).
+    # build: the decode step's graph building (ms, median of decode-only ticks); churn: MLX's
+    # cache moved a tick (GB, up or down); mem: MLX's in-use plus cached GB at most.
     b0 = start
     b1 = idx[id(burst[-1][1])] if burst else len(rows) - 1
     phases = {"before": range(max(0, b0 - 200), b0), "burst": range(b0, b1 + 1), "after": range(b1 + 1, len(rows))}
@@ -86,27 +85,8 @@ for path in args:
         sel = [i for i in rng if rows[i][2] >= ACTIVE]
         if not sel:
             continue
-        def vals(key, only_decode=False):
-            # The phase's readings of `key` (NaN where unread), of decode-only ticks if asked.
-            xs = [parts[i].get(key, float('nan')) for i in sel if not only_decode or rows[i][3] == 0]
-            return [x for x in xs if x == x]
-        def med(key, only_decode=False):
-            xs = vals(key, only_decode)
-            return st.median(xs) if xs else float('nan')
-        def mean(key):
-            xs = vals(key)
-            return sum(xs) / len(xs) if xs else float('nan')
+        build = [parts[i]["build"] for i in sel if rows[i][3] == 0 and "build" in parts[i]]
         churn = [abs(parts[i].get("cache_gb", 0) - parts[i - 1].get("cache_gb", 0)) for i in sel if i > 0]
         mem = [parts[i].get("active_gb", 0) + parts[i].get("cache_gb", 0) for i in sel]
-        print(f"  phase {name:6s}: ticks {len(sel):4d} build {med('build', True):.2f} walk {med('walk_us'):.0f} alu {med('alu_us'):.0f} "
-              f"tlb {med('tlb'):.0f} (sum {sum(vals('tlb')):.0f}) "
-              f"churn {st.median(churn) if churn else 0:.2f} GB mem {max(mem):.1f} GB "
-              f"busy {mean('busy'):.1f} ms/tick (decode thread {mean('cpu'):.1f})")
-        # The CPUs the decode thread ran on (the probe's `core`), most used first, with each
-        # one's median walk: a thread moved to a slower place shows here.
-        cores = {}
-        for i in sel:
-            if "core" in parts[i] and parts[i].get("walk_us", 0) > 0:
-                cores.setdefault(int(parts[i]["core"]), []).append(parts[i]["walk_us"])
-        if cores:
-            print("    cores:", ", ".join(f"{c}: {len(w)} ticks walk {st.median(w):.0f}" for c, w in sorted(cores.items(), key=lambda kv: -len(kv[1]))[:6]))
+        print(f"  phase {name:6s}: ticks {len(sel):4d} build {st.median(build) if build else float('nan'):.2f} ms "
+              f"churn {st.median(churn) if churn else 0:.2f} GB mem {max(mem):.1f} GB")

@@ -42,7 +42,7 @@ fn main() -> std::process::ExitCode {
     // MLX's CUDA graphs off: each new graph structure costs 20-80 ms to instantiate, and a
     // serving engine meets new structures all the time (a long prompt joining, another length
     // group decoding beside a chunk), so with them on the streams stalled 70-90 ms in the burst
-    // scenario, against 30-38 ms off (RESULTS.md, fifth session). Off costs about 13% of steady
+    // scenario, against 30-38 ms off. Off costs about 13% of steady
     // decode throughput at 64 streams; `MLX_USE_CUDA_GRAPHS=1` trades back.
     if std::env::var_os("MLX_USE_CUDA_GRAPHS").is_none() {
         std::env::set_var("MLX_USE_CUDA_GRAPHS", "0");

@@ -39,12 +39,6 @@ pub trait KvCache: Send {
     fn contents(&self) -> Option<(Array, Array)> {
         None
     }
-    /// The whole key and value buffers [1, kv_heads, capacity, head_dim], position i at
-    /// index i, for a kernel that reads them in place; None when positions are not laid out
-    /// that way (a sliding window) or nothing was written yet.
-    fn buffers(&self) -> Option<(Array, Array)> {
-        None
-    }
 }
 
 /// Grows geometrically (in whole steps) and writes new tokens in place: decode copies nothing
@@ -114,7 +108,7 @@ impl KvCache for StandardCache {
         // runs that as one fused (cuDNN) attention. An explicit mask over the buffer took MLX's
         // unfused path:
         // 15.9 ms against 2.5 ms for 32 layers of a 256-token chunk at position 7168 of an
-        // 8192-token buffer on an H200 (RESULTS.md). The fused kernel is planned once per shape
+        // 8192-token buffer on an H200. The fused kernel is planned once per shape
         // (40-70 ms the first time), which is why the model pads chunks to a grid of positions
         // on a GPU (`Model::chunk_grid`).
         let mask = if t == 1 { AttnMask::None } else { AttnMask::Causal };
@@ -131,10 +125,6 @@ impl KvCache for StandardCache {
 
     fn nbytes(&self) -> usize {
         self.keys.as_ref().map_or(0, |k| k.nbytes()) + self.values.as_ref().map_or(0, |v| v.nbytes())
-    }
-
-    fn buffers(&self) -> Option<(Array, Array)> {
-        Some((self.keys.clone()?, self.values.clone()?))
     }
 
     fn contents(&self) -> Option<(Array, Array)> {

@@ -9,7 +9,6 @@
 //! - `cache`     the KV-cache trait, a growing cache and a sliding-window one
 //! - `batch`     the decode batch: every running sequence as one row of shared KV buffers
 //! - `row_attention` the decode batch's attention by row lengths, a CUDA kernel (GPU only)
-//! - `chunk_attention` a prefill chunk's attention inside a decode step, CUDA kernels (GPU only)
 //! - `prefix`    the prefix cache: KV of earlier sequences, found again by their first tokens
 //! - `tokenizer` tokenizers (from `tokenizer.json` or rebuilt from GGUF) and chat templates
 //! - `sentencepiece` SentencePiece's `tokenizer.model`, read as GGUF tokenizer metadata
@@ -29,7 +28,6 @@ pub mod generate;
 pub mod gguf;
 pub mod model;
 pub mod prefix;
-pub mod chunk_attention;
 pub mod row_attention;
 pub mod sampling;
 pub mod sentencepiece;

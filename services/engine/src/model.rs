@@ -15,7 +15,6 @@ use crate::batch::DecodeBatch;
 use crate::cache::{AttnMask, KvCache, RotatingCache, SequenceCache, StandardCache};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
-use crate::chunk_attention::ChunkAttention;
 use crate::row_attention::{RowAttention, RowPlan};
 use crate::weights::Weights;
 
@@ -109,8 +108,6 @@ pub struct Model {
     chunk_grid: usize,
     /// Decode attention by row lengths (NVIDIA GPUs); None: masked attention.
     row_attention: Option<RowAttention>,
-    /// A prefill chunk's attention inside a decode step (NVIDIA GPUs, bf16); None: MLX's.
-    chunk_attention: Option<ChunkAttention>,
 }
 
 fn heads_first(x: Array, b: i32, t: i32, heads: i32, dim: i32, norm: Option<&Array>, eps: f32) -> Result<Array> {
@@ -280,7 +277,6 @@ impl Attention {
         rows_step: Option<&RowStep<'_>>,
         rotation: &Array,
         chunk: Option<(&mut (dyn KvCache + 'static), i32)>,
-        chunk_kernel: Option<&ChunkAttention>,
     ) -> Result<Array> {
         let d = self.head_dim;
         let n = x.shape()[0];
@@ -357,12 +353,8 @@ impl Attention {
                 Some(parts) => parts,
                 None => (rows(&q), rows(&k), rows(&v)),
             };
-            let off = cache.offset();
             let (keys, values, mask) = cache.update(&seq(&ck)?, &seq(&cv)?)?;
-            let o = match (chunk_kernel, cache.buffers()) {
-                (Some(kernel), Some((kb, vb))) => kernel.apply(&cq, &kb, &vb, off)?.transpose_axes(&[0, 2, 1, 3])?,
-                _ => self.attend(&seq(&cq)?, &keys, &values, &mask)?.transpose_axes(&[2, 0, 1, 3])?,
-            };
+            let o = self.attend(&seq(&cq)?, &keys, &values, &mask)?.transpose_axes(&[2, 0, 1, 3])?;
             outs.push(o);
         }
         let o = if outs.len() == 1 { outs.pop().unwrap() } else { concatenate(&outs, 0)? };
@@ -415,9 +407,7 @@ impl Model {
         let chunk_grid = if crate::on_gpu() && config.sliding_window.is_none() { GPU_CHUNK_GRID } else { 1 };
         let scale = layers.first().map_or(1.0, |l| l.attn.scale);
         let row_attention = RowAttention::new(c.num_heads as i32, c.num_kv_heads as i32, c.head_dim as i32, scale, dtype);
-        let chunk_attention =
-            ChunkAttention::wanted().then(|| ChunkAttention::new(c.num_heads as i32, c.num_kv_heads as i32, c.head_dim as i32, scale, dtype)).flatten();
-        let model = Model { config, embed, layers, norm, lm_head_t, dtype, chunk_grid, row_attention, chunk_attention };
+        let model = Model { config, embed, layers, norm, lm_head_t, dtype, chunk_grid, row_attention };
         mlx_rs::transforms::eval(model.parameters())?;
         Ok(model)
     }
@@ -466,32 +456,16 @@ impl Model {
         self
     }
 
-    /// The same model attending through MLX's attention throughout (decode batches masked,
-    /// prefill chunks fused by MLX) even where our kernels would run (tests compare the two).
+    /// The same model attending through MLX's attention throughout (decode batches masked)
+    /// even where the row attention kernel would run (tests compare the two).
     pub fn with_masked_decode_attention(mut self) -> Self {
         self.row_attention = None;
-        self.chunk_attention = None;
         self
     }
 
     /// Whether decode batches attend through the row attention kernel.
     pub fn uses_row_attention(&self) -> bool {
         self.row_attention.is_some()
-    }
-
-    /// The same model with prefill chunks inside decode steps attending through the chunk
-    /// attention kernels where they can run (see `ChunkAttention::wanted` for why that is not
-    /// the default).
-    pub fn with_chunk_attention_kernel(mut self) -> Self {
-        let c = &self.config;
-        let scale = self.layers.first().map_or(1.0, |l| l.attn.scale);
-        self.chunk_attention = ChunkAttention::new(c.num_heads as i32, c.num_kv_heads as i32, c.head_dim as i32, scale, self.dtype);
-        self
-    }
-
-    /// Whether a prefill chunk inside a decode step attends through the chunk attention kernels.
-    pub fn uses_chunk_attention(&self) -> bool {
-        self.chunk_attention.is_some()
     }
 
     /// Shrinks the chunk grid to divide every one of `chunk_sizes`, so that chunks of those
@@ -722,7 +696,7 @@ impl Model {
             }
             let part = chunk.as_mut().filter(|_| in_stage).map(|c| (&mut *c.cache.layers[li], t));
             let rotation = if in_stage { rotate_all.as_ref() } else { rotate_decode.as_ref() }.expect("built for these layers");
-            let h = layer.attn.forward_grouped(&rms_norm(&x, Some(&layer.input_norm), eps)?, li, &mut steps, rows_step.as_ref(), rotation, part, self.chunk_attention.as_ref())?;
+            let h = layer.attn.forward_grouped(&rms_norm(&x, Some(&layer.input_norm), eps)?, li, &mut steps, rows_step.as_ref(), rotation, part)?;
             x = x.add(&h)?;
             let h = layer.mlp.forward(&rms_norm(&x, Some(&layer.post_norm), eps)?)?;
             x = x.add(&h)?;

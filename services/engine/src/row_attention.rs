@@ -4,8 +4,8 @@
 //! KV buffers [slots, kv_heads, capacity, head_dim]; each row attends over its own first `len`
 //! keys. MLX's fused attention takes no per-row lengths: with a mask array it falls back to
 //! unfused matrix products over the whole capacity, which on an H200 cost 18.9 ms a step for
-//! 64 rows over 1024 slots at the 8b shape against 2.9 ms unmasked (RESULTS.md, seventh
-//! session), and a group attending apart costs a dozen more operations a layer on the host.
+//! 64 rows over 1024 slots at the 8b shape against 2.9 ms unmasked, and a group attending
+//! apart costs a dozen more operations a layer on the host.
 //! These kernels attend every row of every group in one launch, reading only each row's keys.
 //!
 //! The kernels (our own source, compiled by MLX through NVRTC when the model loads): the

@@ -6,7 +6,7 @@
 //! the keys split over several.
 //!
 //! These tests need CUDA: `cargo test -p llmq-engine --test row_attention -- --ignored` on a
-//! GPU machine (RESULTS.md records the run). On a CPU they are skipped by `#[ignore]`.
+//! GPU machine. On a CPU they are skipped by `#[ignore]`.
 
 use llmq_engine::row_attention::RowAttention;
 use mlx_rs::fast::scaled_dot_product_attention;
@@ -137,14 +137,13 @@ fn a_decode_step_gives_the_same_logits_through_the_kernel() {
     }
 }
 
-/// The same random-weight model of SmolLM2's shape (bf16) twice: through our attention
-/// kernels (decode rows and prefill chunks), and through MLX's attention throughout.
+/// The same random-weight model of SmolLM2's shape (bf16) twice: through the row attention
+/// kernel, and through MLX's attention throughout.
 fn kernel_and_masked_models() -> (llmq_engine::Model, llmq_engine::Model) {
     use llmq_engine::shapes::random_model;
-    let fast = random_model("smollm2", Dtype::Bfloat16, 7).unwrap().with_chunk_attention_kernel();
+    let fast = random_model("smollm2", Dtype::Bfloat16, 7).unwrap();
     let masked = random_model("smollm2", Dtype::Bfloat16, 7).unwrap().with_masked_decode_attention();
     assert!(fast.uses_row_attention() && !masked.uses_row_attention());
-    assert!(fast.uses_chunk_attention() && !masked.uses_chunk_attention());
     (fast, masked)
 }
 
@@ -197,7 +196,7 @@ fn a_step_with_a_prefill_chunk_gives_the_same_logits_through_the_kernel() {
 }
 
 /// A step with two length groups and a prefill chunk (the rows' keys and values cut into each
-/// group's share and the chunk's), the chunk attending through MLX's attention as by default:
+/// group's share and the chunk's), the chunk attending through MLX's attention:
 /// the same logits through the row kernel as through masked attention, chunk after chunk.
 #[test]
 #[ignore = "needs CUDA (run on the GPU machine)"]
@@ -205,7 +204,7 @@ fn a_step_with_two_groups_and_a_chunk_gives_the_same_logits_through_the_kernel()
     use llmq_engine::shapes::random_model;
     let fast = random_model("smollm2", Dtype::Bfloat16, 7).unwrap();
     let masked = random_model("smollm2", Dtype::Bfloat16, 7).unwrap().with_masked_decode_attention();
-    assert!(fast.uses_row_attention() && !fast.uses_chunk_attention());
+    assert!(fast.uses_row_attention());
     let (short_lens, long_lens) = ([5usize, 40, 300, 17], [1500usize]);
     let long_prompt: Vec<u32> = (0..1024u32).map(|i| (i * 13) % 1000 + 1).collect();
     let mut state = vec![];

@@ -21,6 +21,7 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use crate::scheduler::{Admission, Emit, ReqId, Scheduler, SchedulerConfig, WorkerEngine};
 use crate::seq::panic_text;
+use crate::tick_log::TickLog;
 
 /// An event ready to publish; `terminal` tells the NATS side to acknowledge the job.
 #[derive(Debug)]
@@ -53,9 +54,6 @@ pub struct SchedulerActor<E: WorkerEngine + Unpin + 'static> {
     ended: u64,
     /// Moving average of tick durations, to tell a stall from the usual.
     tick_ema_ms: f64,
-    /// With a tick log: the machine's counters, and the busy and stolen ms and TLB shootdowns
-    /// at the last line (for the next line's share).
-    machine: Option<(crate::usage::MachineSampler, [f64; 3])>,
     out: UnboundedSender<Outbound>,
     /// Cancels of requests not held here (yet): a job still waiting in the jobs stream when its
     /// cancel went out is ended with `Cancelled` when it arrives instead of run.
@@ -63,9 +61,8 @@ pub struct SchedulerActor<E: WorkerEngine + Unpin + 'static> {
     /// The latest status, refreshed after every message, for heartbeats that must not wait for
     /// a long tick (a worker busy in one is alive, not gone).
     snapshot: Option<std::sync::Arc<std::sync::Mutex<WorkerStatus>>>,
-    /// One line per tick when `LLMQ_TICK_LOG` names a file (`<it>.<worker id>`; for finding stalls): the tick's
-    /// start (ms since the first), its ms, rows decoded, chunk tokens, prompt tokens done.
-    tick_log: Option<(std::fs::File, std::time::Instant)>,
+    /// One line per tick, when the worker's settings ask for it (`with_tick_log`).
+    tick_log: Option<TickLog>,
     pub worker_id: String,
     pub model_name: String,
 }
@@ -126,28 +123,22 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
             tick_wall: Duration::ZERO,
             ended: 0,
             tick_ema_ms: 0.0,
-            machine: std::env::var_os("LLMQ_TICK_LOG").map(|_| (crate::usage::MachineSampler::start(Duration::from_millis(10)), [f64::NAN; 3])),
             out,
             cancelled: RecentCancels::default(),
             snapshot: None,
-            // One file per worker: the path, a dot, the worker's id.
-            tick_log: std::env::var_os("LLMQ_TICK_LOG").map(|mut p| {
-                p.push(format!(".{worker_id}"));
-                p
-            }).and_then(|p| match std::fs::File::create(&p) {
-                Ok(mut f) => {
-                    // Where the lines' time starts, as UNIX ms (to line them up with other logs).
-                    let _ = std::io::Write::write_all(&mut f, format!("# t0_unix_ms {}\n", crate::usage::unix_ms()).as_bytes());
-                    Some((f, std::time::Instant::now()))
-                }
-                Err(e) => {
-                    tracing::warn!(path = ?p, error = %e, "cannot write the tick log");
-                    None
-                }
-            }),
+            tick_log: None,
             worker_id,
             model_name,
         }
+    }
+
+    /// Writes one line per tick to `<path>.<worker id>` (see `tick_log`); a log that cannot be
+    /// created is warned of, and the worker runs without it.
+    pub fn with_tick_log(mut self, path: Option<&std::path::Path>) -> Self {
+        self.tick_log = path.and_then(|p| {
+            TickLog::create(p, &self.worker_id).map_err(|e| tracing::warn!(path = ?p, error = %e, "cannot write the tick log")).ok()
+        });
+        self
     }
 
     /// Keeps `shared` up to date with this actor's status (after every tick and message).
@@ -558,33 +549,8 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
             tracing::warn!(ms, usual_ms = self.tick_ema_ms, decoded = report.decoded, prefill_tokens = report.prefill_tokens, "slow tick");
         }
         self.tick_ema_ms = if self.tick_ema_ms == 0.0 { ms } else { 0.9 * self.tick_ema_ms + 0.1 * ms };
-        if let Some((w, t0)) = self.tick_log.as_mut() {
-            use std::io::Write;
-            let at = (started - *t0).as_secs_f64() * 1000.0;
-            // One write per line, unbuffered: the worker may be killed rather than stopped.
-            let mut line = format!("{at:.3} {ms:.3} {} {} {}", report.decoded, report.prefill_tokens, report.prefill_done);
-            for (name, part_ms) in self.engine.iter().flat_map(|e| e.step_parts()) {
-                line.push_str(&format!(" {name}={part_ms:.3}"));
-            }
-            // MLX's memory: in use by arrays, and held in its buffer cache (GB).
-            let gb = |r: mlx_rs::error::Result<usize>| r.map_or(f64::NAN, |b| b as f64 / 1e9);
-            line.push_str(&format!(" active_gb={:.2} cache_gb={:.2}", gb(mlx_rs::memory::active_memory()), gb(mlx_rs::memory::cache_memory())));
-            // The machine (read by its own thread, every 10 ms): its CPUs' busy time and the
-            // time the hypervisor took from them since the last line (ms, all CPUs together;
-            // in steps of the kernel's clock tick), threads runnable, and TLB shootdowns since
-            // the last line (all CPUs).
-            if let Some((sampler, last)) = self.machine.as_mut() {
-                let [busy, steal, runnable, tlb] = sampler.latest();
-                let since = |now: f64, then: &mut f64| {
-                    let d = if then.is_nan() { 0.0 } else { now - *then };
-                    *then = now;
-                    d
-                };
-                let (db, ds, dt) = (since(busy, &mut last[0]), since(steal, &mut last[1]), since(tlb, &mut last[2]));
-                line.push_str(&format!(" busy={db:.0} steal={ds:.0} runnable={runnable:.0} tlb={dt:.0}"));
-            }
-            line.push('\n');
-            let _ = w.write_all(line.as_bytes());
+        if let Some(log) = self.tick_log.as_mut() {
+            log.write(started, ms, report, self.engine.as_ref().and_then(|e| e.last_step()));
         }
     }
 }

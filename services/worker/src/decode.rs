@@ -27,7 +27,7 @@ use mlx_rs::Array;
 
 use crate::budget::ChunkSizer;
 use crate::cache::{CacheActor, Remember};
-use crate::messages::{InjectPanic, Release, Reply, Report, Reset, ResetCounters};
+use crate::messages::{InjectPanic, Release, Reply, Report, Reset, ResetCounters, StepTimes};
 use crate::scheduler::{PrefillResult, Prefilled, ReqId, StepOut};
 use crate::seq::{argmax_rows, choose, guarded, host_ids, internal, run_chunk, unknown, Busy, Seq, Shared};
 
@@ -37,7 +37,7 @@ const GROUP_BOUNDS: [usize; 4] = [2048, 8192, 32768, usize::MAX];
 
 /// Rows of a long length group (past the first) attend one by one while there are at most
 /// this many: on an H200, a decode step of 16 short rows plus one 8192-token row in a group of
-/// its own took 15.2-18.8 ms against 22.4-25.0 ms masked (RESULTS.md).
+/// its own took 15.2-18.8 ms against 22.4-25.0 ms masked.
 const PER_ROW_UP_TO: usize = 8;
 
 /// Steps slower than this are logged at debug level (with their parts), to find stalls.
@@ -128,17 +128,8 @@ pub struct DecodeActor {
     /// Whether decode steps are queued ahead at all.
     decode_ahead: bool,
     chunks_ahead: (u64, u64),
-    /// Host time of the last step queued ahead's delivery: joining a completed prompt, queuing
-    /// the next step, waiting for the tokens, and the rest (ms).
-    parts: [f64; 6],
-    /// With a tick log: the thread's own use over that delivery (`usage::ThreadUsage::since`),
-    /// and the CPU speed probe after it (its microseconds, the CPU the thread ran on); zeros
-    /// without.
-    thread: [f64; 6],
-    probed: [f64; 3],
-    /// The speed probe, made only with a tick log (`LLMQ_TICK_LOG`): without one, a delivery
-    /// measures nothing of the kind.
-    probe: Option<crate::usage::SpeedProbe>,
+    /// Host time of the last step queued ahead's delivery (zeros for a synchronous one).
+    times: StepTimes,
     /// The last queued step's host time building its graph and launching it (ms).
     launched: (f64, f64),
     busy: Busy,
@@ -305,10 +296,7 @@ impl DecodeActor {
             ahead: None,
             decode_ahead,
             chunks_ahead: (0, 0),
-            parts: [0.0; 6],
-            thread: [0.0; 6],
-            probe: std::env::var_os("LLMQ_TICK_LOG").map(|_| crate::usage::SpeedProbe::new()),
-            probed: [0.0; 3],
+            times: StepTimes::default(),
             launched: (0.0, 0.0),
             busy: Busy::default(),
             lost: HashMap::new(),
@@ -325,9 +313,7 @@ impl DecodeActor {
             kv_bytes: batch + own + joining + staged,
             held,
             busy: self.busy,
-            parts: self.parts,
-            thread: self.thread,
-            probe: self.probed,
+            step: StepTimes { stage_layers: self.last_stage.0, stage_work: self.last_stage.1, ..self.times },
             chunks_ahead: self.chunks_ahead,
             stages_pending: self.stages_pending,
             stage: self.last_stage,
@@ -518,9 +504,7 @@ impl DecodeActor {
         if let Some(ahead) = self.ahead.take() {
             return self.deliver_ahead(ahead, ids, chunk);
         }
-        self.parts = [0.0; 6];
-        self.thread = [0.0; 6];
-        self.probed = [0.0; 3];
+        self.times = StepTimes::default();
         let mut pre = chunk;
         let end = pre.as_ref().map_or(0, |c| self.stage_end(c, true));
         let layers = self.shared.model.num_layers();
@@ -649,7 +633,6 @@ impl DecodeActor {
         let Ahead { order: ahead_order, tokens, completing } = ahead;
         let mut pos: HashMap<ReqId, usize> = ahead_order.iter().enumerate().map(|(i, id)| (*id, i)).collect();
         let mut failed_join = None;
-        let used = self.probe.is_some().then(crate::usage::ThreadUsage::now);
         let t0 = std::time::Instant::now();
         if let Some((id, seq)) = completing {
             pos.insert(id, ahead_order.len());
@@ -707,12 +690,15 @@ impl DecodeActor {
         let chunk = folded.or_else(|| alone.map(|c| self.chunk_alone(c)));
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1000.0;
         let (build, launch) = self.launched;
-        self.parts = [ms(t1 - t0), ms(t2 - t1), build, launch, ms(t3 - t2), ms(t3.elapsed())];
-        if let (Some(used), Some(p)) = (used, &self.probe) {
-            self.thread = crate::usage::ThreadUsage::now().since(&used);
-            let (alu, walk, core) = p.run();
-            self.probed = [alu, walk, core];
-        }
+        self.times = StepTimes {
+            join: ms(t1 - t0),
+            queue: ms(t2 - t1),
+            build,
+            launch,
+            wait: ms(t3 - t2),
+            rest: ms(t3.elapsed()),
+            ..StepTimes::default()
+        };
         Stepped { outs, chunk }
     }
 

@@ -22,7 +22,7 @@ use llmq_engine::{Model, Tokenizer};
 use llmq_protocol::WireError;
 
 use crate::cache::{self, CacheActor};
-use crate::messages::{Release, Reply, Report, Reset, ResetCounters};
+use crate::messages::{Release, Reply, Report, Reset, ResetCounters, StepTimes};
 use crate::decode::{self, DecodeActor, Grant, Lent, Step};
 use crate::prefill::{self, Chunked, PrefillActor};
 use crate::scheduler::{EngineOps, PrefillResult, Prefilled, ReqId, StepOut, WorkerEngine};
@@ -263,12 +263,8 @@ impl WorkerEngine for ActorEngine {
         self.take(CACHE, answer, |_| 0)
     }
 
-    fn step_parts(&self) -> Vec<(&'static str, f64)> {
-        let r = &self.reports[DECODE];
-        let stage = [("layers", r.stage.0 as f64), ("work", r.stage.1 as f64)];
-        let thread = ["cpu", "faults", "vcsw", "ivcsw", "minstr", "mcycles"].into_iter().zip(r.thread);
-        let probe = ["alu_us", "walk_us", "core"].into_iter().zip(r.probe);
-        ["join", "queue", "build", "launch", "wait", "rest"].into_iter().zip(r.parts).chain(stage).chain(thread).chain(probe).collect()
+    fn last_step(&self) -> Option<StepTimes> {
+        Some(self.reports[DECODE].step)
     }
 
     async fn reset_counters(&mut self) {

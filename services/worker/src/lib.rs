@@ -14,6 +14,7 @@
 //! - `seq` a request's sequence and the work the prefill and decode actors share
 //! - `placement` how many jobs a worker holds, from its peers' heartbeats
 //! - `service` the worker process: model loading, NATS jobs, cancels, cache clears, heartbeats
+//! - `tick_log` one line per tick, for tuning (off unless `worker.tick_log` is set)
 //!
 //! All MLX work of a worker runs on one thread: the device thread, which runs the four actors.
 
@@ -28,4 +29,4 @@ pub mod prefill;
 pub mod scheduler;
 pub mod seq;
 pub mod service;
-pub mod usage;
+pub mod tick_log;

@@ -17,16 +17,8 @@ pub struct Report {
     pub held: usize,
     pub busy: Busy,
     pub prefix: llmq_engine::prefix::PrefixStats,
-    /// The decode actor's host time of the last step's parts (ms): join, queue (the next step,
-    /// of which: build its graph, launch it), wait (for the last step's tokens), rest.
-    pub parts: [f64; 6],
-    /// The decode thread's own use over that delivery: CPU ms, minor page faults, voluntary and
-    /// involuntary context switches, millions of instructions and cycles (`usage::ThreadUsage`);
-    /// only with a tick log, zeros without.
-    pub thread: [f64; 6],
-    /// With a tick log, `usage::SpeedProbe` after that delivery: its two timings (us, the CPU's
-    /// speed for the decode thread then) and the CPU the thread ran on; zeros without.
-    pub probe: [f64; 3],
+    /// The decode actor's host time in the last step it delivered.
+    pub step: StepTimes,
     /// The decode actor's prefill chunks run in a step queued ahead, and of those the ones that
     /// completed their prompt.
     pub chunks_ahead: (u64, u64),
@@ -35,6 +27,23 @@ pub struct Report {
     /// The decode actor's last step's chunk stage: layers run and the work (tokens' worth) it
     /// carried; (0, 0) without one.
     pub stage: (usize, usize),
+}
+
+/// The decode actor's host time (ms) in the step queued ahead that it last delivered: joining
+/// a completed prompt (`join`), queuing the next step (`queue`, of which `build`: making its MLX
+/// graph, `launch`: MLX evaluating it), waiting for this step's tokens (`wait`), handling them
+/// and any chunk run on its own (`rest`); zeros for a step run synchronously. And the chunk
+/// stage that step launched: its layers and the tokens' worth of work it carried.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StepTimes {
+    pub join: f64,
+    pub queue: f64,
+    pub build: f64,
+    pub launch: f64,
+    pub wait: f64,
+    pub rest: f64,
+    pub stage_layers: usize,
+    pub stage_work: usize,
 }
 
 /// An answer and its actor's report.

@@ -202,9 +202,9 @@ pub trait WorkerEngine: EngineOps {
     }
     /// Zeroes the counters behind `call_times` and `prefix_stats` (after the warm-up).
     async fn reset_counters(&mut self) {}
-    /// Host milliseconds of the last tick's parts, for the tick log (none by default).
-    fn step_parts(&self) -> Vec<(&'static str, f64)> {
-        vec![]
+    /// The host's time in the last step, for the tick log (none by default).
+    fn last_step(&self) -> Option<crate::messages::StepTimes> {
+        None
     }
 }
 

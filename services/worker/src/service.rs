@@ -119,6 +119,7 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
     let (wid, mname, model_ref, dtype) =
         (worker_id.clone(), model_name.clone(), settings.worker.model.clone(), settings.worker.dtype.clone());
     let (mlx_memory_limit, mlx_cache_limit) = (settings.worker.mlx_memory_limit_bytes, settings.worker.mlx_cache_limit_bytes);
+    let tick_log = settings.worker.tick_log.clone();
     let snapshot = Arc::new(Mutex::new(WorkerStatus::default()));
     let hb_snapshot = snapshot.clone();
     device.spawn_fn(move || {
@@ -140,7 +141,7 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
             let prefix = prefix.enabled.then_some((prefix.block_tokens, prefix_max));
             let opts = EngineOptions { decode_ahead, prefix, chunk_stages, stage_tokens, stage_budget, min_stage_tokens };
             let engine = ActorEngine::start(model, m.tokenizer, opts);
-            SchedulerActor::new(engine, cfg, out_tx, wid, mname).with_status_snapshot(snapshot).start()
+            SchedulerActor::new(engine, cfg, out_tx, wid, mname).with_status_snapshot(snapshot).with_tick_log(tick_log.as_deref()).start()
         }));
     });
     let actor = match tokio::task::spawn_blocking(move || ready_rx.recv()).await {

@@ -230,7 +230,7 @@ fn a_panicking_role_actor_fails_its_own_requests_and_the_rest_go_on() {
 /// With chunks that take several ticks each, the warm-up's short requests still decode beside
 /// every chunk of both long prompts, and the first long prompt decodes beside the second's
 /// first chunk: the steps a burst meets have all run (an H200 otherwise paid 30-40 ms for the
-/// first of them in a burst; RESULTS.md, "Eleventh session").
+/// first of them in a burst).
 #[test]
 fn the_warm_up_keeps_short_rows_decoding_through_long_prefills_in_staged_chunks() {
     actix::System::new().block_on(async {

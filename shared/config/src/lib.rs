@@ -96,11 +96,14 @@ pub struct WorkerSettings {
     /// Most bytes MLX keeps in its cache of freed buffers for reuse. Default: MLX's own (the
     /// memory limit); 0 frees every buffer as soon as it is dropped.
     pub mlx_cache_limit_bytes: Option<u64>,
+    /// Writes one line per scheduler tick to `<tick_log>.<worker id>`, for tuning (see the
+    /// worker's `tick_log` module). Default: none.
+    pub tick_log: Option<std::path::PathBuf>,
 }
 
 impl Default for WorkerSettings {
     fn default() -> Self {
-        WorkerSettings { id: None, model: "smollm2".into(), dtype: None, device: None, heartbeat_ms: 1000, max_queued: 256, ack_wait_ms: 30_000, warm_up_tokens: None, mlx_memory_limit_bytes: None, mlx_cache_limit_bytes: None }
+        WorkerSettings { id: None, model: "smollm2".into(), dtype: None, device: None, heartbeat_ms: 1000, max_queued: 256, ack_wait_ms: 30_000, warm_up_tokens: None, mlx_memory_limit_bytes: None, mlx_cache_limit_bytes: None, tick_log: None }
     }
 }
 
