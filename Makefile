@@ -1,7 +1,9 @@
 # llmq: the two commands of the quick start, and their parts.
 #   make demo   set up, build, start a local stack and stream SmolLM2's answer through NATS
 #   make test   set up, build, and run every test
-.PHONY: setup build demo test bench fixtures clean
+#   make check  the tests that need no model, no MLX and no server (protocol, config, text,
+#               scheduling policy, gateway), without MLX's set-up
+.PHONY: setup build demo test check bench fixtures clean
 
 CARGO ?= cargo
 LLMQ := target/release/llmq
@@ -17,6 +19,11 @@ demo: build
 
 test: build
 	$(CARGO) test --release --workspace
+
+# Only the sources set-up: the patched mlx-sys (the workspace names it) and the test tokenizers.
+check:
+	bash deploy/setup/setup.sh sources
+	$(CARGO) test --release -p llmq-protocol -p llmq-config -p llmq-text -p llmq-scheduler -p llmq-gateway
 
 bench: build
 	$(LLMQ) bench single --local --model smollm2 --json

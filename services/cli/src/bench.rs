@@ -5,8 +5,9 @@ use std::time::Instant;
 
 use anyhow::{bail, Result};
 use llmq_engine::generate::{generate, GenerateRequest};
-use llmq_engine::sampling::{SamplingParams, StopParams};
-use llmq_engine::{default_dtype, load_model, on_gpu, parse_dtype, resolve_model, shapes, Model};
+use llmq_text::sampling::{Sampling, StopConditions};
+use llmq_engine::{default_dtype, load_model, on_gpu, parse_dtype, shapes, Model};
+use llmq_text::resolve_model;
 
 use crate::bench_nats::{median, round};
 
@@ -91,12 +92,12 @@ pub(crate) fn random_prompt(n: usize, seed: u64) -> Vec<u32> {
 fn single(model: &Model, a: &Args) -> Result<serde_json::Value> {
     let req = GenerateRequest {
         prompt_ids: random_prompt(a.prompt_tokens, 1),
-        sampling: SamplingParams::default(),
-        stop: StopParams { max_tokens: a.output_tokens, ignore_eos: true, ..Default::default() },
+        sampling: Sampling::default(),
+        stop: StopConditions { max_tokens: a.output_tokens as u32, ignore_eos: true, ..Default::default() },
         prefill_chunk: 4096,
     };
     // Warm-up: the first run compiles kernels and allocates.
-    generate(model, None, &GenerateRequest { stop: StopParams { max_tokens: 16, ..req.stop.clone() }, ..req.clone() }, |_, _| {})?;
+    generate(model, None, &GenerateRequest { stop: StopConditions { max_tokens: 16, ..req.stop.clone() }, ..req.clone() }, |_, _| {})?;
     let mut times = Vec::with_capacity(a.output_tokens);
     generate(model, None, &req, |_, _| times.push(Instant::now()))?;
     let gaps: Vec<f64> = times.windows(2).skip(10).map(|w| (w[1] - w[0]).as_secs_f64() * 1000.0).collect();

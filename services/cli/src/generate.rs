@@ -4,8 +4,9 @@ use std::io::Write;
 
 use anyhow::{Context, Result};
 use llmq_engine::generate::{generate, GenerateRequest};
-use llmq_engine::sampling::{SamplingParams, StopParams};
-use llmq_engine::{default_dtype, load_model, parse_dtype, resolve_model};
+use llmq_text::sampling::{self, Sampling, StopConditions};
+use llmq_engine::{default_dtype, load_model, parse_dtype};
+use llmq_text::resolve_model;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -21,13 +22,13 @@ pub struct Args {
     #[arg(long)]
     pub prompt: String,
     #[arg(long, default_value_t = 256)]
-    pub max_tokens: usize,
+    pub max_tokens: u32,
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f32,
     #[arg(long, default_value_t = 1.0)]
     pub top_p: f32,
     #[arg(long, default_value_t = 0)]
-    pub top_k: usize,
+    pub top_k: u32,
     #[arg(long, default_value_t = 0.0)]
     pub min_p: f32,
     #[arg(long, default_value_t = 1.0)]
@@ -39,7 +40,7 @@ pub struct Args {
     pub stop: Vec<String>,
     /// Report this many alternatives' logprobs per token (with --json).
     #[arg(long, default_value_t = 0)]
-    pub top_logprobs: usize,
+    pub top_logprobs: u32,
     /// Prefill chunk size in tokens.
     #[arg(long, default_value_t = 4096)]
     prefill_chunk: usize,
@@ -65,7 +66,7 @@ pub fn run(a: Args) -> Result<()> {
     let prompt_ids = tok.prompt_ids(&a.prompt, a.chat)?;
     let req = GenerateRequest {
         prompt_ids: prompt_ids.clone(),
-        sampling: SamplingParams {
+        sampling: Sampling {
             temperature: a.temperature,
             top_p: a.top_p,
             top_k: a.top_k,
@@ -75,9 +76,11 @@ pub fn run(a: Args) -> Result<()> {
             top_logprobs: a.top_logprobs,
             logprobs: a.top_logprobs > 0,
         },
-        stop: StopParams { max_tokens: a.max_tokens, stop: a.stop.clone(), ..Default::default() },
+        stop: StopConditions { max_tokens: a.max_tokens, stop: a.stop.clone(), ..Default::default() },
         prefill_chunk: a.prefill_chunk,
     };
+    sampling::validate(&req.sampling)?;
+    sampling::validate_stop(&req.stop)?;
     let mut stdout = std::io::stdout().lock();
     let out = generate(&loaded.model, Some(tok), &req, |_, piece| {
         if !a.json {

@@ -106,7 +106,7 @@ fn local_greedy(prompt: &str, max_tokens: usize) -> Vec<u32> {
     let r = llmq_engine::generate::GenerateRequest {
         prompt_ids: tok.encode(prompt, true).unwrap(),
         sampling: Default::default(),
-        stop: llmq_engine::sampling::StopParams { max_tokens, ..Default::default() },
+        stop: llmq_text::sampling::StopConditions { max_tokens: max_tokens as u32, ..Default::default() },
         prefill_chunk: 4096,
     };
     llmq_engine::generate::generate(&m.model, Some(tok), &r, |_, _| {}).unwrap().token_ids

@@ -7,7 +7,7 @@
 //! | qwen2  | yes        | no           | `use_sliding_window` | Qwen2, Qwen2.5                    |
 //! | qwen3  | no         | yes          | `use_sliding_window` | Qwen3                             |
 
-use crate::config::Arch;
+use llmq_text::config::Arch;
 
 #[derive(Debug, Clone, Copy)]
 pub struct ArchOptions {

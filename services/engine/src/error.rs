@@ -1,34 +1,12 @@
-//! The engine's error type: classified once, near the cause, keeping the file and the source.
-//! Every load error names the file it came from; MLX failures keep MLX's own message.
-
-use std::path::PathBuf;
+//! The engine's error type: a model's files (`llmq_text::Error`, naming the file), a call the
+//! engine cannot serve, or MLX's own failure, keeping MLX's message.
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
-    #[error("{path}: {source}")]
-    Io {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("{path}: {message}")]
-    Format { path: PathBuf, message: String },
-    #[error("{path}: unsupported architecture {arch:?} (supported: llama, mistral, qwen2, qwen3)")]
-    UnsupportedArch { path: PathBuf, arch: String },
-    #[error("{path}: tensor {tensor:?} has unsupported type {kind} (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)")]
-    UnsupportedTensorType { path: PathBuf, tensor: String, kind: String },
-    #[error("{path}: missing tensor {tensor:?}")]
-    MissingTensor { path: PathBuf, tensor: String },
-    #[error("{path}: tensor {tensor:?} has shape {actual:?}, expected {expected:?}")]
-    TensorShape { path: PathBuf, tensor: String, actual: Vec<i64>, expected: Vec<i64> },
-    #[error("{path}: tokenizer: {message}")]
-    Tokenizer { path: PathBuf, message: String },
-    #[error("chat template: {0}")]
-    Template(String),
+    #[error(transparent)]
+    Load(#[from] llmq_text::Error),
     #[error("invalid request: {0}")]
     InvalidRequest(String),
-    #[error("unknown model {0:?}: give a path to a Hugging Face directory or a .gguf file, or one of: {1}")]
-    UnknownModel(String, String),
     #[error("reading a result back from the device: {0}")]
     Host(String),
     #[error("mlx: {0}")]
@@ -36,12 +14,3 @@ pub enum EngineError {
 }
 
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;
-
-impl EngineError {
-    pub(crate) fn format(path: impl Into<PathBuf>, message: impl Into<String>) -> Self {
-        EngineError::Format { path: path.into(), message: message.into() }
-    }
-    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        EngineError::Io { path: path.into(), source }
-    }
-}

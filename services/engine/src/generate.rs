@@ -12,18 +12,19 @@ use mlx_rs::ops::indexing::{argmax_axis, IndexOp};
 use mlx_rs::transforms::async_eval;
 use mlx_rs::{Array, Dtype};
 
+use llmq_text::detok::Detokenizer;
+use llmq_text::sampling::{FinishReason, Sampler, Sampling, StopConditions, TokenLogprob};
+use llmq_text::tokenizer::Tokenizer;
+
 use crate::cache::SequenceCache;
-use crate::detok::Detokenizer;
 use crate::error::{EngineError, Result};
 use crate::model::{host_f32, Model};
-use crate::sampling::{FinishReason, Sampler, SamplingParams, StopParams, TokenLogprob};
-use crate::tokenizer::Tokenizer;
 
 #[derive(Debug, Clone)]
 pub struct GenerateRequest {
     pub prompt_ids: Vec<u32>,
-    pub sampling: SamplingParams,
-    pub stop: StopParams,
+    pub sampling: Sampling,
+    pub stop: StopConditions,
     /// Prefill chunk size in tokens.
     pub prefill_chunk: usize,
 }
@@ -82,7 +83,7 @@ pub fn check_ids(model: &Model, ids: &[u32]) -> Result<()> {
 /// Tracks one sequence's output text, stop strings, stop tokens and length limit.
 pub struct Finisher {
     detok: Detokenizer,
-    stop: StopParams,
+    stop: StopConditions,
     eos: Vec<u32>,
     text: String,
     produced: usize,
@@ -90,7 +91,7 @@ pub struct Finisher {
 
 impl Finisher {
     /// `eos`: the model's end-of-sequence ids (ignored when `stop.ignore_eos`).
-    pub fn new(stop: StopParams, eos: Vec<u32>) -> Self {
+    pub fn new(stop: StopConditions, eos: Vec<u32>) -> Self {
         Finisher { detok: Detokenizer::new(), stop, eos, text: String::new(), produced: 0 }
     }
 
@@ -127,7 +128,7 @@ impl Finisher {
                 return Ok((piece, Some(FinishReason::Stop)));
             }
         }
-        if self.produced >= self.stop.max_tokens {
+        if self.produced >= self.stop.max_tokens as usize {
             return Ok((piece, Some(FinishReason::Length)));
         }
         Ok((piece, None))
@@ -135,14 +136,13 @@ impl Finisher {
 }
 
 /// Generates one sequence, calling `on_token` with each token id and the text it completes.
+/// The caller has validated the parameters (`llmq_text::sampling::validate`).
 pub fn generate(
     model: &Model,
     tok: Option<&Tokenizer>,
     req: &GenerateRequest,
     mut on_token: impl FnMut(u32, &str),
 ) -> Result<GenerateOutput> {
-    req.sampling.validate()?;
-    req.stop.validate()?;
     check_ids(model, &req.prompt_ids)?;
     let start = Instant::now();
     let mut cache = model.new_cache();

@@ -1,8 +1,8 @@
 //! llmq's engine: loads decoder-only LLMs and runs them through MLX (mlx-rs).
 //!
 //! Map of the crate:
-//! - `gguf`      reads llama.cpp's GGUF files (metadata, tensor directory, dequantization)
-//! - `config`    a model's shape, from `config.json` or GGUF metadata
+//! Model files' metadata, tokenizers and sampling parameters are `llmq_text`'s (no MLX there).
+//!
 //! - `weights`   tensors by Hugging Face name, from safetensors (sharded or not) or GGUF
 //! - `arch`      what distinguishes Llama, Qwen2 and Qwen3
 //! - `model`     the transformer: chunked prefill and batched decode over per-sequence caches
@@ -10,9 +10,6 @@
 //! - `batch`     the decode batch: every running sequence as one row of shared KV buffers
 //! - `row_attention` the decode batch's attention by row lengths, a CUDA kernel (GPU only)
 //! - `prefix`    the prefix cache: KV of earlier sequences, found again by their first tokens
-//! - `tokenizer` tokenizers (from `tokenizer.json` or rebuilt from GGUF) and chat templates
-//! - `sentencepiece` SentencePiece's `tokenizer.model`, read as GGUF tokenizer metadata
-//! - `sampling`  next-token choice and stop conditions; `detok` incremental detokenization
 //! - `generate`  one sequence end to end, for the CLI and the single-stream benchmark
 //! - `shapes`    random-weight models of known shapes, for benchmarks
 //!
@@ -21,30 +18,22 @@
 pub mod arch;
 pub mod batch;
 pub mod cache;
-pub mod config;
-pub mod detok;
 pub mod error;
 pub mod generate;
-pub mod gguf;
 pub mod model;
 pub mod prefix;
 pub mod row_attention;
-pub mod sampling;
-pub mod sentencepiece;
 pub mod shapes;
-pub mod tokenizer;
 pub mod weights;
 
 use std::path::{Path, PathBuf};
+
+use llmq_text::{config, gguf, resolve_model, Tokenizer};
 
 use mlx_rs::{Device, DeviceType, Dtype};
 
 pub use error::{EngineError, Result};
 pub use model::Model;
-pub use tokenizer::Tokenizer;
-
-/// Models known by name; `llmq` finds their files in the set-up's model cache.
-pub const KNOWN_MODELS: &[(&str, &str)] = &[("smollm2", "smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")];
 
 /// A loaded model with its tokenizer (absent only for tokenizer-less test checkpoints).
 pub struct LoadedModel {
@@ -76,44 +65,6 @@ pub fn parse_dtype(s: &str) -> Result<Dtype> {
     })
 }
 
-/// Where named models live: $LLMQ_MODELS_DIR, else `.cache/models` of the checkout holding
-/// the running binary, else of the current directory.
-pub fn models_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("LLMQ_MODELS_DIR") {
-        return PathBuf::from(d);
-    }
-    let exe_dirs = std::env::current_exe().ok().into_iter().flat_map(|p| {
-        p.ancestors().skip(1).map(Path::to_path_buf).collect::<Vec<_>>()
-    });
-    for d in exe_dirs.chain(std::env::current_dir().ok()) {
-        let cand = d.join(".cache/models");
-        if cand.is_dir() {
-            return cand;
-        }
-    }
-    PathBuf::from(".cache/models")
-}
-
-/// A model name from `KNOWN_MODELS`, or a path to a Hugging Face directory or a GGUF file.
-pub fn resolve_model(name: &str) -> Result<PathBuf> {
-    if let Some((_, rel)) = KNOWN_MODELS.iter().find(|(n, _)| *n == name) {
-        let p = models_dir().join(rel);
-        if !p.is_file() {
-            return Err(EngineError::io(
-                &p,
-                std::io::Error::new(std::io::ErrorKind::NotFound, "model not fetched: run `make setup`"),
-            ));
-        }
-        return Ok(p);
-    }
-    let p = PathBuf::from(name);
-    if p.exists() {
-        return Ok(p);
-    }
-    let names: Vec<&str> = KNOWN_MODELS.iter().map(|(n, _)| *n).collect();
-    Err(EngineError::UnknownModel(name.into(), names.join(", ")))
-}
-
 /// Loads a model by name: `random:<shape>` (random weights, no tokenizer; see `shapes`), a
 /// known name, or a path.
 pub fn load_named(name: &str, dtype: Dtype) -> Result<LoadedModel> {
@@ -122,18 +73,6 @@ pub fn load_named(name: &str, dtype: Dtype) -> Result<LoadedModel> {
         return Ok(LoadedModel { model, tokenizer: None, source: PathBuf::from(name) });
     }
     load_model(&resolve_model(name)?, dtype)
-}
-
-/// A model's tokenizer and context length, without its weights (for intake).
-pub fn load_tokenizer(path: &Path) -> Result<(Tokenizer, usize)> {
-    if path.is_dir() {
-        let cfg = config::from_hf_json(&path.join("config.json"))?;
-        Ok((Tokenizer::from_hf_dir(path)?, cfg.max_position_embeddings))
-    } else {
-        let f = gguf::GgufFile::open(path)?;
-        let cfg = config::from_gguf(&f)?;
-        Ok((Tokenizer::from_gguf_metadata(path, &f.metadata)?, cfg.max_position_embeddings))
-    }
 }
 
 /// Loads a Hugging Face directory or a GGUF file in `dtype`.
@@ -153,14 +92,15 @@ pub fn load_model(path: &Path, dtype: Dtype) -> Result<LoadedModel> {
     if let Some(t) = &tokenizer {
         let bound = t.max_id_bound();
         if bound > model.config.vocab_size {
-            return Err(EngineError::Tokenizer {
+            return Err(llmq_text::Error::Tokenizer {
                 path: path.into(),
                 message: format!(
                     "the tokenizer has ids up to {} but the embedding has only {} rows",
                     bound - 1,
                     model.config.vocab_size
                 ),
-            });
+            }
+            .into());
         }
     }
     Ok(LoadedModel { model, tokenizer, source: path.into() })

@@ -10,10 +10,11 @@ use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::ops::{concatenate, sigmoid};
 use mlx_rs::{Array, Dtype};
 
+use llmq_text::config::ModelConfig;
+
 use crate::arch::{self, ArchOptions};
 use crate::batch::DecodeBatch;
 use crate::cache::{AttnMask, KvCache, RotatingCache, SequenceCache, StandardCache};
-use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use crate::row_attention::{RowAttention, RowPlan};
 use crate::weights::Weights;

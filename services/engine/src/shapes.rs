@@ -1,45 +1,12 @@
-//! Random-weight Llama models of known shapes, for speed measurements that need no files.
-//! The shapes match ../shared/bench/peer_mlx_lm.py, so figures compare like for like.
+//! Random-weight Llama models of known shapes (`llmq_text::shapes`), for speed measurements
+//! that need no files.
 
+use llmq_text::shapes::config;
 use mlx_rs::{random, Dtype};
 
-use crate::config::{Arch, ModelConfig};
-use crate::error::{EngineError, Result};
+use crate::error::Result;
 use crate::model::Model;
 use crate::weights::Weights;
-
-/// (name, hidden, layers, intermediate, heads, kv heads, vocab, tied embeddings)
-const SHAPES: &[(&str, usize, usize, usize, usize, usize, usize, bool)] = &[
-    ("tiny", 256, 2, 512, 4, 2, 4096, true),
-    ("smollm2", 576, 30, 1536, 9, 3, 49152, true),
-    ("1b", 2048, 16, 8192, 32, 8, 128256, true),
-    ("8b", 4096, 32, 14336, 32, 8, 128256, false),
-];
-
-pub fn shape_names() -> Vec<&'static str> {
-    SHAPES.iter().map(|s| s.0).collect()
-}
-
-pub fn config(name: &str) -> Result<ModelConfig> {
-    let &(_, h, l, f, nh, kv, v, tied) = SHAPES.iter().find(|s| s.0 == name).ok_or_else(|| {
-        EngineError::InvalidRequest(format!("unknown shape {name:?} (known: {})", shape_names().join(", ")))
-    })?;
-    Ok(ModelConfig {
-        arch: Arch::Llama,
-        vocab_size: v,
-        hidden_size: h,
-        intermediate_size: f,
-        num_layers: l,
-        num_heads: nh,
-        num_kv_heads: kv,
-        head_dim: h / nh,
-        rms_norm_eps: 1e-5,
-        rope_theta: 500000.0,
-        tie_word_embeddings: tied,
-        sliding_window: None,
-        max_position_embeddings: 131072,
-    })
-}
 
 /// A model of the named shape with normally distributed weights (std 0.02), in `dtype`.
 pub fn random_model(name: &str, dtype: Dtype, seed: u64) -> Result<Model> {

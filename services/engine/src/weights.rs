@@ -10,9 +10,10 @@ use std::path::{Path, PathBuf};
 
 use mlx_rs::{Array, Dtype};
 
-use crate::config::{Arch, ModelConfig};
-use crate::error::{EngineError, Result};
-use crate::gguf::GgufFile;
+use llmq_text::config::{Arch, ModelConfig};
+use llmq_text::gguf::GgufFile;
+
+use crate::error::Result;
 
 pub struct Weights {
     source: PathBuf,
@@ -44,11 +45,11 @@ impl Weights {
         let a = self
             .map
             .remove(name)
-            .ok_or_else(|| EngineError::MissingTensor { path: self.source.clone(), tensor: name.into() })?;
+            .ok_or_else(|| llmq_text::Error::MissingTensor { path: self.source.clone(), tensor: name.into() })?;
         let actual: Vec<i64> = a.shape().iter().map(|&d| d as i64).collect();
         let expected: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
         if actual != expected {
-            return Err(EngineError::TensorShape { path: self.source.clone(), tensor: name.into(), actual, expected });
+            return Err(llmq_text::Error::TensorShape { path: self.source.clone(), tensor: name.into(), actual, expected }.into());
         }
         Ok(a)
     }
@@ -62,12 +63,12 @@ impl Weights {
 pub fn load_hf_dir(dir: &Path, dtype: Dtype) -> Result<Weights> {
     let index = dir.join("model.safetensors.index.json");
     let files: Vec<PathBuf> = if index.is_file() {
-        let text = std::fs::read_to_string(&index).map_err(|e| EngineError::io(&index, e))?;
-        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| EngineError::format(&index, e.to_string()))?;
+        let text = std::fs::read_to_string(&index).map_err(|e| llmq_text::Error::io(&index, e))?;
+        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| llmq_text::Error::format(&index, e.to_string()))?;
         let map = v
             .get("weight_map")
             .and_then(|m| m.as_object())
-            .ok_or_else(|| EngineError::format(&index, "no weight_map"))?;
+            .ok_or_else(|| llmq_text::Error::format(&index, "no weight_map"))?;
         let mut names: Vec<String> = map.values().filter_map(|s| s.as_str().map(String::from)).collect();
         names.sort();
         names.dedup();
@@ -78,9 +79,9 @@ pub fn load_hf_dir(dir: &Path, dtype: Dtype) -> Result<Weights> {
     let mut w = Weights::new(dir, dtype);
     for file in files {
         if !file.is_file() {
-            return Err(EngineError::io(&file, std::io::Error::new(std::io::ErrorKind::NotFound, "no such file")));
+            return Err(llmq_text::Error::io(&file, std::io::Error::new(std::io::ErrorKind::NotFound, "no such file")).into());
         }
-        let arrays = Array::load_safetensors(&file).map_err(|e| EngineError::format(&file, format!("bad safetensors file: {e}")))?;
+        let arrays = Array::load_safetensors(&file).map_err(|e| llmq_text::Error::format(&file, format!("bad safetensors file: {e}")))?;
         for (name, a) in arrays {
             w.insert(name, a)?;
         }

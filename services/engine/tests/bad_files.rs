@@ -5,7 +5,8 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use common::*;
-use llmq_engine::{load_model, resolve_model, EngineError};
+use llmq_engine::load_model;
+use llmq_text::resolve_model;
 use mlx_rs::Dtype;
 
 fn tmpdir(name: &str) -> PathBuf {
@@ -61,7 +62,7 @@ fn write_gguf(path: &Path, kv: &[(&str, &str)], tensors: &[(&str, Vec<u64>, u32,
 #[test]
 fn missing_files_and_unknown_names() {
     let p = PathBuf::from("/nonexistent/model.gguf");
-    assert!(matches!(resolve_model(p.to_str().unwrap()), Err(EngineError::UnknownModel(..))));
+    assert!(matches!(resolve_model(p.to_str().unwrap()), Err(llmq_text::Error::UnknownModel(..))));
     let d = tmpdir("empty");
     let err = load_err(&d);
     assert!(err.contains("config.json"), "{err}");

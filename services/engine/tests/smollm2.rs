@@ -6,8 +6,9 @@ mod common;
 use common::*;
 use llmq_engine::generate::{generate, GenerateRequest};
 use llmq_engine::model::host_f32;
-use llmq_engine::sampling::{SamplingParams, StopParams};
-use llmq_engine::{load_model, resolve_model};
+use llmq_text::sampling::{Sampling, StopConditions};
+use llmq_engine::load_model;
+use llmq_text::resolve_model;
 use mlx_rs::Dtype;
 
 const QUESTION: &str = "What is the capital of France?";
@@ -27,7 +28,7 @@ fn chat_prompt_and_first_logits_match_transformers() {
     let ids = tok.prompt_ids(QUESTION, true).unwrap();
     let want_text = meta["prompt_text"].as_str().unwrap();
     let text = tok.apply_chat_template(
-        &[llmq_engine::tokenizer::ChatMessage { role: "user".into(), content: QUESTION.into() }],
+        &[llmq_text::tokenizer::ChatMessage { role: "user".into(), content: QUESTION.into() }],
         true,
     );
     assert_eq!(text.unwrap(), want_text, "chat template rendering");
@@ -54,8 +55,8 @@ fn greedy_answer_says_paris_and_matches_transformers_tokens() {
     let want: Vec<u32> = tensor(&refp, "greedy.ids").as_slice::<i32>().iter().map(|&v| v as u32).collect();
     let req = GenerateRequest {
         prompt_ids: tok.prompt_ids(QUESTION, true).unwrap(),
-        sampling: SamplingParams::default(),
-        stop: StopParams { max_tokens: want.len(), ..Default::default() },
+        sampling: Sampling::default(),
+        stop: StopConditions { max_tokens: want.len() as u32, ..Default::default() },
         prefill_chunk: 16,
     };
     let mut streamed = String::new();

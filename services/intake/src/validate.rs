@@ -3,9 +3,8 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use llmq_engine::sampling::{SamplingParams, StopParams};
-use llmq_engine::tokenizer::ChatMessage as EngineChat;
-use llmq_engine::{load_tokenizer, resolve_model, Tokenizer};
+use llmq_text::sampling;
+use llmq_text::{load_tokenizer, resolve_model, Tokenizer};
 use llmq_protocol::{subjects, ErrorClass, GenerateRequest, Job, Sampling, StopConditions, WireError};
 
 pub struct ModelInfo {
@@ -16,9 +15,9 @@ pub struct ModelInfo {
 }
 
 impl ModelInfo {
-    pub fn load(name: &str) -> Result<Self, llmq_engine::EngineError> {
+    pub fn load(name: &str) -> Result<Self, llmq_text::Error> {
         if let Some(shape) = name.strip_prefix("random:") {
-            let c = llmq_engine::shapes::config(shape)?;
+            let c = llmq_text::shapes::config(shape)?;
             return Ok(ModelInfo { tokenizer: None, context_tokens: c.max_position_embeddings, vocab_size: Some(c.vocab_size) });
         }
         let (tokenizer, context_tokens) = load_tokenizer(&resolve_model(name)?)?;
@@ -35,6 +34,14 @@ pub struct Validator {
 
 fn invalid(m: impl Into<String>) -> WireError {
     WireError::new(ErrorClass::InvalidRequest, m)
+}
+
+/// A text-side check's message, without the error's own "invalid request: " prefix.
+fn text_invalid(e: llmq_text::Error) -> WireError {
+    match e {
+        llmq_text::Error::InvalidRequest(m) => invalid(m),
+        other => invalid(other.to_string()),
+    }
 }
 
 fn f32_param(name: &str, v: Option<f64>, default: f32) -> Result<f32, WireError> {
@@ -72,23 +79,23 @@ impl Validator {
             Some(n) if n <= 0 => return Err(invalid(format!("max_tokens must be at least 1, got {n}"))),
             Some(n) => n,
         };
-        let sampling = SamplingParams {
+        let sampling = Sampling {
             temperature: f32_param("temperature", r.temperature, 0.0)?,
             top_p: f32_param("top_p", r.top_p, 1.0)?,
             min_p: f32_param("min_p", r.min_p, 0.0)?,
             repetition_penalty: f32_param("repetition_penalty", r.repetition_penalty, 1.0)?,
             top_k: match r.top_k {
                 None => 0,
-                Some(k) if k >= 0 => k as usize,
+                Some(k) if (0..=u32::MAX as i64).contains(&k) => k as u32,
                 Some(k) => return Err(invalid(format!("top_k must be >= 0, got {k}"))),
             },
             seed: r.seed,
             logprobs: r.logprobs,
-            top_logprobs: r.top_logprobs as usize,
+            top_logprobs: r.top_logprobs,
         };
-        sampling.validate().map_err(|e| invalid(e.to_string().trim_start_matches("invalid request: ").to_string()))?;
-        let stop = StopParams { max_tokens: max_tokens as usize, stop: r.stop.clone(), stop_token_ids: r.stop_token_ids.clone(), ignore_eos: r.ignore_eos };
-        stop.validate().map_err(|e| invalid(e.to_string().trim_start_matches("invalid request: ").to_string()))?;
+        sampling::validate(&sampling).map_err(text_invalid)?;
+        let stop = StopConditions { max_tokens: max_tokens.min(u32::MAX as i64) as u32, stop: r.stop, stop_token_ids: r.stop_token_ids, ignore_eos: r.ignore_eos };
+        sampling::validate_stop(&stop).map_err(text_invalid)?;
         let given = [r.prompt.is_some(), r.messages.is_some(), r.prompt_ids.is_some()].iter().filter(|&&b| b).count();
         if given != 1 {
             return Err(invalid("give exactly one of prompt, messages and prompt_ids"));
@@ -119,8 +126,7 @@ impl Validator {
                 if msgs.is_empty() {
                     return Err(invalid("empty messages"));
                 }
-                let msgs: Vec<EngineChat> = msgs.iter().map(|m| EngineChat { role: m.role.clone(), content: m.content.clone() }).collect();
-                let text = tok.apply_chat_template(&msgs, true).map_err(|e| invalid(e.to_string()))?;
+                let text = tok.apply_chat_template(msgs, true).map_err(|e| invalid(e.to_string()))?;
                 tok.encode(&text, false).map_err(|e| invalid(e.to_string()))?
             }
             _ => unreachable!("exactly one prompt form was checked above"),
@@ -149,17 +155,8 @@ impl Validator {
             request_id,
             model: r.model,
             prompt_ids,
-            sampling: Sampling {
-                temperature: sampling.temperature,
-                top_k: sampling.top_k as u32,
-                top_p: sampling.top_p,
-                min_p: sampling.min_p,
-                repetition_penalty: sampling.repetition_penalty,
-                seed: sampling.seed,
-                logprobs: sampling.logprobs,
-                top_logprobs: sampling.top_logprobs as u32,
-            },
-            stop: StopConditions { max_tokens: max_tokens as u32, stop: r.stop, stop_token_ids: r.stop_token_ids, ignore_eos: r.ignore_eos },
+            sampling,
+            stop,
             stream_subject,
             accepted_at_ms: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_millis() as u64,
             cache_salt: r.cache_salt,

@@ -15,13 +15,62 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use actix::prelude::*;
 use futures::FutureExt;
-use llmq_engine::sampling::{SamplingParams, StopParams};
+use llmq_engine::prefix::PrefixStats;
 use llmq_protocol::{ErrorClass, Event, Job, StreamEvent, WireError, WorkerStatus};
+use llmq_scheduler::{Admission, EngineOps, Emit, ReqId, Scheduler, SchedulerConfig, TickReport};
+use llmq_text::sampling::{Sampling, StopConditions};
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::scheduler::{Admission, Emit, ReqId, Scheduler, SchedulerConfig, WorkerEngine};
+use crate::messages::StepTimes;
 use crate::seq::panic_text;
 use crate::tick_log::TickLog;
+
+/// What the scheduler actor needs of an engine beyond the work itself: admitting requests and
+/// reporting on memory and time. `ActorEngine` is the real one; tests use fakes. The reports
+/// are what the engine knew after its last call (the real one's actors send theirs with every
+/// answer).
+#[allow(async_fn_in_trait)]
+pub trait WorkerEngine: EngineOps {
+    /// Creates a request's state, validating its parameters.
+    async fn register(
+        &mut self,
+        id: ReqId,
+        prompt: Vec<u32>,
+        sampling: Sampling,
+        stop: StopConditions,
+        cache_salt: Option<String>,
+    ) -> Result<(), WireError>;
+    /// Drops every request's state (after a fault: the engine starts again from clean state,
+    /// its prefix cache aside).
+    async fn reset(&mut self);
+    fn kv_bytes_per_token(&self) -> u64;
+    fn kv_bytes_in_use(&self) -> u64;
+    /// Ticks a prefill chunk of `n` tokens takes beside decoding rows (an engine that spreads
+    /// a chunk's layers over steps takes more than one).
+    fn chunk_ticks(&self, _n: usize) -> usize {
+        1
+    }
+    fn context_tokens(&self) -> usize;
+    /// Milliseconds inside the engine since start: prefill and decode calls, and the KV
+    /// bookkeeping of admissions, releases and prefix-cache trims.
+    fn engine_ms(&self) -> f64;
+    /// (prefill calls, their ms, decode calls, their ms) since start.
+    fn call_times(&self) -> (u64, f64, u64, f64);
+    /// The prefix cache's counters (all zero without one).
+    fn prefix_stats(&self) -> PrefixStats {
+        Default::default()
+    }
+    /// Drops every cached prefix; returns the bytes freed.
+    async fn prefix_clear(&mut self) -> u64 {
+        0
+    }
+    /// Zeroes the counters behind `call_times` and `prefix_stats` (after the warm-up).
+    async fn reset_counters(&mut self) {}
+    /// The host's time in the last step, for the tick log (none by default).
+    fn last_step(&self) -> Option<StepTimes> {
+        None
+    }
+}
 
 /// An event ready to publish; `terminal` tells the NATS side to acknowledge the job.
 #[derive(Debug)]
@@ -353,8 +402,8 @@ async fn warm_up<E: WorkerEngine>(engine: &mut E, cfg: SchedulerConfig, w: WarmU
         for &(len, max_tokens) in phase.iter() {
             id += 1;
             let prompt: Vec<u32> = (0..len as u32).map(|i| 1 + (i * 7 + (id % 50) as u32) % 50).collect();
-            let stop = StopParams { max_tokens, ignore_eos: true, ..Default::default() };
-            engine.register(id, prompt, SamplingParams::default(), stop, None).await.map_err(|e| e.to_string())?;
+            let stop = StopConditions { max_tokens: max_tokens as u32, ignore_eos: true, ..Default::default() };
+            engine.register(id, prompt, Sampling::default(), stop, None).await.map_err(|e| e.to_string())?;
             let a = Admission { id, prompt_tokens: len, max_tokens, accepted_at: now() };
             if let Some(e) = s.submit(a).into_iter().find(|e| e.event.is_terminal()) {
                 return Err(format!("{:?}", e.event));
@@ -413,28 +462,6 @@ impl<E: WorkerEngine + Unpin + 'static> Handler<WarmUp> for SchedulerActor<E> {
 #[rtype(result = "u64")]
 pub struct ClearPrefixCache;
 
-fn to_engine(job: &Job) -> (SamplingParams, StopParams) {
-    let s = &job.sampling;
-    let sampling = SamplingParams {
-        temperature: s.temperature,
-        top_k: s.top_k as usize,
-        top_p: s.top_p,
-        min_p: s.min_p,
-        repetition_penalty: s.repetition_penalty,
-        seed: s.seed,
-        top_logprobs: s.top_logprobs as usize,
-        logprobs: s.logprobs,
-    };
-    let t = &job.stop;
-    let stop = StopParams {
-        max_tokens: t.max_tokens as usize,
-        stop: t.stop.clone(),
-        stop_token_ids: t.stop_token_ids.clone(),
-        ignore_eos: t.ignore_eos,
-    };
-    (sampling, stop)
-}
-
 impl<E: WorkerEngine + Unpin + 'static> Handler<Submit> for SchedulerActor<E> {
     type Result = AtomicResponse<Self, ()>;
     fn handle(&mut self, Submit(job): Submit, _: &mut Context<Self>) -> Self::Result {
@@ -450,7 +477,6 @@ impl<E: WorkerEngine + Unpin + 'static> Handler<Submit> for SchedulerActor<E> {
             self.publish(vec![Emit { id, event: Event::Error { error } }]);
             return AtomicResponse::new(Box::pin(actix::fut::ready(())));
         }
-        let (sampling, stop) = to_engine(&job);
         let prompt_tokens = job.prompt_ids.len();
         let admission = Admission {
             id,
@@ -462,7 +488,7 @@ impl<E: WorkerEngine + Unpin + 'static> Handler<Submit> for SchedulerActor<E> {
             self.publish(vec![Emit { id, event: Event::Error { error } }]);
             return AtomicResponse::new(Box::pin(actix::fut::ready(())));
         }
-        let (prompt, salt) = (job.prompt_ids, job.cache_salt);
+        let Job { prompt_ids: prompt, sampling, stop, cache_salt: salt, .. } = job;
         self.exchange(
             (),
             move |mut engine| async move {
@@ -542,7 +568,7 @@ impl<E: WorkerEngine + Unpin + 'static> Handler<Tick> for SchedulerActor<E> {
 
 impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
     /// Warns of a stall, and writes the tick's line to the tick log if there is one.
-    fn log_tick(&mut self, started: std::time::Instant, report: &crate::scheduler::TickReport) {
+    fn log_tick(&mut self, started: std::time::Instant, report: &TickReport) {
         // A stall: a tick four times slower than the recent ones (and over 100 ms).
         let ms = started.elapsed().as_secs_f64() * 1000.0;
         if ms > 100.0 && self.tick_ema_ms > 0.0 && ms > 4.0 * self.tick_ema_ms {

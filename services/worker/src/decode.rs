@@ -25,10 +25,10 @@ use llmq_protocol::WireError;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::Array;
 
-use crate::budget::ChunkSizer;
+use llmq_scheduler::budget::ChunkSizer;
 use crate::cache::{CacheActor, Remember};
 use crate::messages::{InjectPanic, Release, Reply, Report, Reset, ResetCounters, StepTimes};
-use crate::scheduler::{PrefillResult, Prefilled, ReqId, StepOut};
+use llmq_scheduler::{PrefillResult, Prefilled, ReqId, StepOut};
 use crate::seq::{argmax_rows, choose, guarded, host_ids, internal, run_chunk, unknown, Busy, Seq, Shared};
 
 /// Length groups of the decode batches: a sequence joins the first group whose bound exceeds

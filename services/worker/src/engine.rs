@@ -17,15 +17,17 @@
 //! the call, never a panic; the figures it reports are those of each actor's last answer.
 
 use actix::prelude::*;
-use llmq_engine::sampling::{SamplingParams, StopParams};
-use llmq_engine::{Model, Tokenizer};
+use llmq_text::sampling::{Sampling, StopConditions};
+use llmq_engine::Model;
+use llmq_text::Tokenizer;
 use llmq_protocol::WireError;
 
+use crate::actor::WorkerEngine;
 use crate::cache::{self, CacheActor};
 use crate::messages::{Release, Reply, Report, Reset, ResetCounters, StepTimes};
 use crate::decode::{self, DecodeActor, Grant, Lent, Step};
 use crate::prefill::{self, Chunked, PrefillActor};
-use crate::scheduler::{EngineOps, PrefillResult, Prefilled, ReqId, StepOut, WorkerEngine};
+use llmq_scheduler::{EngineOps, PrefillResult, Prefilled, ReqId, StepOut};
 use crate::seq::{internal, Shared};
 
 /// How the role actors are set up.
@@ -211,7 +213,7 @@ impl EngineOps for ActorEngine {
 }
 
 impl WorkerEngine for ActorEngine {
-    async fn register(&mut self, id: ReqId, prompt: Vec<u32>, sampling: SamplingParams, stop: StopParams, salt: Option<String>) -> Result<(), WireError> {
+    async fn register(&mut self, id: ReqId, prompt: Vec<u32>, sampling: Sampling, stop: StopConditions, salt: Option<String>) -> Result<(), WireError> {
         let answer = self.prefill.send(prefill::Register { id, prompt, sampling, stop, salt }).await;
         self.take(PREFILL, answer, Err)
     }

@@ -1,10 +1,8 @@
 //! llmq's engine worker: one model on one device, served by four actors on the device thread.
+//! The scheduling policy they follow is `llmq_scheduler`'s; the model is `llmq_engine`'s.
 //!
-//! - `scheduler` the policy: decode first, then one bounded prefill chunk per tick, admission
-//!   against the KV budget, prefill order (tested against a fake engine and a fake clock)
-//! - `budget` prefill chunks sized to a time budget per tick (measured decode and chunk times)
-//! - `actor` the scheduler actor: the device's clock; it drives the engine once per tick; its
-//!   warm-up
+//! - `actor` the scheduler actor: the device's clock; it drives the engine once per tick
+//!   (`WorkerEngine`: what it needs of one); its warm-up
 //! - `engine` the engine the scheduler drives, made of the three role actors below (their
 //!   messages: who lends what to whom each tick)
 //! - `prefill` the prefill actor: requests whose prompt is not complete, their own KV caches
@@ -19,14 +17,12 @@
 //! All MLX work of a worker runs on one thread: the device thread, which runs the four actors.
 
 pub mod actor;
-pub mod budget;
 pub mod cache;
 pub mod decode;
 pub mod engine;
 pub mod messages;
 pub mod placement;
 pub mod prefill;
-pub mod scheduler;
 pub mod seq;
 pub mod service;
 pub mod tick_log;

@@ -6,7 +6,7 @@
 
 use actix::prelude::*;
 
-use crate::scheduler::ReqId;
+use llmq_scheduler::ReqId;
 use crate::seq::Busy;
 
 /// What an actor reports with every answer: its KV bytes, how many sequences (or entries) it

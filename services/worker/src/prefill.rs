@@ -14,12 +14,12 @@
 use std::collections::HashMap;
 
 use actix::prelude::*;
-use llmq_engine::sampling::{SamplingParams, StopParams};
+use llmq_text::sampling::{Sampling, StopConditions};
 use llmq_protocol::WireError;
 
 use crate::cache::{CacheActor, Lookup, Remember};
 use crate::messages::{InjectPanic, Release, Reply, Report, Reset, ResetCounters};
-use crate::scheduler::{ReqId, StepOut};
+use llmq_scheduler::{ReqId, StepOut};
 use crate::seq::{guarded, internal, run_chunk, unknown, Busy, Seq, Shared};
 
 pub struct PrefillActor {
@@ -95,8 +95,8 @@ impl Actor for PrefillActor {
 pub struct Register {
     pub id: ReqId,
     pub prompt: Vec<u32>,
-    pub sampling: SamplingParams,
-    pub stop: StopParams,
+    pub sampling: Sampling,
+    pub stop: StopConditions,
     pub salt: Option<String>,
 }
 

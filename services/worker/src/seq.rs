@@ -11,13 +11,14 @@ use std::rc::Rc;
 use llmq_engine::cache::SequenceCache;
 use llmq_engine::generate::Finisher;
 use llmq_engine::model::host_f32;
-use llmq_engine::sampling::{Sampler, SamplingParams, StopParams};
-use llmq_engine::{Model, Tokenizer};
+use llmq_text::sampling::{Sampler, Sampling, StopConditions};
+use llmq_engine::Model;
+use llmq_text::Tokenizer;
 use llmq_protocol::{ErrorClass, TokenLogprob, WireError};
 use mlx_rs::ops::indexing::{argmax_axis, IndexOp};
 use mlx_rs::{Array, Dtype};
 
-use crate::scheduler::{ReqId, StepOut};
+use llmq_scheduler::{ReqId, StepOut};
 
 /// What the prefill and decode actors share: the model (one per worker, on the device thread)
 /// and its tokenizer.
@@ -43,12 +44,12 @@ pub struct Seq {
 }
 
 impl Seq {
-    /// A new request's sequence; its parameters are validated here, before any work is queued.
-    pub fn new(shared: &Shared, prompt: Vec<u32>, sampling: SamplingParams, stop: StopParams, salt: Option<String>) -> Result<Seq, WireError> {
-        let invalid = |e: llmq_engine::EngineError| WireError::new(ErrorClass::InvalidRequest, e.to_string());
-        sampling.validate().map_err(invalid)?;
-        stop.validate().map_err(invalid)?;
-        llmq_engine::generate::check_ids(&shared.model, &prompt).map_err(invalid)?;
+    /// A new request's sequence. Its parameters were validated where the job entered the
+    /// system; what only the loaded model can tell, that its prompt ids fit the vocabulary, is
+    /// checked here, before any work is queued.
+    pub fn new(shared: &Shared, prompt: Vec<u32>, sampling: Sampling, stop: StopConditions, salt: Option<String>) -> Result<Seq, WireError> {
+        llmq_engine::generate::check_ids(&shared.model, &prompt)
+            .map_err(|e| WireError::new(ErrorClass::InvalidRequest, e.to_string()))?;
         if prompt.is_empty() {
             return Err(WireError::new(ErrorClass::InvalidRequest, "empty prompt"));
         }
@@ -85,10 +86,6 @@ impl Seq {
         self.history.push(id);
         self.next = Some(id);
         let (text, finished) = self.finisher.push(tok, id).map_err(internal)?;
-        let finished = finished.map(|r| match r {
-            llmq_engine::sampling::FinishReason::Stop => llmq_protocol::FinishReason::Stop,
-            llmq_engine::sampling::FinishReason::Length => llmq_protocol::FinishReason::Length,
-        });
         Ok(StepOut { ids: vec![id], text, logprobs: lp.into_iter().collect(), finished })
     }
 
@@ -122,10 +119,12 @@ pub fn unknown(what: &str, id: ReqId) -> WireError {
     internal(format!("{what} of unknown request {id}"))
 }
 
-fn wire_logprob(lp: llmq_engine::sampling::TokenLogprob, tok: Option<&Tokenizer>) -> TokenLogprob {
+/// The sampler's logprob with the token's and the alternatives' texts.
+fn with_texts(mut lp: TokenLogprob, tok: Option<&Tokenizer>) -> TokenLogprob {
     let piece = |id: u32| tok.and_then(|t| t.decode(&[id], false).ok()).unwrap_or_default();
-    let top_text = lp.top.iter().map(|&(id, _)| piece(id)).collect();
-    TokenLogprob { token: lp.token, logprob: lp.logprob, text: piece(lp.token), top: lp.top, top_text }
+    lp.text = piece(lp.token);
+    lp.top_text = lp.top.iter().map(|&(id, _)| piece(id)).collect();
+    lp
 }
 
 /// Greedy token of every row of `logits` [rows, 1, vocab], on the device (int32, lazy).
@@ -152,7 +151,7 @@ pub fn choose(logits: &Array, seqs: &mut [&mut Seq], tok: Option<&Tokenizer>) ->
         } else {
             let row = host_f32(&rows.index(i as i32)).map_err(internal)?;
             let (t, lp) = s.sampler.sample(&row, &s.history);
-            out.push((t, lp.map(|lp| wire_logprob(lp, tok))));
+            out.push((t, lp.map(|lp| with_texts(lp, tok))));
         }
     }
     Ok(out)

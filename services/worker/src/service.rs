@@ -33,7 +33,7 @@ use tokio::sync::mpsc;
 use crate::actor::{CancelRequest, ClearPrefixCache, Outbound, SchedulerActor, Submit, WarmUp};
 use crate::engine::{ActorEngine, EngineOptions};
 use crate::placement::Placement;
-use crate::scheduler::SchedulerConfig;
+use llmq_scheduler::SchedulerConfig;
 
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {

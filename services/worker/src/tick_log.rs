@@ -12,7 +12,7 @@ use std::path::Path;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use crate::messages::StepTimes;
-use crate::scheduler::TickReport;
+use llmq_scheduler::TickReport;
 
 pub struct TickLog {
     file: std::fs::File,

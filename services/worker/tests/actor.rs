@@ -5,10 +5,11 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use actix::prelude::*;
-use llmq_engine::sampling::{SamplingParams, StopParams};
+use llmq_text::sampling::{Sampling, StopConditions};
 use llmq_protocol::*;
 use llmq_worker::actor::{Outbound, SchedulerActor, Submit};
-use llmq_worker::scheduler::*;
+use llmq_scheduler::*;
+use llmq_worker::actor::WorkerEngine;
 
 /// One token per step; panics when it decodes a request whose prompt has 13 tokens. With
 /// `ticks` above 1 it is like a decode actor that spreads a chunk's layers over `ticks` steps
@@ -66,9 +67,9 @@ impl EngineOps for Fake {
 }
 
 impl WorkerEngine for Fake {
-    async fn register(&mut self, id: ReqId, prompt: Vec<u32>, _s: SamplingParams, stop: StopParams, _salt: Option<String>) -> Result<(), WireError> {
+    async fn register(&mut self, id: ReqId, prompt: Vec<u32>, _s: Sampling, stop: StopConditions, _salt: Option<String>) -> Result<(), WireError> {
         self.prompt.insert(id, prompt.len());
-        self.max.insert(id, stop.max_tokens);
+        self.max.insert(id, stop.max_tokens as usize);
         Ok(())
     }
     async fn reset(&mut self) {

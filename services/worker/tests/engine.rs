@@ -8,11 +8,13 @@
 use std::time::Instant;
 
 use llmq_engine::generate::{generate, GenerateRequest};
-use llmq_engine::sampling::{SamplingParams, StopParams};
-use llmq_engine::{load_model, resolve_model};
+use llmq_text::sampling::{Sampling, StopConditions};
+use llmq_engine::load_model;
+use llmq_text::resolve_model;
 use llmq_protocol::Event;
 use llmq_worker::engine::{ActorEngine, EngineOptions};
-use llmq_worker::scheduler::{Admission, Scheduler, SchedulerConfig, WorkerEngine};
+use llmq_scheduler::{Admission, Scheduler, SchedulerConfig};
+use llmq_worker::actor::WorkerEngine;
 use mlx_rs::Dtype;
 
 #[test]
@@ -25,11 +27,11 @@ fn chunked_interleaved_prefill_gives_the_same_greedy_tokens() {
         tok.prompt_ids("Write one sentence about the sea.", true).unwrap(),
         tok.prompt_ids("List three fruits.", true).unwrap(),
     ];
-    let stop = StopParams { max_tokens: 12, ..Default::default() };
+    let stop = StopConditions { max_tokens: 12, ..Default::default() };
     let alone: Vec<Vec<u32>> = prompts
         .iter()
         .map(|p| {
-            let req = GenerateRequest { prompt_ids: p.clone(), sampling: SamplingParams::default(), stop: stop.clone(), prefill_chunk: 4096 };
+            let req = GenerateRequest { prompt_ids: p.clone(), sampling: Sampling::default(), stop: stop.clone(), prefill_chunk: 4096 };
             generate(&loaded.model, Some(tok), &req, |_, _| {}).unwrap().token_ids
         })
         .collect();
@@ -74,13 +76,13 @@ fn chunked_interleaved_prefill_gives_the_same_greedy_tokens() {
         let mut events = vec![];
         for (i, p) in prompts.iter().enumerate() {
             let id = i as u64;
-            engine.register(id, p.clone(), SamplingParams::default(), stop.clone(), None).await.unwrap();
+            engine.register(id, p.clone(), Sampling::default(), stop.clone(), None).await.unwrap();
             events.extend(s.submit(Admission { id, prompt_tokens: p.len(), max_tokens: 12, accepted_at: start.elapsed() }));
             if i == 1 && with_sampled {
                 // A sampled request among the greedy ones: while it decodes no step is queued
                 // ahead, and its own prompt's last chunk cannot ride in one.
                 let p = tok.prompt_ids("Name a colour.", true).unwrap();
-                let sampling = SamplingParams { temperature: 0.7, seed: Some(3), ..Default::default() };
+                let sampling = Sampling { temperature: 0.7, seed: Some(3), ..Default::default() };
                 engine.register(SAMPLED, p.clone(), sampling, stop.clone(), None).await.unwrap();
                 events.extend(s.submit(Admission { id: SAMPLED, prompt_tokens: p.len(), max_tokens: 12, accepted_at: start.elapsed() }));
             }

@@ -8,11 +8,12 @@
 use std::time::Duration;
 
 use llmq_engine::generate::{generate, GenerateRequest};
-use llmq_engine::sampling::{SamplingParams, StopParams};
+use llmq_text::sampling::{Sampling, StopConditions};
 use llmq_engine::{load_model, Model};
 use llmq_protocol::Event;
 use llmq_worker::engine::{ActorEngine, EngineOptions};
-use llmq_worker::scheduler::{Admission, ReqId, Scheduler, SchedulerConfig, WorkerEngine};
+use llmq_scheduler::{Admission, ReqId, Scheduler, SchedulerConfig};
+use llmq_worker::actor::WorkerEngine;
 use mlx_rs::Dtype;
 
 const MAX_TOKENS: usize = 8;
@@ -23,13 +24,13 @@ fn tiny(name: &str) -> Model {
     load_model(&dir, Dtype::Float32).unwrap().model
 }
 
-fn stop() -> StopParams {
-    StopParams { max_tokens: MAX_TOKENS, ignore_eos: true, ..Default::default() }
+fn stop() -> StopConditions {
+    StopConditions { max_tokens: MAX_TOKENS as u32, ignore_eos: true, ..Default::default() }
 }
 
 /// Greedy tokens of `prompt` alone, no cache, one piece.
 fn alone(model: &Model, prompt: &[u32]) -> Vec<u32> {
-    let req = GenerateRequest { prompt_ids: prompt.to_vec(), sampling: SamplingParams::default(), stop: stop(), prefill_chunk: 4096 };
+    let req = GenerateRequest { prompt_ids: prompt.to_vec(), sampling: Sampling::default(), stop: stop(), prefill_chunk: 4096 };
     generate(model, None, &req, |_, _| {}).unwrap().token_ids
 }
 
@@ -87,7 +88,7 @@ impl Rig {
     fn submit(&mut self, p: &[u32], salt: Option<&str>) -> ReqId {
         let id = self.next;
         self.next += 1;
-        self.sys.block_on(self.engine.register(id, p.to_vec(), SamplingParams::default(), stop(), salt.map(Into::into))).unwrap();
+        self.sys.block_on(self.engine.register(id, p.to_vec(), Sampling::default(), stop(), salt.map(Into::into))).unwrap();
         let a = Admission { id, prompt_tokens: p.len(), max_tokens: MAX_TOKENS, accepted_at: self.now };
         self.events.extend(self.s.submit(a).into_iter().map(|e| (e.id, e.event)));
         id

@@ -92,25 +92,59 @@ pub enum ErrorClass {
     Internal,
 }
 
-/// Sampling parameters of a validated job (ranges checked by intake).
+/// Sampling parameters of a validated job: checked once, where they enter the system (intake,
+/// or the CLI's in-process generation), by `llmq_text::sampling::validate`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Sampling {
+    /// 0 means greedy.
     pub temperature: f32,
+    /// 0 means off.
     pub top_k: u32,
+    /// 1 means off.
     pub top_p: f32,
+    /// 0 means off.
     pub min_p: f32,
+    /// 1 means off; > 1 discourages tokens already in the prompt or the output.
     pub repetition_penalty: f32,
     pub seed: Option<u64>,
     pub logprobs: bool,
+    /// How many alternatives to report with each token's logprob.
     pub top_logprobs: u32,
 }
 
+impl Default for Sampling {
+    /// Greedy, nothing cut, no logprobs.
+    fn default() -> Self {
+        Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, repetition_penalty: 1.0, seed: None, logprobs: false, top_logprobs: 0 }
+    }
+}
+
+impl Sampling {
+    /// True when the next token is simply the argmax of the raw logits, which a device can
+    /// compute without sending the logits to the host.
+    pub fn is_plain_greedy(&self) -> bool {
+        self.temperature == 0.0 && self.repetition_penalty == 1.0 && !self.wants_logprobs()
+    }
+
+    pub fn wants_logprobs(&self) -> bool {
+        self.logprobs || self.top_logprobs > 0
+    }
+}
+
+/// When a job's generation ends (besides a cancel), validated like `Sampling`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StopConditions {
     pub max_tokens: u32,
     pub stop: Vec<String>,
     pub stop_token_ids: Vec<u32>,
+    /// Keep going past the model's end-of-sequence tokens.
     pub ignore_eos: bool,
+}
+
+impl Default for StopConditions {
+    fn default() -> Self {
+        StopConditions { max_tokens: 256, stop: vec![], stop_token_ids: vec![], ignore_eos: false }
+    }
 }
 
 /// A validated, tokenized job: what intake puts on the jobs stream for a worker.

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use serde::Deserialize;
 
-use crate::error::{EngineError, Result};
+use crate::error::{Error, Result};
 use crate::gguf::{GgufFile, Value};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -38,7 +38,7 @@ pub struct ModelConfig {
 
 impl ModelConfig {
     pub fn validate(&self, path: &Path) -> Result<()> {
-        let bad = |m: String| Err(EngineError::format(path, m));
+        let bad = |m: String| Err(Error::format(path, m));
         if self.num_heads == 0 || self.num_kv_heads == 0 || self.num_heads % self.num_kv_heads != 0 {
             return bad(format!("{} attention heads do not group over {} kv heads", self.num_heads, self.num_kv_heads));
         }
@@ -80,8 +80,8 @@ struct HfConfig {
 }
 
 pub fn from_hf_json(path: &Path) -> Result<ModelConfig> {
-    let text = std::fs::read_to_string(path).map_err(|e| EngineError::io(path, e))?;
-    let raw: HfConfig = serde_json::from_str(&text).map_err(|e| EngineError::format(path, e.to_string()))?;
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let raw: HfConfig = serde_json::from_str(&text).map_err(|e| Error::format(path, e.to_string()))?;
     let name = raw
         .model_type
         .clone()
@@ -91,12 +91,12 @@ pub fn from_hf_json(path: &Path) -> Result<ModelConfig> {
         "llama" | "mistral" | "LlamaForCausalLM" | "MistralForCausalLM" => Arch::Llama,
         "qwen2" | "Qwen2ForCausalLM" => Arch::Qwen2,
         "qwen3" | "Qwen3ForCausalLM" => Arch::Qwen3,
-        other => return Err(EngineError::UnsupportedArch { path: path.into(), arch: other.to_string() }),
+        other => return Err(Error::UnsupportedArch { path: path.into(), arch: other.to_string() }),
     };
     let scaled = raw.rope_scaling.as_ref().is_some_and(|v| !v.is_null())
         || raw.rope_parameters.as_ref().and_then(|p| p.rope_type.as_deref()).is_some_and(|t| t != "default");
     if scaled {
-        return Err(EngineError::format(path, "rope scaling (llama3/yarn/linear) is not supported yet"));
+        return Err(Error::format(path, "rope scaling (llama3/yarn/linear) is not supported yet"));
     }
     let rope_theta = raw
         .rope_theta
@@ -133,19 +133,19 @@ pub fn from_gguf(f: &GgufFile) -> Result<ModelConfig> {
         "llama" | "mistral" => Arch::Llama,
         "qwen2" => Arch::Qwen2,
         "qwen3" => Arch::Qwen3,
-        _ => return Err(EngineError::UnsupportedArch { path: path.into(), arch: arch_name }),
+        _ => return Err(Error::UnsupportedArch { path: path.into(), arch: arch_name }),
     };
     let key = |k: &str| format!("{arch_name}.{k}");
     let uint = |k: &str| -> Result<usize> {
         f.get(&key(k))
             .and_then(Value::as_u64)
             .map(|v| v as usize)
-            .ok_or_else(|| EngineError::format(path, format!("missing metadata {}", key(k))))
+            .ok_or_else(|| Error::format(path, format!("missing metadata {}", key(k))))
     };
     let opt_uint = |k: &str| f.get(&key(k)).and_then(Value::as_u64).map(|v| v as usize);
     let embd = f
         .tensor("token_embd.weight")
-        .ok_or_else(|| EngineError::MissingTensor { path: path.into(), tensor: "token_embd.weight".into() })?;
+        .ok_or_else(|| Error::MissingTensor { path: path.into(), tensor: "token_embd.weight".into() })?;
     let hidden = uint("embedding_length")?;
     let heads = uint("attention.head_count")?;
     let vocab = opt_uint("vocab_size").unwrap_or(embd.shape[0] as usize);
@@ -166,7 +166,7 @@ pub fn from_gguf(f: &GgufFile) -> Result<ModelConfig> {
         max_position_embeddings: opt_uint("context_length").unwrap_or(4096),
     };
     if f.get(&key("rope.scaling.type")).and_then(Value::as_str).is_some_and(|t| t != "none") {
-        return Err(EngineError::format(path, "rope scaling is not supported yet"));
+        return Err(Error::format(path, "rope scaling is not supported yet"));
     }
     cfg.validate(path)?;
     Ok(cfg)

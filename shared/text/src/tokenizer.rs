@@ -11,16 +11,11 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value as Json};
 
-use crate::error::{EngineError, Result};
+use crate::error::{Error, Result};
 use crate::gguf::Value;
 use crate::sentencepiece::SentencePieceModel;
 
-/// One chat message, as in OpenAI's and Hugging Face's chat formats.
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
-pub struct ChatMessage {
-    pub role: String,
-    pub content: String,
-}
+pub use llmq_protocol::ChatMessage;
 
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
@@ -31,8 +26,8 @@ pub struct Tokenizer {
     pub chat_template: Option<String>,
 }
 
-fn tok_err(path: &Path, e: impl std::fmt::Display) -> EngineError {
-    EngineError::Tokenizer { path: path.into(), message: e.to_string() }
+fn tok_err(path: &Path, e: impl std::fmt::Display) -> Error {
+    Error::Tokenizer { path: path.into(), message: e.to_string() }
 }
 
 /// `"<s>"` or `{"content": "<s>", ...}` as tokenizer_config.json writes special tokens.
@@ -48,8 +43,8 @@ fn read_json(path: &Path) -> Result<Option<Json>> {
     if !path.is_file() {
         return Ok(None);
     }
-    let text = std::fs::read_to_string(path).map_err(|e| EngineError::io(path, e))?;
-    serde_json::from_str(&text).map(Some).map_err(|e| EngineError::format(path, e.to_string()))
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    serde_json::from_str(&text).map(Some).map_err(|e| Error::format(path, e.to_string()))
 }
 
 impl Tokenizer {
@@ -66,7 +61,7 @@ impl Tokenizer {
             Self::from_gguf_metadata(&sp_path, &sp.to_gguf_metadata(&sp_path)?)?
         } else {
             let missing = std::io::Error::new(std::io::ErrorKind::NotFound, "no such file (nor tokenizer.model)");
-            return Err(EngineError::io(&path, missing));
+            return Err(Error::io(&path, missing));
         };
         let cfg = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or(Json::Null);
         let gen = read_json(&dir.join("generation_config.json"))?.unwrap_or(Json::Null);
@@ -221,7 +216,7 @@ impl Tokenizer {
         let template = self
             .chat_template
             .as_deref()
-            .ok_or_else(|| EngineError::Template("this model has no chat template".into()))?;
+            .ok_or_else(|| Error::Template("this model has no chat template".into()))?;
         render_chat(template, messages, add_generation_prompt, self.bos_token.as_deref(), self.eos_token.as_deref())
     }
 
@@ -295,13 +290,13 @@ pub fn render_chat(
     env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
         Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
     });
-    env.add_template("chat", template).map_err(|e| EngineError::Template(e.to_string()))?;
-    let t = env.get_template("chat").map_err(|e| EngineError::Template(e.to_string()))?;
+    env.add_template("chat", template).map_err(|e| Error::Template(e.to_string()))?;
+    let t = env.get_template("chat").map_err(|e| Error::Template(e.to_string()))?;
     t.render(minijinja::context! {
         messages => messages,
         add_generation_prompt => add_generation_prompt,
         bos_token => bos_token.unwrap_or(""),
         eos_token => eos_token.unwrap_or(""),
     })
-    .map_err(|e| EngineError::Template(e.to_string()))
+    .map_err(|e| Error::Template(e.to_string()))
 }

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use half::{bf16, f16};
 use memmap2::Mmap;
 
-use crate::error::{EngineError, Result};
+use crate::error::{Error, Result};
 
 const MAGIC: &[u8; 4] = b"GGUF";
 const DEFAULT_ALIGNMENT: u64 = 32;
@@ -153,7 +153,7 @@ struct Cursor<'a> {
 impl<'a> Cursor<'a> {
     fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8]> {
         if self.buf.len().saturating_sub(self.pos) < n {
-            return Err(EngineError::format(
+            return Err(Error::format(
                 self.path,
                 format!("truncated GGUF: {what} at byte {} runs past the end of the file", self.pos),
             ));
@@ -171,11 +171,11 @@ impl<'a> Cursor<'a> {
     fn string(&mut self) -> Result<String> {
         let n = self.u64()?;
         if n > (1 << 30) {
-            return Err(EngineError::format(self.path, format!("corrupt GGUF: string of {n} bytes")));
+            return Err(Error::format(self.path, format!("corrupt GGUF: string of {n} bytes")));
         }
         let b = self.take(n as usize, "a string")?;
         String::from_utf8(b.to_vec())
-            .map_err(|_| EngineError::format(self.path, "corrupt GGUF: a string is not UTF-8"))
+            .map_err(|_| Error::format(self.path, "corrupt GGUF: a string is not UTF-8"))
     }
     fn value(&mut self, ty: u32, depth: u32) -> Result<Value> {
         Ok(match ty {
@@ -190,13 +190,13 @@ impl<'a> Cursor<'a> {
             8 => Value::Str(self.string()?),
             9 => {
                 if depth > 2 {
-                    return Err(EngineError::format(self.path, "corrupt GGUF: nested arrays"));
+                    return Err(Error::format(self.path, "corrupt GGUF: nested arrays"));
                 }
                 let inner = self.u32()?;
                 let n = self.u64()?;
                 // Each element takes at least one byte: a count beyond the file is corrupt.
                 if n > self.buf.len() as u64 {
-                    return Err(EngineError::format(self.path, format!("corrupt GGUF: array of {n} elements")));
+                    return Err(Error::format(self.path, format!("corrupt GGUF: array of {n} elements")));
                 }
                 let mut v = Vec::with_capacity(n as usize);
                 for _ in 0..n {
@@ -207,29 +207,29 @@ impl<'a> Cursor<'a> {
             10 => Value::U64(self.u64()?),
             11 => Value::I64(self.u64()? as i64),
             12 => Value::F64(f64::from_bits(self.u64()?)),
-            t => return Err(EngineError::format(self.path, format!("corrupt GGUF: metadata type {t}"))),
+            t => return Err(Error::format(self.path, format!("corrupt GGUF: metadata type {t}"))),
         })
     }
 }
 
 impl GgufFile {
     pub fn open(path: &Path) -> Result<Self> {
-        let file = File::open(path).map_err(|e| EngineError::io(path, e))?;
+        let file = File::open(path).map_err(|e| Error::io(path, e))?;
         // SAFETY: the file is opened read-only; llmq never writes model files while serving.
-        let map = unsafe { Mmap::map(&file) }.map_err(|e| EngineError::io(path, e))?;
+        let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
         let mut c = Cursor { buf: &map, pos: 0, path };
         let magic = c.take(4, "the magic")?;
         if magic != MAGIC {
-            return Err(EngineError::format(path, format!("not a GGUF file (magic {magic:?}, expected \"GGUF\")")));
+            return Err(Error::format(path, format!("not a GGUF file (magic {magic:?}, expected \"GGUF\")")));
         }
         let version = c.u32()?;
         if !(2..=3).contains(&version) {
-            return Err(EngineError::format(path, format!("unsupported GGUF version {version}")));
+            return Err(Error::format(path, format!("unsupported GGUF version {version}")));
         }
         let n_tensors = c.u64()?;
         let n_kv = c.u64()?;
         if n_tensors > 1 << 20 || n_kv > 1 << 20 {
-            return Err(EngineError::format(path, "corrupt GGUF: implausible tensor or key count"));
+            return Err(Error::format(path, "corrupt GGUF: implausible tensor or key count"));
         }
         let mut metadata = HashMap::new();
         for _ in 0..n_kv {
@@ -243,7 +243,7 @@ impl GgufFile {
             let name = c.string()?;
             let nd = c.u32()?;
             if nd == 0 || nd > 4 {
-                return Err(EngineError::format(path, format!("tensor {name:?}: {nd} dimensions")));
+                return Err(Error::format(path, format!("tensor {name:?}: {nd} dimensions")));
             }
             let mut dims = Vec::with_capacity(nd as usize);
             for _ in 0..nd {
@@ -255,13 +255,13 @@ impl GgufFile {
         }
         let alignment = metadata.get("general.alignment").and_then(Value::as_u64).unwrap_or(DEFAULT_ALIGNMENT);
         if alignment == 0 || !alignment.is_power_of_two() {
-            return Err(EngineError::format(path, format!("corrupt GGUF: alignment {alignment}")));
+            return Err(Error::format(path, format!("corrupt GGUF: alignment {alignment}")));
         }
         let data_start = (c.pos as u64).div_ceil(alignment) * alignment;
         let mut tensors = Vec::with_capacity(raw.len());
         let mut index = HashMap::new();
         for (name, dims, ty, off) in raw {
-            let kind = TensorType::from_id(ty).ok_or_else(|| EngineError::UnsupportedTensorType {
+            let kind = TensorType::from_id(ty).ok_or_else(|| Error::UnsupportedTensorType {
                 path: path.into(),
                 tensor: name.clone(),
                 kind: type_name(ty),
@@ -270,11 +270,11 @@ impl GgufFile {
             let (per_block, block_bytes) = kind.block();
             let elements = elements
                 .filter(|e| e % per_block == 0 && dims[0] % per_block == 0)
-                .ok_or_else(|| EngineError::format(path, format!("tensor {name:?}: bad shape {dims:?} for {kind:?}")))?;
+                .ok_or_else(|| Error::format(path, format!("tensor {name:?}: bad shape {dims:?} for {kind:?}")))?;
             let nbytes = elements / per_block * block_bytes;
             let offset = data_start.checked_add(off).filter(|o| o.checked_add(nbytes).is_some_and(|e| e <= map.len() as u64));
             let offset = offset.ok_or_else(|| {
-                EngineError::format(path, format!("truncated GGUF: data of tensor {name:?} lies past the end of the file ({} bytes)", map.len()))
+                Error::format(path, format!("truncated GGUF: data of tensor {name:?} lies past the end of the file ({} bytes)", map.len()))
             })?;
             let shape = dims.iter().rev().copied().collect();
             index.insert(name.clone(), tensors.len());

@@ -4,23 +4,25 @@
 //! tests/reference/tokenizers_reference.py); the same vocabularies written as GGUF metadata and
 //! rebuilt; incremental detokenization.
 
-mod common;
-
 use std::collections::HashMap;
+use std::path::PathBuf;
 
-use common::*;
-use llmq_engine::detok::Detokenizer;
-use llmq_engine::gguf::Value;
-use llmq_engine::sentencepiece::SentencePieceModel;
-use llmq_engine::tokenizer::{ChatMessage, Tokenizer};
+use llmq_text::detok::Detokenizer;
+use llmq_text::gguf::Value;
+use llmq_text::sentencepiece::SentencePieceModel;
+use llmq_text::tokenizer::{ChatMessage, Tokenizer};
 use serde_json::Value as Json;
 
-fn family_dir(fam: &str) -> std::path::PathBuf {
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn family_dir(fam: &str) -> PathBuf {
     repo().join(".cache/tokenizers").join(fam)
 }
 
 fn reference() -> Json {
-    serde_json::from_str(&std::fs::read_to_string(fixture("tokenizers-reference.json")).unwrap()).unwrap()
+    serde_json::from_str(&std::fs::read_to_string(repo().join("tests/fixtures/tokenizers-reference.json")).unwrap()).unwrap()
 }
 
 fn ids_of(v: &Json) -> Vec<u32> {

@@ -1,121 +1,43 @@
 //! Choosing the next token: greedy, temperature, top-k, top-p, min-p, repetition penalty,
 //! seeded randomness and top-n logprobs; and the stop conditions of a generation.
 //!
-//! Invariants: parameters are validated once (`SamplingParams::validate`) into values the
-//! sampler can use without further checks; the same seed and logits give the same token.
+//! Invariants: parameters are validated once (`validate`, where they enter the system) into
+//! values the sampler uses without further checks; the same seed and logits give the same token.
 
-use serde::{Deserialize, Serialize};
+pub use llmq_protocol::{FinishReason, Sampling, StopConditions, TokenLogprob};
 
-use crate::error::{EngineError, Result};
+use crate::error::{Error, Result};
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
-pub struct SamplingParams {
-    /// 0 means greedy.
-    pub temperature: f32,
-    /// 0 means off.
-    pub top_k: usize,
-    /// 1 means off.
-    pub top_p: f32,
-    /// 0 means off.
-    pub min_p: f32,
-    /// 1 means off; > 1 discourages tokens already in the prompt or the output.
-    pub repetition_penalty: f32,
-    pub seed: Option<u64>,
-    /// How many alternatives to report with each token's logprob (0: no logprobs).
-    pub top_logprobs: usize,
-    pub logprobs: bool,
-}
-
-impl Default for SamplingParams {
-    fn default() -> Self {
-        SamplingParams {
-            temperature: 0.0,
-            top_k: 0,
-            top_p: 1.0,
-            min_p: 0.0,
-            repetition_penalty: 1.0,
-            seed: None,
-            top_logprobs: 0,
-            logprobs: false,
-        }
+/// Checks a job's sampling parameters: the one validation, where they enter the system.
+pub fn validate(p: &Sampling) -> Result<()> {
+    let bad = |m: String| Err(Error::InvalidRequest(m));
+    if !p.temperature.is_finite() || p.temperature < 0.0 {
+        return bad(format!("temperature must be a finite number >= 0, got {}", p.temperature));
     }
-}
-
-impl SamplingParams {
-    pub fn validate(&self) -> Result<()> {
-        let bad = |m: String| Err(EngineError::InvalidRequest(m));
-        if !self.temperature.is_finite() || self.temperature < 0.0 {
-            return bad(format!("temperature must be a finite number >= 0, got {}", self.temperature));
-        }
-        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return bad(format!("top_p must be in (0, 1], got {}", self.top_p));
-        }
-        if !(self.min_p >= 0.0 && self.min_p < 1.0) {
-            return bad(format!("min_p must be in [0, 1), got {}", self.min_p));
-        }
-        if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
-            return bad(format!("repetition_penalty must be > 0, got {}", self.repetition_penalty));
-        }
-        if self.top_logprobs > 20 {
-            return bad(format!("top_logprobs must be at most 20, got {}", self.top_logprobs));
-        }
-        Ok(())
+    if !(p.top_p > 0.0 && p.top_p <= 1.0) {
+        return bad(format!("top_p must be in (0, 1], got {}", p.top_p));
     }
-
-    /// True when the next token is simply the argmax of the raw logits, which the device can
-    /// compute without sending the logits to the host.
-    pub fn is_plain_greedy(&self) -> bool {
-        self.temperature == 0.0 && self.repetition_penalty == 1.0 && !self.wants_logprobs()
+    if !(p.min_p >= 0.0 && p.min_p < 1.0) {
+        return bad(format!("min_p must be in [0, 1), got {}", p.min_p));
     }
-
-    pub fn wants_logprobs(&self) -> bool {
-        self.logprobs || self.top_logprobs > 0
+    if !(p.repetition_penalty.is_finite() && p.repetition_penalty > 0.0) {
+        return bad(format!("repetition_penalty must be > 0, got {}", p.repetition_penalty));
     }
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
-pub struct StopParams {
-    pub max_tokens: usize,
-    pub stop_token_ids: Vec<u32>,
-    pub stop: Vec<String>,
-    /// Keep going past the model's end-of-sequence tokens.
-    pub ignore_eos: bool,
-}
-
-impl Default for StopParams {
-    fn default() -> Self {
-        StopParams { max_tokens: 256, stop_token_ids: vec![], stop: vec![], ignore_eos: false }
+    if p.top_logprobs > 20 {
+        return bad(format!("top_logprobs must be at most 20, got {}", p.top_logprobs));
     }
+    Ok(())
 }
 
-impl StopParams {
-    pub fn validate(&self) -> Result<()> {
-        if self.max_tokens == 0 {
-            return Err(EngineError::InvalidRequest("max_tokens must be at least 1".into()));
-        }
-        if self.stop.iter().any(String::is_empty) {
-            return Err(EngineError::InvalidRequest("stop strings must not be empty".into()));
-        }
-        Ok(())
+/// Checks a job's stop conditions, like `validate`.
+pub fn validate_stop(s: &StopConditions) -> Result<()> {
+    if s.max_tokens == 0 {
+        return Err(Error::InvalidRequest("max_tokens must be at least 1".into()));
     }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum FinishReason {
-    /// An end-of-sequence token, a stop token id or a stop string.
-    Stop,
-    /// max_tokens reached.
-    Length,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct TokenLogprob {
-    pub token: u32,
-    pub logprob: f32,
-    pub top: Vec<(u32, f32)>,
+    if s.stop.iter().any(String::is_empty) {
+        return Err(Error::InvalidRequest("stop strings must not be empty".into()));
+    }
+    Ok(())
 }
 
 /// splitmix64: small, fast, and reproducible across platforms for a given seed.
@@ -133,7 +55,7 @@ impl Rng {
 }
 
 pub struct Sampler {
-    params: SamplingParams,
+    params: Sampling,
     rng: Rng,
 }
 
@@ -155,14 +77,14 @@ fn argmax(x: &[f32]) -> u32 {
 }
 
 impl Sampler {
-    pub fn new(params: SamplingParams) -> Self {
+    pub fn new(params: Sampling) -> Self {
         let seed = params.seed.unwrap_or_else(|| {
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
         });
         Sampler { params, rng: Rng(seed) }
     }
 
-    pub fn params(&self) -> &SamplingParams {
+    pub fn params(&self) -> &Sampling {
         &self.params
     }
 
@@ -186,7 +108,7 @@ impl Sampler {
         let lp = p.wants_logprobs().then(|| {
             let ls = log_softmax(&z);
             let mut order: Vec<u32> = (0..ls.len() as u32).collect();
-            let n = p.top_logprobs.min(ls.len());
+            let n = (p.top_logprobs as usize).min(ls.len());
             if n > 0 {
                 order.select_nth_unstable_by(n - 1, |&a, &b| ls[b as usize].total_cmp(&ls[a as usize]));
                 order.truncate(n);
@@ -194,7 +116,13 @@ impl Sampler {
             } else {
                 order.clear();
             }
-            TokenLogprob { token, logprob: ls[token as usize], top: order.iter().map(|&i| (i, ls[i as usize])).collect() }
+            TokenLogprob {
+                token,
+                logprob: ls[token as usize],
+                top: order.iter().map(|&i| (i, ls[i as usize])).collect(),
+                text: String::new(),
+                top_text: vec![],
+            }
         });
         (token, lp)
     }
@@ -206,8 +134,9 @@ impl Sampler {
         let mut cand: Vec<(u32, f64)> =
             z.iter().enumerate().map(|(i, &v)| (i as u32, (((v - max) * inv_t) as f64).exp())).collect();
         cand.sort_by(|a, b| b.1.total_cmp(&a.1));
-        if p.top_k > 0 && p.top_k < cand.len() {
-            cand.truncate(p.top_k);
+        let top_k = p.top_k as usize;
+        if top_k > 0 && top_k < cand.len() {
+            cand.truncate(top_k);
         }
         if p.min_p > 0.0 {
             let floor = cand[0].1 * p.min_p as f64;
@@ -242,8 +171,8 @@ impl Sampler {
 mod tests {
     use super::*;
 
-    fn params(t: f32) -> SamplingParams {
-        SamplingParams { temperature: t, seed: Some(7), ..Default::default() }
+    fn params(t: f32) -> Sampling {
+        Sampling { temperature: t, seed: Some(7), ..Default::default() }
     }
 
     #[test]
@@ -254,13 +183,13 @@ mod tests {
 
     #[test]
     fn repetition_penalty_moves_greedy_off_a_seen_token() {
-        let mut s = Sampler::new(SamplingParams { repetition_penalty: 2.0, ..params(0.0) });
+        let mut s = Sampler::new(Sampling { repetition_penalty: 2.0, ..params(0.0) });
         assert_eq!(s.sample(&[0.1, 3.0, -1.0, 2.9], &[1]).0, 3);
     }
 
     #[test]
     fn top_k_one_is_greedy_at_any_temperature() {
-        let mut s = Sampler::new(SamplingParams { top_k: 1, ..params(5.0) });
+        let mut s = Sampler::new(Sampling { top_k: 1, ..params(5.0) });
         for _ in 0..50 {
             assert_eq!(s.sample(&[0.0, 1.0, 0.5], &[]).0, 1);
         }
@@ -269,8 +198,8 @@ mod tests {
     #[test]
     fn top_p_and_min_p_cut_the_tail() {
         let logits = [5.0, 4.9, -10.0, -10.0];
-        let mut s = Sampler::new(SamplingParams { top_p: 0.9, ..params(1.0) });
-        let mut t = Sampler::new(SamplingParams { min_p: 0.5, ..params(1.0) });
+        let mut s = Sampler::new(Sampling { top_p: 0.9, ..params(1.0) });
+        let mut t = Sampler::new(Sampling { min_p: 0.5, ..params(1.0) });
         for _ in 0..200 {
             assert!(s.sample(&logits, &[]).0 < 2);
             assert!(t.sample(&logits, &[]).0 < 2);
@@ -281,7 +210,7 @@ mod tests {
     fn same_seed_same_tokens_and_temperature_spreads() {
         let logits = [1.0, 1.0, 1.0, 1.0];
         let run = |seed| {
-            let mut s = Sampler::new(SamplingParams { seed: Some(seed), ..params(1.0) });
+            let mut s = Sampler::new(Sampling { seed: Some(seed), ..params(1.0) });
             (0..64).map(|_| s.sample(&logits, &[]).0).collect::<Vec<_>>()
         };
         assert_eq!(run(3), run(3));
@@ -291,7 +220,7 @@ mod tests {
 
     #[test]
     fn logprobs_are_normalised_and_ranked() {
-        let mut s = Sampler::new(SamplingParams { top_logprobs: 2, ..params(0.0) });
+        let mut s = Sampler::new(Sampling { top_logprobs: 2, ..params(0.0) });
         let (tok, lp) = s.sample(&[0.0, 2.0, 1.0], &[]);
         let lp = lp.unwrap();
         assert_eq!(tok, 1);
@@ -303,14 +232,14 @@ mod tests {
     #[test]
     fn bad_parameters_are_rejected() {
         for p in [
-            SamplingParams { temperature: f32::NAN, ..Default::default() },
-            SamplingParams { temperature: -1.0, ..Default::default() },
-            SamplingParams { top_p: 0.0, ..Default::default() },
-            SamplingParams { min_p: 1.0, ..Default::default() },
-            SamplingParams { repetition_penalty: 0.0, ..Default::default() },
+            Sampling { temperature: f32::NAN, ..Default::default() },
+            Sampling { temperature: -1.0, ..Default::default() },
+            Sampling { top_p: 0.0, ..Default::default() },
+            Sampling { min_p: 1.0, ..Default::default() },
+            Sampling { repetition_penalty: 0.0, ..Default::default() },
         ] {
-            assert!(p.validate().is_err(), "{p:?}");
+            assert!(validate(&p).is_err(), "{p:?}");
         }
-        assert!(StopParams { max_tokens: 0, ..Default::default() }.validate().is_err());
+        assert!(validate_stop(&StopConditions { max_tokens: 0, ..Default::default() }).is_err());
     }
 }

@@ -4,7 +4,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use llmq_protocol::{ErrorClass, Event, FinishReason, WireError};
-use llmq_worker::scheduler::*;
+use llmq_scheduler::*;
 
 /// Produces one token per decode step and finishes each request after its max_tokens.
 #[derive(Default)]

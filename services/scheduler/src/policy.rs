@@ -25,14 +25,16 @@
 //! KV bytes are reserved at admission for prompt + max_tokens and returned when the request
 //! ends, so after all requests end the reservation is zero; a request that could never fit the
 //! budget is refused at once. The prefix cache lives in what the reservations leave: it is
-//! trimmed (least recently used first) to `budget - reserved` after every admission and tick. The scheduler never touches a model: `EngineOps` does the work,
-//! so the policy is tested against a fake engine and a fake clock.
+//! trimmed (least recently used first) to `budget - reserved` after every admission and tick.
+//! The scheduler never touches a model: `EngineOps` does the work, so the policy is tested
+//! against a fake engine and a fake clock.
 
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
-use crate::budget::ChunkSizer;
 use llmq_protocol::{ErrorClass, Event, FinishReason, Timings, TokenLogprob, Usage, WireError};
+
+use crate::budget::ChunkSizer;
 
 pub type ReqId = u64;
 
@@ -158,53 +160,6 @@ pub trait EngineOps {
     /// Evicts cached prefixes until at most `max_bytes` are held; returns the bytes held.
     async fn prefix_trim(&mut self, _max_bytes: u64) -> u64 {
         0
-    }
-}
-
-/// What the scheduler actor needs of an engine beyond the work itself: admitting requests and
-/// reporting on memory and time. `ActorEngine` is the real one; tests use fakes. The reports
-/// are what the engine knew after its last call (the real one's actors send theirs with every
-/// answer).
-#[allow(async_fn_in_trait)]
-pub trait WorkerEngine: EngineOps {
-    /// Creates a request's state, validating its parameters.
-    async fn register(
-        &mut self,
-        id: ReqId,
-        prompt: Vec<u32>,
-        sampling: llmq_engine::sampling::SamplingParams,
-        stop: llmq_engine::sampling::StopParams,
-        cache_salt: Option<String>,
-    ) -> Result<(), WireError>;
-    /// Drops every request's state (after a fault: the engine starts again from clean state,
-    /// its prefix cache aside).
-    async fn reset(&mut self);
-    fn kv_bytes_per_token(&self) -> u64;
-    fn kv_bytes_in_use(&self) -> u64;
-    /// Ticks a prefill chunk of `n` tokens takes beside decoding rows (an engine that spreads
-    /// a chunk's layers over steps takes more than one).
-    fn chunk_ticks(&self, _n: usize) -> usize {
-        1
-    }
-    fn context_tokens(&self) -> usize;
-    /// Milliseconds inside the engine since start: prefill and decode calls, and the KV
-    /// bookkeeping of admissions, releases and prefix-cache trims.
-    fn engine_ms(&self) -> f64;
-    /// (prefill calls, their ms, decode calls, their ms) since start.
-    fn call_times(&self) -> (u64, f64, u64, f64);
-    /// The prefix cache's counters (all zero without one).
-    fn prefix_stats(&self) -> llmq_engine::prefix::PrefixStats {
-        Default::default()
-    }
-    /// Drops every cached prefix; returns the bytes freed.
-    async fn prefix_clear(&mut self) -> u64 {
-        0
-    }
-    /// Zeroes the counters behind `call_times` and `prefix_stats` (after the warm-up).
-    async fn reset_counters(&mut self) {}
-    /// The host's time in the last step, for the tick log (none by default).
-    fn last_step(&self) -> Option<crate::messages::StepTimes> {
-        None
     }
 }
 

@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use crate::error::{EngineError, Result};
+use crate::error::{Error, Result};
 use crate::gguf::Value;
 
 /// A piece's type, numbered as SentencePiece and GGUF's `token_type` both number it.
@@ -34,8 +34,8 @@ const BPE: i32 = 2;
 
 impl SentencePieceModel {
     pub fn read(path: &Path) -> Result<Self> {
-        let bytes = std::fs::read(path).map_err(|e| EngineError::io(path, e))?;
-        Self::parse(&bytes).map_err(|m| EngineError::format(path, format!("not a SentencePiece model: {m}")))
+        let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+        Self::parse(&bytes).map_err(|m| Error::format(path, format!("not a SentencePiece model: {m}")))
     }
 
     pub fn parse(bytes: &[u8]) -> std::result::Result<Self, String> {
@@ -69,7 +69,7 @@ impl SentencePieceModel {
     /// The `tokenizer.ggml.*` metadata llama.cpp's converter writes for this model.
     pub fn to_gguf_metadata(&self, path: &Path) -> Result<HashMap<String, Value>> {
         if self.model_type != BPE {
-            return Err(EngineError::Tokenizer {
+            return Err(Error::Tokenizer {
                 path: path.into(),
                 message: format!("SentencePiece model type {} is not supported (only BPE, type 2)", self.model_type),
             });

@@ -1,0 +1,13 @@
+//! llmq's scheduling policy: the device's clock, with no model, no MLX and no actors.
+//!
+//! - `policy` the scheduler: decode first, then one bounded prefill chunk per tick, admission
+//!   against the KV budget, prefill order; it drives any `EngineOps`
+//! - `budget` prefill chunks sized to a time budget per tick (measured decode and chunk times)
+//!
+//! The worker's scheduler actor owns a `Scheduler` and drives its role actors through
+//! `EngineOps`; the tests drive fakes with a fake clock.
+
+pub mod budget;
+pub mod policy;
+
+pub use policy::*;
