@@ -27,14 +27,32 @@ pub fn worker(a: ServiceArgs) -> Result<()> {
         // Before MLX initialises (the model loads later, on the device thread).
         std::env::set_var("CUDA_VISIBLE_DEVICES", d.to_string());
     }
-    actix::System::new().block_on(llmq_worker::service::run(s))?;
+    actix::System::new().block_on(llmq_worker::service::run(s, stop_signal()))?;
     Ok(())
 }
 
 pub fn intake(a: ServiceArgs) -> Result<()> {
     let s = settings(&a)?;
-    actix::System::new().block_on(llmq_intake::run(s))?;
+    actix::System::new().block_on(llmq_intake::run(s, stop_signal()))?;
     Ok(())
+}
+
+/// SIGTERM or SIGINT: a service then stops taking work, finishes what it holds and exits (the
+/// gateway's HTTP server handles both itself, the same way).
+async fn stop_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    match signal(SignalKind::terminate()) {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+        }
+        Err(e) => {
+            eprintln!("llmq: no SIGTERM handler ({e}); stopping on SIGINT only");
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
 }
 
 pub fn gateway(a: ServiceArgs) -> Result<()> {
@@ -200,11 +218,11 @@ pub fn up(a: UpArgs) -> Result<()> {
             println!("LLMQ_GATEWAY_URL=http://{g}");
         }
         eprintln!("llmq: up: nats-server, intake and {} worker(s) for {}; Ctrl-C stops them", a.workers, a.model);
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        let stop = stop_signal();
+        tokio::pin!(stop);
         loop {
             tokio::select! {
-                _ = tokio::signal::ctrl_c() => break,
-                _ = term.recv() => break,
+                _ = &mut stop => break,
                 _ = tokio::time::sleep(Duration::from_millis(500)) => {
                     if let Some(n) = children.exited() { bail!("{n} exited"); }
                 }

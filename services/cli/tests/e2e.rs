@@ -1,7 +1,6 @@
 //! End to end through a real nats-server (started here on a free loopback port and stopped
 //! whatever happens), real intake and worker processes, and the tiny Llama fixture.
 
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -9,108 +8,8 @@ use llmq_protocol::*;
 
 mod common;
 
+use common::client::*;
 use common::*;
-
-struct Client {
-    nc: async_nats::Client,
-}
-
-struct Run {
-    id: String,
-    events: Vec<StreamEvent>,
-}
-
-impl Run {
-    fn tokens(&self) -> Vec<u32> {
-        self.events.iter().flat_map(|e| if let Event::Tokens { ids, .. } = &e.event { ids.clone() } else { vec![] }).collect()
-    }
-    fn last(&self) -> &Event {
-        &self.events.last().unwrap().event
-    }
-}
-
-impl Client {
-    async fn connect(url: &str) -> Client {
-        let t = Instant::now();
-        loop {
-            if let Ok(nc) = async_nats::connect(url).await {
-                return Client { nc };
-            }
-            assert!(t.elapsed() < Duration::from_secs(10));
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-
-    /// Submits (retrying until an intake answers); returns the reply and the event subscription.
-    async fn submit_raw(&self, payload: Vec<u8>) -> GenerateReply {
-        let t = Instant::now();
-        loop {
-            match tokio::time::timeout(Duration::from_secs(5), self.nc.request(subjects::GENERATE, payload.clone().into())).await {
-                Ok(Ok(m)) => return decode(&m.payload).unwrap(),
-                _ if t.elapsed() < Duration::from_secs(60) => tokio::time::sleep(Duration::from_millis(100)).await,
-                other => panic!("no reply from intake: {:?}", other.err()),
-            }
-        }
-    }
-
-    async fn start(&self, mut req: GenerateRequest) -> (String, async_nats::Subscriber) {
-        let inbox = self.nc.new_inbox();
-        let sub = self.nc.subscribe(inbox.clone()).await.unwrap();
-        req.stream_subject = Some(inbox);
-        match self.submit_raw(encode(&req).unwrap()).await {
-            GenerateReply::Accepted { request_id, .. } => (request_id, sub),
-            GenerateReply::Rejected { error } => panic!("rejected: {error}"),
-        }
-    }
-
-    async fn finish(id: String, mut sub: async_nats::Subscriber, mut on: impl FnMut(&StreamEvent)) -> Run {
-        let mut events = vec![];
-        loop {
-            let m = tokio::time::timeout(Duration::from_secs(60), sub.next()).await.expect("event within 60 s").unwrap();
-            let ev: StreamEvent = decode(&m.payload).unwrap();
-            on(&ev);
-            let end = ev.event.is_terminal();
-            events.push(ev);
-            if end {
-                break;
-            }
-        }
-        // Nothing may follow the terminal event.
-        assert!(tokio::time::timeout(Duration::from_millis(300), sub.next()).await.is_err(), "event after the terminal one");
-        Run { id, events }
-    }
-
-    async fn run(&self, req: GenerateRequest) -> Run {
-        let (id, sub) = self.start(req).await;
-        Self::finish(id, sub, |_| {}).await
-    }
-
-    async fn status(&self) -> WorkerStatus {
-        let mut sub = self.nc.subscribe(subjects::WORKER_STATUS_ALL).await.unwrap();
-        let m = tokio::time::timeout(Duration::from_secs(10), sub.next()).await.unwrap().unwrap();
-        decode(&m.payload).unwrap()
-    }
-}
-
-fn req(prompt: &str, max_tokens: i64) -> GenerateRequest {
-    GenerateRequest { model: fixture(), prompt: Some(prompt.into()), max_tokens: Some(max_tokens), ..Default::default() }
-}
-
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
-}
-
-fn local_greedy(prompt: &str, max_tokens: usize) -> Vec<u32> {
-    let m = llmq_engine::load_model(&PathBuf::from(fixture()), mlx_rs::Dtype::Float32).unwrap();
-    let tok = m.tokenizer.as_ref().unwrap();
-    let r = llmq_engine::generate::GenerateRequest {
-        prompt_ids: tok.encode(prompt, true).unwrap(),
-        sampling: Default::default(),
-        stop: llmq_text::sampling::StopConditions { max_tokens: max_tokens as u32, ..Default::default() },
-        prefill_chunk: 4096,
-    };
-    llmq_engine::generate::generate(&m.model, Some(tok), &r, |_, _| {}).unwrap().token_ids
-}
 
 const LONG: &str = "Streams of tokens flow through queues, schedulers and caches. ";
 

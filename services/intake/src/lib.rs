@@ -43,6 +43,20 @@ pub struct IntakeActor {
     max_queued_requests: u64,
     /// Per model: jobs in the stream that no worker has taken yet (last poll).
     untaken: HashMap<String, u64>,
+    /// Requests received and not answered yet.
+    pending: usize,
+}
+
+/// How many requests are received and not answered yet.
+#[derive(Message)]
+#[rtype(result = "usize")]
+struct Pending;
+
+impl Handler<Pending> for IntakeActor {
+    type Result = usize;
+    fn handle(&mut self, _: Pending, _: &mut Context<Self>) -> usize {
+        self.pending
+    }
 }
 
 impl IntakeActor {
@@ -155,6 +169,7 @@ impl Handler<Incoming> for IntakeActor {
             }
         }
         let js = self.js.clone();
+        self.pending += 1;
         ctx.spawn(
             async move {
                 let answer = match verdict {
@@ -180,14 +195,16 @@ impl Handler<Incoming> for IntakeActor {
                 reply(&client, reply_to, &answer).await;
                 drop(span);
             }
-            .into_actor(self),
+            .into_actor(self)
+            .map(|_, act, _| act.pending -= 1),
         );
     }
 }
 
-/// Loads the configured models' tokenizers and serves until the process stops.
-/// Must be called inside an actix System.
-pub async fn run(settings: Settings) -> Result<(), IntakeError> {
+/// Loads the configured models' tokenizers and serves `llm.v1.generate` until `stop` completes (the binary passes SIGTERM or SIGINT): then
+/// it leaves the queue group (other intakes take new requests), answers every request it had
+/// received (at most 10 s more), and returns. Must be called inside an actix System.
+pub async fn run(settings: Settings, stop: impl std::future::Future<Output = ()>) -> Result<(), IntakeError> {
     let mut models = HashMap::new();
     for name in &settings.intake.models {
         let info = ModelInfo::load(name).map_err(|e| IntakeError::Model(name.clone(), e.to_string()))?;
@@ -213,6 +230,7 @@ pub async fn run(settings: Settings) -> Result<(), IntakeError> {
         workers: WorkerTable::new(std::time::Duration::from_millis(settings.intake.worker_timeout_ms)),
         max_queued_requests: settings.intake.max_queued_requests,
         untaken: HashMap::new(),
+        pending: 0,
     }
     .start();
     let (poll_addr, poll_models) = (addr.clone(), settings.intake.models.clone());
@@ -235,8 +253,26 @@ pub async fn run(settings: Settings) -> Result<(), IntakeError> {
         }
     });
     tracing::info!(models = ?settings.intake.models, "intake ready");
-    while let Some(msg) = sub.next().await {
+    tokio::pin!(stop);
+    loop {
+        tokio::select! {
+            msg = sub.next() => match msg {
+                Some(msg) => addr.do_send(Incoming(msg)),
+                None => break,
+            },
+            _ = &mut stop => break,
+        }
+    }
+    // No more requests: those already received are answered before the process goes.
+    let _ = sub.unsubscribe().await;
+    while let Ok(Some(msg)) = tokio::time::timeout(std::time::Duration::from_millis(100), sub.next()).await {
         addr.do_send(Incoming(msg));
     }
+    let until = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    while addr.send(Pending).await.unwrap_or(0) > 0 && tokio::time::Instant::now() < until {
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let _ = client.flush().await;
+    tracing::info!("intake stopped");
     Ok(())
 }

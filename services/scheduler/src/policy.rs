@@ -29,7 +29,7 @@
 //! The scheduler never touches a model: `EngineOps` does the work, so the policy is tested
 //! against a fake engine and a fake clock.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::time::Duration;
 
 use llmq_protocol::{ErrorClass, Event, FinishReason, Timings, TokenLogprob, Usage, WireError};
@@ -217,7 +217,8 @@ pub struct Scheduler {
     prefilling: Vec<ReqId>,
     /// In the decode batch, in join order.
     decoding: Vec<ReqId>,
-    cancels: HashSet<ReqId>,
+    /// Requests to end at the next tick, with the error each ends with.
+    cancels: HashMap<ReqId, WireError>,
     reserved: u64,
     /// Ended, not yet released in the engine.
     ended: Vec<ReqId>,
@@ -274,10 +275,18 @@ impl Scheduler {
     /// Returns false when the scheduler does not hold it.
     pub fn cancel(&mut self, id: ReqId) -> bool {
         if self.reqs.contains_key(&id) {
-            self.cancels.insert(id);
+            self.cancels.entry(id).or_insert_with(|| WireError::new(ErrorClass::Cancelled, "cancelled by the client"));
             true
         } else {
             false
+        }
+    }
+
+    /// Ends every request held, at the next tick, with `error` (a worker that stops before
+    /// finishing them); a request already being cancelled keeps its own error.
+    pub fn end_all(&mut self, error: &WireError) {
+        for &id in self.reqs.keys() {
+            self.cancels.entry(id).or_insert_with(|| error.clone());
         }
     }
 
@@ -356,8 +365,7 @@ impl Scheduler {
         self.sizer.tick_started(now);
 
         // 1. cancellations
-        for id in std::mem::take(&mut self.cancels) {
-            let error = WireError::new(ErrorClass::Cancelled, "cancelled by the client");
+        for (id, error) in std::mem::take(&mut self.cancels) {
             self.finish(id, Event::Error { error }, &mut out);
         }
         self.release_ended(engine).await;

@@ -346,6 +346,31 @@ fn cancel_while_queued_mid_prefill_and_decoding_frees_everything() {
     assert!(!h.s.cancel(4), "nothing to cancel after the end");
 }
 
+/// A stopping worker ends everything it holds at the next tick, queued, mid-prefill and
+/// decoding alike, with its own error; a request the client cancelled first keeps `cancelled`.
+#[test]
+fn end_all_ends_every_request_once_with_its_error() {
+    let mut h = Harness::new(SchedulerConfig { kv_budget_bytes: 3000, ..cfg() });
+    h.submit(1, 10, 40); // decoding
+    h.tick();
+    h.submit(2, 1000, 10); // prefilling
+    h.submit(3, 500, 1500); // queued: does not fit beside 1 and 2
+    h.tick();
+    h.s.cancel(1);
+    h.s.end_all(&WireError::new(ErrorClass::WorkerLost, "stopping"));
+    let (ev, rep) = h.tick();
+    assert_eq!((rep.decoded, rep.prefill_tokens), (0, 0), "nothing runs after the end");
+    let class = |id: ReqId| match ev.iter().find(|e| e.id == id).map(|e| &e.event) {
+        Some(Event::Error { error }) => error.class,
+        other => panic!("request {id}: {other:?}"),
+    };
+    assert_eq!(class(1), ErrorClass::Cancelled);
+    assert_eq!((class(2), class(3)), (ErrorClass::WorkerLost, ErrorClass::WorkerLost));
+    assert!(h.s.is_idle());
+    h.tick();
+    h.assert_all_ended(&[1, 2, 3]);
+}
+
 #[test]
 fn kv_budget_queues_and_refuses_what_can_never_fit() {
     let mut h = Harness::new(SchedulerConfig { kv_budget_bytes: 1000, ..cfg() });

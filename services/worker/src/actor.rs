@@ -525,6 +525,20 @@ impl<E: WorkerEngine + Unpin + 'static> Handler<CancelRequest> for SchedulerActo
     }
 }
 
+/// Ends every request held here with `0` (the worker is stopping and its grace period is
+/// over); each still gets exactly one terminal event.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct EndAll(pub WireError);
+
+impl<E: WorkerEngine + Unpin + 'static> Handler<EndAll> for SchedulerActor<E> {
+    type Result = ();
+    fn handle(&mut self, EndAll(error): EndAll, ctx: &mut Context<Self>) {
+        self.scheduler.end_all(&error);
+        self.schedule_tick(ctx);
+    }
+}
+
 impl<E: WorkerEngine + Unpin + 'static> Handler<Tick> for SchedulerActor<E> {
     type Result = AtomicResponse<Self, ()>;
     fn handle(&mut self, _: Tick, _: &mut Context<Self>) -> Self::Result {

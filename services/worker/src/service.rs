@@ -30,7 +30,7 @@ use llmq_engine::{default_dtype, load_named, parse_dtype};
 use llmq_protocol::{subjects, CacheCleared, Cancel, ClearCache, ErrorClass, Event, Job, StreamEvent, WireError, WorkerStatus};
 use tokio::sync::mpsc;
 
-use crate::actor::{CancelRequest, ClearPrefixCache, Outbound, SchedulerActor, Submit, WarmUp};
+use crate::actor::{CancelRequest, ClearPrefixCache, EndAll, Outbound, SchedulerActor, Submit, WarmUp};
 use crate::engine::{ActorEngine, EngineOptions};
 use crate::placement::Placement;
 use llmq_scheduler::SchedulerConfig;
@@ -82,78 +82,128 @@ fn set_mlx_limits(memory: Option<u64>, cache: Option<u64>) -> Result<(), String>
     Ok(())
 }
 
-/// Runs a worker until the process is stopped. Must be called inside an actix System.
-pub async fn run(settings: Settings) -> Result<(), WorkerError> {
+/// Jobs held here, by request id, until their terminal event is out, with their trace spans.
+type Inflight = Arc<Mutex<HashMap<String, (jetstream::Message, tracing::Span)>>>;
+
+type Scheduler = Addr<SchedulerActor<ActorEngine>>;
+
+/// Runs a worker until `stop` completes (the binary passes SIGTERM or SIGINT): then it fetches
+/// no more jobs, finishes those it holds for up to `worker.drain_timeout_s`, ends what is left
+/// with `worker_lost` (acknowledged, so no other worker runs it again), and returns once every
+/// held job's terminal event is out. Must be called inside an actix System.
+pub async fn run(settings: Settings, stop: impl std::future::Future<Output = ()> + 'static) -> Result<(), WorkerError> {
     let worker_id = settings.worker.id.clone().unwrap_or_else(|| format!("w{:08x}", rand_u32()));
     let model_name = settings.worker.model.clone();
     let client = async_nats::connect(&settings.nats.url).await.map_err(nats_err)?;
     let js = jetstream::new(client.clone());
-    let stream = subjects::jobs_stream(&js).await.map_err(nats_err)?;
+    let consumer = jobs_consumer(&js, &settings).await?;
     let cancels_stream = subjects::cancels_stream(&js).await.map_err(nats_err)?;
-    let consumer: jetstream::consumer::Consumer<pull::Config> = stream
-        .get_or_create_consumer(
-            &subjects::jobs_consumer(&model_name),
-            pull::Config {
-                durable_name: Some(subjects::jobs_consumer(&model_name)),
-                filter_subject: subjects::jobs(&model_name),
-                ack_wait: Duration::from_millis(settings.worker.ack_wait_ms),
-                ..Default::default()
-            },
-        )
-        .await
-        .map_err(nats_err)?;
 
-    // The device thread: the model is loaded there, and it and its arrays never leave it.
-    let (out_tx, mut out_rx) = mpsc::unbounded_channel::<Outbound>();
-    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<Addr<SchedulerActor<ActorEngine>>, String>>();
-    let device = Arbiter::new();
+    let (out_tx, out_rx) = mpsc::unbounded_channel::<Outbound>();
+    let snapshot = Arc::new(Mutex::new(WorkerStatus::default()));
+    let actor = start_device(&settings, &worker_id, out_tx, snapshot.clone()).await?;
+    let placement = follow_peers(&client, &settings, &worker_id).await?;
+    warm_up(&actor, &settings).await?;
+    tracing::info!(%worker_id, model = %model_name, "worker ready");
+
+    let inflight = Inflight::default();
+    actix::spawn(publish_events(client.clone(), out_rx, inflight.clone()));
+    let cancels = client.subscribe(subjects::CANCEL).await.map_err(nats_err)?;
+    actix::spawn(forward_cancels(cancels, actor.clone()));
+    let clears = client.subscribe(subjects::CACHE_CLEAR).await.map_err(nats_err)?;
+    actix::spawn(clear_caches(clears, actor.clone(), client.clone(), worker_id.clone(), model_name));
+    actix::spawn(heartbeats(client.clone(), &settings, &worker_id, snapshot, inflight.clone()));
+    // Cancels sent before this worker started, for jobs that may still be waiting in the stream
+    // (the live subscription above covers everything from its start on; twice is harmless).
+    match replay_cancels(&cancels_stream, &actor).await {
+        Ok(n) => tracing::debug!(n, "stored cancels replayed"),
+        Err(e) => tracing::warn!(error = %e, "could not replay stored cancels"),
+    }
+
+    let stopping = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = stopping.clone();
+    actix::spawn(async move {
+        stop.await;
+        flag.store(true, std::sync::atomic::Ordering::SeqCst);
+    });
+    let jobs = Jobs { client: &client, consumer: &consumer, placement: &placement, inflight: &inflight, actor: &actor };
+    while !stopping.load(std::sync::atomic::Ordering::SeqCst) {
+        jobs.fetch_one().await;
+    }
+    drain(&actor, &inflight, Duration::from_secs(settings.worker.drain_timeout_s)).await;
+    let _ = client.flush().await;
+    Ok(())
+}
+
+/// The model's durable pull consumer of the jobs stream, shared by all its workers.
+async fn jobs_consumer(js: &jetstream::Context, settings: &Settings) -> Result<jetstream::consumer::Consumer<pull::Config>, WorkerError> {
+    let model = &settings.worker.model;
+    let stream = subjects::jobs_stream(js).await.map_err(nats_err)?;
+    let config = pull::Config {
+        durable_name: Some(subjects::jobs_consumer(model)),
+        filter_subject: subjects::jobs(model),
+        ack_wait: Duration::from_millis(settings.worker.ack_wait_ms),
+        ..Default::default()
+    };
+    stream.get_or_create_consumer(&subjects::jobs_consumer(model), config).await.map_err(nats_err)
+}
+
+/// Starts the device thread: the model is loaded there, and it and its arrays never leave it;
+/// the scheduler actor and its role actors run there. Returns the scheduler actor.
+async fn start_device(
+    settings: &Settings,
+    worker_id: &str,
+    out: mpsc::UnboundedSender<Outbound>,
+    snapshot: Arc<Mutex<WorkerStatus>>,
+) -> Result<Scheduler, WorkerError> {
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<Scheduler, String>>();
     let gpu = llmq_engine::on_gpu();
     let sched = settings.scheduler.clone();
-    let cfg = scheduler_config(&sched, sched.chunk_stages(gpu));
-    let cfg_chunk = cfg.prefill_chunk;
     let prefix = settings.prefix_cache.clone();
-    let decode_ahead = settings.scheduler.decode_ahead;
-    let (chunk_stages, stage_tokens) = (settings.scheduler.chunk_stages(gpu), settings.scheduler.prefill_chunk_tokens);
-    let (stage_budget, min_stage_tokens) = (settings.scheduler.tick_budget(gpu), settings.scheduler.min_prefill_chunk_tokens);
-    let prefix_max = if prefix.max_bytes == 0 { cfg.kv_budget_bytes } else { prefix.max_bytes.min(cfg.kv_budget_bytes) };
-    let (wid, mname, model_ref, dtype) =
-        (worker_id.clone(), model_name.clone(), settings.worker.model.clone(), settings.worker.dtype.clone());
-    let (mlx_memory_limit, mlx_cache_limit) = (settings.worker.mlx_memory_limit_bytes, settings.worker.mlx_cache_limit_bytes);
-    let tick_log = settings.worker.tick_log.clone();
-    let snapshot = Arc::new(Mutex::new(WorkerStatus::default()));
-    let hb_snapshot = snapshot.clone();
-    device.spawn_fn(move || {
+    let requested_stages = sched.chunk_stages(gpu);
+    let kv_budget = sched.kv_budget_bytes;
+    let prefix_max = if prefix.max_bytes == 0 { kv_budget } else { prefix.max_bytes.min(kv_budget) };
+    let (stage_budget, stage_tokens, min_stage_tokens) = (sched.tick_budget(gpu), sched.prefill_chunk_tokens, sched.min_prefill_chunk_tokens);
+    let w = settings.worker.clone();
+    let worker_id = worker_id.to_string();
+    Arbiter::new().spawn_fn(move || {
         let loaded = (|| {
-            set_mlx_limits(mlx_memory_limit, mlx_cache_limit)?;
-            let dtype = dtype.as_deref().map(parse_dtype).transpose().map_err(|e| e.to_string())?.unwrap_or_else(default_dtype);
-            load_named(&model_ref, dtype).map_err(|e| format!("{model_ref}: {e}"))
+            set_mlx_limits(w.mlx_memory_limit_bytes, w.mlx_cache_limit_bytes)?;
+            let dtype = w.dtype.as_deref().map(parse_dtype).transpose().map_err(|e| e.to_string())?.unwrap_or_else(default_dtype);
+            load_named(&w.model, dtype).map_err(|e| format!("{}: {e}", w.model))
         })();
         let _ = ready_tx.send(loaded.map(|m| {
             let mut model = m.model;
             // A chunk beside decoding streams spans the stages this model's decode actor runs
             // it in (fewer than asked for a sliding-window model, or one with fewer layers).
-            let chunk_stages = crate::decode::chunk_stages(&model, chunk_stages);
+            let chunk_stages = crate::decode::chunk_stages(&model, requested_stages);
             let cfg = scheduler_config(&sched, chunk_stages);
             // Whole chunks, of every size the tick budget grants, are never padded.
             let mut sizes = cfg.chunk_sizes();
             sizes.push(cfg.idle_prefill_chunk);
             model.fit_chunk_grid(&sizes);
             let prefix = prefix.enabled.then_some((prefix.block_tokens, prefix_max));
-            let opts = EngineOptions { decode_ahead, prefix, chunk_stages, stage_tokens, stage_budget, min_stage_tokens };
+            let opts = EngineOptions { decode_ahead: sched.decode_ahead, prefix, chunk_stages, stage_tokens, stage_budget, min_stage_tokens };
             let engine = ActorEngine::start(model, m.tokenizer, opts);
-            SchedulerActor::new(engine, cfg, out_tx, wid, mname).with_status_snapshot(snapshot).with_tick_log(tick_log.as_deref()).start()
+            SchedulerActor::new(engine, cfg, out, worker_id, w.model.clone())
+                .with_status_snapshot(snapshot)
+                .with_tick_log(w.tick_log.as_deref())
+                .start()
         }));
     });
-    let actor = match tokio::task::spawn_blocking(move || ready_rx.recv()).await {
-        Ok(Ok(Ok(addr))) => addr,
-        Ok(Ok(Err(e))) => return Err(WorkerError::Model(e)),
-        _ => return Err(WorkerError::Model("the device thread stopped".into())),
-    };
-    // Peers' heartbeats, heard from before the warm-up so that the peer set is known when jobs
-    // are first fetched (see `placement`).
+    match tokio::task::spawn_blocking(move || ready_rx.recv()).await {
+        Ok(Ok(Ok(addr))) => Ok(addr),
+        Ok(Ok(Err(e))) => Err(WorkerError::Model(e)),
+        _ => Err(WorkerError::Model("the device thread stopped".into())),
+    }
+}
+
+/// Follows the peers' heartbeats, from before the warm-up so that the peer set is known when
+/// jobs are first fetched (see `placement`).
+async fn follow_peers(client: &async_nats::Client, settings: &Settings, worker_id: &str) -> Result<Arc<Mutex<Placement>>, WorkerError> {
     let placement = Arc::new(Mutex::new(Placement::new(
-        &worker_id,
-        &model_name,
+        worker_id,
+        &settings.worker.model,
         Duration::from_millis(settings.worker.heartbeat_ms),
         settings.scheduler.max_batch,
         settings.worker.max_queued,
@@ -167,189 +217,221 @@ pub async fn run(settings: Settings) -> Result<(), WorkerError> {
             }
         }
     });
+    Ok(placement)
+}
 
-    // On a GPU a long warm-up prompt pays for every cache size a burst of long prompts reaches
-    // (each new size's first chunk costs 100+ ms there), in one round for every size of the
-    // decode batch (a step's shapes follow it); on a CPU one round of a short one is enough (it
-    // runs three long prompts: about 6 s of SmolLM2 at 261 tokens on a 2-core CPU).
-    let (default_tokens, rows) = if gpu {
-        (GPU_WARM_UP_TOKENS, crate::actor::warm_up_rows(settings.scheduler.max_batch))
+/// Runs the warm-up before the worker takes jobs. On a GPU a long warm-up prompt pays for
+/// every cache size a burst of long prompts reaches (each new size's first chunk costs 100+ ms
+/// there), in one round for every size of the decode batch (a step's shapes follow it); on a
+/// CPU one round of a short one is enough (three long prompts: about 6 s of SmolLM2 at 261
+/// tokens on a 2-core CPU).
+async fn warm_up(actor: &Scheduler, settings: &Settings) -> Result<(), WorkerError> {
+    let sched = &settings.scheduler;
+    let (default_tokens, rows) = if llmq_engine::on_gpu() {
+        (GPU_WARM_UP_TOKENS, crate::actor::warm_up_rows(sched.max_batch))
     } else {
-        (cfg_chunk + 5, vec![1])
+        (sched.prefill_chunk_tokens.saturating_mul(sched.chunk_stages(false)) + 5, vec![1])
     };
-    let warm_up = settings.worker.warm_up_tokens.unwrap_or(default_tokens);
-    if warm_up > 0 {
-        match actor.send(WarmUp { tokens: warm_up, rows }).await {
-            Ok(Ok(ms)) => tracing::info!(ms, tokens = warm_up, "warm-up done"),
-            Ok(Err(e)) => tracing::warn!(error = %e, "warm-up failed; serving anyway"),
-            Err(e) => return Err(WorkerError::Model(format!("the device thread stopped: {e}"))),
-        }
+    let tokens = settings.worker.warm_up_tokens.unwrap_or(default_tokens);
+    if tokens == 0 {
+        return Ok(());
     }
-    tracing::info!(%worker_id, model = %model_name, "worker ready");
-
-    // Jobs held here, by request id, until their terminal event is out, with their trace spans.
-    let inflight: Arc<Mutex<HashMap<String, (jetstream::Message, tracing::Span)>>> = Arc::default();
-
-    // Publisher: events in order; acks on terminal events.
-    let (pub_client, pub_inflight) = (client.clone(), inflight.clone());
-    actix::spawn(async move {
-        while let Some(o) = out_rx.recv().await {
-            let terminal = o.event.event.is_terminal();
-            match llmq_protocol::encode(&o.event) {
-                Ok(bytes) => {
-                    if let Err(e) = pub_client.publish(o.subject.clone(), bytes.into()).await {
-                        tracing::warn!(error = %e, "publishing an event");
-                    }
-                }
-                Err(e) => tracing::error!(error = %e, "encoding an event"),
-            }
-            if terminal {
-                let held = pub_inflight.lock().unwrap().remove(&o.request_id);
-                if let Some((m, span)) = held {
-                    record_end(&span, &o.event.event);
-                    let _ = pub_client.flush().await;
-                    if let Err(e) = m.ack().await {
-                        tracing::warn!(error = %e, "acknowledging a job");
-                    }
-                }
-            }
-        }
-    });
-
-    // Cancels.
-    let mut cancels = client.subscribe(subjects::CANCEL).await.map_err(nats_err)?;
-    let cancel_actor = actor.clone();
-    actix::spawn(async move {
-        while let Some(m) = cancels.next().await {
-            if let Ok(c) = llmq_protocol::decode::<Cancel>(&m.payload) {
-                cancel_actor.do_send(CancelRequest(c.request_id));
-            }
-        }
-    });
-
-    // Prefix cache clears.
-    let mut clears = client.subscribe(subjects::CACHE_CLEAR).await.map_err(nats_err)?;
-    let (clear_actor, clear_client, clear_wid, clear_model) = (actor.clone(), client.clone(), worker_id.clone(), model_name.clone());
-    actix::spawn(async move {
-        while let Some(m) = clears.next().await {
-            let Ok(c) = llmq_protocol::decode::<ClearCache>(&m.payload) else { continue };
-            if c.model.as_ref().is_some_and(|x| *x != clear_model) {
-                continue;
-            }
-            let freed = clear_actor.send(ClearPrefixCache).await.unwrap_or(0);
-            if let Some(reply) = m.reply {
-                if let Ok(bytes) = llmq_protocol::encode(&CacheCleared { worker_id: clear_wid.clone(), freed_bytes: freed }) {
-                    let _ = clear_client.publish(reply, bytes.into()).await;
-                }
-            }
-        }
-    });
-
-    // Heartbeats and progress acks.
-    let (hb_client, hb_inflight) = (client.clone(), inflight.clone());
-    let hb_every = Duration::from_millis(settings.worker.heartbeat_ms);
-    let progress_every = Duration::from_millis(settings.worker.ack_wait_ms / 6);
-    let status_subject = subjects::worker_status(&worker_id);
-    actix::spawn(async move {
-        let mut last_progress = tokio::time::Instant::now();
-        let mut last_beat: Option<tokio::time::Instant> = None;
-        loop {
-            if last_beat.is_none_or(|t| t.elapsed() >= hb_every) {
-                last_beat = Some(tokio::time::Instant::now());
-                // The actor's latest snapshot, not a message to it: a worker in a long tick (a
-                // big prefill on a CPU takes seconds) must not look gone to intake, the gateway
-                // or its peers.
-                let mut status = hb_snapshot.lock().unwrap().clone();
-                status.sent_at_ms =
-                    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_millis() as u64;
-                if let Ok(bytes) = llmq_protocol::encode(&status) {
-                    let _ = hb_client.publish(status_subject.clone(), bytes.into()).await;
-                }
-            }
-            if last_progress.elapsed() >= progress_every {
-                last_progress = tokio::time::Instant::now();
-                let msgs: Vec<_> = hb_inflight.lock().unwrap().values().map(|(m, _)| m.clone()).collect();
-                for m in msgs {
-                    let _ = m.ack_with(AckKind::Progress).await;
-                }
-            }
-            tokio::time::sleep(hb_every.min(progress_every) / 2).await;
-        }
-    });
-
-    // Cancels sent before this worker started, for jobs that may still be waiting in the stream
-    // (the live subscription above covers everything from its start on; twice is harmless).
-    match replay_cancels(&cancels_stream, &actor).await {
-        Ok(n) => tracing::debug!(n, "stored cancels replayed"),
-        Err(e) => tracing::warn!(error = %e, "could not replay stored cancels"),
+    match actor.send(WarmUp { tokens, rows }).await {
+        Ok(Ok(ms)) => tracing::info!(ms, tokens, "warm-up done"),
+        Ok(Err(e)) => tracing::warn!(error = %e, "warm-up failed; serving anyway"),
+        Err(e) => return Err(WorkerError::Model(format!("the device thread stopped: {e}"))),
     }
-    // Fetch loop: take jobs while there is room.
-    loop {
-        let limit = placement.lock().unwrap().limit_at(std::time::Instant::now());
-        let room = limit.saturating_sub(inflight.lock().unwrap().len());
-        if room == 0 {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-            continue;
+    Ok(())
+}
+
+/// Publishes events in order, and acknowledges a job once its terminal event is out.
+async fn publish_events(client: async_nats::Client, mut out: mpsc::UnboundedReceiver<Outbound>, inflight: Inflight) {
+    while let Some(o) = out.recv().await {
+        let terminal = o.event.event.is_terminal();
+        match llmq_protocol::encode(&o.event) {
+            Ok(bytes) => {
+                if let Err(e) = client.publish(o.subject.clone(), bytes.into()).await {
+                    tracing::warn!(error = %e, "publishing an event");
+                }
+            }
+            Err(e) => tracing::error!(error = %e, "encoding an event"),
         }
-        // One job per fetch: the server hands jobs to the workers' waiting fetches in turn, so
-        // equal workers share a burst evenly, and a worker without room asks for nothing.
-        let batch = consumer.fetch().max_messages(1).expires(Duration::from_millis(500)).messages().await;
-        let mut batch = match batch {
-            Ok(b) => b,
-            Err(e) => {
-                tracing::warn!(error = %e, "fetching jobs");
-                tokio::time::sleep(Duration::from_millis(200)).await;
-                continue;
-            }
-        };
-        while let Some(msg) = batch.next().await {
-            let Ok(msg) = msg else { continue };
-            let job = match llmq_protocol::decode::<Job>(&msg.payload) {
-                Ok(j) => j,
-                Err(e) => {
-                    tracing::error!(error = %e, "undecodable job; dropping it");
-                    let _ = msg.ack_with(AckKind::Term).await;
-                    continue;
+        if terminal {
+            let held = inflight.lock().unwrap().remove(&o.request_id);
+            if let Some((m, span)) = held {
+                record_end(&span, &o.event.event);
+                let _ = client.flush().await;
+                if let Err(e) = m.ack().await {
+                    tracing::warn!(error = %e, "acknowledging a job");
                 }
-            };
-            let delivered = msg.info().map(|i| i.delivered).unwrap_or(1);
-            if delivered > 1 {
-                // Its first worker may have streamed events already: end it, do not replay it.
-                let ev = StreamEvent {
-                    request_id: job.request_id.clone(),
-                    seq: llmq_protocol::SEQ_FROM_ANOTHER_WORKER,
-                    event: Event::Error {
-                        error: WireError::new(ErrorClass::WorkerLost, "the worker running this request stopped"),
-                    },
-                };
-                if let Ok(bytes) = llmq_protocol::encode(&ev) {
-                    let _ = client.publish(job.stream_subject.clone(), bytes.into()).await;
-                    let _ = client.flush().await;
-                }
-                let _ = msg.ack().await;
-                continue;
             }
-            let span = tracing::info_span!(
-                "worker.request",
-                request_id = %job.request_id,
-                prompt_tokens = job.prompt_ids.len() as i64,
-                cached_tokens = tracing::field::Empty,
-                completion_tokens = tracing::field::Empty,
-                finish_reason = tracing::field::Empty,
-                queue_ms = tracing::field::Empty,
-                ttft_ms = tracing::field::Empty,
-                error = tracing::field::Empty
-            );
-            llmq_telemetry::extract(&span, msg.headers.as_ref());
-            inflight.lock().unwrap().insert(job.request_id.clone(), (msg, span));
-            actor.do_send(Submit(job));
         }
     }
 }
 
+/// `llm.v1.cancel`, broadcast: the actor cancels what it holds and remembers the rest.
+async fn forward_cancels(mut cancels: async_nats::Subscriber, actor: Scheduler) {
+    while let Some(m) = cancels.next().await {
+        if let Ok(c) = llmq_protocol::decode::<Cancel>(&m.payload) {
+            actor.do_send(CancelRequest(c.request_id));
+        }
+    }
+}
+
+/// `llm.v1.cache.clear`: drops the cached prefixes of this worker's model (of every model if
+/// none is named), answering `CacheCleared` when asked.
+async fn clear_caches(mut clears: async_nats::Subscriber, actor: Scheduler, client: async_nats::Client, worker_id: String, model: String) {
+    while let Some(m) = clears.next().await {
+        let Ok(c) = llmq_protocol::decode::<ClearCache>(&m.payload) else { continue };
+        if c.model.as_ref().is_some_and(|x| *x != model) {
+            continue;
+        }
+        let freed = actor.send(ClearPrefixCache).await.unwrap_or(0);
+        if let Some(reply) = m.reply {
+            if let Ok(bytes) = llmq_protocol::encode(&CacheCleared { worker_id: worker_id.clone(), freed_bytes: freed }) {
+                let _ = client.publish(reply, bytes.into()).await;
+            }
+        }
+    }
+}
+
+/// Heartbeats every `worker.heartbeat_ms`, and progress acks for the jobs held six times per
+/// ack wait. A heartbeat is the actor's latest snapshot, not a message to it: a worker in a long
+/// tick (a big prefill on a CPU takes seconds) must not look gone to intake, the gateway or its
+/// peers.
+fn heartbeats(
+    client: async_nats::Client,
+    settings: &Settings,
+    worker_id: &str,
+    snapshot: Arc<Mutex<WorkerStatus>>,
+    inflight: Inflight,
+) -> impl std::future::Future<Output = ()> {
+    let beat_every = Duration::from_millis(settings.worker.heartbeat_ms);
+    let progress_every = Duration::from_millis(settings.worker.ack_wait_ms / 6);
+    let subject = subjects::worker_status(worker_id);
+    async move {
+        let mut last_progress = tokio::time::Instant::now();
+        let mut last_beat: Option<tokio::time::Instant> = None;
+        loop {
+            if last_beat.is_none_or(|t| t.elapsed() >= beat_every) {
+                last_beat = Some(tokio::time::Instant::now());
+                let mut status = snapshot.lock().unwrap().clone();
+                status.sent_at_ms =
+                    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_millis() as u64;
+                if let Ok(bytes) = llmq_protocol::encode(&status) {
+                    let _ = client.publish(subject.clone(), bytes.into()).await;
+                }
+            }
+            if last_progress.elapsed() >= progress_every {
+                last_progress = tokio::time::Instant::now();
+                let msgs: Vec<_> = inflight.lock().unwrap().values().map(|(m, _)| m.clone()).collect();
+                for m in msgs {
+                    let _ = m.ack_with(AckKind::Progress).await;
+                }
+            }
+            tokio::time::sleep(beat_every.min(progress_every) / 2).await;
+        }
+    }
+}
+
+/// Taking jobs from the model's consumer while there is room.
+struct Jobs<'a> {
+    client: &'a async_nats::Client,
+    consumer: &'a jetstream::consumer::Consumer<pull::Config>,
+    placement: &'a Mutex<Placement>,
+    inflight: &'a Inflight,
+    actor: &'a Scheduler,
+}
+
+impl Jobs<'_> {
+    /// Fetches at most one job (waiting up to 0.5 s for one) when there is room, and submits
+    /// it. One job per fetch: the server hands jobs to the workers' waiting fetches in turn, so
+    /// equal workers share a burst evenly, and a worker without room asks for nothing.
+    async fn fetch_one(&self) {
+        let limit = self.placement.lock().unwrap().limit_at(std::time::Instant::now());
+        if limit.saturating_sub(self.inflight.lock().unwrap().len()) == 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            return;
+        }
+        let mut batch = match self.consumer.fetch().max_messages(1).expires(Duration::from_millis(500)).messages().await {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::warn!(error = %e, "fetching jobs");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                return;
+            }
+        };
+        while let Some(msg) = batch.next().await {
+            if let Ok(msg) = msg {
+                self.take(msg).await;
+            }
+        }
+    }
+
+    async fn take(&self, msg: jetstream::Message) {
+        let job = match llmq_protocol::decode::<Job>(&msg.payload) {
+            Ok(j) => j,
+            Err(e) => {
+                tracing::error!(error = %e, "undecodable job; dropping it");
+                let _ = msg.ack_with(AckKind::Term).await;
+                return;
+            }
+        };
+        if msg.info().map(|i| i.delivered).unwrap_or(1) > 1 {
+            // Its first worker may have streamed events already: end it, do not replay it.
+            let ev = StreamEvent {
+                request_id: job.request_id.clone(),
+                seq: llmq_protocol::SEQ_FROM_ANOTHER_WORKER,
+                event: Event::Error { error: WireError::new(ErrorClass::WorkerLost, "the worker running this request stopped") },
+            };
+            if let Ok(bytes) = llmq_protocol::encode(&ev) {
+                let _ = self.client.publish(job.stream_subject.clone(), bytes.into()).await;
+                let _ = self.client.flush().await;
+            }
+            let _ = msg.ack().await;
+            return;
+        }
+        let span = tracing::info_span!(
+            "worker.request",
+            request_id = %job.request_id,
+            prompt_tokens = job.prompt_ids.len() as i64,
+            cached_tokens = tracing::field::Empty,
+            completion_tokens = tracing::field::Empty,
+            finish_reason = tracing::field::Empty,
+            queue_ms = tracing::field::Empty,
+            ttft_ms = tracing::field::Empty,
+            error = tracing::field::Empty
+        );
+        llmq_telemetry::extract(&span, msg.headers.as_ref());
+        self.inflight.lock().unwrap().insert(job.request_id.clone(), (msg, span));
+        self.actor.do_send(Submit(job));
+    }
+}
+
+/// Waits up to `grace` for every held job to end, then ends what is left with `worker_lost`
+/// and waits (a few seconds at most) for those terminal events to be out and acknowledged.
+async fn drain(actor: &Scheduler, inflight: &Inflight, grace: Duration) {
+    let held = || inflight.lock().unwrap().len();
+    tracing::info!(held = held(), grace_s = grace.as_secs(), "stopping: no more jobs; draining");
+    let wait_empty = |limit: Duration| async move {
+        let until = tokio::time::Instant::now() + limit;
+        while held() > 0 && tokio::time::Instant::now() < until {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    wait_empty(grace).await;
+    if held() > 0 {
+        tracing::warn!(held = held(), "grace period over: ending what is left");
+        let error = WireError::new(ErrorClass::WorkerLost, "the worker stopped before finishing this request");
+        let _ = actor.send(EndAll(error)).await;
+        wait_empty(Duration::from_secs(5)).await;
+    }
+    tracing::info!(left = held(), "drained");
+}
+
 /// Hands every cancel the cancels stream holds to the actor (which remembers those of requests
 /// it does not hold, and ends such a job with `Cancelled` if it ever arrives). Returns how many.
-async fn replay_cancels(stream: &jetstream::stream::Stream, actor: &Addr<SchedulerActor<ActorEngine>>) -> Result<usize, String> {
+async fn replay_cancels(stream: &jetstream::stream::Stream, actor: &Scheduler) -> Result<usize, String> {
     let consumer = stream
         .create_consumer(pull::Config {
             deliver_policy: jetstream::consumer::DeliverPolicy::All,

@@ -99,11 +99,14 @@ pub struct WorkerSettings {
     /// Writes one line per scheduler tick to `<tick_log>.<worker id>`, for tuning (see the
     /// worker's `tick_log` module). Default: none.
     pub tick_log: Option<std::path::PathBuf>,
+    /// On SIGTERM a worker stops fetching jobs and finishes those it holds for up to this long;
+    /// what is left then ends with `worker_lost`.
+    pub drain_timeout_s: u64,
 }
 
 impl Default for WorkerSettings {
     fn default() -> Self {
-        WorkerSettings { id: None, model: "smollm2".into(), dtype: None, device: None, heartbeat_ms: 1000, max_queued: 256, ack_wait_ms: 30_000, warm_up_tokens: None, mlx_memory_limit_bytes: None, mlx_cache_limit_bytes: None, tick_log: None }
+        WorkerSettings { id: None, model: "smollm2".into(), dtype: None, device: None, heartbeat_ms: 1000, max_queued: 256, ack_wait_ms: 30_000, warm_up_tokens: None, mlx_memory_limit_bytes: None, mlx_cache_limit_bytes: None, tick_log: None, drain_timeout_s: 30 }
     }
 }
 

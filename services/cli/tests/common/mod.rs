@@ -6,6 +6,8 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+pub mod client;
+
 // How `llmq up` starts nats-server (the binary crate has no library to import from).
 #[path = "../../src/nats_server.rs"]
 mod nats_server;
@@ -78,6 +80,29 @@ impl Stack {
         let p = &mut self.procs[index].0;
         let _ = p.kill();
         let _ = p.wait();
+    }
+
+    /// Sends SIGTERM to a process started by `spawn` (a graceful stop).
+    pub fn terminate(&mut self, index: usize) {
+        extern "C" {
+            fn kill(pid: i32, sig: i32) -> i32;
+        }
+        // SAFETY: kill(2) on our own child's pid.
+        assert_eq!(unsafe { kill(self.procs[index].0.id() as i32, 15) }, 0, "SIGTERM");
+    }
+
+    /// How a process started by `spawn` exited, once it has (None if still running after `limit`).
+    pub fn wait_exit(&mut self, index: usize, limit: std::time::Duration) -> Option<std::process::ExitStatus> {
+        let until = std::time::Instant::now() + limit;
+        loop {
+            if let Ok(Some(status)) = self.procs[index].0.try_wait() {
+                return Some(status);
+            }
+            if std::time::Instant::now() >= until {
+                return None;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
     }
 
     pub fn up(worker_env: &[(&str, &str)]) -> Stack {
