@@ -2,11 +2,12 @@
 //! The scheduling policy they follow is `llmq_scheduler`'s; the model is `llmq_engine`'s.
 //!
 //! - `actor` the scheduler actor: the device's clock; it drives the engine once per tick
-//!   (`WorkerEngine`: what it needs of one); its warm-up
+//!   (`WorkerEngine`: what it needs of one); its warm-up and the cancels it remembers
 //! - `engine` the engine the scheduler drives, made of the three role actors below (their
 //!   messages: who lends what to whom each tick)
 //! - `prefill` the prefill actor: requests whose prompt is not complete, their own KV caches
-//! - `decode` the decode actor: the decode batches and their rows, the step queued ahead
+//! - `decode` the decode actor: the decode batches and their rows (`step`), the step queued
+//!   ahead (`ahead`), a chunk lent to it and staged over steps (`chunk`)
 //! - `cache` the cache actor: the prefix cache
 //! - `messages` what the role actors share: the report every answer carries, common messages
 //! - `seq` a request's sequence and the work the prefill and decode actors share

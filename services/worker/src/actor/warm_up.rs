@@ -1,0 +1,157 @@
+//! The warm-up: dummy requests through a private scheduler before the worker takes jobs, so
+//! that MLX has planned the kernels of every kind of step a burst of long prompts meets.
+
+use std::panic::AssertUnwindSafe;
+
+use actix::prelude::*;
+use futures::FutureExt;
+use llmq_protocol::Event;
+use llmq_scheduler::{Admission, ReqId, Scheduler, SchedulerConfig};
+use llmq_text::sampling::{Sampling, StopConditions};
+
+use super::{now, SchedulerActor, WorkerEngine};
+use crate::seq::panic_text;
+
+/// Runs dummy requests through a private scheduler before the worker takes jobs, so that MLX
+/// has built the kernels (and the allocator holds the buffers) of every kind of step before the
+/// first user's request: a long one (`tokens`) prefilled alone, then one round per entry of
+/// `rows`: that many short ones prefilled and decoding, and two long ones prefilled chunk by
+/// chunk in the same steps as their decode, the first then decoding in a length group of its
+/// own beside the second's chunks, everything to its end. On a GPU the first step of each new
+/// shape otherwise costs 10-180 ms (seen in the burst benchmark: its first chunks, and the
+/// tick in which the first long prompt joins 16 decoding streams when the warm-up had only
+/// one). Answers with the milliseconds it took. Leaves nothing behind.
+#[derive(Message)]
+#[rtype(result = "Result<f64, String>")]
+pub struct WarmUp {
+    /// Prompt tokens of the long dummy requests (capped by the context and the KV budget).
+    pub tokens: usize,
+    /// Short requests decoding in each round (at least one round).
+    pub rows: Vec<usize>,
+}
+
+/// Rows of the warm-up's rounds on a GPU: one round for each size the decode batch's buffers
+/// take up to `max_batch` (they grow by doubling from 4 rows), so that every row count's step
+/// shapes (the matrix products' sizes follow the batch's slots) have run once: 1, 5, 9, 17, 33
+/// rows for a batch of 64, leaving room for the two long prompts.
+pub fn warm_up_rows(max_batch: usize) -> Vec<usize> {
+    let mut rows = vec![1];
+    let mut slots = 8;
+    while slots / 2 + 1 + 2 <= max_batch {
+        rows.push(slots / 2 + 1);
+        slots *= 2;
+    }
+    rows
+}
+
+/// The warm-up's dummy requests, through a private scheduler and `engine`, to their end.
+async fn warm_up<E: WorkerEngine>(engine: &mut E, cfg: SchedulerConfig, w: WarmUp) -> Result<(), String> {
+    // Chunks of a fixed size per round (the tick budget's choices depend on measured times).
+    let fixed = |size: usize| SchedulerConfig { prefill_chunk: size, tick_budget: 0.0, ..cfg.clone() };
+    let mut s = Scheduler::new(fixed(cfg.prefill_chunk));
+    let sizes = cfg.chunk_sizes();
+    let context = engine.context_tokens().saturating_sub(8);
+    let fits = (cfg.kv_budget_bytes / engine.kv_bytes_per_token().max(1)) as usize;
+    let short = 16.min(context / 4).max(1);
+    let most_rows = w.rows.iter().copied().max().unwrap_or(1).clamp(1, cfg.max_batch.saturating_sub(2).max(1));
+    // Ticks of one long prefill in chunks of `size` beside decoding rows (a chunk may take
+    // several: its stages).
+    let ticks = |engine: &E, size: usize, tokens: usize| tokens.div_ceil(size.max(1)) * engine.chunk_ticks(size);
+    // The short ones' reservations, at most (their outputs last two long prefills in the
+    // chunks that take the most ticks).
+    let most_chunks = sizes.iter().map(|&size| ticks(engine, size, w.tokens)).max().unwrap_or(1);
+    let short_room = most_rows * (short + 2 * most_chunks + 8 + most_rows);
+    let long = w.tokens.min(context).min(fits.saturating_sub(short_room) * 3 / 8).max(1);
+    // MLX plans kernels, cuDNN attention and matrix products once per shape, tens of ms each on
+    // a GPU. The phases below make the shapes a burst of long prompts meets: a long prompt
+    // alone (the idle engine's large prefill steps); then, per round, short ones decoding
+    // throughout and two long ones together, the first chunked beside the short ones' decode,
+    // then decoding as a length group of its own beside the second's chunks. One round per
+    // size of the decode batch with the largest chunks, then one with each smaller chunk size
+    // the tick budget may grant (its attention shapes; the decode batch's are met already; a
+    // CPU plans nothing).
+    let out = |n: usize| n.min(context.saturating_sub(long.max(short))).max(1);
+    let mut rounds: Vec<(usize, usize)> = w.rows.iter().chain(w.rows.is_empty().then_some(&1)).map(|&n| (cfg.prefill_chunk, n)).collect();
+    if llmq_engine::on_gpu() {
+        rounds.extend(sizes.iter().filter(|&&size| size != cfg.prefill_chunk).map(|&size| (size, 1)));
+    }
+    // (requests as (prompt, max tokens), whether the phase ends when they all decode, chunk)
+    let mut phases: Vec<(Vec<(usize, usize)>, bool, usize)> = vec![(vec![(long, 1)], false, cfg.prefill_chunk)];
+    for (size, n) in rounds {
+        let n = n.clamp(1, most_rows);
+        let chunks = ticks(engine, size, long);
+        phases.push((vec![(short, out(2 * chunks + 8 + n)); n], true, size));
+        phases.push((vec![(long, out(chunks + 4)), (long, 4)], false, size));
+    }
+    let mut id = ReqId::MAX - (phases.iter().map(|p| p.0.len()).sum::<usize>() as ReqId) - 1;
+    for (phase, until_decoding, size) in &phases {
+        if *size != s.config().prefill_chunk && s.is_idle() {
+            s = Scheduler::new(fixed(*size));
+        }
+        for &(len, max_tokens) in phase.iter() {
+            id += 1;
+            let prompt: Vec<u32> = (0..len as u32).map(|i| 1 + (i * 7 + (id % 50) as u32) % 50).collect();
+            let stop = StopConditions { max_tokens: max_tokens as u32, ignore_eos: true, ..Default::default() };
+            engine.register(id, prompt, Sampling::default(), stop, None).await.map_err(|e| e.to_string())?;
+            let a = Admission { id, prompt_tokens: len, max_tokens, accepted_at: now() };
+            if let Some(e) = s.submit(a).into_iter().find(|e| e.event.is_terminal()) {
+                return Err(format!("{:?}", e.event));
+            }
+        }
+        // A phase of short ones ends when none is waiting or prefilling any more (all decode,
+        // unless one already finished); the others run to their end.
+        let mut ticks = 0;
+        while if *until_decoding { s.queued_requests() > 0 } else { !s.is_idle() } {
+            let (emits, _) = s.tick(engine, now()).await;
+            if let Some(e) = emits.iter().find(|e| matches!(e.event, Event::Error { .. })) {
+                return Err(format!("{:?}", e.event));
+            }
+            ticks += 1;
+            if ticks > 1_000_000 {
+                return Err("did not finish".into());
+            }
+        }
+    }
+    engine.prefix_clear().await;
+    engine.reset_counters().await;
+    Ok(())
+}
+
+impl<E: WorkerEngine + Unpin + 'static> Handler<WarmUp> for SchedulerActor<E> {
+    type Result = AtomicResponse<Self, Result<f64, String>>;
+    fn handle(&mut self, w: WarmUp, _: &mut Context<Self>) -> Self::Result {
+        let started = std::time::Instant::now();
+        let cfg = self.cfg.clone();
+        self.exchange(
+            Err("the engine is busy".into()),
+            move |mut engine| async move {
+                let run = AssertUnwindSafe(warm_up(&mut engine, cfg, w)).catch_unwind().await;
+                let run = run.unwrap_or_else(|p| Err(format!("panic during warm-up: {}", panic_text(p))));
+                if run.is_err() {
+                    // Nothing of it stays behind.
+                    engine.reset().await;
+                    engine.prefix_clear().await;
+                }
+                (engine, run)
+            },
+            move |run, act, _| {
+                act.refresh_snapshot();
+                run.map(|()| started.elapsed().as_secs_f64() * 1000.0)
+            },
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn warm_up_rounds_cover_every_size_of_the_decode_batch() {
+        // The batch's buffers hold 4, 8, 16, ... rows: one round with a row count of each size.
+        assert_eq!(warm_up_rows(64), vec![1, 5, 9, 17, 33]);
+        assert_eq!(warm_up_rows(8), vec![1, 5]);
+        assert_eq!(warm_up_rows(4), vec![1]);
+        assert_eq!(warm_up_rows(1), vec![1]);
+    }
+}

@@ -1,0 +1,185 @@
+//! The decode step queued ahead: launched from the previous step's greedy tokens while they
+//! are still on the device, delivered at the next `Step` (a completed prompt joining, the next
+//! step queued, then this one's tokens read).
+
+use std::collections::HashMap;
+
+use llmq_engine::batch::DecodeBatch;
+use llmq_engine::model::ChunkStage;
+use llmq_engine::Model;
+use llmq_protocol::WireError;
+use llmq_scheduler::{PrefillResult, ReqId};
+use mlx_rs::Array;
+
+use super::chunk::InFlight;
+use super::{DecodeActor, Stepped};
+use crate::messages::StepTimes;
+use crate::seq::{argmax_rows, host_ids, internal, unknown, Seq};
+
+/// A decode step queued ahead: built from the previous step's greedy tokens while they were
+/// still on the device, so the device starts it before the host has read those tokens, handled
+/// them and come back for the next step (the host's share of a step is then hidden behind the
+/// device's). Only when every row decodes greedily. A lent prefill chunk may share it; when
+/// that chunk completes its prompt (a greedy request), the request's first token is the step's
+/// last token, and its sequence (kept here) joins the decode batch when the step is delivered.
+/// Rows that leave before it is consumed are simply ignored.
+pub(super) struct Ahead {
+    /// The requests it steps, in row order when it was queued.
+    pub(super) order: Vec<ReqId>,
+    /// Their tokens [rows] (int32, being evaluated), then the chunk's greedy token if a chunk
+    /// shares the step.
+    pub(super) tokens: Array,
+    /// The request whose prompt the step's chunk completes, with its sequence: its first token
+    /// is `tokens[rows]`.
+    pub(super) completing: Option<(ReqId, Seq)>,
+}
+
+/// Builds and launches, without waiting for it, the decode step that follows one whose greedy
+/// tokens are `tokens` (on the device, one a row), with a prefill chunk in the same pass when
+/// given; returns that step's greedy tokens (being evaluated): one a row, then the greedy token
+/// after the chunk. `took`: the host's ms building the step's graph and launching it.
+pub(super) fn launch_step(
+    model: &Model,
+    rows: &[Vec<ReqId>],
+    batches: &mut [DecodeBatch],
+    tokens: &Array,
+    chunk: Option<ChunkStage>,
+    took: &mut (f64, f64),
+) -> Result<(Array, Option<Array>), WireError> {
+    let t0 = std::time::Instant::now();
+    let counts: Vec<Vec<u32>> = rows.iter().map(|g| vec![0; g.len()]).collect();
+    let mut groups: Vec<(&[u32], &mut DecodeBatch)> = counts.iter().map(|t| &t[..]).zip(batches.iter_mut()).collect();
+    let (logits, hidden) = model.step_staged(&mut groups, Some(tokens), chunk).map_err(internal)?;
+    let next = argmax_rows(&logits, logits.shape()[0])?;
+    let mut pending = vec![&next];
+    pending.extend(hidden.as_ref());
+    let t1 = std::time::Instant::now();
+    mlx_rs::transforms::async_eval(pending).map_err(internal)?;
+    *took = ((t1 - t0).as_secs_f64() * 1000.0, t1.elapsed().as_secs_f64() * 1000.0);
+    Ok((next, hidden))
+}
+
+impl DecodeActor {
+    /// Drops a step queued ahead, after waiting for it: no device work queued here outlives
+    /// its use (a step still running on MLX's stream thread when the process exits can meet
+    /// freed memory; a test binary once aborted at exit with a corrupted heap).
+    pub(super) fn discard_ahead(&mut self) {
+        if let Some(a) = self.ahead.take() {
+            if let Err(e) = a.tokens.eval() {
+                tracing::warn!(error = %e, "a step queued ahead failed");
+            }
+            if let Some((_, seq)) = a.completing {
+                // Not consumed: the request was released (or the batch restarted).
+                self.release_seq(seq);
+            }
+        }
+    }
+
+    /// Queues the decode step that follows one whose greedy tokens are `tokens` (on the
+    /// device), for the rows `order`, with the granted chunk's next stage (see
+    /// `chunk_can_queue`) in the same pass; the stage then counts as done. On failure nothing
+    /// is queued (the next step is built as usual) and the chunk comes back with the error.
+    pub(super) fn queue_ahead(&mut self, order: Vec<ReqId>, tokens: &Array, mut chunk: Option<InFlight>) -> Result<Option<(PrefillResult, Option<Box<Seq>>)>, (WireError, Option<InFlight>)> {
+        let Some(mut batches) = self.batches.take() else { return Err((internal("no decode batches"), chunk)) };
+        let end = chunk.as_ref().map_or(0, |c| self.stage_end(c, true));
+        let toks: Option<Vec<u32>> = chunk.as_ref().map(|c| c.lent.seq.chunk(c.lent.n));
+        let part = chunk.as_mut().zip(toks.as_ref()).map(|(c, t)| c.stage(t, end));
+        let queued = launch_step(&self.shared.model, &self.rows, &mut batches, tokens, part, &mut self.launched);
+        self.batches = Some(batches);
+        match queued {
+            Ok((tokens, hidden)) => {
+                self.ahead = Some(Ahead { order, tokens, completing: None });
+                Ok(chunk.map(|c| {
+                    self.chunks_ahead.0 += (end == self.shared.model.num_layers()) as u64;
+                    self.stage_done(c, end, hidden, None)
+                }))
+            }
+            Err(e) => Err((e, chunk)),
+        }
+    }
+
+    /// Whether the chunk's next stage can share a step queued ahead: either it does not
+    /// complete the prompt or the request samples greedily (its first token is then the step's
+    /// greedy token after the chunk; other sampling needs the host).
+    pub(super) fn chunk_can_queue(&self, c: &InFlight) -> bool {
+        !c.completes(self.stage_end(c, true), self.shared.model.num_layers()) || c.lent.seq.greedy()
+    }
+
+    /// A step queued ahead is delivered: a request whose prompt that step completed joins the
+    /// decode batch; the next step is queued, with the chunk's next stage in the same pass when
+    /// it can be (`chunk_can_queue`); then this one's tokens are read (the joined request's
+    /// first token among them). A chunk that cannot share the step runs on its own after, and
+    /// nothing is queued behind it.
+    pub(super) fn deliver_ahead(&mut self, ahead: Ahead, ids: &[ReqId], chunk: Option<InFlight>) -> Stepped {
+        let Ahead { order: ahead_order, tokens, completing } = ahead;
+        let mut pos: HashMap<ReqId, usize> = ahead_order.iter().enumerate().map(|(i, id)| (*id, i)).collect();
+        let mut failed_join = None;
+        let t0 = std::time::Instant::now();
+        if let Some((id, seq)) = completing {
+            pos.insert(id, ahead_order.len());
+            if let Err(e) = self.join(id, seq) {
+                failed_join = Some((id, e));
+            }
+        }
+        let order: Vec<ReqId> = self.rows.iter().flatten().copied().collect();
+        let decode: Vec<ReqId> = ids.iter().copied().filter(|id| failed_join.as_ref().is_none_or(|(f, _)| f != id)).collect();
+        if decode.len() != order.len() || order.iter().any(|id| !pos.contains_key(id)) || decode.iter().any(|id| !order.contains(id)) {
+            let e = internal("the queued decode step is out of step with the scheduler");
+            let _ = tokens.eval();
+            return Stepped { outs: ids.iter().map(|_| Err(e.clone())).collect(), chunk: chunk.map(|c| (Err(e.clone()), c.back())) };
+        }
+        let t1 = std::time::Instant::now();
+        // This delivery's own launch only (a step launched synchronously earlier set it too).
+        self.launched = (0.0, 0.0);
+        // The chunk's outcome when its stage rode in the queued step; otherwise it is still to run.
+        let mut folded = None;
+        let mut alone = None;
+        match chunk {
+            Some(c) if !self.chunk_can_queue(&c) => alone = Some(c),
+            chunk => {
+                let idx: Vec<i32> = order.iter().map(|id| pos[id] as i32).collect();
+                match tokens.take_axis(Array::from_slice(&idx, &[idx.len() as i32]), 0) {
+                    Ok(current) => match self.queue_ahead(order, &current, chunk) {
+                        Ok(outcome) => folded = outcome,
+                        Err((e, c)) => {
+                            tracing::warn!(error = %e, "could not queue the next decode step");
+                            folded = c.map(|c| (Err(e), c.back()));
+                        }
+                    },
+                    Err(e) => {
+                        tracing::warn!(error = %e, "could not queue the next decode step");
+                        alone = chunk;
+                    }
+                }
+            }
+        }
+        let t2 = std::time::Instant::now();
+        let host = host_ids(&tokens);
+        let t3 = std::time::Instant::now();
+        let tok = self.shared.tokenizer.clone();
+        let outs = ids
+            .iter()
+            .map(|id| {
+                if let Some((_, e)) = failed_join.as_ref().filter(|(f, _)| f == id) {
+                    return Err(e.clone());
+                }
+                let t = host.as_ref().map_err(Clone::clone)?[pos[id]];
+                let seq = self.seqs.get_mut(id).ok_or_else(|| unknown("decode", *id))?;
+                seq.take_token(tok.as_deref(), t, None)
+            })
+            .collect();
+        let chunk = folded.or_else(|| alone.map(|c| self.chunk_alone(c)));
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1000.0;
+        let (build, launch) = self.launched;
+        self.times = StepTimes {
+            join: ms(t1 - t0),
+            queue: ms(t2 - t1),
+            build,
+            launch,
+            wait: ms(t3 - t2),
+            rest: ms(t3.elapsed()),
+            ..StepTimes::default()
+        };
+        Stepped { outs, chunk }
+    }
+}

@@ -1,0 +1,438 @@
+//! The decode actor: owns every request whose prompt is complete: the decode batches (rows of
+//! shared KV buffers, one batch per length group), each row's sequence and sampler, and the
+//! decode step queued ahead on the device. Each `Step` advances every row by one token; a
+//! sequence lent by the prefill actor rides in the same pass over the weights for its chunk
+//! (and, when nothing needs the host in between, in the step queued ahead). A sequence whose
+//! prompt completes joins its length group here, by `Join` or in a `Step`; its prompt's KV goes
+//! to the cache actor, as does a sequence's KV when it is released.
+//!
+//! Invariants: a step feeds each row the token it sampled last; a join copies only the joining
+//! sequence's own KV (no other row is padded or copied); a step queued ahead is always
+//! consumed or waited for, never rolled back (its KV writes are real); a chunk part-way
+//! through the model (its layers spread over steps) stays here until its last stage and is
+//! never remembered as a prefix before; a panic in a handler drops the batches and every
+//! sequence held here (those requests fail at their next step, the others go on) and never
+//! escapes.
+
+mod ahead;
+mod chunk;
+mod step;
+
+use std::collections::HashMap;
+
+use actix::prelude::*;
+use llmq_engine::batch::DecodeBatch;
+use llmq_engine::Model;
+use llmq_protocol::WireError;
+use llmq_scheduler::budget::ChunkSizer;
+use llmq_scheduler::{PrefillResult, ReqId, StepOut};
+use mlx_rs::Array;
+
+use self::ahead::Ahead;
+use self::chunk::InFlight;
+pub use self::chunk::{chunk_stages, stages_for, Grant, Lent, Staging};
+use crate::cache::{CacheActor, Remember};
+use crate::messages::{InjectPanic, Release, Reply, Report, Reset, ResetCounters, StepTimes};
+use crate::seq::{guarded, internal, unknown, Busy, Seq, Shared};
+
+/// Length groups of the decode batches: a sequence joins the first group whose bound exceeds
+/// its length (it stays there as it grows).
+const GROUP_BOUNDS: [usize; 4] = [2048, 8192, 32768, usize::MAX];
+
+/// Rows of a long length group (past the first) attend one by one while there are at most
+/// this many: on an H200, a decode step of 16 short rows plus one 8192-token row in a group of
+/// its own took 15.2-18.8 ms against 22.4-25.0 ms masked.
+const PER_ROW_UP_TO: usize = 8;
+
+/// Steps slower than this are logged at debug level (with their parts), to find stalls.
+const SLOW_MS: f64 = 80.0;
+
+fn group_of(len: usize) -> usize {
+    GROUP_BOUNDS.iter().position(|&b| len < b).unwrap_or(GROUP_BOUNDS.len() - 1)
+}
+
+pub struct DecodeActor {
+    shared: Shared,
+    cache: Addr<CacheActor>,
+    seqs: HashMap<ReqId, Seq>,
+    /// Decoding sequences as rows of shared KV buffers, one batch per length group so that
+    /// short sequences do not attend over the longest one's capacity (None for sliding-window
+    /// models, whose sequences decode each against its own cache).
+    batches: Option<Vec<DecodeBatch>>,
+    /// rows[g][r]: the request in row r of group g.
+    rows: Vec<Vec<ReqId>>,
+    /// The next decode step, already queued on the device.
+    ahead: Option<Ahead>,
+    /// Whether decode steps are queued ahead at all.
+    decode_ahead: bool,
+    chunks_ahead: (u64, u64),
+    /// Host time of the last step queued ahead's delivery (zeros for a synchronous one).
+    times: StepTimes,
+    /// The last queued step's host time building its graph and launching it (ms).
+    launched: (f64, f64),
+    busy: Busy,
+    /// Requests dropped by a restart after a panic, with its message, until released: their
+    /// steps fail with it while the other rows go on.
+    lost: HashMap<ReqId, String>,
+    /// How a chunk's layers are spread over steps while rows decode.
+    staging: Staging,
+    /// With a tick budget, sizes each step's share of a chunk from the steps' times (the
+    /// interval from one `Step` to the next, while rows decode: the gap a stream sees).
+    sizer: ChunkSizer,
+    /// The work (tokens' worth) a stage of the current step carries.
+    stage_work: usize,
+    /// The origin of the sizer's clock.
+    clock: std::time::Instant,
+    /// The last step's chunk stage: layers run and the work it carried (0 without a stage).
+    last_stage: (usize, usize),
+    /// The chunk part-way through the model, between two of its stages.
+    staged: Option<InFlight>,
+    /// Stages that left their chunk part-way (for tests and the tick log).
+    stages_pending: u64,
+}
+
+/// One step of every decode row (`ids`: the scheduler's decode batch, each exactly once), with
+/// the granted chunk (or its next stage) in the same pass when given.
+#[derive(Message)]
+#[rtype(result = "Reply<Stepped>")]
+pub struct Step {
+    pub ids: Vec<ReqId>,
+    pub chunk: Option<Grant>,
+}
+
+pub struct Stepped {
+    /// One result per id of the step, in order.
+    pub outs: Vec<Result<StepOut, WireError>>,
+    /// The chunk's result, and its sequence when it goes back to the prefill actor (its
+    /// prompt is not complete, or the chunk failed). A chunk part-way through the model
+    /// (`Prefilled::Pending`) stays here with its sequence.
+    pub chunk: Option<(PrefillResult, Option<Box<Seq>>)>,
+}
+
+/// A sequence whose prompt was completed by the prefill actor joins the decode batch.
+#[derive(Message)]
+#[rtype(result = "Reply<Result<(), WireError>>")]
+pub struct Join {
+    pub id: ReqId,
+    pub seq: Box<Seq>,
+}
+
+fn new_batches(model: &Model) -> Option<Vec<DecodeBatch>> {
+    // Past the first group, few long rows: they attend one by one (see DecodeBatch).
+    model.new_decode_batch().map(|_| {
+        (0..GROUP_BOUNDS.len())
+            .filter_map(|g| model.new_decode_batch().map(|b| b.with_per_row_attention(if g == 0 { 0 } else { PER_ROW_UP_TO })))
+            .collect()
+    })
+}
+
+impl DecodeActor {
+    /// `staging`: how a chunk's layers are spread over steps while rows decode.
+    pub fn new(shared: Shared, cache: Addr<CacheActor>, decode_ahead: bool, staging: Staging) -> Self {
+        let batches = new_batches(&shared.model);
+        DecodeActor {
+            staging,
+            sizer: staging.sizer(),
+            stage_work: staging.stage_tokens,
+            clock: std::time::Instant::now(),
+            last_stage: (0, 0),
+            staged: None,
+            stages_pending: 0,
+            batches,
+            rows: vec![vec![]; GROUP_BOUNDS.len()],
+            shared,
+            cache,
+            seqs: HashMap::new(),
+            ahead: None,
+            decode_ahead,
+            chunks_ahead: (0, 0),
+            times: StepTimes::default(),
+            launched: (0.0, 0.0),
+            busy: Busy::default(),
+            lost: HashMap::new(),
+        }
+    }
+
+    fn reply<T>(&self, value: T) -> Reply<T> {
+        let batch: u64 = self.batches.iter().flatten().map(|b| b.nbytes() as u64).sum();
+        let own: u64 = self.seqs.values().map(|s| s.cache.nbytes() as u64).sum();
+        let joining = self.ahead.as_ref().and_then(|a| a.completing.as_ref()).map_or(0, |(_, s)| s.cache.nbytes() as u64);
+        let staged = self.staged.as_ref().map_or(0, |c| c.lent.seq.cache.nbytes() as u64);
+        let held = self.seqs.len() + self.ahead.as_ref().is_some_and(|a| a.completing.is_some()) as usize + self.staged.is_some() as usize;
+        let report = Report {
+            kv_bytes: batch + own + joining + staged,
+            held,
+            busy: self.busy,
+            step: StepTimes { stage_layers: self.last_stage.0, stage_work: self.last_stage.1, ..self.times },
+            chunks_ahead: self.chunks_ahead,
+            stages_pending: self.stages_pending,
+            stage: self.last_stage,
+            ..Default::default()
+        };
+        Reply { value, report }
+    }
+
+    /// After a panic: drops the batches and every sequence (waiting for any queued step
+    /// first); their requests are remembered as lost.
+    fn restart(&mut self, what: &str) {
+        tracing::error!(what, "the decode actor panicked; dropping its sequences and batches");
+        let completing = self.ahead.as_ref().and_then(|a| a.completing.as_ref()).map(|(id, _)| *id);
+        let staged = self.staged.as_ref().map(|c| c.lent.id);
+        for id in self.seqs.keys().copied().chain(completing).chain(staged) {
+            self.lost.insert(id, what.to_string());
+        }
+        self.clear();
+    }
+
+    /// Back to no sequences, empty batches, nothing queued.
+    fn clear(&mut self) {
+        if let Some(a) = self.ahead.take() {
+            let _ = guarded(|| a.tokens.eval());
+        }
+        self.staged = None;
+        self.seqs.clear();
+        self.batches = new_batches(&self.shared.model);
+        self.rows = vec![vec![]; GROUP_BOUNDS.len()];
+    }
+
+    fn fault(what: &str) -> WireError {
+        internal(format!("worker fault in decode: {what}"))
+    }
+
+    /// Runs a handler's work, timed (a call when `call`); a panic restarts the actor and comes
+    /// back as its message.
+    fn work<T>(&mut self, call: bool, f: impl FnOnce(&mut Self) -> T) -> Result<T, String> {
+        let mut busy = self.busy;
+        let r = busy.time(call, || guarded(|| f(self)));
+        self.busy = busy;
+        r.inspect_err(|what| self.restart(what))
+    }
+
+    fn remember(&self, salt: Option<String>, tokens: &[u32], layers: Option<Vec<(Array, Array)>>) {
+        self.cache.do_send(Remember { salt, tokens: tokens.to_vec(), layers });
+    }
+
+    /// A sequence whose prompt is complete: remembers the prompt's KV and moves it into its
+    /// length group's decode batch (only its own KV is copied; its own cache goes).
+    fn join(&mut self, id: ReqId, mut seq: Seq) -> Result<(), WireError> {
+        let t0 = std::time::Instant::now();
+        self.remember(seq.salt.clone(), &seq.prompt, seq.layers(self.shared.model.config.num_layers));
+        let result = match self.batches.as_mut() {
+            Some(batches) => {
+                let g = group_of(seq.cache.offset());
+                batches[g].join(&seq.cache).map_err(internal).map(|row| {
+                    seq.row = Some((g, row));
+                    self.rows[g].push(id);
+                    seq.cache = self.shared.model.new_cache();
+                })
+            }
+            None => Ok(()),
+        };
+        let ms = t0.elapsed().as_secs_f64() * 1000.0;
+        if ms > SLOW_MS {
+            tracing::debug!(request = id, prompt = seq.prompt.len(), ms, "slow join");
+        }
+        if result.is_ok() {
+            self.seqs.insert(id, seq);
+        }
+        result
+    }
+
+    /// A completed prompt: its first token from the prompt's last logits, then the join.
+    fn complete(&mut self, id: ReqId, mut seq: Seq, logits: &Array) -> Result<StepOut, WireError> {
+        let first = seq.first_token(logits, self.shared.tokenizer.as_deref())?;
+        self.join(id, seq)?;
+        Ok(first)
+    }
+
+    /// Releases one sequence held here: what it fed the model stays reusable; its row leaves.
+    fn release_seq(&mut self, seq: Seq) {
+        let layers = self.shared.model.config.num_layers;
+        let (fed, kv) = match (seq.row, self.batches.as_ref()) {
+            (Some((g, row)), Some(b)) => (b[g].lens().get(row).copied().unwrap_or(0), b[g].row_contents(row)),
+            _ => (seq.cache.offset(), seq.layers(layers)),
+        };
+        self.remember(seq.salt.clone(), &seq.history[..fed.min(seq.history.len())], kv);
+        if let (Some((g, row)), Some(batches)) = (seq.row, self.batches.as_mut()) {
+            match batches[g].leave(row) {
+                Ok(moved) => {
+                    self.rows[g].swap_remove(row);
+                    if moved.is_some() {
+                        let moved_id = self.rows[g][row];
+                        if let Some(s) = self.seqs.get_mut(&moved_id) {
+                            s.row = Some((g, row));
+                        }
+                    }
+                }
+                Err(e) => tracing::error!(error = %e, "leaving the decode batch"),
+            }
+        }
+    }
+
+    fn release(&mut self, ids: Vec<ReqId>) {
+        for id in ids {
+            self.lost.remove(&id);
+            if self.staged.as_ref().is_some_and(|c| c.lent.id == id) {
+                // Part-way through the model its layers hold different lengths: nothing of it
+                // is remembered.
+                self.staged = None;
+            }
+            if let Some(seq) = self.seqs.remove(&id) {
+                self.release_seq(seq);
+            } else if let Some(a) = self.ahead.as_mut().filter(|a| a.completing.as_ref().is_some_and(|(c, _)| *c == id)) {
+                if let Some((_, seq)) = a.completing.take() {
+                    self.release_seq(seq);
+                }
+            }
+        }
+        let joining = self.ahead.as_ref().is_some_and(|a| a.completing.is_some());
+        if self.rows.iter().all(|g| g.is_empty()) && !joining {
+            // Nobody is left to consume a step queued ahead.
+            self.discard_ahead();
+        }
+    }
+
+}
+
+impl Actor for DecodeActor {
+    type Context = Context<Self>;
+}
+
+impl Drop for DecodeActor {
+    fn drop(&mut self) {
+        let _ = guarded(|| self.discard_ahead());
+    }
+}
+
+impl Handler<Step> for DecodeActor {
+    type Result = MessageResult<Step>;
+    fn handle(&mut self, Step { ids, chunk }: Step, _: &mut Context<Self>) -> Self::Result {
+        // Rows lost to an earlier restart fail with its fault; the others step.
+        let live: Vec<ReqId> = ids.iter().copied().filter(|id| !self.lost.contains_key(id)).collect();
+        // The step's time runs to the next `Step`; with rows decoding, the scheduler sends
+        // that at once (it is never idle while streams decode), so the interval is their gap.
+        let started = self.clock.elapsed();
+        self.last_stage = (0, 0);
+        if !live.is_empty() {
+            self.sizer.tick_started(started);
+            if self.sizer.enabled() {
+                self.stage_work = self.sizer.pick();
+            }
+        }
+        let chunk_id = chunk.as_ref().map(|g| match g {
+            Grant::New(l) => l.id,
+            Grant::Continue(id) => *id,
+        });
+        // The chunk in flight goes on only for its own request.
+        let (chunk, mismatch) = match chunk {
+            Some(Grant::New(l)) => (Some(InFlight::new(l)), None),
+            Some(Grant::Continue(id)) => match self.staged.take_if(|c| c.lent.id == id) {
+                Some(c) => (Some(c), None),
+                None => (None, Some(self.lost.get(&id).map_or_else(|| unknown("chunk in flight", id), |what| Self::fault(what)))),
+            },
+            None => (None, None),
+        };
+        let mut stepped = self.work(true, |a| a.step(&live, chunk)).unwrap_or_else(|what| {
+            let e = Self::fault(&what);
+            Stepped { outs: live.iter().map(|_| Err(e.clone())).collect(), chunk: chunk_id.map(|_| (Err(e.clone()), None)) }
+        });
+        if live.len() < ids.len() {
+            let mut outs = std::mem::take(&mut stepped.outs).into_iter();
+            stepped.outs = ids
+                .iter()
+                .map(|id| match self.lost.get(id) {
+                    Some(what) => Err(Self::fault(what)),
+                    None => outs.next().unwrap_or_else(|| Err(internal("missing step result"))),
+                })
+                .collect();
+        }
+        if let Some(e) = mismatch {
+            stepped.chunk = Some((Err(e), None));
+        }
+        // The work of the stage this step ran (0 without one).
+        self.sizer.tick_ended(started, live.len(), self.last_stage.1, !live.is_empty());
+        MessageResult(self.reply(stepped))
+    }
+}
+
+impl Handler<Join> for DecodeActor {
+    type Result = MessageResult<Join>;
+    fn handle(&mut self, Join { id, seq }: Join, _: &mut Context<Self>) -> Self::Result {
+        let r = self.work(false, |a| a.join(id, *seq)).unwrap_or_else(|what| Err(Self::fault(&what)));
+        MessageResult(self.reply(r))
+    }
+}
+
+impl Handler<Release> for DecodeActor {
+    type Result = MessageResult<Release>;
+    fn handle(&mut self, Release(ids): Release, _: &mut Context<Self>) -> Self::Result {
+        // A panic restarts the actor: nothing of it is left to release.
+        let _ = self.work(false, |a| a.release(ids));
+        MessageResult(self.reply(()))
+    }
+}
+
+impl Handler<Reset> for DecodeActor {
+    type Result = MessageResult<Reset>;
+    fn handle(&mut self, _: Reset, _: &mut Context<Self>) -> Self::Result {
+        self.clear();
+        self.lost.clear();
+        MessageResult(self.reply(()))
+    }
+}
+
+impl Handler<InjectPanic> for DecodeActor {
+    type Result = ();
+    fn handle(&mut self, _: InjectPanic, _: &mut Context<Self>) {
+        let _ = self.work(false, |_| -> () { panic!("injected fault") });
+    }
+}
+
+impl Handler<ResetCounters> for DecodeActor {
+    type Result = MessageResult<ResetCounters>;
+    fn handle(&mut self, _: ResetCounters, _: &mut Context<Self>) -> Self::Result {
+        self.busy = Busy::default();
+        self.chunks_ahead = (0, 0);
+        self.stages_pending = 0;
+        MessageResult(self.reply(()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{stages_for, Staging};
+
+    #[test]
+    fn a_tick_budget_spreads_a_chunk_over_more_steps_of_less_work() {
+        // The 8b shape on a GPU: 32 layers, 1024-token chunks in 4 stages of 256 tokens' work,
+        // down to 128 with the budget.
+        let s = Staging::for_layers(32, 4, 256, 1.5, 128);
+        assert_eq!((s.most, s.min_tokens), (8, 128));
+        assert_eq!(s.stage_layers(1024, 256, 32), 8, "256 tokens' work: a quarter of the layers");
+        assert_eq!(s.stage_layers(1024, 128, 32), 4, "128: an eighth");
+        assert_eq!(s.stage_layers(512, 128, 32), 8, "a 512-token chunk: 128 tokens' work in 8 layers");
+        assert_eq!(s.most_ticks(1024), 8, "the warm-up plans for the most steps");
+        // Without a budget, stages as fixed: the work never shrinks.
+        let fixed = Staging::for_layers(32, 4, 256, 0.0, 128);
+        assert_eq!((fixed.most, fixed.min_tokens, fixed.most_ticks(1024)), (4, 256, 4));
+        // One stage: no budget here (the scheduler sizes whole chunks instead).
+        let one = Staging::for_layers(32, 1, 256, 1.5, 128);
+        assert_eq!((one.budget, one.most, one.most_ticks(1024)), (0.0, 1, 1));
+        // Never more steps than layers.
+        let shallow = Staging::for_layers(6, 4, 256, 1.5, 16);
+        assert_eq!((shallow.most, shallow.stage_layers(1024, 16, 6)), (6, 1));
+    }
+
+    #[test]
+    fn a_chunk_takes_one_stage_per_stage_tokens_up_to_the_most() {
+        // 1024-token chunks in up to 4 stages of 256 tokens' work (a GPU's default).
+        assert_eq!(stages_for(1024, 256, 4), 4);
+        assert_eq!(stages_for(512, 256, 4), 2, "a 512-token prompt: two ticks, not four");
+        assert_eq!(stages_for(257, 256, 4), 2);
+        assert_eq!(stages_for(100, 256, 4), 1);
+        assert_eq!(stages_for(1, 256, 4), 1);
+        assert_eq!(stages_for(4096, 256, 4), 4, "never more than the most");
+        assert_eq!(stages_for(1024, 256, 1), 1);
+        assert_eq!(stages_for(7, 0, 3), 3, "0 tokens a stage counts as 1");
+    }
+}
