@@ -371,6 +371,38 @@ impl Scheduler {
         self.release_ended(engine).await;
 
         // 2. admission, in arrival order, within the KV budget and the batch limit
+        self.admit_waiting(engine, now, &mut out).await;
+
+        // 3. exactly one prefill chunk, to one request: the one in flight, or a new one
+        let in_flight = self.in_flight.take().filter(|(id, _)| self.prefilling.contains(id));
+        let chunk = in_flight.or_else(|| self.pick_prefill(now).map(|id| (id, self.chunk_size(id))));
+
+        // 4. the work: the decode batch steps (its tokens are delivered first), and the chunk
+        //    is prefilled, in one engine call
+        let ids = self.decoding.clone();
+        let (results, prefilled) = engine.step(&ids, chunk).await;
+        report.decoded = ids.len();
+        for (id, res) in ids.into_iter().zip(results) {
+            match res {
+                Ok(step) => self.deliver(id, step, now, &mut out),
+                Err(error) => self.finish(id, Event::Error { error }, &mut out),
+            }
+        }
+        if let (Some((id, n)), Some(result)) = (chunk, prefilled) {
+            report.prefill_tokens = n;
+            report.prefill_request = Some(id);
+            report.prefill_done = self.prefilled(id, n, result, now, &mut out);
+        }
+        self.release_ended(engine).await;
+        // Sequences that ended or completed their prompt this tick were remembered.
+        engine.prefix_trim(self.cfg.kv_budget_bytes - self.reserved).await;
+        self.sizer.tick_ended(now, report.decoded, report.prefill_tokens, !self.is_idle());
+        (out, report)
+    }
+
+    /// Admits waiting requests in arrival order while the KV budget and the batch limit allow
+    /// (none behind one that does not fit); tells the rest their new places.
+    async fn admit_waiting(&mut self, engine: &mut impl EngineOps, now: Duration, out: &mut Vec<Emit>) {
         let mut still_waiting = Vec::new();
         let batch_open = self.cfg.continuous || (self.decoding.is_empty() && self.prefilling.is_empty());
         for id in std::mem::take(&mut self.waiting) {
@@ -400,71 +432,59 @@ impl Scheduler {
             }
         }
         self.waiting = still_waiting;
+    }
 
-        // 3. exactly one prefill chunk, to one request: the one in flight, or a new one
-        let in_flight = self.in_flight.take().filter(|(id, _)| self.prefilling.contains(id));
-        let chunk = in_flight.or_else(|| self.pick_prefill(now).map(|id| {
-            let remaining = self.reqs[&id].remaining();
-            let n = if !self.cfg.interleave {
-                remaining
-            } else if self.decoding.is_empty() {
-                remaining.min(self.cfg.idle_prefill_chunk)
-            } else if self.sizer.enabled() {
-                self.sizer.size(self.reqs[&id].prefilled, remaining)
-            } else {
-                // On the grid of its own size: a chunk after a prefix hit off that grid first
-                // brings the prompt back onto it, so a GPU meets the shapes it planned at warm-up.
-                let at = self.reqs[&id].prefilled % self.cfg.prefill_chunk.max(1);
-                remaining.min(self.cfg.prefill_chunk - at)
-            };
-            (id, n)
-        }));
-
-        // 4. the work: the decode batch steps (its tokens are delivered first), and the chunk
-        //    is prefilled, in one engine call
-        let ids = self.decoding.clone();
-        let (results, prefilled) = engine.step(&ids, chunk).await;
-        report.decoded = ids.len();
-        for (id, res) in ids.into_iter().zip(results) {
-            match res {
-                Ok(step) => self.deliver(id, step, now, &mut out),
-                Err(error) => self.finish(id, Event::Error { error }, &mut out),
-            }
+    /// The tokens of `id`'s next chunk: the rest of its prompt when not interleaving, a large
+    /// step when nothing decodes, else sized to the tick budget or one chunk on its grid.
+    fn chunk_size(&self, id: ReqId) -> usize {
+        let remaining = self.reqs[&id].remaining();
+        if !self.cfg.interleave {
+            remaining
+        } else if self.decoding.is_empty() {
+            remaining.min(self.cfg.idle_prefill_chunk)
+        } else if self.sizer.enabled() {
+            self.sizer.size(self.reqs[&id].prefilled, remaining)
+        } else {
+            // On the grid of its own size: a chunk after a prefix hit off that grid first
+            // brings the prompt back onto it, so a GPU meets the shapes it planned at warm-up.
+            let at = self.reqs[&id].prefilled % self.cfg.prefill_chunk.max(1);
+            remaining.min(self.cfg.prefill_chunk - at)
         }
-        if let (Some((id, n)), Some(result)) = (chunk, prefilled) {
-            report.prefill_tokens = n;
-            report.prefill_request = Some(id);
-            match result {
-                Ok(Prefilled::Pending) => {
-                    if let Some(r) = self.reqs.get(&id) {
-                        self.in_flight = Some((id, n));
-                        report.prefill_done = r.prefilled;
+    }
+
+    /// Takes the outcome of `id`'s chunk of `n` tokens: progress, and on its prompt's end the
+    /// move to the decode batch (with the first token when the engine gave it). Returns the
+    /// prompt tokens done.
+    fn prefilled(&mut self, id: ReqId, n: usize, result: PrefillResult, now: Duration, out: &mut Vec<Emit>) -> usize {
+        match result {
+            Ok(Prefilled::Pending) => {
+                let r = self.reqs.get(&id).map_or(0, |r| r.prefilled);
+                if self.reqs.contains_key(&id) {
+                    self.in_flight = Some((id, n));
+                }
+                r
+            }
+            Ok(Prefilled::Done(first)) if self.reqs.contains_key(&id) => {
+                let r = self.reqs.get_mut(&id).expect("checked");
+                r.prefilled += n;
+                let (done, total) = (r.prefilled as u32, r.a.prompt_tokens as u32);
+                out.push(Emit { id, event: Event::PrefillProgress { done, total } });
+                if done == total {
+                    self.prefilling.retain(|&x| x != id);
+                    self.decoding.push(id);
+                    // Without a first token now, it comes from the next decode step.
+                    if let Some(step) = first {
+                        self.deliver(id, step, now, out);
                     }
                 }
-                Ok(Prefilled::Done(first)) if self.reqs.contains_key(&id) => {
-                    let r = self.reqs.get_mut(&id).expect("checked");
-                    r.prefilled += n;
-                    let (done, total) = (r.prefilled as u32, r.a.prompt_tokens as u32);
-                    report.prefill_done = r.prefilled;
-                    out.push(Emit { id, event: Event::PrefillProgress { done, total } });
-                    if done == total {
-                        self.prefilling.retain(|&x| x != id);
-                        self.decoding.push(id);
-                        // Without a first token now, it comes from the next decode step.
-                        if let Some(step) = first {
-                            self.deliver(id, step, now, &mut out);
-                        }
-                    }
-                }
-                Ok(_) => {}
-                Err(error) => self.finish(id, Event::Error { error }, &mut out),
+                done as usize
+            }
+            Ok(_) => 0,
+            Err(error) => {
+                self.finish(id, Event::Error { error }, out);
+                0
             }
         }
-        self.release_ended(engine).await;
-        // Sequences that ended or completed their prompt this tick were remembered.
-        engine.prefix_trim(self.cfg.kv_budget_bytes - self.reserved).await;
-        self.sizer.tick_ended(now, report.decoded, report.prefill_tokens, !self.is_idle());
-        (out, report)
     }
 
     /// Shortest remaining prefill first, aged by waiting time; ties go to the earlier arrival.

@@ -1,0 +1,261 @@
+//! Attention: fused q/k/v projections, rotary positions, the KV cache write and the attention
+//! itself, for one sequence's chunk (`forward`) and for a step's rows in length groups beside a
+//! chunk (`forward_grouped`: through the row attention kernel, masked, or row by row).
+
+use mlx_rs::fast::{rms_norm, rope, rope_dynamic, scaled_dot_product_attention, ScaledDotProductAttentionMask};
+use mlx_rs::ops::concatenate;
+use mlx_rs::ops::indexing::IndexOp;
+use mlx_rs::Array;
+
+use llmq_text::config::ModelConfig;
+
+use super::Linear;
+use crate::arch::ArchOptions;
+use crate::cache::{AttnMask, KvCache};
+use crate::error::Result;
+use crate::row_attention::{RowAttention, RowPlan};
+use crate::weights::Weights;
+
+pub(super) struct Attention {
+    /// q, k and v projections fused: [heads * d | kv_heads * d | kv_heads * d] outputs.
+    pub(super) qkv: Linear,
+    pub(super) o: Linear,
+    pub(super) q_norm: Option<Array>,
+    pub(super) k_norm: Option<Array>,
+    pub(super) heads: i32,
+    pub(super) kv_heads: i32,
+    pub(super) head_dim: i32,
+    pub(super) scale: f32,
+    pub(super) rope_theta: f32,
+    pub(super) eps: f32,
+}
+
+pub(super) fn heads_first(x: Array, b: i32, t: i32, heads: i32, dim: i32, norm: Option<&Array>, eps: f32) -> Result<Array> {
+    let x = x.reshape(&[b, t, heads, dim])?;
+    let x = match norm {
+        Some(w) => rms_norm(&x, Some(w), eps)?,
+        None => x,
+    };
+    Ok(x.transpose_axes(&[0, 2, 1, 3])?)
+}
+
+impl Attention {
+    pub(super) fn load(w: &mut Weights, p: &str, c: &ModelConfig, o: ArchOptions) -> Result<Self> {
+        let (h, kvh, d) = (c.num_heads, c.num_kv_heads, c.head_dim);
+        let parts = [(format!("{p}.q_proj"), h * d), (format!("{p}.k_proj"), kvh * d), (format!("{p}.v_proj"), kvh * d)];
+        Ok(Attention {
+            qkv: Linear::load_fused(w, &parts, c.hidden_size, o.qkv_bias)?,
+            o: Linear::load(w, &format!("{p}.o_proj"), c.hidden_size, h * d, false)?,
+            q_norm: if o.qk_norm { Some(w.take(&format!("{p}.q_norm.weight"), &[d])?) } else { None },
+            k_norm: if o.qk_norm { Some(w.take(&format!("{p}.k_norm.weight"), &[d])?) } else { None },
+            heads: h as i32,
+            kv_heads: kvh as i32,
+            head_dim: d as i32,
+            scale: 1.0 / (d as f32).sqrt(),
+            rope_theta: c.rope_theta,
+            eps: c.rms_norm_eps,
+        })
+    }
+
+    pub(super) fn forward(&self, x: &Array, caches: &mut [&mut (dyn KvCache + 'static)]) -> Result<Array> {
+        let b = x.shape()[0];
+        let qkv = self.qkv.forward(x)?;
+        let mut outs = Vec::with_capacity(caches.len());
+        for (i, cache) in caches.iter_mut().enumerate() {
+            let rows = if b == 1 {
+                qkv.clone()
+            } else {
+                let i = i as i32;
+                qkv.index(i..i + 1)
+            };
+            outs.push(self.attend_sequence(&rows, &mut **cache)?);
+        }
+        let o = if outs.len() == 1 { outs.pop().unwrap() } else { concatenate(&outs, 0)? };
+        self.o.forward(&o)
+    }
+}
+
+impl Attention {
+    /// One sequence's attention: `qkv` [1, t, (heads + 2 kv_heads) * d] of its new tokens,
+    /// appended to its cache. Returns [1, t, heads * d] (before the output projection).
+    pub(super) fn attend_sequence(&self, qkv: &Array, cache: &mut (dyn KvCache + 'static)) -> Result<Array> {
+        let t = qkv.shape()[1];
+        let d = self.head_dim;
+        let (qe, ke) = (self.heads * d, (self.heads + self.kv_heads) * d);
+        let q = heads_first(qkv.index((.., .., ..qe)), 1, t, self.heads, d, self.q_norm.as_ref(), self.eps)?;
+        let k = heads_first(qkv.index((.., .., qe..ke)), 1, t, self.kv_heads, d, self.k_norm.as_ref(), self.eps)?;
+        let v = heads_first(qkv.index((.., .., ke..)), 1, t, self.kv_heads, d, None, self.eps)?;
+        let off = cache.offset() as i32;
+        let q = rope(&q, d, false, self.rope_theta, 1.0, off, None)?;
+        let k = rope(&k, d, false, self.rope_theta, 1.0, off, None)?;
+        let o = self.attend_cached(&q, &k, &v, cache)?;
+        Ok(o.transpose_axes(&[0, 2, 1, 3])?.reshape(&[1, t, self.heads * d])?)
+    }
+
+    /// One sequence's new queries, keys and values [1, heads, t, d] (rotated): the keys and
+    /// values appended to its cache, the queries attending over what the cache returns.
+    pub(super) fn attend_cached(&self, q: &Array, k: &Array, v: &Array, cache: &mut (dyn KvCache + 'static)) -> Result<Array> {
+        let (keys, values, mask) = cache.update(k, v)?;
+        self.attend(q, &keys, &values, &mask)
+    }
+
+    /// Queries [1, heads, t, d] over the keys and values a cache update returned, through
+    /// MLX's fused attention.
+    pub(super) fn attend(&self, q: &Array, keys: &Array, values: &Array, mask: &AttnMask) -> Result<Array> {
+        Ok(match mask {
+            AttnMask::None => scaled_dot_product_attention(q, keys, values, self.scale, None, None)?,
+            AttnMask::Causal => scaled_dot_product_attention(q, keys, values, self.scale, ScaledDotProductAttentionMask::Causal, None)?,
+            AttnMask::Explicit(m) => scaled_dot_product_attention(q, keys, values, self.scale, m, None)?,
+        })
+    }
+}
+
+/// One decode batch's share of a grouped decode step: its rows' place in the step's rows, and
+/// the inputs that make each row write and attend at its own position.
+pub(super) struct GroupStep<'a> {
+    pub(super) kv: &'a mut [(Array, Array)],
+    pub(super) offset: i32,
+    pub(super) slots: i32,
+    pub(super) write: Array,
+    pub(super) attend: GroupAttention,
+}
+
+/// How a group's rows attend (see `DecodeBatch::per_row_attention`).
+pub(super) enum GroupAttention {
+    /// With every other group's, through the row attention kernel (`RowStep`).
+    Rows,
+    /// All rows at once over the whole capacity, masked past each row's length.
+    Masked(Array),
+    /// Row by row, unmasked, over each active row's length after this step's token.
+    PerRow(Vec<i32>),
+}
+
+/// A decode step's attention through the row attention kernel: every group's rows in one
+/// launch a layer, planned once for the step.
+pub(super) struct RowStep<'a> {
+    pub(super) kernel: &'a RowAttention,
+    pub(super) plan: RowPlan,
+    pub(super) slots: i32,
+}
+
+impl Attention {
+    /// Rows' queries, keys and values [b, heads, 1, d] from their fused projections `rows`
+    /// [b, 1, ...] (a row: a decode slot's token or one of a prefill chunk's), each rotated at
+    /// its own position (`positions` [b] int32).
+    pub(super) fn row_heads(&self, rows: &Array, b: i32, positions: &Array) -> Result<(Array, Array, Array)> {
+        let d = self.head_dim;
+        let (qe, ke) = (self.heads * d, (self.heads + self.kv_heads) * d);
+        let q = heads_first(rows.index((.., .., ..qe)), b, 1, self.heads, d, self.q_norm.as_ref(), self.eps)?;
+        let k = heads_first(rows.index((.., .., qe..ke)), b, 1, self.kv_heads, d, self.k_norm.as_ref(), self.eps)?;
+        let v = heads_first(rows.index((.., .., ke..)), b, 1, self.kv_heads, d, None, self.eps)?;
+        let q = rope_dynamic(&q, d, false, self.rope_theta, 1.0, positions, None)?;
+        let k = rope_dynamic(&k, d, false, self.rope_theta, 1.0, positions, None)?;
+        Ok((q, k, v))
+    }
+
+    /// Attention output [b, heads, 1, d] as rows [b, 1, heads, d].
+    pub(super) fn rows_first(&self, o: &Array) -> Result<Array> {
+        Ok(o.transpose_axes(&[0, 2, 1, 3])?)
+    }
+
+    /// One decode step for every row of every group: projections once over all rows, then per
+    /// group each row's token is written at its own position (one scatter per buffer) and
+    /// attends over its row: every group's rows in one launch of the row attention kernel when
+    /// the model has it (`rows_step`), else group by group, masked past each row's length or
+    /// row by row.
+    ///
+    /// With `chunk`, the last `t` rows are one sequence's prefill chunk (one token per row):
+    /// they attend over that sequence's cache, so a decode step and a prefill chunk share one
+    /// pass over the weights.
+    pub(super) fn forward_grouped(
+        &self,
+        x: &Array,
+        layer: usize,
+        groups: &mut [GroupStep<'_>],
+        rows_step: Option<&RowStep<'_>>,
+        rotation: &Array,
+        chunk: Option<(&mut (dyn KvCache + 'static), i32)>,
+    ) -> Result<Array> {
+        let d = self.head_dim;
+        let n = x.shape()[0];
+        let qkv = self.qkv.forward(x)?;
+        // Every row's heads in one pass, each rotated at its own position (a chunk's rows at
+        // theirs): one rotation of the queries and one of the keys a layer.
+        let (q, k, v) = self.row_heads(&qkv, n, rotation)?;
+        let mut outs = Vec::with_capacity(groups.len() + 1);
+        // With the row attention kernel, the rows' keys and values are cut once into each
+        // group's share and the chunk's (one split, not a slice per piece: each graph node
+        // costs the host several microseconds a layer).
+        let mut chunk_qkv = None;
+        if let Some(rs) = rows_step {
+            // Every group's rows together: one attention launch; only the KV writes go group
+            // by group.
+            let b = rs.slots;
+            let mut bounds: Vec<i32> = groups.iter().skip(1).map(|g| g.offset).collect();
+            if n > b {
+                bounds.push(b);
+            }
+            let (mut ks, mut vs) = if bounds.is_empty() { (vec![k.clone()], vec![v.clone()]) } else { (k.split_at_indices(&bounds, 0)?, v.split_at_indices(&bounds, 0)?) };
+            let q = if n > b {
+                let mut qs = q.split_at_indices(&[b], 0)?;
+                chunk_qkv = Some((qs.pop().expect("two parts"), ks.pop().expect("a chunk part"), vs.pop().expect("a chunk part")));
+                qs.pop().expect("two parts")
+            } else {
+                q.clone()
+            };
+            for (g, (gk, gv)) in groups.iter_mut().zip(ks.iter().zip(&vs)) {
+                let kv = &mut g.kv[layer];
+                kv.0 = kv.0.put_along_axis(&g.write, gk, 2)?;
+                kv.1 = kv.1.put_along_axis(&g.write, gv, 2)?;
+            }
+            let bufs: Vec<(&Array, &Array)> = groups.iter().map(|g| (&g.kv[layer].0, &g.kv[layer].1)).collect();
+            outs.push(self.rows_first(&rs.kernel.apply(&rs.plan, &q, &bufs)?)?);
+        } else {
+            for g in groups.iter_mut() {
+                let b = g.slots;
+                let span = g.offset..g.offset + b;
+                let (q, k, v) = (q.index(span.clone()), k.index(span.clone()), v.index(span));
+                let kv = &mut g.kv[layer];
+                kv.0 = kv.0.put_along_axis(&g.write, &k, 2)?;
+                kv.1 = kv.1.put_along_axis(&g.write, &v, 2)?;
+                let o = match &g.attend {
+                    GroupAttention::Masked(mask) => scaled_dot_product_attention(&q, &kv.0, &kv.1, self.scale, mask, None)?,
+                    GroupAttention::Rows => unreachable!("a step attends through the row attention kernel whole or not at all"),
+                    GroupAttention::PerRow(lens) => {
+                        // Each active row over its own keys, unmasked (MLX's fused vector kernel);
+                        // scratch rows get zeros.
+                        let mut parts = Vec::with_capacity(lens.len() + 1);
+                        for (r, &len) in lens.iter().enumerate() {
+                            let r = r as i32;
+                            let (k, v) = (kv.0.index((r..r + 1, .., ..len, ..)), kv.1.index((r..r + 1, .., ..len, ..)));
+                            parts.push(scaled_dot_product_attention(&q.index(r..r + 1), &k, &v, self.scale, None, None)?);
+                        }
+                        let n = lens.len() as i32;
+                        if n < b {
+                            parts.push(mlx_rs::ops::zeros_dtype(&[b - n, self.heads, 1, d], q.dtype())?);
+                        }
+                        if parts.len() == 1 { parts.pop().expect("one") } else { concatenate(&parts, 0)? }
+                    }
+                };
+                outs.push(self.rows_first(&o)?);
+            }
+        }
+        if let Some((cache, t)) = chunk {
+            // The chunk's keys and values into its sequence's cache (as one sequence [1, heads,
+            // t, d], views of the rows' heads); its queries attend there through our kernel
+            // (rows in, rows out) where the cache lays its buffers out for it, else through
+            // MLX's. Its output, as rows [t, 1, heads, d], is laid out by the concatenation.
+            let rows = |a: &Array| if t == n { a.clone() } else { a.index(n - t..) };
+            let seq = |a: &Array| a.transpose_axes(&[2, 1, 0, 3]);
+            let (cq, ck, cv) = match chunk_qkv.take() {
+                Some(parts) => parts,
+                None => (rows(&q), rows(&k), rows(&v)),
+            };
+            let (keys, values, mask) = cache.update(&seq(&ck)?, &seq(&cv)?)?;
+            let o = self.attend(&seq(&cq)?, &keys, &values, &mask)?.transpose_axes(&[2, 0, 1, 3])?;
+            outs.push(o);
+        }
+        let o = if outs.len() == 1 { outs.pop().unwrap() } else { concatenate(&outs, 0)? };
+        self.o.forward(&o.reshape(&[n, 1, self.heads * d])?)
+    }
+}

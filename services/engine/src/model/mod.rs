@@ -1,0 +1,379 @@
+//! The decoder-only transformer that every supported architecture runs on.
+//!
+//! `forward` takes B sequences with T new tokens each and their caches: prefill is B = 1 with
+//! a chunk of any size, continuing from the cache's offset; decode is T = 1 over a batch of
+//! sequences at different positions. Projections and the MLP run batched; attention runs per
+//! sequence against that sequence's own cache, so nothing is padded to the longest sequence.
+
+mod attention;
+mod step;
+
+use mlx_rs::fast::rms_norm;
+use mlx_rs::ops::indexing::IndexOp;
+use mlx_rs::ops::{concatenate, sigmoid};
+
+use self::attention::Attention;
+use mlx_rs::{Array, Dtype};
+
+use llmq_text::config::ModelConfig;
+
+use crate::arch;
+use crate::batch::DecodeBatch;
+use crate::cache::{KvCache, RotatingCache, SequenceCache, StandardCache};
+use crate::error::{EngineError, Result};
+use crate::row_attention::RowAttention;
+use crate::weights::Weights;
+
+/// Copies an array to the host as f32, materialising views and casting first.
+pub fn host_f32(a: &Array) -> Result<Vec<f32>> {
+    let a = if a.dtype() == Dtype::Float32 { a.contiguous()? } else { a.as_dtype(Dtype::Float32)? };
+    a.to_vec_exact::<f32>().map_err(|e| EngineError::Host(e.to_string()))
+}
+
+/// Cache growth step in tokens: decode reallocates once every this many tokens.
+const CACHE_STEP: usize = 256;
+
+/// On a GPU, prefill chunks end on multiples of this many positions (see `Model::chunk_grid`).
+pub const GPU_CHUNK_GRID: usize = 256;
+
+struct Linear {
+    weight_t: Array,
+    bias: Option<Array>,
+}
+
+impl Linear {
+    /// Loads projections that read the same input as one: their weights are stacked along the
+    /// output dimension, so one matmul (one kernel) computes them all. `parts` are
+    /// (weight prefix, output size); callers split the output back by those sizes.
+    fn load_fused(w: &mut Weights, parts: &[(String, usize)], in_dim: usize, bias: bool) -> Result<Self> {
+        let mut weights = Vec::with_capacity(parts.len());
+        let mut biases = Vec::with_capacity(parts.len());
+        for (prefix, out_dim) in parts {
+            weights.push(w.take(&format!("{prefix}.weight"), &[*out_dim, in_dim])?);
+            if bias {
+                biases.push(w.take(&format!("{prefix}.bias"), &[*out_dim])?);
+            }
+        }
+        let stack = |v: Vec<Array>| -> Result<Array> {
+            Ok(if v.len() == 1 { v.into_iter().next().unwrap() } else { concatenate(&v, 0)? })
+        };
+        let weight_t = stack(weights)?.t();
+        let bias = if bias { Some(stack(biases)?) } else { None };
+        Ok(Linear { weight_t, bias })
+    }
+
+    fn load(w: &mut Weights, prefix: &str, out_dim: usize, in_dim: usize, bias: bool) -> Result<Self> {
+        Self::load_fused(w, &[(prefix.to_string(), out_dim)], in_dim, bias)
+    }
+
+    fn forward(&self, x: &Array) -> Result<Array> {
+        let y = x.matmul(&self.weight_t)?;
+        Ok(match &self.bias {
+            Some(b) => y.add(b)?,
+            None => y,
+        })
+    }
+}
+
+struct Mlp {
+    /// gate and up projections fused: [intermediate | intermediate] outputs.
+    gate_up: Linear,
+    intermediate: i32,
+    down: Linear,
+}
+
+struct Layer {
+    input_norm: Array,
+    attn: Attention,
+    post_norm: Array,
+    mlp: Mlp,
+}
+
+pub struct Model {
+    pub config: ModelConfig,
+    embed: Array,
+    layers: Vec<Layer>,
+    norm: Array,
+    /// None when the output projection is tied to the embedding.
+    lm_head_t: Option<Array>,
+    dtype: Dtype,
+    chunk_grid: usize,
+    /// Decode attention by row lengths (NVIDIA GPUs); None: masked attention.
+    row_attention: Option<RowAttention>,
+}
+
+/// silu(g) * u as one fused kernel (MLX compiles the element-wise graph once per shape class).
+fn swiglu(g: &Array, u: &Array) -> Result<Array> {
+    let f = |(g, u): (&Array, &Array)| -> std::result::Result<Array, mlx_rs::error::Exception> {
+        g.multiply(sigmoid(g)?)?.multiply(u)
+    };
+    let mut compiled = mlx_rs::transforms::compile::compile(f, true);
+    Ok(compiled((g, u))?)
+}
+
+/// A prefill chunk's share of a step: its tokens, its sequence's cache, and the layers it runs
+/// through in this step. A chunk's stages are consecutive ranges of layers ending at the last;
+/// a stage after the first takes the hidden state the one before it gave (`hidden`, None for
+/// a stage from layer 0). Each layer's cache takes the chunk's keys and values in the stage that
+/// runs that layer, so between stages the layers hold different lengths: the sequence's cache
+/// is whole again only after the last stage.
+pub struct ChunkStage<'a> {
+    pub tokens: &'a [u32],
+    pub cache: &'a mut SequenceCache,
+    pub layers: std::ops::Range<usize>,
+    pub hidden: Option<Array>,
+}
+
+impl Mlp {
+    fn forward(&self, x: &Array) -> Result<Array> {
+        let gu = self.gate_up.forward(x)?;
+        let g = gu.index((.., .., ..self.intermediate));
+        let u = gu.index((.., .., self.intermediate..));
+        self.down.forward(&swiglu(&g, &u)?)
+    }
+}
+
+impl Model {
+    /// Builds the model from weights named as in Hugging Face checkpoints.
+    pub fn load(config: ModelConfig, mut w: Weights) -> Result<Self> {
+        let c = &config;
+        let opts = arch::options(c.arch);
+        let embed = w.take("model.embed_tokens.weight", &[c.vocab_size, c.hidden_size])?;
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for i in 0..c.num_layers {
+            let p = format!("model.layers.{i}");
+            let (h, f) = (c.hidden_size, c.intermediate_size);
+            layers.push(Layer {
+                input_norm: w.take(&format!("{p}.input_layernorm.weight"), &[h])?,
+                attn: Attention::load(&mut w, &format!("{p}.self_attn"), c, opts)?,
+                post_norm: w.take(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+                mlp: Mlp {
+                    gate_up: Linear::load_fused(
+                        &mut w,
+                        &[(format!("{p}.mlp.gate_proj"), f), (format!("{p}.mlp.up_proj"), f)],
+                        h,
+                        false,
+                    )?,
+                    intermediate: f as i32,
+                    down: Linear::load(&mut w, &format!("{p}.mlp.down_proj"), h, f, false)?,
+                },
+            });
+        }
+        let norm = w.take("model.norm.weight", &[c.hidden_size])?;
+        let lm_head_t = if c.tie_word_embeddings && !w.contains("lm_head.weight") {
+            None
+        } else {
+            Some(w.take("lm_head.weight", &[c.vocab_size, c.hidden_size])?.t())
+        };
+        let dtype = w.dtype();
+        let chunk_grid = if crate::on_gpu() && config.sliding_window.is_none() { GPU_CHUNK_GRID } else { 1 };
+        let scale = layers.first().map_or(1.0, |l| l.attn.scale);
+        let row_attention = RowAttention::new(c.num_heads as i32, c.num_kv_heads as i32, c.head_dim as i32, scale, dtype);
+        let model = Model { config, embed, layers, norm, lm_head_t, dtype, chunk_grid, row_attention };
+        mlx_rs::transforms::eval(model.parameters())?;
+        Ok(model)
+    }
+
+    fn parameters(&self) -> Vec<&Array> {
+        let mut p = vec![&self.embed, &self.norm];
+        if let Some(h) = &self.lm_head_t {
+            p.push(h);
+        }
+        for l in &self.layers {
+            p.extend([&l.input_norm, &l.post_norm]);
+            let a = &l.attn;
+            for lin in [&a.qkv, &a.o, &l.mlp.gate_up, &l.mlp.down] {
+                p.push(&lin.weight_t);
+                p.extend(lin.bias.as_ref());
+            }
+            p.extend(a.q_norm.as_ref());
+            p.extend(a.k_norm.as_ref());
+        }
+        p
+    }
+
+    /// Bytes of weights held on the device.
+    pub fn weight_bytes(&self) -> usize {
+        self.parameters().iter().map(|a| a.nbytes()).sum()
+    }
+
+    pub fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+
+    /// Prefill chunks end on multiples of this many positions: a chunk that would end between
+    /// two is padded with copies of its last token, run, and its cache rewound past the
+    /// padding (the padding's keys are overwritten by the tokens that follow). A GPU plans its
+    /// fused attention once per shape (40-70 ms each on an H200), and a chunk's shape is its
+    /// length and where it ends: on the grid, a prompt's chunks reuse a few shapes instead of
+    /// planning a new one for every prompt length. 1 (no padding) on a CPU, where padding is
+    /// pure extra work, and for sliding-window caches, which cannot rewind.
+    pub fn chunk_grid(&self) -> usize {
+        self.chunk_grid
+    }
+
+    /// The same model with another chunk grid (tests check padding on a CPU with it).
+    pub fn with_chunk_grid(mut self, grid: usize) -> Self {
+        self.chunk_grid = if self.config.sliding_window.is_none() { grid.max(1) } else { 1 };
+        self
+    }
+
+    /// The same model attending through MLX's attention throughout (decode batches masked)
+    /// even where the row attention kernel would run (tests compare the two).
+    pub fn with_masked_decode_attention(mut self) -> Self {
+        self.row_attention = None;
+        self
+    }
+
+    /// Whether decode batches attend through the row attention kernel.
+    pub fn uses_row_attention(&self) -> bool {
+        self.row_attention.is_some()
+    }
+
+    /// Shrinks the chunk grid to divide every one of `chunk_sizes`, so that chunks of those
+    /// sizes started on the grid end on it without padding.
+    pub fn fit_chunk_grid(&mut self, chunk_sizes: &[usize]) {
+        fn gcd(a: usize, b: usize) -> usize {
+            if b == 0 { a } else { gcd(b, a % b) }
+        }
+        self.chunk_grid = chunk_sizes.iter().fold(self.chunk_grid, |g, &n| gcd(g, n)).max(1);
+    }
+
+    /// How many padding tokens a chunk of `len` tokens written from position `offset` needs
+    /// to end on the grid.
+    fn chunk_padding(&self, offset: usize, len: usize) -> usize {
+        if len < 2 {
+            return 0;
+        }
+        (offset + len).div_ceil(self.chunk_grid) * self.chunk_grid - (offset + len)
+    }
+
+    /// A fresh, empty cache for one sequence.
+    pub fn new_cache(&self) -> SequenceCache {
+        let layers = (0..self.config.num_layers)
+            .map(|_| -> Box<dyn KvCache> {
+                match self.config.sliding_window {
+                    Some(w) => Box::new(RotatingCache::new(w)),
+                    None => Box::new(StandardCache::new(CACHE_STEP)),
+                }
+            })
+            .collect();
+        SequenceCache { layers }
+    }
+
+    /// A cache holding the first `n` positions of `kv` (per layer [1, kv_heads, >=n, head_dim]),
+    /// copied, with room for `capacity` tokens: a prefix-cache hit resumes prefill at position
+    /// `n` of a prompt of `capacity` tokens.
+    pub fn cache_from_prefix(&self, kv: &[(Array, Array)], n: usize, capacity: usize) -> Result<SequenceCache> {
+        if kv.len() != self.config.num_layers {
+            return Err(crate::EngineError::InvalidRequest(format!("a prefix of {} layers for a model of {}", kv.len(), self.config.num_layers)));
+        }
+        let layers = kv
+            .iter()
+            .map(|(k, v)| -> Result<Box<dyn KvCache>> {
+                Ok(match self.config.sliding_window {
+                    Some(w) => Box::new(RotatingCache::with_prefix(w, k, v, n)?),
+                    None => Box::new(StandardCache::with_prefix(CACHE_STEP, k, v, n, capacity)?),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(SequenceCache { layers })
+    }
+
+    /// An empty decode batch for this model, or None for sliding-window models (their caches
+    /// decode per sequence).
+    pub fn new_decode_batch(&self) -> Option<DecodeBatch> {
+        let c = &self.config;
+        c.sliding_window.is_none().then(|| DecodeBatch::new(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype))
+    }
+
+    /// One decode step for every sequence of the batch: `tokens[i]` is row i's next input.
+    /// Returns logits [len, 1, vocab] in the model's dtype (lazy).
+    pub fn decode_batch(&self, tokens: &[u32], batch: &mut DecodeBatch) -> Result<Array> {
+        self.decode_groups(&mut [(tokens, batch)])
+    }
+
+    /// One decode step over several decode batches at once (groups of sequences of similar
+    /// length, so that short ones do not attend over the longest one's capacity). Weights are
+    /// read once for all rows; attention runs per group. Returns logits [rows, 1, vocab], the
+    /// groups' rows in order.
+    pub fn decode_groups(&self, groups: &mut [(&[u32], &mut DecodeBatch)]) -> Result<Array> {
+        self.step(groups, None)
+    }
+
+    /// One decode step over the groups and, with `chunk`, one prefill chunk of another sequence
+    /// in the same pass: the weights are read once for both. Returns logits [rows (+1), 1,
+    /// vocab]: the groups' rows in order, then (with a chunk) the chunk's last position.
+    pub fn step(&self, groups: &mut [(&[u32], &mut DecodeBatch)], chunk: Option<(&[u32], &mut SequenceCache)>) -> Result<Array> {
+        let layers = self.layers.len();
+        Ok(self.step_inner(groups, None, chunk.map(|(tokens, cache)| ChunkStage { tokens, cache, layers: 0..layers, hidden: None }))?.0)
+    }
+
+    /// A step whose prefill chunk runs through only some of the layers (`ChunkStage`): a
+    /// chunk's layers can be spread over several steps, each then carrying a part of its
+    /// work. Returns the logits (the groups' rows, then the chunk's last position when this
+    /// stage ends at the last layer) and, when it does not, the chunk's hidden state for the
+    /// next stage. `tokens` as in `step_on_device` when given.
+    pub fn step_staged(&self, groups: &mut [(&[u32], &mut DecodeBatch)], tokens: Option<&Array>, chunk: Option<ChunkStage>) -> Result<(Array, Option<Array>)> {
+        self.step_inner(groups, tokens, chunk)
+    }
+
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// A decode step whose inputs are still on the device: `tokens` [rows] int32, the groups'
+    /// rows in order (the tokens the previous step chose), so the step can be queued before
+    /// the previous one's results reach the host. The groups' host token slices only give the
+    /// row counts. A prefill chunk (host tokens) may share the pass, as in `step`.
+    pub fn step_on_device(&self, groups: &mut [(&[u32], &mut DecodeBatch)], tokens: &Array, chunk: Option<(&[u32], &mut SequenceCache)>) -> Result<Array> {
+        let layers = self.layers.len();
+        Ok(self.step_inner(groups, Some(tokens), chunk.map(|(tokens, cache)| ChunkStage { tokens, cache, layers: 0..layers, hidden: None }))?.0)
+    }
+
+    /// Runs `tokens` [B, T] (int32) through the model, appending to each sequence's cache.
+    /// Returns logits [B, T, vocab] in the model's dtype, or [B, 1, vocab] for the last position.
+    pub fn forward(&self, tokens: &Array, caches: &mut [&mut SequenceCache], last_only: bool) -> Result<Array> {
+        let shape = tokens.shape();
+        if shape.len() != 2 || shape[0] as usize != caches.len() || shape[1] == 0 {
+            return Err(EngineError::InvalidRequest(format!(
+                "forward: tokens of shape {shape:?} for {} caches",
+                caches.len()
+            )));
+        }
+        // One sequence's chunk is padded to the grid like `step`'s (batches of sequences decode
+        // one token each: nothing to pad).
+        let t = shape[1];
+        let pad = if caches.len() == 1 { self.chunk_padding(caches[0].offset(), t as usize) as i32 } else { 0 };
+        let padded;
+        let tokens = if pad > 0 {
+            let last = tokens.index((.., t - 1..));
+            padded = concatenate(&[tokens, &mlx_rs::ops::broadcast_to(&last, &[1, pad])?], 1)?;
+            &padded
+        } else {
+            tokens
+        };
+        let eps = self.config.rms_norm_eps;
+        let mut x = self.embed.take_axis(tokens, 0)?;
+        for (li, layer) in self.layers.iter().enumerate() {
+            let mut per_seq: Vec<&mut (dyn KvCache + 'static)> = caches.iter_mut().map(|c| &mut *c.layers[li]).collect();
+            let h = layer.attn.forward(&rms_norm(&x, Some(&layer.input_norm), eps)?, &mut per_seq)?;
+            x = x.add(&h)?;
+            let h = layer.mlp.forward(&rms_norm(&x, Some(&layer.post_norm), eps)?)?;
+            x = x.add(&h)?;
+        }
+        for cache in caches.iter_mut() {
+            cache.rewind(pad as usize)?;
+        }
+        if last_only && t + pad > 1 {
+            x = x.index((.., t - 1..t, ..));
+        } else if pad > 0 {
+            x = x.index((.., ..t, ..));
+        }
+        let x = rms_norm(&x, Some(&self.norm), eps)?;
+        Ok(match &self.lm_head_t {
+            Some(h) => x.matmul(h)?,
+            None => x.matmul(self.embed.t())?,
+        })
+    }
+}

@@ -1,0 +1,198 @@
+//! A decode step: every length group's rows and a prefill chunk's stage in one pass over the
+//! weights, each row writing and attending at its own position.
+
+use mlx_rs::fast::rms_norm;
+use mlx_rs::ops::concatenate;
+use mlx_rs::ops::indexing::IndexOp;
+use mlx_rs::{Array, Dtype};
+
+use super::attention::{GroupAttention, GroupStep, RowStep};
+use super::{ChunkStage, Model};
+use crate::batch::DecodeBatch;
+use crate::error::{EngineError, Result};
+
+impl Model {
+    pub(super) fn step_inner(
+        &self,
+        groups: &mut [(&[u32], &mut DecodeBatch)],
+        device_tokens: Option<&Array>,
+        chunk: Option<ChunkStage>,
+    ) -> Result<(Array, Option<Array>)> {
+        let StepRows { mut toks, mut active, mut steps, keys } = self.group_rows(groups)?;
+        let decode_slots = toks.len();
+        let decode_rows = active.len();
+        let rows_step = self
+            .row_attention
+            .as_ref()
+            .filter(|_| decode_slots > 0)
+            .map(|kernel| RowStep { kernel, plan: kernel.plan(&keys), slots: decode_slots as i32 });
+        // Where each row is rotated: a decode slot at its length before this step's token
+        // (scratch slots 0), then, in the chunk's layers, the chunk's positions.
+        let mut rotation: Vec<i32> = keys.iter().map(|&k| k.saturating_sub(1) as i32).collect();
+        let mut chunk = chunk;
+        let mut pad = 0;
+        let n_layers = self.layers.len();
+        let (range, mut hidden_in) = match chunk.as_mut() {
+            Some(c) => (c.layers.clone(), c.hidden.take()),
+            None => (0..0, None),
+        };
+        let last_stage = range.end == n_layers;
+        if let Some(ChunkStage { tokens: c, cache, .. }) = &chunk {
+            let (&last, _) = c.split_last().ok_or_else(|| EngineError::InvalidRequest("step: an empty prefill chunk".into()))?;
+            if range.start >= range.end || range.end > n_layers || (range.start == 0) != hidden_in.is_none() {
+                return Err(EngineError::InvalidRequest(format!("step: chunk stage over layers {range:?} of {n_layers}")));
+            }
+            if !last_stage && decode_slots == 0 {
+                return Err(EngineError::InvalidRequest("step: a chunk stage short of the last layer needs decode rows".into()));
+            }
+            // Every layer of the stage holds the positions before the chunk.
+            pad = self.chunk_padding(cache.layers[range.start].offset(), c.len());
+            if range.start == 0 {
+                toks.extend(c.iter().map(|&x| x as i32));
+                toks.extend(std::iter::repeat_n(last as i32, pad));
+            }
+            if last_stage {
+                active.push((decode_slots + c.len()) as i32 - 1);
+            }
+        }
+        let t = chunk.as_ref().map_or(0, |c| (c.tokens.len() + pad) as i32);
+        // The decode rows alone, for the layers outside the chunk's stage (all of them without a
+        // chunk).
+        let rotate_decode = (range != (0..n_layers)).then(|| Array::from_slice(&rotation, &[decode_slots as i32]));
+        let rotate_all = chunk.as_ref().map(|c| {
+            let off = c.cache.layers[range.start].offset() as i32;
+            rotation.extend(off..off + t);
+            Array::from_slice(&rotation, &[rotation.len() as i32])
+        });
+        if active.is_empty() {
+            return Err(EngineError::InvalidRequest("decode: no rows".into()));
+        }
+        let x0 = step_input(&toks, decode_slots, device_tokens, &active[..decode_rows])?;
+        let eps = self.config.rms_norm_eps;
+        // The rows: decode slots, then (in the stage's layers) the chunk's padded positions.
+        let mut x = match (&hidden_in, decode_slots) {
+            (Some(_), 0) => hidden_in.take().expect("matched"),
+            _ => self.embed.take_axis(&x0, 0)?,
+        };
+        let mut hidden_out = None;
+        for (li, layer) in self.layers.iter().enumerate() {
+            let in_stage = chunk.is_some() && range.contains(&li);
+            if !in_stage && decode_slots == 0 {
+                continue; // only the chunk's stage has rows here
+            }
+            if let Some(h) = hidden_in.take_if(|_| li == range.start) {
+                x = concatenate(&[x, h], 0)?;
+            }
+            let part = chunk.as_mut().filter(|_| in_stage).map(|c| (&mut *c.cache.layers[li], t));
+            let rotation = if in_stage { rotate_all.as_ref() } else { rotate_decode.as_ref() }.expect("built for these layers");
+            let h = layer.attn.forward_grouped(&rms_norm(&x, Some(&layer.input_norm), eps)?, li, &mut steps, rows_step.as_ref(), rotation, part)?;
+            x = x.add(&h)?;
+            let h = layer.mlp.forward(&rms_norm(&x, Some(&layer.post_norm), eps)?)?;
+            x = x.add(&h)?;
+            if in_stage && li + 1 == range.end && !last_stage {
+                hidden_out = Some(x.index(decode_slots as i32..));
+                x = x.index(..decode_slots as i32);
+            }
+        }
+        drop(steps);
+        for (_, batch) in groups.iter_mut() {
+            batch.advance();
+        }
+        if let Some(c) = chunk.as_mut() {
+            for li in range.clone() {
+                c.cache.layers[li].rewind(pad)?;
+            }
+        }
+        let logits = self.head(x, &active, decode_rows, decode_slots)?;
+        Ok((logits, hidden_out))
+    }
+}
+
+/// The decode groups' rows of a step: their tokens (each group's slots, scratch ones 0), the
+/// active rows' indices, each group's step inputs, and the keys each slot attends over.
+struct StepRows<'a> {
+    toks: Vec<i32>,
+    active: Vec<i32>,
+    steps: Vec<GroupStep<'a>>,
+    /// Keys each decode slot attends over (its length after this step; scratch slots 0), for
+    /// the row attention kernel.
+    keys: Vec<usize>,
+}
+
+impl Model {
+    /// Lays out every group's rows for a step: reserves room for one more token a row, and
+    /// makes each row write and attend at its own position.
+    fn group_rows<'a>(&self, groups: &'a mut [(&[u32], &mut DecodeBatch)]) -> Result<StepRows<'a>> {
+        let mut r = StepRows { toks: vec![], active: vec![], steps: Vec::with_capacity(groups.len()), keys: vec![] };
+        for (tokens, batch) in groups.iter_mut() {
+            let n = batch.len();
+            if tokens.len() != n {
+                return Err(EngineError::InvalidRequest(format!("decode: {} tokens for {n} rows", tokens.len())));
+            }
+            if n == 0 {
+                continue;
+            }
+            let longest = batch.lens().iter().copied().max().unwrap_or(0);
+            batch.reserve(n, longest + 1)?;
+            let offset = r.toks.len() as i32;
+            let slots = batch.slots();
+            r.active.extend((0..n as i32).map(|i| offset + i));
+            r.toks.extend(tokens.iter().map(|&t| t as i32));
+            r.toks.resize(offset as usize + slots, 0);
+            let positions = batch.positions();
+            let write = batch.write_index(&positions)?;
+            r.keys.extend(batch.lens().iter().map(|&l| l + 1));
+            r.keys.resize(offset as usize + slots, 0);
+            let attend = if self.row_attention.is_some() {
+                GroupAttention::Rows
+            } else if batch.per_row_attention() {
+                GroupAttention::PerRow(batch.lens().iter().map(|&l| l as i32 + 1).collect())
+            } else {
+                let cap = batch.capacity() as i32;
+                let keys = mlx_rs::ops::arange::<i32, i32>(None, cap, None)?.reshape(&[1, 1, 1, cap])?;
+                GroupAttention::Masked(keys.lt(&positions.reshape(&[slots as i32, 1, 1, 1])?.add(Array::from_int(1))?)?)
+            };
+            r.steps.push(GroupStep { kv: &mut batch.layers[..], offset, slots: slots as i32, write, attend });
+        }
+        Ok(r)
+    }
+
+    /// The output head over every decode slot (scratch ones too) and the chunk's last position,
+    /// then the active rows picked: its shape follows the batch's slots, not how many of them
+    /// are in use, so the warm-up's rounds cover it (a new shape costs tens of ms on a GPU the
+    /// first time). Active decode slots keep their order; the chunk's last position is last.
+    fn head(&self, x: Array, active: &[i32], decode_rows: usize, decode_slots: usize) -> Result<Array> {
+        let chunk_last = (active.len() > decode_rows).then(|| active[decode_rows]);
+        let keep: Vec<i32> = (0..decode_slots as i32).chain(chunk_last).collect();
+        let rows = if keep.len() as i32 == x.shape()[0] { x } else { x.take_axis(Array::from_slice(&keep, &[keep.len() as i32]), 0)? };
+        let x = rms_norm(&rows, Some(&self.norm), self.config.rms_norm_eps)?;
+        let logits = match &self.lm_head_t {
+            Some(h) => x.matmul(h)?,
+            None => x.matmul(self.embed.t())?,
+        };
+        let pick: Vec<i32> = active[..decode_rows].iter().copied().chain(chunk_last.map(|_| decode_slots as i32)).collect();
+        Ok(if pick.len() == keep.len() { logits } else { logits.take_axis(Array::from_slice(&pick, &[pick.len() as i32]), 0)? })
+    }
+}
+
+/// The step's input tokens [rows, 1]: the host's `toks`, or, with `device`, the first
+/// `decode_slots` taken from the device (slot i takes device token k when it is the k-th of
+/// `active`; scratch slots take an appended 0) and the chunk's rows from the host.
+fn step_input(toks: &[i32], decode_slots: usize, device: Option<&Array>, active: &[i32]) -> Result<Array> {
+    let Some(d) = device else {
+        return Ok(Array::from_slice(toks, &[toks.len() as i32, 1]));
+    };
+    let zero = active.len() as i32;
+    let mut src = vec![zero; decode_slots];
+    for (k, &slot) in active.iter().enumerate() {
+        src[slot as usize] = k as i32;
+    }
+    let padded = concatenate(&[d.as_dtype(Dtype::Int32)?.reshape(&[-1])?, Array::from_slice(&[0i32], &[1])], 0)?;
+    let rows = padded.take_axis(Array::from_slice(&src, &[decode_slots as i32]), 0)?;
+    let rows = if toks.len() > decode_slots {
+        concatenate(&[rows, Array::from_slice(&toks[decode_slots..], &[(toks.len() - decode_slots) as i32])], 0)?
+    } else {
+        rows
+    };
+    Ok(rows.reshape(&[toks.len() as i32, 1])?)
+}
