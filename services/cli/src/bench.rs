@@ -274,7 +274,7 @@ fn through_nats(a: &Args) -> Result<serde_json::Value> {
         prefix_tokens: a.prefix_tokens,
         workers: a.workers.max(1),
         gpus: a.gpus.clone(),
-        gateway: (a.scenario == "gateway").then(|| crate::serve::free_port().map(|p| format!("127.0.0.1:{p}"))).transpose()?,
+        gateway: (a.scenario == "gateway").then(|| "127.0.0.1:0".to_string()),
         nats: a.nats.clone(),
         worker_env,
     };

@@ -2,7 +2,6 @@
 //! intake, workers and optionally the HTTP gateway as child processes, NATS on a free loopback
 //! port, stopped together).
 
-use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -121,13 +120,11 @@ extern "C" {
     fn libc_kill(pid: i32, sig: i32) -> i32;
 }
 
-pub fn free_port() -> Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
-
 /// A running local stack: nats-server, intake and workers, stopped when dropped.
 pub struct Stack {
     pub url: String,
+    /// The gateway's address, when it runs.
+    pub gateway: Option<String>,
     pub children: Children,
     dir: PathBuf,
 }
@@ -154,7 +151,7 @@ pub fn start_stack(
     let n = STACKS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let dir = std::env::temp_dir().join(format!("llmq-stack-{}-{n}", std::process::id()));
     let (nats, url) = crate::nats_server::start(port, &dir)?;
-    let mut stack = Stack { url: url.clone(), children: Children::default(), dir: dir.clone() };
+    let mut stack = Stack { url: url.clone(), gateway: None, children: Children::default(), dir: dir.clone() };
     stack.children.push("nats-server", nats);
     let exe = std::env::current_exe()?;
     let spawn = |what: &str, env: &[(String, String)]| -> Result<Child> {
@@ -177,7 +174,21 @@ pub fn start_stack(
         stack.children.push(&format!("worker {i}"), spawn("worker", &env)?);
     }
     if let Some(listen) = gateway {
-        stack.children.push("gateway", spawn("gateway", &[("LLMQ__GATEWAY__LISTEN".into(), listen.into())])?);
+        // The address it listens on comes back in a file (with port 0, the port it was given).
+        let file = dir.join("gateway.addr");
+        let env = [("LLMQ__GATEWAY__LISTEN".into(), listen.into()), ("LLMQ__GATEWAY__ADDRESS_FILE".into(), file.display().to_string())];
+        stack.children.push("gateway", spawn("gateway", &env)?);
+        let until = Instant::now() + Duration::from_secs(120);
+        while stack.gateway.is_none() {
+            stack.gateway = std::fs::read_to_string(&file).ok();
+            if let Some(n) = stack.children.exited() {
+                bail!("{n} exited");
+            }
+            if Instant::now() > until {
+                bail!("the gateway did not listen within 120 s");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
     Ok(stack)
 }
@@ -207,14 +218,14 @@ pub async fn wait_for_workers(client: &async_nats::Client, workers: usize, child
 
 pub fn up(a: UpArgs) -> Result<()> {
     let mut stack = start_stack(&a.model, a.workers, a.port, a.config.as_deref(), &[], a.gateway.as_deref(), &a.gpus)?;
-    let url = stack.url.clone();
+    let (url, gateway) = (stack.url.clone(), stack.gateway.clone());
     let children = &mut stack.children;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let result = rt.block_on(async {
         let client = async_nats::connect(&url).await?;
         wait_for_workers(&client, a.workers, children).await?;
         println!("LLMQ_NATS_URL={url}");
-        if let Some(g) = &a.gateway {
+        if let Some(g) = &gateway {
             println!("LLMQ_GATEWAY_URL=http://{g}");
         }
         eprintln!("llmq: up: nats-server, intake and {} worker(s) for {}; Ctrl-C stops them", a.workers, a.model);

@@ -16,13 +16,9 @@ fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
 }
 
-fn free_addr() -> String {
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    format!("127.0.0.1:{port}")
-}
-
-fn spawn_gateway(stack: &mut Stack, addr: &str) -> usize {
-    stack.spawn("gateway", &[("LLMQ__GATEWAY__LISTEN", addr), ("LLMQ__GATEWAY__WORKER_TIMEOUT_MS", "1000")])
+/// The gateway, with workers counted gone after a second of silence; its address.
+fn spawn_gateway(stack: &mut Stack) -> String {
+    stack.spawn_gateway(&[("LLMQ__GATEWAY__WORKER_TIMEOUT_MS", "1000")]).1
 }
 
 /// Polls `GET /health` until it answers `want` (the gateway is up, and has or lacks workers).
@@ -52,8 +48,7 @@ fn the_openai_package_works_unchanged_and_an_early_close_cancels() {
     let mut stack = Stack::nats_for("smollm2");
     stack.spawn("intake", &[]);
     stack.spawn("worker", &[]);
-    let addr = free_addr();
-    spawn_gateway(&mut stack, &addr);
+    let addr = spawn_gateway(&mut stack);
     rt().block_on(async {
         wait_health(&addr, 200).await;
         let nc = async_nats::connect(&stack.url).await.unwrap();
@@ -90,8 +85,7 @@ fn the_openai_package_works_unchanged_and_an_early_close_cancels() {
 fn typed_errors_health_and_worker_loss() {
     let mut stack = Stack::nats_only();
     stack.spawn("intake", &[("LLMQ__INTAKE__MAX_QUEUED_REQUESTS", "1")]);
-    let addr = free_addr();
-    spawn_gateway(&mut stack, &addr);
+    let addr = spawn_gateway(&mut stack);
     let model = fixture();
     let completion = |extra: serde_json::Value| {
         let mut v = serde_json::json!({ "model": model, "prompt": "Hello", "max_tokens": 4 });

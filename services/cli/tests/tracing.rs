@@ -123,11 +123,7 @@ fn one_request_is_one_trace_from_gateway_to_worker() {
     let mut stack = Stack::nats_only();
     stack.spawn("intake", &otel);
     stack.spawn("worker", &otel);
-    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let addr = format!("127.0.0.1:{port}");
-    let mut gw = otel.to_vec();
-    gw.push(("LLMQ__GATEWAY__LISTEN", addr.as_str()));
-    stack.spawn("gateway", &gw);
+    let (_, addr) = stack.spawn_gateway(&otel);
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let body = serde_json::json!({"model": fixture(), "prompt": "Hello there", "max_tokens": 5, "ignore_eos": true});
     let (status, answer) = rt.block_on(async {

@@ -35,9 +35,19 @@ use openai::{ApiError, Kind, Shape};
 #[derive(Debug, thiserror::Error)]
 pub enum GatewayError {
     #[error("NATS: {0}")]
-    Nats(String),
+    Nats(#[source] Box<dyn std::error::Error + Send + Sync>),
     #[error("HTTP server: {0}")]
     Http(#[from] std::io::Error),
+    #[error("gateway.address_file {path}: {source}")]
+    AddressFile {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+fn nats(e: impl std::error::Error + Send + Sync + 'static) -> GatewayError {
+    GatewayError::Nats(Box::new(e))
 }
 
 /// What every handler shares.
@@ -384,8 +394,8 @@ fn json_error(e: actix_web::error::JsonPayloadError, _: &actix_web::HttpRequest)
 
 /// Serves until the process stops. Must be called inside an actix-web (actix-rt) System.
 pub async fn run(settings: Settings) -> Result<(), GatewayError> {
-    let nc = async_nats::connect(&settings.nats.url).await.map_err(|e| GatewayError::Nats(e.to_string()))?;
-    let mut beats = nc.subscribe(subjects::WORKER_STATUS_ALL).await.map_err(|e| GatewayError::Nats(e.to_string()))?;
+    let nc = async_nats::connect(&settings.nats.url).await.map_err(nats)?;
+    let mut beats = nc.subscribe(subjects::WORKER_STATUS_ALL).await.map_err(nats)?;
     let state = web::Data::new(State {
         nc,
         workers: Mutex::new(WorkerTable::new(Duration::from_millis(settings.gateway.worker_timeout_ms))),
@@ -410,7 +420,15 @@ pub async fn run(settings: Settings) -> Result<(), GatewayError> {
             .route("/metrics", web::get().to(metrics_text))
     })
     .bind(&settings.gateway.listen)?;
-    tracing::info!(listen = %settings.gateway.listen, "gateway ready");
+    let bound = server.addrs().first().map(ToString::to_string).unwrap_or_else(|| settings.gateway.listen.clone());
+    if let Some(path) = &settings.gateway.address_file {
+        // Whole or not at all: written aside, then renamed.
+        let tmp = path.with_extension("tmp");
+        std::fs::write(&tmp, &bound)
+            .and_then(|()| std::fs::rename(&tmp, path))
+            .map_err(|source| GatewayError::AddressFile { path: path.clone(), source })?;
+    }
+    tracing::info!(listen = %bound, "gateway ready");
     server.run().await?;
     Ok(())
 }

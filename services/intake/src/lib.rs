@@ -29,10 +29,18 @@ pub use validate::{ModelInfo, Validator};
 
 #[derive(Debug, thiserror::Error)]
 pub enum IntakeError {
-    #[error("model {0}: {1}")]
-    Model(String, String),
+    #[error("model {model}: {source}")]
+    Model {
+        model: String,
+        #[source]
+        source: llmq_text::Error,
+    },
     #[error("NATS: {0}")]
-    Nats(String),
+    Nats(#[source] Box<dyn std::error::Error + Send + Sync>),
+}
+
+fn nats(e: impl std::error::Error + Send + Sync + 'static) -> IntakeError {
+    IntakeError::Nats(Box::new(e))
 }
 
 pub struct IntakeActor {
@@ -207,22 +215,21 @@ impl Handler<Incoming> for IntakeActor {
 pub async fn run(settings: Settings, stop: impl std::future::Future<Output = ()>) -> Result<(), IntakeError> {
     let mut models = HashMap::new();
     for name in &settings.intake.models {
-        let info = ModelInfo::load(name).map_err(|e| IntakeError::Model(name.clone(), e.to_string()))?;
+        let info = ModelInfo::load(name).map_err(|source| IntakeError::Model { model: name.clone(), source })?;
         models.insert(name.clone(), info);
     }
     let validator = Arc::new(Validator::new(models, settings.intake.default_max_tokens));
-    let nats = |e: &dyn std::fmt::Display| IntakeError::Nats(e.to_string());
-    let client = async_nats::connect(&settings.nats.url).await.map_err(|e| nats(&e))?;
+    let client = async_nats::connect(&settings.nats.url).await.map_err(nats)?;
     let js = jetstream::new(client.clone());
-    let stream = subjects::jobs_stream(&js).await.map_err(|e| nats(&e))?;
+    let stream = subjects::jobs_stream(&js).await.map_err(nats)?;
     // Cancels are stored from the start, so a job cancelled while it waits with no worker up is
     // ended, not run, by the worker that takes it.
-    subjects::cancels_stream(&js).await.map_err(|e| nats(&e))?;
+    subjects::cancels_stream(&js).await.map_err(nats)?;
     let mut sub = client
         .queue_subscribe(subjects::GENERATE, subjects::INTAKE_QUEUE.into())
         .await
-        .map_err(|e| nats(&e))?;
-    let mut beats = client.subscribe(subjects::WORKER_STATUS_ALL).await.map_err(|e| nats(&e))?;
+        .map_err(nats)?;
+    let mut beats = client.subscribe(subjects::WORKER_STATUS_ALL).await.map_err(nats)?;
     let addr = IntakeActor {
         validator,
         client: client.clone(),

@@ -37,17 +37,29 @@ use llmq_scheduler::SchedulerConfig;
 
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
-    #[error("loading the model: {0}")]
-    Model(String),
+    #[error("loading the model {model}: {source}")]
+    Load {
+        model: String,
+        #[source]
+        source: llmq_engine::EngineError,
+    },
+    #[error("{setting}: {source}")]
+    MlxLimit {
+        setting: &'static str,
+        #[source]
+        source: mlx_rs::error::Exception,
+    },
+    #[error("the device thread stopped")]
+    DeviceStopped,
     #[error("NATS: {0}")]
-    Nats(String),
+    Nats(#[source] Box<dyn std::error::Error + Send + Sync>),
 }
 
 /// The default warm-up prompt on a GPU (capped by the model's context and the KV budget).
 const GPU_WARM_UP_TOKENS: usize = 8192;
 
-fn nats_err(e: impl std::fmt::Display) -> WorkerError {
-    WorkerError::Nats(e.to_string())
+fn nats_err(e: impl std::error::Error + Send + Sync + 'static) -> WorkerError {
+    WorkerError::Nats(Box::new(e))
 }
 
 
@@ -72,12 +84,14 @@ pub fn scheduler_config(c: &SchedulerSettings, stages: usize) -> SchedulerConfig
 
 /// Sets MLX's allocator limits (`worker.mlx_memory_limit_bytes`, `worker.mlx_cache_limit_bytes`)
 /// on the device thread, before the model loads; MLX keeps its own where a setting is absent.
-fn set_mlx_limits(memory: Option<u64>, cache: Option<u64>) -> Result<(), String> {
+fn set_mlx_limits(memory: Option<u64>, cache: Option<u64>) -> Result<(), WorkerError> {
     if let Some(b) = memory {
-        mlx_rs::memory::set_memory_limit(b as usize).map_err(|e| format!("worker.mlx_memory_limit_bytes: {e}"))?;
+        mlx_rs::memory::set_memory_limit(b as usize)
+            .map_err(|source| WorkerError::MlxLimit { setting: "worker.mlx_memory_limit_bytes", source })?;
     }
     if let Some(b) = cache {
-        mlx_rs::memory::set_cache_limit(b as usize).map_err(|e| format!("worker.mlx_cache_limit_bytes: {e}"))?;
+        mlx_rs::memory::set_cache_limit(b as usize)
+            .map_err(|source| WorkerError::MlxLimit { setting: "worker.mlx_cache_limit_bytes", source })?;
     }
     Ok(())
 }
@@ -156,7 +170,7 @@ async fn start_device(
     out: mpsc::UnboundedSender<Outbound>,
     snapshot: Arc<Mutex<WorkerStatus>>,
 ) -> Result<Scheduler, WorkerError> {
-    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<Scheduler, String>>();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<Scheduler, WorkerError>>();
     let gpu = llmq_engine::on_gpu();
     let sched = settings.scheduler.clone();
     let prefix = settings.prefix_cache.clone();
@@ -169,8 +183,9 @@ async fn start_device(
     Arbiter::new().spawn_fn(move || {
         let loaded = (|| {
             set_mlx_limits(w.mlx_memory_limit_bytes, w.mlx_cache_limit_bytes)?;
-            let dtype = w.dtype.as_deref().map(parse_dtype).transpose().map_err(|e| e.to_string())?.unwrap_or_else(default_dtype);
-            load_named(&w.model, dtype).map_err(|e| format!("{}: {e}", w.model))
+            let load = |source| WorkerError::Load { model: w.model.clone(), source };
+            let dtype = w.dtype.as_deref().map(parse_dtype).transpose().map_err(load)?.unwrap_or_else(default_dtype);
+            load_named(&w.model, dtype).map_err(load)
         })();
         let _ = ready_tx.send(loaded.map(|m| {
             let mut model = m.model;
@@ -193,8 +208,8 @@ async fn start_device(
     });
     match tokio::task::spawn_blocking(move || ready_rx.recv()).await {
         Ok(Ok(Ok(addr))) => Ok(addr),
-        Ok(Ok(Err(e))) => Err(WorkerError::Model(e)),
-        _ => Err(WorkerError::Model("the device thread stopped".into())),
+        Ok(Ok(Err(e))) => Err(e),
+        _ => Err(WorkerError::DeviceStopped),
     }
 }
 
@@ -239,7 +254,7 @@ async fn warm_up(actor: &Scheduler, settings: &Settings) -> Result<(), WorkerErr
     match actor.send(WarmUp { tokens, rows }).await {
         Ok(Ok(ms)) => tracing::info!(ms, tokens, "warm-up done"),
         Ok(Err(e)) => tracing::warn!(error = %e, "warm-up failed; serving anyway"),
-        Err(e) => return Err(WorkerError::Model(format!("the device thread stopped: {e}"))),
+        Err(_) => return Err(WorkerError::DeviceStopped),
     }
     Ok(())
 }
@@ -431,7 +446,7 @@ async fn drain(actor: &Scheduler, inflight: &Inflight, grace: Duration) {
 
 /// Hands every cancel the cancels stream holds to the actor (which remembers those of requests
 /// it does not hold, and ends such a job with `Cancelled` if it ever arrives). Returns how many.
-async fn replay_cancels(stream: &jetstream::stream::Stream, actor: &Scheduler) -> Result<usize, String> {
+async fn replay_cancels(stream: &jetstream::stream::Stream, actor: &Scheduler) -> Result<usize, WorkerError> {
     let consumer = stream
         .create_consumer(pull::Config {
             deliver_policy: jetstream::consumer::DeliverPolicy::All,
@@ -440,10 +455,10 @@ async fn replay_cancels(stream: &jetstream::stream::Stream, actor: &Scheduler) -
             ..Default::default()
         })
         .await
-        .map_err(|e| e.to_string())?;
+        .map_err(nats_err)?;
     let mut n = 0;
     loop {
-        let mut batch = consumer.fetch().max_messages(1000).messages().await.map_err(|e| e.to_string())?;
+        let mut batch = consumer.fetch().max_messages(1000).messages().await.map_err(nats_err)?;
         let mut got = 0;
         while let Some(Ok(m)) = batch.next().await {
             got += 1;

@@ -30,15 +30,18 @@ pub struct Settings {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct GatewaySettings {
-    /// Address to listen on.
+    /// Address to listen on (port 0: one the system picks).
     pub listen: String,
     /// A worker silent for this long no longer counts for /health and /v1/models.
     pub worker_timeout_ms: u64,
+    /// Once listening, the gateway writes the address it listens on here (the port the system
+    /// picked, with port 0): how a harness finds it without racing for a free port.
+    pub address_file: Option<std::path::PathBuf>,
 }
 
 impl Default for GatewaySettings {
     fn default() -> Self {
-        GatewaySettings { listen: "127.0.0.1:8000".into(), worker_timeout_ms: 3000 }
+        GatewaySettings { listen: "127.0.0.1:8000".into(), worker_timeout_ms: 3000, address_file: None }
     }
 }
 

@@ -40,7 +40,7 @@ fn http_submit(c: &Client, addr: &str, stream: usize, model: &str, ids: Vec<u32>
 /// (nothing else running: the difference is what the gateway adds); then the inter-token gaps
 /// of `streams` concurrent streams, half through each path.
 pub(super) async fn gateway((mut c, mut rx): (Client, mpsc::UnboundedReceiver<Seen>), k: &Knobs) -> Result<Value> {
-    let addr = k.gateway.clone().ok_or_else(|| anyhow::anyhow!("no gateway address"))?;
+    let addr = c.gateway.clone().ok_or_else(|| anyhow::anyhow!("no gateway in this stack"))?;
     let t = Instant::now();
     while llmq_gateway::client::request(&addr, "GET", "/health", None).await.map(|r| r.status).unwrap_or(0) != 200 {
         if t.elapsed() > Duration::from_secs(120) {

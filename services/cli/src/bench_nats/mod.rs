@@ -41,7 +41,7 @@ pub struct Knobs {
     pub prompt_tokens: usize,
     pub output_tokens: usize,
     pub prefix_tokens: usize,
-    /// Also start the HTTP gateway, listening here.
+    /// Also start the HTTP gateway, listening here (port 0: one the system picks).
     pub gateway: Option<String>,
     /// Workers to start, and the GPUs to spread them over.
     pub workers: usize,
@@ -64,6 +64,8 @@ struct Client {
     nc: async_nats::Client,
     tx: mpsc::UnboundedSender<Seen>,
     ids: Vec<String>,
+    /// The stack's gateway address, when it runs one.
+    gateway: Option<String>,
 }
 
 impl Client {
@@ -237,7 +239,7 @@ async fn with_stack<'a>(k: &'a Knobs, env: &[(String, String)], f: impl FnOnce((
         wait_for_workers(&nc, k.workers, &mut s.children).await?;
     }
     let (tx, rx) = mpsc::unbounded_channel();
-    let client = Client { nc, tx, ids: vec![] };
+    let client = Client { nc, tx, ids: vec![], gateway: stack.as_ref().and_then(|s| s.gateway.clone()) };
     let r = f((client, rx)).await;
     drop(stack);
     r

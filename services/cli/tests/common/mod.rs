@@ -82,6 +82,25 @@ impl Stack {
         let _ = p.wait();
     }
 
+    /// Starts the HTTP gateway on a port the system picks (no race for a free one); returns its
+    /// index and its address, read from the file it writes once listening.
+    pub fn spawn_gateway(&mut self, env: &[(&str, &str)]) -> (usize, String) {
+        let file = self.dir.join(format!("gateway-{}.addr", self.procs.len()));
+        let file_env = file.display().to_string();
+        let mut all = vec![("LLMQ__GATEWAY__LISTEN", "127.0.0.1:0"), ("LLMQ__GATEWAY__ADDRESS_FILE", file_env.as_str())];
+        all.extend_from_slice(env);
+        let index = self.spawn("gateway", &all);
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            if let Ok(addr) = std::fs::read_to_string(&file) {
+                return (index, addr);
+            }
+            assert!(self.procs[index].0.try_wait().unwrap().is_none(), "the gateway exited");
+            assert!(std::time::Instant::now() < until, "the gateway did not listen within 60 s");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+
     /// Sends SIGTERM to a process started by `spawn` (a graceful stop).
     pub fn terminate(&mut self, index: usize) {
         extern "C" {

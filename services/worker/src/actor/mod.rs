@@ -28,7 +28,7 @@ use crate::messages::StepTimes;
 use crate::seq::panic_text;
 use self::cancels::RecentCancels;
 pub use self::cancels::CANCEL_MEMORY;
-pub use self::warm_up::{warm_up_rows, WarmUp};
+pub use self::warm_up::{warm_up_rows, WarmUp, WarmUpError};
 use crate::tick_log::TickLog;
 
 /// What the scheduler actor needs of an engine beyond the work itself: admitting requests and

@@ -5,7 +5,7 @@ use std::panic::AssertUnwindSafe;
 
 use actix::prelude::*;
 use futures::FutureExt;
-use llmq_protocol::Event;
+use llmq_protocol::{Event, WireError};
 use llmq_scheduler::{Admission, ReqId, Scheduler, SchedulerConfig};
 use llmq_text::sampling::{Sampling, StopConditions};
 
@@ -22,12 +22,27 @@ use crate::seq::panic_text;
 /// tick in which the first long prompt joins 16 decoding streams when the warm-up had only
 /// one). Answers with the milliseconds it took. Leaves nothing behind.
 #[derive(Message)]
-#[rtype(result = "Result<f64, String>")]
+#[rtype(result = "Result<f64, WarmUpError>")]
 pub struct WarmUp {
     /// Prompt tokens of the long dummy requests (capped by the context and the KV budget).
     pub tokens: usize,
     /// Short requests decoding in each round (at least one round).
     pub rows: Vec<usize>,
+}
+
+/// Why a warm-up did not complete (the worker then serves anyway, its first requests slower).
+#[derive(Debug, thiserror::Error)]
+pub enum WarmUpError {
+    #[error("the engine is busy")]
+    Busy,
+    #[error("a dummy request was refused: {0}")]
+    Refused(WireError),
+    #[error("a dummy request ended with {0:?}")]
+    Ended(Event),
+    #[error("the dummy requests did not finish")]
+    Stuck,
+    #[error("panic during warm-up: {0}")]
+    Panic(String),
 }
 
 /// Rows of the warm-up's rounds on a GPU: one round for each size the decode batch's buffers
@@ -45,7 +60,7 @@ pub fn warm_up_rows(max_batch: usize) -> Vec<usize> {
 }
 
 /// The warm-up's dummy requests, through a private scheduler and `engine`, to their end.
-async fn warm_up<E: WorkerEngine>(engine: &mut E, cfg: SchedulerConfig, w: WarmUp) -> Result<(), String> {
+async fn warm_up<E: WorkerEngine>(engine: &mut E, cfg: SchedulerConfig, w: WarmUp) -> Result<(), WarmUpError> {
     // Chunks of a fixed size per round (the tick budget's choices depend on measured times).
     let fixed = |size: usize| SchedulerConfig { prefill_chunk: size, tick_budget: 0.0, ..cfg.clone() };
     let mut s = Scheduler::new(fixed(cfg.prefill_chunk));
@@ -92,10 +107,10 @@ async fn warm_up<E: WorkerEngine>(engine: &mut E, cfg: SchedulerConfig, w: WarmU
             id += 1;
             let prompt: Vec<u32> = (0..len as u32).map(|i| 1 + (i * 7 + (id % 50) as u32) % 50).collect();
             let stop = StopConditions { max_tokens: max_tokens as u32, ignore_eos: true, ..Default::default() };
-            engine.register(id, prompt, Sampling::default(), stop, None).await.map_err(|e| e.to_string())?;
+            engine.register(id, prompt, Sampling::default(), stop, None).await.map_err(WarmUpError::Refused)?;
             let a = Admission { id, prompt_tokens: len, max_tokens, accepted_at: now() };
             if let Some(e) = s.submit(a).into_iter().find(|e| e.event.is_terminal()) {
-                return Err(format!("{:?}", e.event));
+                return Err(WarmUpError::Ended(e.event));
             }
         }
         // A phase of short ones ends when none is waiting or prefilling any more (all decode,
@@ -103,12 +118,12 @@ async fn warm_up<E: WorkerEngine>(engine: &mut E, cfg: SchedulerConfig, w: WarmU
         let mut ticks = 0;
         while if *until_decoding { s.queued_requests() > 0 } else { !s.is_idle() } {
             let (emits, _) = s.tick(engine, now()).await;
-            if let Some(e) = emits.iter().find(|e| matches!(e.event, Event::Error { .. })) {
-                return Err(format!("{:?}", e.event));
+            if let Some(e) = emits.into_iter().find(|e| matches!(e.event, Event::Error { .. })) {
+                return Err(WarmUpError::Ended(e.event));
             }
             ticks += 1;
             if ticks > 1_000_000 {
-                return Err("did not finish".into());
+                return Err(WarmUpError::Stuck);
             }
         }
     }
@@ -118,15 +133,15 @@ async fn warm_up<E: WorkerEngine>(engine: &mut E, cfg: SchedulerConfig, w: WarmU
 }
 
 impl<E: WorkerEngine + Unpin + 'static> Handler<WarmUp> for SchedulerActor<E> {
-    type Result = AtomicResponse<Self, Result<f64, String>>;
+    type Result = AtomicResponse<Self, Result<f64, WarmUpError>>;
     fn handle(&mut self, w: WarmUp, _: &mut Context<Self>) -> Self::Result {
         let started = std::time::Instant::now();
         let cfg = self.cfg.clone();
         self.exchange(
-            Err("the engine is busy".into()),
+            Err(WarmUpError::Busy),
             move |mut engine| async move {
                 let run = AssertUnwindSafe(warm_up(&mut engine, cfg, w)).catch_unwind().await;
-                let run = run.unwrap_or_else(|p| Err(format!("panic during warm-up: {}", panic_text(p))));
+                let run = run.unwrap_or_else(|p| Err(WarmUpError::Panic(panic_text(p))));
                 if run.is_err() {
                     // Nothing of it stays behind.
                     engine.reset().await;
