@@ -16,8 +16,8 @@ const HBM_BYTES_PER_S: f64 = 4.8e12;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// single or ticks (in process), or burst, batch, static, prefix, gateway (through NATS
-    /// and the worker's actors; gateway also through the HTTP gateway)
+    /// single (in process), or burst, batch, static, prefix, gateway (through NATS and the
+    /// worker's actors; gateway also through the HTTP gateway)
     scenario: String,
     #[arg(long)]
     local: bool,
@@ -112,134 +112,6 @@ fn single(model: &Model, a: &Args) -> Result<serde_json::Value> {
     }))
 }
 
-/// What one scheduler tick costs on the engine, in process (no actors, no NATS), to size
-/// prefill chunks: a decode step of `--active` rows alone, then the same step fused with one
-/// prefill chunk of each size at each offset into a `--burst-tokens` prompt, and that chunk
-/// alone. Each figure is the median of 5 timed runs (after 2 untimed) including the
-/// evaluation; every run starts from a fresh copy of the prompt's cache at that offset.
-fn ticks(model: &mut Model, a: &Args) -> Result<serde_json::Value> {
-    use mlx_rs::Array;
-    // As a worker does: chunks of these sizes, started on multiples of them, are not padded.
-    let sizes = [16usize, 64, 128, 256, 512];
-    model.fit_chunk_grid(&sizes);
-    let model = &*model;
-    let ids = |t: &[u32]| Array::from_slice(&t.iter().map(|&x| x as i32).collect::<Vec<_>>(), &[1, t.len() as i32]);
-    let mut batch = model.new_decode_batch().ok_or_else(|| anyhow::anyhow!("this model decodes without a batch"))?;
-    for i in 0..a.active {
-        let mut c = model.new_cache();
-        model.forward(&ids(&random_prompt(a.prompt_tokens, 100 + i as u64)), &mut [&mut c], true)?.eval()?;
-        batch.join(&c)?;
-    }
-    let rows = vec![11u32; a.active];
-    // Also the host's share: building the step's graph, then launching it (`async_eval`, from
-    // an idle device), as medians in `host_ms`.
-    let mut host_ms: Vec<serde_json::Value> = vec![];
-    let mut timed_parts = |what: String, f: &mut dyn FnMut() -> Result<Array>| -> Result<f64> {
-        let (mut v, mut build, mut launch) = (vec![], vec![], vec![]);
-        for i in 0..7 {
-            let t0 = Instant::now();
-            let out = f()?;
-            let t1 = Instant::now();
-            mlx_rs::transforms::async_eval([&out])?;
-            let t2 = Instant::now();
-            out.eval()?;
-            if i >= 2 {
-                v.push(t0.elapsed().as_secs_f64() * 1000.0);
-                build.push((t1 - t0).as_secs_f64() * 1000.0);
-                launch.push((t2 - t1).as_secs_f64() * 1000.0);
-            }
-        }
-        host_ms.push(serde_json::json!({"step": what, "build_ms": round(median(build), 3), "launch_ms": round(median(launch), 3)}));
-        Ok(round(median(v), 3))
-    };
-    let decode_ms = timed_parts("decode".into(), &mut || Ok(model.step(&mut [(&rows[..], &mut batch)], None)?))?;
-    let prompt = random_prompt(a.burst_tokens, 5);
-    let mut base = model.new_cache();
-    let mut table = vec![];
-    let mut done = 0;
-    for offset in [0, a.burst_tokens / 4, a.burst_tokens / 2, a.burst_tokens - 1024] {
-        if offset > done {
-            model.forward(&ids(&prompt[done..offset]), &mut [&mut base], true)?.eval()?;
-            done = offset;
-        }
-        let layers: Vec<(Array, Array)> =
-            (0..model.config.num_layers).map(|l| base.contents(l)).collect::<Option<_>>().unwrap_or_default();
-        let fresh = || -> Result<llmq_engine::cache::SequenceCache> {
-            let c = if offset == 0 { model.new_cache() } else { model.cache_from_prefix(&layers, offset, a.burst_tokens)? };
-            for l in 0..model.config.num_layers {
-                if let Some((k, v)) = c.contents(l) {
-                    mlx_rs::transforms::eval([&k, &v])?;
-                }
-            }
-            Ok(c)
-        };
-        for &n in &sizes {
-            let chunk = &prompt[offset..offset + n];
-            let mut caches = (0..14).map(|_| fresh()).collect::<Result<Vec<_>>>()?;
-            let fused_ms = timed_parts(format!("decode + {n} at {offset}"), &mut || {
-                let mut c = caches.pop().expect("one per run");
-                Ok(model.step(&mut [(&rows[..], &mut batch)], Some((chunk, &mut c)))?)
-            })?;
-            let alone_ms = timed_parts(format!("{n} alone at {offset}"), &mut || {
-                let mut c = caches.pop().expect("one per run");
-                Ok(model.forward(&ids(chunk), &mut [&mut c], true)?)
-            })?;
-            table.push(serde_json::json!({"offset": offset, "chunk": n, "fused_ms": fused_ms, "alone_ms": alone_ms}));
-        }
-    }
-    // The whole prompt joins a decode batch of its own (a new length group): the join, then
-    // steps of both groups together, the long one masked (even rounds) or row by row (odd).
-    model.forward(&ids(&prompt[done..]), &mut [&mut base], true)?.eval()?;
-    let mut joins = vec![];
-    let mut two_groups = vec![];
-    let mut two_groups_per_row = vec![];
-    for round in 0..6 {
-        let per_row = round % 2 == 1;
-        let mut long = model.new_decode_batch().expect("checked above").with_per_row_attention(if per_row { 8 } else { 0 });
-        let t0 = Instant::now();
-        long.join(&base)?;
-        long.eval()?;
-        joins.push(t0.elapsed().as_secs_f64() * 1000.0);
-        for _ in 0..3 {
-            let t0 = Instant::now();
-            model.step(&mut [(&rows[..], &mut batch), (&[11u32][..], &mut long)], None)?.eval()?;
-            let ms = t0.elapsed().as_secs_f64() * 1000.0;
-            if per_row { two_groups_per_row.push(ms) } else { two_groups.push(ms) }
-        }
-    }
-    // Where a second length group's cost goes (host parts in `host_ms`): a 17th row in the
-    // same group, in a group of its own as a short row, and as the long prompt (whose keys the
-    // row kernel splits over blocks).
-    let short = |seed: u64| -> Result<llmq_engine::cache::SequenceCache> {
-        let mut c = model.new_cache();
-        model.forward(&ids(&random_prompt(a.prompt_tokens, seed)), &mut [&mut c], true)?.eval()?;
-        Ok(c)
-    };
-    let extra = short(99)?;
-    let mut with_extra = model.new_decode_batch().expect("checked above");
-    for i in 0..a.active {
-        with_extra.join(&short(100 + i as u64)?)?;
-    }
-    with_extra.join(&extra)?;
-    let rows17 = vec![11u32; a.active + 1];
-    timed_parts(format!("{} rows in one group", a.active + 1), &mut || Ok(model.step(&mut [(&rows17[..], &mut with_extra)], None)?))?;
-    drop(with_extra);
-    let mut own = model.new_decode_batch().expect("checked above").with_per_row_attention(8);
-    own.join(&extra)?;
-    timed_parts(format!("{} rows + a short row in its own group", a.active), &mut || Ok(model.step(&mut [(&rows[..], &mut batch), (&[11u32][..], &mut own)], None)?))?;
-    drop(own);
-    let mut long = model.new_decode_batch().expect("checked above").with_per_row_attention(8);
-    long.join(&base)?;
-    timed_parts(format!("{} rows + the long row in its own group", a.active), &mut || Ok(model.step(&mut [(&rows[..], &mut batch), (&[11u32][..], &mut long)], None)?))?;
-    drop(long);
-    let r = |v: &[f64]| v.iter().map(|&x| round(x, 3)).collect::<Vec<_>>();
-    Ok(serde_json::json!({
-        "scenario": "ticks", "active_streams": a.active, "decode_ms": decode_ms, "ticks": table, "host_ms": host_ms,
-        "join_ms": r(&joins), "two_group_step_ms": r(&two_groups),
-        "two_group_step_per_row_ms": r(&two_groups_per_row),
-    }))
-}
-
 fn through_nats(a: &Args) -> Result<serde_json::Value> {
     let model = match (&a.model, &a.random_weights) {
         (_, Some(shape)) => format!("random:{shape}"),
@@ -289,7 +161,7 @@ fn through_nats(a: &Args) -> Result<serde_json::Value> {
 }
 
 pub fn run(a: Args) -> Result<()> {
-    if !matches!(a.scenario.as_str(), "single" | "ticks") {
+    if a.scenario != "single" {
         let v = through_nats(&a)?;
         if a.json {
             println!("{v}");
@@ -303,7 +175,7 @@ pub fn run(a: Args) -> Result<()> {
     }
     let dtype = a.dtype.as_deref().map(parse_dtype).transpose()?.unwrap_or_else(default_dtype);
     let t0 = Instant::now();
-    let (mut model, label, random) = match (&a.model, &a.random_weights) {
+    let (model, label, random) = match (&a.model, &a.random_weights) {
         (_, Some(shape)) => (shapes::random_model(shape, dtype, 0)?, shape.clone(), true),
         (Some(name), None) => (load_model(&resolve_model(name)?, dtype)?.model, name.clone(), false),
         (None, None) => bail!("give --model NAME or --random-weights SHAPE"),
@@ -312,8 +184,7 @@ pub fn run(a: Args) -> Result<()> {
     let nbytes = model.weight_bytes();
     let mut res = match a.scenario.as_str() {
         "single" => single(&model, &a)?,
-        "ticks" => ticks(&mut model, &a)?,
-        other => bail!("unknown scenario {other:?}: single, ticks, burst, batch, static, prefix, gateway"),
+        other => bail!("unknown scenario {other:?}: single, burst, batch, static, prefix, gateway"),
     };
     let obj = res.as_object_mut().expect("object");
     let key = if random { "shape" } else { "model" };

@@ -79,58 +79,15 @@ impl Validator {
             Some(n) if n <= 0 => return Err(invalid(format!("max_tokens must be at least 1, got {n}"))),
             Some(n) => n,
         };
-        let sampling = Sampling {
-            temperature: f32_param("temperature", r.temperature, 0.0)?,
-            top_p: f32_param("top_p", r.top_p, 1.0)?,
-            min_p: f32_param("min_p", r.min_p, 0.0)?,
-            repetition_penalty: f32_param("repetition_penalty", r.repetition_penalty, 1.0)?,
-            top_k: match r.top_k {
-                None => 0,
-                Some(k) if (0..=u32::MAX as i64).contains(&k) => k as u32,
-                Some(k) => return Err(invalid(format!("top_k must be >= 0, got {k}"))),
-            },
-            seed: r.seed,
-            logprobs: r.logprobs,
-            top_logprobs: r.top_logprobs,
+        let sampling = sampling_of(&r)?;
+        let stop = StopConditions {
+            max_tokens: max_tokens.min(u32::MAX as i64) as u32,
+            stop: r.stop.clone(),
+            stop_token_ids: r.stop_token_ids.clone(),
+            ignore_eos: r.ignore_eos,
         };
-        sampling::validate(&sampling).map_err(text_invalid)?;
-        let stop = StopConditions { max_tokens: max_tokens.min(u32::MAX as i64) as u32, stop: r.stop, stop_token_ids: r.stop_token_ids, ignore_eos: r.ignore_eos };
         sampling::validate_stop(&stop).map_err(text_invalid)?;
-        let given = [r.prompt.is_some(), r.messages.is_some(), r.prompt_ids.is_some()].iter().filter(|&&b| b).count();
-        if given != 1 {
-            return Err(invalid("give exactly one of prompt, messages and prompt_ids"));
-        }
-        let tok = match (&model.tokenizer, &r.prompt_ids) {
-            (Some(t), _) => Some(t),
-            (None, Some(_)) => None,
-            (None, None) => return Err(invalid("this model has no tokenizer: give prompt_ids")),
-        };
-        let prompt_ids = match (&r.prompt, &r.messages) {
-            _ if r.prompt_ids.is_some() => {
-                let ids = r.prompt_ids.clone().unwrap_or_default();
-                let vocab = model.vocab_size.or_else(|| tok.map(|t| t.max_id_bound())).unwrap_or(usize::MAX);
-                if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
-                    return Err(invalid(format!("prompt id {bad} is outside the vocabulary ({vocab})")));
-                }
-                ids
-            }
-            (Some(p), None) => {
-                let tok = tok.expect("checked above");
-                if p.is_empty() {
-                    return Err(invalid("empty prompt"));
-                }
-                tok.encode(p, true).map_err(|e| invalid(e.to_string()))?
-            }
-            (None, Some(msgs)) => {
-                let tok = tok.expect("checked above");
-                if msgs.is_empty() {
-                    return Err(invalid("empty messages"));
-                }
-                let text = tok.apply_chat_template(msgs, true).map_err(|e| invalid(e.to_string()))?;
-                tok.encode(&text, false).map_err(|e| invalid(e.to_string()))?
-            }
-            _ => unreachable!("exactly one prompt form was checked above"),
-        };
+        let prompt_ids = prompt_ids_of(model, &r)?;
         if prompt_ids.is_empty() {
             return Err(invalid("the prompt has no tokens"));
         }
@@ -162,4 +119,52 @@ impl Validator {
             cache_salt: r.cache_salt,
         })
     }
+}
+
+/// The request's sampling parameters, checked.
+fn sampling_of(r: &GenerateRequest) -> Result<Sampling, WireError> {
+    let sampling = Sampling {
+        temperature: f32_param("temperature", r.temperature, 0.0)?,
+        top_p: f32_param("top_p", r.top_p, 1.0)?,
+        min_p: f32_param("min_p", r.min_p, 0.0)?,
+        repetition_penalty: f32_param("repetition_penalty", r.repetition_penalty, 1.0)?,
+        top_k: match r.top_k {
+            None => 0,
+            Some(k) if (0..=u32::MAX as i64).contains(&k) => k as u32,
+            Some(k) => return Err(invalid(format!("top_k must be >= 0, got {k}"))),
+        },
+        seed: r.seed,
+        logprobs: r.logprobs,
+        top_logprobs: r.top_logprobs,
+    };
+    sampling::validate(&sampling).map_err(text_invalid)?;
+    Ok(sampling)
+}
+
+/// The prompt's token ids from exactly one of `prompt` (encoded), `messages` (the model's chat
+/// template, then encoded) and `prompt_ids` (checked against the vocabulary).
+fn prompt_ids_of(model: &ModelInfo, r: &GenerateRequest) -> Result<Vec<u32>, WireError> {
+    let given = [r.prompt.is_some(), r.messages.is_some(), r.prompt_ids.is_some()].iter().filter(|&&b| b).count();
+    if given != 1 {
+        return Err(invalid("give exactly one of prompt, messages and prompt_ids"));
+    }
+    if let Some(ids) = &r.prompt_ids {
+        let vocab = model.vocab_size.or_else(|| model.tokenizer.as_ref().map(|t| t.max_id_bound())).unwrap_or(usize::MAX);
+        if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(invalid(format!("prompt id {bad} is outside the vocabulary ({vocab})")));
+        }
+        return Ok(ids.clone());
+    }
+    let tok = model.tokenizer.as_ref().ok_or_else(|| invalid("this model has no tokenizer: give prompt_ids"))?;
+    let encoded = match (&r.prompt, &r.messages) {
+        (Some(p), _) if p.is_empty() => return Err(invalid("empty prompt")),
+        (Some(p), _) => tok.encode(p, true),
+        (None, Some(msgs)) if msgs.is_empty() => return Err(invalid("empty messages")),
+        (None, Some(msgs)) => {
+            let text = tok.apply_chat_template(msgs, true).map_err(|e| invalid(e.to_string()))?;
+            tok.encode(&text, false)
+        }
+        (None, None) => unreachable!("exactly one prompt form was checked above"),
+    };
+    encoded.map_err(|e| invalid(e.to_string()))
 }

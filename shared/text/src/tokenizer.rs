@@ -105,15 +105,6 @@ impl Tokenizer {
         let add_bos = get("add_bos_token").and_then(Value::as_bool).unwrap_or(model == "llama");
         let vocab: serde_json::Map<String, Json> =
             tokens.iter().enumerate().map(|(i, t)| (t.clone(), json!(i))).collect();
-        let added: Vec<Json> = tokens
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| matches!(types.get(*i), Some(3) | Some(4)))
-            .map(|(i, t)| {
-                json!({"id": i, "content": t, "single_word": false, "lstrip": false, "rstrip": false,
-                       "normalized": false, "special": types[i] == 3})
-            })
-            .collect();
         let mut tj = match model {
             "gpt2" => {
                 let merges = strings("merges").ok_or_else(|| tok_err(path, "BPE vocabulary without tokenizer.ggml.merges"))?;
@@ -156,18 +147,8 @@ impl Tokenizer {
         obj.insert("version".into(), json!("1.0"));
         obj.insert("truncation".into(), Json::Null);
         obj.insert("padding".into(), Json::Null);
-        obj.insert("added_tokens".into(), Json::Array(added));
-        let post = match (add_bos, bos) {
-            (true, Some(b)) => {
-                let t = &tokens[b as usize];
-                json!({"type": "TemplateProcessing",
-                       "single": [{"SpecialToken": {"id": t, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-                       "pair": [{"SpecialToken": {"id": t, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
-                                {"Sequence": {"id": "B", "type_id": 1}}],
-                       "special_tokens": {t.clone(): {"id": t, "ids": [b], "tokens": [t]}}})
-            }
-            _ => Json::Null,
-        };
+        obj.insert("added_tokens".into(), Json::Array(added_tokens(&tokens, &types)));
+        let post = bos.filter(|_| add_bos).map_or(Json::Null, |b| bos_first(&tokens[b as usize], b));
         obj.insert("post_processor".into(), post);
         let inner: tokenizers::Tokenizer = tj.to_string().parse().map_err(|e| tok_err(path, e))?;
         let tok_at = |i: Option<u32>| i.and_then(|i| tokens.get(i as usize).cloned());
@@ -229,6 +210,28 @@ impl Tokenizer {
             self.encode(prompt, true)
         }
     }
+}
+
+/// The control (3) and user-defined (4) tokens, as `tokenizer.json`'s added tokens.
+fn added_tokens(tokens: &[String], types: &[u64]) -> Vec<Json> {
+    tokens
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| matches!(types.get(*i), Some(3) | Some(4)))
+        .map(|(i, t)| {
+            json!({"id": i, "content": t, "single_word": false, "lstrip": false, "rstrip": false,
+                   "normalized": false, "special": types[i] == 3})
+        })
+        .collect()
+}
+
+/// A post-processor that puts the beginning-of-sequence token `t` (id `id`) first.
+fn bos_first(t: &str, id: u32) -> Json {
+    json!({"type": "TemplateProcessing",
+           "single": [{"SpecialToken": {"id": t, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+           "pair": [{"SpecialToken": {"id": t, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                    {"Sequence": {"id": "B", "type_id": 1}}],
+           "special_tokens": {t.to_string(): {"id": t, "ids": [id], "tokens": [t]}}})
 }
 
 /// Pre-tokenizers of the byte-level BPE vocabularies, by llama.cpp's `tokenizer.ggml.pre` name.
