@@ -7,6 +7,7 @@ mod common;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use common::client::Client;
 use common::*;
 use futures::StreamExt;
 use llmq_gateway::client;
@@ -93,8 +94,10 @@ fn typed_errors_health_and_worker_loss() {
         v
     };
     rt().block_on(async {
-        // No worker yet: not healthy, and a request is refused at once rather than queued.
+        // No worker yet: not healthy, and a request is refused at once rather than queued
+        // (once intake answers: a malformed request's reply says it does).
         wait_health(&addr, 503).await;
+        Client::connect(&stack.url).await.submit_raw(vec![0xc1]).await;
         let (status, body) = post(&addr, "/v1/completions", completion(serde_json::json!({}))).await;
         assert_eq!((status, body["error"]["code"].as_str()), (503, Some("no_worker")), "{body}");
         let (status, body) = post(&addr, "/v1/completions", completion(serde_json::json!({"model": "nope"}))).await;

@@ -221,30 +221,15 @@ impl Attention {
                 let o = match &g.attend {
                     GroupAttention::Masked(mask) => scaled_dot_product_attention(&q, &kv.0, &kv.1, self.scale, mask, None)?,
                     GroupAttention::Rows => unreachable!("a step attends through the row attention kernel whole or not at all"),
-                    GroupAttention::PerRow(lens) => {
-                        // Each active row over its own keys, unmasked (MLX's fused vector kernel);
-                        // scratch rows get zeros.
-                        let mut parts = Vec::with_capacity(lens.len() + 1);
-                        for (r, &len) in lens.iter().enumerate() {
-                            let r = r as i32;
-                            let (k, v) = (kv.0.index((r..r + 1, .., ..len, ..)), kv.1.index((r..r + 1, .., ..len, ..)));
-                            parts.push(scaled_dot_product_attention(&q.index(r..r + 1), &k, &v, self.scale, None, None)?);
-                        }
-                        let n = lens.len() as i32;
-                        if n < b {
-                            parts.push(mlx_rs::ops::zeros_dtype(&[b - n, self.heads, 1, d], q.dtype())?);
-                        }
-                        if parts.len() == 1 { parts.pop().expect("one") } else { concatenate(&parts, 0)? }
-                    }
+                    GroupAttention::PerRow(lens) => self.attend_per_row(&q, kv, lens, b)?,
                 };
                 outs.push(self.rows_first(&o)?);
             }
         }
         if let Some((cache, t)) = chunk {
             // The chunk's keys and values into its sequence's cache (as one sequence [1, heads,
-            // t, d], views of the rows' heads); its queries attend there through our kernel
-            // (rows in, rows out) where the cache lays its buffers out for it, else through
-            // MLX's. Its output, as rows [t, 1, heads, d], is laid out by the concatenation.
+            // t, d], views of the rows' heads); its queries attend there through MLX's
+            // attention. Its output, as rows [t, 1, heads, d], is laid out by the concatenation.
             let rows = |a: &Array| if t == n { a.clone() } else { a.index(n - t..) };
             let seq = |a: &Array| a.transpose_axes(&[2, 1, 0, 3]);
             let (cq, ck, cv) = match chunk_qkv.take() {
@@ -257,5 +242,21 @@ impl Attention {
         }
         let o = if outs.len() == 1 { outs.pop().unwrap() } else { concatenate(&outs, 0)? };
         self.o.forward(&o.reshape(&[n, 1, self.heads * d])?)
+    }
+
+    /// A group's active rows, each over its own keys unmasked (MLX's fused vector kernel), its
+    /// scratch rows zeros: [slots, heads, 1, d].
+    fn attend_per_row(&self, q: &Array, kv: &(Array, Array), lens: &[i32], slots: i32) -> Result<Array> {
+        let mut parts = Vec::with_capacity(lens.len() + 1);
+        for (r, &len) in lens.iter().enumerate() {
+            let r = r as i32;
+            let (k, v) = (kv.0.index((r..r + 1, .., ..len, ..)), kv.1.index((r..r + 1, .., ..len, ..)));
+            parts.push(scaled_dot_product_attention(&q.index(r..r + 1), &k, &v, self.scale, None, None)?);
+        }
+        let n = lens.len() as i32;
+        if n < slots {
+            parts.push(mlx_rs::ops::zeros_dtype(&[slots - n, self.heads, 1, self.head_dim], q.dtype())?);
+        }
+        Ok(if parts.len() == 1 { parts.pop().expect("one") } else { concatenate(&parts, 0)? })
     }
 }

@@ -30,31 +30,16 @@ impl Model {
         // (scratch slots 0), then, in the chunk's layers, the chunk's positions.
         let mut rotation: Vec<i32> = keys.iter().map(|&k| k.saturating_sub(1) as i32).collect();
         let mut chunk = chunk;
-        let mut pad = 0;
         let n_layers = self.layers.len();
         let (range, mut hidden_in) = match chunk.as_mut() {
             Some(c) => (c.layers.clone(), c.hidden.take()),
             None => (0..0, None),
         };
         let last_stage = range.end == n_layers;
-        if let Some(ChunkStage { tokens: c, cache, .. }) = &chunk {
-            let (&last, _) = c.split_last().ok_or_else(|| EngineError::InvalidRequest("step: an empty prefill chunk".into()))?;
-            if range.start >= range.end || range.end > n_layers || (range.start == 0) != hidden_in.is_none() {
-                return Err(EngineError::InvalidRequest(format!("step: chunk stage over layers {range:?} of {n_layers}")));
-            }
-            if !last_stage && decode_slots == 0 {
-                return Err(EngineError::InvalidRequest("step: a chunk stage short of the last layer needs decode rows".into()));
-            }
-            // Every layer of the stage holds the positions before the chunk.
-            pad = self.chunk_padding(cache.layers[range.start].offset(), c.len());
-            if range.start == 0 {
-                toks.extend(c.iter().map(|&x| x as i32));
-                toks.extend(std::iter::repeat_n(last as i32, pad));
-            }
-            if last_stage {
-                active.push((decode_slots + c.len()) as i32 - 1);
-            }
-        }
+        let pad = match &chunk {
+            Some(c) => self.add_chunk_rows(c, hidden_in.is_none(), decode_slots, &mut toks, &mut active)?,
+            None => 0,
+        };
         let t = chunk.as_ref().map_or(0, |c| (c.tokens.len() + pad) as i32);
         // The decode rows alone, for the layers outside the chunk's stage (all of them without a
         // chunk).
@@ -155,6 +140,31 @@ impl Model {
             r.steps.push(GroupStep { kv: &mut batch.layers[..], offset, slots: slots as i32, write, attend });
         }
         Ok(r)
+    }
+
+    /// Checks a chunk's stage and adds its rows: its tokens, padded to the chunk grid, when the
+    /// stage starts from the embedding (layer 0), and its last position among the active rows
+    /// when the stage ends the model. Returns the padding.
+    fn add_chunk_rows(&self, chunk: &ChunkStage, from_embedding: bool, decode_slots: usize, toks: &mut Vec<i32>, active: &mut Vec<i32>) -> Result<usize> {
+        let (range, n_layers, c) = (&chunk.layers, self.layers.len(), chunk.tokens);
+        let (&last, _) = c.split_last().ok_or_else(|| EngineError::InvalidRequest("step: an empty prefill chunk".into()))?;
+        if range.start >= range.end || range.end > n_layers || (range.start == 0) != from_embedding {
+            return Err(EngineError::InvalidRequest(format!("step: chunk stage over layers {range:?} of {n_layers}")));
+        }
+        let last_stage = range.end == n_layers;
+        if !last_stage && decode_slots == 0 {
+            return Err(EngineError::InvalidRequest("step: a chunk stage short of the last layer needs decode rows".into()));
+        }
+        // Every layer of the stage holds the positions before the chunk.
+        let pad = self.chunk_padding(chunk.cache.layers[range.start].offset(), c.len());
+        if range.start == 0 {
+            toks.extend(c.iter().map(|&x| x as i32));
+            toks.extend(std::iter::repeat_n(last as i32, pad));
+        }
+        if last_stage {
+            active.push((decode_slots + c.len()) as i32 - 1);
+        }
+        Ok(pad)
     }
 
     /// The output head over every decode slot (scratch ones too) and the chunk's last position,
