@@ -1,171 +1,16 @@
-//! The scheduler's policy on a fake engine with a fake clock: no model, no NATS.
+//! Prefill on a fake engine with a fake clock: the decode batch steps every tick while one
+//! chunk advances, the order of prompts, chunks in flight, on the grid and sized to the tick
+//! budget.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::time::Duration;
 
-use llmq_protocol::{ErrorClass, Event, FinishReason, WireError};
+use llmq_protocol::{ErrorClass, Event};
 use llmq_scheduler::*;
 
-/// Produces one token per decode step and finishes each request after its max_tokens.
-#[derive(Default)]
-struct FakeEngine {
-    max_tokens: HashMap<ReqId, usize>,
-    produced: HashMap<ReqId, usize>,
-    prefilled: HashMap<ReqId, usize>,
-    prompt: HashMap<ReqId, usize>,
-    live: HashSet<ReqId>,
-    released: Vec<ReqId>,
-    prefill_calls: Vec<(ReqId, usize)>,
-    decode_calls: Vec<Vec<ReqId>>,
-    /// Like an engine whose prefill chunks ride in decode steps queued ahead: a chunk that
-    /// completes its prompt gives no token; the request's first decode step gives its first.
-    defer_first: bool,
-    /// Like an engine that spreads a chunk's layers over this many ticks while rows decode:
-    /// the chunk is `Pending` until its last one.
-    stages: usize,
-    /// (request, stages run) of the chunk in flight.
-    stage: Option<(ReqId, usize)>,
-    /// Every chunk granted beside decode rows, with whether it was still pending after.
-    grants: Vec<(ReqId, usize, bool)>,
-    /// Prompt tokens a request finds in the prefix cache at admission.
-    cached: HashMap<ReqId, usize>,
-}
+mod common;
 
-impl FakeEngine {
-    fn token(&mut self, id: ReqId) -> StepOut {
-        let n = self.produced.entry(id).or_default();
-        *n += 1;
-        let finished = (*n >= self.max_tokens[&id]).then_some(FinishReason::Length);
-        StepOut { ids: vec![*n as u32], text: format!("t{n} "), logprobs: vec![], finished }
-    }
-}
-
-impl EngineOps for FakeEngine {
-    async fn admit(&mut self, id: ReqId) -> usize {
-        let hit = self.cached.get(&id).copied().unwrap_or(0);
-        if hit > 0 {
-            self.prefilled.insert(id, hit);
-        }
-        hit
-    }
-    async fn prefill(&mut self, id: ReqId, n: usize) -> Result<Option<StepOut>, WireError> {
-        self.live.insert(id);
-        self.prefill_calls.push((id, n));
-        let done = self.prefilled.entry(id).or_default();
-        *done += n;
-        assert!(*done <= self.prompt[&id], "prefilled past the prompt");
-        let complete = *done == self.prompt[&id];
-        Ok((complete && !self.defer_first).then(|| self.token(id)))
-    }
-    async fn decode(&mut self, ids: &[ReqId]) -> Vec<Result<StepOut, WireError>> {
-        self.decode_calls.push(ids.to_vec());
-        ids.iter().map(|&id| Ok(self.token(id))).collect()
-    }
-    async fn step(&mut self, decode: &[ReqId], prefill: Option<(ReqId, usize)>) -> (Vec<Result<StepOut, WireError>>, Option<PrefillResult>) {
-        if let (Some((id, n)), false) = (prefill, decode.is_empty()) {
-            let ran = match self.stage {
-                Some((s, k)) => {
-                    assert_eq!(s, id, "another chunk granted while one is in flight");
-                    k + 1
-                }
-                None => 1,
-            };
-            if ran < self.stages {
-                self.stage = Some((id, ran));
-                self.grants.push((id, n, true));
-                return (self.decode(decode).await, Some(Ok(Prefilled::Pending)));
-            }
-            self.stage = None;
-            self.grants.push((id, n, false));
-        }
-        step_separately(self, decode, prefill).await
-    }
-    async fn release(&mut self, ids: &[ReqId]) {
-        for &id in ids {
-            assert!(self.live.remove(&id) || !self.prefilled.contains_key(&id), "released twice: {id}");
-            self.released.push(id);
-        }
-    }
-}
-
-struct Harness {
-    s: Scheduler,
-    e: FakeEngine,
-    now: Duration,
-    events: Vec<Emit>,
-    reports: Vec<TickReport>,
-    /// Fake clock: what each prefill token adds to a tick.
-    per_token: Duration,
-    /// Fake clock: each tick's duration, in order.
-    ticks: Vec<Duration>,
-}
-
-impl Harness {
-    fn new(cfg: SchedulerConfig) -> Self {
-        Harness {
-            s: Scheduler::new(cfg),
-            e: FakeEngine::default(),
-            now: Duration::ZERO,
-            events: vec![],
-            reports: vec![],
-            per_token: Duration::from_micros(100),
-            ticks: vec![],
-        }
-    }
-    fn submit(&mut self, id: ReqId, prompt: usize, max_tokens: usize) {
-        self.e.max_tokens.insert(id, max_tokens);
-        self.e.prompt.insert(id, prompt);
-        let a = Admission { id, prompt_tokens: prompt, max_tokens, accepted_at: self.now };
-        let ev = self.s.submit(a);
-        self.events.extend(ev);
-    }
-    /// One tick; the fake clock advances 10 ms per decode step plus `per_token` (0.1 ms) per
-    /// prefill token.
-    fn tick(&mut self) -> (Vec<Emit>, TickReport) {
-        let (ev, rep) = futures::executor::block_on(self.s.tick(&mut self.e, self.now));
-        let took = Duration::from_millis(if rep.decoded > 0 { 10 } else { 0 }) + self.per_token * rep.prefill_tokens as u32;
-        self.now += took;
-        self.ticks.push(took);
-        self.events.extend(ev.clone());
-        self.reports.push(rep.clone());
-        (ev, rep)
-    }
-    /// One tick in which `stream`, the only one decoding, steps and gets a token (`i`: the
-    /// tick's number, for messages).
-    fn tick_streaming(&mut self, stream: ReqId, i: usize) -> TickReport {
-        let (ev, rep) = self.tick();
-        assert_eq!(rep.decoded, 1, "tick {i}: the active stream steps");
-        assert!(ev.iter().any(|e| e.id == stream && matches!(e.event, Event::Tokens { .. })), "tick {i}: token for stream {stream}");
-        rep
-    }
-    fn run_until_idle(&mut self, max_ticks: usize) {
-        for _ in 0..max_ticks {
-            if self.s.is_idle() {
-                return;
-            }
-            self.tick();
-        }
-        panic!("not idle after {max_ticks} ticks");
-    }
-    fn of(&self, id: ReqId) -> Vec<&Event> {
-        self.events.iter().filter(|e| e.id == id).map(|e| &e.event).collect()
-    }
-    /// Every request ended with exactly one terminal event, last; nothing is held any more.
-    fn assert_all_ended(&self, ids: &[ReqId]) {
-        for &id in ids {
-            let ev = self.of(id);
-            let terminals = ev.iter().filter(|e| e.is_terminal()).count();
-            assert_eq!(terminals, 1, "request {id}: {ev:?}");
-            assert!(ev.last().unwrap().is_terminal(), "request {id}: terminal not last");
-        }
-        assert_eq!(self.s.reserved_kv_bytes(), 0);
-        assert!(self.e.live.is_empty(), "engine still holds {:?}", self.e.live);
-    }
-}
-
-fn cfg() -> SchedulerConfig {
-    SchedulerConfig { kv_bytes_per_token: 1, kv_budget_bytes: 1 << 20, ..Default::default() }
-}
+use common::*;
 
 #[test]
 fn decode_steps_every_tick_while_a_competing_prefill_advances_one_chunk_per_tick() {
@@ -247,18 +92,6 @@ fn progress_is_monotonic_and_ends_at_the_total() {
     assert_eq!(seen.len(), 5); // 4 x 256 + 210
 }
 
-impl Harness {
-    fn run_until_idle_or(&mut self, stop: impl Fn(&Harness) -> bool, max_ticks: usize) {
-        for _ in 0..max_ticks {
-            if self.s.is_idle() || stop(self) {
-                return;
-            }
-            self.tick();
-        }
-        panic!("condition not reached");
-    }
-}
-
 #[test]
 fn joins_the_decode_batch_at_the_next_tick() {
     let mut h = Harness::new(cfg());
@@ -321,87 +154,6 @@ fn short_prompts_do_not_wait_behind_a_long_one_and_the_long_one_is_not_starved()
 }
 
 #[test]
-fn cancel_while_queued_mid_prefill_and_decoding_frees_everything() {
-    let mut h = Harness::new(SchedulerConfig { kv_budget_bytes: 3000, ..cfg() });
-    h.submit(1, 10, 40); // decoding
-    h.tick();
-    h.submit(2, 1000, 10); // prefilling (chunks of 256)
-    h.submit(3, 500, 1500); // must wait: 50 + 1010 + 2000 > 3000
-    h.submit(4, 10, 20); // behind 3 in the queue
-    h.tick();
-    assert!(h.of(3).iter().any(|e| matches!(e, Event::Queued { .. })));
-    h.tick();
-    assert!(matches!(h.of(2).last(), Some(Event::PrefillProgress { done: 512, .. })));
-    h.s.cancel(3); // queued
-    h.s.cancel(2); // mid-prefill
-    h.s.cancel(1); // decoding
-    let (ev, _) = h.tick();
-    for id in [1, 2, 3] {
-        let t: Vec<_> = ev.iter().filter(|e| e.id == id).collect();
-        assert!(matches!(&t[0].event, Event::Error { error } if error.class == ErrorClass::Cancelled), "{id}: {t:?}");
-    }
-    h.run_until_idle(100);
-    assert!(matches!(h.of(4).last(), Some(Event::Done { .. })), "request 4 unaffected");
-    h.assert_all_ended(&[1, 2, 3, 4]);
-    assert!(!h.s.cancel(4), "nothing to cancel after the end");
-}
-
-/// A stopping worker ends everything it holds at the next tick, queued, mid-prefill and
-/// decoding alike, with its own error; a request the client cancelled first keeps `cancelled`.
-#[test]
-fn end_all_ends_every_request_once_with_its_error() {
-    let mut h = Harness::new(SchedulerConfig { kv_budget_bytes: 3000, ..cfg() });
-    h.submit(1, 10, 40); // decoding
-    h.tick();
-    h.submit(2, 1000, 10); // prefilling
-    h.submit(3, 500, 1500); // queued: does not fit beside 1 and 2
-    h.tick();
-    h.s.cancel(1);
-    h.s.end_all(&WireError::new(ErrorClass::WorkerLost, "stopping"));
-    let (ev, rep) = h.tick();
-    assert_eq!((rep.decoded, rep.prefill_tokens), (0, 0), "nothing runs after the end");
-    let class = |id: ReqId| match ev.iter().find(|e| e.id == id).map(|e| &e.event) {
-        Some(Event::Error { error }) => error.class,
-        other => panic!("request {id}: {other:?}"),
-    };
-    assert_eq!(class(1), ErrorClass::Cancelled);
-    assert_eq!((class(2), class(3)), (ErrorClass::WorkerLost, ErrorClass::WorkerLost));
-    assert!(h.s.is_idle());
-    h.tick();
-    h.assert_all_ended(&[1, 2, 3]);
-}
-
-#[test]
-fn kv_budget_queues_and_refuses_what_can_never_fit() {
-    let mut h = Harness::new(SchedulerConfig { kv_budget_bytes: 1000, ..cfg() });
-    h.submit(1, 600, 100);
-    h.submit(2, 300, 100); // 700 + 400 > 1000: waits
-    h.submit(3, 900, 200); // 1100 > 1000: never fits
-    assert!(matches!(h.of(3)[0], Event::Error { error } if error.class == ErrorClass::NeverFits));
-    assert!(matches!(h.of(2)[0], Event::Queued { position: 1 }));
-    h.tick();
-    assert!(matches!(h.of(2).last(), Some(Event::Queued { position: 0 })));
-    assert!(h.s.reserved_kv_bytes() <= 1000);
-    h.run_until_idle(2000);
-    h.assert_all_ended(&[1, 2, 3]);
-}
-
-#[test]
-fn max_batch_limits_running_sequences() {
-    let mut h = Harness::new(SchedulerConfig { max_batch: 2, ..cfg() });
-    for id in 1..=4 {
-        h.submit(id, 5, 10);
-    }
-    for _ in 0..8 {
-        h.tick();
-        assert!(h.s.active_streams() <= 2);
-        assert!(h.e.decode_calls.last().map_or(0, |c| c.len()) <= 2);
-    }
-    h.run_until_idle(100);
-    h.assert_all_ended(&[1, 2, 3, 4]);
-}
-
-#[test]
 fn synchronous_baseline_prefills_whole_prompts() {
     let mut h = Harness::new(SchedulerConfig { interleave: false, ..cfg() });
     h.submit(1, 4, 100);
@@ -454,36 +206,6 @@ fn a_first_token_deferred_to_the_next_decode_step() {
             e => panic!("{e:?}"),
         }
     }
-}
-
-#[test]
-fn done_reports_usage_and_timings() {
-    let mut h = Harness::new(cfg());
-    h.submit(1, 300, 3);
-    h.run_until_idle(10);
-    match h.of(1).last().unwrap() {
-        Event::Done { finish_reason, usage, timings } => {
-            assert_eq!(*finish_reason, FinishReason::Length);
-            assert_eq!((usage.prompt, usage.completion, usage.cached), (300, 3, 0));
-            assert!(timings.ttft_ms >= timings.queue_ms && timings.total_ms >= timings.ttft_ms);
-            assert!(timings.total_ms > 0.0);
-        }
-        e => panic!("{e:?}"),
-    }
-}
-
-#[test]
-fn static_batching_admits_a_new_batch_only_when_the_last_one_finished() {
-    let mut h = Harness::new(SchedulerConfig { continuous: false, ..cfg() });
-    h.submit(1, 5, 10);
-    h.tick();
-    h.submit(2, 5, 10);
-    for _ in 0..8 {
-        h.tick();
-        assert!(h.of(2).iter().all(|e| matches!(e, Event::Queued { .. })), "2 waits for 1's batch");
-    }
-    h.run_until_idle(100);
-    h.assert_all_ended(&[1, 2]);
 }
 
 /// An engine that spreads each chunk's layers over two ticks: the stream decodes every tick,

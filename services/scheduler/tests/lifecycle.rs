@@ -1,0 +1,120 @@
+//! A request's life in the scheduler on a fake engine: admission against the KV budget and the
+//! batch limit, static batching, cancels and ends, usage and timings.
+
+use llmq_protocol::{ErrorClass, Event, FinishReason, WireError};
+use llmq_scheduler::*;
+
+mod common;
+
+use common::*;
+
+#[test]
+fn cancel_while_queued_mid_prefill_and_decoding_frees_everything() {
+    let mut h = Harness::new(SchedulerConfig { kv_budget_bytes: 3000, ..cfg() });
+    h.submit(1, 10, 40); // decoding
+    h.tick();
+    h.submit(2, 1000, 10); // prefilling (chunks of 256)
+    h.submit(3, 500, 1500); // must wait: 50 + 1010 + 2000 > 3000
+    h.submit(4, 10, 20); // behind 3 in the queue
+    h.tick();
+    assert!(h.of(3).iter().any(|e| matches!(e, Event::Queued { .. })));
+    h.tick();
+    assert!(matches!(h.of(2).last(), Some(Event::PrefillProgress { done: 512, .. })));
+    h.s.cancel(3); // queued
+    h.s.cancel(2); // mid-prefill
+    h.s.cancel(1); // decoding
+    let (ev, _) = h.tick();
+    for id in [1, 2, 3] {
+        let t: Vec<_> = ev.iter().filter(|e| e.id == id).collect();
+        assert!(matches!(&t[0].event, Event::Error { error } if error.class == ErrorClass::Cancelled), "{id}: {t:?}");
+    }
+    h.run_until_idle(100);
+    assert!(matches!(h.of(4).last(), Some(Event::Done { .. })), "request 4 unaffected");
+    h.assert_all_ended(&[1, 2, 3, 4]);
+    assert!(!h.s.cancel(4), "nothing to cancel after the end");
+}
+
+/// A stopping worker ends everything it holds at the next tick, queued, mid-prefill and
+/// decoding alike, with its own error; a request the client cancelled first keeps `cancelled`.
+#[test]
+fn end_all_ends_every_request_once_with_its_error() {
+    let mut h = Harness::new(SchedulerConfig { kv_budget_bytes: 3000, ..cfg() });
+    h.submit(1, 10, 40); // decoding
+    h.tick();
+    h.submit(2, 1000, 10); // prefilling
+    h.submit(3, 500, 1500); // queued: does not fit beside 1 and 2
+    h.tick();
+    h.s.cancel(1);
+    h.s.end_all(&WireError::new(ErrorClass::WorkerLost, "stopping"));
+    let (ev, rep) = h.tick();
+    assert_eq!((rep.decoded, rep.prefill_tokens), (0, 0), "nothing runs after the end");
+    let class = |id: ReqId| match ev.iter().find(|e| e.id == id).map(|e| &e.event) {
+        Some(Event::Error { error }) => error.class,
+        other => panic!("request {id}: {other:?}"),
+    };
+    assert_eq!(class(1), ErrorClass::Cancelled);
+    assert_eq!((class(2), class(3)), (ErrorClass::WorkerLost, ErrorClass::WorkerLost));
+    assert!(h.s.is_idle());
+    h.tick();
+    h.assert_all_ended(&[1, 2, 3]);
+}
+
+#[test]
+fn kv_budget_queues_and_refuses_what_can_never_fit() {
+    let mut h = Harness::new(SchedulerConfig { kv_budget_bytes: 1000, ..cfg() });
+    h.submit(1, 600, 100);
+    h.submit(2, 300, 100); // 700 + 400 > 1000: waits
+    h.submit(3, 900, 200); // 1100 > 1000: never fits
+    assert!(matches!(h.of(3)[0], Event::Error { error } if error.class == ErrorClass::NeverFits));
+    assert!(matches!(h.of(2)[0], Event::Queued { position: 1 }));
+    h.tick();
+    assert!(matches!(h.of(2).last(), Some(Event::Queued { position: 0 })));
+    assert!(h.s.reserved_kv_bytes() <= 1000);
+    h.run_until_idle(2000);
+    h.assert_all_ended(&[1, 2, 3]);
+}
+
+#[test]
+fn max_batch_limits_running_sequences() {
+    let mut h = Harness::new(SchedulerConfig { max_batch: 2, ..cfg() });
+    for id in 1..=4 {
+        h.submit(id, 5, 10);
+    }
+    for _ in 0..8 {
+        h.tick();
+        assert!(h.s.active_streams() <= 2);
+        assert!(h.e.decode_calls.last().map_or(0, |c| c.len()) <= 2);
+    }
+    h.run_until_idle(100);
+    h.assert_all_ended(&[1, 2, 3, 4]);
+}
+
+#[test]
+fn done_reports_usage_and_timings() {
+    let mut h = Harness::new(cfg());
+    h.submit(1, 300, 3);
+    h.run_until_idle(10);
+    match h.of(1).last().unwrap() {
+        Event::Done { finish_reason, usage, timings } => {
+            assert_eq!(*finish_reason, FinishReason::Length);
+            assert_eq!((usage.prompt, usage.completion, usage.cached), (300, 3, 0));
+            assert!(timings.ttft_ms >= timings.queue_ms && timings.total_ms >= timings.ttft_ms);
+            assert!(timings.total_ms > 0.0);
+        }
+        e => panic!("{e:?}"),
+    }
+}
+
+#[test]
+fn static_batching_admits_a_new_batch_only_when_the_last_one_finished() {
+    let mut h = Harness::new(SchedulerConfig { continuous: false, ..cfg() });
+    h.submit(1, 5, 10);
+    h.tick();
+    h.submit(2, 5, 10);
+    for _ in 0..8 {
+        h.tick();
+        assert!(h.of(2).iter().all(|e| matches!(e, Event::Queued { .. })), "2 waits for 1's batch");
+    }
+    h.run_until_idle(100);
+    h.assert_all_ended(&[1, 2]);
+}
