@@ -177,17 +177,13 @@ pub fn start_stack(
         // The address it listens on comes back in a file (with port 0, the port it was given).
         let file = dir.join("gateway.addr");
         let env = [("LLMQ__GATEWAY__LISTEN".into(), listen.into()), ("LLMQ__GATEWAY__ADDRESS_FILE".into(), file.display().to_string())];
-        stack.children.push("gateway", spawn("gateway", &env)?);
-        let until = Instant::now() + Duration::from_secs(120);
-        while stack.gateway.is_none() {
-            stack.gateway = std::fs::read_to_string(&file).ok();
-            if let Some(n) = stack.children.exited() {
-                bail!("{n} exited");
-            }
-            if Instant::now() > until {
-                bail!("the gateway did not listen within 120 s");
-            }
-            std::thread::sleep(Duration::from_millis(20));
+        let mut child = spawn("gateway", &env)?;
+        let listening = crate::nats_server::wait_listening(&mut child, Duration::from_secs(120), || std::fs::read_to_string(&file).ok());
+        stack.children.push("gateway", child);
+        match listening? {
+            crate::nats_server::Listening::At(addr) => stack.gateway = Some(addr),
+            crate::nats_server::Listening::Exited(status) => bail!("the gateway exited ({status}) before listening"),
+            crate::nats_server::Listening::TimedOut => bail!("the gateway did not listen within 120 s"),
         }
     }
     Ok(stack)

@@ -90,14 +90,11 @@ impl Stack {
         let mut all = vec![("LLMQ__GATEWAY__LISTEN", "127.0.0.1:0"), ("LLMQ__GATEWAY__ADDRESS_FILE", file_env.as_str())];
         all.extend_from_slice(env);
         let index = self.spawn("gateway", &all);
-        let until = std::time::Instant::now() + std::time::Duration::from_secs(60);
-        loop {
-            if let Ok(addr) = std::fs::read_to_string(&file) {
-                return (index, addr);
-            }
-            assert!(self.procs[index].0.try_wait().unwrap().is_none(), "the gateway exited");
-            assert!(std::time::Instant::now() < until, "the gateway did not listen within 60 s");
-            std::thread::sleep(std::time::Duration::from_millis(20));
+        let read = || std::fs::read_to_string(&file).ok();
+        match nats_server::wait_listening(&mut self.procs[index].0, std::time::Duration::from_secs(60), read).unwrap() {
+            nats_server::Listening::At(addr) => (index, addr),
+            nats_server::Listening::Exited(status) => panic!("the gateway exited ({status})"),
+            nats_server::Listening::TimedOut => panic!("the gateway did not listen within 60 s"),
         }
     }
 
