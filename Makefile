@@ -1,9 +1,11 @@
 # llmq: the two commands of the quick start, and their parts.
 #   make demo   set up, build, start a local stack and stream SmolLM2's answer through NATS
-#   make test   set up, build, and run every test
+#   make test   set up, build, make the image, and run every test (compose's included)
+#   make image  llmq's Docker image, llmq:local, from the release build (no registry needed)
+#   make compose-test  docker-compose.yml on the Docker daemon: scale-out and faults
 #   make check  the tests that need no model, no MLX and no server (protocol, config, text,
 #               scheduling policy, gateway), without MLX's set-up
-.PHONY: setup build demo test check bench fixtures clean
+.PHONY: setup build image demo test compose-test check bench fixtures clean
 
 CARGO ?= cargo
 LLMQ := target/release/llmq
@@ -17,8 +19,15 @@ build: setup
 demo: build
 	bash deploy/demo.sh "What is the capital of France?"
 
-test: build
+image: build
+	bash deploy/setup/setup.sh image
+	bash deploy/docker/image.sh
+
+test: image
 	$(CARGO) test --release --workspace
+
+compose-test: image
+	$(CARGO) test --release -p llmq --test compose
 
 # Only the sources set-up: the patched mlx-sys (the workspace names it) and the test tokenizers.
 check:

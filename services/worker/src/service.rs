@@ -106,7 +106,7 @@ type Scheduler = Addr<SchedulerActor<ActorEngine>>;
 /// with `worker_lost` (acknowledged, so no other worker runs it again), and returns once every
 /// held job's terminal event is out. Must be called inside an actix System.
 pub async fn run(settings: Settings, stop: impl std::future::Future<Output = ()> + 'static) -> Result<(), WorkerError> {
-    let worker_id = settings.worker.id.clone().unwrap_or_else(|| format!("w{:08x}", rand_u32()));
+    let worker_id = settings.worker.id.clone().unwrap_or_else(default_worker_id);
     let model_name = settings.worker.model.clone();
     let client = async_nats::connect(&settings.nats.url).await.map_err(nats_err)?;
     let js = jetstream::new(client.clone());
@@ -488,6 +488,14 @@ fn record_end(span: &tracing::Span, event: &Event) {
         }
         _ => {}
     }
+}
+
+/// `<host>-<random>`: the host names the machine or container in metrics and logs, the random
+/// part tells a restarted worker from its predecessor.
+fn default_worker_id() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let host = subjects::token(host.trim());
+    format!("{}-{:08x}", if host.is_empty() { "w" } else { &host }, rand_u32())
 }
 
 fn rand_u32() -> u32 {

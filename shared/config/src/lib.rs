@@ -86,7 +86,8 @@ pub struct WorkerSettings {
     pub heartbeat_ms: u64,
     /// Jobs a worker holds (running and queued) before it stops fetching more.
     pub max_queued: usize,
-    /// A job not acknowledged for this long (its worker died) is handed to another worker;
+    /// A job not acknowledged for this long (its worker died) is handed to another worker,
+    /// which ends it with `worker_lost` (so a dead worker's streams end within about this time);
     /// running jobs are kept alive with progress acks six times per period.
     pub ack_wait_ms: u64,
     /// Prompt length of the warm-up's long dummy requests (run before taking jobs, so that MLX
@@ -109,7 +110,7 @@ pub struct WorkerSettings {
 
 impl Default for WorkerSettings {
     fn default() -> Self {
-        WorkerSettings { id: None, model: "smollm2".into(), dtype: None, device: None, heartbeat_ms: 1000, max_queued: 256, ack_wait_ms: 30_000, warm_up_tokens: None, mlx_memory_limit_bytes: None, mlx_cache_limit_bytes: None, tick_log: None, drain_timeout_s: 30 }
+        WorkerSettings { id: None, model: "smollm2".into(), dtype: None, device: None, heartbeat_ms: 1000, max_queued: 256, ack_wait_ms: 6_000, warm_up_tokens: None, mlx_memory_limit_bytes: None, mlx_cache_limit_bytes: None, tick_log: None, drain_timeout_s: 30 }
     }
 }
 

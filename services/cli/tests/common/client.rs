@@ -78,6 +78,17 @@ impl Client {
         Run { id, events }
     }
 
+    /// Reads a started stream's events up to its first tokens; returns their ids.
+    pub async fn first_tokens(sub: &mut async_nats::Subscriber) -> Vec<u32> {
+        loop {
+            let m = tokio::time::timeout(Duration::from_secs(120), sub.next()).await.expect("tokens within 120 s").unwrap();
+            match decode::<StreamEvent>(&m.payload).unwrap().event {
+                Event::Tokens { ids, .. } => return ids,
+                e => assert!(!e.is_terminal(), "ended before its first tokens: {e:?}"),
+            }
+        }
+    }
+
     pub async fn run(&self, req: GenerateRequest) -> Run {
         let (id, sub) = self.start(req).await;
         Self::finish(id, sub, |_| {}).await

@@ -7,6 +7,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 pub mod client;
+pub mod compose;
 
 // How `llmq up` starts nats-server (the binary crate has no library to import from).
 #[path = "../../src/nats_server.rs"]

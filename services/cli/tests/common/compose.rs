@@ -1,0 +1,115 @@
+//! The compose harness: docker-compose.yml started as a project of its own on the host's Docker
+//! daemon (image llmq:local, from `make image`), its ports published on free loopback ports,
+//! and removed with its network and volumes when the `Compose` is dropped, whatever happens.
+//! Projects run one at a time (two stacks of three workers would share two cores).
+
+use std::path::PathBuf;
+use std::process::{Command, Output, Stdio};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use llmq_gateway::client;
+
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+pub struct Compose {
+    pub project: String,
+    root: PathBuf,
+    _turn: MutexGuard<'static, ()>,
+}
+
+impl Compose {
+    /// `docker-compose up -d --scale worker=<workers>`; fails (never skips) without a daemon or
+    /// the image.
+    pub fn up(name: &str, workers: usize) -> Compose {
+        let turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().unwrap();
+        let ok = |c: &mut Command| c.stdout(Stdio::null()).stderr(Stdio::null()).status().map(|s| s.success()).unwrap_or(false);
+        assert!(ok(Command::new("docker").arg("info")), "no Docker daemon answers `docker info`: compose tests need one");
+        assert!(ok(Command::new("docker").args(["image", "inspect", "llmq:local"])), "no image llmq:local: run `make image`");
+        let project = format!("llmqt{}{name}", std::process::id());
+        let c = Compose { project, root, _turn: turn };
+        c.run(&["down", "-v", "-t", "1"]);
+        c.ok(&["up", "-d", "--scale", &format!("worker={workers}")]);
+        c
+    }
+
+    fn command(&self, args: &[&str]) -> Command {
+        let mut c = Command::new("docker-compose");
+        c.current_dir(&self.root)
+            .args(["-p", &self.project, "-f", "docker-compose.yml"])
+            .args(args)
+            .env("LLMQ_NATS_PUBLISH", "127.0.0.1:")
+            .env("LLMQ_GATEWAY_PUBLISH", "127.0.0.1:")
+            .env("LLMQ_MODELS", self.root.join(".cache/models"))
+            .stdin(Stdio::null());
+        c
+    }
+
+    pub fn run(&self, args: &[&str]) -> Output {
+        self.command(args).output().expect("docker-compose (Debian package docker-compose)")
+    }
+
+    /// Runs `docker-compose <args>`, panicking with its output if it fails; returns stdout.
+    pub fn ok(&self, args: &[&str]) -> String {
+        let out = self.run(args);
+        assert!(out.status.success(), "docker-compose {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// The host address a service's port is published on.
+    pub fn address(&self, service: &str, port: u16) -> String {
+        self.ok(&["port", service, &port.to_string()]).trim().to_string()
+    }
+
+    pub fn nats_url(&self) -> String {
+        format!("nats://{}", self.address("nats", 4222))
+    }
+
+    /// The ids of a service's running containers.
+    pub fn containers(&self, service: &str) -> Vec<String> {
+        self.ok(&["ps", "-q", service]).lines().map(str::to_string).filter(|l| !l.is_empty()).collect()
+    }
+
+    /// Waits until the gateway's /metrics lists `workers` live workers; returns its address.
+    pub async fn wait_workers(&self, workers: usize) -> String {
+        let addr = self.address("gateway", 8000);
+        let t = Instant::now();
+        loop {
+            if let Ok(r) = client::request(&addr, "GET", "/metrics", None).await {
+                if metric(&r.body, "llmq_worker_active_streams").len() == workers {
+                    return addr;
+                }
+            }
+            assert!(t.elapsed() < Duration::from_secs(180), "{workers} workers never reported in /metrics");
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+}
+
+impl Drop for Compose {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let logs = self.run(&["logs", "--no-color", "--tail", "40"]);
+            eprintln!("{}", String::from_utf8_lossy(&logs.stdout));
+        }
+        self.run(&["down", "-v", "-t", "2", "--remove-orphans"]);
+    }
+}
+
+/// `docker <args>`, panicking if it fails.
+pub fn docker(args: &[&str]) {
+    let out = Command::new("docker").args(args).output().unwrap();
+    assert!(out.status.success(), "docker {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// The samples of one metric in a Prometheus text page: (labels, value).
+pub fn metric(page: &str, name: &str) -> Vec<(String, f64)> {
+    page.lines()
+        .filter_map(|l| l.strip_prefix(name)?.strip_prefix('{'))
+        .filter_map(|l| {
+            let (labels, value) = l.split_once("} ")?;
+            Some((labels.to_string(), value.trim().parse().ok()?))
+        })
+        .collect()
+}
