@@ -111,3 +111,100 @@ fn a_killed_worker_ends_its_streams_with_worker_lost_and_the_survivor_takes_new_
         }
     });
 }
+
+/// Each event of a run once, in order: its worker's `seq`s strictly increase.
+fn assert_once(run: &common::client::Run) {
+    let seqs: Vec<u64> = run.events.iter().map(|e| e.seq).collect();
+    assert!(seqs.windows(2).all(|w| w[0] < w[1]), "events repeated or out of order: {seqs:?}");
+}
+
+#[test]
+fn jobs_accepted_before_a_nats_restart_run_after_it_once_each() {
+    let stack = Compose::up("natsrestart", 1);
+    common::client::rt().block_on(async {
+        let addr = stack.wait_workers(1).await;
+        stack.ok(&["stop", "worker"]);
+        let nats = Client::connect(&stack.nats_url()).await;
+        let mut waiting = vec![];
+        for i in 0..4 {
+            waiting.push(nats.start(request(&format!("Waiting job {i}:"), 8)).await);
+        }
+        // JetStream's store is on a volume: the four jobs outlive the server's restart.
+        stack.ok(&["restart", "nats"]);
+        stack.ok(&["start", "worker"]);
+        for (id, sub) in waiting {
+            let run = Client::finish(id, sub, |_| {}).await;
+            assert!(matches!(run.last(), Event::Done { .. }), "{:?}", run.last());
+            assert_once(&run);
+        }
+        // Intake, the gateway and the worker reconnected by themselves.
+        let (status, text) = chat(&addr, 0).await;
+        assert_eq!(status, 200, "{text}");
+        // None ran twice: the one worker ended five requests.
+        let t = Instant::now();
+        loop {
+            let page = client::request(&addr, "GET", "/metrics", None).await.unwrap().body;
+            let ended: f64 = metric(&page, "llmq_worker_requests_ended_total").iter().map(|(_, n)| n).sum();
+            if ended == 5.0 {
+                break;
+            }
+            assert!(ended < 5.0 && t.elapsed() < Duration::from_secs(10), "{ended} requests ended, not 5");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    });
+}
+
+#[test]
+fn a_rolling_restart_of_the_workers_under_load_fails_no_request() {
+    let stack = Compose::up("rolling", 2);
+    common::client::rt().block_on(async {
+        let addr = stack.wait_workers(2).await;
+        let nats = Client::connect(&stack.nats_url()).await;
+        let stop = std::cell::Cell::new(false);
+        // Steady load: three HTTP clients and one NATS client, each sending one request after
+        // another (noting when it was sent), from before the restart until after it.
+        let http = |c: usize| {
+            let (addr, stop) = (&addr, &stop);
+            async move {
+                let mut sent = vec![];
+                for i in 0.. {
+                    if stop.get() {
+                        break;
+                    }
+                    let at = Instant::now();
+                    let (status, text) = chat(addr, c * 1000 + i).await;
+                    assert_eq!(status, 200, "{text}");
+                    sent.push(at);
+                }
+                sent
+            }
+        };
+        let direct = async {
+            let mut sent = vec![];
+            for i in 0.. {
+                if stop.get() {
+                    break;
+                }
+                let at = Instant::now();
+                let run = nats.run(request(&format!("Steady {i}:"), 12)).await;
+                assert!(matches!(run.last(), Event::Done { .. }), "{:?}", run.last());
+                sent.push(at);
+            }
+            sent
+        };
+        let restart = async {
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            let began = Instant::now();
+            stack.ok_async(&["restart", "worker"]).await;
+            let ended = Instant::now();
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            stop.set(true);
+            (began, ended)
+        };
+        let (a, b, c, d, (began, ended)) = futures::join!(http(0), http(1), http(2), direct, restart);
+        let sent: Vec<Instant> = a.into_iter().chain(b).chain(c).chain(d).collect();
+        let during = sent.iter().filter(|t| **t >= began && **t < ended).count();
+        eprintln!("{} requests, {during} of them sent during the {:?} restart", sent.len(), ended - began);
+        assert!(during > 0, "no request was sent while the workers restarted");
+    });
+}

@@ -1,6 +1,6 @@
 //! The OpenAI-compatible HTTP gateway: one more NATS client of llmq, like the CLI. It turns
 //! `POST /v1/chat/completions` and `POST /v1/completions` into `GenerateRequest`s on
-//! `llm.v1.generate` (with `require_worker`, so a model without a live worker is a 503 at once),
+//! `llm.v1.generate` (with `require_worker`, so a model nobody serves is a 503 at once),
 //! and the request's events into OpenAI's responses: server-sent chunks ending with
 //! `data: [DONE]`, or one JSON body. `GET /v1/models` and `GET /health` come from the workers'
 //! heartbeats, `GET /metrics` is Prometheus text.
@@ -10,8 +10,9 @@
 //! a non-streamed answer) causes one `Cancel` on `llm.v1.cancel` as soon as the gateway notices,
 //! which is at once for a waiting handler and at the next event (within a tick) for a stream;
 //! errors leave as OpenAI error bodies with the status of their class; a request whose model
-//! loses its last live worker while the request waits ends with `worker_lost` (503) within
-//! `SILENCE` plus the heartbeat timeout, instead of hanging.
+//! has had no worker for `intake.no_worker_grace_ms` while the request waits ends with
+//! `worker_lost` (503) within `SILENCE` of that, instead of hanging (a restart of every worker
+//! is shorter than the grace: its requests wait for the workers to come back).
 
 pub mod client;
 pub mod metrics;
@@ -54,6 +55,9 @@ fn nats(e: impl std::error::Error + Send + Sync + 'static) -> GatewayError {
 pub struct State {
     nc: async_nats::Client,
     workers: Mutex<WorkerTable>,
+    /// `intake.no_worker_grace_ms`: how long a model's workers may all be silent (restarting)
+    /// before a waiting request is ended.
+    no_worker_grace: Duration,
     metrics: Metrics,
 }
 
@@ -61,14 +65,15 @@ pub struct State {
 const MAX_BODY_BYTES: usize = 4 << 20;
 /// How long intake may take to answer a submission.
 const INTAKE_TIMEOUT: Duration = Duration::from_secs(10);
-/// A request with no event for this long is checked: if no live worker serves its model any
-/// more, it ends with `worker_lost` instead of waiting for a worker that may never come.
+/// A request with no event for this long is checked: if no worker of its model has been heard
+/// from for the grace period, it ends with `worker_lost` instead of waiting for a worker that
+/// may never come.
 const SILENCE: Duration = Duration::from_secs(5);
 
 /// The end of a request whose model has lost every worker while it waited.
 fn orphaned(state: &State, model: &str) -> Option<ApiError> {
-    let live = state.workers.lock().unwrap().live_for(model).count();
-    (live == 0).then(|| {
+    let served = state.workers.lock().unwrap().model_heard_within(model, state.no_worker_grace, std::time::Instant::now());
+    (!served).then(|| {
         ApiError::from_wire(&llmq_protocol::WireError::new(
             llmq_protocol::ErrorClass::WorkerLost,
             format!("no live worker serves {model:?} any more"),
@@ -399,6 +404,7 @@ pub async fn run(settings: Settings) -> Result<(), GatewayError> {
     let state = web::Data::new(State {
         nc,
         workers: Mutex::new(WorkerTable::new(Duration::from_millis(settings.gateway.worker_timeout_ms))),
+        no_worker_grace: Duration::from_millis(settings.intake.no_worker_grace_ms),
         metrics: Metrics::default(),
     });
     let beat_state = state.clone();

@@ -9,7 +9,8 @@
 //! `intake.max_queued_requests` requests waiting (jobs no worker has taken yet, polled from the
 //! stream's consumer every 250 ms, plus jobs workers hold but have not started, from their
 //! heartbeats) refuses new ones (`queue_full`), and a request with `require_worker` is refused
-//! (`no_worker`) when no live worker serves its model. Jobs are not pushed to a chosen worker:
+//! (`no_worker`) when no worker of its model has been heard from for `intake.no_worker_grace_ms`
+//! (workers that are restarting still serve it: its jobs wait for them). Jobs are not pushed to a chosen worker:
 //! the model's workers pull them when they have a free slot (see the worker service), which
 //! places work on the least loaded one without stranding jobs on a worker that stopped.
 
@@ -49,6 +50,7 @@ pub struct IntakeActor {
     js: jetstream::Context,
     workers: WorkerTable,
     max_queued_requests: u64,
+    no_worker_grace: std::time::Duration,
     /// Per model: jobs in the stream that no worker has taken yet (last poll).
     untaken: HashMap<String, u64>,
     /// Requests received and not answered yet.
@@ -79,7 +81,7 @@ impl IntakeActor {
             live += 1;
             queued += w.queued_requests as u64;
         }
-        if require_worker && live == 0 {
+        if require_worker && live == 0 && !self.workers.model_heard_within(&job.model, self.no_worker_grace, std::time::Instant::now()) {
             return Err(WireError::new(ErrorClass::NoWorker, format!("no live worker serves model {:?}", job.model)));
         }
         if queued >= self.max_queued_requests {
@@ -236,6 +238,7 @@ pub async fn run(settings: Settings, stop: impl std::future::Future<Output = ()>
         js,
         workers: WorkerTable::new(std::time::Duration::from_millis(settings.intake.worker_timeout_ms)),
         max_queued_requests: settings.intake.max_queued_requests,
+        no_worker_grace: std::time::Duration::from_millis(settings.intake.no_worker_grace_ms),
         untaken: HashMap::new(),
         pending: 0,
     }

@@ -190,6 +190,10 @@ pub struct IntakeSettings {
     pub models: Vec<String>,
     /// A worker silent for this long is considered gone.
     pub worker_timeout_ms: u64,
+    /// A request that requires a live worker (the gateway's) is refused with `no_worker` only
+    /// when no worker of its model has been heard from for this long; until then it waits in
+    /// the jobs stream, so restarting every worker fails no request.
+    pub no_worker_grace_ms: u64,
     pub default_max_tokens: u32,
     /// Requests waiting in the live workers of a model (their heartbeats' queued requests)
     /// beyond which new ones are refused with `queue_full`.
@@ -198,7 +202,7 @@ pub struct IntakeSettings {
 
 impl Default for IntakeSettings {
     fn default() -> Self {
-        IntakeSettings { models: vec!["smollm2".into()], worker_timeout_ms: 3000, default_max_tokens: 256, max_queued_requests: 4096 }
+        IntakeSettings { models: vec!["smollm2".into()], worker_timeout_ms: 3000, no_worker_grace_ms: 60_000, default_max_tokens: 256, max_queued_requests: 4096 }
     }
 }
 
@@ -277,6 +281,9 @@ impl Settings {
         }
         if self.intake.worker_timeout_ms <= self.worker.heartbeat_ms {
             return bad("intake.worker_timeout_ms", self.intake.worker_timeout_ms.to_string(), "must exceed worker.heartbeat_ms");
+        }
+        if self.intake.no_worker_grace_ms < self.intake.worker_timeout_ms {
+            return bad("intake.no_worker_grace_ms", self.intake.no_worker_grace_ms.to_string(), "must be at least intake.worker_timeout_ms");
         }
         if !self.nats.url.contains("://") && !self.nats.url.contains(':') {
             return bad("nats.url", self.nats.url.clone(), "must look like nats://host:port");

@@ -39,8 +39,9 @@ pub struct GenerateRequest {
     pub stream_subject: Option<String>,
     /// Prefixes are only reused between requests with the same salt.
     pub cache_salt: Option<String>,
-    /// Reject with `no_worker` instead of queueing when no live worker serves the model (the
-    /// HTTP gateway sets it: its clients want an answer, not a durable queue).
+    /// Reject with `no_worker` instead of queueing when no worker of the model has been heard
+    /// from for `intake.no_worker_grace_ms` (the HTTP gateway sets it: its clients want an
+    /// answer, not a durable queue; workers that are restarting still count).
     pub require_worker: bool,
 }
 

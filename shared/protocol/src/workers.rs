@@ -2,7 +2,8 @@
 //! are alive (heard from within a timeout). Intake and the gateway keep one each.
 //!
 //! Invariant: a worker silent for longer than the timeout is not live, and is forgotten after
-//! ten timeouts.
+//! ten timeouts; when a model's workers were last heard from is kept apart, for as long as the
+//! table lives (a model whose workers are restarting is not a model nobody serves).
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -11,12 +12,13 @@ use crate::WorkerStatus;
 
 pub struct WorkerTable {
     seen: HashMap<String, (WorkerStatus, Instant)>,
+    model_heard: HashMap<String, Instant>,
     timeout: Duration,
 }
 
 impl WorkerTable {
     pub fn new(timeout: Duration) -> Self {
-        WorkerTable { seen: HashMap::new(), timeout }
+        WorkerTable { seen: HashMap::new(), model_heard: HashMap::new(), timeout }
     }
 
     pub fn update(&mut self, status: WorkerStatus) {
@@ -26,7 +28,13 @@ impl WorkerTable {
     pub fn update_at(&mut self, status: WorkerStatus, at: Instant) {
         let forget = self.timeout * 10;
         self.seen.retain(|_, (_, t)| at.saturating_duration_since(*t) < forget);
+        self.model_heard.insert(status.model.clone(), at);
         self.seen.insert(status.worker_id.clone(), (status, at));
+    }
+
+    /// Whether some worker of `model` was heard from within `window` before `now`.
+    pub fn model_heard_within(&self, model: &str, window: Duration, now: Instant) -> bool {
+        self.model_heard.get(model).is_some_and(|t| now.saturating_duration_since(*t) <= window)
     }
 
     /// Workers heard from within the timeout (as of `now`).
@@ -75,5 +83,10 @@ mod tests {
         // Forgotten entirely after ten timeouts.
         t.update_at(status("c", "m"), t0 + Duration::from_secs(20));
         assert_eq!(t.seen.len(), 1);
+        // The model's last heartbeat outlives its workers' entries.
+        let later = t0 + Duration::from_secs(50);
+        assert!(t.model_heard_within("n", Duration::from_secs(60), later));
+        assert!(!t.model_heard_within("n", Duration::from_secs(10), later));
+        assert!(!t.model_heard_within("x", Duration::from_secs(60), later));
     }
 }

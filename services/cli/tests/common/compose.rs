@@ -1,6 +1,7 @@
 //! The compose harness: docker-compose.yml started as a project of its own on the host's Docker
-//! daemon (image llmq:local, from `make image`), its ports published on free loopback ports,
-//! and removed with its network and volumes when the `Compose` is dropped, whatever happens.
+//! daemon (image llmq:local, from `make image`), its ports published on free loopback ports
+//! (fixed for the project's life, so that a restarted container keeps its address), and removed
+//! with its network and volumes when the `Compose` is dropped, whatever happens.
 //! Projects run one at a time (two stacks of three workers would share two cores).
 
 use std::path::PathBuf;
@@ -15,6 +16,9 @@ static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 pub struct Compose {
     pub project: String,
     root: PathBuf,
+    /// Where NATS and the gateway are published on the host.
+    pub nats: String,
+    pub gateway: String,
     _turn: MutexGuard<'static, ()>,
 }
 
@@ -28,7 +32,8 @@ impl Compose {
         assert!(ok(Command::new("docker").arg("info")), "no Docker daemon answers `docker info`: compose tests need one");
         assert!(ok(Command::new("docker").args(["image", "inspect", "llmq:local"])), "no image llmq:local: run `make image`");
         let project = format!("llmqt{}{name}", std::process::id());
-        let c = Compose { project, root, _turn: turn };
+        let free = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
+        let c = Compose { project, root, nats: free(), gateway: free(), _turn: turn };
         c.run(&["down", "-v", "-t", "1"]);
         c.ok(&["up", "-d", "--scale", &format!("worker={workers}")]);
         c
@@ -39,8 +44,8 @@ impl Compose {
         c.current_dir(&self.root)
             .args(["-p", &self.project, "-f", "docker-compose.yml"])
             .args(args)
-            .env("LLMQ_NATS_PUBLISH", "127.0.0.1:")
-            .env("LLMQ_GATEWAY_PUBLISH", "127.0.0.1:")
+            .env("LLMQ_NATS_PUBLISH", &self.nats)
+            .env("LLMQ_GATEWAY_PUBLISH", &self.gateway)
             .env("LLMQ_MODELS", self.root.join(".cache/models"))
             .stdin(Stdio::null());
         c
@@ -57,13 +62,8 @@ impl Compose {
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
-    /// The host address a service's port is published on.
-    pub fn address(&self, service: &str, port: u16) -> String {
-        self.ok(&["port", service, &port.to_string()]).trim().to_string()
-    }
-
     pub fn nats_url(&self) -> String {
-        format!("nats://{}", self.address("nats", 4222))
+        format!("nats://{}", self.nats)
     }
 
     /// The ids of a service's running containers.
@@ -71,9 +71,16 @@ impl Compose {
         self.ok(&["ps", "-q", service]).lines().map(str::to_string).filter(|l| !l.is_empty()).collect()
     }
 
+    /// `ok` without blocking the runtime's thread (requests go on meanwhile).
+    pub async fn ok_async(&self, args: &[&str]) -> String {
+        let out = tokio::process::Command::from(self.command(args)).output().await.unwrap();
+        assert!(out.status.success(), "docker-compose {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
     /// Waits until the gateway's /metrics lists `workers` live workers; returns its address.
     pub async fn wait_workers(&self, workers: usize) -> String {
-        let addr = self.address("gateway", 8000);
+        let addr = self.gateway.clone();
         let t = Instant::now();
         loop {
             if let Ok(r) = client::request(&addr, "GET", "/metrics", None).await {

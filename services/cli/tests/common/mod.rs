@@ -67,6 +67,7 @@ impl Stack {
             .env("LLMQ__WORKER__HEARTBEAT_MS", "200")
             .env("LLMQ_LOG", "warn")
             .env("LLMQ__INTAKE__WORKER_TIMEOUT_MS", "1000")
+            .env("LLMQ__INTAKE__NO_WORKER_GRACE_MS", "1000")
             .stdin(Stdio::null())
             .stdout(Stdio::null());
         for (k, v) in env {
