@@ -208,3 +208,58 @@ fn a_rolling_restart_of_the_workers_under_load_fails_no_request() {
         assert!(during > 0, "no request was sent while the workers restarted");
     });
 }
+
+#[test]
+fn a_worker_cut_off_for_20_s_neither_repeats_nor_drops_tokens() {
+    let stack = Compose::up("partition", 2);
+    common::client::rt().block_on(async {
+        stack.wait_workers(2).await;
+        let nats = Client::connect(&stack.nats_url()).await;
+        let n = 200;
+        let mut runs = vec![];
+        for i in 0..6 {
+            let (_, mut sub) = nats.start(GenerateRequest { ignore_eos: true, ..request(&format!("Essay {i}:"), n) }).await;
+            let first = Client::first_tokens(&mut sub).await.len();
+            runs.push((first, sub));
+        }
+        let network = format!("{}_default", stack.project);
+        let cut = stack.containers("worker")[0].clone();
+        docker(&["network", "disconnect", &network, &cut]);
+        tokio::time::sleep(Duration::from_secs(20)).await;
+        docker(&["network", "connect", &network, &cut]);
+        let back = Instant::now();
+        // Every event each stream gets until 20 s after the reconnection, with its arrival.
+        let ends = join_all(runs.into_iter().map(|(first, mut sub)| async move {
+            let mut events = vec![];
+            let until = tokio::time::Instant::now() + Duration::from_secs(20);
+            while let Ok(Some(m)) = tokio::time::timeout_at(until, futures::StreamExt::next(&mut sub)).await {
+                events.push((Instant::now(), llmq_protocol::decode::<llmq_protocol::StreamEvent>(&m.payload).unwrap()));
+            }
+            (first, events)
+        }))
+        .await;
+        let mut lost = 0;
+        for (first, events) in ends {
+            let end = events.iter().position(|(_, e)| e.event.is_terminal()).expect("the stream ended");
+            let seqs: Vec<u64> = events[..end].iter().map(|(_, e)| e.seq).collect();
+            assert!(seqs.windows(2).all(|w| w[1] == w[0] + 1), "tokens repeated or missing: {seqs:?}");
+            let tokens: usize = events[..end].iter().map(|(_, e)| if let Event::Tokens { ids, .. } = &e.event { ids.len() } else { 0 }).sum();
+            match &events[end].1.event {
+                Event::Done { .. } => assert_eq!(first + tokens, n as usize),
+                Event::Error { error } => {
+                    assert_eq!(error.class, ErrorClass::WorkerLost, "{error:?}");
+                    lost += 1;
+                }
+                _ => unreachable!(),
+            }
+            // After its end a stream may still get the few tokens the cut-off worker had sent
+            // before it knew (they were on their way), but no second end, and nothing once the
+            // reconnection has delivered them.
+            for (at, e) in &events[end + 1..] {
+                assert!(!e.event.is_terminal(), "a second terminal event: {:?}", e.event);
+                assert!(*at < back + Duration::from_secs(5), "the cut-off worker still speaks for a lost stream");
+            }
+        }
+        assert!(lost > 0 && lost < 6, "{lost} of 6 streams lost");
+    });
+}

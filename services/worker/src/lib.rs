@@ -12,6 +12,7 @@
 //! - `messages` what the role actors share: the report every answer carries, common messages
 //! - `seq` a request's sequence and the work the prefill and decode actors share
 //! - `placement` how many jobs a worker holds, from its peers' heartbeats
+//! - `held` the jobs a worker holds, and when it must give them up (cut off from the server)
 //! - `service` the worker process: model loading, NATS jobs, cancels, cache clears, heartbeats
 //! - `tick_log` one line per tick, for tuning (off unless `worker.tick_log` is set)
 //!
@@ -21,6 +22,7 @@ pub mod actor;
 pub mod cache;
 pub mod decode;
 pub mod engine;
+pub mod held;
 pub mod messages;
 pub mod placement;
 pub mod prefill;

@@ -18,7 +18,6 @@
 //! - heartbeats: `WorkerStatus` on `llm.v1.worker.<id>.status` every `worker.heartbeat_ms`: the
 //!   actor's latest status snapshot, so they keep coming during a long tick.
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -32,6 +31,7 @@ use tokio::sync::mpsc;
 
 use crate::actor::{CancelRequest, ClearPrefixCache, EndAll, Outbound, SchedulerActor, Submit, WarmUp};
 use crate::engine::{ActorEngine, EngineOptions};
+use crate::held::Held;
 use crate::placement::Placement;
 use llmq_scheduler::SchedulerConfig;
 
@@ -97,7 +97,7 @@ fn set_mlx_limits(memory: Option<u64>, cache: Option<u64>) -> Result<(), WorkerE
 }
 
 /// Jobs held here, by request id, until their terminal event is out, with their trace spans.
-type Inflight = Arc<Mutex<HashMap<String, (jetstream::Message, tracing::Span)>>>;
+type Inflight = Arc<Held>;
 
 type Scheduler = Addr<SchedulerActor<ActorEngine>>;
 
@@ -116,12 +116,12 @@ pub async fn run(settings: Settings, stop: impl std::future::Future<Output = ()>
     let (out_tx, out_rx) = mpsc::unbounded_channel::<Outbound>();
     let snapshot = Arc::new(Mutex::new(WorkerStatus::default()));
     let actor = start_device(&settings, &worker_id, out_tx, snapshot.clone()).await?;
-    let placement = follow_peers(&client, &settings, &worker_id).await?;
+    let inflight = Arc::new(Held::new(Duration::from_millis(settings.worker.ack_wait_ms)));
+    let placement = follow_peers(&client, &settings, &worker_id, inflight.clone()).await?;
     warm_up(&actor, &settings).await?;
     tracing::info!(%worker_id, model = %model_name, "worker ready");
 
-    let inflight = Inflight::default();
-    actix::spawn(publish_events(client.clone(), out_rx, inflight.clone()));
+    actix::spawn(publish_events(client.clone(), out_rx, inflight.clone(), actor.clone()));
     let cancels = client.subscribe(subjects::CANCEL).await.map_err(nats_err)?;
     actix::spawn(forward_cancels(cancels, actor.clone()));
     let clears = client.subscribe(subjects::CACHE_CLEAR).await.map_err(nats_err)?;
@@ -140,6 +140,8 @@ pub async fn run(settings: Settings, stop: impl std::future::Future<Output = ()>
         stop.await;
         flag.store(true, std::sync::atomic::Ordering::SeqCst);
     });
+    // Nothing was held before: the server's silence counts from the first fetch.
+    inflight.confirmed(std::time::Instant::now());
     let jobs = Jobs { client: &client, consumer: &consumer, placement: &placement, inflight: &inflight, actor: &actor };
     while !stopping.load(std::sync::atomic::Ordering::SeqCst) {
         jobs.fetch_one().await;
@@ -214,8 +216,14 @@ async fn start_device(
 }
 
 /// Follows the peers' heartbeats, from before the warm-up so that the peer set is known when
-/// jobs are first fetched (see `placement`).
-async fn follow_peers(client: &async_nats::Client, settings: &Settings, worker_id: &str) -> Result<Arc<Mutex<Placement>>, WorkerError> {
+/// jobs are first fetched (see `placement`). Its own heartbeat coming back through the server
+/// tells `held` that the server heard everything sent before it (the progress acks).
+async fn follow_peers(
+    client: &async_nats::Client,
+    settings: &Settings,
+    worker_id: &str,
+    held: Inflight,
+) -> Result<Arc<Mutex<Placement>>, WorkerError> {
     let placement = Arc::new(Mutex::new(Placement::new(
         worker_id,
         &settings.worker.model,
@@ -225,9 +233,14 @@ async fn follow_peers(client: &async_nats::Client, settings: &Settings, worker_i
     )));
     let mut beats = client.subscribe(subjects::WORKER_STATUS_ALL).await.map_err(nats_err)?;
     let heard = placement.clone();
+    let own = worker_id.to_string();
     actix::spawn(async move {
         while let Some(m) = beats.next().await {
             if let Ok(s) = llmq_protocol::decode::<WorkerStatus>(&m.payload) {
+                if s.worker_id == own {
+                    let age = unix_ms().saturating_sub(s.sent_at_ms);
+                    held.confirmed(std::time::Instant::now() - Duration::from_millis(age));
+                }
                 heard.lock().unwrap().heard_at(s, std::time::Instant::now());
             }
         }
@@ -259,21 +272,32 @@ async fn warm_up(actor: &Scheduler, settings: &Settings) -> Result<(), WorkerErr
     Ok(())
 }
 
-/// Publishes events in order, and acknowledges a job once its terminal event is out.
-async fn publish_events(client: async_nats::Client, mut out: mpsc::UnboundedReceiver<Outbound>, inflight: Inflight) {
+/// Publishes events in order, and acknowledges a job once its terminal event is out. While
+/// the connection is down, events wait; a job given up meanwhile (`held`) gets none of them.
+async fn publish_events(client: async_nats::Client, mut out: mpsc::UnboundedReceiver<Outbound>, inflight: Inflight, actor: Scheduler) {
     while let Some(o) = out.recv().await {
+        while client.connection_state() != async_nats::connection::State::Connected {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let (publish, given_up) = inflight.may_publish(&o.request_id, std::time::Instant::now());
+        if !given_up.is_empty() {
+            tracing::warn!(jobs = given_up.len(), "the server did not hear this worker for too long: its jobs go to others");
+            for id in given_up {
+                actor.do_send(CancelRequest(id));
+            }
+        }
         let terminal = o.event.event.is_terminal();
         match llmq_protocol::encode(&o.event) {
-            Ok(bytes) => {
+            Ok(bytes) if publish => {
                 if let Err(e) = client.publish(o.subject.clone(), bytes.into()).await {
                     tracing::warn!(error = %e, "publishing an event");
                 }
             }
+            Ok(_) => {}
             Err(e) => tracing::error!(error = %e, "encoding an event"),
         }
         if terminal {
-            let held = inflight.lock().unwrap().remove(&o.request_id);
-            if let Some((m, span)) = held {
+            if let Some((m, span)) = inflight.end(&o.request_id) {
                 record_end(&span, &o.event.event);
                 let _ = client.flush().await;
                 if let Err(e) = m.ack().await {
@@ -311,7 +335,7 @@ async fn clear_caches(mut clears: async_nats::Subscriber, actor: Scheduler, clie
 }
 
 /// Heartbeats every `worker.heartbeat_ms`, and progress acks for the jobs held six times per
-/// ack wait. A heartbeat is the actor's latest snapshot, not a message to it: a worker in a long
+/// ack wait (before the heartbeat, which confirms them when it comes back). A heartbeat is the actor's latest snapshot, not a message to it: a worker in a long
 /// tick (a big prefill on a CPU takes seconds) must not look gone to intake, the gateway or its
 /// peers.
 fn heartbeats(
@@ -328,20 +352,18 @@ fn heartbeats(
         let mut last_progress = tokio::time::Instant::now();
         let mut last_beat: Option<tokio::time::Instant> = None;
         loop {
+            if last_progress.elapsed() >= progress_every {
+                last_progress = tokio::time::Instant::now();
+                for m in inflight.messages() {
+                    let _ = m.ack_with(AckKind::Progress).await;
+                }
+            }
             if last_beat.is_none_or(|t| t.elapsed() >= beat_every) {
                 last_beat = Some(tokio::time::Instant::now());
                 let mut status = snapshot.lock().unwrap().clone();
-                status.sent_at_ms =
-                    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_millis() as u64;
+                status.sent_at_ms = unix_ms();
                 if let Ok(bytes) = llmq_protocol::encode(&status) {
                     let _ = client.publish(subject.clone(), bytes.into()).await;
-                }
-            }
-            if last_progress.elapsed() >= progress_every {
-                last_progress = tokio::time::Instant::now();
-                let msgs: Vec<_> = inflight.lock().unwrap().values().map(|(m, _)| m.clone()).collect();
-                for m in msgs {
-                    let _ = m.ack_with(AckKind::Progress).await;
                 }
             }
             tokio::time::sleep(beat_every.min(progress_every) / 2).await;
@@ -364,7 +386,7 @@ impl Jobs<'_> {
     /// equal workers share a burst evenly, and a worker without room asks for nothing.
     async fn fetch_one(&self) {
         let limit = self.placement.lock().unwrap().limit_at(std::time::Instant::now());
-        if limit.saturating_sub(self.inflight.lock().unwrap().len()) == 0 {
+        if limit.saturating_sub(self.inflight.len()) == 0 {
             tokio::time::sleep(Duration::from_millis(10)).await;
             return;
         }
@@ -418,7 +440,7 @@ impl Jobs<'_> {
             error = tracing::field::Empty
         );
         llmq_telemetry::extract(&span, msg.headers.as_ref());
-        self.inflight.lock().unwrap().insert(job.request_id.clone(), (msg, span));
+        self.inflight.insert(job.request_id.clone(), msg, span);
         self.actor.do_send(Submit(job));
     }
 }
@@ -426,7 +448,7 @@ impl Jobs<'_> {
 /// Waits up to `grace` for every held job to end, then ends what is left with `worker_lost`
 /// and waits (a few seconds at most) for those terminal events to be out and acknowledged.
 async fn drain(actor: &Scheduler, inflight: &Inflight, grace: Duration) {
-    let held = || inflight.lock().unwrap().len();
+    let held = || inflight.len();
     tracing::info!(held = held(), grace_s = grace.as_secs(), "stopping: no more jobs; draining");
     let wait_empty = |limit: Duration| async move {
         let until = tokio::time::Instant::now() + limit;
@@ -496,6 +518,10 @@ fn default_worker_id() -> String {
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
     let host = subjects::token(host.trim());
     format!("{}-{:08x}", if host.is_empty() { "w" } else { &host }, rand_u32())
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_millis() as u64
 }
 
 fn rand_u32() -> u32 {
