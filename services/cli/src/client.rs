@@ -42,7 +42,7 @@ fn request(a: &Args, inbox: String) -> GenerateRequest {
 }
 
 async fn run(a: &Args) -> Result<()> {
-    let client = async_nats::connect(&a.nats).await.with_context(|| format!("connecting to NATS at {}", a.nats))?;
+    let client = llmq_protocol::connect(&a.nats, None, "llmq-client").await.with_context(|| format!("connecting to NATS at {}", a.nats))?;
     let inbox = client.new_inbox();
     let mut events = client.subscribe(inbox.clone()).await?;
     let payload = llmq_protocol::encode(&request(a, inbox))?;

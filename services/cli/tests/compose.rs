@@ -263,3 +263,72 @@ fn a_worker_cut_off_for_20_s_neither_repeats_nor_drops_tokens() {
         assert!(lost > 0 && lost < 6, "{lost} of 6 streams lost");
     });
 }
+
+/// Connects as `url`'s user, collecting what the server reports about this connection
+/// (permission violations arrive as server errors).
+async fn watched(url: &str) -> (async_nats::Client, tokio::sync::mpsc::UnboundedReceiver<String>) {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let (opts, address) = llmq_protocol::connect::options(url, None, "llmq-test");
+    let nc = opts
+        .event_callback(move |e| {
+            let tx = tx.clone();
+            async move {
+                let _ = tx.send(e.to_string());
+            }
+        })
+        .connect(address)
+        .await
+        .unwrap();
+    (nc, rx)
+}
+
+/// Waits up to 5 s for a server report containing `what`.
+async fn reported(rx: &mut tokio::sync::mpsc::UnboundedReceiver<String>, what: &str) -> bool {
+    let until = tokio::time::Instant::now() + Duration::from_secs(5);
+    while let Ok(Some(e)) = tokio::time::timeout_at(until, rx.recv()).await {
+        if e.contains(what) {
+            return true;
+        }
+    }
+    false
+}
+
+#[test]
+fn nats_lets_in_only_the_right_users_each_to_its_own_subjects() {
+    let stack = Compose::up("auth", 1);
+    common::client::rt().block_on(async {
+        stack.wait_workers(1).await;
+        // No credentials, or a wrong password: the connection is refused.
+        assert!(async_nats::connect(format!("nats://{}", stack.nats)).await.is_err());
+        assert!(llmq_protocol::connect(&format!("nats://client1:wrong@{}", stack.nats), None, "llmq-test").await.is_err());
+
+        let (nc, mut reports) = watched(&stack.nats_url_as("client1")).await;
+        // Another user's inbox: the server refuses the subscription.
+        let _spy = nc.subscribe("_INBOX.client2.>").await.unwrap();
+        nc.flush().await.unwrap();
+        assert!(reported(&mut reports, "Permissions Violation for Subscription to \"_INBOX.client2.>\"").await);
+        // A job put on the jobs subject directly, past intake: refused, and no worker runs it.
+        let inbox = nc.new_inbox();
+        let mut events = nc.subscribe(inbox.clone()).await.unwrap();
+        let job = llmq_protocol::Job {
+            request_id: "forged".into(),
+            model: "smollm2".into(),
+            prompt_ids: vec![1, 2, 3],
+            sampling: Default::default(),
+            stop: llmq_text::sampling::StopConditions { max_tokens: 4, ..Default::default() },
+            stream_subject: inbox,
+            accepted_at_ms: 0,
+            cache_salt: None,
+        };
+        nc.publish(llmq_protocol::subjects::jobs("smollm2"), llmq_protocol::encode(&job).unwrap().into()).await.unwrap();
+        nc.flush().await.unwrap();
+        assert!(reported(&mut reports, "Permissions Violation for Publish to \"llm.v1.jobs.smollm2\"").await);
+        assert!(tokio::time::timeout(Duration::from_secs(3), futures::StreamExt::next(&mut events)).await.is_err(), "the forged job ran");
+
+        // The legitimate clients are unaffected: each gets its own answers.
+        for user in ["client1", "client2"] {
+            let run = Client::connect(&stack.nats_url_as(user)).await.run(request("Hello", 4)).await;
+            assert!(matches!(run.last(), Event::Done { .. }), "{user}: {:?}", run.last());
+        }
+    });
+}

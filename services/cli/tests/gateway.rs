@@ -158,3 +158,39 @@ fn typed_errors_health_and_worker_loss() {
         }
     });
 }
+
+#[test]
+fn with_api_keys_set_only_a_valid_bearer_key_gets_in() {
+    let mut stack = Stack::nats_only();
+    let open = stack.spawn_gateway(&[("LLMQ__GATEWAY__API_KEYS", "key-one,key-two")]).1;
+    let closed = stack.spawn_gateway(&[("LLMQ__GATEWAY__API_KEYS", "key-one"), ("LLMQ__GATEWAY__KEYS_FOR_HEALTH_AND_METRICS", "true")]).1;
+    rt().block_on(async {
+        let get = |addr: &str, path: &str, key: Option<&str>| {
+            let (addr, path) = (addr.to_string(), path.to_string());
+            let auth = key.map(|k| format!("Bearer {k}"));
+            async move {
+                let headers: Vec<(&str, &str)> = auth.iter().map(|a| ("Authorization", a.as_str())).collect();
+                client::request_with(&addr, "GET", &path, None, &headers).await.unwrap()
+            }
+        };
+        for key in [None, Some("wrong"), Some("key-one-")] {
+            let r = get(&open, "/v1/models", key).await;
+            assert_eq!(r.status, 401, "{key:?}: {}", r.body);
+            let body: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+            assert_eq!(body["error"]["code"], "invalid_api_key");
+            assert_eq!(body["error"]["type"], "invalid_request_error");
+        }
+        // A POST without a key is refused before its body is read.
+        let r = client::request(&open, "POST", "/v1/chat/completions", Some("{}")).await.unwrap();
+        assert_eq!(r.status, 401, "{}", r.body);
+        for key in ["key-one", "key-two"] {
+            assert_eq!(get(&open, "/v1/models", Some(key)).await.status, 200);
+        }
+        // /health and /metrics stay open unless configured otherwise.
+        assert_eq!(get(&open, "/health", None).await.status, 503, "no worker: 503, not 401");
+        assert_eq!(get(&open, "/metrics", None).await.status, 200);
+        assert_eq!(get(&closed, "/health", None).await.status, 401);
+        assert_eq!(get(&closed, "/metrics", None).await.status, 401);
+        assert_eq!(get(&closed, "/metrics", Some("key-one")).await.status, 200);
+    });
+}

@@ -19,12 +19,19 @@ fn bad(m: impl Into<String>) -> io::Error {
 
 /// Sends a request; returns the status, the response's headers (lower-cased names) and the
 /// reader positioned at the body.
-async fn send(addr: &str, method: &str, path: &str, body: Option<&str>) -> io::Result<(u16, Vec<(String, String)>, BufReader<TcpStream>)> {
+async fn send(
+    addr: &str,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    extra: &[(&str, &str)],
+) -> io::Result<(u16, Vec<(String, String)>, BufReader<TcpStream>)> {
     let mut s = TcpStream::connect(addr).await?;
     s.set_nodelay(true)?;
     let body = body.unwrap_or("");
+    let extra: String = extra.iter().map(|(k, v)| format!("{k}: {v}\r\n")).collect();
     let req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\n{extra}Content-Length: {}\r\n\r\n{body}",
         body.len()
     );
     s.write_all(req.as_bytes()).await?;
@@ -80,7 +87,12 @@ async fn read_body(headers: &[(String, String)], r: &mut BufReader<TcpStream>, m
 
 /// One request, the whole response.
 pub async fn request(addr: &str, method: &str, path: &str, body: Option<&str>) -> io::Result<Response> {
-    let (status, headers, mut r) = send(addr, method, path, body).await?;
+    request_with(addr, method, path, body, &[]).await
+}
+
+/// One request with extra headers (`Authorization`, say), the whole response.
+pub async fn request_with(addr: &str, method: &str, path: &str, body: Option<&str>, headers: &[(&str, &str)]) -> io::Result<Response> {
+    let (status, headers, mut r) = send(addr, method, path, body, headers).await?;
     let mut out = vec![];
     read_body(&headers, &mut r, |p| out.extend_from_slice(p)).await?;
     Ok(Response { status, body: String::from_utf8_lossy(&out).into_owned() })
@@ -90,7 +102,7 @@ pub async fn request(addr: &str, method: &str, path: &str, body: Option<&str>) -
 /// `: comment`) with the time its chunk arrived. Returns the status (a non-2xx response's body
 /// is handed to `line` whole).
 pub async fn stream(addr: &str, path: &str, body: &str, mut line: impl FnMut(Instant, &str)) -> io::Result<u16> {
-    let (status, headers, mut r) = send(addr, "POST", path, Some(body)).await?;
+    let (status, headers, mut r) = send(addr, "POST", path, Some(body), &[]).await?;
     let mut pending = String::new();
     read_body(&headers, &mut r, |p| {
         let at = Instant::now();

@@ -58,6 +58,10 @@ pub struct State {
     /// `intake.no_worker_grace_ms`: how long a model's workers may all be silent (restarting)
     /// before a waiting request is ended.
     no_worker_grace: Duration,
+    /// `gateway.api_keys` (none: every request is let in), and whether /health and /metrics
+    /// need one too.
+    api_keys: Vec<String>,
+    keys_for_health_and_metrics: bool,
     metrics: Metrics,
 }
 
@@ -383,6 +387,29 @@ async fn metrics_text(state: web::Data<State>) -> HttpResponse {
     HttpResponse::Ok().content_type("text/plain; version=0.0.4").body(text)
 }
 
+/// With API keys set, a request to /v1 (and to /health and /metrics, if so configured) without
+/// `Authorization: Bearer <key>` for one of them gets 401 in OpenAI's error format.
+async fn require_key(
+    req: actix_web::dev::ServiceRequest,
+    next: actix_web::middleware::Next<impl actix_web::body::MessageBody>,
+) -> Result<actix_web::dev::ServiceResponse<impl actix_web::body::MessageBody>, actix_web::Error> {
+    if let Some(state) = req.app_data::<web::Data<State>>() {
+        let guarded = req.path().starts_with("/v1/") || state.keys_for_health_and_metrics;
+        if guarded && !state.api_keys.is_empty() {
+            let given = req.headers().get("authorization").and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+            if !given.is_some_and(|k| state.api_keys.iter().any(|key| same(key.as_bytes(), k.trim().as_bytes()))) {
+                return Err(ApiError::unauthorized().into());
+            }
+        }
+    }
+    next.call(req).await
+}
+
+/// Compares in a time that does not depend on where the first difference is.
+fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
+}
+
 /// Malformed or oversized JSON bodies get OpenAI error bodies too.
 fn json_error(e: actix_web::error::JsonPayloadError, _: &actix_web::HttpRequest) -> actix_web::Error {
     use actix_web::error::JsonPayloadError as J;
@@ -399,12 +426,15 @@ fn json_error(e: actix_web::error::JsonPayloadError, _: &actix_web::HttpRequest)
 
 /// Serves until the process stops. Must be called inside an actix-web (actix-rt) System.
 pub async fn run(settings: Settings) -> Result<(), GatewayError> {
-    let nc = async_nats::connect(&settings.nats.url).await.map_err(nats)?;
+    let nc = llmq_protocol::connect(&settings.nats.url, settings.nats.ca_file.as_deref(), "llmq-gateway").await.map_err(nats)?;
     let mut beats = nc.subscribe(subjects::WORKER_STATUS_ALL).await.map_err(nats)?;
     let state = web::Data::new(State {
         nc,
         workers: Mutex::new(WorkerTable::new(Duration::from_millis(settings.gateway.worker_timeout_ms))),
         no_worker_grace: Duration::from_millis(settings.intake.no_worker_grace_ms),
+        // An empty key (an unset variable in a list) lets nobody in by itself.
+        api_keys: settings.gateway.api_keys.iter().map(|k| k.trim().to_string()).filter(|k| !k.is_empty()).collect(),
+        keys_for_health_and_metrics: settings.gateway.keys_for_health_and_metrics,
         metrics: Metrics::default(),
     });
     let beat_state = state.clone();
@@ -417,6 +447,7 @@ pub async fn run(settings: Settings) -> Result<(), GatewayError> {
     });
     let server = HttpServer::new(move || {
         App::new()
+            .wrap(actix_web::middleware::from_fn(require_key))
             .app_data(state.clone())
             .app_data(web::JsonConfig::default().limit(MAX_BODY_BYTES).error_handler(json_error))
             .route("/v1/chat/completions", web::post().to(chat))

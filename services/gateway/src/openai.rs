@@ -123,6 +123,14 @@ impl ApiError {
         ApiError { status, message: e.message.clone(), code }
     }
 
+    pub fn unauthorized() -> Self {
+        ApiError {
+            status: StatusCode::UNAUTHORIZED,
+            message: "a valid API key is required: Authorization: Bearer <key>".into(),
+            code: "invalid_api_key",
+        }
+    }
+
     pub fn unavailable(message: impl Into<String>) -> Self {
         ApiError { status: StatusCode::SERVICE_UNAVAILABLE, message: message.into(), code: "unavailable" }
     }
@@ -134,7 +142,7 @@ impl ApiError {
     /// OpenAI's error object.
     pub fn body(&self) -> Value {
         let kind = match self.status.as_u16() {
-            400 | 404 | 413 => "invalid_request_error",
+            400 | 401 | 404 | 413 => "invalid_request_error",
             429 => "rate_limit_error",
             _ => "server_error",
         };

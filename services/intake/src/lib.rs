@@ -221,7 +221,7 @@ pub async fn run(settings: Settings, stop: impl std::future::Future<Output = ()>
         models.insert(name.clone(), info);
     }
     let validator = Arc::new(Validator::new(models, settings.intake.default_max_tokens));
-    let client = async_nats::connect(&settings.nats.url).await.map_err(nats)?;
+    let client = llmq_protocol::connect(&settings.nats.url, settings.nats.ca_file.as_deref(), "llmq-intake").await.map_err(nats)?;
     let js = jetstream::new(client.clone());
     let stream = subjects::jobs_stream(&js).await.map_err(nats)?;
     // Cancels are stored from the start, so a job cancelled while it waits with no worker up is

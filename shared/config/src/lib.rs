@@ -27,7 +27,7 @@ pub struct Settings {
 }
 
 /// The OpenAI-compatible HTTP gateway.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct GatewaySettings {
     /// Address to listen on (port 0: one the system picks).
@@ -37,24 +37,50 @@ pub struct GatewaySettings {
     /// Once listening, the gateway writes the address it listens on here (the port the system
     /// picked, with port 0): how a harness finds it without racing for a free port.
     pub address_file: Option<std::path::PathBuf>,
+    /// With keys set, every /v1 request needs `Authorization: Bearer <one of them>` (401
+    /// otherwise). From the environment: LLMQ__GATEWAY__API_KEYS=key1,key2. Never printed.
+    pub api_keys: Vec<String>,
+    /// Whether /health and /metrics need a key too (when keys are set).
+    pub keys_for_health_and_metrics: bool,
+}
+
+impl std::fmt::Debug for GatewaySettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GatewaySettings")
+            .field("listen", &self.listen)
+            .field("worker_timeout_ms", &self.worker_timeout_ms)
+            .field("address_file", &self.address_file)
+            .field("api_keys", &format_args!("{} keys", self.api_keys.len()))
+            .field("keys_for_health_and_metrics", &self.keys_for_health_and_metrics)
+            .finish()
+    }
 }
 
 impl Default for GatewaySettings {
     fn default() -> Self {
-        GatewaySettings { listen: "127.0.0.1:8000".into(), worker_timeout_ms: 3000, address_file: None }
+        GatewaySettings {
+            listen: "127.0.0.1:8000".into(),
+            worker_timeout_ms: 3000,
+            address_file: None,
+            api_keys: vec![],
+            keys_for_health_and_metrics: false,
+        }
     }
 }
 
 #[derive(Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct NatsSettings {
-    /// May carry credentials (nats://user:pass@host): never printed in full.
+    /// May carry credentials (nats://user:pass@host): never printed in full. A user's replies
+    /// and streams go to its own inboxes, `_INBOX.<user>`; `tls://` requires TLS.
     pub url: String,
+    /// A CA certificate (PEM) to check the server's against; requires TLS.
+    pub ca_file: Option<std::path::PathBuf>,
 }
 
 impl Default for NatsSettings {
     fn default() -> Self {
-        NatsSettings { url: "nats://127.0.0.1:4222".into() }
+        NatsSettings { url: "nats://127.0.0.1:4222".into(), ca_file: None }
     }
 }
 
@@ -67,7 +93,7 @@ impl std::fmt::Debug for NatsSettings {
             }
             None => self.url.clone(),
         };
-        f.debug_struct("NatsSettings").field("url", &shown).finish()
+        f.debug_struct("NatsSettings").field("url", &shown).field("ca_file", &self.ca_file).finish()
     }
 }
 
@@ -305,7 +331,8 @@ pub fn load(file: Option<&Path>) -> Result<Settings, ConfigError> {
             .separator("__")
             .try_parsing(true)
             .list_separator(",")
-            .with_list_parse_key("intake.models"),
+            .with_list_parse_key("intake.models")
+            .with_list_parse_key("gateway.api_keys"),
     );
     let s: Settings = b.build()?.try_deserialize()?;
     s.validate()?;

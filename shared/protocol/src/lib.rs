@@ -5,13 +5,18 @@
 //! refuses payloads over `MAX_MESSAGE_BYTES` before parsing; the version is in the subject, so
 //! a v2 can run beside v1. Raw client requests (`GenerateRequest`) and validated jobs (`Job`)
 //! are different types: only intake turns one into the other. `workers` keeps the live
-//! workers a service has heard from (their heartbeats), for intake and the gateway.
+//! workers a service has heard from (their heartbeats), for intake and the gateway. `connect`
+//! (feature `nats`) is how every llmq program connects: credentials, its own inboxes, TLS.
 
+#[cfg(feature = "nats")]
+pub mod connect;
 pub mod messages;
 pub mod subjects;
 pub mod workers;
 
 pub use messages::*;
+#[cfg(feature = "nats")]
+pub use connect::connect;
 
 use serde::{de::DeserializeOwned, Serialize};
 

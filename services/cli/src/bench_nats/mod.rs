@@ -234,7 +234,7 @@ async fn with_stack<'a>(k: &'a Knobs, env: &[(String, String)], f: impl FnOnce((
             u
         }
     };
-    let nc = async_nats::connect(&url).await?;
+    let nc = llmq_protocol::connect(&url, None, "llmq-bench").await?;
     if let Some(s) = stack.as_mut() {
         wait_for_workers(&nc, k.workers, &mut s.children).await?;
     }

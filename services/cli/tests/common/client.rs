@@ -31,7 +31,7 @@ impl Client {
     pub async fn connect(url: &str) -> Client {
         let t = Instant::now();
         loop {
-            if let Ok(nc) = async_nats::connect(url).await {
+            if let Ok(nc) = llmq_protocol::connect(url, None, "llmq-test").await {
                 return Client { nc };
             }
             assert!(t.elapsed() < Duration::from_secs(10));

@@ -4,6 +4,7 @@
 //! with its network and volumes when the `Compose` is dropped, whatever happens.
 //! Projects run one at a time (two stacks of three workers would share two cores).
 
+use std::hash::BuildHasher;
 use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 use std::sync::{Mutex, MutexGuard};
@@ -19,6 +20,8 @@ pub struct Compose {
     /// Where NATS and the gateway are published on the host.
     pub nats: String,
     pub gateway: String,
+    /// NATS passwords of this project's users (`.env`'s variables, fresh for each project).
+    passwords: Vec<(&'static str, String)>,
     _turn: MutexGuard<'static, ()>,
 }
 
@@ -31,9 +34,13 @@ impl Compose {
         let ok = |c: &mut Command| c.stdout(Stdio::null()).stderr(Stdio::null()).status().map(|s| s.success()).unwrap_or(false);
         assert!(ok(Command::new("docker").arg("info")), "no Docker daemon answers `docker info`: compose tests need one");
         assert!(ok(Command::new("docker").args(["image", "inspect", "llmq:local"])), "no image llmq:local: run `make image`");
-        let project = format!("llmqt{}{name}", std::process::id());
+        remove_stale_projects();
+        let project = format!("llmqt{}x{name}", std::process::id());
         let free = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
-        let c = Compose { project, root, nats: free(), gateway: free(), _turn: turn };
+        let password = |n: usize| format!("pw{:016x}{n}", std::collections::hash_map::RandomState::new().hash_one(n));
+        let users = ["intake", "worker", "gateway", "client1", "client2"];
+        let passwords = users.iter().enumerate().map(|(i, u)| (*u, password(i))).collect();
+        let c = Compose { project, root, nats: free(), gateway: free(), passwords, _turn: turn };
         c.run(&["down", "-v", "-t", "1"]);
         c.ok(&["up", "-d", "--scale", &format!("worker={workers}")]);
         c
@@ -48,6 +55,9 @@ impl Compose {
             .env("LLMQ_GATEWAY_PUBLISH", &self.gateway)
             .env("LLMQ_MODELS", self.root.join(".cache/models"))
             .stdin(Stdio::null());
+        for (user, password) in &self.passwords {
+            c.env(format!("LLMQ_NATS_{}_PASSWORD", user.to_uppercase()), password);
+        }
         c
     }
 
@@ -62,8 +72,15 @@ impl Compose {
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
+    /// NATS's URL for a client application (user client1).
     pub fn nats_url(&self) -> String {
-        format!("nats://{}", self.nats)
+        self.nats_url_as("client1")
+    }
+
+    /// NATS's URL with the credentials of `user`.
+    pub fn nats_url_as(&self, user: &str) -> String {
+        let password = &self.passwords.iter().find(|(u, _)| *u == user).expect("a user of nats.conf").1;
+        format!("nats://{user}:{password}@{}", self.nats)
     }
 
     /// The ids of a service's running containers.
@@ -101,6 +118,20 @@ impl Drop for Compose {
             eprintln!("{}", String::from_utf8_lossy(&logs.stdout));
         }
         self.run(&["down", "-v", "-t", "2", "--remove-orphans"]);
+    }
+}
+
+/// Removes the compose projects earlier test processes left behind (a run killed before its
+/// `Compose`s were dropped): they would hold cores and ports.
+fn remove_stale_projects() {
+    let own = format!("llmqt{}x", std::process::id());
+    let out = Command::new("docker").args(["ps", "-a", "--format", "{{.Label \"com.docker.compose.project\"}}"]).output().unwrap();
+    let listed = String::from_utf8_lossy(&out.stdout).into_owned();
+    let mut stale: Vec<&str> = listed.lines().filter(|p| p.starts_with("llmqt") && !p.starts_with(&own)).collect();
+    stale.sort();
+    stale.dedup();
+    for p in stale {
+        let _ = Command::new("docker-compose").args(["-p", p, "down", "-v", "-t", "1"]).stdin(Stdio::null()).output();
     }
 }
 
