@@ -21,6 +21,7 @@ demo: build
 
 image: build
 	bash deploy/setup/setup.sh image
+	bash deploy/setup/setup.sh tls
 	bash deploy/docker/image.sh
 
 test: image

@@ -12,6 +12,7 @@
 #   reference   a Python venv with transformers + torch, for tests/reference (maintainers only)
 #   image       the base image llmq's image is built on (llmq-base), made with mmdebstrap from
 #               Debian's packages and loaded with `docker import`; needs a Docker daemon
+#   tls         a CA and a certificate for the compose stack's NATS (.cache/tls), with openssl
 #   sources     only what `make check` needs: the patched mlx-sys source and the tokenizers
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -194,6 +195,29 @@ make_base_image() { # recipe tag
   say "base image $tag: $(docker image inspect -f '{{.Size}}' "$tag" | numfmt --to=si)B"
 }
 
+# A private CA and the NATS server's certificate, for the compose stack's TLS overlay
+# (deploy/docker/tls.yml): valid for the names the server is reached by (nats inside the
+# stack, localhost and 127.0.0.1 from the host). Made once; delete .cache/tls to renew.
+step_tls() {
+  local dir="$cache/tls"
+  [ -s "$dir/server-cert.pem" ] && return
+  command -v openssl >/dev/null || {
+    say "installing apt package: openssl"
+    need_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssl >/dev/null || die "apt package openssl"
+  }
+  rm -rf "$dir.tmp" && mkdir -p "$dir.tmp"
+  (
+    cd "$dir.tmp"
+    openssl req -x509 -newkey rsa:2048 -nodes -days 3650 -subj "/CN=llmq local CA" \
+      -keyout ca-key.pem -out ca.pem
+    openssl req -newkey rsa:2048 -nodes -subj "/CN=nats" -keyout server-key.pem -out server.csr
+    printf 'subjectAltName=DNS:nats,DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n' >ext.cnf
+    openssl x509 -req -in server.csr -CA ca.pem -CAkey ca-key.pem -CAcreateserial -days 3650 \
+      -extfile ext.cnf -out server-cert.pem
+  ) >"$cache/tls.log" 2>&1 || die "openssl could not make the TLS certificates; see $cache/tls.log"
+  rm -rf "$dir" && mv "$dir.tmp" "$dir"
+}
+
 what=${1:-default}
 case "$what" in
   base) step_base ;;
@@ -203,6 +227,7 @@ case "$what" in
   clients) step_clients ;;
   reference) step_reference ;;
   image) step_image ;;
+  tls) step_tls ;;
   sources) bash "$root/deploy/setup/mlx-sys.sh"; step_tokenizers ;;
   default|all) step_base; step_mlx; step_model; step_tokenizers; step_clients
     if [ "$what" = all ]; then step_reference; fi ;;

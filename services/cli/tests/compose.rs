@@ -332,3 +332,21 @@ fn nats_lets_in_only_the_right_users_each_to_its_own_subjects() {
         }
     });
 }
+
+#[test]
+fn nats_over_tls_from_the_services_and_from_the_host() {
+    let stack = Compose::up_with("tls", 1, &["deploy/docker/tls.yml"]);
+    common::client::rt().block_on(async {
+        // Intake, the worker and the gateway reached the server over TLS.
+        let addr = stack.wait_workers(1).await;
+        let ca = stack.path(".cache/tls/ca.pem");
+        assert!(ca.exists(), "{} missing: run deploy/setup/setup.sh tls (make image does)", ca.display());
+        // A client that cannot check the server's certificate does not get in.
+        assert!(llmq_protocol::connect(&stack.nats_url(), None, "llmq-test").await.is_err());
+        let nc = llmq_protocol::connect(&stack.nats_url(), Some(&ca), "llmq-test").await.unwrap();
+        let run = Client { nc }.run(request("Over TLS:", 6)).await;
+        assert!(matches!(run.last(), Event::Done { .. }), "{:?}", run.last());
+        let (status, text) = chat(&addr, 1).await;
+        assert_eq!(status, 200, "{text}");
+    });
+}

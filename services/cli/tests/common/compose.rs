@@ -17,6 +17,8 @@ static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 pub struct Compose {
     pub project: String,
     root: PathBuf,
+    /// Compose files over docker-compose.yml (deploy/docker/tls.yml, say).
+    overlays: Vec<String>,
     /// Where NATS and the gateway are published on the host.
     pub nats: String,
     pub gateway: String,
@@ -29,6 +31,11 @@ impl Compose {
     /// `docker-compose up -d --scale worker=<workers>`; fails (never skips) without a daemon or
     /// the image.
     pub fn up(name: &str, workers: usize) -> Compose {
+        Compose::up_with(name, workers, &[])
+    }
+
+    /// `up`, with compose files over docker-compose.yml.
+    pub fn up_with(name: &str, workers: usize, overlays: &[&str]) -> Compose {
         let turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
         let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().unwrap();
         let ok = |c: &mut Command| c.stdout(Stdio::null()).stderr(Stdio::null()).status().map(|s| s.success()).unwrap_or(false);
@@ -40,7 +47,8 @@ impl Compose {
         let password = |n: usize| format!("pw{:016x}{n}", std::collections::hash_map::RandomState::new().hash_one(n));
         let users = ["intake", "worker", "gateway", "client1", "client2"];
         let passwords = users.iter().enumerate().map(|(i, u)| (*u, password(i))).collect();
-        let c = Compose { project, root, nats: free(), gateway: free(), passwords, _turn: turn };
+        let overlays = overlays.iter().map(|o| o.to_string()).collect();
+        let c = Compose { project, root, overlays, nats: free(), gateway: free(), passwords, _turn: turn };
         c.run(&["down", "-v", "-t", "1"]);
         c.ok(&["up", "-d", "--scale", &format!("worker={workers}")]);
         c
@@ -49,8 +57,11 @@ impl Compose {
     fn command(&self, args: &[&str]) -> Command {
         let mut c = Command::new("docker-compose");
         c.current_dir(&self.root)
-            .args(["-p", &self.project, "-f", "docker-compose.yml"])
-            .args(args)
+            .args(["-p", &self.project, "-f", "docker-compose.yml"]);
+        for o in &self.overlays {
+            c.args(["-f", o]);
+        }
+        c.args(args)
             .env("LLMQ_NATS_PUBLISH", &self.nats)
             .env("LLMQ_GATEWAY_PUBLISH", &self.gateway)
             .env("LLMQ_MODELS", self.root.join(".cache/models"))
@@ -70,6 +81,11 @@ impl Compose {
         let out = self.run(args);
         assert!(out.status.success(), "docker-compose {args:?}: {}", String::from_utf8_lossy(&out.stderr));
         String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// A file of the checkout.
+    pub fn path(&self, relative: &str) -> PathBuf {
+        self.root.join(relative)
     }
 
     /// NATS's URL for a client application (user client1).
