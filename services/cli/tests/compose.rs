@@ -350,3 +350,38 @@ fn nats_over_tls_from_the_services_and_from_the_host() {
         assert_eq!(status, 200, "{text}");
     });
 }
+
+#[test]
+fn stopping_the_workers_hands_back_what_they_had_not_started_and_loses_nothing() {
+    // Two streams at a time, so that most of the jobs wait in the worker when it stops.
+    let overlay = std::env::temp_dir().join(format!("llmq-compose-batch2-{}.yml", std::process::id()));
+    std::fs::write(&overlay, "services:\n  worker:\n    environment:\n      LLMQ__SCHEDULER__MAX_BATCH: \"2\"\n").unwrap();
+    let stack = Compose::up_with("stop", 1, &[overlay.to_str().unwrap()]);
+    common::client::rt().block_on(async {
+        stack.wait_workers(1).await;
+        let nats = Client::connect(&stack.nats_url()).await;
+        let n = 40;
+        let mut runs = vec![];
+        for i in 0..6 {
+            runs.push(nats.start(GenerateRequest { ignore_eos: true, ..request(&format!("Job {i}:"), n) }).await);
+        }
+        // Stopped while two stream and four wait: the two finish, the four go back to the
+        // stream, and run once the worker is back.
+        let mut sub0 = runs.remove(0);
+        let first = Client::first_tokens(&mut sub0.1).await.len();
+        stack.ok_async(&["stop", "worker"]).await;
+        stack.ok_async(&["start", "worker"]).await;
+        let mut all = vec![(first, Client::finish(sub0.0, sub0.1, |_| {}).await)];
+        for (id, sub) in runs {
+            all.push((0, Client::finish(id, sub, |_| {}).await));
+        }
+        for (first, run) in &all {
+            assert!(matches!(run.last(), Event::Done { .. }), "{:?}", run.last());
+            assert_eq!(first + run.tokens().len(), n as usize, "tokens lost or repeated");
+            assert_once(run);
+        }
+        let logs = stack.ok(&["logs", "--no-color", "worker"]);
+        assert!(logs.contains("handed back the jobs not started"), "the stopping worker ran everything itself");
+    });
+    let _ = std::fs::remove_file(&overlay);
+}

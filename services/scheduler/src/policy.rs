@@ -290,6 +290,18 @@ impl Scheduler {
         }
     }
 
+    /// Removes the requests not admitted yet (they have had no event but `Queued`) and returns
+    /// them, in arrival order: a stopping worker hands them back to the jobs stream.
+    pub fn take_waiting(&mut self) -> Vec<ReqId> {
+        // Those being cancelled stay, to end with their own error.
+        let (keep, taken): (Vec<ReqId>, Vec<ReqId>) = self.waiting.iter().partition(|id| self.cancels.contains_key(id));
+        self.waiting = keep;
+        for id in &taken {
+            self.reqs.remove(id);
+        }
+        taken
+    }
+
     pub fn is_idle(&self) -> bool {
         self.reqs.is_empty()
     }

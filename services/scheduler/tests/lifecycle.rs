@@ -118,3 +118,22 @@ fn static_batching_admits_a_new_batch_only_when_the_last_one_finished() {
     h.run_until_idle(100);
     h.assert_all_ended(&[1, 2]);
 }
+
+#[test]
+fn a_stopping_worker_takes_back_only_what_has_not_started() {
+    let mut h = Harness::new(SchedulerConfig { max_batch: 2, ..cfg() });
+    for id in 1..=5 {
+        h.submit(id, 5, 10);
+    }
+    h.tick();
+    assert_eq!(h.s.active_streams() + h.s.queued_requests(), 5);
+    h.s.cancel(5);
+    // 1 and 2 run; 3 and 4 have had only `Queued`: they go back; 5 ends with its cancel.
+    assert_eq!(h.s.take_waiting(), vec![3, 4]);
+    assert!(h.of(3).into_iter().chain(h.of(4)).all(|e| matches!(e, Event::Queued { .. })));
+    let before = (h.of(3).len(), h.of(4).len());
+    h.run_until_idle(100);
+    h.assert_all_ended(&[1, 2, 5]);
+    assert_eq!((h.of(3).len(), h.of(4).len()), before, "nothing more for the requests taken back");
+    assert_eq!(h.s.reserved_kv_bytes(), 0);
+}

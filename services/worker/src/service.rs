@@ -29,7 +29,7 @@ use llmq_engine::{default_dtype, load_named, parse_dtype};
 use llmq_protocol::{subjects, CacheCleared, Cancel, ClearCache, ErrorClass, Event, Job, StreamEvent, WireError, WorkerStatus};
 use tokio::sync::mpsc;
 
-use crate::actor::{CancelRequest, ClearPrefixCache, EndAll, Outbound, SchedulerActor, Submit, WarmUp};
+use crate::actor::{CancelRequest, ClearPrefixCache, EndAll, HandBack, Outbound, SchedulerActor, Submit, WarmUp};
 use crate::engine::{ActorEngine, EngineOptions};
 use crate::held::Held;
 use crate::placement::Placement;
@@ -112,6 +112,7 @@ pub async fn run(settings: Settings, stop: impl std::future::Future<Output = ()>
     let js = jetstream::new(client.clone());
     let consumer = jobs_consumer(&js, &settings).await?;
     let cancels_stream = subjects::cancels_stream(&js).await.map_err(nats_err)?;
+    let handed_back = subjects::handed_back_stream(&js).await.map_err(nats_err)?;
 
     let (out_tx, out_rx) = mpsc::unbounded_channel::<Outbound>();
     let snapshot = Arc::new(Mutex::new(WorkerStatus::default()));
@@ -142,10 +143,11 @@ pub async fn run(settings: Settings, stop: impl std::future::Future<Output = ()>
     });
     // Nothing was held before: the server's silence counts from the first fetch.
     inflight.confirmed(std::time::Instant::now());
-    let jobs = Jobs { client: &client, consumer: &consumer, placement: &placement, inflight: &inflight, actor: &actor };
+    let jobs = Jobs { client: &client, consumer: &consumer, placement: &placement, inflight: &inflight, actor: &actor, handed_back: &handed_back };
     while !stopping.load(std::sync::atomic::Ordering::SeqCst) {
         jobs.fetch_one().await;
     }
+    hand_back(&actor, &inflight, &js).await;
     drain(&actor, &inflight, Duration::from_secs(settings.worker.drain_timeout_s)).await;
     let _ = client.flush().await;
     Ok(())
@@ -378,6 +380,7 @@ struct Jobs<'a> {
     placement: &'a Mutex<Placement>,
     inflight: &'a Inflight,
     actor: &'a Scheduler,
+    handed_back: &'a jetstream::stream::Stream,
 }
 
 impl Jobs<'_> {
@@ -414,19 +417,16 @@ impl Jobs<'_> {
                 return;
             }
         };
+        let mut first_seq = 0;
         if msg.info().map(|i| i.delivered).unwrap_or(1) > 1 {
-            // Its first worker may have streamed events already: end it, do not replay it.
-            let ev = StreamEvent {
-                request_id: job.request_id.clone(),
-                seq: llmq_protocol::SEQ_FROM_ANOTHER_WORKER,
-                event: Event::Error { error: WireError::new(ErrorClass::WorkerLost, "the worker running this request stopped") },
-            };
-            if let Ok(bytes) = llmq_protocol::encode(&ev) {
-                let _ = self.client.publish(job.stream_subject.clone(), bytes.into()).await;
-                let _ = self.client.flush().await;
+            if let Ok(mark) = self.handed_back.get_last_raw_message_by_subject(&subjects::handed_back(&job.request_id)).await {
+                // Handed back unstarted by a stopping worker: run it, going on from its seq.
+                first_seq = String::from_utf8_lossy(&mark.payload).parse().unwrap_or(0);
+                let _ = self.handed_back.delete_message(mark.sequence).await;
+            } else {
+                self.end_lost(&job, msg).await;
+                return;
             }
-            let _ = msg.ack().await;
-            return;
         }
         let span = tracing::info_span!(
             "worker.request",
@@ -441,7 +441,46 @@ impl Jobs<'_> {
         );
         llmq_telemetry::extract(&span, msg.headers.as_ref());
         self.inflight.insert(job.request_id.clone(), msg, span);
-        self.actor.do_send(Submit(job));
+        self.actor.do_send(Submit(job, first_seq));
+    }
+
+    /// Ends a job delivered again because its first worker stopped without finishing it (and
+    /// without handing it back): that worker may have streamed events already, so it is not
+    /// replayed.
+    async fn end_lost(&self, job: &Job, msg: jetstream::Message) {
+        let ev = StreamEvent {
+            request_id: job.request_id.clone(),
+            seq: llmq_protocol::SEQ_FROM_ANOTHER_WORKER,
+            event: Event::Error { error: WireError::new(ErrorClass::WorkerLost, "the worker running this request stopped") },
+        };
+        if let Ok(bytes) = llmq_protocol::encode(&ev) {
+            let _ = self.client.publish(job.stream_subject.clone(), bytes.into()).await;
+            let _ = self.client.flush().await;
+        }
+        let _ = msg.ack().await;
+    }
+}
+
+/// A stopping worker's first step: the jobs it holds but has not started go back to the jobs
+/// stream (nak'ed, marked in the handed-back stream with the seq to go on from), for another
+/// worker, or this one once restarted, to run. Nothing is lost and nothing waits for the drain.
+async fn hand_back(actor: &Scheduler, held: &Inflight, js: &jetstream::Context) {
+    let back = actor.send(HandBack).await.unwrap_or_default();
+    for (request_id, seq) in &back {
+        let marked = match js.publish(subjects::handed_back(request_id), seq.to_string().into()).await {
+            Ok(ack) => ack.await.map(|_| ()).map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        if let Err(e) = marked {
+            tracing::warn!(error = %e, %request_id, "marking a job handed back; it will end with worker_lost");
+        }
+        if let Some((m, span)) = held.end(request_id) {
+            span.record("error", "handed back unstarted");
+            let _ = m.ack_with(AckKind::Nak(None)).await;
+        }
+    }
+    if !back.is_empty() {
+        tracing::info!(jobs = back.len(), "stopping: handed back the jobs not started");
     }
 }
 

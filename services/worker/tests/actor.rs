@@ -124,8 +124,8 @@ fn a_panic_in_a_tick_fails_the_held_requests_and_the_actor_goes_on() {
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let cfg = SchedulerConfig { kv_budget_bytes: 1 << 20, ..Default::default() };
         let addr = SchedulerActor::new(Fake::default(), cfg, tx, "w".into(), "fake".into()).start();
-        addr.do_send(Submit(job("a", 5, 1000)));
-        addr.do_send(Submit(job("poison", 13, 1000)));
+        addr.do_send(Submit(job("a", 5, 1000), 0));
+        addr.do_send(Submit(job("poison", 13, 1000), 0));
         let mut seen = HashMap::new();
         for id in ["a", "poison"] {
             match until_terminal(&mut rx, id, &mut seen).await {
@@ -136,7 +136,7 @@ fn a_panic_in_a_tick_fails_the_held_requests_and_the_actor_goes_on() {
         for id in ["a", "poison"] {
             assert_eq!(seen[id].iter().filter(|e| e.is_terminal()).count(), 1, "{id}: exactly one terminal event");
         }
-        addr.do_send(Submit(job("after", 5, 3)));
+        addr.do_send(Submit(job("after", 5, 3), 0));
         assert!(matches!(until_terminal(&mut rx, "after", &mut seen).await, Event::Done { .. }), "the actor still serves");
     });
 }
@@ -191,12 +191,12 @@ fn a_panicking_role_actor_fails_its_own_requests_and_the_rest_go_on() {
         }
         let tokens = |seen: &HashMap<String, Vec<Event>>, id: &str| seen.get(id).map_or(0, |v| v.iter().filter(|e| matches!(e, Event::Tokens { .. })).count());
 
-        addr.do_send(Submit(long_job("a", 10, 400)));
+        addr.do_send(Submit(long_job("a", 10, 400), 0));
         while !until(&seen, "a", &|e| matches!(e, Event::Tokens { .. })) {
             pump(&mut rx, &mut seen).await;
         }
         // "c" prefills in 8-token chunks beside "a"'s decode; mid-prefill, the prefill actor panics.
-        addr.do_send(Submit(long_job("c", 480, 8)));
+        addr.do_send(Submit(long_job("c", 480, 8), 0));
         while !until(&seen, "c", &|e| matches!(e, Event::PrefillProgress { .. })) {
             pump(&mut rx, &mut seen).await;
         }
@@ -218,7 +218,7 @@ fn a_panicking_role_actor_fails_its_own_requests_and_the_rest_go_on() {
             e => panic!("a ended with {e:?}"),
         }
         // The worker goes on, and holds nothing of the failed requests.
-        addr.do_send(Submit(long_job("d", 20, 5)));
+        addr.do_send(Submit(long_job("d", 20, 5), 0));
         assert!(matches!(until_terminal(&mut rx, "d", &mut seen).await, Event::Done { .. }));
         for id in ["a", "c", "d"] {
             assert_eq!(seen[id].iter().filter(|e| e.is_terminal()).count(), 1, "{id}: exactly one terminal event");

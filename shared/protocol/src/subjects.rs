@@ -95,3 +95,29 @@ pub async fn cancels_stream(js: &async_nats::jetstream::Context) -> StreamResult
     };
     ensure_stream(js, config).await
 }
+
+/// The jobs a stopping worker handed back before starting them: one message on
+/// `llm.v1.handed_back.<request id as a token>` per job, whose payload is the `seq` its next event
+/// gets, kept in the stream `HANDED_BACK_STREAM` (the last per subject, for an hour). The worker
+/// that is handed such a job again runs it from that seq instead of ending it with
+/// `worker_lost`, and deletes the message.
+pub const HANDED_BACK_STREAM: &str = "LLMQ_HANDED_BACK_V1";
+
+pub fn handed_back(request_id: &str) -> String {
+    format!("llm.v1.handed_back.{}", token(request_id))
+}
+
+/// Creates (or finds) the handed-back stream.
+#[cfg(feature = "nats")]
+pub async fn handed_back_stream(js: &async_nats::jetstream::Context) -> StreamResult {
+    use async_nats::jetstream::stream;
+    let config = stream::Config {
+        name: HANDED_BACK_STREAM.into(),
+        subjects: vec!["llm.v1.handed_back.*".into()],
+        retention: stream::RetentionPolicy::Limits,
+        max_messages_per_subject: 1,
+        max_age: std::time::Duration::from_secs(3600),
+        ..Default::default()
+    };
+    ensure_stream(js, config).await
+}

@@ -287,10 +287,34 @@ impl<E: WorkerEngine + Unpin + 'static> Actor for SchedulerActor<E> {
 #[rtype(result = "()")]
 struct Tick;
 
-/// A job taken from the jobs stream.
+/// A job taken from the jobs stream, and the `seq` its first event gets (0, or where the worker
+/// that handed it back left off).
 #[derive(Message)]
 #[rtype(result = "()")]
-pub struct Submit(pub Job);
+pub struct Submit(pub Job, pub u64);
+
+/// A stopping worker's: removes the requests not started yet (only `Queued` sent) and answers
+/// their ids with the `seq` their next event must have, for another worker to go on from.
+#[derive(Message)]
+#[rtype(result = "Vec<(String, u64)>")]
+pub struct HandBack;
+
+impl<E: WorkerEngine + Unpin + 'static> Handler<HandBack> for SchedulerActor<E> {
+    type Result = Vec<(String, u64)>;
+    fn handle(&mut self, _: HandBack, _: &mut Context<Self>) -> Self::Result {
+        let taken = self.scheduler.take_waiting();
+        let back: Vec<(String, u64)> = taken
+            .iter()
+            .filter_map(|id| self.meta.remove(id))
+            .map(|m| {
+                self.by_request.remove(&m.request_id);
+                (m.request_id, m.seq)
+            })
+            .collect();
+        self.refresh_snapshot();
+        back
+    }
+}
 
 #[derive(Message)]
 #[rtype(result = "()")]
@@ -307,13 +331,13 @@ pub struct ClearPrefixCache;
 
 impl<E: WorkerEngine + Unpin + 'static> Handler<Submit> for SchedulerActor<E> {
     type Result = AtomicResponse<Self, ()>;
-    fn handle(&mut self, Submit(job): Submit, _: &mut Context<Self>) -> Self::Result {
+    fn handle(&mut self, Submit(job, first_seq): Submit, _: &mut Context<Self>) -> Self::Result {
         if self.by_request.contains_key(&job.request_id) {
             return AtomicResponse::new(Box::pin(actix::fut::ready(()))); // a duplicate delivery of a job already running here
         }
         let id = self.next_id;
         self.next_id += 1;
-        self.meta.insert(id, Meta { request_id: job.request_id.clone(), subject: job.stream_subject.clone(), seq: 0 });
+        self.meta.insert(id, Meta { request_id: job.request_id.clone(), subject: job.stream_subject.clone(), seq: first_seq });
         self.by_request.insert(job.request_id.clone(), id);
         if self.cancelled.take(&job.request_id) {
             let error = WireError::new(ErrorClass::Cancelled, "cancelled before it started");
