@@ -3,9 +3,10 @@
 #   make test   set up, build, make the image, and run every test (compose's included)
 #   make image  llmq's Docker image, llmq:local, from the release build (no registry needed)
 #   make compose-test  docker-compose.yml on the Docker daemon: scale-out and faults
+#   make fuzz   each fuzz target (fuzz/) for FUZZ_SECONDS (60) with cargo-fuzz; fails on a crash
 #   make check  the tests that need no model, no MLX and no server (protocol, config, text,
 #               scheduling policy, gateway), without MLX's set-up
-.PHONY: setup build image demo test compose-test check bench fixtures clean
+.PHONY: setup build image demo test compose-test fuzz check bench fixtures clean
 
 CARGO ?= cargo
 LLMQ := target/release/llmq
@@ -29,6 +30,17 @@ test: image
 
 compose-test: image
 	$(CARGO) test --release -p llmq --test compose
+
+# cargo-fuzz needs the sanitizer flags of a nightly compiler: RUSTC_BOOTSTRAP lets the stable
+# one accept them. The corpus in fuzz/corpus grows with each run (minimize: cargo fuzz cmin).
+FUZZ_SECONDS ?= 60
+FUZZ_TARGETS := protocol_decode gguf_reader gateway_request
+fuzz: setup
+	command -v cargo-fuzz >/dev/null || $(CARGO) install cargo-fuzz --locked
+	cd fuzz && for t in $(FUZZ_TARGETS); do \
+	  mkdir -p corpus/$$t && \
+	  RUSTC_BOOTSTRAP=1 $(CARGO) fuzz run -O $$t corpus/$$t -- -max_total_time=$(FUZZ_SECONDS) -max_len=4096 || exit 1; \
+	done
 
 # Only the sources set-up: the patched mlx-sys (the workspace names it) and the test tokenizers.
 check:
