@@ -383,5 +383,6 @@ fn stopping_the_workers_hands_back_what_they_had_not_started_and_loses_nothing()
         let logs = stack.ok(&["logs", "--no-color", "worker"]);
         assert!(logs.contains("handed back the jobs not started"), "the stopping worker ran everything itself");
     });
+    drop(stack); // `down` reads the overlay too
     let _ = std::fs::remove_file(&overlay);
 }

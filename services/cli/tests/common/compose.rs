@@ -41,7 +41,7 @@ impl Compose {
         let ok = |c: &mut Command| c.stdout(Stdio::null()).stderr(Stdio::null()).status().map(|s| s.success()).unwrap_or(false);
         assert!(ok(Command::new("docker").arg("info")), "no Docker daemon answers `docker info`: compose tests need one");
         assert!(ok(Command::new("docker").args(["image", "inspect", "llmq:local"])), "no image llmq:local: run `make image`");
-        remove_stale_projects();
+        remove_stale_projects(&root);
         let project = format!("llmqt{}x{name}", std::process::id());
         let free = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
         let password = |n: usize| format!("pw{:016x}{n}", std::collections::hash_map::RandomState::new().hash_one(n));
@@ -139,7 +139,7 @@ impl Drop for Compose {
 
 /// Removes the compose projects earlier test processes left behind (a run killed before its
 /// `Compose`s were dropped): they would hold cores and ports.
-fn remove_stale_projects() {
+fn remove_stale_projects(root: &std::path::Path) {
     let own = format!("llmqt{}x", std::process::id());
     let out = Command::new("docker").args(["ps", "-a", "--format", "{{.Label \"com.docker.compose.project\"}}"]).output().unwrap();
     let listed = String::from_utf8_lossy(&out.stdout).into_owned();
@@ -147,7 +147,12 @@ fn remove_stale_projects() {
     stale.sort();
     stale.dedup();
     for p in stale {
-        let _ = Command::new("docker-compose").args(["-p", p, "down", "-v", "-t", "1"]).stdin(Stdio::null()).output();
+        let _ = Command::new("docker-compose")
+            .current_dir(root)
+            .args(["-p", p, "-f", "docker-compose.yml", "down", "-v", "-t", "1"])
+            .envs(["INTAKE", "WORKER", "GATEWAY", "CLIENT1", "CLIENT2"].map(|u| (format!("LLMQ_NATS_{u}_PASSWORD"), "unused")))
+            .stdin(Stdio::null())
+            .output();
     }
 }
 
