@@ -9,6 +9,18 @@ at position 100 with rope_theta 1e6, which would hide real errors of that size.
   tests/fixtures/tiny-qwen2/     Qwen2, f16, q/k/v biases, tied embeddings, two safetensors shards
   tests/fixtures/tiny-qwen3/     Qwen3, bf16, q/k RMS norms, tied embeddings
   tests/fixtures/tiny-mistral/   Llama-family with an 8-token sliding window (Mistral)
+  tests/fixtures/tiny-llama3/    Llama 3.1's scaled RoPE (llama3), bf16, original context 32
+  tests/fixtures/tiny-llama-linear/  linear RoPE scaling (factor 2), f32
+  tests/fixtures/tiny-llama-dynamic/ dynamic NTK RoPE past a 48-token context, f32
+  tests/fixtures/tiny-qwen2-yarn/    YaRN (factor 4, original context 32), f32
+  tests/fixtures/tiny-phi3/      Phi-3: fused qkv and gate/up projections, long RoPE with its
+                                 short and long factors (original context 32), 3/4 of each head
+                                 rotated (Phi-4-mini), f32
+  tests/fixtures/tiny-gemma2/    Gemma 2: sandwich norms, GELU, scaled embeddings, scores and
+                                 logits soft-capped (caps small enough to act), sliding and global
+                                 layers (window 8), query_pre_attn_scalar unlike head_dim, f32
+  tests/fixtures/tiny-gemma3/    Gemma 3 text: q/k norms, a sliding layer with its own rope base
+                                 and a global one with linear scaling, bf16
   tests/fixtures/tiny-llama.gguf the tiny Llama as GGUF: F32, F16, BF16, Q8_0, Q4_0, Q4_1 tensors,
                                  Q/K rows permuted as llama.cpp stores them, GPT-2 style BPE
   each dir's reference.safetensors: for every case, the prompt ids and the logits of every position
@@ -18,13 +30,18 @@ at position 100 with rope_theta 1e6, which would hide real errors of that size.
                                  chat prompt "What is the capital of France?": prompt ids, logits
                                  at the first generated position, greedy continuation
 
-Run with the reference venv (deploy/setup/setup.sh reference):
-  .cache/pyref/bin/python tests/reference/make_fixtures.py
+The rope types whose frequencies depend on the length (dynamic, longrope) are recorded as
+transformers computes them decoding one token at a time (each position rotated for the length
+up to it), which is what llmq does for every position (llmq_text::rope says why).
+
+Run with the reference venv (deploy/setup/setup.sh reference), for every fixture or the named ones:
+  .cache/pyref/bin/python tests/reference/make_fixtures.py [tiny-llama3 ...]
 """
 import json
 import os
 import shutil
 import sys
+import zlib
 
 import numpy as np
 import torch
@@ -72,7 +89,20 @@ def cases(vocab):
     return [torch.randint(3, vocab, (n,), generator=g) for n in lengths]
 
 
-def write_reference(vocab, dest):
+def incremental_logits(model, ids):
+    """Logits of every position, one token at a time through transformers' cache."""
+    from transformers import DynamicCache
+
+    cache, rows = DynamicCache(config=model.config), []
+    for p in range(len(ids)):
+        out = model(ids[None, p:p + 1], past_key_values=cache, use_cache=True,
+                    position_ids=torch.tensor([[p]]))
+        cache = out.past_key_values
+        rows.append(out.logits[0, -1])
+    return torch.stack(rows)
+
+
+def write_reference(vocab, dest, incremental=False):
     # Reloaded from the files just written, in float64 from the start (casting a float32 model
     # keeps its float32 RoPE tables).
     from transformers import AutoModelForCausalLM
@@ -81,7 +111,7 @@ def write_reference(vocab, dest):
     out = {}
     for i, ids in enumerate(cases(vocab)):
         with torch.no_grad():
-            logits = model(ids[None, :]).logits[0].float()
+            logits = (incremental_logits(model, ids) if incremental else model(ids[None, :]).logits[0]).float()
         out[f"case{i}.ids"] = ids.to(torch.int32).contiguous()
         out[f"case{i}.logits"] = logits.contiguous()
     save_file(out, os.path.join(dest, "reference.safetensors"))
@@ -118,16 +148,20 @@ def randomize(model, scale=0.08):
                 p.copy_(scale * torch.randn_like(p))
 
 
-def build(cls_cfg, cls_model, name, dtype, shards=1, **extra):
+def build(cls_cfg, cls_model, name, dtype, shards=1, seeded=False, incremental=False, **extra):
+    """seeded: the weights drawn from a seed of the fixture's own (fixtures added later do not
+    change the earlier ones' random stream)."""
+    if seeded:
+        torch.manual_seed(zlib.crc32(name.encode()))
     dest = tiny_dir(name)
     tok = make_tokenizer(dest)
     vocab = tok.get_vocab_size()
-    cfg = cls_cfg(vocab_size=vocab, **COMMON, **extra)
+    cfg = cls_cfg(vocab_size=vocab, **{**COMMON, **extra})
     cfg._attn_implementation = "eager"
     model = cls_model(cfg)
     randomize(model)
     model = save_hf(model, dest, dtype, shards)
-    write_reference(vocab, dest)
+    write_reference(vocab, dest, incremental)
     return model, tok, cfg
 
 
@@ -242,10 +276,67 @@ def reference_gguf(dirname, fname, out_prefix, chat=None, greedy=0):
     return meta
 
 
-def main():
+def rope_families():
+    """The rope scaling types and the families that use them; each past its original context in
+    the longer cases (37 and 100 tokens)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    g = torch.Generator().manual_seed(3)
+    rotary_pairs = 6  # Phi-3's 16-wide heads, 3/4 rotated
+    return {
+        "tiny-llama3": lambda: build(
+            LlamaConfig, LlamaForCausalLM, "tiny-llama3", torch.bfloat16, seeded=True, tie_word_embeddings=True,
+            rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+        "tiny-llama-linear": lambda: build(
+            LlamaConfig, LlamaForCausalLM, "tiny-llama-linear", torch.float32, seeded=True, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
+        "tiny-llama-dynamic": lambda: build(
+            LlamaConfig, LlamaForCausalLM, "tiny-llama-dynamic", torch.float32, seeded=True, incremental=True,
+            tie_word_embeddings=False, max_position_embeddings=48,
+            rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}),
+        "tiny-qwen2-yarn": lambda: build(
+            Qwen2Config, Qwen2ForCausalLM, "tiny-qwen2-yarn", torch.float32, seeded=True, tie_word_embeddings=True,
+            max_position_embeddings=128,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 32}),
+        "tiny-phi3": lambda: build(
+            Phi3Config, Phi3ForCausalLM, "tiny-phi3", torch.float32, seeded=True, incremental=True,
+            tie_word_embeddings=False, original_max_position_embeddings=32, pad_token_id=0,
+            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                             "short_factor": (1.0 + torch.rand(rotary_pairs, generator=g)).tolist(),
+                             "long_factor": (2.0 + 6.0 * torch.rand(rotary_pairs, generator=g)).tolist()}),
+    }
+
+
+def gemma_families():
+    from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
+
+    gemma = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+                 layer_types=["sliding_attention", "full_attention"], hidden_activation="gelu_pytorch_tanh",
+                 tie_word_embeddings=True, bos_token_id=None, eos_token_id=2, pad_token_id=0)
+    return {
+        "tiny-gemma2": lambda: build(
+            Gemma2Config, Gemma2ForCausalLM, "tiny-gemma2", torch.float32, seeded=True,
+            attn_logit_softcapping=2.0, final_logit_softcapping=3.0, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            **gemma),
+        "tiny-gemma3": lambda: build(
+            Gemma3TextConfig, Gemma3ForCausalLM, "tiny-gemma3", torch.bfloat16, seeded=True,
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}},
+            **gemma),
+    }
+
+
+def main(only):
     from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
                               Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
+    later = {**rope_families(), **gemma_families()}
+    if only:
+        for name in only:
+            later[name]()
+        return
     model, tok, cfg = build(LlamaConfig, LlamaForCausalLM, "tiny-llama", torch.float32,
                             tie_word_embeddings=False, rope_theta=10000.0)
     gguf_llama(model, tok, cfg)
@@ -265,7 +356,9 @@ def main():
         print("smollm2 greedy:", meta["greedy_text"])
     else:
         print("SmolLM2 not fetched (deploy/setup/setup.sh model): its reference was not made", file=sys.stderr)
+    for make in later.values():
+        make()
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

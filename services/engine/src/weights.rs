@@ -19,11 +19,17 @@ pub struct Weights {
     source: PathBuf,
     map: HashMap<String, Array>,
     dtype: Dtype,
+    /// Gemma's norm weights already hold `1 + w` (llama.cpp stores them so).
+    norms_include_one: bool,
 }
 
 impl Weights {
     pub fn new(source: impl Into<PathBuf>, dtype: Dtype) -> Self {
-        Weights { source: source.into(), map: HashMap::new(), dtype }
+        Weights { source: source.into(), map: HashMap::new(), dtype, norms_include_one: false }
+    }
+
+    pub fn norms_include_one(&self) -> bool {
+        self.norms_include_one
     }
 
     pub fn dtype(&self) -> Dtype {

@@ -103,6 +103,26 @@ fn unknown_architecture() {
     assert!(load_err(&hf).contains("falcon"));
 }
 
+/// A rope type llmq does not know, or a scaling missing what its type needs, is refused with
+/// the field and its value.
+#[test]
+fn unknown_rope_scaling() {
+    let d = tmpdir("rope");
+    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture("tiny-llama3/config.json")).unwrap()).unwrap();
+    for (params, expect) in [
+        (serde_json::json!({"rope_type": "mrope", "rope_theta": 10000.0, "factor": 2.0}), "rope_parameters.rope_type = \"mrope\""),
+        (serde_json::json!({"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0}), "rope_parameters.low_freq_factor = missing"),
+    ] {
+        let mut c = cfg.clone();
+        c["rope_parameters"] = params;
+        let hf = d.join(expect.len().to_string());
+        copy_dir(&fixture("tiny-llama3"), &hf);
+        std::fs::write(hf.join("config.json"), c.to_string()).unwrap();
+        let err = load_err(&hf);
+        assert!(err.contains(expect), "{err}");
+    }
+}
+
 #[test]
 fn unknown_tensor_type() {
     let d = tmpdir("qtype");

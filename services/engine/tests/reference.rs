@@ -13,7 +13,12 @@ use llmq_engine::model::{host_f32, ChunkStage};
 use mlx_rs::Array;
 
 const TOL: f32 = 1e-4;
-const MODELS: &[&str] = &["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral"];
+const MODELS: &[&str] = &["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-llama3", "tiny-llama-linear", "tiny-llama-dynamic", "tiny-qwen2-yarn", "tiny-phi3", "tiny-gemma2", "tiny-gemma3"];
+/// Without a sliding window: these decode in batches and pad chunks to a grid.
+const FULL_ATTENTION: &[&str] = &["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-llama3", "tiny-llama-linear", "tiny-llama-dynamic", "tiny-qwen2-yarn", "tiny-phi3"];
+/// Rotary scaling past the original context in the longer cases: llama3 (bf16), yarn, and the
+/// position-dependent dynamic and longrope (with partial rotation).
+const SCALED_ROPE: &[&str] = &["tiny-llama3", "tiny-qwen2-yarn", "tiny-llama-dynamic", "tiny-phi3"];
 
 fn check_prefill(name: &str, chunk: usize) {
     check_prefill_on_grid(name, chunk, 1);
@@ -51,7 +56,7 @@ fn prefill_in_chunks_matches_transformers() {
 #[test]
 fn prefill_in_chunks_padded_to_a_grid_matches_transformers() {
     // tiny-mistral has a sliding window: its caches cannot rewind, so it never pads.
-    for m in ["tiny-llama", "tiny-qwen2", "tiny-qwen3"] {
+    for m in FULL_ATTENTION {
         for chunk in [3, 7, 16, 4096] {
             check_prefill_on_grid(m, chunk, 8);
         }
@@ -158,7 +163,7 @@ fn greedy_tokens_are_batch_and_chunk_invariant() {
 #[test]
 fn decode_batch_with_joins_and_leaves_matches_transformers() {
     const STEPS: usize = 6;
-    for name in ["tiny-llama", "tiny-qwen2", "tiny-qwen3"] {
+    for name in FULL_ATTENTION {
         let m = load(name);
         let cases = reference(fixture(name).join("reference.safetensors"));
         let seqs: Vec<_> = cases.iter().filter(|c| c.ids.len() > STEPS).collect();
@@ -202,7 +207,8 @@ fn decode_batch_with_joins_and_leaves_matches_transformers() {
 #[test]
 fn grouped_decode_matches_transformers() {
     const STEPS: usize = 4;
-    for (name, per_row) in [("tiny-llama", 0), ("tiny-qwen3", 0), ("tiny-llama", 8), ("tiny-qwen3", 8)] {
+    let scaled = SCALED_ROPE.iter().flat_map(|&m| [(m, 0), (m, 8)]);
+    for (name, per_row) in [("tiny-llama", 0), ("tiny-qwen3", 0), ("tiny-llama", 8), ("tiny-qwen3", 8)].into_iter().chain(scaled) {
         let m = load(name);
         let cases = reference(fixture(name).join("reference.safetensors"));
         let seqs: Vec<_> = cases.iter().filter(|c| c.ids.len() > STEPS).collect();
@@ -245,7 +251,8 @@ fn batch_short_of(model: &llmq_engine::Model, cases: &[&Case], steps: usize) -> 
 #[test]
 fn decode_fused_with_a_prefill_chunk_matches_transformers() {
     const STEPS: usize = 4;
-    for (name, grid) in [("tiny-llama", 1), ("tiny-qwen2", 1), ("tiny-qwen3", 1), ("tiny-llama", 8), ("tiny-qwen3", 8)] {
+    let scaled = SCALED_ROPE.iter().flat_map(|&m| [(m, 1), (m, 8)]);
+    for (name, grid) in [("tiny-llama", 1), ("tiny-qwen2", 1), ("tiny-qwen3", 1), ("tiny-llama", 8), ("tiny-qwen3", 8)].into_iter().chain(scaled) {
         let model = load(name).model.with_chunk_grid(grid);
         let cases = reference(fixture(name).join("reference.safetensors"));
         let decoding: Vec<_> = cases.iter().filter(|c| c.ids.len() > STEPS && c.ids.len() < 60).collect();
@@ -279,7 +286,8 @@ fn decode_fused_with_a_prefill_chunk_matches_transformers() {
 fn decode_fused_with_a_chunk_in_stages_matches_transformers() {
     const CHUNKS: usize = 3;
     const STEPS: usize = 2 * CHUNKS;
-    for (name, grid) in [("tiny-llama", 1), ("tiny-qwen3", 1), ("tiny-llama", 8), ("tiny-qwen2", 8)] {
+    let scaled = SCALED_ROPE.iter().map(|&m| (m, 1));
+    for (name, grid) in [("tiny-llama", 1), ("tiny-qwen3", 1), ("tiny-llama", 8), ("tiny-qwen2", 8)].into_iter().chain(scaled) {
         let model = load(name).model.with_chunk_grid(grid);
         let layers = model.num_layers();
         assert!(layers >= 2, "{name}: two layers to split");

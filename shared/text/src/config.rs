@@ -7,6 +7,7 @@ use serde::Deserialize;
 
 use crate::error::{Error, Result};
 use crate::gguf::{GgufFile, Value};
+use crate::rope::{self, RopeConfig, RopeScaling};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Arch {
@@ -16,6 +17,20 @@ pub enum Arch {
     Qwen2,
     /// Qwen3: RMS norms on q and k per head.
     Qwen3,
+    /// Phi-3, Phi-4-mini: q/k/v and gate/up stored as one projection each.
+    Phi3,
+    /// Gemma 2: norms around attention and MLP (weights as 1 + w), GELU (tanh), scaled
+    /// embeddings, soft-capped attention scores and logits, alternating sliding layers.
+    Gemma2,
+    /// Gemma 3 text: Gemma 2's layer without soft-capping, with q/k norms, five sliding layers
+    /// (their own rope base) to one global.
+    Gemma3,
+}
+
+impl Arch {
+    pub fn is_gemma(self) -> bool {
+        matches!(self, Arch::Gemma2 | Arch::Gemma3)
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -29,14 +44,41 @@ pub struct ModelConfig {
     pub num_kv_heads: usize,
     pub head_dim: usize,
     pub rms_norm_eps: f32,
-    pub rope_theta: f32,
+    pub rope: RopeConfig,
     pub tie_word_embeddings: bool,
-    /// Attention looks back this many tokens, the current one included (Mistral, Qwen2 option).
+    /// Sliding layers look back this many tokens, the current one included.
     pub sliding_window: Option<usize>,
+    /// Which layers slide (one entry a layer; none without a window).
+    pub sliding_layers: Vec<bool>,
+    /// The rope of sliding layers where it differs from `rope` (Gemma 3's local base).
+    pub rope_local: Option<RopeConfig>,
+    /// Attention scores scaled by `query_pre_attn_scalar^-1/2` instead of `head_dim^-1/2` (Gemma).
+    pub query_pre_attn_scalar: Option<f32>,
+    /// Scores and final logits soft-capped: `cap * tanh(x / cap)` (Gemma 2).
+    pub attn_logit_softcap: Option<f32>,
+    pub final_logit_softcap: Option<f32>,
     pub max_position_embeddings: usize,
 }
 
 impl ModelConfig {
+    /// A layer's attention window, None when it attends to everything before it.
+    pub fn window(&self, layer: usize) -> Option<usize> {
+        self.sliding_window.filter(|_| self.sliding_layers.get(layer).copied().unwrap_or(false))
+    }
+
+    /// Whether any layer slides (its caches cannot rewind, and it decodes per sequence).
+    pub fn any_sliding(&self) -> bool {
+        self.sliding_window.is_some() && self.sliding_layers.iter().any(|&s| s)
+    }
+
+    /// A layer's rope.
+    pub fn rope_of(&self, layer: usize) -> &RopeConfig {
+        match &self.rope_local {
+            Some(local) if self.window(layer).is_some() => local,
+            _ => &self.rope,
+        }
+    }
+
     pub fn validate(&self, path: &Path) -> Result<()> {
         let bad = |m: String| Err(Error::format(path, m));
         if self.num_heads == 0 || self.num_kv_heads == 0 || self.num_heads % self.num_kv_heads != 0 {
@@ -45,17 +87,17 @@ impl ModelConfig {
         if self.hidden_size == 0 || self.num_layers == 0 || self.vocab_size == 0 || self.head_dim == 0 {
             return bad("zero-sized model dimension".into());
         }
-        if self.head_dim % 2 != 0 {
-            return bad(format!("head_dim {} is odd: rotary embeddings need pairs", self.head_dim));
+        if self.sliding_layers.len() != self.num_layers {
+            return bad(format!("{} layer types for {} layers", self.sliding_layers.len(), self.num_layers));
+        }
+        if self.sliding_window == Some(0) {
+            return bad("a sliding window of 0 tokens".into());
+        }
+        if self.rope.dims % 2 != 0 || self.rope.dims == 0 || self.rope.dims > self.head_dim {
+            return bad(format!("{} rotary dimensions of a {}-wide head: rotary embeddings need pairs within the head", self.rope.dims, self.head_dim));
         }
         Ok(())
     }
-}
-
-#[derive(Deserialize)]
-struct RopeParameters {
-    rope_theta: Option<f32>,
-    rope_type: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -71,11 +113,25 @@ struct HfConfig {
     head_dim: Option<usize>,
     rms_norm_eps: Option<f32>,
     rope_theta: Option<f32>,
-    rope_parameters: Option<RopeParameters>,
+    /// transformers 5: the rope's base, type and scaling in one object.
+    rope_parameters: Option<serde_json::Value>,
+    /// transformers 4: the scaling beside `rope_theta`.
     rope_scaling: Option<serde_json::Value>,
+    partial_rotary_factor: Option<f32>,
+    original_max_position_embeddings: Option<usize>,
     tie_word_embeddings: Option<bool>,
     sliding_window: Option<usize>,
     use_sliding_window: Option<bool>,
+    max_window_layers: Option<usize>,
+    /// transformers 5: "sliding_attention" or "full_attention" for each layer.
+    layer_types: Option<Vec<String>>,
+    sliding_window_pattern: Option<usize>,
+    rope_local_base_freq: Option<f32>,
+    hidden_activation: Option<String>,
+    hidden_act: Option<String>,
+    query_pre_attn_scalar: Option<f32>,
+    attn_logit_softcapping: Option<f32>,
+    final_logit_softcapping: Option<f32>,
     max_position_embeddings: Option<usize>,
 }
 
@@ -91,22 +147,38 @@ pub fn from_hf_json(path: &Path) -> Result<ModelConfig> {
         "llama" | "mistral" | "LlamaForCausalLM" | "MistralForCausalLM" => Arch::Llama,
         "qwen2" | "Qwen2ForCausalLM" => Arch::Qwen2,
         "qwen3" | "Qwen3ForCausalLM" => Arch::Qwen3,
+        "phi3" | "Phi3ForCausalLM" => Arch::Phi3,
+        "gemma2" | "Gemma2ForCausalLM" => Arch::Gemma2,
+        "gemma3_text" | "Gemma3ForCausalLM" => Arch::Gemma3,
         other => return Err(Error::UnsupportedArch { path: path.into(), arch: other.to_string() }),
     };
-    let scaled = raw.rope_scaling.as_ref().is_some_and(|v| !v.is_null())
-        || raw.rope_parameters.as_ref().and_then(|p| p.rope_type.as_deref()).is_some_and(|t| t != "default");
-    if scaled {
-        return Err(Error::format(path, "rope scaling (llama3/yarn/linear) is not supported yet"));
-    }
-    let rope_theta = raw
-        .rope_theta
-        .or_else(|| raw.rope_parameters.as_ref().and_then(|p| p.rope_theta))
-        .unwrap_or(10000.0);
+    let heads = raw.num_attention_heads;
+    let head_dim = raw.head_dim.unwrap_or(raw.hidden_size / heads.max(1));
+    let max_positions = raw.max_position_embeddings.unwrap_or(4096);
+    let rope_err = |e: rope::RopeError| Error::format(path, e.to_string());
+    let (rope, rope_local) = hf_ropes(&raw, arch, head_dim, max_positions).map_err(rope_err)?;
     let sliding_window = match arch {
         Arch::Qwen2 | Arch::Qwen3 if raw.use_sliding_window != Some(true) => None,
         _ => raw.sliding_window,
     };
-    let heads = raw.num_attention_heads;
+    let layers = raw.num_hidden_layers;
+    let sliding_layers: Vec<bool> = match (&raw.layer_types, sliding_window) {
+        (_, None) => vec![false; layers],
+        (Some(types), Some(_)) => types.iter().map(|t| t == "sliding_attention").collect(),
+        (None, Some(_)) => (0..layers)
+            .map(|i| match arch {
+                Arch::Gemma2 => i % 2 == 0,
+                Arch::Gemma3 => (i + 1) % raw.sliding_window_pattern.unwrap_or(6) != 0,
+                Arch::Qwen2 | Arch::Qwen3 => i >= raw.max_window_layers.unwrap_or(0),
+                _ => true,
+            })
+            .collect(),
+    };
+    let activation = raw.hidden_activation.as_deref().or(raw.hidden_act.as_deref()).unwrap_or(if arch.is_gemma() { "gelu_pytorch_tanh" } else { "silu" });
+    let expected = if arch.is_gemma() { "gelu_pytorch_tanh" } else { "silu" };
+    if activation != expected && !(arch.is_gemma() && activation == "gelu_tanh") {
+        return Err(Error::format(path, format!("hidden_act = {activation:?}: this architecture runs {expected}")));
+    }
     let cfg = ModelConfig {
         arch,
         vocab_size: raw.vocab_size,
@@ -115,15 +187,49 @@ pub fn from_hf_json(path: &Path) -> Result<ModelConfig> {
         num_layers: raw.num_hidden_layers,
         num_heads: heads,
         num_kv_heads: raw.num_key_value_heads.unwrap_or(heads),
-        head_dim: raw.head_dim.unwrap_or(raw.hidden_size / heads.max(1)),
+        head_dim,
         rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-6),
-        rope_theta,
-        tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
+        rope,
+        tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(arch.is_gemma()),
         sliding_window,
-        max_position_embeddings: raw.max_position_embeddings.unwrap_or(4096),
+        sliding_layers,
+        rope_local,
+        query_pre_attn_scalar: raw.query_pre_attn_scalar.filter(|_| arch.is_gemma()),
+        attn_logit_softcap: raw.attn_logit_softcapping.filter(|_| arch == Arch::Gemma2),
+        final_logit_softcap: raw.final_logit_softcapping.filter(|_| arch.is_gemma()),
+        max_position_embeddings: max_positions,
     };
     cfg.validate(path)?;
     Ok(cfg)
+}
+
+/// The ropes of a Hugging Face config: transformers 5's `rope_parameters` (base, type and
+/// scaling together; Gemma 3's per layer type), else transformers 4's `rope_theta` with
+/// `rope_scaling` (and Gemma 3's `rope_local_base_freq`). Returns the rope of full-attention
+/// layers and, where it differs, that of sliding ones.
+fn hf_ropes(raw: &HfConfig, arch: Arch, head_dim: usize, max_positions: usize) -> std::result::Result<(RopeConfig, Option<RopeConfig>), rope::RopeError> {
+    let params = raw.rope_parameters.as_ref().filter(|p| !p.is_null());
+    let num = |p: Option<&serde_json::Value>, k: &str| p.and_then(|p| p.get(k)).and_then(serde_json::Value::as_f64).map(|v| v as f32);
+    let partial = raw.partial_rotary_factor.or_else(|| num(params, "partial_rotary_factor")).unwrap_or(1.0);
+    let dims = (head_dim as f32 * partial) as usize;
+    let one = |field: &str, desc: Option<&serde_json::Value>, default_theta: f32| {
+        let theta = num(desc, "rope_theta").or(raw.rope_theta.filter(|_| field != "rope_parameters.sliding_attention")).unwrap_or(default_theta);
+        rope::from_hf(desc, field, theta, dims, max_positions, raw.original_max_position_embeddings)
+    };
+    match (arch, params) {
+        (Arch::Gemma3, Some(p)) if p.get("full_attention").is_some() || p.get("sliding_attention").is_some() => {
+            let global = one("rope_parameters.full_attention", p.get("full_attention"), 1_000_000.0)?;
+            let local = one("rope_parameters.sliding_attention", p.get("sliding_attention"), 10_000.0)?;
+            Ok((global, Some(local)))
+        }
+        (Arch::Gemma3, _) => {
+            let global = one("rope_scaling", raw.rope_scaling.as_ref().or(params), 1_000_000.0)?;
+            let local = RopeConfig::plain(raw.rope_local_base_freq.unwrap_or(10_000.0), dims);
+            Ok((global, Some(local)))
+        }
+        (_, Some(p)) => Ok((one("rope_parameters", Some(p), 10_000.0)?, None)),
+        (_, None) => Ok((one("rope_scaling", raw.rope_scaling.as_ref(), 10_000.0)?, None)),
+    }
 }
 
 pub fn from_gguf(f: &GgufFile) -> Result<ModelConfig> {
@@ -150,6 +256,8 @@ pub fn from_gguf(f: &GgufFile) -> Result<ModelConfig> {
     let heads = uint("attention.head_count")?;
     let vocab = opt_uint("vocab_size").unwrap_or(embd.shape[0] as usize);
     let head_dim = opt_uint("attention.key_length").unwrap_or(hidden / heads.max(1));
+    let max_positions = opt_uint("context_length").unwrap_or(4096);
+    let rope = gguf_rope(f, &key, head_dim, max_positions)?;
     let cfg = ModelConfig {
         arch,
         vocab_size: vocab,
@@ -160,14 +268,49 @@ pub fn from_gguf(f: &GgufFile) -> Result<ModelConfig> {
         num_kv_heads: opt_uint("attention.head_count_kv").unwrap_or(heads),
         head_dim,
         rms_norm_eps: f.get(&key("attention.layer_norm_rms_epsilon")).and_then(Value::as_f64).unwrap_or(1e-5) as f32,
-        rope_theta: f.get(&key("rope.freq_base")).and_then(Value::as_f64).unwrap_or(10000.0) as f32,
+        rope,
         tie_word_embeddings: f.tensor("output.weight").is_none(),
         sliding_window: opt_uint("attention.sliding_window"),
-        max_position_embeddings: opt_uint("context_length").unwrap_or(4096),
+        sliding_layers: vec![opt_uint("attention.sliding_window").is_some(); uint("block_count")?],
+        rope_local: None,
+        query_pre_attn_scalar: None,
+        attn_logit_softcap: None,
+        final_logit_softcap: None,
+        max_position_embeddings: max_positions,
     };
-    if f.get(&key("rope.scaling.type")).and_then(Value::as_str).is_some_and(|t| t != "none") {
-        return Err(Error::format(path, "rope scaling is not supported yet"));
-    }
     cfg.validate(path)?;
     Ok(cfg)
+}
+
+/// The rope of GGUF metadata: `rope.freq_base`, `rope.dimension_count` (partial rotary) and
+/// `rope.scaling.*` (linear, yarn); Llama 3.1+ files carry their scaling precomputed as the
+/// tensor `rope_freqs.weight`, one divisor per pair of rotated dimensions.
+fn gguf_rope(f: &GgufFile, key: &dyn Fn(&str) -> String, head_dim: usize, max_positions: usize) -> Result<RopeConfig> {
+    let path = f.path();
+    let num = |k: &str| f.get(&key(k)).and_then(Value::as_f64).map(|v| v as f32);
+    let theta = num("rope.freq_base").unwrap_or(10000.0);
+    let dims = f.get(&key("rope.dimension_count")).and_then(Value::as_u64).map_or(head_dim, |v| v as usize);
+    let kind = f.get(&key("rope.scaling.type")).and_then(Value::as_str).unwrap_or("none");
+    let factor = num("rope.scaling.factor").unwrap_or(1.0);
+    let original_max = f.get(&key("rope.scaling.original_context_length")).and_then(Value::as_u64).map_or(max_positions, |v| v as usize);
+    let scaling = match kind {
+        "none" => RopeScaling::None,
+        "linear" => RopeScaling::Linear { factor },
+        "yarn" => {
+            let json = serde_json::json!({"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original_max});
+            rope::from_hf(Some(&json), &key("rope.scaling"), theta, dims, max_positions, None).map_err(|e| Error::format(path, e.to_string()))?.scaling
+        }
+        other => return Err(Error::format(path, format!("{} = {other:?}: unknown rope scaling type (llmq reads none, linear, yarn)", key("rope.scaling.type")))),
+    };
+    let scaling = match (f.tensor("rope_freqs.weight"), scaling) {
+        (Some(t), RopeScaling::None) => {
+            let factors = f.read_f32(t);
+            if factors.len() != dims / 2 {
+                return Err(Error::format(path, format!("rope_freqs.weight has {} factors for {} rotary dimensions", factors.len(), dims)));
+            }
+            RopeScaling::Factors { factors }
+        }
+        (_, s) => s,
+    };
+    Ok(RopeConfig { theta, dims, scaling })
 }

@@ -13,7 +13,7 @@ pub enum Error {
     },
     #[error("{path}: {message}")]
     Format { path: PathBuf, message: String },
-    #[error("{path}: unsupported architecture {arch:?} (supported: llama, mistral, qwen2, qwen3)")]
+    #[error("{path}: unsupported architecture {arch:?} (supported: llama, mistral, qwen2, qwen3, phi3)")]
     UnsupportedArch { path: PathBuf, arch: String },
     #[error("{path}: tensor {tensor:?} has unsupported type {kind} (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)")]
     UnsupportedTensorType { path: PathBuf, tensor: String, kind: String },

@@ -3,6 +3,7 @@
 //! Map of the crate:
 //! - `gguf`          reads llama.cpp's GGUF files (metadata, tensor directory, dequantization)
 //! - `config`        a model's shape, from `config.json` or GGUF metadata
+//! - `rope`          rotary embeddings' base, rotated dimensions and scaling (linear, llama3, ...)
 //! - `shapes`        the shapes of random-weight benchmark models
 //! - `tokenizer`     tokenizers (`tokenizer.json`, or rebuilt from GGUF) and chat templates
 //! - `sentencepiece` SentencePiece's `tokenizer.model`, read as GGUF tokenizer metadata
@@ -16,6 +17,7 @@ pub mod config;
 pub mod detok;
 pub mod error;
 pub mod gguf;
+pub mod rope;
 pub mod sampling;
 pub mod sentencepiece;
 pub mod shapes;

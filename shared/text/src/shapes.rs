@@ -30,9 +30,14 @@ pub fn config(name: &str) -> Result<ModelConfig> {
         num_kv_heads: kv,
         head_dim: h / nh,
         rms_norm_eps: 1e-5,
-        rope_theta: 500000.0,
+        rope: crate::rope::RopeConfig::plain(500000.0, h / nh),
         tie_word_embeddings: tied,
         sliding_window: None,
+        sliding_layers: vec![false; l],
+        rope_local: None,
+        query_pre_attn_scalar: None,
+        attn_logit_softcap: None,
+        final_logit_softcap: None,
         max_position_embeddings: 131072,
     })
 }

@@ -2,14 +2,15 @@
 //! itself, for one sequence's chunk (`forward`) and for a step's rows in length groups beside a
 //! chunk (`forward_grouped`: through the row attention kernel, masked, or row by row).
 
-use mlx_rs::fast::{rms_norm, rope, rope_dynamic, scaled_dot_product_attention, ScaledDotProductAttentionMask};
+use mlx_rs::fast::{rms_norm, scaled_dot_product_attention, ScaledDotProductAttentionMask};
 use mlx_rs::ops::concatenate;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::Array;
 
 use llmq_text::config::ModelConfig;
 
-use super::Linear;
+use super::rope::{Rope, Rotation};
+use super::{norm_weight, softcap, Linear};
 use crate::arch::ArchOptions;
 use crate::cache::{AttnMask, KvCache};
 use crate::error::Result;
@@ -26,7 +27,8 @@ pub(super) struct Attention {
     pub(super) kv_heads: i32,
     pub(super) head_dim: i32,
     pub(super) scale: f32,
-    pub(super) rope_theta: f32,
+    /// Scores soft-capped before the softmax (Gemma 2): attention then runs unfused.
+    pub(super) softcap: Option<f32>,
     pub(super) eps: f32,
 }
 
@@ -42,22 +44,27 @@ pub(super) fn heads_first(x: Array, b: i32, t: i32, heads: i32, dim: i32, norm: 
 impl Attention {
     pub(super) fn load(w: &mut Weights, p: &str, c: &ModelConfig, o: ArchOptions) -> Result<Self> {
         let (h, kvh, d) = (c.num_heads, c.num_kv_heads, c.head_dim);
-        let parts = [(format!("{p}.q_proj"), h * d), (format!("{p}.k_proj"), kvh * d), (format!("{p}.v_proj"), kvh * d)];
+        let gemma = c.arch.is_gemma();
+        let parts = if o.fused {
+            vec![(format!("{p}.qkv_proj"), (h + 2 * kvh) * d)]
+        } else {
+            vec![(format!("{p}.q_proj"), h * d), (format!("{p}.k_proj"), kvh * d), (format!("{p}.v_proj"), kvh * d)]
+        };
         Ok(Attention {
             qkv: Linear::load_fused(w, &parts, c.hidden_size, o.qkv_bias)?,
             o: Linear::load(w, &format!("{p}.o_proj"), c.hidden_size, h * d, false)?,
-            q_norm: if o.qk_norm { Some(w.take(&format!("{p}.q_norm.weight"), &[d])?) } else { None },
-            k_norm: if o.qk_norm { Some(w.take(&format!("{p}.k_norm.weight"), &[d])?) } else { None },
+            q_norm: if o.qk_norm { Some(norm_weight(w, &format!("{p}.q_norm.weight"), d, gemma)?) } else { None },
+            k_norm: if o.qk_norm { Some(norm_weight(w, &format!("{p}.k_norm.weight"), d, gemma)?) } else { None },
             heads: h as i32,
             kv_heads: kvh as i32,
             head_dim: d as i32,
-            scale: 1.0 / (d as f32).sqrt(),
-            rope_theta: c.rope_theta,
+            scale: 1.0 / c.query_pre_attn_scalar.unwrap_or(d as f32).sqrt(),
+            softcap: c.attn_logit_softcap,
             eps: c.rms_norm_eps,
         })
     }
 
-    pub(super) fn forward(&self, x: &Array, caches: &mut [&mut (dyn KvCache + 'static)]) -> Result<Array> {
+    pub(super) fn forward(&self, x: &Array, rope: &Rope, caches: &mut [&mut (dyn KvCache + 'static)]) -> Result<Array> {
         let b = x.shape()[0];
         let qkv = self.qkv.forward(x)?;
         let mut outs = Vec::with_capacity(caches.len());
@@ -68,7 +75,7 @@ impl Attention {
                 let i = i as i32;
                 qkv.index(i..i + 1)
             };
-            outs.push(self.attend_sequence(&rows, &mut **cache)?);
+            outs.push(self.attend_sequence(&rows, rope, &mut **cache)?);
         }
         let o = if outs.len() == 1 { outs.pop().unwrap() } else { concatenate(&outs, 0)? };
         self.o.forward(&o)
@@ -78,16 +85,15 @@ impl Attention {
 impl Attention {
     /// One sequence's attention: `qkv` [1, t, (heads + 2 kv_heads) * d] of its new tokens,
     /// appended to its cache. Returns [1, t, heads * d] (before the output projection).
-    pub(super) fn attend_sequence(&self, qkv: &Array, cache: &mut (dyn KvCache + 'static)) -> Result<Array> {
+    pub(super) fn attend_sequence(&self, qkv: &Array, rope: &Rope, cache: &mut (dyn KvCache + 'static)) -> Result<Array> {
         let t = qkv.shape()[1];
         let d = self.head_dim;
         let (qe, ke) = (self.heads * d, (self.heads + self.kv_heads) * d);
         let q = heads_first(qkv.index((.., .., ..qe)), 1, t, self.heads, d, self.q_norm.as_ref(), self.eps)?;
         let k = heads_first(qkv.index((.., .., qe..ke)), 1, t, self.kv_heads, d, self.k_norm.as_ref(), self.eps)?;
         let v = heads_first(qkv.index((.., .., ke..)), 1, t, self.kv_heads, d, None, self.eps)?;
-        let off = cache.offset() as i32;
-        let q = rope(&q, d, false, self.rope_theta, 1.0, off, None)?;
-        let k = rope(&k, d, false, self.rope_theta, 1.0, off, None)?;
+        let rotation = rope.at_offset(cache.offset() as i32, t)?;
+        let (q, k) = (rotation.apply(&q)?, rotation.apply(&k)?);
         let o = self.attend_cached(&q, &k, &v, cache)?;
         Ok(o.transpose_axes(&[0, 2, 1, 3])?.reshape(&[1, t, self.heads * d])?)
     }
@@ -102,11 +108,43 @@ impl Attention {
     /// Queries [1, heads, t, d] over the keys and values a cache update returned, through
     /// MLX's fused attention.
     pub(super) fn attend(&self, q: &Array, keys: &Array, values: &Array, mask: &AttnMask) -> Result<Array> {
+        if let Some(cap) = self.softcap {
+            return self.attend_softcapped(q, keys, values, mask, cap);
+        }
         Ok(match mask {
             AttnMask::None => scaled_dot_product_attention(q, keys, values, self.scale, None, None)?,
             AttnMask::Causal => scaled_dot_product_attention(q, keys, values, self.scale, ScaledDotProductAttentionMask::Causal, None)?,
             AttnMask::Explicit(m) => scaled_dot_product_attention(q, keys, values, self.scale, m, None)?,
         })
+    }
+}
+
+impl Attention {
+    /// `attend` with scores soft-capped (`cap * tanh(s / cap)`) before the mask and softmax,
+    /// unfused: queries [1, heads, t, d] grouped over their kv head, softmax in f32.
+    fn attend_softcapped(&self, q: &Array, keys: &Array, values: &Array, mask: &AttnMask, cap: f32) -> Result<Array> {
+        let (t, d, kvh) = (q.shape()[2], self.head_dim, self.kv_heads);
+        let groups = self.heads / kvh;
+        let len = keys.shape()[2];
+        let q = q.multiply(Array::from_f32(self.scale))?.reshape(&[1, kvh, groups * t, d])?;
+        let scores = q.matmul(keys.transpose_axes(&[0, 1, 3, 2])?)?.as_dtype(mlx_rs::Dtype::Float32)?;
+        let scores = softcap(&scores, cap)?.reshape(&[1, kvh, groups, t, len])?;
+        let allowed = match mask {
+            AttnMask::None => None,
+            AttnMask::Causal => {
+                // Query i (of the last t positions) sees keys up to len - t + i.
+                let qpos = mlx_rs::ops::arange::<i32, i32>(len - t, len, None)?.reshape(&[t, 1])?;
+                let kpos = mlx_rs::ops::arange::<i32, i32>(None, len, None)?.reshape(&[1, len])?;
+                Some(kpos.le(&qpos)?)
+            }
+            AttnMask::Explicit(m) => Some(m.clone()),
+        };
+        let scores = match allowed {
+            Some(m) => mlx_rs::ops::select(&m, &scores, Array::from_f32(f32::NEG_INFINITY))?,
+            None => scores,
+        };
+        let p = mlx_rs::ops::softmax_axis(&scores, -1, None)?.as_dtype(values.dtype())?.reshape(&[1, kvh, groups * t, len])?;
+        Ok(p.matmul(values)?.reshape(&[1, self.heads, t, d])?)
     }
 }
 
@@ -141,15 +179,14 @@ pub(super) struct RowStep<'a> {
 impl Attention {
     /// Rows' queries, keys and values [b, heads, 1, d] from their fused projections `rows`
     /// [b, 1, ...] (a row: a decode slot's token or one of a prefill chunk's), each rotated at
-    /// its own position (`positions` [b] int32).
-    pub(super) fn row_heads(&self, rows: &Array, b: i32, positions: &Array) -> Result<(Array, Array, Array)> {
+    /// its own position (`rotation`, laid out as rows).
+    pub(super) fn row_heads(&self, rows: &Array, b: i32, rotation: &Rotation) -> Result<(Array, Array, Array)> {
         let d = self.head_dim;
         let (qe, ke) = (self.heads * d, (self.heads + self.kv_heads) * d);
         let q = heads_first(rows.index((.., .., ..qe)), b, 1, self.heads, d, self.q_norm.as_ref(), self.eps)?;
         let k = heads_first(rows.index((.., .., qe..ke)), b, 1, self.kv_heads, d, self.k_norm.as_ref(), self.eps)?;
         let v = heads_first(rows.index((.., .., ke..)), b, 1, self.kv_heads, d, None, self.eps)?;
-        let q = rope_dynamic(&q, d, false, self.rope_theta, 1.0, positions, None)?;
-        let k = rope_dynamic(&k, d, false, self.rope_theta, 1.0, positions, None)?;
+        let (q, k) = (rotation.apply(&q)?, rotation.apply(&k)?);
         Ok((q, k, v))
     }
 
@@ -173,7 +210,7 @@ impl Attention {
         layer: usize,
         groups: &mut [GroupStep<'_>],
         rows_step: Option<&RowStep<'_>>,
-        rotation: &Array,
+        rotation: &Rotation,
         chunk: Option<(&mut (dyn KvCache + 'static), i32)>,
     ) -> Result<Array> {
         let d = self.head_dim;

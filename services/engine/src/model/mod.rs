@@ -6,6 +6,7 @@
 //! sequence against that sequence's own cache, so nothing is padded to the longest sequence.
 
 mod attention;
+mod rope;
 mod step;
 
 use mlx_rs::fast::rms_norm;
@@ -13,6 +14,7 @@ use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::ops::{concatenate, sigmoid};
 
 use self::attention::Attention;
+use self::rope::Rope;
 use mlx_rs::{Array, Dtype};
 
 use llmq_text::config::ModelConfig;
@@ -80,19 +82,54 @@ struct Mlp {
     gate_up: Linear,
     intermediate: i32,
     down: Linear,
+    /// GELU (tanh approximation) on the gate instead of SiLU (Gemma).
+    gelu: bool,
 }
 
 struct Layer {
     input_norm: Array,
     attn: Attention,
-    post_norm: Array,
+    /// Gemma: the attention's output is normed before the residual add.
+    attn_out_norm: Option<Array>,
+    /// The norm before the MLP (Llama's `post_attention_layernorm`, Gemma's
+    /// `pre_feedforward_layernorm`).
+    mlp_norm: Array,
     mlp: Mlp,
+    /// Gemma: the MLP's output is normed before the residual add.
+    mlp_out_norm: Option<Array>,
+    /// Index of the layer's rope in `Model::ropes`.
+    rope: usize,
+}
+
+impl Layer {
+    /// `x` plus the attention's output `h` (normed first where the arch says).
+    fn add_attention(&self, x: &Array, h: Array, eps: f32) -> Result<Array> {
+        let h = match &self.attn_out_norm {
+            Some(n) => rms_norm(&h, Some(n), eps)?,
+            None => h,
+        };
+        Ok(x.add(&h)?)
+    }
+
+    /// `x` plus the MLP's output over the normed `x`.
+    fn add_mlp(&self, x: &Array, eps: f32) -> Result<Array> {
+        let h = self.mlp.forward(&rms_norm(x, Some(&self.mlp_norm), eps)?)?;
+        let h = match &self.mlp_out_norm {
+            Some(n) => rms_norm(&h, Some(n), eps)?,
+            None => h,
+        };
+        Ok(x.add(&h)?)
+    }
 }
 
 pub struct Model {
     pub config: ModelConfig,
     embed: Array,
     layers: Vec<Layer>,
+    /// The ropes layers rotate with: one, or (Gemma 3) the global layers' then the sliding ones'.
+    ropes: Vec<Rope>,
+    /// Embeddings are multiplied by this (Gemma: sqrt(hidden), rounded to the dtype).
+    embed_scale: Option<Array>,
     norm: Array,
     /// None when the output projection is tied to the embedding.
     lm_head_t: Option<Array>,
@@ -109,6 +146,34 @@ fn swiglu(g: &Array, u: &Array) -> Result<Array> {
     };
     let mut compiled = mlx_rs::transforms::compile::compile(f, true);
     Ok(compiled((g, u))?)
+}
+
+/// gelu_tanh(g) * u (Gemma's MLP), fused like `swiglu`:
+/// 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) u.
+fn geglu(g: &Array, u: &Array) -> Result<Array> {
+    let f = |(g, u): (&Array, &Array)| -> std::result::Result<Array, mlx_rs::error::Exception> {
+        let inner = g.add(g.multiply(g)?.multiply(g)?.multiply(Array::from_f32(0.044715))?)?.multiply(Array::from_f32((2.0 / std::f32::consts::PI).sqrt()))?;
+        let cdf = mlx_rs::ops::tanh(&inner)?.add(Array::from_f32(1.0))?.multiply(Array::from_f32(0.5))?;
+        g.multiply(cdf)?.multiply(u)
+    };
+    let mut compiled = mlx_rs::transforms::compile::compile(f, true);
+    Ok(compiled((g, u))?)
+}
+
+/// `cap * tanh(x / cap)` (Gemma 2's soft-capping of scores and logits).
+pub(crate) fn softcap(x: &Array, cap: f32) -> Result<Array> {
+    Ok(mlx_rs::ops::tanh(&x.divide(Array::from_f32(cap))?)?.multiply(Array::from_f32(cap))?)
+}
+
+/// A norm's weight as the layer multiplies by it: Gemma stores `w` for `1 + w` (computed in
+/// f32, as transformers does, then cast).
+fn norm_weight(w: &mut Weights, name: &str, size: usize, plus_one: bool) -> Result<Array> {
+    let a = w.take(name, &[size])?;
+    if !plus_one || w.norms_include_one() {
+        return Ok(a);
+    }
+    let dtype = a.dtype();
+    Ok(a.as_dtype(Dtype::Float32)?.add(Array::from_f32(1.0))?.as_dtype(dtype)?)
 }
 
 /// A prefill chunk's share of a step: its tokens, its sequence's cache, and the layers it runs
@@ -129,7 +194,7 @@ impl Mlp {
         let gu = self.gate_up.forward(x)?;
         let g = gu.index((.., .., ..self.intermediate));
         let u = gu.index((.., .., self.intermediate..));
-        self.down.forward(&swiglu(&g, &u)?)
+        self.down.forward(&if self.gelu { geglu(&g, &u)? } else { swiglu(&g, &u)? })
     }
 }
 
@@ -139,37 +204,43 @@ impl Model {
         let c = &config;
         let opts = arch::options(c.arch);
         let embed = w.take("model.embed_tokens.weight", &[c.vocab_size, c.hidden_size])?;
+        let gemma = c.arch.is_gemma();
         let mut layers = Vec::with_capacity(c.num_layers);
         for i in 0..c.num_layers {
             let p = format!("model.layers.{i}");
             let (h, f) = (c.hidden_size, c.intermediate_size);
-            layers.push(Layer {
-                input_norm: w.take(&format!("{p}.input_layernorm.weight"), &[h])?,
-                attn: Attention::load(&mut w, &format!("{p}.self_attn"), c, opts)?,
-                post_norm: w.take(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
-                mlp: Mlp {
-                    gate_up: Linear::load_fused(
-                        &mut w,
-                        &[(format!("{p}.mlp.gate_proj"), f), (format!("{p}.mlp.up_proj"), f)],
-                        h,
-                        false,
-                    )?,
-                    intermediate: f as i32,
-                    down: Linear::load(&mut w, &format!("{p}.mlp.down_proj"), h, f, false)?,
-                },
-            });
+            let norm = |w: &mut Weights, name: &str| norm_weight(w, &format!("{p}.{name}.weight"), h, gemma);
+            let input_norm = norm(&mut w, "input_layernorm")?;
+            let attn = Attention::load(&mut w, &format!("{p}.self_attn"), c, opts)?;
+            let (attn_out_norm, mlp_norm, mlp_out_norm) = if gemma {
+                (Some(norm(&mut w, "post_attention_layernorm")?), norm(&mut w, "pre_feedforward_layernorm")?, Some(norm(&mut w, "post_feedforward_layernorm")?))
+            } else {
+                (None, norm(&mut w, "post_attention_layernorm")?, None)
+            };
+            let gate_up = if opts.fused {
+                Linear::load(&mut w, &format!("{p}.mlp.gate_up_proj"), 2 * f, h, false)?
+            } else {
+                Linear::load_fused(&mut w, &[(format!("{p}.mlp.gate_proj"), f), (format!("{p}.mlp.up_proj"), f)], h, false)?
+            };
+            let mlp = Mlp { gate_up, intermediate: f as i32, down: Linear::load(&mut w, &format!("{p}.mlp.down_proj"), h, f, false)?, gelu: gemma };
+            let rope = usize::from(c.rope_local.is_some() && c.window(i).is_some());
+            layers.push(Layer { input_norm, attn, attn_out_norm, mlp_norm, mlp, mlp_out_norm, rope });
         }
-        let norm = w.take("model.norm.weight", &[c.hidden_size])?;
+        let norm = norm_weight(&mut w, "model.norm.weight", c.hidden_size, gemma)?;
         let lm_head_t = if c.tie_word_embeddings && !w.contains("lm_head.weight") {
             None
         } else {
             Some(w.take("lm_head.weight", &[c.vocab_size, c.hidden_size])?.t())
         };
         let dtype = w.dtype();
-        let chunk_grid = if crate::on_gpu() && config.sliding_window.is_none() { GPU_CHUNK_GRID } else { 1 };
+        let chunk_grid = if crate::on_gpu() && !config.any_sliding() { GPU_CHUNK_GRID } else { 1 };
         let scale = layers.first().map_or(1.0, |l| l.attn.scale);
-        let row_attention = RowAttention::new(c.num_heads as i32, c.num_kv_heads as i32, c.head_dim as i32, scale, dtype);
-        let model = Model { config, embed, layers, norm, lm_head_t, dtype, chunk_grid, row_attention };
+        // Soft-capped scores are not what the kernel computes.
+        let row_attention = RowAttention::new(c.num_heads as i32, c.num_kv_heads as i32, c.head_dim as i32, scale, dtype).filter(|_| c.attn_logit_softcap.is_none());
+        let embed_scale = gemma.then(|| Array::from_f32((c.hidden_size as f32).sqrt()).as_dtype(dtype)).transpose()?;
+        let mut ropes = vec![Rope::new(config.rope.clone(), config.head_dim)];
+        ropes.extend(config.rope_local.clone().map(|r| Rope::new(r, config.head_dim)));
+        let model = Model { config, embed, layers, ropes, embed_scale, norm, lm_head_t, dtype, chunk_grid, row_attention };
         mlx_rs::transforms::eval(model.parameters())?;
         Ok(model)
     }
@@ -180,7 +251,8 @@ impl Model {
             p.push(h);
         }
         for l in &self.layers {
-            p.extend([&l.input_norm, &l.post_norm]);
+            p.extend([&l.input_norm, &l.mlp_norm]);
+            p.extend(l.attn_out_norm.iter().chain(&l.mlp_out_norm));
             let a = &l.attn;
             for lin in [&a.qkv, &a.o, &l.mlp.gate_up, &l.mlp.down] {
                 p.push(&lin.weight_t);
@@ -214,7 +286,7 @@ impl Model {
 
     /// The same model with another chunk grid (tests check padding on a CPU with it).
     pub fn with_chunk_grid(mut self, grid: usize) -> Self {
-        self.chunk_grid = if self.config.sliding_window.is_none() { grid.max(1) } else { 1 };
+        self.chunk_grid = if self.config.any_sliding() { 1 } else { grid.max(1) };
         self
     }
 
@@ -251,8 +323,8 @@ impl Model {
     /// A fresh, empty cache for one sequence.
     pub fn new_cache(&self) -> SequenceCache {
         let layers = (0..self.config.num_layers)
-            .map(|_| -> Box<dyn KvCache> {
-                match self.config.sliding_window {
+            .map(|i| -> Box<dyn KvCache> {
+                match self.config.window(i) {
                     Some(w) => Box::new(RotatingCache::new(w)),
                     None => Box::new(StandardCache::new(CACHE_STEP)),
                 }
@@ -270,8 +342,9 @@ impl Model {
         }
         let layers = kv
             .iter()
-            .map(|(k, v)| -> Result<Box<dyn KvCache>> {
-                Ok(match self.config.sliding_window {
+            .enumerate()
+            .map(|(i, (k, v))| -> Result<Box<dyn KvCache>> {
+                Ok(match self.config.window(i) {
                     Some(w) => Box::new(RotatingCache::with_prefix(w, k, v, n)?),
                     None => Box::new(StandardCache::with_prefix(CACHE_STEP, k, v, n, capacity)?),
                 })
@@ -281,10 +354,10 @@ impl Model {
     }
 
     /// An empty decode batch for this model, or None for sliding-window models (their caches
-    /// decode per sequence).
+    /// decode per sequence) and soft-capped attention (which the batch's kernels do not compute).
     pub fn new_decode_batch(&self) -> Option<DecodeBatch> {
         let c = &self.config;
-        c.sliding_window.is_none().then(|| DecodeBatch::new(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype))
+        (!c.any_sliding() && c.attn_logit_softcap.is_none()).then(|| DecodeBatch::new(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype))
     }
 
     /// One decode step for every sequence of the batch: `tokens[i]` is row i's next input.
@@ -354,13 +427,12 @@ impl Model {
             tokens
         };
         let eps = self.config.rms_norm_eps;
-        let mut x = self.embed.take_axis(tokens, 0)?;
+        let mut x = self.embed_tokens(tokens)?;
         for (li, layer) in self.layers.iter().enumerate() {
             let mut per_seq: Vec<&mut (dyn KvCache + 'static)> = caches.iter_mut().map(|c| &mut *c.layers[li]).collect();
-            let h = layer.attn.forward(&rms_norm(&x, Some(&layer.input_norm), eps)?, &mut per_seq)?;
-            x = x.add(&h)?;
-            let h = layer.mlp.forward(&rms_norm(&x, Some(&layer.post_norm), eps)?)?;
-            x = x.add(&h)?;
+            let h = layer.attn.forward(&rms_norm(&x, Some(&layer.input_norm), eps)?, &self.ropes[layer.rope], &mut per_seq)?;
+            x = layer.add_attention(&x, h, eps)?;
+            x = layer.add_mlp(&x, eps)?;
         }
         for cache in caches.iter_mut() {
             cache.rewind(pad as usize)?;
@@ -370,10 +442,27 @@ impl Model {
         } else if pad > 0 {
             x = x.index((.., ..t, ..));
         }
-        let x = rms_norm(&x, Some(&self.norm), eps)?;
-        Ok(match &self.lm_head_t {
+        self.logits(&rms_norm(&x, Some(&self.norm), eps)?)
+    }
+
+    /// Token embeddings (scaled where the arch says).
+    fn embed_tokens(&self, tokens: &Array) -> Result<Array> {
+        let x = self.embed.take_axis(tokens, 0)?;
+        Ok(match &self.embed_scale {
+            Some(s) => x.multiply(s)?,
+            None => x,
+        })
+    }
+
+    /// The output head over normed hidden states (soft-capped where the arch says).
+    fn logits(&self, x: &Array) -> Result<Array> {
+        let logits = match &self.lm_head_t {
             Some(h) => x.matmul(h)?,
             None => x.matmul(self.embed.t())?,
-        })
+        };
+        match self.config.final_logit_softcap {
+            Some(cap) => softcap(&logits, cap),
+            None => Ok(logits),
+        }
     }
 }

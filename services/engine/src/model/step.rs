@@ -7,6 +7,7 @@ use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::{Array, Dtype};
 
 use super::attention::{GroupAttention, GroupStep, RowStep};
+use super::rope::Layout;
 use super::{ChunkStage, Model};
 use crate::batch::DecodeBatch;
 use crate::error::{EngineError, Result};
@@ -43,12 +44,17 @@ impl Model {
         let t = chunk.as_ref().map_or(0, |c| (c.tokens.len() + pad) as i32);
         // The decode rows alone, for the layers outside the chunk's stage (all of them without a
         // chunk).
-        let rotate_decode = (range != (0..n_layers)).then(|| Array::from_slice(&rotation, &[decode_slots as i32]));
-        let rotate_all = chunk.as_ref().map(|c| {
-            let off = c.cache.layers[range.start].offset() as i32;
-            rotation.extend(off..off + t);
-            Array::from_slice(&rotation, &[rotation.len() as i32])
-        });
+        // Per rope (`Model::ropes`): the decode rows alone, for the layers outside the chunk's
+        // stage, and the decode rows with the chunk's, for those within it.
+        let rotate_decode = if range != (0..n_layers) { self.ropes.iter().map(|r| r.at(&rotation, Layout::Rows)).collect::<Result<Vec<_>>>()? } else { vec![] };
+        let rotate_all = match chunk.as_ref() {
+            Some(c) => {
+                let off = c.cache.layers[range.start].offset() as i32;
+                rotation.extend(off..off + t);
+                self.ropes.iter().map(|r| r.at(&rotation, Layout::Rows)).collect::<Result<Vec<_>>>()?
+            }
+            None => vec![],
+        };
         if active.is_empty() {
             return Err(EngineError::InvalidRequest("decode: no rows".into()));
         }
@@ -57,7 +63,7 @@ impl Model {
         // The rows: decode slots, then (in the stage's layers) the chunk's padded positions.
         let mut x = match (&hidden_in, decode_slots) {
             (Some(_), 0) => hidden_in.take().expect("matched"),
-            _ => self.embed.take_axis(&x0, 0)?,
+            _ => self.embed_tokens(&x0)?,
         };
         let mut hidden_out = None;
         for (li, layer) in self.layers.iter().enumerate() {
@@ -69,11 +75,10 @@ impl Model {
                 x = concatenate(&[x, h], 0)?;
             }
             let part = chunk.as_mut().filter(|_| in_stage).map(|c| (&mut *c.cache.layers[li], t));
-            let rotation = if in_stage { rotate_all.as_ref() } else { rotate_decode.as_ref() }.expect("built for these layers");
+            let rotation = if in_stage { &rotate_all } else { &rotate_decode }.get(layer.rope).expect("built for these layers");
             let h = layer.attn.forward_grouped(&rms_norm(&x, Some(&layer.input_norm), eps)?, li, &mut steps, rows_step.as_ref(), rotation, part)?;
-            x = x.add(&h)?;
-            let h = layer.mlp.forward(&rms_norm(&x, Some(&layer.post_norm), eps)?)?;
-            x = x.add(&h)?;
+            x = layer.add_attention(&x, h, eps)?;
+            x = layer.add_mlp(&x, eps)?;
             if in_stage && li + 1 == range.end && !last_stage {
                 hidden_out = Some(x.index(decode_slots as i32..));
                 x = x.index(..decode_slots as i32);
@@ -175,11 +180,7 @@ impl Model {
         let chunk_last = (active.len() > decode_rows).then(|| active[decode_rows]);
         let keep: Vec<i32> = (0..decode_slots as i32).chain(chunk_last).collect();
         let rows = if keep.len() as i32 == x.shape()[0] { x } else { x.take_axis(Array::from_slice(&keep, &[keep.len() as i32]), 0)? };
-        let x = rms_norm(&rows, Some(&self.norm), self.config.rms_norm_eps)?;
-        let logits = match &self.lm_head_t {
-            Some(h) => x.matmul(h)?,
-            None => x.matmul(self.embed.t())?,
-        };
+        let logits = self.logits(&rms_norm(&rows, Some(&self.norm), self.config.rms_norm_eps)?)?;
         let pick: Vec<i32> = active[..decode_rows].iter().copied().chain(chunk_last.map(|_| decode_slots as i32)).collect();
         Ok(if pick.len() == keep.len() { logits } else { logits.take_axis(Array::from_slice(&pick, &[pick.len() as i32]), 0)? })
     }
