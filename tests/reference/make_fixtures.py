@@ -21,6 +21,9 @@ at position 100 with rope_theta 1e6, which would hide real errors of that size.
                                  layers (window 8), query_pre_attn_scalar unlike head_dim, f32
   tests/fixtures/tiny-gemma3/    Gemma 3 text: q/k norms, a sliding layer with its own rope base
                                  and a global one with linear scaling, bf16
+  tests/fixtures/tiny-mixtral/   Mixtral: 4 experts, top 2 renormalised, f32
+  tests/fixtures/tiny-qwen3-moe/ Qwen3-MoE: a dense layer then an expert layer (8 experts, top 3,
+                                 not renormalised), q/k norms, bf16
   tests/fixtures/tiny-llama.gguf the tiny Llama as GGUF: F32, F16, BF16, Q8_0, Q4_0, Q4_1 tensors,
                                  Q/K rows permuted as llama.cpp stores them, GPT-2 style BPE
   each dir's reference.safetensors: for every case, the prompt ids and the logits of every position
@@ -107,7 +110,8 @@ def write_reference(vocab, dest, incremental=False):
     # keeps its float32 RoPE tables).
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(dest, dtype=torch.float64, attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_pretrained(dest, dtype=torch.float64, attn_implementation="eager",
+                                                 experts_implementation="eager").eval()
     out = {}
     for i, ids in enumerate(cases(vocab)):
         with torch.no_grad():
@@ -328,11 +332,26 @@ def gemma_families():
     }
 
 
+def moe_families():
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    return {
+        "tiny-mixtral": lambda: build(
+            MixtralConfig, MixtralForCausalLM, "tiny-mixtral", torch.float32, seeded=True,
+            tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2, rope_theta=1000000.0),
+        "tiny-qwen3-moe": lambda: build(
+            Qwen3MoeConfig, Qwen3MoeForCausalLM, "tiny-qwen3-moe", torch.bfloat16, seeded=True,
+            tie_word_embeddings=False, head_dim=16, num_experts=8, num_experts_per_tok=3,
+            moe_intermediate_size=32, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[0],
+            rope_theta=1000000.0),
+    }
+
+
 def main(only):
     from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
                               Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
-    later = {**rope_families(), **gemma_families()}
+    later = {**rope_families(), **gemma_families(), **moe_families()}
     if only:
         for name in only:
             later[name]()

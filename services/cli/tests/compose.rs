@@ -228,12 +228,24 @@ fn a_worker_cut_off_for_20_s_neither_repeats_nor_drops_tokens() {
         tokio::time::sleep(Duration::from_secs(20)).await;
         docker(&["network", "connect", &network, &cut]);
         let back = Instant::now();
-        // Every event each stream gets until 20 s after the reconnection, with its arrival.
+        // Every event of each stream with its arrival: up to its terminal event (however long
+        // the survivors take on a loaded machine), then whatever else comes until 10 s after
+        // the reconnection (and at least 1 s after the end).
         let ends = join_all(runs.into_iter().map(|(first, mut sub)| async move {
             let mut events = vec![];
-            let until = tokio::time::Instant::now() + Duration::from_secs(20);
-            while let Ok(Some(m)) = tokio::time::timeout_at(until, futures::StreamExt::next(&mut sub)).await {
-                events.push((Instant::now(), llmq_protocol::decode::<llmq_protocol::StreamEvent>(&m.payload).unwrap()));
+            let mut until = None;
+            loop {
+                let next = match until {
+                    None => tokio::time::timeout(Duration::from_secs(60), futures::StreamExt::next(&mut sub)).await,
+                    Some(t) => tokio::time::timeout_at(t, futures::StreamExt::next(&mut sub)).await,
+                };
+                let Ok(Some(m)) = next else { break };
+                let ev = llmq_protocol::decode::<llmq_protocol::StreamEvent>(&m.payload).unwrap();
+                if until.is_none() && ev.event.is_terminal() {
+                    let t = tokio::time::Instant::now().max(tokio::time::Instant::from_std(back + Duration::from_secs(10)));
+                    until = Some(t + Duration::from_secs(1));
+                }
+                events.push((Instant::now(), ev));
             }
             (first, events)
         }))

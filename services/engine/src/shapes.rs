@@ -1,5 +1,5 @@
-//! Random-weight Llama models of known shapes (`llmq_text::shapes`), for speed measurements
-//! that need no files.
+//! Random-weight models of known shapes (`llmq_text::shapes`): Llama's, and Qwen3-MoE's for
+//! the mixture-of-experts shapes, for speed measurements that need no files.
 
 use llmq_text::shapes::config;
 use mlx_rs::{random, Dtype};
@@ -35,9 +35,25 @@ pub fn random_model(name: &str, dtype: Dtype, seed: u64) -> Result<Model> {
         add(&mut w, format!("{p}.self_attn.k_proj.weight"), &[c.num_kv_heads * d, h])?;
         add(&mut w, format!("{p}.self_attn.v_proj.weight"), &[c.num_kv_heads * d, h])?;
         add(&mut w, format!("{p}.self_attn.o_proj.weight"), &[h, c.num_heads * d])?;
-        add(&mut w, format!("{p}.mlp.gate_proj.weight"), &[f, h])?;
-        add(&mut w, format!("{p}.mlp.up_proj.weight"), &[f, h])?;
-        add(&mut w, format!("{p}.mlp.down_proj.weight"), &[h, f])?;
+        if crate::arch::options(c.arch).qk_norm {
+            add(&mut w, format!("{p}.self_attn.q_norm.weight"), &[d])?;
+            add(&mut w, format!("{p}.self_attn.k_norm.weight"), &[d])?;
+        }
+        match &c.moe {
+            Some(m) => {
+                add(&mut w, format!("{p}.mlp.gate.weight"), &[m.experts, h])?;
+                for e in 0..m.experts {
+                    add(&mut w, format!("{p}.mlp.experts.{e}.gate_proj.weight"), &[m.expert_size, h])?;
+                    add(&mut w, format!("{p}.mlp.experts.{e}.up_proj.weight"), &[m.expert_size, h])?;
+                    add(&mut w, format!("{p}.mlp.experts.{e}.down_proj.weight"), &[h, m.expert_size])?;
+                }
+            }
+            None => {
+                add(&mut w, format!("{p}.mlp.gate_proj.weight"), &[f, h])?;
+                add(&mut w, format!("{p}.mlp.up_proj.weight"), &[f, h])?;
+                add(&mut w, format!("{p}.mlp.down_proj.weight"), &[h, f])?;
+            }
+        }
     }
     add(&mut w, "model.norm.weight".into(), &[c.hidden_size])?;
     if !c.tie_word_embeddings {

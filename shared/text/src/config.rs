@@ -33,6 +33,21 @@ impl Arch {
     }
 }
 
+/// Mixture of experts: a router picks `experts_per_token` of `experts` MLPs for each token, and
+/// their outputs are summed weighted by the router's softmax.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    pub experts: usize,
+    pub experts_per_token: usize,
+    /// Each expert's intermediate width.
+    pub expert_size: usize,
+    /// The chosen experts' weights rescaled to sum to 1 (Mixtral always; Qwen3-MoE's
+    /// `norm_topk_prob`).
+    pub renormalize: bool,
+    /// Which layers route through experts; the others run a dense MLP of `intermediate_size`.
+    pub sparse_layers: Vec<bool>,
+}
+
 #[derive(Debug, Clone)]
 pub struct ModelConfig {
     pub arch: Arch,
@@ -57,6 +72,8 @@ pub struct ModelConfig {
     /// Scores and final logits soft-capped: `cap * tanh(x / cap)` (Gemma 2).
     pub attn_logit_softcap: Option<f32>,
     pub final_logit_softcap: Option<f32>,
+    /// Mixture-of-experts layers (Mixtral, Qwen3-MoE).
+    pub moe: Option<MoeConfig>,
     pub max_position_embeddings: usize,
 }
 
@@ -89,6 +106,14 @@ impl ModelConfig {
         }
         if self.sliding_layers.len() != self.num_layers {
             return bad(format!("{} layer types for {} layers", self.sliding_layers.len(), self.num_layers));
+        }
+        if let Some(m) = &self.moe {
+            if m.experts == 0 || m.experts_per_token == 0 || m.experts_per_token > m.experts || m.expert_size == 0 {
+                return bad(format!("{} of {} experts a token, {} wide", m.experts_per_token, m.experts, m.expert_size));
+            }
+            if m.sparse_layers.len() != self.num_layers {
+                return bad(format!("{} expert layer flags for {} layers", m.sparse_layers.len(), self.num_layers));
+            }
         }
         if self.sliding_window == Some(0) {
             return bad("a sliding window of 0 tokens".into());
@@ -132,6 +157,14 @@ struct HfConfig {
     query_pre_attn_scalar: Option<f32>,
     attn_logit_softcapping: Option<f32>,
     final_logit_softcapping: Option<f32>,
+    /// The expert count (transformers 4 calls it `num_experts` for Qwen3-MoE).
+    num_local_experts: Option<usize>,
+    num_experts: Option<usize>,
+    num_experts_per_tok: Option<usize>,
+    moe_intermediate_size: Option<usize>,
+    norm_topk_prob: Option<bool>,
+    decoder_sparse_step: Option<usize>,
+    mlp_only_layers: Option<Vec<usize>>,
     max_position_embeddings: Option<usize>,
 }
 
@@ -144,9 +177,9 @@ pub fn from_hf_json(path: &Path) -> Result<ModelConfig> {
         .or_else(|| raw.architectures.as_ref().and_then(|a| a.first().cloned()))
         .unwrap_or_default();
     let arch = match name.as_str() {
-        "llama" | "mistral" | "LlamaForCausalLM" | "MistralForCausalLM" => Arch::Llama,
+        "llama" | "mistral" | "mixtral" | "LlamaForCausalLM" | "MistralForCausalLM" | "MixtralForCausalLM" => Arch::Llama,
         "qwen2" | "Qwen2ForCausalLM" => Arch::Qwen2,
-        "qwen3" | "Qwen3ForCausalLM" => Arch::Qwen3,
+        "qwen3" | "qwen3_moe" | "Qwen3ForCausalLM" | "Qwen3MoeForCausalLM" => Arch::Qwen3,
         "phi3" | "Phi3ForCausalLM" => Arch::Phi3,
         "gemma2" | "Gemma2ForCausalLM" => Arch::Gemma2,
         "gemma3_text" | "Gemma3ForCausalLM" => Arch::Gemma3,
@@ -174,6 +207,7 @@ pub fn from_hf_json(path: &Path) -> Result<ModelConfig> {
             })
             .collect(),
     };
+    let moe = hf_moe(&raw, &name, layers);
     let activation = raw.hidden_activation.as_deref().or(raw.hidden_act.as_deref()).unwrap_or(if arch.is_gemma() { "gelu_pytorch_tanh" } else { "silu" });
     let expected = if arch.is_gemma() { "gelu_pytorch_tanh" } else { "silu" };
     if activation != expected && !(arch.is_gemma() && activation == "gelu_tanh") {
@@ -197,10 +231,37 @@ pub fn from_hf_json(path: &Path) -> Result<ModelConfig> {
         query_pre_attn_scalar: raw.query_pre_attn_scalar.filter(|_| arch.is_gemma()),
         attn_logit_softcap: raw.attn_logit_softcapping.filter(|_| arch == Arch::Gemma2),
         final_logit_softcap: raw.final_logit_softcapping.filter(|_| arch.is_gemma()),
+        moe,
         max_position_embeddings: max_positions,
     };
     cfg.validate(path)?;
     Ok(cfg)
+}
+
+/// Mixtral's experts (every layer, renormalised) or Qwen3-MoE's (every `decoder_sparse_step`-th
+/// layer not in `mlp_only_layers`, renormalised with `norm_topk_prob`).
+fn hf_moe(raw: &HfConfig, name: &str, layers: usize) -> Option<MoeConfig> {
+    match name {
+        "mixtral" | "MixtralForCausalLM" => Some(MoeConfig {
+            experts: raw.num_local_experts.unwrap_or(8),
+            experts_per_token: raw.num_experts_per_tok.unwrap_or(2),
+            expert_size: raw.intermediate_size,
+            renormalize: true,
+            sparse_layers: vec![true; layers],
+        }),
+        "qwen3_moe" | "Qwen3MoeForCausalLM" => {
+            let step = raw.decoder_sparse_step.unwrap_or(1).max(1);
+            let dense = raw.mlp_only_layers.clone().unwrap_or_default();
+            Some(MoeConfig {
+                experts: raw.num_experts.or(raw.num_local_experts).unwrap_or(0),
+                experts_per_token: raw.num_experts_per_tok.unwrap_or(0),
+                expert_size: raw.moe_intermediate_size.unwrap_or(0),
+                renormalize: raw.norm_topk_prob.unwrap_or(false),
+                sparse_layers: (0..layers).map(|i| !dense.contains(&i) && (i + 1) % step == 0).collect(),
+            })
+        }
+        _ => None,
+    }
 }
 
 /// The ropes of a Hugging Face config: transformers 5's `rope_parameters` (base, type and
@@ -276,6 +337,7 @@ pub fn from_gguf(f: &GgufFile) -> Result<ModelConfig> {
         query_pre_attn_scalar: None,
         attn_logit_softcap: None,
         final_logit_softcap: None,
+        moe: None,
         max_position_embeddings: max_positions,
     };
     cfg.validate(path)?;

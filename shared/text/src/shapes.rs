@@ -1,44 +1,72 @@
-//! The shapes of random-weight Llama models, for speed measurements that need no files. They
-//! match ../shared/bench/peer_mlx_lm.py, so figures compare like for like.
+//! The shapes of random-weight models, for speed measurements that need no files. They match
+//! ../shared/bench/peer_mlx_lm.py, so figures compare like for like.
 
-use crate::config::{Arch, ModelConfig};
+use crate::config::{Arch, ModelConfig, MoeConfig};
 use crate::error::{Error, Result};
+use crate::rope::RopeConfig;
 
-/// (name, hidden, layers, intermediate, heads, kv heads, vocab, tied embeddings)
-const SHAPES: &[(&str, usize, usize, usize, usize, usize, usize, bool)] = &[
-    ("tiny", 256, 2, 512, 4, 2, 4096, true),
-    ("smollm2", 576, 30, 1536, 9, 3, 49152, true),
-    ("1b", 2048, 16, 8192, 32, 8, 128256, true),
-    ("8b", 4096, 32, 14336, 32, 8, 128256, false),
+struct Shape {
+    name: &'static str,
+    hidden: usize,
+    layers: usize,
+    intermediate: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    vocab: usize,
+    tied: bool,
+    /// (experts, active, expert width): Qwen3-MoE layers (q/k norms, renormalised top-k).
+    experts: Option<(usize, usize, usize)>,
+}
+
+const fn dense(name: &'static str, hidden: usize, layers: usize, intermediate: usize, heads: usize, kv_heads: usize, vocab: usize, tied: bool) -> Shape {
+    Shape { name, hidden, layers, intermediate, heads, kv_heads, head_dim: hidden / heads, vocab, tied, experts: None }
+}
+
+const SHAPES: &[Shape] = &[
+    dense("tiny", 256, 2, 512, 4, 2, 4096, true),
+    dense("smollm2", 576, 30, 1536, 9, 3, 49152, true),
+    dense("1b", 2048, 16, 8192, 32, 8, 128256, true),
+    dense("8b", 4096, 32, 14336, 32, 8, 128256, false),
+    Shape { name: "tiny-moe", hidden: 256, layers: 2, intermediate: 512, heads: 4, kv_heads: 2, head_dim: 64, vocab: 4096, tied: false, experts: Some((8, 2, 128)) },
+    // Qwen3-30B-A3B
+    Shape { name: "moe", hidden: 2048, layers: 48, intermediate: 6144, heads: 32, kv_heads: 4, head_dim: 128, vocab: 151936, tied: false, experts: Some((128, 8, 768)) },
 ];
 
 pub fn shape_names() -> Vec<&'static str> {
-    SHAPES.iter().map(|s| s.0).collect()
+    SHAPES.iter().map(|s| s.name).collect()
 }
 
 pub fn config(name: &str) -> Result<ModelConfig> {
-    let &(_, h, l, f, nh, kv, v, tied) = SHAPES.iter().find(|s| s.0 == name).ok_or_else(|| {
+    let s = SHAPES.iter().find(|s| s.name == name).ok_or_else(|| {
         Error::InvalidRequest(format!("unknown shape {name:?} (known: {})", shape_names().join(", ")))
     })?;
+    let moe = s.experts.map(|(experts, active, width)| MoeConfig {
+        experts,
+        experts_per_token: active,
+        expert_size: width,
+        renormalize: true,
+        sparse_layers: vec![true; s.layers],
+    });
     Ok(ModelConfig {
-        arch: Arch::Llama,
-        vocab_size: v,
-        hidden_size: h,
-        intermediate_size: f,
-        num_layers: l,
-        num_heads: nh,
-        num_kv_heads: kv,
-        head_dim: h / nh,
+        arch: if moe.is_some() { Arch::Qwen3 } else { Arch::Llama },
+        vocab_size: s.vocab,
+        hidden_size: s.hidden,
+        intermediate_size: s.intermediate,
+        num_layers: s.layers,
+        num_heads: s.heads,
+        num_kv_heads: s.kv_heads,
+        head_dim: s.head_dim,
         rms_norm_eps: 1e-5,
-        rope: crate::rope::RopeConfig::plain(500000.0, h / nh),
-        tie_word_embeddings: tied,
+        rope: RopeConfig::plain(if moe.is_some() { 1_000_000.0 } else { 500_000.0 }, s.head_dim),
+        tie_word_embeddings: s.tied,
         sliding_window: None,
-        sliding_layers: vec![false; l],
+        sliding_layers: vec![false; s.layers],
         rope_local: None,
         query_pre_attn_scalar: None,
         attn_logit_softcap: None,
         final_logit_softcap: None,
+        moe,
         max_position_embeddings: 131072,
     })
 }
-

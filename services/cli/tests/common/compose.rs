@@ -130,7 +130,7 @@ impl Compose {
 impl Drop for Compose {
     fn drop(&mut self) {
         if std::thread::panicking() {
-            let logs = self.run(&["logs", "--no-color", "--tail", "40"]);
+            let logs = self.run(&["logs", "--no-color", "--tail", "200"]);
             eprintln!("{}", String::from_utf8_lossy(&logs.stdout));
         }
         self.run(&["down", "-v", "-t", "2", "--remove-orphans"]);

@@ -6,6 +6,7 @@
 //! sequence against that sequence's own cache, so nothing is padded to the longest sequence.
 
 mod attention;
+mod moe;
 mod rope;
 mod step;
 
@@ -14,6 +15,7 @@ use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::ops::{concatenate, sigmoid};
 
 use self::attention::Attention;
+use self::moe::Experts;
 use self::rope::Rope;
 use mlx_rs::{Array, Dtype};
 
@@ -86,6 +88,28 @@ struct Mlp {
     gelu: bool,
 }
 
+/// A layer's feed-forward part: one MLP, or experts chosen per token.
+enum FeedForward {
+    Dense(Mlp),
+    Experts(Experts),
+}
+
+impl FeedForward {
+    fn forward(&self, x: &Array) -> Result<Array> {
+        match self {
+            FeedForward::Dense(m) => m.forward(x),
+            FeedForward::Experts(e) => e.forward(x, false),
+        }
+    }
+
+    fn parameters(&self) -> Vec<&Array> {
+        match self {
+            FeedForward::Dense(m) => [&m.gate_up, &m.down].into_iter().flat_map(|l| std::iter::once(&l.weight_t).chain(&l.bias)).collect(),
+            FeedForward::Experts(e) => e.parameters(),
+        }
+    }
+}
+
 struct Layer {
     input_norm: Array,
     attn: Attention,
@@ -94,7 +118,7 @@ struct Layer {
     /// The norm before the MLP (Llama's `post_attention_layernorm`, Gemma's
     /// `pre_feedforward_layernorm`).
     mlp_norm: Array,
-    mlp: Mlp,
+    mlp: FeedForward,
     /// Gemma: the MLP's output is normed before the residual add.
     mlp_out_norm: Option<Array>,
     /// Index of the layer's rope in `Model::ropes`.
@@ -148,6 +172,14 @@ fn swiglu(g: &Array, u: &Array) -> Result<Array> {
     Ok(compiled((g, u))?)
 }
 
+fn geglu_or_swiglu(g: &Array, u: &Array, gelu: bool) -> Result<Array> {
+    if gelu {
+        geglu(g, u)
+    } else {
+        swiglu(g, u)
+    }
+}
+
 /// gelu_tanh(g) * u (Gemma's MLP), fused like `swiglu`:
 /// 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) u.
 fn geglu(g: &Array, u: &Array) -> Result<Array> {
@@ -194,7 +226,7 @@ impl Mlp {
         let gu = self.gate_up.forward(x)?;
         let g = gu.index((.., .., ..self.intermediate));
         let u = gu.index((.., .., self.intermediate..));
-        self.down.forward(&if self.gelu { geglu(&g, &u)? } else { swiglu(&g, &u)? })
+        self.down.forward(&geglu_or_swiglu(&g, &u, self.gelu)?)
     }
 }
 
@@ -217,12 +249,17 @@ impl Model {
             } else {
                 (None, norm(&mut w, "post_attention_layernorm")?, None)
             };
-            let gate_up = if opts.fused {
-                Linear::load(&mut w, &format!("{p}.mlp.gate_up_proj"), 2 * f, h, false)?
-            } else {
-                Linear::load_fused(&mut w, &[(format!("{p}.mlp.gate_proj"), f), (format!("{p}.mlp.up_proj"), f)], h, false)?
+            let mlp = match c.moe.as_ref().filter(|m| m.sparse_layers[i]) {
+                Some(m) => FeedForward::Experts(Experts::load(&mut w, &p, h, m)?),
+                None => {
+                    let gate_up = if opts.fused {
+                        Linear::load(&mut w, &format!("{p}.mlp.gate_up_proj"), 2 * f, h, false)?
+                    } else {
+                        Linear::load_fused(&mut w, &[(format!("{p}.mlp.gate_proj"), f), (format!("{p}.mlp.up_proj"), f)], h, false)?
+                    };
+                    FeedForward::Dense(Mlp { gate_up, intermediate: f as i32, down: Linear::load(&mut w, &format!("{p}.mlp.down_proj"), h, f, false)?, gelu: gemma })
+                }
             };
-            let mlp = Mlp { gate_up, intermediate: f as i32, down: Linear::load(&mut w, &format!("{p}.mlp.down_proj"), h, f, false)?, gelu: gemma };
             let rope = usize::from(c.rope_local.is_some() && c.window(i).is_some());
             layers.push(Layer { input_norm, attn, attn_out_norm, mlp_norm, mlp, mlp_out_norm, rope });
         }
@@ -254,10 +291,11 @@ impl Model {
             p.extend([&l.input_norm, &l.mlp_norm]);
             p.extend(l.attn_out_norm.iter().chain(&l.mlp_out_norm));
             let a = &l.attn;
-            for lin in [&a.qkv, &a.o, &l.mlp.gate_up, &l.mlp.down] {
+            for lin in [&a.qkv, &a.o] {
                 p.push(&lin.weight_t);
                 p.extend(lin.bias.as_ref());
             }
+            p.extend(l.mlp.parameters());
             p.extend(a.q_norm.as_ref());
             p.extend(a.k_norm.as_ref());
         }

@@ -1,0 +1,113 @@
+//! Mixture-of-experts MLP: a router scores every expert for each row, the top k run, and their
+//! outputs are summed weighted by the router's softmax (renormalised over the k where the
+//! config says).
+//!
+//! The experts' weights are stacked ([experts, in, out]) and every row's k experts run through
+//! MLX's gathered matmul: one kernel a projection for all rows and experts, no per-token loop.
+//! With many (row, expert) pairs (a prefill chunk, a large decode batch) the pairs are sorted by
+//! expert first, so rows that picked the same expert share one read of its weights.
+
+use mlx_rs::ops::indexing::{take_along_axis, IndexOp};
+use mlx_rs::ops::{argpartition_axis, argsort_axis, concatenate, gather_mm, softmax_axis, stack};
+use mlx_rs::{Array, Dtype};
+
+use llmq_text::config::MoeConfig;
+
+use super::{geglu_or_swiglu, Linear};
+use crate::error::Result;
+use crate::weights::Weights;
+
+/// (row, expert) pairs from this many on are sorted by expert before the gathered matmuls.
+const SORT_FROM: i32 = 64;
+
+pub(super) struct Experts {
+    router: Linear,
+    /// Gate and up projections of every expert: [experts, hidden, 2 * size].
+    gate_up: Array,
+    /// Down projections: [experts, size, hidden].
+    down: Array,
+    size: i32,
+    top_k: i32,
+    renormalize: bool,
+}
+
+impl Experts {
+    /// Loads Mixtral's names (`block_sparse_moe.gate`, `experts.N.w1|w3|w2`) or Qwen's
+    /// (`mlp.gate`, `experts.N.gate_proj|up_proj|down_proj`).
+    pub(super) fn load(w: &mut Weights, layer: &str, hidden: usize, m: &MoeConfig) -> Result<Self> {
+        let mixtral = w.contains(&format!("{layer}.block_sparse_moe.gate.weight"));
+        let (p, gate, up, down) = if mixtral {
+            (format!("{layer}.block_sparse_moe"), "w1", "w3", "w2")
+        } else {
+            (format!("{layer}.mlp"), "gate_proj", "up_proj", "down_proj")
+        };
+        let router = Linear::load(w, &format!("{p}.gate"), m.experts, hidden, false)?;
+        let f = m.expert_size;
+        let (mut gate_up, mut downs) = (Vec::with_capacity(m.experts), Vec::with_capacity(m.experts));
+        for e in 0..m.experts {
+            let g = w.take(&format!("{p}.experts.{e}.{gate}.weight"), &[f, hidden])?;
+            let u = w.take(&format!("{p}.experts.{e}.{up}.weight"), &[f, hidden])?;
+            gate_up.push(concatenate(&[g, u], 0)?.t());
+            downs.push(w.take(&format!("{p}.experts.{e}.{down}.weight"), &[hidden, f])?.t());
+        }
+        Ok(Experts {
+            router,
+            gate_up: stack(&gate_up, 0)?,
+            down: stack(&downs, 0)?,
+            size: f as i32,
+            top_k: m.experts_per_token as i32,
+            renormalize: m.renormalize,
+        })
+    }
+
+    pub(super) fn parameters(&self) -> Vec<&Array> {
+        let mut p = vec![&self.router.weight_t, &self.gate_up, &self.down];
+        p.extend(self.router.bias.as_ref());
+        p
+    }
+
+    /// `x` [b, t, hidden] through each row's top-k experts.
+    pub(super) fn forward(&self, x: &Array, gelu: bool) -> Result<Array> {
+        let shape = x.shape().to_vec();
+        let hidden = shape[shape.len() - 1];
+        let n: i32 = shape[..shape.len() - 1].iter().product();
+        let rows = x.reshape(&[n, hidden])?;
+        let k = self.top_k;
+        // Router probabilities in f32, the k largest (in no particular order).
+        let probs = softmax_axis(&self.router.forward(&rows)?.as_dtype(Dtype::Float32)?, -1, None)?;
+        let experts = argpartition_axis(&probs.negative()?, k - 1, -1)?.index((.., ..k));
+        let mut weights = take_along_axis(&probs, &experts, -1)?;
+        if self.renormalize {
+            weights = weights.divide(&weights.sum_axis(-1, true)?)?;
+        }
+        let weights = weights.as_dtype(x.dtype())?;
+        let out = if n * k >= SORT_FROM { self.run_sorted(&rows, &experts, gelu)? } else { self.run(&rows, &experts, gelu)? };
+        // [n, k, hidden] weighted over the k.
+        let y = out.multiply(&weights.reshape(&[n, k, 1])?)?.sum_axis(1, false)?;
+        Ok(y.reshape(&shape)?)
+    }
+
+    /// Every row against its k experts in place: [n, k, hidden].
+    fn run(&self, rows: &Array, experts: &Array, gelu: bool) -> Result<Array> {
+        let (n, hidden) = (rows.shape()[0], rows.shape()[1]);
+        let x = rows.reshape(&[n, 1, 1, hidden])?;
+        let h = gather_mm(&x, &self.gate_up, None, experts, false)?;
+        let h = geglu_or_swiglu(&h.index((.., .., .., ..self.size)), &h.index((.., .., .., self.size..)), gelu)?;
+        Ok(gather_mm(&h, &self.down, None, experts, false)?.reshape(&[n, self.top_k, hidden])?)
+    }
+
+    /// The (row, expert) pairs sorted by expert, run, and put back: [n, k, hidden].
+    fn run_sorted(&self, rows: &Array, experts: &Array, gelu: bool) -> Result<Array> {
+        let (n, hidden, k) = (rows.shape()[0], rows.shape()[1], self.top_k);
+        let flat = experts.reshape(&[n * k])?;
+        let order = argsort_axis(&flat, 0)?;
+        let sorted_experts = flat.take_axis(&order, 0)?;
+        // Pair i is row i / k's.
+        let x = rows.take_axis(&order.floor_divide(Array::from_int(k))?, 0)?.reshape(&[n * k, 1, hidden])?;
+        let h = gather_mm(&x, &self.gate_up, None, &sorted_experts, true)?;
+        let h = geglu_or_swiglu(&h.index((.., .., ..self.size)), &h.index((.., .., self.size..)), gelu)?;
+        let y = gather_mm(&h, &self.down, None, &sorted_experts, true)?.reshape(&[n * k, hidden])?;
+        let back = argsort_axis(&order, 0)?;
+        Ok(y.take_axis(&back, 0)?.reshape(&[n, k, hidden])?)
+    }
+}
