@@ -116,41 +116,58 @@ pub async fn run(settings: Settings, stop: impl std::future::Future<Output = ()>
 
     let (out_tx, out_rx) = mpsc::unbounded_channel::<Outbound>();
     let snapshot = Arc::new(Mutex::new(WorkerStatus::default()));
-    let actor = start_device(&settings, &worker_id, out_tx, snapshot.clone()).await?;
-    let inflight = Arc::new(Held::new(Duration::from_millis(settings.worker.ack_wait_ms)));
-    let placement = follow_peers(&client, &settings, &worker_id, inflight.clone()).await?;
-    warm_up(&actor, &settings).await?;
-    tracing::info!(%worker_id, model = %model_name, "worker ready");
+    let (actor, device) = start_device(&settings, &worker_id, out_tx, snapshot.clone()).await?;
+    // Whatever ends the serving (a stop, an error), the device thread is stopped before the
+    // process may exit.
+    let served: Result<(), WorkerError> = async {
+        let inflight = Arc::new(Held::new(Duration::from_millis(settings.worker.ack_wait_ms)));
+        let placement = follow_peers(&client, &settings, &worker_id, inflight.clone()).await?;
+        warm_up(&actor, &settings).await?;
+        tracing::info!(%worker_id, model = %model_name, "worker ready");
 
-    actix::spawn(publish_events(client.clone(), out_rx, inflight.clone(), actor.clone()));
-    let cancels = client.subscribe(subjects::CANCEL).await.map_err(nats_err)?;
-    actix::spawn(forward_cancels(cancels, actor.clone()));
-    let clears = client.subscribe(subjects::CACHE_CLEAR).await.map_err(nats_err)?;
-    actix::spawn(clear_caches(clears, actor.clone(), client.clone(), worker_id.clone(), model_name));
-    actix::spawn(heartbeats(client.clone(), &settings, &worker_id, snapshot, inflight.clone()));
-    // Cancels sent before this worker started, for jobs that may still be waiting in the stream
-    // (the live subscription above covers everything from its start on; twice is harmless).
-    match replay_cancels(&cancels_stream, &actor).await {
-        Ok(n) => tracing::debug!(n, "stored cancels replayed"),
-        Err(e) => tracing::warn!(error = %e, "could not replay stored cancels"),
-    }
+        actix::spawn(publish_events(client.clone(), out_rx, inflight.clone(), actor.clone()));
+        let cancels = client.subscribe(subjects::CANCEL).await.map_err(nats_err)?;
+        actix::spawn(forward_cancels(cancels, actor.clone()));
+        let clears = client.subscribe(subjects::CACHE_CLEAR).await.map_err(nats_err)?;
+        actix::spawn(clear_caches(clears, actor.clone(), client.clone(), worker_id.clone(), model_name));
+        actix::spawn(heartbeats(client.clone(), &settings, &worker_id, snapshot, inflight.clone()));
+        // Cancels sent before this worker started, for jobs that may still be waiting in the stream
+        // (the live subscription above covers everything from its start on; twice is harmless).
+        match replay_cancels(&cancels_stream, &actor).await {
+            Ok(n) => tracing::debug!(n, "stored cancels replayed"),
+            Err(e) => tracing::warn!(error = %e, "could not replay stored cancels"),
+        }
 
-    let stopping = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let flag = stopping.clone();
-    actix::spawn(async move {
-        stop.await;
-        flag.store(true, std::sync::atomic::Ordering::SeqCst);
-    });
-    // Nothing was held before: the server's silence counts from the first fetch.
-    inflight.confirmed(std::time::Instant::now());
-    let jobs = Jobs { client: &client, consumer: &consumer, placement: &placement, inflight: &inflight, actor: &actor, handed_back: &handed_back };
-    while !stopping.load(std::sync::atomic::Ordering::SeqCst) {
-        jobs.fetch_one().await;
+        let stopping = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = stopping.clone();
+        actix::spawn(async move {
+            stop.await;
+            flag.store(true, std::sync::atomic::Ordering::SeqCst);
+        });
+        // Nothing was held before: the server's silence counts from the first fetch.
+        inflight.confirmed(std::time::Instant::now());
+        let jobs = Jobs { client: &client, consumer: &consumer, placement: &placement, inflight: &inflight, actor: &actor, handed_back: &handed_back };
+        while !stopping.load(std::sync::atomic::Ordering::SeqCst) {
+            jobs.fetch_one().await;
+        }
+        hand_back(&actor, &inflight, &js).await;
+        drain(&actor, &inflight, Duration::from_secs(settings.worker.drain_timeout_s)).await;
+        let _ = client.flush().await;
+        Ok(())
     }
-    hand_back(&actor, &inflight, &js).await;
-    drain(&actor, &inflight, Duration::from_secs(settings.worker.drain_timeout_s)).await;
-    let _ = client.flush().await;
-    Ok(())
+    .await;
+    stop_device(device).await;
+    served
+}
+
+/// Stops the device thread and waits for it: its actors, the model and every array are
+/// dropped there, before the process exits. (Exiting with the thread alive runs MLX's static
+/// destructors while the thread still holds arrays: glibc saw the heap corrupted.)
+async fn stop_device(device: Arbiter) {
+    device.stop();
+    if tokio::task::spawn_blocking(move || device.join()).await.map_or(true, |r| r.is_err()) {
+        tracing::error!("the device thread panicked while stopping");
+    }
 }
 
 /// The model's durable pull consumer of the jobs stream, shared by all its workers.
@@ -167,13 +184,14 @@ async fn jobs_consumer(js: &jetstream::Context, settings: &Settings) -> Result<j
 }
 
 /// Starts the device thread: the model is loaded there, and it and its arrays never leave it;
-/// the scheduler actor and its role actors run there. Returns the scheduler actor.
+/// the scheduler actor and its role actors run there. Returns the scheduler actor and the
+/// thread (to stop at exit).
 async fn start_device(
     settings: &Settings,
     worker_id: &str,
     out: mpsc::UnboundedSender<Outbound>,
     snapshot: Arc<Mutex<WorkerStatus>>,
-) -> Result<Scheduler, WorkerError> {
+) -> Result<(Scheduler, Arbiter), WorkerError> {
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<Scheduler, WorkerError>>();
     let gpu = llmq_engine::on_gpu();
     let sched = settings.scheduler.clone();
@@ -184,7 +202,8 @@ async fn start_device(
     let (stage_budget, stage_tokens, min_stage_tokens) = (sched.tick_budget(gpu), sched.prefill_chunk_tokens, sched.min_prefill_chunk_tokens);
     let w = settings.worker.clone();
     let worker_id = worker_id.to_string();
-    Arbiter::new().spawn_fn(move || {
+    let device = Arbiter::new();
+    device.spawn_fn(move || {
         let loaded = (|| {
             set_mlx_limits(w.mlx_memory_limit_bytes, w.mlx_cache_limit_bytes)?;
             let load = |source| WorkerError::Load { model: w.model.clone(), source };
@@ -210,10 +229,17 @@ async fn start_device(
                 .start()
         }));
     });
-    match tokio::task::spawn_blocking(move || ready_rx.recv()).await {
+    let started = match tokio::task::spawn_blocking(move || ready_rx.recv()).await {
         Ok(Ok(Ok(addr))) => Ok(addr),
         Ok(Ok(Err(e))) => Err(e),
         _ => Err(WorkerError::DeviceStopped),
+    };
+    match started {
+        Ok(addr) => Ok((addr, device)),
+        Err(e) => {
+            stop_device(device).await;
+            Err(e)
+        }
     }
 }
 
