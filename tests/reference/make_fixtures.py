@@ -29,6 +29,10 @@ at position 100 with rope_theta 1e6, which would hide real errors of that size.
   each dir's reference.safetensors: for every case, the prompt ids and the logits of every position
   tests/fixtures/tokenizers-reference.json: reference encodings and chat templates of the real
                                  Llama-3, Qwen3 and Mistral tokenizers (tokenizers_reference.py)
+  tests/fixtures/gemma3-270m-reference.json: the real Gemma 3 270M Q4_K_M GGUF (K-quants, a
+                                 262k SentencePiece vocabulary): for a few prompts, their ids,
+                                 transformers' greedy continuation and the 64 largest logits at
+                                 the first generated position
   tests/fixtures/smollm2-reference.safetensors (+ .json): the real SmolLM2-135M-Instruct GGUF,
                                  chat prompt "What is the capital of France?": prompt ids, logits
                                  at the first generated position, greedy continuation
@@ -347,11 +351,38 @@ def moe_families():
     }
 
 
+GEMMA3_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at", "Café, naïve, 東京:"]
+
+
+def gemma3_reference():
+    """transformers (5.x reads the GGUF with gguf_file=, dequantized to f32) on Gemma 3 270M."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d, f = os.path.join(ROOT, ".cache", "models", "gemma3-270m"), "gemma-3-270m-q4_k_m.gguf"
+    if not os.path.exists(os.path.join(d, f)):
+        print("Gemma 3 270M not fetched (deploy/setup/setup.sh model): its reference was not made", file=sys.stderr)
+        return
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+    out = []
+    for p in GEMMA3_PROMPTS:
+        ids = tok(p, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            logits = model(ids).logits[0, -1]
+            gen = model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:]
+        top = torch.topk(logits, 64)
+        out.append({"prompt": p, "prompt_ids": ids[0].tolist(), "greedy_ids": gen.tolist(),
+                    "greedy_text": tok.decode(gen), "top_ids": top.indices.tolist(),
+                    "top_logits": [round(v, 5) for v in top.values.tolist()]})
+    with open(os.path.join(FIX, "gemma3-270m-reference.json"), "w") as fh:
+        json.dump(out, fh, indent=1, ensure_ascii=False)
+
+
 def main(only):
     from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
                               Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
-    later = {**rope_families(), **gemma_families(), **moe_families()}
+    later = {**rope_families(), **gemma_families(), **moe_families(), "gemma3-270m": gemma3_reference}
     if only:
         for name in only:
             later[name]()

@@ -2,8 +2,9 @@
 //! both into one map keyed by Hugging Face tensor names, in the compute dtype.
 //!
 //! Invariants: GGUF tensors are renamed to Hugging Face names and Llama Q/K rows are put back
-//! in Hugging Face's rotary order (llama.cpp interleaves them); `take` checks shapes, so an
-//! architecture never runs on a tensor of the wrong size.
+//! in Hugging Face's rotary order (llama.cpp interleaves them); Gemma's norms keep llama.cpp's
+//! 1 + w (`norms_include_one`); `take` checks shapes, so an architecture never runs on a
+//! tensor of the wrong size.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -95,7 +96,7 @@ pub fn load_hf_dir(dir: &Path, dtype: Dtype) -> Result<Weights> {
     Ok(w)
 }
 
-fn gguf_to_hf(name: &str) -> Option<String> {
+fn gguf_to_hf(name: &str, arch: Arch) -> Option<String> {
     let fixed = match name {
         "token_embd.weight" => Some("model.embed_tokens.weight"),
         "output_norm.weight" => Some("model.norm.weight"),
@@ -111,7 +112,11 @@ fn gguf_to_hf(name: &str) -> Option<String> {
     let (stem, suffix) = part.rsplit_once('.')?;
     let hf = match stem {
         "attn_norm" => "input_layernorm",
+        // Gemma's norm before the MLP; Llama's, named after the attention it follows.
+        "ffn_norm" if arch.is_gemma() => "pre_feedforward_layernorm",
         "ffn_norm" => "post_attention_layernorm",
+        "post_attention_norm" => "post_attention_layernorm",
+        "post_ffw_norm" => "post_feedforward_layernorm",
         "attn_q" => "self_attn.q_proj",
         "attn_k" => "self_attn.k_proj",
         "attn_v" => "self_attn.v_proj",
@@ -137,8 +142,10 @@ fn unpermute_rows(a: &Array, heads: usize) -> Result<Array> {
 
 pub fn load_gguf(f: &GgufFile, cfg: &ModelConfig, dtype: Dtype) -> Result<Weights> {
     let mut w = Weights::new(f.path(), dtype);
+    // llama.cpp stores Gemma's norm weights as 1 + w.
+    w.norms_include_one = cfg.arch.is_gemma();
     for info in &f.tensors {
-        let Some(hf) = gguf_to_hf(&info.name) else {
+        let Some(hf) = gguf_to_hf(&info.name, cfg.arch) else {
             tracing::debug!(tensor = %info.name, "ignoring GGUF tensor");
             continue;
         };

@@ -126,11 +126,11 @@ fn unknown_rope_scaling() {
 #[test]
 fn unknown_tensor_type() {
     let d = tmpdir("qtype");
-    let p = d.join("q4k.gguf");
-    // type 12 is Q4_K: 256-element blocks of 144 bytes
-    write_gguf(&p, &[("general.architecture", "llama")], &[("blk.0.attn_q.weight", vec![256, 4], 12, 576)]);
+    let p = d.join("iq4xs.gguf");
+    // type 23 is IQ4_XS: 256-element blocks of 136 bytes
+    write_gguf(&p, &[("general.architecture", "llama")], &[("blk.0.attn_q.weight", vec![256, 4], 23, 544)]);
     let err = load_err(&p);
-    assert!(err.contains("Q4_K") && err.contains("blk.0.attn_q.weight"), "{err}");
+    assert!(err.contains("IQ4_XS") && err.contains("blk.0.attn_q.weight") && err.contains("Q6_K"), "{err}");
 }
 
 fn copy_dir(from: &Path, to: &Path) {

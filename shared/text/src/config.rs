@@ -300,6 +300,8 @@ pub fn from_gguf(f: &GgufFile) -> Result<ModelConfig> {
         "llama" | "mistral" => Arch::Llama,
         "qwen2" => Arch::Qwen2,
         "qwen3" => Arch::Qwen3,
+        "gemma2" => Arch::Gemma2,
+        "gemma3" => Arch::Gemma3,
         _ => return Err(Error::UnsupportedArch { path: path.into(), arch: arch_name }),
     };
     let key = |k: &str| format!("{arch_name}.{k}");
@@ -319,6 +321,23 @@ pub fn from_gguf(f: &GgufFile) -> Result<ModelConfig> {
     let head_dim = opt_uint("attention.key_length").unwrap_or(hidden / heads.max(1));
     let max_positions = opt_uint("context_length").unwrap_or(4096);
     let rope = gguf_rope(f, &key, head_dim, max_positions)?;
+    let rotary_dims = rope.dims;
+    let layers = uint("block_count")?;
+    let window = opt_uint("attention.sliding_window");
+    // GGUF does not say which layers slide: Gemma 2 alternates, Gemma 3 has one global layer
+    // in every `sliding_window_pattern` (6), other archs slide everywhere when windowed.
+    let pattern = opt_uint("attention.sliding_window_pattern").unwrap_or(6).max(1);
+    let sliding_layers = (0..layers)
+        .map(|i| {
+            window.is_some()
+                && match arch {
+                    Arch::Gemma2 => i % 2 == 0,
+                    Arch::Gemma3 => (i + 1) % pattern != 0,
+                    _ => true,
+                }
+        })
+        .collect();
+    let float = |k: &str| f.get(&key(k)).and_then(Value::as_f64).map(|v| v as f32);
     let cfg = ModelConfig {
         arch,
         vocab_size: vocab,
@@ -331,12 +350,14 @@ pub fn from_gguf(f: &GgufFile) -> Result<ModelConfig> {
         rms_norm_eps: f.get(&key("attention.layer_norm_rms_epsilon")).and_then(Value::as_f64).unwrap_or(1e-5) as f32,
         rope,
         tie_word_embeddings: f.tensor("output.weight").is_none(),
-        sliding_window: opt_uint("attention.sliding_window"),
-        sliding_layers: vec![opt_uint("attention.sliding_window").is_some(); uint("block_count")?],
-        rope_local: None,
-        query_pre_attn_scalar: None,
-        attn_logit_softcap: None,
-        final_logit_softcap: None,
+        sliding_window: window,
+        sliding_layers,
+        // Gemma 3's sliding layers rotate with base 10000 (transformers' default: GGUF has no key).
+        rope_local: (arch == Arch::Gemma3).then(|| RopeConfig::plain(10_000.0, rotary_dims)),
+        // GGUF has no query_pre_attn_scalar: Gemma's is the head size (but for Gemma 3 27B).
+        query_pre_attn_scalar: arch.is_gemma().then_some(head_dim as f32),
+        attn_logit_softcap: float("attn_logit_softcapping").filter(|_| arch == Arch::Gemma2),
+        final_logit_softcap: float("final_logit_softcapping").filter(|_| arch.is_gemma()),
         moe: None,
         max_position_embeddings: max_positions,
     };

@@ -15,7 +15,7 @@ pub enum Error {
     Format { path: PathBuf, message: String },
     #[error("{path}: unsupported architecture {arch:?} (supported: llama, mistral, qwen2, qwen3, phi3)")]
     UnsupportedArch { path: PathBuf, arch: String },
-    #[error("{path}: tensor {tensor:?} has unsupported type {kind} (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)")]
+    #[error("{path}: tensor {tensor:?} has unsupported type {kind} (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)")]
     UnsupportedTensorType { path: PathBuf, tensor: String, kind: String },
     #[error("{path}: missing tensor {tensor:?}")]
     MissingTensor { path: PathBuf, tensor: String },

@@ -13,6 +13,7 @@ use half::{bf16, f16};
 use memmap2::Mmap;
 
 use crate::error::{Error, Result};
+use crate::quants;
 
 const MAGIC: &[u8; 4] = b"GGUF";
 const DEFAULT_ALIGNMENT: u64 = 32;
@@ -85,6 +86,13 @@ pub enum TensorType {
     Q8_0,
     Q4_0,
     Q4_1,
+    Q5_0,
+    Q5_1,
+    Q2K,
+    Q3K,
+    Q4K,
+    Q5K,
+    Q6K,
 }
 
 impl TensorType {
@@ -94,11 +102,19 @@ impl TensorType {
             1 => TensorType::F16,
             2 => TensorType::Q4_0,
             3 => TensorType::Q4_1,
+            6 => TensorType::Q5_0,
+            7 => TensorType::Q5_1,
             8 => TensorType::Q8_0,
+            10 => TensorType::Q2K,
+            11 => TensorType::Q3K,
+            12 => TensorType::Q4K,
+            13 => TensorType::Q5K,
+            14 => TensorType::Q6K,
             30 => TensorType::BF16,
             _ => return None,
         })
     }
+
     /// (elements per block, bytes per block)
     fn block(self) -> (u64, u64) {
         match self {
@@ -107,15 +123,63 @@ impl TensorType {
             TensorType::Q8_0 => (32, 34),
             TensorType::Q4_0 => (32, 18),
             TensorType::Q4_1 => (32, 20),
+            TensorType::Q5_0 => (32, 22),
+            TensorType::Q5_1 => (32, 24),
+            TensorType::Q2K => (256, 84),
+            TensorType::Q3K => (256, 110),
+            TensorType::Q4K => (256, 144),
+            TensorType::Q5K => (256, 176),
+            TensorType::Q6K => (256, 210),
+        }
+    }
+
+    /// ggml's name of the type.
+    pub fn name(self) -> &'static str {
+        match self {
+            TensorType::F32 => "F32",
+            TensorType::F16 => "F16",
+            TensorType::BF16 => "BF16",
+            TensorType::Q8_0 => "Q8_0",
+            TensorType::Q4_0 => "Q4_0",
+            TensorType::Q4_1 => "Q4_1",
+            TensorType::Q5_0 => "Q5_0",
+            TensorType::Q5_1 => "Q5_1",
+            TensorType::Q2K => "Q2_K",
+            TensorType::Q3K => "Q3_K",
+            TensorType::Q4K => "Q4_K",
+            TensorType::Q5K => "Q5_K",
+            TensorType::Q6K => "Q6_K",
+        }
+    }
+
+    /// Decodes whole blocks of this type to f32, appending to `out`.
+    pub fn decode(self, bytes: &[u8], out: &mut Vec<f32>) {
+        let per_block: fn(&[u8], &mut Vec<f32>) = match self {
+            TensorType::F32 => return out.extend(bytes.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap()))),
+            TensorType::F16 => return out.extend(bytes.chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())),
+            TensorType::BF16 => return out.extend(bytes.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())),
+            TensorType::Q8_0 => quants::q8_0,
+            TensorType::Q4_0 => quants::q4_0,
+            TensorType::Q4_1 => quants::q4_1,
+            TensorType::Q5_0 => quants::q5_0,
+            TensorType::Q5_1 => quants::q5_1,
+            TensorType::Q2K => quants::q2_k,
+            TensorType::Q3K => quants::q3_k,
+            TensorType::Q4K => quants::q4_k,
+            TensorType::Q5K => quants::q5_k,
+            TensorType::Q6K => quants::q6_k,
+        };
+        for blk in bytes.chunks_exact(self.block().1 as usize) {
+            per_block(blk, out);
         }
     }
 }
 
 fn type_name(id: u32) -> String {
     let known = [
-        (6, "Q5_0"), (7, "Q5_1"), (9, "Q8_1"), (10, "Q2_K"), (11, "Q3_K"), (12, "Q4_K"),
-        (13, "Q5_K"), (14, "Q6_K"), (15, "Q8_K"), (16, "IQ2_XXS"), (24, "I8"), (25, "I16"),
-        (26, "I32"), (27, "I64"), (28, "F64"),
+        (9, "Q8_1"), (15, "Q8_K"), (16, "IQ2_XXS"), (17, "IQ2_XS"), (18, "IQ3_XXS"), (19, "IQ1_S"),
+        (20, "IQ4_NL"), (21, "IQ3_S"), (22, "IQ2_S"), (23, "IQ4_XS"), (24, "I8"), (25, "I16"),
+        (26, "I32"), (27, "I64"), (28, "F64"), (29, "IQ1_M"), (34, "TQ1_0"), (35, "TQ2_0"),
     ];
     known.iter().find(|(k, _)| *k == id).map(|(_, n)| n.to_string()).unwrap_or(format!("#{id}"))
 }
@@ -270,7 +334,7 @@ impl GgufFile {
             let (per_block, block_bytes) = kind.block();
             let elements = elements
                 .filter(|e| e % per_block == 0 && dims[0] % per_block == 0)
-                .ok_or_else(|| Error::format(path, format!("tensor {name:?}: bad shape {dims:?} for {kind:?}")))?;
+                .ok_or_else(|| Error::format(path, format!("tensor {name:?}: shape {dims:?} is not whole {} blocks", kind.name())))?;
             let nbytes = elements / per_block * block_bytes;
             let offset = data_start.checked_add(off).filter(|o| o.checked_add(nbytes).is_some_and(|e| e <= map.len() as u64));
             let offset = offset.ok_or_else(|| {
@@ -299,35 +363,7 @@ impl GgufFile {
     pub fn read_f32(&self, info: &TensorInfo) -> Vec<f32> {
         let bytes = &self.map[info.offset as usize..(info.offset + info.nbytes) as usize];
         let mut out = Vec::with_capacity(info.elements() as usize);
-        match info.kind {
-            TensorType::F32 => out.extend(bytes.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap()))),
-            TensorType::F16 => out.extend(bytes.chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())),
-            TensorType::BF16 => out.extend(bytes.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())),
-            TensorType::Q8_0 => {
-                for blk in bytes.chunks_exact(34) {
-                    let d = f16::from_le_bytes([blk[0], blk[1]]).to_f32();
-                    out.extend(blk[2..].iter().map(|&q| q as i8 as f32 * d));
-                }
-            }
-            TensorType::Q4_0 => {
-                for blk in bytes.chunks_exact(18) {
-                    let d = f16::from_le_bytes([blk[0], blk[1]]).to_f32();
-                    let q = &blk[2..];
-                    // Low nibbles hold elements 0..16, high nibbles 16..32.
-                    out.extend(q.iter().map(|&b| ((b & 0x0f) as i32 - 8) as f32 * d));
-                    out.extend(q.iter().map(|&b| ((b >> 4) as i32 - 8) as f32 * d));
-                }
-            }
-            TensorType::Q4_1 => {
-                for blk in bytes.chunks_exact(20) {
-                    let d = f16::from_le_bytes([blk[0], blk[1]]).to_f32();
-                    let m = f16::from_le_bytes([blk[2], blk[3]]).to_f32();
-                    let q = &blk[4..];
-                    out.extend(q.iter().map(|&b| (b & 0x0f) as f32 * d + m));
-                    out.extend(q.iter().map(|&b| (b >> 4) as f32 * d + m));
-                }
-            }
-        }
+        info.kind.decode(bytes, &mut out);
         out
     }
 }

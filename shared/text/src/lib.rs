@@ -1,7 +1,8 @@
 //! llmq's text side, free of MLX: what intake, the gateway's helpers and the engine share.
 //!
 //! Map of the crate:
-//! - `gguf`          reads llama.cpp's GGUF files (metadata, tensor directory, dequantization)
+//! - `gguf`          reads llama.cpp's GGUF files (metadata, tensor directory)
+//! - `quants`        GGML's quantized blocks (Q4_0..Q8_0, Q2_K..Q6_K) decoded to f32
 //! - `config`        a model's shape, from `config.json` or GGUF metadata
 //! - `rope`          rotary embeddings' base, rotated dimensions and scaling (linear, llama3, ...)
 //! - `shapes`        the shapes of random-weight benchmark models
@@ -17,6 +18,7 @@ pub mod config;
 pub mod detok;
 pub mod error;
 pub mod gguf;
+pub mod quants;
 pub mod rope;
 pub mod sampling;
 pub mod sentencepiece;
@@ -29,7 +31,10 @@ pub use error::{Error, Result};
 pub use tokenizer::Tokenizer;
 
 /// Models known by name; `llmq` finds their files in the set-up's model cache.
-pub const KNOWN_MODELS: &[(&str, &str)] = &[("smollm2", "smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")];
+pub const KNOWN_MODELS: &[(&str, &str)] = &[
+    ("smollm2", "smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    ("gemma3-270m", "gemma3-270m/gemma-3-270m-q4_k_m.gguf"),
+];
 
 /// Where named models live: $LLMQ_MODELS_DIR, else `.cache/models` of the checkout holding
 /// the running binary, else of the current directory.

@@ -127,15 +127,20 @@ impl Tokenizer {
                     .map(|a| a.iter().map(|v| v.as_f64().unwrap_or(0.0)).collect())
                     .ok_or_else(|| tok_err(path, "SentencePiece vocabulary without tokenizer.ggml.scores"))?;
                 let unk = id("unknown_token_id").map(|i| tokens[i as usize].clone());
+                // SentencePiece prefixes a space unless the model says not to (Gemma).
+                let prefix_space = get("add_space_prefix").and_then(Value::as_bool).unwrap_or(true);
+                let mut normalizers = vec![json!({"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"})];
+                if prefix_space {
+                    normalizers.insert(0, json!({"type": "Prepend", "prepend": "\u{2581}"}));
+                }
+                let mut decoders = vec![json!({"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "}), json!({"type": "ByteFallback"}), json!({"type": "Fuse"})];
+                if prefix_space {
+                    decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
+                }
                 json!({
-                    "normalizer": {"type": "Sequence", "normalizers": [
-                        {"type": "Prepend", "prepend": "\u{2581}"},
-                        {"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"}]},
+                    "normalizer": {"type": "Sequence", "normalizers": normalizers},
                     "pre_tokenizer": null,
-                    "decoder": {"type": "Sequence", "decoders": [
-                        {"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "},
-                        {"type": "ByteFallback"}, {"type": "Fuse"},
-                        {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+                    "decoder": {"type": "Sequence", "decoders": decoders},
                     "model": {"type": "BPE", "dropout": null, "unk_token": unk, "continuing_subword_prefix": null,
                               "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true,
                               "vocab": vocab, "merges": merges_from_scores(&tokens, &scores, &types)},
