@@ -11,7 +11,7 @@ use llmq_text::resolve_model;
 
 use crate::bench_nats::{median, round};
 
-/// H200 HBM bandwidth: the single-stream decode roofline is weight bytes / this.
+/// H200 HBM bandwidth: the single-stream decode roofline is the bytes a token reads / this.
 const HBM_BYTES_PER_S: f64 = 4.8e12;
 
 #[derive(clap::Args)]
@@ -182,6 +182,7 @@ pub fn run(a: Args) -> Result<()> {
     };
     let load_s = t0.elapsed().as_secs_f64();
     let nbytes = model.weight_bytes();
+    let read_per_token = model.bytes_read_per_token();
     let mut res = match a.scenario.as_str() {
         "single" => single(&model, &a)?,
         other => bail!("unknown scenario {other:?}: single, burst, batch, static, prefix, gateway"),
@@ -195,7 +196,7 @@ pub fn run(a: Args) -> Result<()> {
     obj.insert("weight_bytes".into(), nbytes.into());
     obj.insert("load_s".into(), round(load_s, 2).into());
     if let (true, Some(ms)) = (random, obj.get("ms_per_token").and_then(|v| v.as_f64())) {
-        let roof = nbytes as f64 / HBM_BYTES_PER_S * 1000.0;
+        let roof = read_per_token as f64 / HBM_BYTES_PER_S * 1000.0;
         obj.insert("hbm_roofline_ms".into(), round(roof, 3).into());
         // Six decimals: tiny shapes on a CPU are far below the H200 roofline, and still above 0.
         obj.insert("fraction_of_roofline".into(), ((roof / ms * 1e6).round() / 1e6).into());

@@ -307,6 +307,17 @@ impl Model {
         self.parameters().iter().map(|a| a.nbytes()).sum()
     }
 
+    /// Bytes one decoded token reads, for the single-stream roofline: every weight for a dense
+    /// model (as the peer's benchmark counts); for experts, only the k of each layer's experts
+    /// a token runs, and not the embedding table (unless it is also the output layer).
+    pub fn bytes_read_per_token(&self) -> usize {
+        let experts: Vec<&Experts> = self.layers.iter().filter_map(|l| if let FeedForward::Experts(e) = &l.mlp { Some(e) } else { None }).collect();
+        let Some(m) = self.config.moe.as_ref().filter(|_| !experts.is_empty()) else { return self.weight_bytes() };
+        let expert_bytes: usize = experts.iter().map(|e| e.expert_bytes()).sum();
+        let embed = if self.lm_head_t.is_some() { self.embed.nbytes() } else { 0 };
+        self.weight_bytes() - embed - expert_bytes + expert_bytes * m.experts_per_token / m.experts
+    }
+
     pub fn dtype(&self) -> Dtype {
         self.dtype
     }

@@ -66,6 +66,11 @@ impl Experts {
         p
     }
 
+    /// Bytes of the experts' weights (the router's not included).
+    pub(super) fn expert_bytes(&self) -> usize {
+        self.gate_up.nbytes() + self.down.nbytes()
+    }
+
     /// `x` [b, t, hidden] through each row's top-k experts.
     pub(super) fn forward(&self, x: &Array, gelu: bool) -> Result<Array> {
         let shape = x.shape().to_vec();
