@@ -22,9 +22,11 @@ const SORT_FROM: i32 = 64;
 
 pub(super) struct Experts {
     router: Linear,
-    /// Gate and up projections of every expert: [experts, hidden, 2 * size].
+    /// Gate and up projections of every expert, stored [experts, 2 * size, hidden] (each
+    /// expert's rows as the checkpoint has them) and seen transposed, [experts, hidden, 2 * size]:
+    /// the gathered matmul reads each output's weights contiguously.
     gate_up: Array,
-    /// Down projections: [experts, size, hidden].
+    /// Down projections, stored [experts, hidden, size], seen as [experts, size, hidden].
     down: Array,
     size: i32,
     top_k: i32,
@@ -47,13 +49,13 @@ impl Experts {
         for e in 0..m.experts {
             let g = w.take(&format!("{p}.experts.{e}.{gate}.weight"), &[f, hidden])?;
             let u = w.take(&format!("{p}.experts.{e}.{up}.weight"), &[f, hidden])?;
-            gate_up.push(concatenate(&[g, u], 0)?.t());
-            downs.push(w.take(&format!("{p}.experts.{e}.{down}.weight"), &[hidden, f])?.t());
+            gate_up.push(concatenate(&[g, u], 0)?);
+            downs.push(w.take(&format!("{p}.experts.{e}.{down}.weight"), &[hidden, f])?);
         }
         Ok(Experts {
             router,
-            gate_up: stack(&gate_up, 0)?,
-            down: stack(&downs, 0)?,
+            gate_up: stack(&gate_up, 0)?.swap_axes(-1, -2)?,
+            down: stack(&downs, 0)?.swap_axes(-1, -2)?,
             size: f as i32,
             top_k: m.experts_per_token as i32,
             renormalize: m.renormalize,
