@@ -10,7 +10,7 @@ use mlx_rs::Array;
 use llmq_text::config::ModelConfig;
 
 use super::rope::{Rope, Rotation};
-use super::{norm_weight, softcap, Linear};
+use super::layer::{norm_weight, softcap, Linear};
 use crate::arch::ArchOptions;
 use crate::cache::{AttnMask, KvCache};
 use crate::error::Result;

@@ -6,16 +6,16 @@
 //! sequence against that sequence's own cache, so nothing is padded to the longest sequence.
 
 mod attention;
+mod layer;
 mod moe;
 mod rope;
 mod step;
 
 use mlx_rs::fast::rms_norm;
 use mlx_rs::ops::indexing::IndexOp;
-use mlx_rs::ops::{concatenate, sigmoid};
+use mlx_rs::ops::concatenate;
 
-use self::attention::Attention;
-use self::moe::Experts;
+use self::layer::{norm_weight, softcap, Layer};
 use self::rope::Rope;
 use mlx_rs::{Array, Dtype};
 
@@ -40,112 +40,6 @@ const CACHE_STEP: usize = 256;
 /// On a GPU, prefill chunks end on multiples of this many positions (see `Model::chunk_grid`).
 pub const GPU_CHUNK_GRID: usize = 256;
 
-struct Linear {
-    weight_t: Array,
-    bias: Option<Array>,
-}
-
-impl Linear {
-    /// Loads projections that read the same input as one: their weights are stacked along the
-    /// output dimension, so one matmul (one kernel) computes them all. `parts` are
-    /// (weight prefix, output size); callers split the output back by those sizes.
-    fn load_fused(w: &mut Weights, parts: &[(String, usize)], in_dim: usize, bias: bool) -> Result<Self> {
-        let mut weights = Vec::with_capacity(parts.len());
-        let mut biases = Vec::with_capacity(parts.len());
-        for (prefix, out_dim) in parts {
-            weights.push(w.take(&format!("{prefix}.weight"), &[*out_dim, in_dim])?);
-            if bias {
-                biases.push(w.take(&format!("{prefix}.bias"), &[*out_dim])?);
-            }
-        }
-        let stack = |v: Vec<Array>| -> Result<Array> {
-            Ok(if v.len() == 1 { v.into_iter().next().unwrap() } else { concatenate(&v, 0)? })
-        };
-        let weight_t = stack(weights)?.t();
-        let bias = if bias { Some(stack(biases)?) } else { None };
-        Ok(Linear { weight_t, bias })
-    }
-
-    fn load(w: &mut Weights, prefix: &str, out_dim: usize, in_dim: usize, bias: bool) -> Result<Self> {
-        Self::load_fused(w, &[(prefix.to_string(), out_dim)], in_dim, bias)
-    }
-
-    fn forward(&self, x: &Array) -> Result<Array> {
-        let y = x.matmul(&self.weight_t)?;
-        Ok(match &self.bias {
-            Some(b) => y.add(b)?,
-            None => y,
-        })
-    }
-}
-
-struct Mlp {
-    /// gate and up projections fused: [intermediate | intermediate] outputs.
-    gate_up: Linear,
-    intermediate: i32,
-    down: Linear,
-    /// GELU (tanh approximation) on the gate instead of SiLU (Gemma).
-    gelu: bool,
-}
-
-/// A layer's feed-forward part: one MLP, or experts chosen per token.
-enum FeedForward {
-    Dense(Mlp),
-    Experts(Experts),
-}
-
-impl FeedForward {
-    fn forward(&self, x: &Array) -> Result<Array> {
-        match self {
-            FeedForward::Dense(m) => m.forward(x),
-            FeedForward::Experts(e) => e.forward(x, false),
-        }
-    }
-
-    fn parameters(&self) -> Vec<&Array> {
-        match self {
-            FeedForward::Dense(m) => [&m.gate_up, &m.down].into_iter().flat_map(|l| std::iter::once(&l.weight_t).chain(&l.bias)).collect(),
-            FeedForward::Experts(e) => e.parameters(),
-        }
-    }
-}
-
-struct Layer {
-    input_norm: Array,
-    attn: Attention,
-    /// Gemma: the attention's output is normed before the residual add.
-    attn_out_norm: Option<Array>,
-    /// The norm before the MLP (Llama's `post_attention_layernorm`, Gemma's
-    /// `pre_feedforward_layernorm`).
-    mlp_norm: Array,
-    mlp: FeedForward,
-    /// Gemma: the MLP's output is normed before the residual add.
-    mlp_out_norm: Option<Array>,
-    /// Index of the layer's rope in `Model::ropes`.
-    rope: usize,
-}
-
-impl Layer {
-    /// `x` plus the attention's output `h` (normed first where the arch says).
-    fn add_attention(&self, x: &Array, h: Array, eps: f32) -> Result<Array> {
-        let h = match &self.attn_out_norm {
-            Some(n) => rms_norm(&h, Some(n), eps)?,
-            None => h,
-        };
-        Ok(x.add(&h)?)
-    }
-
-    /// `x` plus the MLP's output over the normed `x`.
-    fn add_mlp(&self, x: &Array, eps: f32) -> Result<Array> {
-        let h = self.mlp.forward(&rms_norm(x, Some(&self.mlp_norm), eps)?)?;
-        let h = match &self.mlp_out_norm {
-            Some(n) => rms_norm(&h, Some(n), eps)?,
-            None => h,
-        };
-        Ok(x.add(&h)?)
-    }
-}
-
 pub struct Model {
     pub config: ModelConfig,
     embed: Array,
@@ -163,51 +57,6 @@ pub struct Model {
     row_attention: Option<RowAttention>,
 }
 
-/// silu(g) * u as one fused kernel (MLX compiles the element-wise graph once per shape class).
-fn swiglu(g: &Array, u: &Array) -> Result<Array> {
-    let f = |(g, u): (&Array, &Array)| -> std::result::Result<Array, mlx_rs::error::Exception> {
-        g.multiply(sigmoid(g)?)?.multiply(u)
-    };
-    let mut compiled = mlx_rs::transforms::compile::compile(f, true);
-    Ok(compiled((g, u))?)
-}
-
-fn geglu_or_swiglu(g: &Array, u: &Array, gelu: bool) -> Result<Array> {
-    if gelu {
-        geglu(g, u)
-    } else {
-        swiglu(g, u)
-    }
-}
-
-/// gelu_tanh(g) * u (Gemma's MLP), fused like `swiglu`:
-/// 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) u.
-fn geglu(g: &Array, u: &Array) -> Result<Array> {
-    let f = |(g, u): (&Array, &Array)| -> std::result::Result<Array, mlx_rs::error::Exception> {
-        let inner = g.add(g.multiply(g)?.multiply(g)?.multiply(Array::from_f32(0.044715))?)?.multiply(Array::from_f32((2.0 / std::f32::consts::PI).sqrt()))?;
-        let cdf = mlx_rs::ops::tanh(&inner)?.add(Array::from_f32(1.0))?.multiply(Array::from_f32(0.5))?;
-        g.multiply(cdf)?.multiply(u)
-    };
-    let mut compiled = mlx_rs::transforms::compile::compile(f, true);
-    Ok(compiled((g, u))?)
-}
-
-/// `cap * tanh(x / cap)` (Gemma 2's soft-capping of scores and logits).
-pub(crate) fn softcap(x: &Array, cap: f32) -> Result<Array> {
-    Ok(mlx_rs::ops::tanh(&x.divide(Array::from_f32(cap))?)?.multiply(Array::from_f32(cap))?)
-}
-
-/// A norm's weight as the layer multiplies by it: Gemma stores `w` for `1 + w` (computed in
-/// f32, as transformers does, then cast).
-fn norm_weight(w: &mut Weights, name: &str, size: usize, plus_one: bool) -> Result<Array> {
-    let a = w.take(name, &[size])?;
-    if !plus_one || w.norms_include_one() {
-        return Ok(a);
-    }
-    let dtype = a.dtype();
-    Ok(a.as_dtype(Dtype::Float32)?.add(Array::from_f32(1.0))?.as_dtype(dtype)?)
-}
-
 /// A prefill chunk's share of a step: its tokens, its sequence's cache, and the layers it runs
 /// through in this step. A chunk's stages are consecutive ranges of layers ending at the last;
 /// a stage after the first takes the hidden state the one before it gave (`hidden`, None for
@@ -221,15 +70,6 @@ pub struct ChunkStage<'a> {
     pub hidden: Option<Array>,
 }
 
-impl Mlp {
-    fn forward(&self, x: &Array) -> Result<Array> {
-        let gu = self.gate_up.forward(x)?;
-        let g = gu.index((.., .., ..self.intermediate));
-        let u = gu.index((.., .., self.intermediate..));
-        self.down.forward(&geglu_or_swiglu(&g, &u, self.gelu)?)
-    }
-}
-
 impl Model {
     /// Builds the model from weights named as in Hugging Face checkpoints.
     pub fn load(config: ModelConfig, mut w: Weights) -> Result<Self> {
@@ -237,32 +77,7 @@ impl Model {
         let opts = arch::options(c.arch);
         let embed = w.take("model.embed_tokens.weight", &[c.vocab_size, c.hidden_size])?;
         let gemma = c.arch.is_gemma();
-        let mut layers = Vec::with_capacity(c.num_layers);
-        for i in 0..c.num_layers {
-            let p = format!("model.layers.{i}");
-            let (h, f) = (c.hidden_size, c.intermediate_size);
-            let norm = |w: &mut Weights, name: &str| norm_weight(w, &format!("{p}.{name}.weight"), h, gemma);
-            let input_norm = norm(&mut w, "input_layernorm")?;
-            let attn = Attention::load(&mut w, &format!("{p}.self_attn"), c, opts)?;
-            let (attn_out_norm, mlp_norm, mlp_out_norm) = if gemma {
-                (Some(norm(&mut w, "post_attention_layernorm")?), norm(&mut w, "pre_feedforward_layernorm")?, Some(norm(&mut w, "post_feedforward_layernorm")?))
-            } else {
-                (None, norm(&mut w, "post_attention_layernorm")?, None)
-            };
-            let mlp = match c.moe.as_ref().filter(|m| m.sparse_layers[i]) {
-                Some(m) => FeedForward::Experts(Experts::load(&mut w, &p, h, m)?),
-                None => {
-                    let gate_up = if opts.fused {
-                        Linear::load(&mut w, &format!("{p}.mlp.gate_up_proj"), 2 * f, h, false)?
-                    } else {
-                        Linear::load_fused(&mut w, &[(format!("{p}.mlp.gate_proj"), f), (format!("{p}.mlp.up_proj"), f)], h, false)?
-                    };
-                    FeedForward::Dense(Mlp { gate_up, intermediate: f as i32, down: Linear::load(&mut w, &format!("{p}.mlp.down_proj"), h, f, false)?, gelu: gemma })
-                }
-            };
-            let rope = usize::from(c.rope_local.is_some() && c.window(i).is_some());
-            layers.push(Layer { input_norm, attn, attn_out_norm, mlp_norm, mlp, mlp_out_norm, rope });
-        }
+        let layers = (0..c.num_layers).map(|i| Layer::load(&mut w, c, i, opts)).collect::<Result<Vec<_>>>()?;
         let norm = norm_weight(&mut w, "model.norm.weight", c.hidden_size, gemma)?;
         let lm_head_t = if c.tie_word_embeddings && !w.contains("lm_head.weight") {
             None
@@ -288,16 +103,7 @@ impl Model {
             p.push(h);
         }
         for l in &self.layers {
-            p.extend([&l.input_norm, &l.mlp_norm]);
-            p.extend(l.attn_out_norm.iter().chain(&l.mlp_out_norm));
-            let a = &l.attn;
-            for lin in [&a.qkv, &a.o] {
-                p.push(&lin.weight_t);
-                p.extend(lin.bias.as_ref());
-            }
-            p.extend(l.mlp.parameters());
-            p.extend(a.q_norm.as_ref());
-            p.extend(a.k_norm.as_ref());
+            p.extend(l.parameters());
         }
         p
     }
@@ -311,9 +117,8 @@ impl Model {
     /// model (as the peer's benchmark counts); for experts, only the k of each layer's experts
     /// a token runs, and not the embedding table (unless it is also the output layer).
     pub fn bytes_read_per_token(&self) -> usize {
-        let experts: Vec<&Experts> = self.layers.iter().filter_map(|l| if let FeedForward::Experts(e) = &l.mlp { Some(e) } else { None }).collect();
-        let Some(m) = self.config.moe.as_ref().filter(|_| !experts.is_empty()) else { return self.weight_bytes() };
-        let expert_bytes: usize = experts.iter().map(|e| e.expert_bytes()).sum();
+        let expert_bytes: usize = self.layers.iter().map(|l| l.mlp.expert_bytes()).sum();
+        let Some(m) = self.config.moe.as_ref().filter(|_| expert_bytes > 0) else { return self.weight_bytes() };
         let embed = if self.lm_head_t.is_some() { self.embed.nbytes() } else { 0 };
         self.weight_bytes() - embed - expert_bytes + expert_bytes * m.experts_per_token / m.experts
     }

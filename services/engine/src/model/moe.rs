@@ -13,7 +13,7 @@ use mlx_rs::{Array, Dtype};
 
 use llmq_text::config::MoeConfig;
 
-use super::{geglu_or_swiglu, Linear};
+use super::layer::{geglu_or_swiglu, Linear};
 use crate::error::Result;
 use crate::weights::Weights;
 
