@@ -19,6 +19,8 @@ const FULL_ATTENTION: &[&str] = &["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tin
 /// Rotary scaling past the original context in the longer cases: llama3 (bf16), yarn, and the
 /// position-dependent dynamic and longrope (with partial rotation).
 const SCALED_ROPE: &[&str] = &["tiny-llama3", "tiny-qwen2-yarn", "tiny-llama-dynamic", "tiny-phi3"];
+/// Mixtures of experts: a decode step's rows and a chunk's share the gathered expert matmuls.
+const EXPERTS: &[&str] = &["tiny-mixtral", "tiny-qwen3-moe"];
 
 fn check_prefill(name: &str, chunk: usize) {
     check_prefill_on_grid(name, chunk, 1);
@@ -207,7 +209,7 @@ fn decode_batch_with_joins_and_leaves_matches_transformers() {
 #[test]
 fn grouped_decode_matches_transformers() {
     const STEPS: usize = 4;
-    let scaled = SCALED_ROPE.iter().flat_map(|&m| [(m, 0), (m, 8)]);
+    let scaled = SCALED_ROPE.iter().chain(EXPERTS).flat_map(|&m| [(m, 0), (m, 8)]);
     for (name, per_row) in [("tiny-llama", 0), ("tiny-qwen3", 0), ("tiny-llama", 8), ("tiny-qwen3", 8)].into_iter().chain(scaled) {
         let m = load(name);
         let cases = reference(fixture(name).join("reference.safetensors"));
@@ -251,7 +253,7 @@ fn batch_short_of(model: &llmq_engine::Model, cases: &[&Case], steps: usize) -> 
 #[test]
 fn decode_fused_with_a_prefill_chunk_matches_transformers() {
     const STEPS: usize = 4;
-    let scaled = SCALED_ROPE.iter().flat_map(|&m| [(m, 1), (m, 8)]);
+    let scaled = SCALED_ROPE.iter().chain(EXPERTS).flat_map(|&m| [(m, 1), (m, 8)]);
     for (name, grid) in [("tiny-llama", 1), ("tiny-qwen2", 1), ("tiny-qwen3", 1), ("tiny-llama", 8), ("tiny-qwen3", 8)].into_iter().chain(scaled) {
         let model = load(name).model.with_chunk_grid(grid);
         let cases = reference(fixture(name).join("reference.safetensors"));
@@ -286,7 +288,7 @@ fn decode_fused_with_a_prefill_chunk_matches_transformers() {
 fn decode_fused_with_a_chunk_in_stages_matches_transformers() {
     const CHUNKS: usize = 3;
     const STEPS: usize = 2 * CHUNKS;
-    let scaled = SCALED_ROPE.iter().map(|&m| (m, 1));
+    let scaled = SCALED_ROPE.iter().chain(EXPERTS).map(|&m| (m, 1));
     for (name, grid) in [("tiny-llama", 1), ("tiny-qwen3", 1), ("tiny-llama", 8), ("tiny-qwen2", 8)].into_iter().chain(scaled) {
         let model = load(name).model.with_chunk_grid(grid);
         let layers = model.num_layers();

@@ -13,7 +13,8 @@
 //! - `seq` a request's sequence and the work the prefill and decode actors share
 //! - `placement` how many jobs a worker holds, from its peers' heartbeats
 //! - `held` the jobs a worker holds, and when it must give them up (cut off from the server)
-//! - `service` the worker process: model loading, NATS jobs, cancels, cache clears, heartbeats
+//! - `service` the worker process: the device thread, events out, cancels, cache clears, heartbeats
+//! - `jobs` the jobs stream: taking jobs while there is room, handing back, draining
 //! - `tick_log` one line per tick, for tuning (off unless `worker.tick_log` is set)
 //!
 //! All MLX work of a worker runs on one thread: the device thread, which runs the four actors.
@@ -23,6 +24,7 @@ pub mod cache;
 pub mod decode;
 pub mod engine;
 pub mod held;
+pub mod jobs;
 pub mod messages;
 pub mod placement;
 pub mod prefill;
