@@ -45,11 +45,6 @@ impl RopeConfig {
         RopeConfig { theta, dims, scaling: RopeScaling::None }
     }
 
-    /// Whether the frequencies are the same at every position.
-    pub fn is_static(&self) -> bool {
-        !matches!(self.scaling, RopeScaling::Dynamic { .. } | RopeScaling::LongRope { .. })
-    }
-
     /// The unscaled inverse frequencies, one per pair of rotated dimensions.
     fn base_inv_freq(&self, theta: f32) -> Vec<f64> {
         let d = self.dims as f64;
@@ -128,7 +123,7 @@ impl RopeConfig {
     }
 
     /// The first position whose frequencies differ from those before it (`dynamic`,
-    /// `longrope`), None when every position shares them.
+    /// `longrope`), None when every position rotates at the same frequencies.
     pub fn switch_position(&self) -> Option<usize> {
         match &self.scaling {
             RopeScaling::Dynamic { original_max, .. } | RopeScaling::LongRope { original_max, .. } => Some(*original_max),
@@ -245,7 +240,7 @@ mod tests {
         let scaled = r.inv_freq_at(0);
         assert_eq!(scaled[0], plain[0]);
         assert!((scaled[63] - plain[63] / 8.0).abs() < 1e-12);
-        assert!(r.is_static() && r.attention_factor() == 1.0);
+        assert!(r.switch_position().is_none() && r.attention_factor() == 1.0);
     }
 
     #[test]

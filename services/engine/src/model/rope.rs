@@ -64,11 +64,10 @@ impl Rope {
     pub(crate) fn new(config: RopeConfig, head_dim: usize) -> Rope {
         let (freqs, freqs_after) = match &config.scaling {
             RopeScaling::None | RopeScaling::Linear { .. } => (None, None),
-            RopeScaling::Llama3 { .. } | RopeScaling::Yarn { .. } | RopeScaling::Factors { .. } => (Some(periods(&config.inv_freq_at(0))), None),
-            RopeScaling::Dynamic { .. } => (Some(periods(&config.inv_freq_at(0))), None),
             RopeScaling::LongRope { original_max, .. } => {
                 (Some(periods(&config.inv_freq_at(0))), Some(periods(&config.inv_freq_at(*original_max))))
             }
+            _ => (Some(periods(&config.inv_freq_at(0))), None),
         };
         Rope { config, head_dim: head_dim as i32, freqs, freqs_after }
     }
@@ -103,7 +102,7 @@ impl Rope {
 
     /// A sequence's chunk of `len` tokens from `offset`.
     pub(crate) fn at_offset(&self, offset: i32, len: i32) -> Result<Rotation> {
-        if self.config.is_static() {
+        if self.config.switch_position().is_none() {
             return Ok(self.rotation(self.freqs.clone(), At::Offset(offset)));
         }
         let positions: Vec<i32> = (offset..offset + len).collect();
