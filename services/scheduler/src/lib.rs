@@ -2,12 +2,15 @@
 //!
 //! - `policy` the scheduler: decode first, then one bounded prefill chunk per tick, admission
 //!   against the KV budget, prefill order; it drives any `EngineOps`
+//! - `engine` what the scheduler asks of an engine (`EngineOps`) and what it gets back
 //! - `budget` prefill chunks sized to a time budget per tick (measured decode and chunk times)
 //!
 //! The worker's scheduler actor owns a `Scheduler` and drives its role actors through
 //! `EngineOps`; the tests drive fakes with a fake clock.
 
 pub mod budget;
+pub mod engine;
 pub mod policy;
 
+pub use engine::*;
 pub use policy::*;
