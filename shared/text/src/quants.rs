@@ -67,15 +67,22 @@ fn scale_min_k4(j: usize, s: &[u8]) -> (f32, f32) {
     }
 }
 
+/// The scale and min of Q4_K's and Q5_K's two sub-blocks that share the bytes of `pair`: the
+/// low nibbles are sub-block 2 * pair, the high ones 2 * pair + 1.
+fn sub_block_pair(pair: usize, scales: &[u8], d: f32, dmin: f32) -> [(f32, f32); 2] {
+    [2 * pair, 2 * pair + 1].map(|j| {
+        let (sc, m) = scale_min_k4(j, scales);
+        (d * sc, dmin * m)
+    })
+}
+
 /// Q4_K: d, dmin (f16), 12 bytes of scales and mins, 128 bytes of nibbles; 8 sub-blocks of 32.
 pub fn q4_k(blk: &[u8], out: &mut Vec<f32>) {
     let (d, dmin) = (h(blk, 0), h(blk, 2));
     let scales = &blk[4..16];
     let qs = &blk[16..144];
     for (pair, q) in qs.chunks_exact(32).enumerate() {
-        let (s1, m1) = scale_min_k4(2 * pair, scales);
-        let (s2, m2) = scale_min_k4(2 * pair + 1, scales);
-        let (d1, m1, d2, m2) = (d * s1, dmin * m1, d * s2, dmin * m2);
+        let [(d1, m1), (d2, m2)] = sub_block_pair(pair, scales, d, dmin);
         out.extend(q.iter().map(|&b| d1 * (b & 0x0f) as f32 - m1));
         out.extend(q.iter().map(|&b| d2 * (b >> 4) as f32 - m2));
     }
@@ -88,9 +95,7 @@ pub fn q5_k(blk: &[u8], out: &mut Vec<f32>) {
     let qh = &blk[16..48];
     let qs = &blk[48..176];
     for (pair, q) in qs.chunks_exact(32).enumerate() {
-        let (s1, m1) = scale_min_k4(2 * pair, scales);
-        let (s2, m2) = scale_min_k4(2 * pair + 1, scales);
-        let (d1, m1, d2, m2) = (d * s1, dmin * m1, d * s2, dmin * m2);
+        let [(d1, m1), (d2, m2)] = sub_block_pair(pair, scales, d, dmin);
         let (u1, u2) = (1u8 << (2 * pair), 2u8 << (2 * pair));
         out.extend(q.iter().zip(qh).map(|(&b, &hb)| d1 * ((b & 0x0f) + if hb & u1 != 0 { 16 } else { 0 }) as f32 - m1));
         out.extend(q.iter().zip(qh).map(|(&b, &hb)| d2 * ((b >> 4) + if hb & u2 != 0 { 16 } else { 0 }) as f32 - m2));
