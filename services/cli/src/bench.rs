@@ -6,7 +6,7 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use llmq_engine::generate::{generate, GenerateRequest};
 use llmq_text::sampling::{Sampling, StopConditions};
-use llmq_engine::{default_dtype, load_model, on_gpu, parse_dtype, shapes, Model};
+use llmq_engine::{load_model, on_gpu, shapes, Model};
 use llmq_text::resolve_model;
 
 use crate::bench_nats::{median, round};
@@ -31,8 +31,8 @@ pub struct Args {
     prompt_tokens: usize,
     #[arg(long, default_value_t = 256)]
     output_tokens: usize,
-    #[arg(long)]
-    dtype: Option<String>,
+    #[command(flatten)]
+    weights: crate::generate::WeightArgs,
     #[arg(long)]
     json: bool,
     /// burst: streams decoding when the burst arrives.
@@ -119,8 +119,17 @@ fn through_nats(a: &Args) -> Result<serde_json::Value> {
         (None, None) => bail!("give --model NAME or --random-weights SHAPE"),
     };
     let mut worker_env = vec![];
-    if let Some(d) = &a.dtype {
+    let w = &a.weights;
+    w.options()?; // refused here, before any process starts
+    if let Some(d) = &w.dtype {
         worker_env.push(("LLMQ__WORKER__DTYPE".to_string(), d.clone()));
+    }
+    if let Some(bits) = w.quantize {
+        worker_env.push(("LLMQ__WORKER__QUANTIZE".to_string(), bits.to_string()));
+        worker_env.push(("LLMQ__WORKER__QUANTIZE_GROUP_SIZE".to_string(), w.group_size.to_string()));
+    }
+    if let Some(k) = w.keep_quantized {
+        worker_env.push(("LLMQ__WORKER__KEEP_QUANTIZED".to_string(), k.to_string()));
     }
     if let Some(b) = a.kv_budget_bytes {
         worker_env.push(("LLMQ__SCHEDULER__KV_BUDGET_BYTES".to_string(), b.to_string()));
@@ -173,11 +182,12 @@ pub fn run(a: Args) -> Result<()> {
     if !a.local {
         bail!("the {} scenario runs the engine in process: add --local", a.scenario);
     }
-    let dtype = a.dtype.as_deref().map(parse_dtype).transpose()?.unwrap_or_else(default_dtype);
+    let opts = a.weights.options()?;
+    let dtype = opts.dtype;
     let t0 = Instant::now();
     let (model, label, random) = match (&a.model, &a.random_weights) {
-        (_, Some(shape)) => (shapes::random_model(shape, dtype, 0)?, shape.clone(), true),
-        (Some(name), None) => (load_model(&resolve_model(name)?, dtype)?.model, name.clone(), false),
+        (_, Some(shape)) => (shapes::random_model(shape, opts, 0)?, shape.clone(), true),
+        (Some(name), None) => (load_model(&resolve_model(name)?, opts)?.model, name.clone(), false),
         (None, None) => bail!("give --model NAME or --random-weights SHAPE"),
     };
     let load_s = t0.elapsed().as_secs_f64();
@@ -193,6 +203,7 @@ pub fn run(a: Args) -> Result<()> {
     obj.insert("engine".into(), "llmq".into());
     obj.insert("device".into(), if on_gpu() { "gpu" } else { "cpu" }.into());
     obj.insert("dtype".into(), format!("{dtype:?}").into());
+    obj.insert("weights".into(), model.weights_summary().into());
     obj.insert("weight_bytes".into(), nbytes.into());
     obj.insert("load_s".into(), round(load_s, 2).into());
     if let (true, Some(ms)) = (random, obj.get("ms_per_token").and_then(|v| v.as_f64())) {

@@ -5,7 +5,7 @@ use std::io::Write;
 use anyhow::{Context, Result};
 use llmq_engine::generate::{generate, GenerateRequest};
 use llmq_text::sampling::{self, Sampling, StopConditions};
-use llmq_engine::{default_dtype, load_model, parse_dtype};
+use llmq_engine::{load_model, LoadOptions};
 use llmq_text::resolve_model;
 
 #[derive(clap::Args)]
@@ -44,9 +44,8 @@ pub struct Args {
     /// Prefill chunk size in tokens.
     #[arg(long, default_value_t = 4096)]
     prefill_chunk: usize,
-    /// f32, f16 or bf16 (default: f32 on CPU, bf16 on GPU).
-    #[arg(long)]
-    dtype: Option<String>,
+    #[command(flatten)]
+    pub weights: WeightArgs,
     /// Print one JSON object at the end instead of streaming text.
     #[arg(long)]
     pub json: bool,
@@ -55,13 +54,38 @@ pub struct Args {
     pub nats: String,
 }
 
+/// How a model's weights are loaded (`llmq generate --local`, `llmq bench`).
+#[derive(clap::Args)]
+pub struct WeightArgs {
+    /// f32, f16 or bf16 (default: f32 on CPU, bf16 on GPU).
+    #[arg(long)]
+    pub dtype: Option<String>,
+    /// Quantize full-precision weights at load to this many bits (2, 3, 4, 5, 6, 8), kept
+    /// quantized on the device.
+    #[arg(long)]
+    pub quantize: Option<i32>,
+    /// Elements per scale and bias for --quantize: 32, 64 or 128.
+    #[arg(long, default_value_t = 64)]
+    pub group_size: i32,
+    /// Keep a quantized checkpoint's weights quantized (true) or dequantize them at load
+    /// (false). Default: true on a GPU, false on a CPU (dense f32 is faster there).
+    #[arg(long)]
+    pub keep_quantized: Option<bool>,
+}
+
+impl WeightArgs {
+    pub fn options(&self) -> Result<LoadOptions> {
+        Ok(LoadOptions::from_settings(self.dtype.as_deref(), self.quantize, self.group_size, self.keep_quantized)?)
+    }
+}
+
 pub fn run(a: Args) -> Result<()> {
     if !a.local {
         return crate::client::generate(&a);
     }
-    let dtype = a.dtype.as_deref().map(parse_dtype).transpose()?.unwrap_or_else(default_dtype);
     let path = resolve_model(&a.model)?;
-    let loaded = load_model(&path, dtype).with_context(|| format!("loading {}", path.display()))?;
+    let loaded = load_model(&path, a.weights.options()?).with_context(|| format!("loading {}", path.display()))?;
+    eprintln!("weights: {}", loaded.model.weights_summary());
     let tok = loaded.tokenizer.as_ref().context("this model has no tokenizer")?;
     let prompt_ids = tok.prompt_ids(&a.prompt, a.chat)?;
     let req = GenerateRequest {
@@ -98,6 +122,7 @@ pub fn run(a: Args) -> Result<()> {
             "ms_per_token": out.ms_per_token(),
             "logprobs": out.logprobs,
             "model": path,
+            "weights": loaded.model.weights_summary(),
         });
         writeln!(stdout, "{v}")?;
     } else {

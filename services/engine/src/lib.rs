@@ -4,6 +4,7 @@
 //! Model files' metadata, tokenizers and sampling parameters are `llmq_text`'s (no MLX there).
 //!
 //! - `weights`   tensors by Hugging Face name, from safetensors (sharded or not) or GGUF
+//! - `quant`     weights kept quantized on the device (MLX's affine form)
 //! - `arch`      what distinguishes Llama, Qwen2 and Qwen3
 //! - `model`     the transformer: chunked prefill and batched decode over per-sequence caches
 //! - `cache`     the KV-cache trait, a growing cache and a sliding-window one
@@ -22,6 +23,7 @@ pub mod error;
 pub mod generate;
 pub mod model;
 pub mod prefix;
+pub mod quant;
 pub mod row_attention;
 pub mod shapes;
 pub mod weights;
@@ -34,6 +36,8 @@ use mlx_rs::{Device, DeviceType, Dtype};
 
 pub use error::{EngineError, Result};
 pub use model::Model;
+pub use quant::QuantSpec;
+pub use weights::LoadOptions;
 
 /// A loaded model with its tokenizer (absent only for tokenizer-less test checkpoints).
 pub struct LoadedModel {
@@ -67,26 +71,28 @@ pub fn parse_dtype(s: &str) -> Result<Dtype> {
 
 /// Loads a model by name: `random:<shape>` (random weights, no tokenizer; see `shapes`), a
 /// known name, or a path.
-pub fn load_named(name: &str, dtype: Dtype) -> Result<LoadedModel> {
+pub fn load_named(name: &str, opts: impl Into<LoadOptions>) -> Result<LoadedModel> {
+    let opts = opts.into();
     if let Some(shape) = name.strip_prefix("random:") {
-        let model = shapes::random_model(shape, dtype, 0)?;
+        let model = shapes::random_model(shape, opts, 0)?;
         return Ok(LoadedModel { model, tokenizer: None, source: PathBuf::from(name) });
     }
-    load_model(&resolve_model(name)?, dtype)
+    load_model(&resolve_model(name)?, opts)
 }
 
-/// Loads a Hugging Face directory or a GGUF file in `dtype`.
-pub fn load_model(path: &Path, dtype: Dtype) -> Result<LoadedModel> {
+/// Loads a Hugging Face directory or a GGUF file as `opts` say (a dtype alone: its defaults).
+pub fn load_model(path: &Path, opts: impl Into<LoadOptions>) -> Result<LoadedModel> {
+    let opts = opts.into();
     let (model, tokenizer) = if path.is_dir() {
         let cfg = config::from_hf_json(&path.join("config.json"))?;
-        let w = weights::load_hf_dir(path, dtype)?;
+        let w = weights::load_hf_dir(path, opts)?;
         let tok = if path.join("tokenizer.json").is_file() { Some(Tokenizer::from_hf_dir(path)?) } else { None };
         (Model::load(cfg, w)?, tok)
     } else {
         let f = gguf::GgufFile::open(path)?;
         let cfg = config::from_gguf(&f)?;
         let tok = Tokenizer::from_gguf_metadata(path, &f.metadata)?;
-        let w = weights::load_gguf(&f, &cfg, dtype)?;
+        let w = weights::load_gguf(&f, &cfg, opts)?;
         (Model::load(cfg, w)?, Some(tok))
     };
     if let Some(t) = &tokenizer {

@@ -2,16 +2,19 @@
 //! the mixture-of-experts shapes, for speed measurements that need no files.
 
 use llmq_text::shapes::config;
-use mlx_rs::{random, Dtype};
+use mlx_rs::random;
 
 use crate::error::Result;
 use crate::model::Model;
-use crate::weights::Weights;
+use crate::weights::{LoadOptions, Weights};
 
-/// A model of the named shape with normally distributed weights (std 0.02), in `dtype`.
-pub fn random_model(name: &str, dtype: Dtype, seed: u64) -> Result<Model> {
+/// A model of the named shape with normally distributed weights (std 0.02), in the options'
+/// dtype (and quantized, where they say).
+pub fn random_model(name: &str, opts: impl Into<LoadOptions>, seed: u64) -> Result<Model> {
     let c = config(name)?;
-    let mut w = Weights::new(format!("random:{name}"), dtype);
+    let opts = opts.into();
+    let dtype = opts.dtype;
+    let mut w = Weights::new(format!("random:{name}"), opts);
     let mut n = 0u64;
     let mut add = |w: &mut Weights, name: String, shape: &[usize]| -> Result<()> {
         n += 1;

@@ -1,32 +1,94 @@
-//! Weight loading: Hugging Face safetensors directories (single or sharded) and GGUF files,
-//! both into one map keyed by Hugging Face tensor names, in the compute dtype.
+//! Weight loading: Hugging Face safetensors directories (single or sharded, full precision or
+//! quantized as mlx-lm writes them) and GGUF files, into one map keyed by Hugging Face tensor
+//! names, in the compute dtype.
 //!
 //! Invariants: GGUF tensors are renamed to Hugging Face names and Llama Q/K rows are put back
 //! in Hugging Face's rotary order (llama.cpp interleaves them); Gemma's norms keep llama.cpp's
 //! 1 + w (`norms_include_one`); `take` checks shapes, so an architecture never runs on a
 //! tensor of the wrong size.
+//!
+//! What a projection's weight becomes is decided here, once (`LoadOptions`): quantized weights
+//! stay quantized where `keep_quantized` says (else they are dequantized), and full-precision
+//! ones are quantized when `quantize` asks. Every decision is counted in `summary`.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use mlx_rs::{Array, Dtype};
 
 use llmq_text::config::{Arch, ModelConfig};
-use llmq_text::gguf::GgufFile;
+use llmq_text::gguf::{GgufFile, TensorType};
 
 use crate::error::Result;
+use crate::quant::{Matrix, QTensor, QuantSpec};
+
+/// How weights are loaded: the compute dtype and what happens to quantized weights.
+#[derive(Debug, Clone, Copy)]
+pub struct LoadOptions {
+    pub dtype: Dtype,
+    /// Quantize full-precision projection and embedding weights at load.
+    pub quantize: Option<QuantSpec>,
+    /// Keep quantized weights quantized on the device. Default: on a GPU, where reading 4-bit
+    /// weights is what makes decode fast; on a CPU dense f32 is faster, so they are dequantized.
+    pub keep_quantized: bool,
+}
+
+impl LoadOptions {
+    pub fn new(dtype: Dtype) -> Self {
+        LoadOptions { dtype, quantize: None, keep_quantized: crate::on_gpu() }
+    }
+
+    /// Quantizes at load (`--quantize`); what is asked for is kept, on any device.
+    pub fn quantized(mut self, spec: Option<QuantSpec>) -> Self {
+        self.quantize = spec;
+        if spec.is_some() {
+            self.keep_quantized = true;
+        }
+        self
+    }
+
+    pub fn keep_quantized(mut self, keep: bool) -> Self {
+        self.keep_quantized = keep;
+        self
+    }
+
+    /// From settings as the CLI and the worker take them: a dtype name (default: the device's),
+    /// bits to quantize to at load with their group size, and whether to keep quantized weights
+    /// quantized (default: the device's choice, or yes when quantizing at load).
+    pub fn from_settings(dtype: Option<&str>, quantize: Option<i32>, group_size: i32, keep_quantized: Option<bool>) -> Result<Self> {
+        let dtype = dtype.map(crate::parse_dtype).transpose()?.unwrap_or_else(crate::default_dtype);
+        let spec = quantize.map(|bits| QuantSpec::new(bits, group_size)).transpose()?;
+        let opts = LoadOptions::new(dtype).quantized(spec);
+        Ok(match keep_quantized {
+            Some(k) => opts.keep_quantized(k),
+            None => opts,
+        })
+    }
+}
+
+impl From<Dtype> for LoadOptions {
+    fn from(dtype: Dtype) -> Self {
+        LoadOptions::new(dtype)
+    }
+}
 
 pub struct Weights {
     source: PathBuf,
-    map: HashMap<String, Array>,
-    dtype: Dtype,
+    map: HashMap<String, Matrix>,
+    opts: LoadOptions,
     /// Gemma's norm weights already hold `1 + w` (llama.cpp stores them so).
     norms_include_one: bool,
+    /// Where each weight came from and what it became, counted: e.g. "Q4_K -> 4-bit, groups of
+    /// 32 (exact)".
+    summary: BTreeMap<String, usize>,
+    /// Where each quantized entry came from, for `summary` when it is taken.
+    origin: HashMap<String, String>,
 }
 
 impl Weights {
-    pub fn new(source: impl Into<PathBuf>, dtype: Dtype) -> Self {
-        Weights { source: source.into(), map: HashMap::new(), dtype, norms_include_one: false }
+    pub fn new(source: impl Into<PathBuf>, opts: impl Into<LoadOptions>) -> Self {
+        let opts = opts.into();
+        Weights { source: source.into(), map: HashMap::new(), opts, norms_include_one: false, summary: BTreeMap::new(), origin: HashMap::new() }
     }
 
     pub fn norms_include_one(&self) -> bool {
@@ -34,12 +96,27 @@ impl Weights {
     }
 
     pub fn dtype(&self) -> Dtype {
-        self.dtype
+        self.opts.dtype
     }
 
+    /// A full-precision tensor, in the compute dtype.
     pub fn insert(&mut self, name: impl Into<String>, a: Array) -> Result<()> {
-        let a = if a.dtype() == self.dtype { a } else { a.as_dtype(self.dtype)? };
-        self.map.insert(name.into(), a);
+        let a = if a.dtype() == self.opts.dtype { a } else { a.as_dtype(self.opts.dtype)? };
+        self.map.insert(name.into(), Matrix::Dense(a));
+        Ok(())
+    }
+
+    /// A quantized tensor, its scales and biases in the compute dtype; `origin` names its
+    /// source form for the summary.
+    pub fn insert_quantized(&mut self, name: impl Into<String>, mut q: QTensor, origin: impl Into<String>) -> Result<()> {
+        let dtype = self.opts.dtype;
+        if q.scales.dtype() != dtype {
+            q.scales = q.scales.as_dtype(dtype)?;
+            q.biases = q.biases.as_dtype(dtype)?;
+        }
+        let name = name.into();
+        self.origin.insert(name.clone(), origin.into());
+        self.map.insert(name, Matrix::Quantized(q));
         Ok(())
     }
 
@@ -47,18 +124,67 @@ impl Weights {
         self.map.contains_key(name)
     }
 
-    /// Removes and returns a tensor, checking its shape.
-    pub fn take(&mut self, name: &str, shape: &[usize]) -> Result<Array> {
-        let a = self
+    fn remove(&mut self, name: &str, shape: &[usize]) -> Result<Matrix> {
+        let m = self
             .map
             .remove(name)
             .ok_or_else(|| llmq_text::Error::MissingTensor { path: self.source.clone(), tensor: name.into() })?;
-        let actual: Vec<i64> = a.shape().iter().map(|&d| d as i64).collect();
-        let expected: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
-        if actual != expected {
-            return Err(llmq_text::Error::TensorShape { path: self.source.clone(), tensor: name.into(), actual, expected }.into());
+        let actual = m.shape();
+        if actual != shape {
+            let i64s = |v: &[usize]| v.iter().map(|&d| d as i64).collect();
+            return Err(llmq_text::Error::TensorShape { path: self.source.clone(), tensor: name.into(), actual: i64s(&actual), expected: i64s(shape) }.into());
         }
-        Ok(a)
+        Ok(m)
+    }
+
+    /// Removes and returns a tensor in full precision, checking its shape.
+    pub fn take(&mut self, name: &str, shape: &[usize]) -> Result<Array> {
+        let origin = self.origin.remove(name);
+        let m = self.remove(name, shape)?;
+        if let Some(o) = origin {
+            self.count(format!("{o} -> dense (dequantized)"));
+        }
+        m.into_dense()
+    }
+
+    /// Removes and returns a projection's or an embedding's weight [out, in] as the load options
+    /// say: quantized weights kept or dequantized, full-precision ones quantized or kept.
+    pub fn take_matrix(&mut self, name: &str, shape: &[usize]) -> Result<Matrix> {
+        let origin = self.origin.remove(name);
+        let m = self.remove(name, shape)?;
+        let dtype = self.opts.dtype;
+        let dense_name = || format!("{dtype:?}").to_lowercase();
+        let (m, what) = match (m, origin) {
+            (Matrix::Quantized(q), Some(o)) if self.opts.keep_quantized => {
+                let spec = q.spec;
+                (Matrix::Quantized(q), format!("{o} -> {spec}"))
+            }
+            (Matrix::Quantized(q), o) => (Matrix::Dense(q.dequantize()?), format!("{} -> {} (dequantized)", o.as_deref().unwrap_or("quantized"), dense_name())),
+            (Matrix::Dense(a), o) => {
+                let from = o.unwrap_or_else(dense_name);
+                match self.opts.quantize {
+                    Some(spec) if shape[shape.len() - 1] % spec.group_size as usize == 0 => {
+                        let q = QTensor::quantize(&a, spec)?;
+                        // Now, so that the full-precision tensor is freed before the next one.
+                        mlx_rs::transforms::eval(q.parameters())?;
+                        (Matrix::Quantized(q), format!("{from} -> {spec} (quantized at load)"))
+                    }
+                    _ if from != dense_name() => (Matrix::Dense(a), format!("{from} -> {} (dequantized)", dense_name())),
+                    _ => (Matrix::Dense(a), dense_name()),
+                }
+            }
+        };
+        self.count(what);
+        Ok(m)
+    }
+
+    fn count(&mut self, what: String) {
+        *self.summary.entry(what).or_default() += 1;
+    }
+
+    /// What the weights taken so far became, one line per kind with its count of tensors.
+    pub fn summary(&self) -> String {
+        self.summary.iter().map(|(k, n)| format!("{n} x {k}")).collect::<Vec<_>>().join("; ")
     }
 
     pub fn source(&self) -> &Path {
@@ -66,12 +192,13 @@ impl Weights {
     }
 }
 
-/// Loads `model.safetensors` or the shards listed in `model.safetensors.index.json`.
-pub fn load_hf_dir(dir: &Path, dtype: Dtype) -> Result<Weights> {
+/// Loads `model.safetensors` or the shards listed in `model.safetensors.index.json`. Weights
+/// quantized by mlx-lm (`X.weight` packed, `X.scales`, `X.biases`, the form in config.json's
+/// `quantization`) are read as such.
+pub fn load_hf_dir(dir: &Path, opts: impl Into<LoadOptions>) -> Result<Weights> {
     let index = dir.join("model.safetensors.index.json");
     let files: Vec<PathBuf> = if index.is_file() {
-        let text = std::fs::read_to_string(&index).map_err(|e| llmq_text::Error::io(&index, e))?;
-        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| llmq_text::Error::format(&index, e.to_string()))?;
+        let v = read_json(&index)?;
         let map = v
             .get("weight_map")
             .and_then(|m| m.as_object())
@@ -83,17 +210,108 @@ pub fn load_hf_dir(dir: &Path, dtype: Dtype) -> Result<Weights> {
     } else {
         vec![dir.join("model.safetensors")]
     };
-    let mut w = Weights::new(dir, dtype);
+    let quantization = MlxQuantization::from_config(&dir.join("config.json"))?;
+    let mut w = Weights::new(dir, opts);
+    let mut arrays = HashMap::new();
     for file in files {
         if !file.is_file() {
             return Err(llmq_text::Error::io(&file, std::io::Error::new(std::io::ErrorKind::NotFound, "no such file")).into());
         }
-        let arrays = Array::load_safetensors(&file).map_err(|e| llmq_text::Error::format(&file, format!("bad safetensors file: {e}")))?;
-        for (name, a) in arrays {
-            w.insert(name, a)?;
-        }
+        let loaded = Array::load_safetensors(&file).map_err(|e| llmq_text::Error::format(&file, format!("bad safetensors file: {e}")))?;
+        arrays.extend(loaded);
+    }
+    let quantized: Vec<String> = arrays.keys().filter_map(|k| k.strip_suffix(".scales").map(String::from)).collect();
+    for module in quantized {
+        let scales = arrays.remove(&format!("{module}.scales")).unwrap();
+        let (Some(packed), Some(biases)) = (arrays.remove(&format!("{module}.weight")), arrays.remove(&format!("{module}.biases"))) else {
+            return Err(llmq_text::Error::format(dir, format!("{module}: scales without a packed weight and biases")).into());
+        };
+        let spec = quantization.as_ref().and_then(|q| q.spec(&module)).ok_or_else(|| {
+            llmq_text::Error::format(dir, format!("{module}: quantized, but config.json's quantization gives it no bits and group size"))
+        })?;
+        let q = QTensor { w: packed, scales, biases, spec };
+        check_quantized(dir, &module, &q)?;
+        w.insert_quantized(format!("{module}.weight"), q, format!("mlx {spec}"))?;
+    }
+    for (name, a) in arrays {
+        w.insert(name, a)?;
     }
     Ok(w)
+}
+
+fn read_json(path: &Path) -> Result<serde_json::Value> {
+    let text = std::fs::read_to_string(path).map_err(|e| llmq_text::Error::io(path, e))?;
+    Ok(serde_json::from_str(&text).map_err(|e| llmq_text::Error::format(path, e.to_string()))?)
+}
+
+/// A quantized tensor's parts agree with each other and with its form.
+fn check_quantized(path: &Path, module: &str, q: &QTensor) -> Result<()> {
+    let bad = |why: String| -> Result<()> { Err(llmq_text::Error::format(path, format!("{module}: {why}")).into()) };
+    if q.w.dtype() != Dtype::Uint32 {
+        return bad(format!("a packed weight of {:?}, not uint32", q.w.dtype()));
+    }
+    let shape = q.shape();
+    let cols = shape[shape.len() - 1];
+    let mut groups: Vec<i32> = shape.iter().map(|&d| d as i32).collect();
+    *groups.last_mut().unwrap() = (cols / q.spec.group_size as usize) as i32;
+    if cols % q.spec.group_size as usize != 0 || q.scales.shape() != groups || q.biases.shape() != groups {
+        return bad(format!(
+            "scales {:?} and biases {:?} do not fit a packed weight {:?} at {}",
+            q.scales.shape(),
+            q.biases.shape(),
+            q.w.shape(),
+            q.spec
+        ));
+    }
+    Ok(())
+}
+
+/// config.json's `quantization` as mlx-lm writes it: the default form, and per-module forms
+/// (`"model.layers.0.mlp.gate": {"group_size": 64, "bits": 8}`) or `false` (kept dense).
+struct MlxQuantization {
+    default: Option<QuantSpec>,
+    modules: HashMap<String, Option<QuantSpec>>,
+}
+
+impl MlxQuantization {
+    fn from_config(path: &Path) -> Result<Option<Self>> {
+        if !path.is_file() {
+            return Ok(None);
+        }
+        let v = read_json(path)?;
+        let Some(q) = v.get("quantization").or_else(|| v.get("quantization_config")).and_then(|q| q.as_object()) else { return Ok(None) };
+        let field = |name: &str, v: &serde_json::Value| -> Result<Option<QuantSpec>> {
+            let bad = |why: &str| llmq_text::Error::format(path, format!("quantization{name}: {why}"));
+            if let Some(mode) = v.get("mode").and_then(|m| m.as_str()).filter(|m| *m != "affine") {
+                return Err(bad(&format!("mode {mode:?}; only \"affine\" is supported")).into());
+            }
+            let (Some(bits), Some(group)) = (v.get("bits").and_then(|b| b.as_i64()), v.get("group_size").and_then(|g| g.as_i64())) else {
+                return Ok(None);
+            };
+            QuantSpec::new(bits as i32, group as i32).map(Some).map_err(|e| bad(&e.to_string()).into())
+        };
+        let default = field("", &serde_json::Value::Object(q.clone()))?;
+        let mut modules = HashMap::new();
+        for (k, v) in q {
+            match v {
+                serde_json::Value::Object(_) => {
+                    modules.insert(k.clone(), field(&format!(".{k}"), v)?);
+                }
+                serde_json::Value::Bool(false) => {
+                    modules.insert(k.clone(), None);
+                }
+                _ => {}
+            }
+        }
+        Ok(Some(MlxQuantization { default, modules }))
+    }
+
+    fn spec(&self, module: &str) -> Option<QuantSpec> {
+        match self.modules.get(module) {
+            Some(s) => *s,
+            None => self.default,
+        }
+    }
 }
 
 fn gguf_to_hf(name: &str, arch: Arch) -> Option<String> {
@@ -131,33 +349,61 @@ fn gguf_to_hf(name: &str, arch: Arch) -> Option<String> {
     Some(format!("model.layers.{layer}.{hf}.{suffix}"))
 }
 
-/// Undoes llama.cpp's Q/K row order: per head it stores the two rotary halves interleaved.
-fn unpermute_rows(a: &Array, heads: usize) -> Result<Array> {
-    let rows = a.shape()[0];
-    let cols = a.shape()[1];
-    let h = heads as i32;
-    let r = a.reshape(&[h, rows / h / 2, 2, cols])?;
-    Ok(r.transpose_axes(&[0, 2, 1, 3])?.reshape(&[rows, cols])?)
+/// llama.cpp's Q/K rows put back in Hugging Face's order: per head it stores the two rotary
+/// halves interleaved. Row i of the result is row `order[i]` of the file's.
+fn unpermuted_rows(rows: usize, heads: usize) -> Array {
+    let per_head = rows / heads;
+    let order: Vec<i32> = (0..rows)
+        .map(|i| {
+            let (head, r) = (i / per_head, i % per_head);
+            let (half, j) = (r / (per_head / 2), r % (per_head / 2));
+            (head * per_head + 2 * j + half) as i32
+        })
+        .collect();
+    Array::from_slice(&order, &[rows as i32])
 }
 
-pub fn load_gguf(f: &GgufFile, cfg: &ModelConfig, dtype: Dtype) -> Result<Weights> {
-    let mut w = Weights::new(f.path(), dtype);
+/// The width GGUF types without an exact affine form (Q2_K, Q3_K, Q6_K: 16-wide groups) are
+/// requantized to, in groups of 32: 8 bits keeps the error far below the format's own.
+const REQUANTIZED_BITS: i32 = 8;
+
+pub fn load_gguf(f: &GgufFile, cfg: &ModelConfig, opts: impl Into<LoadOptions>) -> Result<Weights> {
+    let mut w = Weights::new(f.path(), opts);
     // llama.cpp stores Gemma's norm weights as 1 + w.
     w.norms_include_one = cfg.arch.is_gemma();
+    let keep = w.opts.keep_quantized;
     for info in &f.tensors {
         let Some(hf) = gguf_to_hf(&info.name, cfg.arch) else {
             tracing::debug!(tensor = %info.name, "ignoring GGUF tensor");
             continue;
         };
-        let data = f.read_f32(info);
         let shape: Vec<i32> = info.shape.iter().map(|&d| d as i32).collect();
-        let mut a = Array::from_slice(&data, &shape);
-        if cfg.arch == Arch::Llama && hf.ends_with("self_attn.q_proj.weight") {
-            a = unpermute_rows(&a, cfg.num_heads)?;
-        } else if cfg.arch == Arch::Llama && hf.ends_with("self_attn.k_proj.weight") {
-            a = unpermute_rows(&a, cfg.num_kv_heads)?;
+        let order = match cfg.arch {
+            Arch::Llama if hf.ends_with("self_attn.q_proj.weight") => Some(unpermuted_rows(shape[0] as usize, cfg.num_heads)),
+            Arch::Llama if hf.ends_with("self_attn.k_proj.weight") => Some(unpermuted_rows(shape[0] as usize, cfg.num_kv_heads)),
+            _ => None,
+        };
+        let reorder = |a: Array| -> Result<Array> { Ok(match &order { Some(o) => a.take_axis(o, 0)?, None => a }) };
+        let quantized = !matches!(info.kind, TensorType::F32 | TensorType::F16 | TensorType::BF16);
+        if keep && quantized && shape.len() == 2 {
+            let (rows, cols) = (shape[0] as usize, shape[1] as usize);
+            let kind = info.kind.name();
+            let (q, origin) = match f.read_affine(info) {
+                Some(a) => (QTensor::from_affine(&a, rows, cols, a.bits as i32, w.dtype())?, format!("{kind} (exact)")),
+                None => {
+                    let dense = Array::from_slice(&f.read_f32(info), &shape);
+                    (QTensor::quantize(&dense, QuantSpec::new(REQUANTIZED_BITS, 32)?)?, format!("{kind} (requantized)"))
+                }
+            };
+            let q = QTensor { w: reorder(q.w)?, scales: reorder(q.scales)?, biases: reorder(q.biases)?, spec: q.spec };
+            w.insert_quantized(hf, q, origin)?;
+        } else {
+            let a = reorder(Array::from_slice(&f.read_f32(info), &shape))?;
+            if quantized {
+                w.origin.insert(hf.clone(), info.kind.name().to_string());
+            }
+            w.insert(hf, a)?;
         }
-        w.insert(hf, a)?;
     }
     Ok(w)
 }

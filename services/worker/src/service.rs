@@ -25,7 +25,7 @@ use actix::prelude::*;
 use async_nats::jetstream::{self, AckKind};
 use futures::StreamExt;
 use llmq_config::{SchedulerSettings, Settings};
-use llmq_engine::{default_dtype, load_named, parse_dtype};
+use llmq_engine::{load_named, LoadOptions};
 use llmq_protocol::{subjects, CacheCleared, Cancel, ClearCache, Event, WorkerStatus};
 use tokio::sync::mpsc;
 
@@ -68,12 +68,12 @@ pub(crate) fn nats_err(e: impl std::error::Error + Send + Sync + 'static) -> Wor
 /// stages: such a chunk spans them; with stages, the tick budget sizes each tick's share of a
 /// chunk in the decode actor, so here it sizes nothing; without, a budget set (the default one
 /// is for stages only) sizes whole chunks.
-pub fn scheduler_config(c: &SchedulerSettings, stages: usize) -> SchedulerConfig {
+pub fn scheduler_config(c: &SchedulerSettings, stages: usize, kv_budget_bytes: u64) -> SchedulerConfig {
     SchedulerConfig {
         prefill_chunk: c.prefill_chunk_tokens.saturating_mul(stages),
         idle_prefill_chunk: c.idle_prefill_chunk_tokens,
         max_batch: c.max_batch,
-        kv_budget_bytes: c.kv_budget_bytes,
+        kv_budget_bytes,
         kv_bytes_per_token: 1,
         aging_tokens_per_s: c.aging_tokens_per_s,
         interleave: c.interleave,
@@ -81,6 +81,15 @@ pub fn scheduler_config(c: &SchedulerSettings, stages: usize) -> SchedulerConfig
         tick_budget: if stages > 1 { 0.0 } else { c.tick_budget.unwrap_or(0.0) },
         min_prefill_chunk: c.min_prefill_chunk_tokens,
     }
+}
+
+/// The KV budget when `scheduler.kv_budget_bytes` is unset: half of what MLX's memory limit
+/// leaves beside the weights (the other half is for activations, the largest being a prefill
+/// chunk's logits, and for MLX's cache of freed buffers), at least 256 MiB. Quantized weights
+/// leave more, so the same device admits more streams.
+pub fn auto_kv_budget(weight_bytes: usize) -> u64 {
+    let limit = mlx_rs::memory::memory_limit().unwrap_or(0);
+    (limit.saturating_sub(weight_bytes) as u64 / 2).max(256 << 20)
 }
 
 /// Sets MLX's allocator limits (`worker.mlx_memory_limit_bytes`, `worker.mlx_cache_limit_bytes`)
@@ -185,8 +194,6 @@ async fn start_device(
     let sched = settings.scheduler.clone();
     let prefix = settings.prefix_cache.clone();
     let requested_stages = sched.chunk_stages(gpu);
-    let kv_budget = sched.kv_budget_bytes;
-    let prefix_max = if prefix.max_bytes == 0 { kv_budget } else { prefix.max_bytes.min(kv_budget) };
     let (stage_budget, stage_tokens, min_stage_tokens) = (sched.tick_budget(gpu), sched.prefill_chunk_tokens, sched.min_prefill_chunk_tokens);
     let w = settings.worker.clone();
     let worker_id = worker_id.to_string();
@@ -195,15 +202,18 @@ async fn start_device(
         let loaded = (|| {
             set_mlx_limits(w.mlx_memory_limit_bytes, w.mlx_cache_limit_bytes)?;
             let load = |source| WorkerError::Load { model: w.model.clone(), source };
-            let dtype = w.dtype.as_deref().map(parse_dtype).transpose().map_err(load)?.unwrap_or_else(default_dtype);
-            load_named(&w.model, dtype).map_err(load)
+            let opts = LoadOptions::from_settings(w.dtype.as_deref(), w.quantize, w.quantize_group_size, w.keep_quantized).map_err(load)?;
+            load_named(&w.model, opts).map_err(load)
         })();
         let _ = ready_tx.send(loaded.map(|m| {
             let mut model = m.model;
             // A chunk beside decoding streams spans the stages this model's decode actor runs
             // it in (fewer than asked for a sliding-window model, or one with fewer layers).
             let chunk_stages = crate::decode::chunk_stages(&model, requested_stages);
-            let cfg = scheduler_config(&sched, chunk_stages);
+            let kv_budget = sched.kv_budget_bytes.unwrap_or_else(|| auto_kv_budget(model.weight_bytes()));
+            tracing::info!(kv_budget_bytes = kv_budget, weight_bytes = model.weight_bytes(), "KV budget");
+            let prefix_max = if prefix.max_bytes == 0 { kv_budget } else { prefix.max_bytes.min(kv_budget) };
+            let cfg = scheduler_config(&sched, chunk_stages, kv_budget);
             // Whole chunks, of every size the tick budget grants, are never padded.
             let mut sizes = cfg.chunk_sizes();
             sizes.push(cfg.idle_prefill_chunk);

@@ -106,6 +106,13 @@ pub struct WorkerSettings {
     pub model: String,
     /// f32, f16 or bf16; default: f32 on CPU, bf16 on GPU.
     pub dtype: Option<String>,
+    /// Quantize full-precision weights at load to this many bits (2, 3, 4, 5, 6 or 8).
+    pub quantize: Option<i32>,
+    /// Elements per scale and bias when quantizing at load (32, 64 or 128).
+    pub quantize_group_size: i32,
+    /// Keep quantized weights (a quantized checkpoint's, or `quantize`'s) quantized on the
+    /// device. Default: yes on a GPU or with `quantize`; no on a CPU, where dense f32 is faster.
+    pub keep_quantized: Option<bool>,
     /// The GPU this worker owns (its index, exported as CUDA_VISIBLE_DEVICES before MLX starts);
     /// default: whatever the environment gives.
     pub device: Option<u32>,
@@ -136,7 +143,7 @@ pub struct WorkerSettings {
 
 impl Default for WorkerSettings {
     fn default() -> Self {
-        WorkerSettings { id: None, model: "smollm2".into(), dtype: None, device: None, heartbeat_ms: 1000, max_queued: 256, ack_wait_ms: 6_000, warm_up_tokens: None, mlx_memory_limit_bytes: None, mlx_cache_limit_bytes: None, tick_log: None, drain_timeout_s: 30 }
+        WorkerSettings { id: None, model: "smollm2".into(), dtype: None, quantize: None, quantize_group_size: 64, keep_quantized: None, device: None, heartbeat_ms: 1000, max_queued: 256, ack_wait_ms: 6_000, warm_up_tokens: None, mlx_memory_limit_bytes: None, mlx_cache_limit_bytes: None, tick_log: None, drain_timeout_s: 30 }
     }
 }
 
@@ -146,7 +153,9 @@ pub struct SchedulerSettings {
     pub prefill_chunk_tokens: usize,
     pub idle_prefill_chunk_tokens: usize,
     pub max_batch: usize,
-    pub kv_budget_bytes: u64,
+    /// KV memory reserved for requests (prompt + max_tokens each). Default: from what the
+    /// device's memory leaves beside the weights (the worker's `auto_kv_budget`).
+    pub kv_budget_bytes: Option<u64>,
     pub aging_tokens_per_s: f64,
     /// false: whole prompts are prefilled at once (the synchronous baseline).
     pub interleave: bool,
@@ -197,7 +206,7 @@ impl Default for SchedulerSettings {
             prefill_chunk_tokens: 256,
             idle_prefill_chunk_tokens: 4096,
             max_batch: 64,
-            kv_budget_bytes: 2 << 30,
+            kv_budget_bytes: None,
             aging_tokens_per_s: 1000.0,
             interleave: true,
             continuous: true,
@@ -275,7 +284,7 @@ impl Settings {
         if s.max_batch == 0 {
             return bad("scheduler.max_batch", "0".into(), "must be at least 1");
         }
-        if s.kv_budget_bytes == 0 {
+        if s.kv_budget_bytes == Some(0) {
             return bad("scheduler.kv_budget_bytes", "0".into(), "must be positive");
         }
         if !(s.aging_tokens_per_s.is_finite() && s.aging_tokens_per_s >= 0.0) {

@@ -116,7 +116,7 @@ impl TensorType {
     }
 
     /// (elements per block, bytes per block)
-    fn block(self) -> (u64, u64) {
+    pub(crate) fn block(self) -> (u64, u64) {
         match self {
             TensorType::F32 => (1, 4),
             TensorType::F16 | TensorType::BF16 => (1, 2),
@@ -359,11 +359,19 @@ impl GgufFile {
         self.index.get(name).map(|&i| &self.tensors[i])
     }
 
+    fn bytes(&self, info: &TensorInfo) -> &[u8] {
+        &self.map[info.offset as usize..(info.offset + info.nbytes) as usize]
+    }
+
     /// Decodes a tensor to f32, row-major.
     pub fn read_f32(&self, info: &TensorInfo) -> Vec<f32> {
-        let bytes = &self.map[info.offset as usize..(info.offset + info.nbytes) as usize];
         let mut out = Vec::with_capacity(info.elements() as usize);
-        info.kind.decode(bytes, &mut out);
+        info.kind.decode(self.bytes(info), &mut out);
         out
+    }
+
+    /// A tensor as affine groups of 32 (`affine`), for the types that are exactly that.
+    pub fn read_affine(&self, info: &TensorInfo) -> Option<crate::affine::Affine> {
+        crate::affine::read(info.kind, self.bytes(info))
     }
 }

@@ -3,6 +3,7 @@
 //! Map of the crate:
 //! - `gguf`          reads llama.cpp's GGUF files (metadata, tensor directory)
 //! - `quants`        GGML's quantized blocks (Q4_0..Q8_0, Q2_K..Q6_K) decoded to f32
+//! - `affine`        the blocks that are affine groups of 32 (MLX's quantized form), as such
 //! - `config`        a model's shape, from `config.json` or GGUF metadata
 //! - `rope`          rotary embeddings' base, rotated dimensions and scaling (linear, llama3, ...)
 //! - `shapes`        the shapes of random-weight benchmark models
@@ -14,6 +15,7 @@
 //! And where named models live (`resolve_model`), and a model's tokenizer and context without
 //! its weights (`load_tokenizer`).
 
+pub mod affine;
 pub mod config;
 pub mod detok;
 pub mod error;

@@ -57,7 +57,7 @@ pub fn q5_1(blk: &[u8], out: &mut Vec<f32>) {
 }
 
 /// Q4_K's and Q5_K's 6-bit scale and min of sub-block `j` (of 8), packed in 12 bytes.
-fn scale_min_k4(j: usize, s: &[u8]) -> (f32, f32) {
+pub(crate) fn scale_min_k4(j: usize, s: &[u8]) -> (f32, f32) {
     if j < 4 {
         ((s[j] & 63) as f32, (s[j + 4] & 63) as f32)
     } else {
@@ -175,11 +175,11 @@ pub fn q3_k(blk: &[u8], out: &mut Vec<f32>) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use crate::gguf::TensorType;
 
     /// tests/fixtures/gguf-quants-reference.safetensors: a tensor's raw little-endian bytes.
-    fn reference() -> std::collections::HashMap<String, Vec<u8>> {
+    pub(crate) fn reference() -> std::collections::HashMap<String, Vec<u8>> {
         let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/gguf-quants-reference.safetensors");
         let bytes = std::fs::read(path).unwrap();
         let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;

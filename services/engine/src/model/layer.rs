@@ -13,11 +13,19 @@ use super::attention::Attention;
 use super::moe::Experts;
 use crate::arch::ArchOptions;
 use crate::error::Result;
+use crate::quant::{Matrix, QTensor};
 use crate::weights::Weights;
 
+/// A projection: `x @ W^T + b`, the weight full precision (held transposed) or quantized.
 pub(super) struct Linear {
-    pub(super) weight_t: Array,
+    weight: Weight,
     pub(super) bias: Option<Array>,
+}
+
+enum Weight {
+    /// W^T, a view of the checkpoint's [out, in].
+    DenseT(Array),
+    Quantized(QTensor),
 }
 
 impl Linear {
@@ -28,17 +36,17 @@ impl Linear {
         let mut weights = Vec::with_capacity(parts.len());
         let mut biases = Vec::with_capacity(parts.len());
         for (prefix, out_dim) in parts {
-            weights.push(w.take(&format!("{prefix}.weight"), &[*out_dim, in_dim])?);
+            weights.push(w.take_matrix(&format!("{prefix}.weight"), &[*out_dim, in_dim])?);
             if bias {
                 biases.push(w.take(&format!("{prefix}.bias"), &[*out_dim])?);
             }
         }
-        let stack = |v: Vec<Array>| -> Result<Array> {
-            Ok(if v.len() == 1 { v.into_iter().next().unwrap() } else { concatenate(&v, 0)? })
+        let weight = match Matrix::join(weights, false)? {
+            Matrix::Dense(a) => Weight::DenseT(a.t()),
+            Matrix::Quantized(q) => Weight::Quantized(q),
         };
-        let weight_t = stack(weights)?.t();
-        let bias = if bias { Some(stack(biases)?) } else { None };
-        Ok(Linear { weight_t, bias })
+        let bias = if bias { Some(if biases.len() == 1 { biases.remove(0) } else { concatenate(&biases, 0)? }) } else { None };
+        Ok(Linear { weight, bias })
     }
 
     pub(super) fn load(w: &mut Weights, prefix: &str, out_dim: usize, in_dim: usize, bias: bool) -> Result<Self> {
@@ -46,11 +54,23 @@ impl Linear {
     }
 
     pub(super) fn forward(&self, x: &Array) -> Result<Array> {
-        let y = x.matmul(&self.weight_t)?;
+        let y = match &self.weight {
+            Weight::DenseT(wt) => x.matmul(wt)?,
+            Weight::Quantized(q) => q.matmul_t(x)?,
+        };
         Ok(match &self.bias {
             Some(b) => y.add(b)?,
             None => y,
         })
+    }
+
+    pub(super) fn parameters(&self) -> Vec<&Array> {
+        let mut p = match &self.weight {
+            Weight::DenseT(a) => vec![a],
+            Weight::Quantized(q) => q.parameters().to_vec(),
+        };
+        p.extend(self.bias.as_ref());
+        p
     }
 }
 
@@ -87,7 +107,7 @@ impl FeedForward {
 
     fn parameters(&self) -> Vec<&Array> {
         match self {
-            FeedForward::Dense(m) => [&m.gate_up, &m.down].into_iter().flat_map(|l| std::iter::once(&l.weight_t).chain(&l.bias)).collect(),
+            FeedForward::Dense(m) => [&m.gate_up, &m.down].into_iter().flat_map(Linear::parameters).collect(),
             FeedForward::Experts(e) => e.parameters(),
         }
     }
@@ -142,10 +162,8 @@ impl Layer {
         let mut p = vec![&self.input_norm, &self.mlp_norm];
         p.extend(self.attn_out_norm.iter().chain(&self.mlp_out_norm));
         let a = &self.attn;
-        for lin in [&a.qkv, &a.o] {
-            p.push(&lin.weight_t);
-            p.extend(lin.bias.as_ref());
-        }
+        p.extend(a.qkv.parameters());
+        p.extend(a.o.parameters());
         p.extend(self.mlp.parameters());
         p.extend(a.q_norm.as_ref());
         p.extend(a.k_norm.as_ref());

@@ -25,6 +25,7 @@ use crate::arch;
 use crate::batch::DecodeBatch;
 use crate::cache::{KvCache, RotatingCache, SequenceCache, StandardCache};
 use crate::error::{EngineError, Result};
+use crate::quant::Matrix;
 use crate::row_attention::RowAttention;
 use crate::weights::Weights;
 
@@ -42,7 +43,7 @@ pub const GPU_CHUNK_GRID: usize = 256;
 
 pub struct Model {
     pub config: ModelConfig,
-    embed: Array,
+    embed: Matrix,
     layers: Vec<Layer>,
     /// The ropes layers rotate with: one, or (Gemma 3) the global layers' then the sliding ones'.
     ropes: Vec<Rope>,
@@ -50,11 +51,13 @@ pub struct Model {
     embed_scale: Option<Array>,
     norm: Array,
     /// None when the output projection is tied to the embedding.
-    lm_head_t: Option<Array>,
+    lm_head: Option<Matrix>,
     dtype: Dtype,
     chunk_grid: usize,
     /// Decode attention by row lengths (NVIDIA GPUs); None: masked attention.
     row_attention: Option<RowAttention>,
+    /// What the checkpoint's weights became at load (`Weights::summary`).
+    weights: String,
 }
 
 /// A prefill chunk's share of a step: its tokens, its sequence's cache, and the layers it runs
@@ -75,14 +78,14 @@ impl Model {
     pub fn load(config: ModelConfig, mut w: Weights) -> Result<Self> {
         let c = &config;
         let opts = arch::options(c.arch);
-        let embed = w.take("model.embed_tokens.weight", &[c.vocab_size, c.hidden_size])?;
+        let embed = w.take_matrix("model.embed_tokens.weight", &[c.vocab_size, c.hidden_size])?;
         let gemma = c.arch.is_gemma();
         let layers = (0..c.num_layers).map(|i| Layer::load(&mut w, c, i, opts)).collect::<Result<Vec<_>>>()?;
         let norm = norm_weight(&mut w, "model.norm.weight", c.hidden_size, gemma)?;
-        let lm_head_t = if c.tie_word_embeddings && !w.contains("lm_head.weight") {
+        let lm_head = if c.tie_word_embeddings && !w.contains("lm_head.weight") {
             None
         } else {
-            Some(w.take("lm_head.weight", &[c.vocab_size, c.hidden_size])?.t())
+            Some(w.take_matrix("lm_head.weight", &[c.vocab_size, c.hidden_size])?)
         };
         let dtype = w.dtype();
         let chunk_grid = if crate::on_gpu() && !config.any_sliding() { GPU_CHUNK_GRID } else { 1 };
@@ -92,15 +95,18 @@ impl Model {
         let embed_scale = gemma.then(|| Array::from_f32((c.hidden_size as f32).sqrt()).as_dtype(dtype)).transpose()?;
         let mut ropes = vec![Rope::new(config.rope.clone(), config.head_dim)];
         ropes.extend(config.rope_local.clone().map(|r| Rope::new(r, config.head_dim)));
-        let model = Model { config, embed, layers, ropes, embed_scale, norm, lm_head_t, dtype, chunk_grid, row_attention };
+        let weights = w.summary();
+        tracing::info!(source = %w.source().display(), %weights, "weights loaded");
+        let model = Model { config, embed, layers, ropes, embed_scale, norm, lm_head, dtype, chunk_grid, row_attention, weights };
         mlx_rs::transforms::eval(model.parameters())?;
         Ok(model)
     }
 
     fn parameters(&self) -> Vec<&Array> {
-        let mut p = vec![&self.embed, &self.norm];
-        if let Some(h) = &self.lm_head_t {
-            p.push(h);
+        let mut p = self.embed.parameters();
+        p.push(&self.norm);
+        if let Some(h) = &self.lm_head {
+            p.extend(h.parameters());
         }
         for l in &self.layers {
             p.extend(l.parameters());
@@ -119,12 +125,18 @@ impl Model {
     pub fn bytes_read_per_token(&self) -> usize {
         let expert_bytes: usize = self.layers.iter().map(|l| l.mlp.expert_bytes()).sum();
         let Some(m) = self.config.moe.as_ref().filter(|_| expert_bytes > 0) else { return self.weight_bytes() };
-        let embed = if self.lm_head_t.is_some() { self.embed.nbytes() } else { 0 };
+        let embed = if self.lm_head.is_some() { self.embed.nbytes() } else { 0 };
         self.weight_bytes() - embed - expert_bytes + expert_bytes * m.experts_per_token / m.experts
     }
 
     pub fn dtype(&self) -> Dtype {
         self.dtype
+    }
+
+    /// What the checkpoint's weights became at load, counted by kind: e.g.
+    /// "169 x Q4_K (exact) -> 4-bit, groups of 32; 25 x Q6_K (requantized) -> 8-bit, groups of 32".
+    pub fn weights_summary(&self) -> &str {
+        &self.weights
     }
 
     /// Prefill chunks end on multiples of this many positions: a chunk that would end between
@@ -301,7 +313,7 @@ impl Model {
 
     /// Token embeddings (scaled where the arch says).
     fn embed_tokens(&self, tokens: &Array) -> Result<Array> {
-        let x = self.embed.take_axis(tokens, 0)?;
+        let x = self.embed.rows(tokens)?;
         Ok(match &self.embed_scale {
             Some(s) => x.multiply(s)?,
             None => x,
@@ -310,10 +322,7 @@ impl Model {
 
     /// The output head over normed hidden states (soft-capped where the arch says).
     fn logits(&self, x: &Array) -> Result<Array> {
-        let logits = match &self.lm_head_t {
-            Some(h) => x.matmul(h)?,
-            None => x.matmul(self.embed.t())?,
-        };
+        let logits = self.lm_head.as_ref().unwrap_or(&self.embed).matmul_t(x)?;
         match self.config.final_logit_softcap {
             Some(cap) => softcap(&logits, cap),
             None => Ok(logits),

@@ -8,13 +8,14 @@
 //! expert first, so rows that picked the same expert share one read of its weights.
 
 use mlx_rs::ops::indexing::{take_along_axis, IndexOp};
-use mlx_rs::ops::{argpartition_axis, argsort_axis, concatenate, gather_mm, softmax_axis, stack};
+use mlx_rs::ops::{argpartition_axis, argsort_axis, gather_mm, gather_qmm, softmax_axis};
 use mlx_rs::{Array, Dtype};
 
 use llmq_text::config::MoeConfig;
 
 use super::layer::{geglu_or_swiglu, Linear};
 use crate::error::Result;
+use crate::quant::{Matrix, QTensor};
 use crate::weights::Weights;
 
 /// (row, expert) pairs from this many on are sorted by expert before the gathered matmuls.
@@ -22,20 +23,52 @@ const SORT_FROM: i32 = 64;
 
 pub(super) struct Experts {
     router: Linear,
-    /// Gate and up projections of every expert, stored [experts, 2 * size, hidden] (each
-    /// expert's rows as the checkpoint has them) and seen transposed, [experts, hidden, 2 * size]:
-    /// the gathered matmul reads each output's weights contiguously.
-    gate_up: Array,
-    /// Down projections, stored [experts, hidden, size], seen as [experts, size, hidden].
-    down: Array,
+    /// Gate and up projections of every expert, [experts, 2 * size, hidden] (each expert's
+    /// rows as the checkpoint has them).
+    gate_up: Stack,
+    /// Down projections, [experts, hidden, size].
+    down: Stack,
     size: i32,
     top_k: i32,
     renormalize: bool,
 }
 
+/// Every expert's weight of one projection, stacked.
+enum Stack {
+    /// Full precision, seen transposed ([experts, in, out]): the gathered matmul reads each
+    /// output's weights contiguously.
+    DenseT(Array),
+    Quantized(QTensor),
+}
+
+impl Stack {
+    fn new(m: Matrix) -> Result<Self> {
+        Ok(match m {
+            Matrix::Dense(a) => Stack::DenseT(a.swap_axes(-1, -2)?),
+            Matrix::Quantized(q) => Stack::Quantized(q),
+        })
+    }
+
+    /// `x` [..., 1, in] times the weights of `experts` (same leading shape): [..., 1, out].
+    fn gather(&self, x: &Array, experts: &Array, sorted: bool) -> Result<Array> {
+        Ok(match self {
+            Stack::DenseT(w) => gather_mm(x, w, None, experts, sorted)?,
+            Stack::Quantized(q) => gather_qmm(x, &q.w, &q.scales, &q.biases, None, experts, true, q.spec.group_size, q.spec.bits, sorted)?,
+        })
+    }
+
+    fn parameters(&self) -> Vec<&Array> {
+        match self {
+            Stack::DenseT(a) => vec![a],
+            Stack::Quantized(q) => q.parameters().to_vec(),
+        }
+    }
+}
+
 impl Experts {
-    /// Loads Mixtral's names (`block_sparse_moe.gate`, `experts.N.w1|w3|w2`) or Qwen's
-    /// (`mlp.gate`, `experts.N.gate_proj|up_proj|down_proj`).
+    /// Loads Mixtral's names (`block_sparse_moe.gate`, `experts.N.w1|w3|w2`), Qwen's
+    /// (`mlp.gate`, `experts.N.gate_proj|up_proj|down_proj`), or either with the experts
+    /// already stacked as mlx-lm writes them (`switch_mlp.gate_proj|up_proj|down_proj`).
     pub(super) fn load(w: &mut Weights, layer: &str, hidden: usize, m: &MoeConfig) -> Result<Self> {
         let mixtral = w.contains(&format!("{layer}.block_sparse_moe.gate.weight"));
         let (p, gate, up, down) = if mixtral {
@@ -44,18 +77,25 @@ impl Experts {
             (format!("{layer}.mlp"), "gate_proj", "up_proj", "down_proj")
         };
         let router = Linear::load(w, &format!("{p}.gate"), m.experts, hidden, false)?;
-        let f = m.expert_size;
-        let (mut gate_up, mut downs) = (Vec::with_capacity(m.experts), Vec::with_capacity(m.experts));
-        for e in 0..m.experts {
-            let g = w.take(&format!("{p}.experts.{e}.{gate}.weight"), &[f, hidden])?;
-            let u = w.take(&format!("{p}.experts.{e}.{up}.weight"), &[f, hidden])?;
-            gate_up.push(concatenate(&[g, u], 0)?);
-            downs.push(w.take(&format!("{p}.experts.{e}.{down}.weight"), &[hidden, f])?);
-        }
+        let (f, e) = (m.expert_size, m.experts);
+        let (gate_up, down) = if w.contains(&format!("{p}.switch_mlp.gate_proj.weight")) {
+            let g = w.take_matrix(&format!("{p}.switch_mlp.gate_proj.weight"), &[e, f, hidden])?;
+            let u = w.take_matrix(&format!("{p}.switch_mlp.up_proj.weight"), &[e, f, hidden])?;
+            (Matrix::join(vec![g, u], false)?, w.take_matrix(&format!("{p}.switch_mlp.down_proj.weight"), &[e, hidden, f])?)
+        } else {
+            let (mut gate_up, mut downs) = (Vec::with_capacity(e), Vec::with_capacity(e));
+            for x in 0..e {
+                let g = w.take_matrix(&format!("{p}.experts.{x}.{gate}.weight"), &[f, hidden])?;
+                let u = w.take_matrix(&format!("{p}.experts.{x}.{up}.weight"), &[f, hidden])?;
+                gate_up.push(Matrix::join(vec![g, u], false)?);
+                downs.push(w.take_matrix(&format!("{p}.experts.{x}.{down}.weight"), &[hidden, f])?);
+            }
+            (Matrix::join(gate_up, true)?, Matrix::join(downs, true)?)
+        };
         Ok(Experts {
             router,
-            gate_up: stack(&gate_up, 0)?.swap_axes(-1, -2)?,
-            down: stack(&downs, 0)?.swap_axes(-1, -2)?,
+            gate_up: Stack::new(gate_up)?,
+            down: Stack::new(down)?,
             size: f as i32,
             top_k: m.experts_per_token as i32,
             renormalize: m.renormalize,
@@ -63,14 +103,15 @@ impl Experts {
     }
 
     pub(super) fn parameters(&self) -> Vec<&Array> {
-        let mut p = vec![&self.router.weight_t, &self.gate_up, &self.down];
-        p.extend(self.router.bias.as_ref());
+        let mut p = self.router.parameters();
+        p.extend(self.gate_up.parameters());
+        p.extend(self.down.parameters());
         p
     }
 
     /// Bytes of the experts' weights (the router's not included).
     pub(super) fn expert_bytes(&self) -> usize {
-        self.gate_up.nbytes() + self.down.nbytes()
+        self.gate_up.parameters().iter().chain(&self.down.parameters()).map(|a| a.nbytes()).sum()
     }
 
     /// `x` [b, t, hidden] through each row's top-k experts.
@@ -98,9 +139,9 @@ impl Experts {
     fn run(&self, rows: &Array, experts: &Array, gelu: bool) -> Result<Array> {
         let (n, hidden) = (rows.shape()[0], rows.shape()[1]);
         let x = rows.reshape(&[n, 1, 1, hidden])?;
-        let h = gather_mm(&x, &self.gate_up, None, experts, false)?;
+        let h = self.gate_up.gather(&x, experts, false)?;
         let h = geglu_or_swiglu(&h.index((.., .., .., ..self.size)), &h.index((.., .., .., self.size..)), gelu)?;
-        Ok(gather_mm(&h, &self.down, None, experts, false)?.reshape(&[n, self.top_k, hidden])?)
+        Ok(self.down.gather(&h, experts, false)?.reshape(&[n, self.top_k, hidden])?)
     }
 
     /// The (row, expert) pairs sorted by expert, run, and put back: [n, k, hidden].
@@ -111,9 +152,9 @@ impl Experts {
         let sorted_experts = flat.take_axis(&order, 0)?;
         // Pair i is row i / k's.
         let x = rows.take_axis(&order.floor_divide(Array::from_int(k))?, 0)?.reshape(&[n * k, 1, hidden])?;
-        let h = gather_mm(&x, &self.gate_up, None, &sorted_experts, true)?;
+        let h = self.gate_up.gather(&x, &sorted_experts, true)?;
         let h = geglu_or_swiglu(&h.index((.., .., ..self.size)), &h.index((.., .., self.size..)), gelu)?;
-        let y = gather_mm(&h, &self.down, None, &sorted_experts, true)?.reshape(&[n * k, hidden])?;
+        let y = self.down.gather(&h, &sorted_experts, true)?.reshape(&[n * k, hidden])?;
         let back = argsort_axis(&order, 0)?;
         Ok(y.take_axis(&back, 0)?.reshape(&[n, k, hidden])?)
     }
