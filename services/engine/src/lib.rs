@@ -10,6 +10,8 @@
 //! - `cache`     the KV-cache trait, a growing cache and a sliding-window one
 //! - `batch`     the decode batch: every running sequence as one row of shared KV buffers
 //! - `row_attention` the decode batch's attention by row lengths, a CUDA kernel (GPU only)
+//! - `qmv`       quantized matrix products of a few rows, a CUDA kernel (GPU only)
+//! - `kernel`    how llmq's CUDA kernels are compiled and launched through MLX
 //! - `prefix`    the prefix cache: KV of earlier sequences, found again by their first tokens
 //! - `generate`  one sequence end to end, for the CLI and the single-stream benchmark
 //! - `shapes`    random-weight models of known shapes, for benchmarks
@@ -21,8 +23,10 @@ pub mod batch;
 pub mod cache;
 pub mod error;
 pub mod generate;
+pub(crate) mod kernel;
 pub mod model;
 pub mod prefix;
+pub mod qmv;
 pub mod quant;
 pub mod row_attention;
 pub mod shapes;

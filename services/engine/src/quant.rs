@@ -20,6 +20,9 @@ use llmq_text::affine::Affine;
 
 use crate::error::{EngineError, Result};
 
+/// Rows from which a quantized matmul dequantizes its weights and multiplies densely.
+const DENSE_FROM_ROWS: usize = 8;
+
 /// A quantized form: integer width and group size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct QuantSpec {
@@ -100,8 +103,20 @@ impl QTensor {
         Ok(dequantize(&self.w, &self.scales, &self.biases, self.spec.group_size, self.spec.bits)?)
     }
 
-    /// `x @ W^T`: x [..., cols] to [..., rows].
+    /// `x @ W^T`: x [..., cols] to [..., rows]. Few rows (a decode step of a few streams)
+    /// multiply reading only the packed weights: through llmq's kernel on a GPU (`qmv`), else
+    /// through MLX's quantized matmul; from `DENSE_FROM_ROWS` rows on, the weights are
+    /// dequantized into a temporary and multiplied densely, where MLX's quantized kernels for
+    /// many rows are far slower than its dense GEMM.
     pub fn matmul_t(&self, x: &Array) -> Result<Array> {
+        if let Some(out) = crate::qmv::matmul_t(self, x) {
+            return Ok(out?);
+        }
+        let shape = x.shape();
+        let rows: i32 = shape[..shape.len() - 1].iter().product();
+        if rows as usize >= DENSE_FROM_ROWS {
+            return Ok(x.matmul(self.dequantize()?.t())?);
+        }
         Ok(quantized_matmul(x, &self.w, &self.scales, &self.biases, true, self.spec.group_size, self.spec.bits)?)
     }
 

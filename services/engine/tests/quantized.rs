@@ -5,9 +5,10 @@
 //!
 //! Tolerance: 1e-4 absolute on logits of magnitude 2-3.5, as against transformers. Both sides
 //! hold exactly the same weights (the dequantized ones are MLX's dequantization of the quantized
-//! ones, or `quants`' decoding, which equals the gguf package's bit for bit); only the order of
-//! the f32 sums differs between the quantized matmul and the dense one. A wrong scale, bias,
-//! packing or row order shows up as differences of 0.1 and more.
+//! ones, or `quants`' decoding, which equals the gguf package's values exactly); only the order
+//! of the f32 sums differs between the quantized matmul and the dense one. A wrong scale, bias,
+//! packing or row order shows up as differences of 0.1 and more. On a GPU (these tests also run
+//! there, in f32) MLX's dense f32 matmul rounds through TF32, so the tolerance is 2e-2.
 
 mod common;
 
@@ -23,7 +24,9 @@ use llmq_text::sampling::{Sampling, StopConditions};
 use mlx_rs::ops::{quantize, stack};
 use mlx_rs::{Array, Dtype};
 
-const TOL: f32 = 1e-4;
+fn tol() -> f32 {
+    if llmq_engine::on_gpu() { 2e-2 } else { 1e-4 }
+}
 const MODELS: &[&str] = &["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-mixtral", "tiny-qwen3-moe", "tiny-llama3", "tiny-phi3", "tiny-gemma2", "tiny-gemma3"];
 
 fn f32_opts() -> LoadOptions {
@@ -34,8 +37,11 @@ fn load_with(path: &Path, opts: LoadOptions) -> LoadedModel {
     load_model(path, opts).unwrap_or_else(|e| panic!("loading {}: {e}", path.display()))
 }
 
+/// A fresh directory of its own for each call (tests run in parallel).
 fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("llmq-quantized-{}-{name}", std::process::id()));
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let d = std::env::temp_dir().join(format!("llmq-quantized-{}-{n}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d
@@ -135,7 +141,7 @@ fn logits_of(model: &Model, fixture_name: &str) -> Vec<Vec<f32>> {
 fn assert_close(name: &str, got: &[Vec<f32>], want: &[Vec<f32>]) {
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
         let d = max_abs_diff(g, w);
-        assert!(d < TOL, "{name}: pass {i}: max |diff| {d}");
+        assert!(d < tol(), "{name}: pass {i}: max |diff| {d}");
     }
 }
 
@@ -201,7 +207,7 @@ fn gguf_blocks_kept_quantized_match_their_dequantized_weights() {
     for (i, case) in cases.iter().enumerate() {
         let run = |m: &Model| run_chunked(m, &mut m.new_cache(), &case.ids, 7);
         let d = max_abs_diff(&run(&kept.model), &run(&dense.model));
-        assert!(d < TOL, "gguf case {i}: max |diff| {d}");
+        assert!(d < tol(), "gguf case {i}: max |diff| {d}");
     }
 }
 
