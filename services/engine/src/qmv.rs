@@ -11,6 +11,10 @@
 //!
 //! Covers widths of 2, 4 and 8 bits (a lane's 16 values fill whole words) and inputs of at most
 //! `MAX_ROWS` rows; other widths and larger steps go through MLX (`QTensor::matmul_t`).
+//!
+//! A second kernel dequantizes a whole matrix (for the products of many rows, which multiply
+//! densely): each thread turns 16 packed values into 16 of the output dtype with 16-byte
+//! stores, about twice as fast as MLX's own on an H200.
 
 use std::sync::OnceLock;
 
@@ -117,26 +121,98 @@ const SOURCE: &str = r#"
     }
 "#;
 
-/// The kernel, made once per process (MLX compiles each form of its template arguments the
-/// first time it runs); None without CUDA.
-fn kernel() -> Option<&'static Kernel> {
-    static KERNEL: OnceLock<Option<Kernel>> = OnceLock::new();
-    KERNEL
+const DEQUANTIZE: &str = r#"
+    constexpr int VALS = 16;
+    constexpr int WORDS = VALS * BITS / 32;
+    constexpr unsigned MASK = (1u << BITS) - 1u;
+    const size_t K = (size_t)w_shape[1] * 32 / BITS;
+    const size_t chunks = (size_t)w_shape[0] * K / VALS;
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= chunks) {
+        return;
+    }
+    const size_t k = i * VALS;
+    const uint32_t* wp = w + k * BITS / 32;
+    uint32_t words[WORDS];
+    if constexpr (WORDS == 4) {
+        const uint4 v = *reinterpret_cast<const uint4*>(wp);
+        words[0] = v.x; words[1] = v.y; words[2] = v.z; words[3] = v.w;
+    } else if constexpr (WORDS == 2) {
+        const uint2 v = *reinterpret_cast<const uint2*>(wp);
+        words[0] = v.x; words[1] = v.y;
+    } else {
+        words[0] = wp[0];
+    }
+    const float s = static_cast<float>(scales[k / G]);
+    const float b = static_cast<float>(biases[k / G]);
+    T v[VALS];
+    #pragma unroll
+    for (int j = 0; j < VALS; ++j) {
+        v[j] = static_cast<T>(s * static_cast<float>((words[(j * BITS) / 32] >> ((j * BITS) % 32)) & MASK) + b);
+    }
+    uint4* op = reinterpret_cast<uint4*>(out + k);
+    #pragma unroll
+    for (int e = 0; e < VALS * (int)sizeof(T) / 16; ++e) {
+        op[e] = reinterpret_cast<const uint4*>(v)[e];
+    }
+"#;
+
+/// The two kernels, made once per process (MLX compiles each form of their template arguments
+/// the first time it runs); None without CUDA.
+struct Kernels {
+    qmv: Kernel,
+    dequantize: Kernel,
+}
+
+fn kernels() -> Option<&'static Kernels> {
+    static KERNELS: OnceLock<Option<Kernels>> = OnceLock::new();
+    KERNELS
         .get_or_init(|| {
             let mut cuda = false;
             if unsafe { mlx_sys::mlx_cuda_is_available(&mut cuda) } != 0 || !cuda || !crate::on_gpu() {
                 return None;
             }
             let header = format!("constexpr int MAX_ROWS = {MAX_ROWS};\n");
-            match Kernel::new("llmq_qmv", &["x", "w", "scales", "biases"], &["out"], SOURCE, &header, 0) {
+            let made = (|| -> Result<Kernels, Exception> {
+                Ok(Kernels {
+                    qmv: Kernel::new("llmq_qmv", &["x", "w", "scales", "biases"], &["out"], SOURCE, &header, 0)?,
+                    dequantize: Kernel::new("llmq_dequantize", &["w", "scales", "biases"], &["out"], DEQUANTIZE, "", 0)?,
+                })
+            })();
+            match made {
                 Ok(k) => Some(k),
                 Err(e) => {
-                    tracing::warn!(error = %e, "quantized matmul kernel unavailable; using MLX's");
+                    tracing::warn!(error = %e, "quantized matrix kernels unavailable; using MLX's");
                     None
                 }
             }
         })
         .as_ref()
+}
+
+/// Widths whose 16 values fill whole u32 words.
+fn covered(q: &QTensor) -> bool {
+    [2, 4, 8].contains(&q.spec.bits) && q.w.ndim() == 2
+}
+
+/// The matrix dequantized through the kernel, in the scales' dtype; None where it does not
+/// apply (no CUDA, another width, a stack of matrices).
+pub fn dequantize(q: &QTensor) -> Option<Result<Array, Exception>> {
+    if !covered(q) {
+        return None;
+    }
+    let kernels = kernels()?;
+    let (n, words) = (q.w.shape()[0], q.w.shape()[1]);
+    let k = words * 32 / q.spec.bits;
+    let chunks = n as i64 * k as i64 / 16;
+    let threads = 256;
+    let blocks = ((chunks + threads as i64 - 1) / threads as i64) as i32;
+    let ints = [("BITS", q.spec.bits), ("G", q.spec.group_size)];
+    let run = || -> Result<Array, Exception> {
+        let out = kernels.dequantize.apply(&[&q.w, &q.scales, &q.biases], &[(&[n, k], q.scales.dtype())], blocks, threads, q.scales.dtype(), &ints)?;
+        Ok(out.into_iter().next().unwrap())
+    };
+    Some(run())
 }
 
 /// `x @ W^T` through the kernel, for `x` of at most `MAX_ROWS` rows (any leading shape); None
@@ -146,10 +222,10 @@ pub fn matmul_t(q: &QTensor, x: &Array) -> Option<Result<Array, Exception>> {
     let shape = x.shape();
     let (k, lead) = (shape[shape.len() - 1], &shape[..shape.len() - 1]);
     let rows: i32 = lead.iter().product();
-    if rows > MAX_ROWS || ![2, 4, 8].contains(&q.spec.bits) || q.w.ndim() != 2 || x.dtype() != q.scales.dtype() {
+    if rows > MAX_ROWS || !covered(q) || x.dtype() != q.scales.dtype() {
         return None;
     }
-    let kernel = kernel()?;
+    let kernel = &kernels()?.qmv;
     let n = q.w.shape()[0];
     let run = || -> Result<Array, Exception> {
         let x2 = x.reshape(&[rows, k])?;

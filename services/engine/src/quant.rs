@@ -99,7 +99,11 @@ impl QTensor {
         self.scales.dtype()
     }
 
+    /// The full-precision matrix, in the scales' dtype (through llmq's kernel on a GPU).
     pub fn dequantize(&self) -> Result<Array> {
+        if let Some(out) = crate::qmv::dequantize(self) {
+            return Ok(out?);
+        }
         Ok(dequantize(&self.w, &self.scales, &self.biases, self.spec.group_size, self.spec.bits)?)
     }
 

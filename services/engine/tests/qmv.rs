@@ -55,6 +55,32 @@ fn kernel_matches_dequantized_matmul() {
     }
 }
 
+/// The dequantizing kernel against the values computed on the host from the packed words.
+#[test]
+#[ignore = "needs CUDA"]
+fn dequantize_kernel_gives_scale_times_q_plus_bias() {
+    let (n, k) = (300, 1024);
+    for dtype in [Dtype::Bfloat16, Dtype::Float32] {
+        for bits in [2, 4, 8] {
+            for group in [32, 64, 128] {
+                let spec = QuantSpec::new(bits, group).unwrap();
+                let q = QTensor::quantize(&normal(&[n, k], dtype, 3), spec).unwrap();
+                let got = llmq_engine::qmv::dequantize(&q).expect("the kernel applies").unwrap();
+                assert_eq!((got.shape(), got.dtype()), (&[n, k][..], dtype));
+                let words = q.w.as_dtype(Dtype::Uint32).unwrap().to_vec_exact::<u32>().unwrap();
+                let (s, b) = (host(&q.scales), host(&q.biases));
+                let values: Vec<u8> = words.chunks(k as usize * bits as usize / 32).flat_map(|row| llmq_engine::quant::unpack(row, bits, k as usize)).collect();
+                let g = host(&got);
+                for (i, &v) in values.iter().enumerate() {
+                    let want = s[i / group as usize] * v as f32 + b[i / group as usize];
+                    let tol = if dtype == Dtype::Bfloat16 { 1e-2 * want.abs() + 1e-3 } else { 1e-5 * want.abs() + 1e-6 };
+                    assert!((g[i] - want).abs() <= tol, "{dtype:?} {spec}: element {i}: {} vs {want}", g[i]);
+                }
+            }
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs CUDA"]
 fn kernel_declines_what_it_does_not_cover() {
