@@ -87,6 +87,8 @@ fn bad_input_gets_typed_errors_and_disturbs_nothing() {
             (encode(&nan).unwrap(), ErrorClass::InvalidRequest),
             (encode(&neg).unwrap(), ErrorClass::InvalidRequest),
             (rmp_oversized(), ErrorClass::InvalidRequest),
+            // A newer client's field that changes the output, named in `requires`.
+            (encode(&GenerateRequest { requires: vec!["response_format".into()], ..req("hi", 4) }).unwrap(), ErrorClass::InvalidRequest),
         ];
         for (payload, class) in cases {
             match c.submit_raw(payload).await {
@@ -94,6 +96,15 @@ fn bad_input_gets_typed_errors_and_disturbs_nothing() {
                 r => panic!("accepted: {r:?}"),
             }
         }
+        // A newer client's field that it does not require is ignored, as MessagePack maps allow.
+        #[derive(serde::Serialize)]
+        struct Newer {
+            #[serde(flatten)]
+            r: GenerateRequest,
+            trace_note: String,
+        }
+        let newer = rmp_serde::to_vec_named(&Newer { r: req("hi", 4), trace_note: "x".into() }).unwrap();
+        assert!(matches!(c.submit_raw(newer).await, GenerateReply::Accepted { .. }), "a field not required is ignored");
         let run = Client::finish(good_id, good_sub, |_| {}).await;
         assert!(matches!(run.last(), Event::Done { .. }), "the good request finished: {:?}", run.last());
         assert_eq!(run.tokens().len(), 100);

@@ -1,8 +1,10 @@
 //! OpenAI's request and response shapes, and their translation to and from llmq's protocol.
 //!
-//! Requests are checked here only for what the protocol cannot express (`n` > 1, content parts
-//! that are not text); everything else (ranges, unknown model, context length) is intake's job,
-//! and its typed errors are mapped to OpenAI-style error bodies and HTTP statuses by `ApiError`.
+//! Requests are checked here for what the protocol cannot express (`n` > 1, content parts that
+//! are not text) and for fields the gateway does not implement (`unsupported`: refused with a
+//! 400 naming them, never dropped); everything else (ranges, unknown model, context length) is
+//! intake's job, and its typed errors are mapped to OpenAI-style error bodies and HTTP statuses
+//! by `ApiError`.
 
 use actix_web::http::StatusCode;
 use llmq_protocol::{ChatMessage, ErrorClass, FinishReason, GenerateRequest, TokenLogprob, Usage, WireError};
@@ -62,6 +64,46 @@ pub struct Common {
     /// Extension (as in vLLM): keep generating past end-of-sequence, up to max_tokens.
     #[serde(default)]
     pub ignore_eos: bool,
+    /// Extensions (as in vLLM): the sampler's other parameters, and token ids that stop.
+    pub top_k: Option<i64>,
+    pub min_p: Option<f64>,
+    pub repetition_penalty: Option<f64>,
+    #[serde(default)]
+    pub stop_token_ids: Vec<u32>,
+}
+
+/// Fields of OpenAI's API the gateway does not implement, accepted only with the value that
+/// changes nothing (a client library may send its defaults): `null` for any of them, or
+/// the neutral value given here.
+fn neutral(field: &str, v: &Value) -> bool {
+    match field {
+        "frequency_penalty" | "presence_penalty" => v.as_f64() == Some(0.0),
+        "logit_bias" | "metadata" => v.as_object().is_some_and(|m| m.is_empty()),
+        "tools" | "functions" => v.as_array().is_some_and(|a| a.is_empty()),
+        "tool_choice" | "function_call" => v.as_str() == Some("none") || v.as_str() == Some("auto"),
+        "parallel_tool_calls" | "store" => v.as_bool() == Some(false) || (field == "parallel_tool_calls" && v.is_boolean()),
+        "response_format" => v.get("type").and_then(|t| t.as_str()) == Some("text"),
+        "best_of" => v.as_i64() == Some(1),
+        "suffix" => v.as_str() == Some(""),
+        "modalities" => v.as_array().is_some_and(|a| a.iter().all(|m| m.as_str() == Some("text"))),
+        _ => false,
+    }
+}
+
+/// The request's fields beyond those the gateway reads, refused unless neutral: OpenAI's API
+/// answers an argument it does not know with a 400, and a field that changes what is generated
+/// must never be dropped unnoticed.
+pub fn unsupported(rest: &serde_json::Map<String, Value>) -> Result<(), ApiError> {
+    let mut bad: Vec<&str> = rest.iter().filter(|(k, v)| !v.is_null() && !neutral(k, v)).map(|(k, _)| k.as_str()).collect();
+    bad.sort_unstable();
+    match bad.as_slice() {
+        [] => Ok(()),
+        fields => Err(ApiError::invalid(format!(
+            "unsupported request {}: {} (llmq's gateway refuses what it does not implement rather than ignore it; see its README)",
+            if fields.len() == 1 { "field" } else { "fields" },
+            fields.iter().map(|f| format!("`{f}`")).collect::<Vec<_>>().join(", ")
+        ))),
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -72,6 +114,9 @@ pub struct ChatRequest {
     #[serde(default)]
     pub logprobs: bool,
     pub top_logprobs: Option<i64>,
+    /// Every other field (see `unsupported`).
+    #[serde(flatten)]
+    pub rest: serde_json::Map<String, Value>,
 }
 
 /// `prompt`: a string, or a list holding one string or one list of token ids.
@@ -93,6 +138,9 @@ pub struct CompletionRequest {
     pub logprobs: Option<i64>,
     #[serde(default)]
     pub echo: bool,
+    /// Every other field (see `unsupported`).
+    #[serde(flatten)]
+    pub rest: serde_json::Map<String, Value>,
 }
 
 /// An error on its way to the client: status and OpenAI's body.
@@ -230,8 +278,12 @@ fn common_request(c: &Common) -> Result<GenerateRequest, ApiError> {
         max_tokens: c.max_completion_tokens.or(c.max_tokens),
         temperature: c.temperature,
         top_p: c.top_p,
+        top_k: c.top_k,
+        min_p: c.min_p,
+        repetition_penalty: c.repetition_penalty,
         seed,
         stop,
+        stop_token_ids: c.stop_token_ids.clone(),
         ignore_eos: c.ignore_eos,
         require_worker: true,
         ..Default::default()
@@ -256,6 +308,7 @@ fn top_count(n: Option<i64>) -> Result<u32, ApiError> {
 }
 
 pub fn chat_request(r: ChatRequest) -> Result<(GenerateRequest, Shape), ApiError> {
+    unsupported(&r.rest)?;
     let mut g = common_request(&r.common)?;
     let mut messages = Vec::with_capacity(r.messages.len());
     for m in r.messages {
@@ -287,6 +340,7 @@ pub fn chat_request(r: ChatRequest) -> Result<(GenerateRequest, Shape), ApiError
 }
 
 pub fn completion_request(r: CompletionRequest) -> Result<(GenerateRequest, Shape), ApiError> {
+    unsupported(&r.rest)?;
     let mut g = common_request(&r.common)?;
     if r.echo {
         return Err(ApiError::invalid("echo is not supported"));
@@ -390,6 +444,45 @@ mod tests {
         assert_eq!(chat(img).unwrap_err().status, StatusCode::BAD_REQUEST);
         let batch: CompletionRequest = serde_json::from_value(json!({"model": "m", "prompt": ["a", "b"]})).unwrap();
         assert_eq!(completion_request(batch).unwrap_err().status, StatusCode::BAD_REQUEST);
+    }
+
+    /// Fields the gateway does not implement are refused naming them, unless neutral (a
+    /// client's defaults); the vLLM-style sampler extensions reach the protocol.
+    #[test]
+    fn unimplemented_fields_are_refused_by_name_never_dropped() {
+        let with = |extra: Value| {
+            let mut v = json!({"model": "m", "messages": [{"role": "user", "content": "x"}]});
+            v.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+            chat(v)
+        };
+        for field in [
+            json!({"tools": [{"type": "function", "function": {"name": "f"}}]}),
+            json!({"response_format": {"type": "json_object"}}),
+            json!({"frequency_penalty": 0.5}),
+            json!({"logit_bias": {"1": 5}}),
+            json!({"tool_choice": "required"}),
+            json!({"reasoning_effort": "low"}),
+            json!({"made_up": 1}),
+        ] {
+            let name = field.as_object().unwrap().keys().next().unwrap().clone();
+            let e = with(field).unwrap_err();
+            assert_eq!(e.status, StatusCode::BAD_REQUEST);
+            assert!(e.message.contains(&format!("`{name}`")), "{}", e.message);
+        }
+        let e = with(json!({"tools": [{}], "presence_penalty": 1})).unwrap_err();
+        assert!(e.message.contains("`presence_penalty`, `tools`"), "{}", e.message);
+        // What a client library sends by default changes nothing and is accepted.
+        let (g, _) = with(json!({
+            "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "tools": [], "tool_choice": "none",
+            "parallel_tool_calls": true, "response_format": {"type": "text"}, "metadata": null, "store": false,
+            "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1, "stop_token_ids": [7],
+        }))
+        .unwrap();
+        assert_eq!((g.top_k, g.min_p, g.repetition_penalty, g.stop_token_ids.clone()), (Some(5), Some(0.1), Some(1.1), vec![7]));
+        let legacy: CompletionRequest = serde_json::from_value(json!({"model": "m", "prompt": "a", "suffix": "b"})).unwrap();
+        assert!(completion_request(legacy).unwrap_err().message.contains("`suffix`"));
+        let legacy: CompletionRequest = serde_json::from_value(json!({"model": "m", "prompt": "a", "best_of": 1})).unwrap();
+        assert!(completion_request(legacy).is_ok());
     }
 
     #[test]

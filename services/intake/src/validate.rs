@@ -69,6 +69,9 @@ impl Validator {
     }
 
     pub fn validate(&self, r: GenerateRequest) -> Result<Job, WireError> {
+        if let Some(f) = r.requires.iter().find(|f| !llmq_protocol::REQUIRABLE.contains(&f.as_str())) {
+            return Err(invalid(format!("this intake does not implement the request field {f:?}, which the request requires")));
+        }
         let model = self.models.get(&r.model).ok_or_else(|| {
             let mut known: Vec<&String> = self.models.keys().collect();
             known.sort();

@@ -43,7 +43,22 @@ pub struct GenerateRequest {
     /// from for `intake.no_worker_grace_ms` (the HTTP gateway sets it: its clients want an
     /// answer, not a durable queue; workers that are restarting still count).
     pub require_worker: bool,
+    /// The fields of this request, by name, that change what is generated and that the client
+    /// needs honoured. A field intake does not know is ignored, as MessagePack maps allow (a
+    /// newer client's field reaching an older intake), unless it is named here: then intake
+    /// refuses the request (`invalid_request`, naming it) rather than generate something else.
+    /// A client sets a field added to the protocol after v1's first fields (`REQUIRABLE` lists
+    /// them) and names it here.
+    pub requires: Vec<String>,
 }
+
+/// The fields a request may name in `requires` and every intake of this version honours: the
+/// output-changing fields of v1. Fields added later join this list in the version that adds
+/// them.
+pub const REQUIRABLE: &[&str] = &[
+    "prompt", "messages", "prompt_ids", "max_tokens", "temperature", "top_p", "top_k", "min_p",
+    "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs",
+];
 
 /// Intake's immediate answer on the request's reply subject.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -271,6 +286,8 @@ pub struct WorkerStatus {
     pub queued_prefill_tokens: u64,
     pub kv_bytes_used: u64,
     pub kv_bytes_free: u64,
+    /// KV bytes one token of a sequence takes (every layer's keys and values).
+    pub kv_bytes_per_token: u64,
     pub max_batch: u32,
     /// Prompt tokens reused from the prefix cache over prompt tokens looked up, since start.
     pub prefix_hit_rate: f64,

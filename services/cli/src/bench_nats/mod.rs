@@ -171,6 +171,16 @@ fn overhead(before: &WorkerStatus, after: &WorkerStatus) -> Value {
     })
 }
 
+/// The worker's KV budget (all free before the run) and how many requests of the scenario's
+/// size (prompt and output tokens) it admits at once: quantized weights leave a larger default.
+fn kv_room(before: &WorkerStatus, k: &Knobs) -> Value {
+    let per_request = before.kv_bytes_per_token * (k.prompt_tokens + k.output_tokens) as u64;
+    json!({
+        "kv_budget_bytes": before.kv_bytes_free,
+        "requests_admitted": if per_request > 0 { before.kv_bytes_free / per_request } else { 0 },
+    })
+}
+
 /// Runs a scenario against `url`, or against a stack started for it.
 pub fn run(scenario: &str, k: &Knobs) -> Result<Value> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
@@ -370,6 +380,7 @@ async fn batch((mut c, mut rx): (Client, mpsc::UnboundedReceiver<Seen>), k: &Kno
     // Heartbeats are per worker: the overhead split is only meaningful with one.
     if k.workers == 1 {
         v.as_object_mut().unwrap().extend(overhead(&status0, &status1).as_object().unwrap().clone());
+        v.as_object_mut().unwrap().extend(kv_room(&status0, k).as_object().unwrap().clone());
     }
     v.as_object_mut().unwrap().insert("workers".into(), k.workers.into());
     v.as_object_mut().unwrap().insert("requests_per_worker".into(), json!(c.ended_per_worker(k.workers).await?));

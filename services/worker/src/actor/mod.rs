@@ -255,6 +255,7 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
             queued_prefill_tokens: self.scheduler.queued_prefill_tokens(),
             kv_bytes_used: used,
             kv_bytes_free: self.cfg.kv_budget_bytes.saturating_sub(self.scheduler.reserved_kv_bytes()),
+            kv_bytes_per_token: engine.kv_bytes_per_token(),
             max_batch: self.cfg.max_batch as u32,
             prefix_hit_rate: prefix.hit_rate(),
             prefix_bytes: prefix.held_bytes,
