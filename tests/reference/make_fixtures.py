@@ -26,6 +26,8 @@ at position 100 with rope_theta 1e6, which would hide real errors of that size.
                                  not renormalised), q/k norms, bf16
   tests/fixtures/tiny-llama.gguf the tiny Llama as GGUF: F32, F16, BF16, Q8_0, Q4_0, Q4_1 tensors,
                                  Q/K rows permuted as llama.cpp stores them, GPT-2 style BPE
+  tests/fixtures/tiny-mixtral.gguf, tiny-qwen3-moe.gguf: the MoE fixtures as GGUF, experts stacked
+                                 and quantized (gguf_moe), each with its -gguf-reference.safetensors
   each dir's reference.safetensors: for every case, the prompt ids and the logits of every position
   tests/fixtures/tokenizers-reference.json: reference encodings and chat templates of the real
                                  Llama-3, Qwen3 and Mistral tokenizers (tokenizers_reference.py)
@@ -173,6 +175,29 @@ def build(cls_cfg, cls_model, name, dtype, shards=1, seeded=False, incremental=F
     return model, tok, cfg
 
 
+def gguf_tokenizer(w, tok):
+    """The fixtures' byte-level BPE (a `tokenizers.Tokenizer`) as GGUF tokenizer metadata."""
+    vocab = tok.get_vocab()
+    tokens = [None] * len(vocab)
+    for t, i in vocab.items():
+        tokens[i] = t
+    model_json = json.loads(tok.to_str())["model"]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model_json["merges"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
+    w.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(0)
+    w.add_chat_template(CHATML)
+
+
+def llama_permute(t, heads):
+    """llama.cpp's Q/K row order: per head, the two rotary halves interleaved."""
+    return t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+
+
 def gguf_llama(model, tok, cfg):
     import gguf
     from gguf import GGMLQuantizationType as Q
@@ -189,23 +214,7 @@ def gguf_llama(model, tok, cfg):
     w.add_rope_freq_base(cfg.rope_theta if hasattr(cfg, "rope_theta") else cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
-    vocab = tok.get_vocab()
-    tokens = [None] * len(vocab)
-    for t, i in vocab.items():
-        tokens[i] = t
-    model_json = json.loads(tok.to_str())["model"]
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model_json["merges"]]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_merges(merges)
-    w.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
-    w.add_eos_token_id(2)
-    w.add_pad_token_id(0)
-    w.add_chat_template(CHATML)
-
-    def permute(t, heads):
-        return t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+    gguf_tokenizer(w, tok)
 
     sd = {k: v.float().numpy() for k, v in model.state_dict().items()}
     plan = {  # tensor name -> GGML type: every supported type appears
@@ -233,9 +242,9 @@ def gguf_llama(model, tok, cfg):
     for hf, gg in names.items():
         t = sd[hf]
         if gg.endswith("attn_q.weight"):
-            t = permute(t, cfg.num_attention_heads)
+            t = llama_permute(t, cfg.num_attention_heads)
         elif gg.endswith("attn_k.weight"):
-            t = permute(t, cfg.num_key_value_heads)
+            t = llama_permute(t, cfg.num_key_value_heads)
         qt = plan.get(gg, Q.F32)
         if qt == Q.F32:
             w.add_tensor(gg, t.astype(np.float32))
@@ -248,6 +257,133 @@ def gguf_llama(model, tok, cfg):
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def gguf_moe(name):
+    """tests/fixtures/<name>.gguf from the Hugging Face fixture <name> (Mixtral as llama.cpp writes
+    it: arch `llama` with experts, Q/K permuted; Qwen3-MoE as `qwen3moe`), the experts stacked
+    (`ffn_*_exps`) in Q8_0, Q4_0, Q4_1 and Q5_0, the rest F32, F16 and Q8_0; and
+    <name>-gguf-reference.safetensors: transformers' logits for the reference cases with every
+    weight replaced by what the gguf package dequantizes the file's tensors to."""
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    src = os.path.join(FIX, name)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float64, attn_implementation="eager",
+                                                 experts_implementation="eager").eval()
+    cfg = model.config
+    tok = Tokenizer.from_file(os.path.join(src, "tokenizer.json"))
+    mixtral = cfg.model_type == "mixtral"
+    arch = "llama" if mixtral else "qwen3moe"
+    path = os.path.join(FIX, f"{name}.gguf")
+    w = gguf.GGUFWriter(path, arch)
+    w.add_name(name)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"] if hasattr(cfg, "rope_parameters") else cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    experts = cfg.num_local_experts if mixtral else cfg.num_experts
+    w.add_expert_count(experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    if not mixtral:
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        w.add_expert_weights_norm(bool(cfg.norm_topk_prob))
+    gguf_tokenizer(w, tok)
+
+    sd = {k: v.numpy() for k, v in model.state_dict().items()}
+    kinds = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0]
+    tensors = {"token_embd.weight": ("model.embed_tokens.weight", Q.F32),
+               "output_norm.weight": ("model.norm.weight", Q.F32),
+               "output.weight": ("lm_head.weight", Q.Q8_0)}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        tensors.update({
+            f"blk.{i}.attn_norm.weight": (p + "input_layernorm.weight", Q.F32),
+            f"blk.{i}.ffn_norm.weight": (p + "post_attention_layernorm.weight", Q.F32),
+            f"blk.{i}.attn_q.weight": (p + "self_attn.q_proj.weight", Q.Q8_0),
+            f"blk.{i}.attn_k.weight": (p + "self_attn.k_proj.weight", Q.Q4_1),
+            f"blk.{i}.attn_v.weight": (p + "self_attn.v_proj.weight", Q.F16),
+            f"blk.{i}.attn_output.weight": (p + "self_attn.o_proj.weight", Q.Q4_0),
+        })
+        if p + "self_attn.q_norm.weight" in sd:
+            tensors[f"blk.{i}.attn_q_norm.weight"] = (p + "self_attn.q_norm.weight", Q.F32)
+            tensors[f"blk.{i}.attn_k_norm.weight"] = (p + "self_attn.k_norm.weight", Q.F32)
+        if p + "mlp.gate.weight" in sd:
+            # transformers holds each layer's experts stacked, gate and up fused: [E, 2F, H].
+            tensors[f"blk.{i}.ffn_gate_inp.weight"] = (p + "mlp.gate.weight", Q.F32)
+            parts = (("ffn_gate_exps", "gate_up_proj", 0), ("ffn_up_exps", "gate_up_proj", 1), ("ffn_down_exps", "down_proj", None))
+            for j, (gg, hf, half) in enumerate(parts):
+                tensors[f"blk.{i}.{gg}.weight"] = ((p + "mlp.experts." + hf, half), kinds[(i + j) % len(kinds)])
+        else:
+            for gg, hf in zip(("ffn_gate", "ffn_up", "ffn_down"), ("gate_proj", "up_proj", "down_proj")):
+                tensors[f"blk.{i}.{gg}.weight"] = (p + f"mlp.{hf}.weight", Q.Q8_0)
+
+    def source(hf):
+        if isinstance(hf, tuple):
+            key, half = hf
+            t = sd[key]
+            return t if half is None else np.split(t, 2, axis=1)[half]
+        return sd[hf]
+
+    for gg, (hf, qt) in tensors.items():
+        t = source(hf).astype(np.float32)
+        if mixtral and gg.endswith("attn_q.weight"):
+            t = llama_permute(t, cfg.num_attention_heads)
+        elif mixtral and gg.endswith("attn_k.weight"):
+            t = llama_permute(t, cfg.num_key_value_heads)
+        if qt == Q.F32:
+            w.add_tensor(gg, t)
+        elif qt == Q.F16:
+            w.add_tensor(gg, t.astype(np.float16))
+        else:
+            w.add_tensor(gg, gguf.quants.quantize(t, qt), raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    # The reference: the file read back and dequantized by the gguf package, in transformers.
+    reader = gguf.GGUFReader(path)
+    new = {}
+    for t in reader.tensors:
+        hf, _ = tensors[t.name]
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        v = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float64)
+        if mixtral and t.name.endswith("attn_q.weight"):
+            v = llama_unpermute(v, cfg.num_attention_heads)
+        elif mixtral and t.name.endswith("attn_k.weight"):
+            v = llama_unpermute(v, cfg.num_key_value_heads)
+        if isinstance(hf, tuple) and hf[1] is not None:
+            new.setdefault(hf[0], [None, None])[hf[1]] = v
+        else:
+            new[hf[0] if isinstance(hf, tuple) else hf] = torch.from_numpy(np.ascontiguousarray(v))
+    for k, v in new.items():
+        if isinstance(v, list):
+            new[k] = torch.from_numpy(np.concatenate(v, axis=1))
+    missing = set(sd) - set(new)
+    assert not missing, missing
+    model.load_state_dict(new, strict=True)
+    out = {}
+    for i, ids in enumerate(cases(cfg.vocab_size)):
+        with torch.no_grad():
+            logits = model(ids[None, :]).logits[0].float()
+        out[f"case{i}.ids"] = ids.to(torch.int32).contiguous()
+        out[f"case{i}.logits"] = logits.contiguous()
+    save_file(out, os.path.join(FIX, f"{name}-gguf-reference.safetensors"))
+
+
+def llama_unpermute(t, heads):
+    return t.reshape(heads, t.shape[0] // heads // 2, 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
 
 
 def reference_gguf(dirname, fname, out_prefix, chat=None, greedy=0):
@@ -382,7 +518,8 @@ def main(only):
     from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
                               Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
-    later = {**rope_families(), **gemma_families(), **moe_families(), "gemma3-270m": gemma3_reference}
+    later = {**rope_families(), **gemma_families(), **moe_families(), "gemma3-270m": gemma3_reference,
+             "tiny-mixtral.gguf": lambda: gguf_moe("tiny-mixtral"), "tiny-qwen3-moe.gguf": lambda: gguf_moe("tiny-qwen3-moe")}
     if only:
         for name in only:
             later[name]()

@@ -344,6 +344,11 @@ fn gguf_to_hf(name: &str, arch: Arch) -> Option<String> {
         "ffn_gate" => "mlp.gate_proj",
         "ffn_up" => "mlp.up_proj",
         "ffn_down" => "mlp.down_proj",
+        // Experts, stacked [experts, out, in], and their router.
+        "ffn_gate_inp" => "mlp.gate",
+        "ffn_gate_exps" => "mlp.switch_mlp.gate_proj",
+        "ffn_up_exps" => "mlp.switch_mlp.up_proj",
+        "ffn_down_exps" => "mlp.switch_mlp.down_proj",
         _ => return None,
     };
     Some(format!("model.layers.{layer}.{hf}.{suffix}"))
@@ -385,17 +390,25 @@ pub fn load_gguf(f: &GgufFile, cfg: &ModelConfig, opts: impl Into<LoadOptions>) 
         };
         let reorder = |a: Array| -> Result<Array> { Ok(match &order { Some(o) => a.take_axis(o, 0)?, None => a }) };
         let quantized = !matches!(info.kind, TensorType::F32 | TensorType::F16 | TensorType::BF16);
-        if keep && quantized && shape.len() == 2 {
-            let (rows, cols) = (shape[0] as usize, shape[1] as usize);
+        if keep && quantized && shape.len() >= 2 {
+            // A matrix, or a stack of them (experts): rows are everything but the last axis.
+            let cols = shape[shape.len() - 1] as usize;
+            let rows = info.elements() as usize / cols;
             let kind = info.kind.name();
             let (q, origin) = match f.read_affine(info) {
                 Some(a) => (QTensor::from_affine(&a, rows, cols, a.bits as i32, w.dtype())?, format!("{kind} (exact)")),
                 None => {
-                    let dense = Array::from_slice(&f.read_f32(info), &shape);
+                    let dense = Array::from_slice(&f.read_f32(info), &[rows as i32, cols as i32]);
                     (QTensor::quantize(&dense, QuantSpec::new(REQUANTIZED_BITS, 32)?)?, format!("{kind} (requantized)"))
                 }
             };
-            let q = QTensor { w: reorder(q.w)?, scales: reorder(q.scales)?, biases: reorder(q.biases)?, spec: q.spec };
+            let lead = &shape[..shape.len() - 1];
+            let shaped = |a: Array| -> Result<Array> {
+                let mut s = lead.to_vec();
+                s.push(a.shape()[1]);
+                reorder(a.reshape(&s)?)
+            };
+            let q = QTensor { w: shaped(q.w)?, scales: shaped(q.scales)?, biases: shaped(q.biases)?, spec: q.spec };
             w.insert_quantized(hf, q, origin)?;
         } else {
             let a = reorder(Array::from_slice(&f.read_f32(info), &shape))?;

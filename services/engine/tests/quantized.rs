@@ -192,22 +192,29 @@ fn quantizing_at_load_equals_loading_the_quantized_checkpoint() {
     }
 }
 
-/// The tiny Llama's GGUF (Q8_0, Q4_0 and Q4_1 matrices in llama.cpp's Q/K row order) kept as
-/// affine groups gives the dequantized model's logits.
+/// The GGUF fixtures (the tiny Llama's Q8_0, Q4_0 and Q4_1 matrices in llama.cpp's Q/K row
+/// order; the MoE ones' stacked experts in Q8_0, Q4_0, Q4_1 and Q5_0) kept as affine groups give
+/// the dequantized model's logits.
 #[test]
 fn gguf_blocks_kept_quantized_match_their_dequantized_weights() {
-    let path = fixture("tiny-llama.gguf");
-    let kept = load_with(&path, f32_opts().keep_quantized(true));
-    let dense = load_with(&path, f32_opts().keep_quantized(false));
-    let summary = kept.model.weights_summary();
-    for kind in ["Q8_0 (exact) -> 8-bit", "Q4_0 (exact) -> 4-bit", "Q4_1 (exact) -> 4-bit"] {
-        assert!(summary.contains(kind), "{kind} in {summary}");
-    }
-    let cases = reference(fixture("tiny-llama-gguf-reference.safetensors"));
-    for (i, case) in cases.iter().enumerate() {
-        let run = |m: &Model| run_chunked(m, &mut m.new_cache(), &case.ids, 7);
-        let d = max_abs_diff(&run(&kept.model), &run(&dense.model));
-        assert!(d < tol(), "gguf case {i}: max |diff| {d}");
+    for (name, kinds) in [
+        ("tiny-llama", &["Q8_0 (exact) -> 8-bit", "Q4_0 (exact) -> 4-bit", "Q4_1 (exact) -> 4-bit"][..]),
+        ("tiny-mixtral", &["Q5_0 (exact) -> 5-bit", "Q4_1 (exact) -> 4-bit"][..]),
+        ("tiny-qwen3-moe", &["Q5_0 (exact) -> 5-bit", "Q4_0 (exact) -> 4-bit"][..]),
+    ] {
+        let path = fixture(&format!("{name}.gguf"));
+        let kept = load_with(&path, f32_opts().keep_quantized(true));
+        let dense = load_with(&path, f32_opts().keep_quantized(false));
+        let summary = kept.model.weights_summary();
+        for kind in kinds {
+            assert!(summary.contains(kind), "{name}: {kind} in {summary}");
+        }
+        let cases = reference(fixture(&format!("{name}-gguf-reference.safetensors")));
+        for (i, case) in cases.iter().enumerate() {
+            let run = |m: &Model| run_chunked(m, &mut m.new_cache(), &case.ids, 7);
+            let d = max_abs_diff(&run(&kept.model), &run(&dense.model));
+            assert!(d < tol(), "{name} gguf case {i}: max |diff| {d}");
+        }
     }
 }
 

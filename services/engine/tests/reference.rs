@@ -110,6 +110,25 @@ fn gguf_with_every_tensor_type_matches_transformers() {
     }
 }
 
+/// The MoE fixtures as GGUF (Mixtral as arch `llama` with experts and permuted Q/K, Qwen3-MoE as
+/// `qwen3moe` with a dense layer and unrenormalised routing), experts stacked and quantized,
+/// against transformers on the weights the gguf package dequantizes the files to.
+#[test]
+fn gguf_mixture_of_experts_matches_transformers() {
+    for name in ["tiny-mixtral", "tiny-qwen3-moe"] {
+        let m = load(&format!("{name}.gguf"));
+        assert!(m.model.config.moe.is_some(), "{name}: experts from the metadata");
+        for (i, case) in reference(fixture(&format!("{name}-gguf-reference.safetensors"))).iter().enumerate() {
+            for chunk in [7, 4096] {
+                let mut cache = m.model.new_cache();
+                let got = run_chunked(&m.model, &mut cache, &case.ids, chunk);
+                let d = max_abs_diff(&got, &case.logits);
+                assert!(d < TOL, "{name} gguf case {i} chunk {chunk}: max |diff| {d}");
+            }
+        }
+    }
+}
+
 #[test]
 fn gguf_tokenizer_matches_transformers() {
     let m = load("tiny-llama.gguf");

@@ -299,7 +299,7 @@ pub fn from_gguf(f: &GgufFile) -> Result<ModelConfig> {
     let arch = match arch_name.as_str() {
         "llama" | "mistral" => Arch::Llama,
         "qwen2" => Arch::Qwen2,
-        "qwen3" => Arch::Qwen3,
+        "qwen3" | "qwen3moe" => Arch::Qwen3,
         "gemma2" => Arch::Gemma2,
         "gemma3" => Arch::Gemma3,
         _ => return Err(Error::UnsupportedArch { path: path.into(), arch: arch_name }),
@@ -358,11 +358,35 @@ pub fn from_gguf(f: &GgufFile) -> Result<ModelConfig> {
         query_pre_attn_scalar: arch.is_gemma().then_some(head_dim as f32),
         attn_logit_softcap: float("attn_logit_softcapping").filter(|_| arch == Arch::Gemma2),
         final_logit_softcap: float("final_logit_softcapping").filter(|_| arch.is_gemma()),
-        moe: None,
+        moe: gguf_moe(f, &key, layers)?,
         max_position_embeddings: max_positions,
     };
     cfg.validate(path)?;
     Ok(cfg)
+}
+
+/// Experts of GGUF metadata: `expert_count` and `expert_used_count` (Mixtral's files are arch
+/// `llama` with them), each expert's width `expert_feed_forward_length` (Qwen3-MoE) or the
+/// model's `feed_forward_length` (Mixtral); the layers with a router (`ffn_gate_inp`) route.
+/// The chosen experts' weights are renormalised as in the Hugging Face configs these files
+/// come from (Mixtral always, Qwen3-MoE's `norm_topk_prob`, true in every published one),
+/// unless `expert_weights_norm` says otherwise.
+fn gguf_moe(f: &GgufFile, key: &dyn Fn(&str) -> String, layers: usize) -> Result<Option<MoeConfig>> {
+    let uint = |k: &str| f.get(&key(k)).and_then(Value::as_u64).map(|v| v as usize);
+    let Some(experts) = uint("expert_count").filter(|&n| n > 0) else { return Ok(None) };
+    let path = f.path();
+    let missing = |k: &str| Error::format(path, format!("missing metadata {}", key(k)));
+    let expert_size = match uint("expert_feed_forward_length") {
+        Some(n) => n,
+        None => uint("feed_forward_length").ok_or_else(|| missing("feed_forward_length"))?,
+    };
+    Ok(Some(MoeConfig {
+        experts,
+        experts_per_token: uint("expert_used_count").ok_or_else(|| missing("expert_used_count"))?,
+        expert_size,
+        renormalize: f.get(&key("expert_weights_norm")).and_then(Value::as_bool).unwrap_or(true),
+        sparse_layers: (0..layers).map(|i| f.tensor(&format!("blk.{i}.ffn_gate_inp.weight")).is_some()).collect(),
+    }))
 }
 
 /// The rope of GGUF metadata: `rope.freq_base`, `rope.dimension_count` (partial rotary) and
