@@ -175,6 +175,25 @@ def build(cls_cfg, cls_model, name, dtype, shards=1, seeded=False, incremental=F
     return model, tok, cfg
 
 
+def gguf_writer(name, arch, cfg):
+    """tests/fixtures/<name>.gguf's writer, with the metadata every architecture has."""
+    import gguf
+
+    path = os.path.join(FIX, f"{name}.gguf")
+    w = gguf.GGUFWriter(path, arch)
+    w.add_name(name)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(cfg.rope_theta if hasattr(cfg, "rope_theta") else cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    return path, w
+
+
 def gguf_tokenizer(w, tok):
     """The fixtures' byte-level BPE (a `tokenizers.Tokenizer`) as GGUF tokenizer metadata."""
     vocab = tok.get_vocab()
@@ -202,18 +221,7 @@ def gguf_llama(model, tok, cfg):
     import gguf
     from gguf import GGMLQuantizationType as Q
 
-    path = os.path.join(FIX, "tiny-llama.gguf")
-    w = gguf.GGUFWriter(path, "llama")
-    w.add_name("tiny-llama")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(cfg.rope_theta if hasattr(cfg, "rope_theta") else cfg.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
+    path, w = gguf_writer("tiny-llama", "llama", cfg)
     gguf_tokenizer(w, tok)
 
     sd = {k: v.float().numpy() for k, v in model.state_dict().items()}
@@ -277,21 +285,10 @@ def gguf_moe(name):
     tok = Tokenizer.from_file(os.path.join(src, "tokenizer.json"))
     mixtral = cfg.model_type == "mixtral"
     arch = "llama" if mixtral else "qwen3moe"
-    path = os.path.join(FIX, f"{name}.gguf")
-    w = gguf.GGUFWriter(path, arch)
-    w.add_name(name)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    path, w = gguf_writer(name, arch, cfg)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"] if hasattr(cfg, "rope_parameters") else cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
     experts = cfg.num_local_experts if mixtral else cfg.num_experts
     w.add_expert_count(experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
