@@ -26,8 +26,10 @@ at position 100 with rope_theta 1e6, which would hide real errors of that size.
                                  not renormalised), q/k norms, bf16
   tests/fixtures/tiny-llama.gguf the tiny Llama as GGUF: F32, F16, BF16, Q8_0, Q4_0, Q4_1 tensors,
                                  Q/K rows permuted as llama.cpp stores them, GPT-2 style BPE
-  tests/fixtures/tiny-mixtral.gguf, tiny-qwen3-moe.gguf: the MoE fixtures as GGUF, experts stacked
-                                 and quantized (gguf_moe), each with its -gguf-reference.safetensors
+  tests/fixtures/tiny-mixtral.gguf, tiny-qwen3-moe.gguf, tiny-phi3.gguf: those fixtures as GGUF
+                                 (gguf_moe: experts stacked and quantized; gguf_phi3: fused
+                                 projections, long RoPE's factors as tensors), each with its
+                                 -gguf-reference.safetensors
   each dir's reference.safetensors: for every case, the prompt ids and the logits of every position
   tests/fixtures/tokenizers-reference.json: reference encodings and chat templates of the real
                                  Llama-3, Qwen3 and Mistral tokenizers (tokenizers_reference.py)
@@ -338,27 +340,31 @@ def gguf_moe(name):
             t = llama_permute(t, cfg.num_attention_heads)
         elif mixtral and gg.endswith("attn_k.weight"):
             t = llama_permute(t, cfg.num_key_value_heads)
-        if qt == Q.F32:
-            w.add_tensor(gg, t)
-        elif qt == Q.F16:
-            w.add_tensor(gg, t.astype(np.float16))
-        else:
-            w.add_tensor(gg, gguf.quants.quantize(t, qt), raw_dtype=qt)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        gguf_add(w, gg, t, qt)
+    gguf_finish(w)
+    gguf_reference(name, model, path, tensors, permuted=mixtral)
 
-    # The reference: the file read back and dequantized by the gguf package, in transformers.
+
+def gguf_reference(name, model, path, tensors, permuted=False, incremental=False):
+    """<name>-gguf-reference.safetensors: transformers' logits for the reference cases with
+    every weight of `model` replaced by what the gguf package dequantizes the file's tensors to
+    (`tensors`: GGUF name -> (Hugging Face name, or (name, half) of a fused [E, 2F, H] stack,
+    type)); `permuted`: Q/K rows in llama.cpp's order."""
+    import gguf
+
+    cfg = model.config
+    sd = model.state_dict()
     reader = gguf.GGUFReader(path)
     new = {}
     for t in reader.tensors:
+        if t.name not in tensors:
+            continue
         hf, _ = tensors[t.name]
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         v = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float64)
-        if mixtral and t.name.endswith("attn_q.weight"):
+        if permuted and t.name.endswith("attn_q.weight"):
             v = llama_unpermute(v, cfg.num_attention_heads)
-        elif mixtral and t.name.endswith("attn_k.weight"):
+        elif permuted and t.name.endswith("attn_k.weight"):
             v = llama_unpermute(v, cfg.num_key_value_heads)
         if isinstance(hf, tuple) and hf[1] is not None:
             new.setdefault(hf[0], [None, None])[hf[1]] = v
@@ -373,10 +379,74 @@ def gguf_moe(name):
     out = {}
     for i, ids in enumerate(cases(cfg.vocab_size)):
         with torch.no_grad():
-            logits = model(ids[None, :]).logits[0].float()
+            logits = (incremental_logits(model, ids) if incremental else model(ids[None, :]).logits[0]).float()
         out[f"case{i}.ids"] = ids.to(torch.int32).contiguous()
         out[f"case{i}.logits"] = logits.contiguous()
     save_file(out, os.path.join(FIX, f"{name}-gguf-reference.safetensors"))
+
+
+def gguf_phi3():
+    """tests/fixtures/tiny-phi3.gguf from the Hugging Face fixture as llama.cpp writes Phi-3:
+    q/k/v fused (`attn_qkv`), gate and up fused (`ffn_up`), the long RoPE's factors as the tensors
+    `rope_factors_short` and `rope_factors_long`, 3/4 of each head rotated; and its reference
+    (one token at a time, as for the Hugging Face fixture: long RoPE depends on the length)."""
+    from gguf import GGMLQuantizationType as Q
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    name = "tiny-phi3"
+    src = os.path.join(FIX, name)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float64, attn_implementation="eager").eval()
+    cfg = model.config
+    rp = cfg.rope_parameters
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    path, w = gguf_writer(name, "phi3", cfg)
+    w.add_rope_dimension_count(int(head_dim * rp["partial_rotary_factor"]))
+    original = rp["original_max_position_embeddings"]
+    w.add_rope_scaling_orig_ctx_len(original)
+    scale = cfg.max_position_embeddings / original
+    w.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(scale) / np.log(original))))
+    gguf_tokenizer(w, Tokenizer.from_file(os.path.join(src, "tokenizer.json")))
+    sd = {k: v.numpy() for k, v in model.state_dict().items()}
+    tensors = {"token_embd.weight": ("model.embed_tokens.weight", Q.F32),
+               "output_norm.weight": ("model.norm.weight", Q.F32),
+               "output.weight": ("lm_head.weight", Q.Q8_0)}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        tensors.update({
+            f"blk.{i}.attn_norm.weight": (p + "input_layernorm.weight", Q.F32),
+            f"blk.{i}.ffn_norm.weight": (p + "post_attention_layernorm.weight", Q.F32),
+            f"blk.{i}.attn_qkv.weight": (p + "self_attn.qkv_proj.weight", Q.Q8_0),
+            f"blk.{i}.attn_output.weight": (p + "self_attn.o_proj.weight", Q.Q4_0),
+            f"blk.{i}.ffn_up.weight": (p + "mlp.gate_up_proj.weight", Q.Q5_0),
+            f"blk.{i}.ffn_down.weight": (p + "mlp.down_proj.weight", Q.Q4_1),
+        })
+    for gg, (hf, qt) in tensors.items():
+        gguf_add(w, gg, sd[hf].astype(np.float32), qt)
+    w.add_tensor("rope_factors_short.weight", np.array(rp["short_factor"], dtype=np.float32))
+    w.add_tensor("rope_factors_long.weight", np.array(rp["long_factor"], dtype=np.float32))
+    gguf_finish(w)
+    gguf_reference(name, model, path, tensors, incremental=True)
+
+
+def gguf_add(w, name, t, qt):
+    """A tensor in GGML type `qt` (F32, F16 or a quantized type)."""
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+
+    if qt == Q.F32:
+        w.add_tensor(name, t)
+    elif qt == Q.F16:
+        w.add_tensor(name, t.astype(np.float16))
+    else:
+        w.add_tensor(name, gguf.quants.quantize(t, qt), raw_dtype=qt)
+
+
+def gguf_finish(w):
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
 
 
 def llama_unpermute(t, heads):
@@ -516,7 +586,8 @@ def main(only):
                               Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
     later = {**rope_families(), **gemma_families(), **moe_families(), "gemma3-270m": gemma3_reference,
-             "tiny-mixtral.gguf": lambda: gguf_moe("tiny-mixtral"), "tiny-qwen3-moe.gguf": lambda: gguf_moe("tiny-qwen3-moe")}
+             "tiny-mixtral.gguf": lambda: gguf_moe("tiny-mixtral"), "tiny-qwen3-moe.gguf": lambda: gguf_moe("tiny-qwen3-moe"),
+             "tiny-phi3.gguf": gguf_phi3}
     if only:
         for name in only:
             later[name]()

@@ -342,7 +342,10 @@ fn gguf_to_hf(name: &str, arch: Arch) -> Option<String> {
         "attn_q_norm" => "self_attn.q_norm",
         "attn_k_norm" => "self_attn.k_norm",
         "ffn_gate" => "mlp.gate_proj",
+        // Phi-3 stores gate and up fused as `ffn_up`, and q/k/v as `attn_qkv`.
+        "ffn_up" if arch == Arch::Phi3 => "mlp.gate_up_proj",
         "ffn_up" => "mlp.up_proj",
+        "attn_qkv" => "self_attn.qkv_proj",
         "ffn_down" => "mlp.down_proj",
         // Experts, stacked [experts, out, in], and their router.
         "ffn_gate_inp" => "mlp.gate",

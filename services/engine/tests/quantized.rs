@@ -193,14 +193,15 @@ fn quantizing_at_load_equals_loading_the_quantized_checkpoint() {
 }
 
 /// The GGUF fixtures (the tiny Llama's Q8_0, Q4_0 and Q4_1 matrices in llama.cpp's Q/K row
-/// order; the MoE ones' stacked experts in Q8_0, Q4_0, Q4_1 and Q5_0) kept as affine groups give
-/// the dequantized model's logits.
+/// order; the MoE ones' stacked experts in Q8_0, Q4_0, Q4_1 and Q5_0; Phi-3's fused projections)
+/// kept as affine groups give the dequantized model's logits.
 #[test]
 fn gguf_blocks_kept_quantized_match_their_dequantized_weights() {
     for (name, kinds) in [
         ("tiny-llama", &["Q8_0 (exact) -> 8-bit", "Q4_0 (exact) -> 4-bit", "Q4_1 (exact) -> 4-bit"][..]),
         ("tiny-mixtral", &["Q5_0 (exact) -> 5-bit", "Q4_1 (exact) -> 4-bit"][..]),
         ("tiny-qwen3-moe", &["Q5_0 (exact) -> 5-bit", "Q4_0 (exact) -> 4-bit"][..]),
+        ("tiny-phi3", &["Q5_0 (exact) -> 5-bit", "Q8_0 (exact) -> 8-bit"][..]),
     ] {
         let path = fixture(&format!("{name}.gguf"));
         let kept = load_with(&path, f32_opts().keep_quantized(true));

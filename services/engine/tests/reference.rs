@@ -111,13 +111,15 @@ fn gguf_with_every_tensor_type_matches_transformers() {
 }
 
 /// The MoE fixtures as GGUF (Mixtral as arch `llama` with experts and permuted Q/K, Qwen3-MoE as
-/// `qwen3moe` with a dense layer and unrenormalised routing), experts stacked and quantized,
-/// against transformers on the weights the gguf package dequantizes the files to.
+/// `qwen3moe` with a dense layer and unrenormalised routing), experts stacked and quantized, and
+/// Phi-3's (fused q/k/v and gate/up, long RoPE's factors as tensors, partial rotation; past its
+/// original context in the longer cases), against transformers on the weights the gguf package
+/// dequantizes the files to.
 #[test]
-fn gguf_mixture_of_experts_matches_transformers() {
-    for name in ["tiny-mixtral", "tiny-qwen3-moe"] {
+fn gguf_of_experts_and_phi3_matches_transformers() {
+    for name in ["tiny-mixtral", "tiny-qwen3-moe", "tiny-phi3"] {
         let m = load(&format!("{name}.gguf"));
-        assert!(m.model.config.moe.is_some(), "{name}: experts from the metadata");
+        assert_eq!(m.model.config.moe.is_some(), name != "tiny-phi3", "{name}: experts from the metadata");
         for (i, case) in reference(fixture(&format!("{name}-gguf-reference.safetensors"))).iter().enumerate() {
             for chunk in [7, 4096] {
                 let mut cache = m.model.new_cache();

@@ -300,6 +300,7 @@ pub fn from_gguf(f: &GgufFile) -> Result<ModelConfig> {
         "llama" | "mistral" => Arch::Llama,
         "qwen2" => Arch::Qwen2,
         "qwen3" | "qwen3moe" => Arch::Qwen3,
+        "phi3" => Arch::Phi3,
         "gemma2" => Arch::Gemma2,
         "gemma3" => Arch::Gemma3,
         _ => return Err(Error::UnsupportedArch { path: path.into(), arch: arch_name }),
@@ -391,7 +392,9 @@ fn gguf_moe(f: &GgufFile, key: &dyn Fn(&str) -> String, layers: usize) -> Result
 
 /// The rope of GGUF metadata: `rope.freq_base`, `rope.dimension_count` (partial rotary) and
 /// `rope.scaling.*` (linear, yarn); Llama 3.1+ files carry their scaling precomputed as the
-/// tensor `rope_freqs.weight`, one divisor per pair of rotated dimensions.
+/// tensor `rope_freqs.weight`, one divisor per pair of rotated dimensions; Phi-3's long RoPE
+/// comes as the tensors `rope_factors_short.weight` and `rope_factors_long.weight`, with
+/// `rope.scaling.original_context_length` and `rope.scaling.attn_factor`.
 fn gguf_rope(f: &GgufFile, key: &dyn Fn(&str) -> String, head_dim: usize, max_positions: usize) -> Result<RopeConfig> {
     let path = f.path();
     let num = |k: &str| f.get(&key(k)).and_then(Value::as_f64).map(|v| v as f32);
@@ -409,6 +412,16 @@ fn gguf_rope(f: &GgufFile, key: &dyn Fn(&str) -> String, head_dim: usize, max_po
         }
         other => return Err(Error::format(path, format!("{} = {other:?}: unknown rope scaling type (llmq reads none, linear, yarn)", key("rope.scaling.type")))),
     };
+    let factors = |name: &str| f.tensor(name).map(|t| f.read_f32(t));
+    if let (Some(short), Some(long)) = (factors("rope_factors_short.weight"), factors("rope_factors_long.weight")) {
+        let mut json = serde_json::json!({"rope_type": "longrope", "short_factor": short, "long_factor": long,
+                                          "original_max_position_embeddings": original_max});
+        if let Some(a) = num("rope.scaling.attn_factor") {
+            json["attention_factor"] = a.into();
+        }
+        let rope = rope::from_hf(Some(&json), &key("rope.scaling"), theta, dims, max_positions, None).map_err(|e| Error::format(path, e.to_string()))?;
+        return Ok(RopeConfig { theta, dims, scaling: rope.scaling });
+    }
     let scaling = match (f.tensor("rope_freqs.weight"), scaling) {
         (Some(t), RopeScaling::None) => {
             let factors = f.read_f32(t);
