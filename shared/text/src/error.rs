@@ -13,7 +13,7 @@ pub enum Error {
     },
     #[error("{path}: {message}")]
     Format { path: PathBuf, message: String },
-    #[error("{path}: unsupported architecture {arch:?} (supported: llama, mistral, qwen2, qwen3, phi3)")]
+    #[error("{path}: unsupported architecture {arch:?} (supported: llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, phi3, gemma2, gemma3_text; in GGUF: llama, mistral, qwen2, qwen3, qwen3moe, phi3, gemma2, gemma3)")]
     UnsupportedArch { path: PathBuf, arch: String },
     #[error("{path}: tensor {tensor:?} has unsupported type {kind} (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)")]
     UnsupportedTensorType { path: PathBuf, tensor: String, kind: String },
