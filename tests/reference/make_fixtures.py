@@ -24,6 +24,8 @@ at position 100 with rope_theta 1e6, which would hide real errors of that size.
   tests/fixtures/tiny-mixtral/   Mixtral: 4 experts, top 2 renormalised, f32
   tests/fixtures/tiny-qwen3-moe/ Qwen3-MoE: a dense layer then an expert layer (8 experts, top 3,
                                  not renormalised), q/k norms, bf16
+  tests/fixtures/tiny-qwen2-moe/ Qwen2-MoE: 4 experts, top 2 not renormalised, and a shared expert
+                                 (96 wide) behind its own sigmoid gate; q/k/v biases, f32
   tests/fixtures/tiny-llama.gguf the tiny Llama as GGUF: F32, F16, BF16, Q8_0, Q4_0, Q4_1 tensors,
                                  Q/K rows permuted as llama.cpp stores them, GPT-2 style BPE
   tests/fixtures/tiny-mixtral.gguf, tiny-qwen3-moe.gguf, tiny-phi3.gguf: those fixtures as GGUF
@@ -540,7 +542,8 @@ def gemma_families():
 
 
 def moe_families():
-    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import (MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
 
     return {
         "tiny-mixtral": lambda: build(
@@ -551,6 +554,10 @@ def moe_families():
             tie_word_embeddings=False, head_dim=16, num_experts=8, num_experts_per_tok=3,
             moe_intermediate_size=32, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[0],
             rope_theta=1000000.0),
+        "tiny-qwen2-moe": lambda: build(
+            Qwen2MoeConfig, Qwen2MoeForCausalLM, "tiny-qwen2-moe", torch.float32, seeded=True,
+            tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=96, norm_topk_prob=False, rope_theta=1000000.0),
     }
 
 

@@ -27,7 +27,7 @@ use mlx_rs::{Array, Dtype};
 fn tol() -> f32 {
     if llmq_engine::on_gpu() { 2e-2 } else { 1e-4 }
 }
-const MODELS: &[&str] = &["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-mixtral", "tiny-qwen3-moe", "tiny-llama3", "tiny-phi3", "tiny-gemma2", "tiny-gemma3"];
+const MODELS: &[&str] = &["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-mixtral", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-llama3", "tiny-phi3", "tiny-gemma2", "tiny-gemma3"];
 
 fn f32_opts() -> LoadOptions {
     LoadOptions::new(Dtype::Float32)

@@ -13,14 +13,14 @@ use llmq_engine::model::{host_f32, ChunkStage};
 use mlx_rs::Array;
 
 const TOL: f32 = 1e-4;
-const MODELS: &[&str] = &["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-mixtral", "tiny-qwen3-moe", "tiny-llama3", "tiny-llama-linear", "tiny-llama-dynamic", "tiny-qwen2-yarn", "tiny-phi3", "tiny-gemma2", "tiny-gemma3"];
+const MODELS: &[&str] = &["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-mixtral", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-llama3", "tiny-llama-linear", "tiny-llama-dynamic", "tiny-qwen2-yarn", "tiny-phi3", "tiny-gemma2", "tiny-gemma3"];
 /// Without a sliding window: these decode in batches and pad chunks to a grid.
-const FULL_ATTENTION: &[&str] = &["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mixtral", "tiny-qwen3-moe", "tiny-llama3", "tiny-llama-linear", "tiny-llama-dynamic", "tiny-qwen2-yarn", "tiny-phi3"];
+const FULL_ATTENTION: &[&str] = &["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mixtral", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-llama3", "tiny-llama-linear", "tiny-llama-dynamic", "tiny-qwen2-yarn", "tiny-phi3"];
 /// Rotary scaling past the original context in the longer cases: llama3 (bf16), yarn, and the
 /// position-dependent dynamic and longrope (with partial rotation).
 const SCALED_ROPE: &[&str] = &["tiny-llama3", "tiny-qwen2-yarn", "tiny-llama-dynamic", "tiny-phi3"];
 /// Mixtures of experts: a decode step's rows and a chunk's share the gathered expert matmuls.
-const EXPERTS: &[&str] = &["tiny-mixtral", "tiny-qwen3-moe"];
+const EXPERTS: &[&str] = &["tiny-mixtral", "tiny-qwen3-moe", "tiny-qwen2-moe"];
 
 fn check_prefill(name: &str, chunk: usize) {
     check_prefill_on_grid(name, chunk, 1);

@@ -160,7 +160,7 @@ impl Rig {
 #[test]
 fn exact_and_partial_hits_give_the_same_greedy_tokens() {
     // tiny-phi3's long RoPE switches at position 32: the hits straddle it.
-    for name in ["tiny-llama", "tiny-qwen3", "tiny-llama3", "tiny-phi3", "tiny-mixtral", "tiny-qwen3-moe"] {
+    for name in ["tiny-llama", "tiny-qwen3", "tiny-llama3", "tiny-phi3", "tiny-mixtral", "tiny-qwen3-moe", "tiny-qwen2-moe"] {
         let model = tiny(name);
         let (a, want_a) = pick(&model, |s| prompt(s, 40));
         // 29 shared tokens, then 23 new ones (chunks of 5 after the hit).

@@ -46,6 +46,9 @@ pub struct MoeConfig {
     pub renormalize: bool,
     /// Which layers route through experts; the others run a dense MLP of `intermediate_size`.
     pub sparse_layers: Vec<bool>,
+    /// A shared expert every token runs beside its k, this wide, its output scaled by a sigmoid
+    /// gate of its own (Qwen2-MoE).
+    pub shared_expert: Option<usize>,
 }
 
 #[derive(Debug, Clone)]
@@ -162,6 +165,7 @@ struct HfConfig {
     num_experts: Option<usize>,
     num_experts_per_tok: Option<usize>,
     moe_intermediate_size: Option<usize>,
+    shared_expert_intermediate_size: Option<usize>,
     norm_topk_prob: Option<bool>,
     decoder_sparse_step: Option<usize>,
     mlp_only_layers: Option<Vec<usize>>,
@@ -178,7 +182,7 @@ pub fn from_hf_json(path: &Path) -> Result<ModelConfig> {
         .unwrap_or_default();
     let arch = match name.as_str() {
         "llama" | "mistral" | "mixtral" | "LlamaForCausalLM" | "MistralForCausalLM" | "MixtralForCausalLM" => Arch::Llama,
-        "qwen2" | "Qwen2ForCausalLM" => Arch::Qwen2,
+        "qwen2" | "qwen2_moe" | "Qwen2ForCausalLM" | "Qwen2MoeForCausalLM" => Arch::Qwen2,
         "qwen3" | "qwen3_moe" | "Qwen3ForCausalLM" | "Qwen3MoeForCausalLM" => Arch::Qwen3,
         "phi3" | "Phi3ForCausalLM" => Arch::Phi3,
         "gemma2" | "Gemma2ForCausalLM" => Arch::Gemma2,
@@ -248,8 +252,9 @@ fn hf_moe(raw: &HfConfig, name: &str, layers: usize) -> Option<MoeConfig> {
             expert_size: raw.intermediate_size,
             renormalize: true,
             sparse_layers: vec![true; layers],
+            shared_expert: None,
         }),
-        "qwen3_moe" | "Qwen3MoeForCausalLM" => {
+        "qwen2_moe" | "Qwen2MoeForCausalLM" | "qwen3_moe" | "Qwen3MoeForCausalLM" => {
             let step = raw.decoder_sparse_step.unwrap_or(1).max(1);
             let dense = raw.mlp_only_layers.clone().unwrap_or_default();
             Some(MoeConfig {
@@ -258,6 +263,7 @@ fn hf_moe(raw: &HfConfig, name: &str, layers: usize) -> Option<MoeConfig> {
                 expert_size: raw.moe_intermediate_size.unwrap_or(0),
                 renormalize: raw.norm_topk_prob.unwrap_or(false),
                 sparse_layers: (0..layers).map(|i| !dense.contains(&i) && (i + 1) % step == 0).collect(),
+                shared_expert: if matches!(name, "qwen2_moe" | "Qwen2MoeForCausalLM") { raw.shared_expert_intermediate_size.filter(|&n| n > 0) } else { None },
             })
         }
         _ => None,
@@ -387,6 +393,7 @@ fn gguf_moe(f: &GgufFile, key: &dyn Fn(&str) -> String, layers: usize) -> Result
         expert_size,
         renormalize: f.get(&key("expert_weights_norm")).and_then(Value::as_bool).unwrap_or(true),
         sparse_layers: (0..layers).map(|i| f.tensor(&format!("blk.{i}.ffn_gate_inp.weight")).is_some()).collect(),
+        shared_expert: None,
     }))
 }
 

@@ -47,6 +47,7 @@ pub fn config(name: &str) -> Result<ModelConfig> {
         expert_size: width,
         renormalize: true,
         sparse_layers: vec![true; s.layers],
+        shared_expert: None,
     });
     Ok(ModelConfig {
         arch: if moe.is_some() { Arch::Qwen3 } else { Arch::Llama },

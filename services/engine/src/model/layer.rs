@@ -107,7 +107,7 @@ impl FeedForward {
 
     fn parameters(&self) -> Vec<&Array> {
         match self {
-            FeedForward::Dense(m) => [&m.gate_up, &m.down].into_iter().flat_map(Linear::parameters).collect(),
+            FeedForward::Dense(m) => m.parameters(),
             FeedForward::Experts(e) => e.parameters(),
         }
     }
@@ -144,14 +144,7 @@ impl Layer {
         };
         let mlp = match c.moe.as_ref().filter(|m| m.sparse_layers[i]) {
             Some(m) => FeedForward::Experts(Experts::load(w, &p, h, m)?),
-            None => {
-                let gate_up = if opts.fused {
-                    Linear::load(w, &format!("{p}.mlp.gate_up_proj"), 2 * f, h, false)?
-                } else {
-                    Linear::load_fused(w, &[(format!("{p}.mlp.gate_proj"), f), (format!("{p}.mlp.up_proj"), f)], h, false)?
-                };
-                FeedForward::Dense(Mlp { gate_up, intermediate: f as i32, down: Linear::load(w, &format!("{p}.mlp.down_proj"), h, f, false)?, gelu: gemma })
-            }
+            None => FeedForward::Dense(Mlp::load(w, &format!("{p}.mlp"), h, f, opts.fused, gemma)?),
         };
         let rope = usize::from(c.rope_local.is_some() && c.window(i).is_some());
         Ok(Layer { input_norm, attn, attn_out_norm, mlp_norm, mlp, mlp_out_norm, rope })
@@ -190,7 +183,21 @@ impl Layer {
 }
 
 impl Mlp {
-    fn forward(&self, x: &Array) -> Result<Array> {
+    /// `{prefix}.gate_proj`, `up_proj` (or, `fused`, `gate_up_proj`) and `down_proj`, `size` wide.
+    pub(super) fn load(w: &mut Weights, prefix: &str, hidden: usize, size: usize, fused: bool, gelu: bool) -> Result<Self> {
+        let gate_up = if fused {
+            Linear::load(w, &format!("{prefix}.gate_up_proj"), 2 * size, hidden, false)?
+        } else {
+            Linear::load_fused(w, &[(format!("{prefix}.gate_proj"), size), (format!("{prefix}.up_proj"), size)], hidden, false)?
+        };
+        Ok(Mlp { gate_up, intermediate: size as i32, down: Linear::load(w, &format!("{prefix}.down_proj"), hidden, size, false)?, gelu })
+    }
+
+    pub(super) fn parameters(&self) -> Vec<&Array> {
+        [&self.gate_up, &self.down].into_iter().flat_map(Linear::parameters).collect()
+    }
+
+    pub(super) fn forward(&self, x: &Array) -> Result<Array> {
         let gu = self.gate_up.forward(x)?;
         let g = gu.index((.., .., ..self.intermediate));
         let u = gu.index((.., .., self.intermediate..));

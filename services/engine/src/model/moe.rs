@@ -8,12 +8,12 @@
 //! expert first, so rows that picked the same expert share one read of its weights.
 
 use mlx_rs::ops::indexing::{take_along_axis, IndexOp};
-use mlx_rs::ops::{argpartition_axis, argsort_axis, gather_mm, gather_qmm, softmax_axis};
+use mlx_rs::ops::{argpartition_axis, argsort_axis, gather_mm, gather_qmm, sigmoid, softmax_axis};
 use mlx_rs::{Array, Dtype};
 
 use llmq_text::config::MoeConfig;
 
-use super::layer::{geglu_or_swiglu, Linear};
+use super::layer::{geglu_or_swiglu, Linear, Mlp};
 use crate::error::Result;
 use crate::quant::{Matrix, QTensor};
 use crate::weights::Weights;
@@ -31,6 +31,9 @@ pub(super) struct Experts {
     size: i32,
     top_k: i32,
     renormalize: bool,
+    /// Qwen2-MoE's shared expert, run by every token, and its gate (one logit a token, through a
+    /// sigmoid).
+    shared: Option<(Mlp, Linear)>,
 }
 
 /// Every expert's weight of one projection, stacked.
@@ -92,6 +95,13 @@ impl Experts {
             }
             (Matrix::join(gate_up, true)?, Matrix::join(downs, true)?)
         };
+        let shared = match m.shared_expert {
+            Some(size) => Some((
+                Mlp::load(w, &format!("{p}.shared_expert"), hidden, size, false, false)?,
+                Linear::load(w, &format!("{p}.shared_expert_gate"), 1, hidden, false)?,
+            )),
+            None => None,
+        };
         Ok(Experts {
             router,
             gate_up: Stack::new(gate_up)?,
@@ -99,6 +109,7 @@ impl Experts {
             size: f as i32,
             top_k: m.experts_per_token as i32,
             renormalize: m.renormalize,
+            shared,
         })
     }
 
@@ -106,6 +117,10 @@ impl Experts {
         let mut p = self.router.parameters();
         p.extend(self.gate_up.parameters());
         p.extend(self.down.parameters());
+        if let Some((mlp, gate)) = &self.shared {
+            p.extend(mlp.parameters());
+            p.extend(gate.parameters());
+        }
         p
     }
 
@@ -131,7 +146,11 @@ impl Experts {
         let weights = weights.as_dtype(x.dtype())?;
         let out = if n * k >= SORT_FROM { self.run_sorted(&rows, &experts, gelu)? } else { self.run(&rows, &experts, gelu)? };
         // [n, k, hidden] weighted over the k.
-        let y = out.multiply(&weights.reshape(&[n, k, 1])?)?.sum_axis(1, false)?;
+        let mut y = out.multiply(&weights.reshape(&[n, k, 1])?)?.sum_axis(1, false)?;
+        if let Some((mlp, gate)) = &self.shared {
+            let scale = sigmoid(&gate.forward(&rows)?)?;
+            y = y.add(&mlp.forward(&rows.reshape(&[1, n, hidden])?)?.reshape(&[n, hidden])?.multiply(&scale)?)?;
+        }
         Ok(y.reshape(&shape)?)
     }
 
