@@ -303,19 +303,13 @@ def gguf_moe(name):
 
     sd = {k: v.numpy() for k, v in model.state_dict().items()}
     kinds = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0]
-    tensors = {"token_embd.weight": ("model.embed_tokens.weight", Q.F32),
-               "output_norm.weight": ("model.norm.weight", Q.F32),
-               "output.weight": ("lm_head.weight", Q.Q8_0)}
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        tensors.update({
-            f"blk.{i}.attn_norm.weight": (p + "input_layernorm.weight", Q.F32),
-            f"blk.{i}.ffn_norm.weight": (p + "post_attention_layernorm.weight", Q.F32),
+
+    def layer(i, p):
+        tensors = {
             f"blk.{i}.attn_q.weight": (p + "self_attn.q_proj.weight", Q.Q8_0),
             f"blk.{i}.attn_k.weight": (p + "self_attn.k_proj.weight", Q.Q4_1),
             f"blk.{i}.attn_v.weight": (p + "self_attn.v_proj.weight", Q.F16),
-            f"blk.{i}.attn_output.weight": (p + "self_attn.o_proj.weight", Q.Q4_0),
-        })
+        }
         if p + "self_attn.q_norm.weight" in sd:
             tensors[f"blk.{i}.attn_q_norm.weight"] = (p + "self_attn.q_norm.weight", Q.F32)
             tensors[f"blk.{i}.attn_k_norm.weight"] = (p + "self_attn.k_norm.weight", Q.F32)
@@ -328,6 +322,9 @@ def gguf_moe(name):
         else:
             for gg, hf in zip(("ffn_gate", "ffn_up", "ffn_down"), ("gate_proj", "up_proj", "down_proj")):
                 tensors[f"blk.{i}.{gg}.weight"] = (p + f"mlp.{hf}.weight", Q.Q8_0)
+        return tensors
+
+    tensors = gguf_plan(cfg, layer)
 
     def source(hf):
         if isinstance(hf, tuple):
@@ -410,6 +407,24 @@ def gguf_phi3():
     w.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(scale) / np.log(original))))
     gguf_tokenizer(w, Tokenizer.from_file(os.path.join(src, "tokenizer.json")))
     sd = {k: v.numpy() for k, v in model.state_dict().items()}
+    tensors = gguf_plan(cfg, lambda i, p: {
+        f"blk.{i}.attn_qkv.weight": (p + "self_attn.qkv_proj.weight", Q.Q8_0),
+        f"blk.{i}.ffn_up.weight": (p + "mlp.gate_up_proj.weight", Q.Q5_0),
+        f"blk.{i}.ffn_down.weight": (p + "mlp.down_proj.weight", Q.Q4_1),
+    })
+    for gg, (hf, qt) in tensors.items():
+        gguf_add(w, gg, sd[hf].astype(np.float32), qt)
+    w.add_tensor("rope_factors_short.weight", np.array(rp["short_factor"], dtype=np.float32))
+    w.add_tensor("rope_factors_long.weight", np.array(rp["long_factor"], dtype=np.float32))
+    gguf_finish(w)
+    gguf_reference(name, model, path, tensors, incremental=True)
+
+
+def gguf_plan(cfg, layer):
+    """GGUF name -> (Hugging Face name, GGML type) of the tensors every fixture has (embedding,
+    final norm, output; each layer's norms and attention output), with `layer(i, prefix)`'s."""
+    from gguf import GGMLQuantizationType as Q
+
     tensors = {"token_embd.weight": ("model.embed_tokens.weight", Q.F32),
                "output_norm.weight": ("model.norm.weight", Q.F32),
                "output.weight": ("lm_head.weight", Q.Q8_0)}
@@ -418,17 +433,10 @@ def gguf_phi3():
         tensors.update({
             f"blk.{i}.attn_norm.weight": (p + "input_layernorm.weight", Q.F32),
             f"blk.{i}.ffn_norm.weight": (p + "post_attention_layernorm.weight", Q.F32),
-            f"blk.{i}.attn_qkv.weight": (p + "self_attn.qkv_proj.weight", Q.Q8_0),
             f"blk.{i}.attn_output.weight": (p + "self_attn.o_proj.weight", Q.Q4_0),
-            f"blk.{i}.ffn_up.weight": (p + "mlp.gate_up_proj.weight", Q.Q5_0),
-            f"blk.{i}.ffn_down.weight": (p + "mlp.down_proj.weight", Q.Q4_1),
         })
-    for gg, (hf, qt) in tensors.items():
-        gguf_add(w, gg, sd[hf].astype(np.float32), qt)
-    w.add_tensor("rope_factors_short.weight", np.array(rp["short_factor"], dtype=np.float32))
-    w.add_tensor("rope_factors_long.weight", np.array(rp["long_factor"], dtype=np.float32))
-    gguf_finish(w)
-    gguf_reference(name, model, path, tensors, incremental=True)
+        tensors.update(layer(i, p))
+    return tensors
 
 
 def gguf_add(w, name, t, qt):
