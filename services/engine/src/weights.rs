@@ -142,9 +142,18 @@ impl Weights {
         let origin = self.origin.remove(name);
         let m = self.remove(name, shape)?;
         if let Some(o) = origin {
-            self.count(format!("{o} -> dense (dequantized)"));
+            self.count(self.dequantized(&o));
         }
         m.into_dense()
+    }
+
+    /// The compute dtype's name, as the summary gives it ("float32", "bfloat16").
+    fn dense_name(&self) -> String {
+        format!("{:?}", self.opts.dtype).to_lowercase()
+    }
+
+    fn dequantized(&self, from: &str) -> String {
+        format!("{from} -> {} (dequantized)", self.dense_name())
     }
 
     /// Removes and returns a projection's or an embedding's weight [out, in] as the load options
@@ -152,16 +161,16 @@ impl Weights {
     pub fn take_matrix(&mut self, name: &str, shape: &[usize]) -> Result<Matrix> {
         let origin = self.origin.remove(name);
         let m = self.remove(name, shape)?;
-        let dtype = self.opts.dtype;
-        let dense_name = || format!("{dtype:?}").to_lowercase();
-        let (m, what) = match (m, origin) {
-            (Matrix::Quantized(q), Some(o)) if self.opts.keep_quantized => {
+        // A quantized entry always has an origin (`insert_quantized`); a dense one has one when
+        // GGUF blocks were dequantized on reading.
+        let from = origin.unwrap_or_else(|| self.dense_name());
+        let (m, what) = match m {
+            Matrix::Quantized(q) if self.opts.keep_quantized => {
                 let spec = q.spec;
-                (Matrix::Quantized(q), format!("{o} -> {spec}"))
+                (Matrix::Quantized(q), format!("{from} -> {spec}"))
             }
-            (Matrix::Quantized(q), o) => (Matrix::Dense(q.dequantize()?), format!("{} -> {} (dequantized)", o.as_deref().unwrap_or("quantized"), dense_name())),
-            (Matrix::Dense(a), o) => {
-                let from = o.unwrap_or_else(dense_name);
+            Matrix::Quantized(q) => (Matrix::Dense(q.dequantize()?), self.dequantized(&from)),
+            Matrix::Dense(a) => {
                 match self.opts.quantize {
                     Some(spec) if shape[shape.len() - 1] % spec.group_size as usize == 0 => {
                         let q = QTensor::quantize(&a, spec)?;
@@ -169,8 +178,8 @@ impl Weights {
                         mlx_rs::transforms::eval(q.parameters())?;
                         (Matrix::Quantized(q), format!("{from} -> {spec} (quantized at load)"))
                     }
-                    _ if from != dense_name() => (Matrix::Dense(a), format!("{from} -> {} (dequantized)", dense_name())),
-                    _ => (Matrix::Dense(a), dense_name()),
+                    _ if from != self.dense_name() => (Matrix::Dense(a), self.dequantized(&from)),
+                    _ => (Matrix::Dense(a), from),
                 }
             }
         };
