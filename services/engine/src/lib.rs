@@ -12,6 +12,7 @@
 //! - `row_attention` the decode batch's attention by row lengths, a CUDA kernel (GPU only)
 //! - `qmv`       quantized matrix products of a few rows, a CUDA kernel (GPU only)
 //! - `kernel`    how llmq's CUDA kernels are compiled and launched through MLX
+//! - `mask`      logits restricted to the tokens a constraint allows (packed bit masks)
 //! - `prefix`    the prefix cache: KV of earlier sequences, found again by their first tokens
 //! - `generate`  one sequence end to end, for the CLI and the single-stream benchmark
 //! - `shapes`    random-weight models of known shapes, for benchmarks
@@ -24,6 +25,7 @@ pub mod cache;
 pub mod error;
 pub mod generate;
 pub(crate) mod kernel;
+pub mod mask;
 pub mod model;
 pub mod prefix;
 pub mod qmv;

@@ -7,7 +7,7 @@
 //! by `ApiError`.
 
 use actix_web::http::StatusCode;
-use llmq_protocol::{ChatMessage, ErrorClass, FinishReason, GenerateRequest, TokenLogprob, Usage, WireError};
+use llmq_protocol::{ChatMessage, Constraint, ErrorClass, FinishReason, GenerateRequest, TokenLogprob, Usage, WireError};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -70,6 +70,48 @@ pub struct Common {
     pub repetition_penalty: Option<f64>,
     #[serde(default)]
     pub stop_token_ids: Vec<u32>,
+    pub response_format: Option<ResponseFormat>,
+}
+
+/// `response_format`: plain text, any JSON object, or JSON valid against a schema. llmq holds
+/// the output to the schema whether `strict` is set or not (it decodes under the constraint).
+#[derive(Debug, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ResponseFormat {
+    Text,
+    JsonObject,
+    JsonSchema { json_schema: JsonSchemaFormat },
+}
+
+#[derive(Debug, Deserialize)]
+pub struct JsonSchemaFormat {
+    pub name: String,
+    /// Absent: any JSON value.
+    pub schema: Option<Value>,
+    #[serde(default)]
+    pub strict: Option<bool>,
+    #[serde(default)]
+    pub description: Option<String>,
+}
+
+impl ResponseFormat {
+    /// The protocol's constraint for it (none for text).
+    fn constraint(&self) -> Result<Option<Constraint>, ApiError> {
+        Ok(match self {
+            ResponseFormat::Text => None,
+            ResponseFormat::JsonObject => Some(Constraint::JsonObject),
+            ResponseFormat::JsonSchema { json_schema } => {
+                if json_schema.name.is_empty() || json_schema.name.len() > 64 {
+                    return Err(ApiError::invalid("response_format.json_schema.name must be 1 to 64 characters"));
+                }
+                let schema = json_schema.schema.clone().unwrap_or_else(|| json!({}));
+                if !(schema.is_object() || schema.is_boolean()) {
+                    return Err(ApiError::invalid("response_format.json_schema.schema must be a JSON Schema object"));
+                }
+                Some(Constraint::JsonSchema { schema: schema.to_string() })
+            }
+        })
+    }
 }
 
 /// Fields of OpenAI's API the gateway does not implement, accepted only with the value that
@@ -82,7 +124,6 @@ fn neutral(field: &str, v: &Value) -> bool {
         "tools" | "functions" => v.as_array().is_some_and(|a| a.is_empty()),
         "tool_choice" | "function_call" => v.as_str() == Some("none") || v.as_str() == Some("auto"),
         "parallel_tool_calls" | "store" => v.as_bool() == Some(false) || (field == "parallel_tool_calls" && v.is_boolean()),
-        "response_format" => v.get("type").and_then(|t| t.as_str()) == Some("text"),
         "best_of" => v.as_i64() == Some(1),
         "suffix" => v.as_str() == Some(""),
         "modalities" => v.as_array().is_some_and(|a| a.iter().all(|m| m.as_str() == Some("text"))),
@@ -165,6 +206,7 @@ impl ApiError {
             ErrorClass::QueueFull => (StatusCode::TOO_MANY_REQUESTS, "queue_full"),
             ErrorClass::NoWorker => (StatusCode::SERVICE_UNAVAILABLE, "no_worker"),
             ErrorClass::WorkerLost => (StatusCode::SERVICE_UNAVAILABLE, "worker_lost"),
+            ErrorClass::ConstraintFailed => (StatusCode::INTERNAL_SERVER_ERROR, "constraint_failed"),
             ErrorClass::Cancelled => (StatusCode::INTERNAL_SERVER_ERROR, "cancelled"),
             ErrorClass::Internal => (StatusCode::INTERNAL_SERVER_ERROR, "internal_error"),
         };
@@ -273,8 +315,16 @@ fn common_request(c: &Common) -> Result<GenerateRequest, ApiError> {
         Some(Stop::One(s)) => vec![s.clone()],
         Some(Stop::Many(v)) => v.clone(),
     };
+    let constraint = match &c.response_format {
+        Some(f) => f.constraint()?,
+        None => None,
+    };
+    // An intake that does not know the constraint must refuse the request, not ignore it.
+    let requires = constraint.iter().map(|_| "constraint".to_string()).collect();
     Ok(GenerateRequest {
         model: c.model.clone(),
+        constraint,
+        requires,
         max_tokens: c.max_completion_tokens.or(c.max_tokens),
         temperature: c.temperature,
         top_p: c.top_p,
@@ -457,7 +507,6 @@ mod tests {
         };
         for field in [
             json!({"tools": [{"type": "function", "function": {"name": "f"}}]}),
-            json!({"response_format": {"type": "json_object"}}),
             json!({"frequency_penalty": 0.5}),
             json!({"logit_bias": {"1": 5}}),
             json!({"tool_choice": "required"}),
@@ -483,6 +532,25 @@ mod tests {
         assert!(completion_request(legacy).unwrap_err().message.contains("`suffix`"));
         let legacy: CompletionRequest = serde_json::from_value(json!({"model": "m", "prompt": "a", "best_of": 1})).unwrap();
         assert!(completion_request(legacy).is_ok());
+    }
+
+    /// `response_format` becomes the protocol's constraint, which the request then requires
+    /// (an intake that does not know it refuses the request).
+    #[test]
+    fn response_formats_become_required_constraints() {
+        let with = |format: Value| chat(json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": format}));
+        let (g, _) = with(json!({"type": "text"})).unwrap();
+        assert_eq!((g.constraint, g.requires.len()), (None, 0));
+        let (g, _) = with(json!({"type": "json_object"})).unwrap();
+        assert_eq!((g.constraint, g.requires), (Some(Constraint::JsonObject), vec!["constraint".to_string()]));
+        let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]});
+        let (g, _) = with(json!({"type": "json_schema", "json_schema": {"name": "thing", "schema": schema, "strict": true}})).unwrap();
+        match g.constraint {
+            Some(Constraint::JsonSchema { schema: text }) => assert_eq!(serde_json::from_str::<Value>(&text).unwrap(), schema),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(with(json!({"type": "json_schema", "json_schema": {"name": "", "schema": {}}})).unwrap_err().status, StatusCode::BAD_REQUEST);
+        assert_eq!(with(json!({"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}})).unwrap_err().status, StatusCode::BAD_REQUEST);
     }
 
     #[test]

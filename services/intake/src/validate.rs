@@ -3,6 +3,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use llmq_text::constraint::Grammars;
 use llmq_text::sampling;
 use llmq_text::{load_tokenizer, resolve_model, Tokenizer};
 use llmq_protocol::{subjects, ErrorClass, GenerateRequest, Job, Sampling, StopConditions, WireError};
@@ -12,16 +13,20 @@ pub struct ModelInfo {
     pub tokenizer: Option<Tokenizer>,
     pub context_tokens: usize,
     pub vocab_size: Option<usize>,
+    /// Compiles constraints against the vocabulary (why not, for a model that cannot).
+    pub grammars: Result<Grammars, String>,
 }
 
 impl ModelInfo {
     pub fn load(name: &str) -> Result<Self, llmq_text::Error> {
         if let Some(shape) = name.strip_prefix("random:") {
             let c = llmq_text::shapes::config(shape)?;
-            return Ok(ModelInfo { tokenizer: None, context_tokens: c.max_position_embeddings, vocab_size: Some(c.vocab_size) });
+            let grammars = Err("a random-weight model has no tokenizer to constrain".to_string());
+            return Ok(ModelInfo { tokenizer: None, context_tokens: c.max_position_embeddings, vocab_size: Some(c.vocab_size), grammars });
         }
         let (tokenizer, context_tokens) = load_tokenizer(&resolve_model(name)?)?;
-        Ok(ModelInfo { tokenizer: Some(tokenizer), context_tokens, vocab_size: None })
+        let grammars = Grammars::new(&tokenizer, tokenizer.max_id_bound(), &tokenizer.eos_ids).map_err(|e| e.to_string());
+        Ok(ModelInfo { tokenizer: Some(tokenizer), context_tokens, vocab_size: None, grammars })
     }
 }
 
@@ -105,6 +110,14 @@ impl Validator {
                 ),
             ));
         }
+        if let Some(c) = &r.constraint {
+            if r.ignore_eos {
+                return Err(invalid("ignore_eos cannot go with a constraint: a constrained output ends where its constraint is complete"));
+            }
+            // Compiled here so that a constraint the library rejects is refused with its reason.
+            let grammars = model.grammars.as_ref().map_err(|why| invalid(format!("this model cannot take a constraint: {why}")))?;
+            grammars.matcher(c).map_err(text_invalid)?;
+        }
         let request_id = self.request_id();
         let stream_subject = match r.stream_subject {
             Some(s) if subjects::is_valid_stream_subject(&s) => s,
@@ -120,6 +133,7 @@ impl Validator {
             stream_subject,
             accepted_at_ms: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_millis() as u64,
             cache_salt: r.cache_salt,
+            constraint: r.constraint,
         })
     }
 }

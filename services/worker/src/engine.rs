@@ -17,7 +17,6 @@
 //! the call, never a panic; the figures it reports are those of each actor's last answer.
 
 use actix::prelude::*;
-use llmq_text::sampling::{Sampling, StopConditions};
 use llmq_engine::Model;
 use llmq_text::Tokenizer;
 use llmq_protocol::WireError;
@@ -28,7 +27,7 @@ use crate::messages::{Release, Reply, Report, Reset, ResetCounters, StepTimes};
 use crate::decode::{self, DecodeActor, Grant, Lent, Step};
 use crate::prefill::{self, Chunked, PrefillActor};
 use llmq_scheduler::{EngineOps, PrefillResult, Prefilled, ReqId, StepOut};
-use crate::seq::{internal, Shared};
+use crate::seq::{internal, SeqSpec, Shared};
 
 /// How the role actors are set up.
 #[derive(Debug, Clone)]
@@ -85,7 +84,7 @@ impl ActorEngine {
         // Hits in whole chunk-grid blocks, so that the chunks after one start on the grid (see
         // `Model::chunk_grid`).
         let cache = CacheActor::new(opts.prefix.map(|(block, max)| (block, model.chunk_grid(), max))).start();
-        let shared = Shared { model: std::rc::Rc::new(model), tokenizer: tokenizer.map(std::rc::Rc::new) };
+        let shared = Shared::new(model, tokenizer);
         let prefill = PrefillActor::new(shared.clone(), cache.clone()).start();
         let staging = decode::Staging::new(&shared.model, opts.chunk_stages, opts.stage_tokens, opts.stage_budget, opts.min_stage_tokens);
         let decode = DecodeActor::new(shared, cache.clone(), opts.decode_ahead, staging).start();
@@ -213,8 +212,8 @@ impl EngineOps for ActorEngine {
 }
 
 impl WorkerEngine for ActorEngine {
-    async fn register(&mut self, id: ReqId, prompt: Vec<u32>, sampling: Sampling, stop: StopConditions, salt: Option<String>) -> Result<(), WireError> {
-        let answer = self.prefill.send(prefill::Register { id, prompt, sampling, stop, salt }).await;
+    async fn register(&mut self, id: ReqId, spec: SeqSpec) -> Result<(), WireError> {
+        let answer = self.prefill.send(prefill::Register { id, spec }).await;
         self.take(PREFILL, answer, Err)
     }
 

@@ -14,13 +14,12 @@
 use std::collections::HashMap;
 
 use actix::prelude::*;
-use llmq_text::sampling::{Sampling, StopConditions};
 use llmq_protocol::WireError;
 
 use crate::cache::{CacheActor, Lookup, Remember};
 use crate::messages::{InjectPanic, Release, Reply, Report, Reset, ResetCounters};
 use llmq_scheduler::{ReqId, StepOut};
-use crate::seq::{guarded, internal, run_chunk, unknown, Busy, Seq, Shared};
+use crate::seq::{guarded, internal, run_chunk, unknown, Busy, Seq, SeqSpec, Shared};
 
 pub struct PrefillActor {
     shared: Shared,
@@ -94,10 +93,7 @@ impl Actor for PrefillActor {
 #[rtype(result = "Reply<Result<(), WireError>>")]
 pub struct Register {
     pub id: ReqId,
-    pub prompt: Vec<u32>,
-    pub sampling: Sampling,
-    pub stop: StopConditions,
-    pub salt: Option<String>,
+    pub spec: SeqSpec,
 }
 
 /// An admitted request: start its cache from the longest cached prefix of its prompt; answers
@@ -139,7 +135,7 @@ impl Handler<Register> for PrefillActor {
     type Result = MessageResult<Register>;
     fn handle(&mut self, m: Register, _: &mut Context<Self>) -> Self::Result {
         let r = self.work(false, |a| {
-            let seq = Seq::new(&a.shared, m.prompt, m.sampling, m.stop, m.salt)?;
+            let seq = Seq::new(&a.shared, m.spec)?;
             a.seqs.insert(m.id, seq);
             Ok(())
         });
@@ -188,7 +184,7 @@ impl Handler<Chunk> for PrefillActor {
                     Ok(Chunked::Partial)
                 }
                 Ok(Some(logits)) => {
-                    let first = seq.first_token(&logits, a.shared.tokenizer.as_deref());
+                    let first = seq.first_token(&logits, &a.shared);
                     match first {
                         // Its prompt's KV is remembered when it joins the decode batch.
                         Ok(first) => Ok(Chunked::Complete { first, seq: Box::new(seq) }),

@@ -1,31 +1,77 @@
 //! One request's sequence as the prefill and decode actors hold it, and the pieces of work both
-//! do on it: running a prompt chunk, sampling a token, stop checks and incremental text.
+//! do on it: running a prompt chunk, choosing a token (within its constraint, if it has one),
+//! stop checks and incremental text.
 //!
 //! Invariants: a `Seq` is held by exactly one actor at a time (the prefill actor until its
 //! prompt is complete, the decode actor after; it moves between them only inside messages);
 //! its `next` is the token the next decode step feeds; `history` is the prompt and every token
-//! sampled so far.
+//! sampled so far; a constrained sequence's matcher has followed every token of its output.
 
 use std::rc::Rc;
 
 use llmq_engine::cache::SequenceCache;
 use llmq_engine::generate::Finisher;
 use llmq_engine::model::host_f32;
-use llmq_text::sampling::{Sampler, Sampling, StopConditions};
+use llmq_engine::mask::MaskLayout;
 use llmq_engine::Model;
+use llmq_protocol::{Constraint, ErrorClass, Job, TokenLogprob, WireError};
+use llmq_text::constraint::{Grammars, Matcher};
+use llmq_text::sampling::{Sampler, Sampling, StopConditions};
 use llmq_text::Tokenizer;
-use llmq_protocol::{ErrorClass, TokenLogprob, WireError};
 use mlx_rs::ops::indexing::{argmax_axis, IndexOp};
 use mlx_rs::{Array, Dtype};
 
 use llmq_scheduler::{ReqId, StepOut};
 
-/// What the prefill and decode actors share: the model (one per worker, on the device thread)
-/// and its tokenizer.
+/// What the prefill and decode actors share: the model (one per worker, on the device thread),
+/// its tokenizer, and what constrained decoding needs of both.
 #[derive(Clone)]
 pub struct Shared {
     pub model: Rc<Model>,
     pub tokenizer: Option<Rc<Tokenizer>>,
+    /// Why the model cannot take constraints, when it cannot.
+    pub constraints: Rc<Result<Constraints, String>>,
+}
+
+impl Shared {
+    pub fn new(model: Model, tokenizer: Option<Tokenizer>) -> Self {
+        let constraints = match &tokenizer {
+            None => Err("the model has no tokenizer".to_string()),
+            Some(t) => {
+                let vocab = model.config.vocab_size;
+                Grammars::new(t, vocab, &t.eos_ids).map(|grammars| Constraints { grammars, layout: MaskLayout::new(vocab) }).map_err(|e| e.to_string())
+            }
+        };
+        Shared { model: Rc::new(model), tokenizer: tokenizer.map(Rc::new), constraints: Rc::new(constraints) }
+    }
+}
+
+/// Constrained decoding for one model: constraints compiled against its vocabulary, and the
+/// layout of its token masks on the device.
+pub struct Constraints {
+    pub grammars: Grammars,
+    pub layout: MaskLayout,
+}
+
+/// What a new request's sequence is made of (its parameters validated where the job entered).
+pub struct SeqSpec {
+    pub prompt: Vec<u32>,
+    pub sampling: Sampling,
+    pub stop: StopConditions,
+    /// Prefixes are shared only between requests with the same salt.
+    pub salt: Option<String>,
+    pub constraint: Option<Constraint>,
+}
+
+impl SeqSpec {
+    pub fn new(prompt: Vec<u32>, sampling: Sampling, stop: StopConditions) -> Self {
+        SeqSpec { prompt, sampling, stop, salt: None, constraint: None }
+    }
+
+    pub fn of_job(job: Job) -> Self {
+        let Job { prompt_ids, sampling, stop, cache_salt, constraint, .. } = job;
+        SeqSpec { prompt: prompt_ids, sampling, stop, salt: cache_salt, constraint }
+    }
 }
 
 pub struct Seq {
@@ -41,18 +87,30 @@ pub struct Seq {
     pub next: Option<u32>,
     /// (length group, row) in the decode batches, once it decodes there.
     pub row: Option<(usize, usize)>,
+    /// Where its output stands in its constraint, if it has one.
+    pub matcher: Option<Matcher>,
+    /// Why its constraint allows no next token (found while masking): its step fails with it.
+    pub stuck: Option<String>,
 }
 
 impl Seq {
     /// A new request's sequence. Its parameters were validated where the job entered the
     /// system; what only the loaded model can tell, that its prompt ids fit the vocabulary, is
     /// checked here, before any work is queued.
-    pub fn new(shared: &Shared, prompt: Vec<u32>, sampling: Sampling, stop: StopConditions, salt: Option<String>) -> Result<Seq, WireError> {
-        llmq_engine::generate::check_ids(&shared.model, &prompt)
-            .map_err(|e| WireError::new(ErrorClass::InvalidRequest, e.to_string()))?;
+    pub fn new(shared: &Shared, spec: SeqSpec) -> Result<Seq, WireError> {
+        let SeqSpec { prompt, sampling, stop, salt, constraint } = spec;
+        let invalid = |m: String| WireError::new(ErrorClass::InvalidRequest, m);
+        llmq_engine::generate::check_ids(&shared.model, &prompt).map_err(|e| invalid(e.to_string()))?;
         if prompt.is_empty() {
-            return Err(WireError::new(ErrorClass::InvalidRequest, "empty prompt"));
+            return Err(invalid("empty prompt".into()));
         }
+        let matcher = match constraint {
+            None => None,
+            Some(c) => {
+                let cs = shared.constraints.as_ref().as_ref().map_err(|why| invalid(format!("this model cannot take a constraint: {why}")))?;
+                Some(cs.grammars.matcher(&c).map_err(|e| invalid(e.to_string()))?)
+            }
+        };
         let eos = shared.tokenizer.as_ref().map(|t| t.eos_ids.clone()).unwrap_or_default();
         Ok(Seq {
             cache: shared.model.new_cache(),
@@ -64,11 +122,16 @@ impl Seq {
             finisher: Finisher::new(stop, eos),
             next: None,
             row: None,
+            matcher,
+            stuck: None,
         })
     }
 
+    /// Whether its next token is the raw logits' argmax, which the device can pick and feed
+    /// to the next step without the host (so never for a constrained sequence: its mask needs
+    /// the host's matcher to have followed the token before).
     pub fn greedy(&self) -> bool {
-        self.sampler.params().is_plain_greedy()
+        self.matcher.is_none() && self.sampler.params().is_plain_greedy()
     }
 
     /// The prompt tokens of a chunk of `n` starting where prefill stands.
@@ -83,6 +146,12 @@ impl Seq {
 
     /// Takes `id` as the sequence's next token and runs the stop checks.
     pub fn take_token(&mut self, tok: Option<&Tokenizer>, id: u32, lp: Option<TokenLogprob>) -> Result<StepOut, WireError> {
+        if let Some(m) = self.matcher.as_mut() {
+            if let Some(why) = self.stuck.take() {
+                return Err(WireError::new(ErrorClass::ConstraintFailed, why));
+            }
+            m.accept(id).map_err(|why| WireError::new(ErrorClass::ConstraintFailed, why))?;
+        }
         self.history.push(id);
         self.next = Some(id);
         let (text, finished) = self.finisher.push(tok, id).map_err(internal)?;
@@ -90,9 +159,9 @@ impl Seq {
     }
 
     /// Samples the first output token from the prompt's last logits.
-    pub fn first_token(&mut self, logits: &Array, tok: Option<&Tokenizer>) -> Result<StepOut, WireError> {
-        let (t, lp) = choose(logits, &mut [&mut *self], tok)?.pop().expect("one row");
-        self.take_token(tok, t, lp)
+    pub fn first_token(&mut self, logits: &Array, shared: &Shared) -> Result<StepOut, WireError> {
+        let (t, lp) = choose(logits, &mut [&mut *self], shared)?.pop().expect("one row");
+        self.take_token(shared.tokenizer.as_deref(), t, lp)
     }
 }
 
@@ -127,6 +196,34 @@ fn with_texts(mut lp: TokenLogprob, tok: Option<&Tokenizer>) -> TokenLogprob {
     lp
 }
 
+/// Each row's token mask (`words` words; every token for an unconstrained row), the constrained
+/// rows' computed in parallel on the host's cores. A row whose constraint allows nothing is
+/// marked stuck (its mask then allows everything; its step fails).
+fn token_masks(seqs: &mut [&mut Seq], words: usize) -> Vec<u32> {
+    use rayon::prelude::*;
+    let mut masks = vec![u32::MAX; seqs.len() * words];
+    let mut work: Vec<(&mut Matcher, &mut Option<String>, &mut [u32])> = seqs
+        .iter_mut()
+        .zip(masks.chunks_mut(words))
+        .filter_map(|(s, mask)| {
+            let Seq { matcher, stuck, .. } = &mut **s;
+            matcher.as_mut().map(|m| (m, stuck, mask))
+        })
+        .collect();
+    let one = |(m, stuck, mask): &mut (&mut Matcher, &mut Option<String>, &mut [u32])| {
+        if let Err(why) = m.allowed(mask) {
+            **stuck = Some(why);
+            mask.fill(u32::MAX);
+        }
+    };
+    if work.len() == 1 {
+        work.iter_mut().for_each(one);
+    } else {
+        work.par_iter_mut().for_each(one);
+    }
+    masks
+}
+
 /// Greedy token of every row of `logits` [rows, 1, vocab], on the device (int32, lazy).
 pub fn argmax_rows(logits: &Array, rows: i32) -> Result<Array, WireError> {
     let am = argmax_axis(&logits.reshape(&[rows, -1]).map_err(internal)?, -1, None).map_err(internal)?;
@@ -139,14 +236,24 @@ pub fn host_ids(a: &Array) -> Result<Vec<u32>, WireError> {
 }
 
 /// Picks each row's token: one device argmax for the whole batch, host sampling only for rows
-/// that need it (temperature, penalties, logprobs).
-pub fn choose(logits: &Array, seqs: &mut [&mut Seq], tok: Option<&Tokenizer>) -> Result<Vec<(u32, Option<TokenLogprob>)>, WireError> {
+/// that need it (temperature, penalties, logprobs). Constrained rows' logits are restricted to
+/// the tokens their constraints allow; the masks are computed on the host while the device
+/// computes the logits.
+pub fn choose(logits: &Array, seqs: &mut [&mut Seq], shared: &Shared) -> Result<Vec<(u32, Option<TokenLogprob>)>, WireError> {
+    let tok = shared.tokenizer.as_deref();
     let b = seqs.len() as i32;
-    let rows = logits.reshape(&[b, -1]).map_err(internal)?;
-    let greedy_ids: Option<Vec<u32>> = if seqs.iter().any(|s| s.greedy()) { Some(host_ids(&argmax_rows(logits, b)?)?) } else { None };
+    let mut rows = logits.reshape(&[b, -1]).map_err(internal)?;
+    if seqs.iter().any(|s| s.matcher.is_some()) {
+        let cs = shared.constraints.as_ref().as_ref().map_err(internal)?;
+        mlx_rs::transforms::async_eval([&rows]).map_err(internal)?;
+        let masks = token_masks(seqs, cs.layout.words());
+        rows = cs.layout.restrict(&rows, &masks).map_err(internal)?;
+    }
+    let device_argmax = |s: &Seq| s.sampler.params().is_plain_greedy();
+    let greedy_ids: Option<Vec<u32>> = if seqs.iter().any(|s| device_argmax(s)) { Some(host_ids(&argmax_rows(&rows, b)?)?) } else { None };
     let mut out = Vec::with_capacity(seqs.len());
     for (i, s) in seqs.iter_mut().enumerate() {
-        if s.greedy() {
+        if device_argmax(s) {
             out.push((greedy_ids.as_ref().expect("computed above")[i], None));
         } else {
             let row = host_f32(&rows.index(i as i32)).map_err(internal)?;

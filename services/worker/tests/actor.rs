@@ -10,6 +10,7 @@ use llmq_protocol::*;
 use llmq_worker::actor::{Outbound, SchedulerActor, Submit};
 use llmq_scheduler::*;
 use llmq_worker::actor::WorkerEngine;
+use llmq_worker::seq::SeqSpec;
 
 /// One token per step; panics when it decodes a request whose prompt has 13 tokens. With
 /// `ticks` above 1 it is like a decode actor that spreads a chunk's layers over `ticks` steps
@@ -67,9 +68,9 @@ impl EngineOps for Fake {
 }
 
 impl WorkerEngine for Fake {
-    async fn register(&mut self, id: ReqId, prompt: Vec<u32>, _s: Sampling, stop: StopConditions, _salt: Option<String>) -> Result<(), WireError> {
-        self.prompt.insert(id, prompt.len());
-        self.max.insert(id, stop.max_tokens as usize);
+    async fn register(&mut self, id: ReqId, spec: SeqSpec) -> Result<(), WireError> {
+        self.prompt.insert(id, spec.prompt.len());
+        self.max.insert(id, spec.stop.max_tokens as usize);
         Ok(())
     }
     async fn reset(&mut self) {
@@ -105,6 +106,7 @@ fn job(id: &str, prompt_len: usize, max_tokens: u32) -> Job {
         stream_subject: format!("s.{id}"),
         accepted_at_ms: 0,
         cache_salt: None,
+        constraint: None,
     }
 }
 

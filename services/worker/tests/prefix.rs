@@ -14,6 +14,7 @@ use llmq_protocol::Event;
 use llmq_worker::engine::{ActorEngine, EngineOptions};
 use llmq_scheduler::{Admission, ReqId, Scheduler, SchedulerConfig};
 use llmq_worker::actor::WorkerEngine;
+use llmq_worker::seq::SeqSpec;
 use mlx_rs::Dtype;
 
 const MAX_TOKENS: usize = 8;
@@ -88,7 +89,7 @@ impl Rig {
     fn submit(&mut self, p: &[u32], salt: Option<&str>) -> ReqId {
         let id = self.next;
         self.next += 1;
-        self.sys.block_on(self.engine.register(id, p.to_vec(), Sampling::default(), stop(), salt.map(Into::into))).unwrap();
+        self.sys.block_on(self.engine.register(id, SeqSpec { salt: salt.map(Into::into), ..SeqSpec::new(p.to_vec(), Sampling::default(), stop()) })).unwrap();
         let a = Admission { id, prompt_tokens: p.len(), max_tokens: MAX_TOKENS, accepted_at: self.now };
         self.events.extend(self.s.submit(a).into_iter().map(|e| (e.id, e.event)));
         id

@@ -50,6 +50,26 @@ pub struct GenerateRequest {
     /// A client sets a field added to the protocol after v1's first fields (`REQUIRABLE` lists
     /// them) and names it here.
     pub requires: Vec<String>,
+    /// Holds the output to a JSON schema, any JSON object, a regular expression or a Lark
+    /// grammar (constrained decoding); added after v1's first fields: name "constraint" in
+    /// `requires`.
+    pub constraint: Option<Constraint>,
+}
+
+/// What a constrained request's output must match, from its first token to its end: the
+/// sequence ends (end of sequence) only where the output is complete, and every token chosen
+/// keeps it a prefix of some valid output.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Constraint {
+    /// Any JSON object (OpenAI's `response_format: {"type": "json_object"}`).
+    JsonObject,
+    /// A JSON document valid against `schema` (a JSON Schema, as JSON text).
+    JsonSchema { schema: String },
+    /// Text matching the regular expression as a whole (Rust regex syntax, no lookaround).
+    Regex { pattern: String },
+    /// Text of a context-free grammar in llguidance's Lark syntax (start rule `start`).
+    Lark { grammar: String },
 }
 
 /// The fields a request may name in `requires` and every intake of this version honours: the
@@ -58,6 +78,7 @@ pub struct GenerateRequest {
 pub const REQUIRABLE: &[&str] = &[
     "prompt", "messages", "prompt_ids", "max_tokens", "temperature", "top_p", "top_k", "min_p",
     "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs",
+    "constraint",
 ];
 
 /// Intake's immediate answer on the request's reply subject.
@@ -105,6 +126,9 @@ pub enum ErrorClass {
     Cancelled,
     /// The worker running the request stopped before finishing it.
     WorkerLost,
+    /// A constrained request's output could not be continued within its constraint (no token
+    /// of the vocabulary keeps it valid); what was streamed is a valid prefix.
+    ConstraintFailed,
     Internal,
 }
 
@@ -175,6 +199,9 @@ pub struct Job {
     /// Milliseconds since the Unix epoch when intake accepted the job.
     pub accepted_at_ms: u64,
     pub cache_salt: Option<String>,
+    /// Checked by intake: it compiles against the model's vocabulary.
+    #[serde(default)]
+    pub constraint: Option<Constraint>,
 }
 
 /// `seq` of an event published by a worker other than the one that streamed the request so far

@@ -26,6 +26,7 @@ fn job() -> Job {
         stream_subject: "_INBOX.abc".into(),
         accepted_at_ms: 1_700_000_000_000,
         cache_salt: None,
+        constraint: None,
     }
 }
 

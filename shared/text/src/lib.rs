@@ -11,12 +11,15 @@
 //! - `sentencepiece` SentencePiece's `tokenizer.model`, read as GGUF tokenizer metadata
 //! - `detok`         incremental detokenization
 //! - `sampling`      sampling and stop parameters, their validation, the sampler
+//! - `constraint`    constrained decoding: JSON schemas, regular expressions and grammars as
+//!                   token masks (llguidance)
 //!
 //! And where named models live (`resolve_model`), and a model's tokenizer and context without
 //! its weights (`load_tokenizer`).
 
 pub mod affine;
 pub mod config;
+pub mod constraint;
 pub mod detok;
 pub mod error;
 pub mod gguf;

@@ -30,6 +30,22 @@ fn tok_err(path: &Path, e: impl std::fmt::Display) -> Error {
     Error::Tokenizer { path: path.into(), message: e.to_string() }
 }
 
+/// GPT-2's byte-level alphabet, reversed: the printable character that stands for each byte.
+fn gpt2_unbytes() -> HashMap<char, u8> {
+    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+    let mut next = 256u32;
+    (0..=255u8)
+        .map(|b| {
+            if printable(b) {
+                (b as char, b)
+            } else {
+                next += 1;
+                (char::from_u32(next - 1).expect("below the surrogates"), b)
+            }
+        })
+        .collect()
+}
+
 /// `"<s>"` or `{"content": "<s>", ...}` as tokenizer_config.json writes special tokens.
 fn token_text(v: Option<&Json>) -> Option<String> {
     match v? {
@@ -195,6 +211,42 @@ impl Tokenizer {
 
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
+    }
+
+    /// Every token's bytes as it contributes them to decoded text, by id (ids without a token
+    /// are empty), and whether each is special (added tokens such as `<|im_end|>`, which
+    /// stand for themselves, not for their spelling). Byte-level BPE maps GPT-2's printable
+    /// characters back to bytes; SentencePiece-style vocabularies turn `▁` into a space and
+    /// `<0xAB>` into its byte.
+    pub fn token_bytes(&self) -> Result<Vec<(Vec<u8>, bool)>> {
+        let decoder = serde_json::to_value(self.inner.get_decoder()).map_err(|e| tok_err(&self.source, e))?;
+        let kinds = |d: &Json| -> Vec<String> {
+            let parts = d.get("decoders").and_then(Json::as_array).cloned().unwrap_or_else(|| vec![d.clone()]);
+            parts.iter().filter_map(|p| p.get("type").and_then(Json::as_str).map(String::from)).collect()
+        };
+        let kinds = kinds(&decoder);
+        let byte_level = kinds.iter().any(|k| k == "ByteLevel");
+        if !byte_level && !kinds.iter().any(|k| k == "ByteFallback" || k == "Metaspace" || k == "Replace") {
+            return Err(tok_err(&self.source, format!("cannot tell the bytes of its tokens (decoder {kinds:?})")));
+        }
+        let unbyte = gpt2_unbytes();
+        let special: std::collections::HashSet<u32> =
+            self.inner.get_added_tokens_decoder().iter().filter(|(_, t)| t.special).map(|(&id, _)| id).collect();
+        let mut out = vec![(Vec::new(), false); self.max_id_bound()];
+        for (piece, id) in self.inner.get_vocab(true) {
+            let bytes = if special.contains(&id) {
+                piece.into_bytes()
+            } else if byte_level {
+                // Added, non-special tokens are plain text; vocabulary entries use GPT-2's map.
+                piece.chars().map(|c| unbyte.get(&c).copied()).collect::<Option<Vec<u8>>>().unwrap_or_else(|| piece.into_bytes())
+            } else if let Some(b) = piece.strip_prefix("<0x").and_then(|h| h.strip_suffix('>')).filter(|h| h.len() == 2).and_then(|h| u8::from_str_radix(h, 16).ok()) {
+                vec![b]
+            } else {
+                piece.replace('\u{2581}', " ").into_bytes()
+            };
+            out[id as usize] = (bytes, special.contains(&id));
+        }
+        Ok(out)
     }
 
     /// Renders the chat template for `messages` (with the assistant's turn opened).

@@ -21,11 +21,10 @@ use futures::FutureExt;
 use llmq_engine::prefix::PrefixStats;
 use llmq_protocol::{ErrorClass, Event, Job, StreamEvent, WireError, WorkerStatus};
 use llmq_scheduler::{Admission, EngineOps, Emit, ReqId, Scheduler, SchedulerConfig, TickReport};
-use llmq_text::sampling::{Sampling, StopConditions};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::messages::StepTimes;
-use crate::seq::panic_text;
+use crate::seq::{panic_text, SeqSpec};
 use self::cancels::RecentCancels;
 pub use self::cancels::CANCEL_MEMORY;
 pub use self::warm_up::{warm_up_rows, WarmUp, WarmUpError};
@@ -38,14 +37,7 @@ use crate::tick_log::TickLog;
 #[allow(async_fn_in_trait)]
 pub trait WorkerEngine: EngineOps {
     /// Creates a request's state, validating its parameters.
-    async fn register(
-        &mut self,
-        id: ReqId,
-        prompt: Vec<u32>,
-        sampling: Sampling,
-        stop: StopConditions,
-        cache_salt: Option<String>,
-    ) -> Result<(), WireError>;
+    async fn register(&mut self, id: ReqId, spec: SeqSpec) -> Result<(), WireError>;
     /// Drops every request's state (after a fault: the engine starts again from clean state,
     /// its prefix cache aside).
     async fn reset(&mut self);
@@ -356,11 +348,11 @@ impl<E: WorkerEngine + Unpin + 'static> Handler<Submit> for SchedulerActor<E> {
             self.publish(vec![Emit { id, event: Event::Error { error } }]);
             return AtomicResponse::new(Box::pin(actix::fut::ready(())));
         }
-        let Job { prompt_ids: prompt, sampling, stop, cache_salt: salt, .. } = job;
+        let spec = SeqSpec::of_job(job);
         self.exchange(
             (),
             move |mut engine| async move {
-                let registered = AssertUnwindSafe(engine.register(id, prompt, sampling, stop, salt)).catch_unwind().await;
+                let registered = AssertUnwindSafe(engine.register(id, spec)).catch_unwind().await;
                 let refused = !matches!(registered, Ok(Ok(())));
                 if refused {
                     // Whatever the engine made of it goes.

@@ -10,7 +10,7 @@ use llmq_scheduler::{Admission, ReqId, Scheduler, SchedulerConfig};
 use llmq_text::sampling::{Sampling, StopConditions};
 
 use super::{now, SchedulerActor, WorkerEngine};
-use crate::seq::panic_text;
+use crate::seq::{panic_text, SeqSpec};
 
 /// Runs dummy requests through a private scheduler before the worker takes jobs, so that MLX
 /// has built the kernels (and the allocator holds the buffers) of every kind of step before the
@@ -107,7 +107,7 @@ async fn warm_up<E: WorkerEngine>(engine: &mut E, cfg: SchedulerConfig, w: WarmU
             id += 1;
             let prompt: Vec<u32> = (0..len as u32).map(|i| 1 + (i * 7 + (id % 50) as u32) % 50).collect();
             let stop = StopConditions { max_tokens: max_tokens as u32, ignore_eos: true, ..Default::default() };
-            engine.register(id, prompt, Sampling::default(), stop, None).await.map_err(WarmUpError::Refused)?;
+            engine.register(id, SeqSpec::new(prompt, Sampling::default(), stop)).await.map_err(WarmUpError::Refused)?;
             let a = Admission { id, prompt_tokens: len, max_tokens, accepted_at: now() };
             if let Some(e) = s.submit(a).into_iter().find(|e| e.event.is_terminal()) {
                 return Err(WarmUpError::Ended(e.event));

@@ -240,7 +240,7 @@ impl DecodeActor {
 
     /// A completed prompt: its first token from the prompt's last logits, then the join.
     fn complete(&mut self, id: ReqId, mut seq: Seq, logits: &Array) -> Result<StepOut, WireError> {
-        let first = seq.first_token(logits, self.shared.tokenizer.as_deref())?;
+        let first = seq.first_token(logits, &self.shared)?;
         self.join(id, seq)?;
         Ok(first)
     }

@@ -106,7 +106,7 @@ impl DecodeActor {
             })
         } else {
             let mut seqs: Vec<&mut Seq> = taken.iter_mut().map(|(_, s)| s).collect();
-            choose(&logits, &mut seqs, tok.as_deref())
+            choose(&logits, &mut seqs, &self.shared)
         };
         let outs: Vec<(ReqId, Result<StepOut, WireError>)> = match chosen {
             Ok(chosen) => taken.iter_mut().zip(chosen).map(|((id, s), (t, lp))| (*id, s.take_token(tok.as_deref(), t, lp))).collect(),
@@ -136,7 +136,7 @@ impl DecodeActor {
             let mut caches: Vec<&mut SequenceCache> = taken.iter_mut().map(|(_, s)| &mut s.cache).collect();
             let logits = self.shared.model.forward(&x, &mut caches, true).map_err(internal)?;
             let mut seqs: Vec<&mut Seq> = taken.iter_mut().map(|(_, s)| s).collect();
-            choose(&logits, &mut seqs, tok.as_deref())
+            choose(&logits, &mut seqs, &self.shared)
         })();
         let outs = match result {
             Ok(chosen) => taken.iter_mut().zip(chosen).map(|((_, s), (t, lp))| s.take_token(tok.as_deref(), t, lp)).collect(),
