@@ -87,6 +87,9 @@ fn bad_input_gets_typed_errors_and_disturbs_nothing() {
             (encode(&nan).unwrap(), ErrorClass::InvalidRequest),
             (encode(&neg).unwrap(), ErrorClass::InvalidRequest),
             (rmp_oversized(), ErrorClass::InvalidRequest),
+            // Constraints that cannot be compiled, or that ignore_eos would run past.
+            (encode(&GenerateRequest { constraint: Some(Constraint::Regex { pattern: "(".into() }), ..req("hi", 4) }).unwrap(), ErrorClass::InvalidRequest),
+            (encode(&GenerateRequest { constraint: Some(Constraint::JsonObject), ignore_eos: true, ..req("hi", 4) }).unwrap(), ErrorClass::InvalidRequest),
             // A newer client's field that changes the output, named in `requires`.
             (encode(&GenerateRequest { requires: vec!["response_format".into()], ..req("hi", 4) }).unwrap(), ErrorClass::InvalidRequest),
         ];
@@ -108,6 +111,27 @@ fn bad_input_gets_typed_errors_and_disturbs_nothing() {
         let run = Client::finish(good_id, good_sub, |_| {}).await;
         assert!(matches!(run.last(), Event::Done { .. }), "the good request finished: {:?}", run.last());
         assert_eq!(run.tokens().len(), 100);
+    });
+}
+
+/// Constraints on NATS: a regular expression, a Lark grammar and a JSON schema hold even the
+/// random-weight fixture's output to their language, streamed token by token.
+#[test]
+fn constrained_requests_through_nats_match_their_constraints() {
+    let stack = Stack::up(&[]);
+    rt().block_on(async {
+        let c = Client::connect(&stack.url).await;
+        let constrained = |constraint| GenerateRequest { constraint: Some(constraint), requires: vec!["constraint".into()], temperature: Some(1.0), seed: Some(3), ..req("Answer:", 64) };
+        let run = c.run(constrained(Constraint::Regex { pattern: "[0-9]{3}-[0-9]{4}".into() })).await;
+        let text = run.text();
+        assert!(matches!(run.last(), Event::Done { finish_reason: FinishReason::Stop, .. }), "{text:?}: {:?}", run.last());
+        assert!(text.len() == 8 && text.char_indices().all(|(i, ch)| if i == 3 { ch == '-' } else { ch.is_ascii_digit() }), "{text:?}");
+        let run = c.run(constrained(Constraint::Lark { grammar: "start: (\"yes\" | \"no\") \".\"".into() })).await;
+        assert!(["yes.", "no."].contains(&run.text().as_str()), "{:?}", run.text());
+        let schema = serde_json::json!({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": false});
+        let run = c.run(constrained(Constraint::JsonSchema { schema: schema.to_string() })).await;
+        let doc: serde_json::Value = serde_json::from_str(&run.text()).unwrap_or_else(|e| panic!("{:?}: {e}", run.text()));
+        assert!(doc["ok"].is_boolean() && doc.as_object().unwrap().len() == 1, "{doc}");
     });
 }
 

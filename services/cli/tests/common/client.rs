@@ -25,6 +25,9 @@ impl Run {
     pub fn last(&self) -> &Event {
         &self.events.last().unwrap().event
     }
+    pub fn text(&self) -> String {
+        self.events.iter().filter_map(|e| if let Event::Tokens { text, .. } = &e.event { Some(text.as_str()) } else { None }).collect()
+    }
 }
 
 impl Client {
