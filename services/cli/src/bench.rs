@@ -76,6 +76,10 @@ pub struct Args {
     /// KV budget of the worker in bytes (default: the worker's).
     #[arg(long)]
     kv_budget_bytes: Option<u64>,
+    /// batch: run it again with every stream under a constraint of this kind (json) and
+    /// report both (the model needs a tokenizer: a named model, or a shape with a vocabulary).
+    #[arg(long)]
+    constrained: Option<String>,
 }
 
 /// The peer's prompt: token ids drawn from [10, 4000), fixed seed.
@@ -158,6 +162,7 @@ fn through_nats(a: &Args) -> Result<serde_json::Value> {
         gateway: (a.scenario == "gateway").then(|| "127.0.0.1:0".to_string()),
         nats: a.nats.clone(),
         worker_env,
+        constrained: a.constrained.clone(),
     };
     let mut v = crate::bench_nats::run(&a.scenario, &knobs)?;
     let obj = v.as_object_mut().expect("object");

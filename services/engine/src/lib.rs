@@ -75,13 +75,15 @@ pub fn parse_dtype(s: &str) -> Result<Dtype> {
     })
 }
 
-/// Loads a model by name: `random:<shape>` (random weights, no tokenizer; see `shapes`), a
-/// known name, or a path.
+/// Loads a model by name: `random:<shape>` (random weights, with the tokenizer of the
+/// vocabulary the shape was modelled on when the set-up has it; see `shapes`), a known name,
+/// or a path.
 pub fn load_named(name: &str, opts: impl Into<LoadOptions>) -> Result<LoadedModel> {
     let opts = opts.into();
     if let Some(shape) = name.strip_prefix("random:") {
         let model = shapes::random_model(shape, opts, 0)?;
-        return Ok(LoadedModel { model, tokenizer: None, source: PathBuf::from(name) });
+        let tokenizer = llmq_text::shapes::tokenizer(shape)?;
+        return Ok(LoadedModel { model, tokenizer, source: PathBuf::from(name) });
     }
     load_model(&resolve_model(name)?, opts)
 }

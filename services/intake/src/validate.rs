@@ -21,8 +21,12 @@ impl ModelInfo {
     pub fn load(name: &str) -> Result<Self, llmq_text::Error> {
         if let Some(shape) = name.strip_prefix("random:") {
             let c = llmq_text::shapes::config(shape)?;
-            let grammars = Err("a random-weight model has no tokenizer to constrain".to_string());
-            return Ok(ModelInfo { tokenizer: None, context_tokens: c.max_position_embeddings, vocab_size: Some(c.vocab_size), grammars });
+            let tokenizer = llmq_text::shapes::tokenizer(shape)?;
+            let grammars = match &tokenizer {
+                Some(t) => Grammars::new(t, c.vocab_size, &t.eos_ids).map_err(|e| e.to_string()),
+                None => Err(format!("the random-weight shape {shape:?} has no tokenizer here")),
+            };
+            return Ok(ModelInfo { tokenizer, context_tokens: c.max_position_embeddings, vocab_size: Some(c.vocab_size), grammars });
         }
         let (tokenizer, context_tokens) = load_tokenizer(&resolve_model(name)?)?;
         let grammars = Grammars::new(&tokenizer, tokenizer.max_id_bound(), &tokenizer.eos_ids).map_err(|e| e.to_string());

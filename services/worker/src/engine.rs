@@ -27,7 +27,7 @@ use crate::messages::{Release, Reply, Report, Reset, ResetCounters, StepTimes};
 use crate::decode::{self, DecodeActor, Grant, Lent, Step};
 use crate::prefill::{self, Chunked, PrefillActor};
 use llmq_scheduler::{EngineOps, PrefillResult, Prefilled, ReqId, StepOut};
-use crate::seq::{internal, SeqSpec, Shared};
+use crate::seq::{internal, MaskTimes, SeqSpec, Shared};
 
 /// How the role actors are set up.
 #[derive(Debug, Clone)]
@@ -65,6 +65,8 @@ pub struct ActorEngine {
     staged: Option<ReqId>,
     /// How the decode actor spreads a chunk over steps.
     staging: decode::Staging,
+    /// What constrained rows' masks have cost (the role actors add to it; same thread).
+    mask_times: std::rc::Rc<std::cell::Cell<MaskTimes>>,
 }
 
 const PREFILL: usize = 0;
@@ -85,10 +87,11 @@ impl ActorEngine {
         // `Model::chunk_grid`).
         let cache = CacheActor::new(opts.prefix.map(|(block, max)| (block, model.chunk_grid(), max))).start();
         let shared = Shared::new(model, tokenizer);
+        let mask_times = shared.mask_times.clone();
         let prefill = PrefillActor::new(shared.clone(), cache.clone()).start();
         let staging = decode::Staging::new(&shared.model, opts.chunk_stages, opts.stage_tokens, opts.stage_budget, opts.min_stage_tokens);
         let decode = DecodeActor::new(shared, cache.clone(), opts.decode_ahead, staging).start();
-        ActorEngine { prefill, decode, cache, kv_bytes_per_token, context_tokens, reports: Default::default(), staged: None, staging }
+        ActorEngine { prefill, decode, cache, kv_bytes_per_token, context_tokens, reports: Default::default(), staged: None, staging, mask_times }
     }
 
     /// An answer's value, its report noted; a lost actor gives `lost`.
@@ -250,6 +253,10 @@ impl WorkerEngine for ActorEngine {
     }
 
     /// (prefill calls, their ms, decode calls, their ms) since start.
+    fn mask_times(&self) -> MaskTimes {
+        self.mask_times.get()
+    }
+
     fn call_times(&self) -> (u64, f64, u64, f64) {
         let (p, d) = (&self.reports[PREFILL].busy, &self.reports[DECODE].busy);
         (p.calls, p.ms(), d.calls, d.ms())
@@ -275,5 +282,6 @@ impl WorkerEngine for ActorEngine {
         self.take(DECODE, answer, |_| ());
         let answer = self.cache.send(ResetCounters).await;
         self.take(CACHE, answer, |_| ());
+        self.mask_times.set(MaskTimes::default());
     }
 }

@@ -7,6 +7,7 @@
 //! its `next` is the token the next decode step feeds; `history` is the prompt and every token
 //! sampled so far; a constrained sequence's matcher has followed every token of its output.
 
+use std::cell::Cell;
 use std::rc::Rc;
 
 use llmq_engine::cache::SequenceCache;
@@ -31,6 +32,19 @@ pub struct Shared {
     pub tokenizer: Option<Rc<Tokenizer>>,
     /// Why the model cannot take constraints, when it cannot.
     pub constraints: Rc<Result<Constraints, String>>,
+    /// What computing constrained rows' masks has cost, since start.
+    pub mask_times: Rc<Cell<MaskTimes>>,
+}
+
+/// Steps with constrained rows, those rows, the host's wall time computing their masks, and
+/// the time it then still waited for the step's logits (the device's share left after the
+/// masks: masks are hidden behind the step as long as this stays above zero).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct MaskTimes {
+    pub steps: u64,
+    pub rows: u64,
+    pub mask_ms: f64,
+    pub wait_ms: f64,
 }
 
 impl Shared {
@@ -42,7 +56,7 @@ impl Shared {
                 Grammars::new(t, vocab, &t.eos_ids).map(|grammars| Constraints { grammars, layout: MaskLayout::new(vocab) }).map_err(|e| e.to_string())
             }
         };
-        Shared { model: Rc::new(model), tokenizer: tokenizer.map(Rc::new), constraints: Rc::new(constraints) }
+        Shared { model: Rc::new(model), tokenizer: tokenizer.map(Rc::new), constraints: Rc::new(constraints), mask_times: Rc::default() }
     }
 }
 
@@ -243,14 +257,30 @@ pub fn choose(logits: &Array, seqs: &mut [&mut Seq], shared: &Shared) -> Result<
     let tok = shared.tokenizer.as_deref();
     let b = seqs.len() as i32;
     let mut rows = logits.reshape(&[b, -1]).map_err(internal)?;
-    if seqs.iter().any(|s| s.matcher.is_some()) {
+    let constrained = seqs.iter().filter(|s| s.matcher.is_some()).count();
+    let masked_at = if constrained > 0 {
         let cs = shared.constraints.as_ref().as_ref().map_err(internal)?;
         mlx_rs::transforms::async_eval([&rows]).map_err(internal)?;
+        let t0 = std::time::Instant::now();
         let masks = token_masks(seqs, cs.layout.words());
         rows = cs.layout.restrict(&rows, &masks).map_err(internal)?;
-    }
+        Some((t0, std::time::Instant::now()))
+    } else {
+        None
+    };
     let device_argmax = |s: &Seq| s.sampler.params().is_plain_greedy();
     let greedy_ids: Option<Vec<u32>> = if seqs.iter().any(|s| device_argmax(s)) { Some(host_ids(&argmax_rows(&rows, b)?)?) } else { None };
+    if let Some((t0, t1)) = masked_at {
+        if greedy_ids.is_none() {
+            rows.eval().map_err(internal)?;
+        }
+        let mut m = shared.mask_times.get();
+        m.steps += 1;
+        m.rows += constrained as u64;
+        m.mask_ms += (t1 - t0).as_secs_f64() * 1000.0;
+        m.wait_ms += t1.elapsed().as_secs_f64() * 1000.0;
+        shared.mask_times.set(m);
+    }
     let mut out = Vec::with_capacity(seqs.len());
     for (i, s) in seqs.iter_mut().enumerate() {
         if device_argmax(s) {

@@ -337,4 +337,11 @@ pub struct WorkerStatus {
     pub prefill_ms: f64,
     pub decode_calls: u64,
     pub decode_ms: f64,
+    /// Steps with constrained rows and those rows, since start; the host's wall time computing
+    /// their token masks, and the time it then still waited for the steps' logits (masks are
+    /// hidden behind the device's work while this stays above zero).
+    pub constrained_steps: u64,
+    pub constrained_rows: u64,
+    pub mask_ms: f64,
+    pub mask_wait_ms: f64,
 }

@@ -7,6 +7,9 @@ use crate::rope::RopeConfig;
 
 struct Shape {
     name: &'static str,
+    /// The vocabulary the shape was modelled on, in the set-up's tokenizer cache (see
+    /// `tokenizer`), where it has one.
+    vocabulary: Option<&'static str>,
     hidden: usize,
     layers: usize,
     intermediate: usize,
@@ -20,27 +23,44 @@ struct Shape {
 }
 
 const fn dense(name: &'static str, hidden: usize, layers: usize, intermediate: usize, heads: usize, kv_heads: usize, vocab: usize, tied: bool) -> Shape {
-    Shape { name, hidden, layers, intermediate, heads, kv_heads, head_dim: hidden / heads, vocab, tied, experts: None }
+    Shape { name, vocabulary: None, hidden, layers, intermediate, heads, kv_heads, head_dim: hidden / heads, vocab, tied, experts: None }
 }
 
 const SHAPES: &[Shape] = &[
     dense("tiny", 256, 2, 512, 4, 2, 4096, true),
     dense("smollm2", 576, 30, 1536, 9, 3, 49152, true),
-    dense("1b", 2048, 16, 8192, 32, 8, 128256, true),
-    dense("8b", 4096, 32, 14336, 32, 8, 128256, false),
-    Shape { name: "tiny-moe", hidden: 256, layers: 2, intermediate: 512, heads: 4, kv_heads: 2, head_dim: 64, vocab: 4096, tied: false, experts: Some((8, 2, 128)) },
+    Shape { vocabulary: Some("llama3"), ..dense("1b", 2048, 16, 8192, 32, 8, 128256, true) },
+    Shape { vocabulary: Some("llama3"), ..dense("8b", 4096, 32, 14336, 32, 8, 128256, false) },
+    Shape { name: "tiny-moe", vocabulary: None, hidden: 256, layers: 2, intermediate: 512, heads: 4, kv_heads: 2, head_dim: 64, vocab: 4096, tied: false, experts: Some((8, 2, 128)) },
     // Qwen3-30B-A3B
-    Shape { name: "moe", hidden: 2048, layers: 48, intermediate: 6144, heads: 32, kv_heads: 4, head_dim: 128, vocab: 151936, tied: false, experts: Some((128, 8, 768)) },
+    Shape { name: "moe", vocabulary: Some("qwen3"), hidden: 2048, layers: 48, intermediate: 6144, heads: 32, kv_heads: 4, head_dim: 128, vocab: 151936, tied: false, experts: Some((128, 8, 768)) },
 ];
 
 pub fn shape_names() -> Vec<&'static str> {
     SHAPES.iter().map(|s| s.name).collect()
 }
 
-pub fn config(name: &str) -> Result<ModelConfig> {
-    let s = SHAPES.iter().find(|s| s.name == name).ok_or_else(|| {
+fn shape(name: &str) -> Result<&'static Shape> {
+    SHAPES.iter().find(|s| s.name == name).ok_or_else(|| {
         Error::InvalidRequest(format!("unknown shape {name:?} (known: {})", shape_names().join(", ")))
-    })?;
+    })
+}
+
+/// The tokenizer of the vocabulary a shape was modelled on (Llama 3's for 1b and 8b, Qwen3's
+/// for moe), when the set-up has fetched it (`.cache/tokenizers` beside the models
+/// directory): random weights then still take text, detokenize and take constraints with a
+/// real vocabulary's costs. None for shapes without one, or when it is not there.
+pub fn tokenizer(name: &str) -> Result<Option<crate::Tokenizer>> {
+    let Some(vocab) = shape(name)?.vocabulary else { return Ok(None) };
+    let dir = crate::models_dir().parent().map(|p| p.join("tokenizers").join(vocab));
+    match dir.filter(|d| d.join("tokenizer.json").is_file()) {
+        Some(d) => crate::Tokenizer::from_hf_dir(&d).map(Some),
+        None => Ok(None),
+    }
+}
+
+pub fn config(name: &str) -> Result<ModelConfig> {
+    let s = shape(name)?;
     let moe = s.experts.map(|(experts, active, width)| MoeConfig {
         experts,
         experts_per_token: active,

@@ -101,6 +101,11 @@ impl Tokenizer {
                 tok.eos_ids.push(id);
             }
         }
+        if tok.eos_ids.is_empty() {
+            // A bare tokenizer.json: its family's well-known end-of-text token.
+            let known = ["<|end_of_text|>", "<|endoftext|>", "<|im_end|>", "</s>", "<eos>"];
+            tok.eos_ids.extend(known.iter().filter_map(|t| tok.inner.token_to_id(t)).take(1));
+        }
         Ok(tok)
     }
 

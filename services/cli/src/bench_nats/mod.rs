@@ -6,7 +6,9 @@
 //!   active streams' steady gap (median before), worst gap (during) and the time until the last
 //!   burst prompt's first token.
 //! - batch: `streams` requests of `prompt_tokens` submitted together, `output_tokens` each: the
-//!   output tokens/s while all streams decode.
+//!   output tokens/s while all streams decode. With `--constrained json`, the batch runs twice
+//!   in one stack, free then with every stream under a JSON-schema constraint: both rates side
+//!   by side, and the worker's mask time per step and what of it the step's logits outlasted.
 //! - static: the same arrivals (half at once, half spread over the first ones' decode) with
 //!   continuous batching and with static batching: mean time to first token of each.
 //! - gateway: `streams` requests of `prompt_tokens`, `output_tokens` each, half through NATS and
@@ -23,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
 use futures::StreamExt;
-use llmq_protocol::{subjects, Cancel, Event, GenerateReply, GenerateRequest, StreamEvent, WorkerStatus};
+use llmq_protocol::{subjects, Cancel, Constraint, Event, GenerateReply, GenerateRequest, StreamEvent, WorkerStatus};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
@@ -48,6 +50,8 @@ pub struct Knobs {
     pub gpus: Vec<u32>,
     pub nats: Option<String>,
     pub worker_env: Vec<(String, String)>,
+    /// batch: also run every stream under this kind of constraint (json), in the same stack.
+    pub constrained: Option<String>,
 }
 
 /// A token event as the client saw it.
@@ -62,6 +66,8 @@ struct Seen {
 
 struct Client {
     nc: async_nats::Client,
+    /// Held by every request submitted while set.
+    constraint: Option<Constraint>,
     tx: mpsc::UnboundedSender<Seen>,
     ids: Vec<String>,
     /// The stack's gateway address, when it runs one.
@@ -78,8 +84,12 @@ impl Client {
             model: model.into(),
             prompt_ids: Some(prompt_ids),
             max_tokens: Some(max_tokens as i64),
-            ignore_eos: true,
+            // A constrained stream ends only where its constraint is complete (see
+            // `bench_constraint`: not within max_tokens).
+            ignore_eos: self.constraint.is_none(),
             stream_subject: Some(inbox),
+            constraint: self.constraint.clone(),
+            requires: self.constraint.iter().map(|_| "constraint".to_string()).collect(),
             ..Default::default()
         };
         let reply = self.nc.request(subjects::GENERATE, llmq_protocol::encode(&req)?.into()).await?;
@@ -189,7 +199,10 @@ pub fn run(scenario: &str, k: &Knobs) -> Result<Value> {
     env.push(("LLMQ__SCHEDULER__INTERLEAVE".into(), k.interleave.to_string()));
     match scenario {
         "burst" => rt.block_on(with_stack(k, &env, |c| Box::pin(burst(c, k)))),
-        "batch" => rt.block_on(with_stack(k, &env, |c| Box::pin(batch(c, k)))),
+        "batch" => match &k.constrained {
+            None => rt.block_on(with_stack(k, &env, |(mut c, mut rx)| Box::pin(async move { batch(&mut c, &mut rx, k).await }))),
+            Some(kind) => rt.block_on(with_stack(k, &env, |c| Box::pin(constrained_batch(c, k, kind)))),
+        },
         "static" => {
             let (_, _, c, s) = twice(&rt, k, &env, "LLMQ__SCHEDULER__CONTINUOUS", "mean_ttft_ms", |c| Box::pin(arrivals(c, k)))?;
             Ok(json!({
@@ -249,7 +262,7 @@ async fn with_stack<'a>(k: &'a Knobs, env: &[(String, String)], f: impl FnOnce((
         wait_for_workers(&nc, k.workers, &mut s.children).await?;
     }
     let (tx, rx) = mpsc::unbounded_channel();
-    let client = Client { nc, tx, ids: vec![], gateway: stack.as_ref().and_then(|s| s.gateway.clone()) };
+    let client = Client { nc, constraint: None, tx, ids: vec![], gateway: stack.as_ref().and_then(|s| s.gateway.clone()) };
     let r = f((client, rx)).await;
     drop(stack);
     r
@@ -336,7 +349,51 @@ async fn burst((mut c, mut rx): (Client, mpsc::UnboundedReceiver<Seen>), k: &Kno
     Ok(v)
 }
 
-async fn batch((mut c, mut rx): (Client, mpsc::UnboundedReceiver<Seen>), k: &Knobs) -> Result<Value> {
+/// A constraint no stream completes within `output_tokens`: a JSON array of at least that many
+/// records (an integer, a short string, a boolean each), so that every stream decodes its
+/// whole length under a mask that follows keys, strings, numbers and structure.
+fn bench_constraint(kind: &str, output_tokens: usize) -> Result<Constraint> {
+    match kind {
+        "json" => {
+            let record = json!({
+                "type": "object",
+                "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 16}, "ok": {"type": "boolean"}},
+                "required": ["id", "name", "ok"],
+                "additionalProperties": false,
+            });
+            let schema = json!({"type": "array", "items": record, "minItems": output_tokens.max(1)});
+            Ok(Constraint::JsonSchema { schema: schema.to_string() })
+        }
+        other => bail!("unknown constraint kind {other:?} (json)"),
+    }
+}
+
+/// The batch twice in one stack: every stream free, then every stream constrained; their
+/// steady output rates side by side, and what the masks cost the worker.
+async fn constrained_batch((mut c, mut rx): (Client, mpsc::UnboundedReceiver<Seen>), k: &Knobs, kind: &str) -> Result<Value> {
+    let free = batch(&mut c, &mut rx, k).await?;
+    c.constraint = Some(bench_constraint(kind, k.output_tokens)?);
+    let s0 = c.status().await?;
+    let held = batch(&mut c, &mut rx, k).await?;
+    let s1 = c.status().await?;
+    let rate = |v: &Value| v["steady_output_tokens_per_s"].as_f64().unwrap_or(f64::NAN);
+    let steps = (s1.constrained_steps - s0.constrained_steps).max(1) as f64;
+    let rows = (s1.constrained_rows - s0.constrained_rows).max(1) as f64;
+    Ok(json!({
+        "scenario": "batch", "constrained": kind, "streams": k.streams, "prompt_tokens": k.prompt_tokens,
+        "output_tokens": k.output_tokens,
+        "free_steady_output_tokens_per_s": rate(&free),
+        "constrained_steady_output_tokens_per_s": rate(&held),
+        "constrained_over_free": round(rate(&held) / rate(&free), 3),
+        "free_decode_step_ms": free["decode_step_ms"], "constrained_decode_step_ms": held["decode_step_ms"],
+        "constrained_steps": s1.constrained_steps - s0.constrained_steps,
+        "mask_ms_per_step": round((s1.mask_ms - s0.mask_ms) / steps, 3),
+        "mask_ms_per_row": round((s1.mask_ms - s0.mask_ms) / rows, 4),
+        "logits_wait_after_masks_ms_per_step": round((s1.mask_wait_ms - s0.mask_wait_ms) / steps, 3),
+    }))
+}
+
+async fn batch(c: &mut Client, rx: &mut mpsc::UnboundedReceiver<Seen>, k: &Knobs) -> Result<Value> {
     let t0 = Instant::now();
     let status0 = c.status().await?;
     for i in 0..k.streams {

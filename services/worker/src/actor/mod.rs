@@ -24,7 +24,7 @@ use llmq_scheduler::{Admission, EngineOps, Emit, ReqId, Scheduler, SchedulerConf
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::messages::StepTimes;
-use crate::seq::{panic_text, SeqSpec};
+use crate::seq::{panic_text, MaskTimes, SeqSpec};
 use self::cancels::RecentCancels;
 pub use self::cancels::CANCEL_MEMORY;
 pub use self::warm_up::{warm_up_rows, WarmUp, WarmUpError};
@@ -54,6 +54,10 @@ pub trait WorkerEngine: EngineOps {
     fn engine_ms(&self) -> f64;
     /// (prefill calls, their ms, decode calls, their ms) since start.
     fn call_times(&self) -> (u64, f64, u64, f64);
+    /// What constrained rows' token masks have cost (nothing by default).
+    fn mask_times(&self) -> MaskTimes {
+        MaskTimes::default()
+    }
     /// The prefix cache's counters (all zero without one).
     fn prefix_stats(&self) -> PrefixStats {
         Default::default()
@@ -237,6 +241,7 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
         let used = engine.kv_bytes_in_use();
         let prefix = engine.prefix_stats();
         let (prefill_calls, prefill_ms, decode_calls, decode_ms) = engine.call_times();
+        let masks = engine.mask_times();
         WorkerStatus {
             worker_id: self.worker_id.clone(),
             model: self.model_name.clone(),
@@ -263,6 +268,10 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
             prefill_ms,
             decode_calls,
             decode_ms,
+            constrained_steps: masks.steps,
+            constrained_rows: masks.rows,
+            mask_ms: masks.mask_ms,
+            mask_wait_ms: masks.wait_ms,
         }
     }
 }
