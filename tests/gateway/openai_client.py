@@ -117,6 +117,26 @@ except openai.BadRequestError as e:
     assert e.status_code == 400 and "schema" in e.body["message"], e.body
 print("invalid schema: 400")
 
+# Parallel samples: n=3 gives three choices, each ending on its own; streamed, each choice's
+# deltas carry its index.
+many = client.chat.completions.create(
+    model=model, messages=[{"role": "user", "content": "Name an animal."}], max_tokens=8, temperature=1.0, seed=7, n=3,
+)
+assert sorted(c.index for c in many.choices) == [0, 1, 2], many
+assert all(c.finish_reason in ("stop", "length") and c.message.content for c in many.choices), many
+assert many.usage.completion_tokens <= 24, many.usage
+print("n=3:", [c.message.content for c in many.choices])
+parts, finished = {}, set()
+for c in client.chat.completions.create(
+    model=model, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=6, temperature=1.0, seed=3, n=2, stream=True,
+):
+    for ch in c.choices:
+        parts[ch.index] = parts.get(ch.index, "") + (ch.delta.content or "")
+        if ch.finish_reason:
+            finished.add(ch.index)
+assert finished == {0, 1} and all(parts[i] for i in (0, 1)), (parts, finished)
+print("n=2 streamed:", parts)
+
 # A client that closes its stream early: the gateway must cancel the request.
 stream = client.chat.completions.create(
     model=model,

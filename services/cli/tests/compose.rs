@@ -332,6 +332,7 @@ fn nats_lets_in_only_the_right_users_each_to_its_own_subjects() {
             accepted_at_ms: 0,
             cache_salt: None,
             constraint: None,
+            n: 1,
         };
         nc.publish(llmq_protocol::subjects::jobs("smollm2"), llmq_protocol::encode(&job).unwrap().into()).await.unwrap();
         nc.flush().await.unwrap();

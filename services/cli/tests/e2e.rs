@@ -135,6 +135,51 @@ fn constrained_requests_through_nats_match_their_constraints() {
     });
 }
 
+/// n samples of one prompt: one request, its events tagged with their choice and counted by one
+/// `seq`; each choice ends once; the samples after the first find its prompt's KV cached;
+/// seeded samples differ from each other and repeat.
+#[test]
+fn samples_of_one_prompt_share_its_prefill() {
+    let stack = Stack::up(&[]);
+    rt().block_on(async {
+        let c = Client::connect(&stack.url).await;
+        let r = GenerateRequest { n: Some(3), requires: vec!["n".into()], temperature: Some(1.0), seed: Some(42), ..req(&LONG.repeat(3), 12) };
+        let run = |r: GenerateRequest| async {
+            let (id, sub) = c.start(r).await;
+            Client::finish_choices(id, sub, 3, |_| {}).await
+        };
+        let first = run(r.clone()).await;
+        assert!(first.events.windows(2).all(|w| w[1].seq == w[0].seq + 1), "one seq for the request");
+        let mut texts = vec![];
+        for choice in 0..3 {
+            let evs: Vec<&Event> = first.events.iter().filter(|e| e.choice == choice).map(|e| &e.event).collect();
+            assert_eq!(evs.iter().filter(|e| e.is_terminal()).count(), 1, "choice {choice}");
+            match evs.last() {
+                Some(Event::Done { usage, .. }) => {
+                    assert_eq!(usage.completion, 12, "choice {choice}");
+                    if choice > 0 {
+                        assert!(usage.cached > 0, "choice {choice} prefilled the prompt again: {usage:?}");
+                    }
+                }
+                e => panic!("choice {choice} ended with {e:?}"),
+            }
+            let ids: Vec<u32> = evs.iter().flat_map(|e| if let Event::Tokens { ids, .. } = e { ids.clone() } else { vec![] }).collect();
+            texts.push(ids);
+        }
+        assert!(texts[0] != texts[1] || texts[1] != texts[2], "the samples are all the same: {texts:?}");
+        let again = run(r).await;
+        for choice in 0..3u32 {
+            let ids: Vec<u32> = again.events.iter().filter(|e| e.choice == choice).flat_map(|e| if let Event::Tokens { ids, .. } = &e.event { ids.clone() } else { vec![] }).collect();
+            assert_eq!(ids, texts[choice as usize], "seeded choice {choice} repeats");
+        }
+        // Out of range.
+        match c.submit_raw(encode(&GenerateRequest { n: Some(17), ..req("hi", 4) }).unwrap()).await {
+            GenerateReply::Rejected { error } => assert_eq!(error.class, ErrorClass::InvalidRequest),
+            r => panic!("accepted: {r:?}"),
+        }
+    });
+}
+
 /// A request larger than the protocol's limit but within the server's payload limit
 /// (`encode` refuses to make one, as it should).
 fn rmp_oversized() -> Vec<u8> {

@@ -71,7 +71,7 @@ fn the_openai_package_works_unchanged_and_an_early_close_cancels() {
         assert_eq!(c.request_id, closed);
         let metrics = client::request(&addr, "GET", "/metrics", None).await.unwrap().body;
         for want in [
-            "llmq_gateway_requests_total{endpoint=\"chat\",outcome=\"ok\"} 9",
+            "llmq_gateway_requests_total{endpoint=\"chat\",outcome=\"ok\"} 11",
             "llmq_gateway_requests_total{endpoint=\"chat\",outcome=\"cancelled\"} 1",
             "llmq_gateway_requests_total{endpoint=\"chat\",outcome=\"model_not_found\"} 1",
             "llmq_gateway_requests_total{endpoint=\"completions\",outcome=\"ok\"} 1",
@@ -109,7 +109,7 @@ fn typed_errors_health_and_worker_loss() {
         assert!(models.body.contains(&format!("\"id\":{}", serde_json::json!(model))), "{}", models.body);
         for (extra, status, code) in [
             (serde_json::json!({"temperature": -1}), 400, "invalid_request"),
-            (serde_json::json!({"n": 3}), 400, "invalid_request"),
+            (serde_json::json!({"n": 17}), 400, "invalid_request"),
             (serde_json::json!({"max_tokens": 1_000_000}), 413, "context_length_exceeded"),
         ] {
             let (s, body) = post(&addr, "/v1/completions", completion(extra.clone())).await;

@@ -26,7 +26,7 @@ use actix_web::{App, HttpResponse, HttpServer};
 use futures::StreamExt;
 use llmq_config::Settings;
 use llmq_protocol::workers::WorkerTable;
-use llmq_protocol::{subjects, Cancel, Event, GenerateReply, GenerateRequest, StreamEvent, TokenLogprob, WorkerStatus};
+use llmq_protocol::{subjects, Cancel, Event, FinishReason, GenerateReply, GenerateRequest, StreamEvent, TokenLogprob, Usage, WorkerStatus};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
@@ -155,8 +155,9 @@ async fn submit(state: &State, mut g: GenerateRequest) -> Result<Accepted, ApiEr
     }
 }
 
-/// One chunk of a stream in the endpoint's format.
-fn chunk(shape: &Shape, id: &str, created: u64, text: Option<&str>, role: bool, lps: &[TokenLogprob], finish: Option<&str>) -> Value {
+/// One chunk of a stream in the endpoint's format, for choice `index`.
+#[allow(clippy::too_many_arguments)]
+fn chunk(shape: &Shape, id: &str, created: u64, index: u32, text: Option<&str>, role: bool, lps: &[TokenLogprob], finish: Option<&str>) -> Value {
     let logprobs = match shape.logprobs {
         Some(_) if !lps.is_empty() => openai::logprobs(shape.kind, lps),
         _ => Value::Null,
@@ -172,12 +173,12 @@ fn chunk(shape: &Shape, id: &str, created: u64, text: Option<&str>, role: bool, 
             }
             json!({
                 "id": id, "object": shape.kind.object(true), "created": created, "model": shape.model,
-                "choices": [{ "index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish }],
+                "choices": [{ "index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish }],
             })
         }
         Kind::Completion => json!({
             "id": id, "object": shape.kind.object(true), "created": created, "model": shape.model,
-            "choices": [{ "index": 0, "text": text.unwrap_or(""), "logprobs": logprobs, "finish_reason": finish }],
+            "choices": [{ "index": index, "text": text.unwrap_or(""), "logprobs": logprobs, "finish_reason": finish }],
         }),
     }
 }
@@ -209,9 +210,14 @@ async fn stream_events(state: Arc<State>, shape: Shape, mut acc: Accepted, tx: m
     let id = shape.kind.response_id(&acc.request_id);
     let created = unix_secs();
     let mut clock = Clock { started: acc.started, last: None };
+    // Choices still running, and the usage of those ended (the prompt counted once).
+    let mut open = shape.n;
+    let mut total = Usage::default();
     let outcome: &'static str = 'run: {
-        if shape.kind == Kind::Chat && tx.send(sse(&chunk(&shape, &id, created, Some(""), true, &[], None))).await.is_err() {
-            break 'run "cancelled";
+        for index in 0..shape.n {
+            if shape.kind == Kind::Chat && tx.send(sse(&chunk(&shape, &id, created, index, Some(""), true, &[], None))).await.is_err() {
+                break 'run "cancelled";
+            }
         }
         loop {
             let msg = tokio::select! {
@@ -236,20 +242,24 @@ async fn stream_events(state: Arc<State>, shape: Shape, mut acc: Accepted, tx: m
                 Event::Tokens { text, logprobs, .. } => {
                     clock.tokens(&state.metrics);
                     if !text.is_empty() || !logprobs.is_empty() {
-                        out.push(sse(&chunk(&shape, &id, created, Some(&text), false, &logprobs, None)));
+                        out.push(sse(&chunk(&shape, &id, created, ev.choice, Some(&text), false, &logprobs, None)));
                     }
                 }
                 Event::Done { finish_reason, usage, .. } => {
                     let reason = openai::finish_reason(finish_reason);
                     let text = (shape.kind == Kind::Completion).then_some("");
-                    out.push(sse(&chunk(&shape, &id, created, text, false, &[], Some(reason))));
-                    if shape.include_usage {
-                        out.push(sse(&json!({
-                            "id": id, "object": shape.kind.object(true), "created": created, "model": shape.model,
-                            "choices": [], "usage": openai::usage(&usage),
-                        })));
+                    out.push(sse(&chunk(&shape, &id, created, ev.choice, text, false, &[], Some(reason))));
+                    total = Usage { prompt: usage.prompt, completion: total.completion + usage.completion, cached: total.cached.max(usage.cached) };
+                    open = open.saturating_sub(1);
+                    if open == 0 {
+                        if shape.include_usage {
+                            out.push(sse(&json!({
+                                "id": id, "object": shape.kind.object(true), "created": created, "model": shape.model,
+                                "choices": [], "usage": openai::usage(&total),
+                            })));
+                        }
+                        end = Some("ok");
                     }
-                    end = Some("ok");
                 }
                 Event::Error { error } => {
                     let e = ApiError::from_wire(&error);
@@ -270,7 +280,8 @@ async fn stream_events(state: Arc<State>, shape: Shape, mut acc: Accepted, tx: m
             }
         }
     };
-    if matches!(outcome, "cancelled" | "internal_error" | "worker_lost") {
+    // Whatever did not end well (with n > 1 the other choices may still run) is cancelled.
+    if outcome != "ok" {
         cancel(&state.nc, &acc.request_id);
     }
     state.metrics.request(shape.kind.endpoint(), outcome);
@@ -280,7 +291,10 @@ async fn stream_events(state: Arc<State>, shape: Shape, mut acc: Accepted, tx: m
 async fn collect(state: &State, shape: &Shape, mut acc: Accepted) -> Result<Value, ApiError> {
     let mut guard = CancelOnDrop { nc: &state.nc, request_id: acc.request_id.clone(), done: false };
     let mut clock = Clock { started: acc.started, last: None };
-    let (mut text, mut lps) = (String::new(), vec![]);
+    let n = shape.n as usize;
+    let (mut texts, mut lps) = (vec![String::new(); n], vec![vec![]; n]);
+    let mut ended: Vec<Option<FinishReason>> = vec![None; n];
+    let mut total = Usage::default();
     loop {
         let msg = match tokio::time::timeout(SILENCE, acc.events.next()).await {
             Ok(Some(m)) => m,
@@ -291,31 +305,43 @@ async fn collect(state: &State, shape: &Shape, mut acc: Accepted) -> Result<Valu
             },
         };
         let Ok(ev) = llmq_protocol::decode::<StreamEvent>(&msg.payload) else { continue };
+        let c = (ev.choice as usize).min(n - 1);
         match ev.event {
             Event::Tokens { text: t, logprobs, .. } => {
                 clock.tokens(&state.metrics);
-                text.push_str(&t);
-                lps.extend(logprobs);
+                texts[c].push_str(&t);
+                lps[c].extend(logprobs);
             }
             Event::Done { finish_reason, usage, .. } => {
+                ended[c] = Some(finish_reason);
+                total = Usage { prompt: usage.prompt, completion: total.completion + usage.completion, cached: total.cached.max(usage.cached) };
+                if ended.iter().any(Option::is_none) {
+                    continue;
+                }
                 guard.done = true;
                 let id = shape.kind.response_id(&acc.request_id);
-                let logprobs = if shape.logprobs.is_some() { openai::logprobs(shape.kind, &lps) } else { Value::Null };
-                let reason = openai::finish_reason(finish_reason);
-                let choice = match shape.kind {
-                    Kind::Chat => json!({
-                        "index": 0, "message": { "role": "assistant", "content": text },
-                        "logprobs": logprobs, "finish_reason": reason,
-                    }),
-                    Kind::Completion => json!({ "index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason }),
-                };
+                let choices: Vec<Value> = (0..n)
+                    .map(|i| {
+                        let logprobs = if shape.logprobs.is_some() { openai::logprobs(shape.kind, &lps[i]) } else { Value::Null };
+                        let reason = openai::finish_reason(ended[i].expect("every choice ended"));
+                        let text = std::mem::take(&mut texts[i]);
+                        match shape.kind {
+                            Kind::Chat => json!({
+                                "index": i, "message": { "role": "assistant", "content": text },
+                                "logprobs": logprobs, "finish_reason": reason,
+                            }),
+                            Kind::Completion => json!({ "index": i, "text": text, "logprobs": logprobs, "finish_reason": reason }),
+                        }
+                    })
+                    .collect();
                 return Ok(json!({
                     "id": id, "object": shape.kind.object(false), "created": unix_secs(), "model": shape.model,
-                    "choices": [choice], "usage": openai::usage(&usage),
+                    "choices": choices, "usage": openai::usage(&total),
                 }));
             }
             Event::Error { error } => {
-                guard.done = true;
+                // With more choices, the others are cancelled as the guard drops.
+                guard.done = n == 1;
                 return Err(ApiError::from_wire(&error));
             }
             Event::Queued { .. } | Event::PrefillProgress { .. } => {}

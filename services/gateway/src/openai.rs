@@ -298,14 +298,16 @@ pub struct Shape {
     pub include_usage: bool,
     /// Return logprobs, with this many alternatives per token.
     pub logprobs: Option<u32>,
+    /// Choices (samples of the prompt).
+    pub n: u32,
 }
 
 fn common_request(c: &Common) -> Result<GenerateRequest, ApiError> {
-    if let Some(n) = c.n {
-        if n != 1 {
-            return Err(ApiError::invalid(format!("n must be 1, got {n}")));
-        }
-    }
+    let n = match c.n {
+        None | Some(1) => None,
+        Some(n) if (2..=llmq_protocol::MAX_CHOICES as i64).contains(&n) => Some(n),
+        Some(n) => return Err(ApiError::invalid(format!("n must be between 1 and {}, got {n}", llmq_protocol::MAX_CHOICES))),
+    };
     let seed = match c.seed {
         Some(s) if s < 0 => return Err(ApiError::invalid(format!("seed must be >= 0, got {s}"))),
         s => s.map(|s| s as u64),
@@ -319,12 +321,13 @@ fn common_request(c: &Common) -> Result<GenerateRequest, ApiError> {
         Some(f) => f.constraint()?,
         None => None,
     };
-    // An intake that does not know the constraint must refuse the request, not ignore it.
-    let requires = constraint.iter().map(|_| "constraint".to_string()).collect();
+    // An intake that does not know these fields must refuse the request, not ignore them.
+    let requires = constraint.iter().map(|_| "constraint").chain(n.map(|_| "n")).map(String::from).collect();
     Ok(GenerateRequest {
         model: c.model.clone(),
         constraint,
         requires,
+        n,
         max_tokens: c.max_completion_tokens.or(c.max_tokens),
         temperature: c.temperature,
         top_p: c.top_p,
@@ -347,6 +350,7 @@ fn shape(kind: Kind, c: &Common, logprobs: Option<u32>) -> Shape {
         stream: c.stream,
         include_usage: c.stream_options.as_ref().is_some_and(|o| o.include_usage),
         logprobs,
+        n: c.n.unwrap_or(1).clamp(1, llmq_protocol::MAX_CHOICES as i64) as u32,
     }
 }
 
@@ -487,7 +491,8 @@ mod tests {
             v.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
             chat(v).unwrap_err().status
         };
-        assert_eq!(base(json!({"n": 2})), StatusCode::BAD_REQUEST);
+        assert_eq!(base(json!({"n": 17})), StatusCode::BAD_REQUEST);
+        assert_eq!(base(json!({"n": 0})), StatusCode::BAD_REQUEST);
         assert_eq!(base(json!({"top_logprobs": 30, "logprobs": true})), StatusCode::BAD_REQUEST);
         assert_eq!(base(json!({"seed": -1})), StatusCode::BAD_REQUEST);
         let img = json!({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]});

@@ -122,6 +122,11 @@ impl Validator {
             let grammars = model.grammars.as_ref().map_err(|why| invalid(format!("this model cannot take a constraint: {why}")))?;
             grammars.matcher(c).map_err(text_invalid)?;
         }
+        let n = match r.n {
+            None => 1,
+            Some(n) if (1..=llmq_protocol::MAX_CHOICES as i64).contains(&n) => n as u32,
+            Some(n) => return Err(invalid(format!("n must be between 1 and {}, got {n}", llmq_protocol::MAX_CHOICES))),
+        };
         let request_id = self.request_id();
         let stream_subject = match r.stream_subject {
             Some(s) if subjects::is_valid_stream_subject(&s) => s,
@@ -138,6 +143,7 @@ impl Validator {
             accepted_at_ms: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_millis() as u64,
             cache_salt: r.cache_salt,
             constraint: r.constraint,
+            n,
         })
     }
 }

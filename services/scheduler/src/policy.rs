@@ -103,6 +103,9 @@ pub struct Admission {
     pub max_tokens: usize,
     /// When intake accepted it, on the scheduler's clock.
     pub accepted_at: Duration,
+    /// Another sample of the same prompt: admitted only once that request's prompt is
+    /// complete (or it has ended), so that its prompt's KV is found in the prefix cache.
+    pub after: Option<ReqId>,
 }
 
 #[derive(Debug)]
@@ -226,8 +229,19 @@ impl Scheduler {
     /// Removes the requests not admitted yet (they have had no event but `Queued`) and returns
     /// them, in arrival order: a stopping worker hands them back to the jobs stream.
     pub fn take_waiting(&mut self) -> Vec<ReqId> {
-        // Those being cancelled stay, to end with their own error.
-        let (keep, taken): (Vec<ReqId>, Vec<ReqId>) = self.waiting.iter().partition(|id| self.cancels.contains_key(id));
+        // Those being cancelled stay, to end with their own error; so do samples whose first
+        // sample runs here (they share its prompt).
+        let mut taken: Vec<ReqId> = vec![];
+        let mut keep = vec![];
+        for &id in &self.waiting {
+            let after = self.reqs[&id].a.after;
+            let leader_stays = after.is_some_and(|l| self.reqs.contains_key(&l) && !taken.contains(&l));
+            if self.cancels.contains_key(&id) || leader_stays {
+                keep.push(id);
+            } else {
+                taken.push(id);
+            }
+        }
         self.waiting = keep;
         for id in &taken {
             self.reqs.remove(id);
@@ -349,12 +363,20 @@ impl Scheduler {
     /// (none behind one that does not fit); tells the rest their new places.
     async fn admit_waiting(&mut self, engine: &mut impl EngineOps, now: Duration, out: &mut Vec<Emit>) {
         let mut still_waiting = Vec::new();
+        // A sample waits for its first sample's prompt (see `Admission::after`) without
+        // holding up those behind it.
+        let unfinished: std::collections::HashSet<ReqId> = self.waiting.iter().chain(&self.prefilling).copied().collect();
+        let mut blocked = false;
         let batch_open = self.cfg.continuous || (self.decoding.is_empty() && self.prefilling.is_empty());
         for id in std::mem::take(&mut self.waiting) {
+            if self.reqs[&id].a.after.is_some_and(|l| unfinished.contains(&l)) {
+                still_waiting.push(id);
+                continue;
+            }
             let need = self.reservation(&self.reqs[&id].a);
             let running = self.decoding.len() + self.prefilling.len();
             if batch_open
-                && still_waiting.is_empty()
+                && !blocked
                 && running < self.cfg.max_batch
                 && self.reserved + need <= self.cfg.kv_budget_bytes
             {
@@ -368,6 +390,7 @@ impl Scheduler {
                 self.prefilling.push(id);
                 engine.prefix_trim(self.cfg.kv_budget_bytes - self.reserved).await;
             } else {
+                blocked = true;
                 still_waiting.push(id);
             }
         }

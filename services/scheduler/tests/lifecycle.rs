@@ -137,3 +137,45 @@ fn a_stopping_worker_takes_back_only_what_has_not_started() {
     assert_eq!((h.of(3).len(), h.of(4).len()), before, "nothing more for the requests taken back");
     assert_eq!(h.s.reserved_kv_bytes(), 0);
 }
+
+/// Samples of one prompt: the others wait for the first one's prompt (its KV is then cached)
+/// without holding up a request behind them, and go back to the jobs stream only with it.
+#[test]
+fn samples_wait_for_their_first_sample_s_prompt() {
+    let mut h = Harness::new(SchedulerConfig { prefill_chunk: 4, idle_prefill_chunk: 4, ..cfg() });
+    h.submit(1, 12, 5);
+    h.submit_after(2, 12, 5, Some(1));
+    h.submit_after(3, 12, 5, Some(1));
+    h.submit(4, 3, 5);
+    let mut first_token_of_1 = None;
+    let mut admitted = std::collections::HashMap::new();
+    for tick in 0..40 {
+        h.tick();
+        if first_token_of_1.is_none() && h.of(1).iter().any(|e| matches!(e, Event::Tokens { .. })) {
+            first_token_of_1 = Some(tick);
+        }
+        for id in [2, 3, 4] {
+            if !admitted.contains_key(&id) && h.of(id).iter().any(|e| matches!(e, Event::PrefillProgress { .. } | Event::Tokens { .. })) {
+                admitted.insert(id, tick);
+            }
+        }
+        if h.s.is_idle() {
+            break;
+        }
+    }
+    let first = first_token_of_1.expect("1 decoded");
+    assert!(admitted[&2] >= first && admitted[&3] >= first, "samples started before the first one's prompt was complete: {admitted:?}, first token at {first}");
+    assert!(admitted[&4] < first, "the request behind the samples was held up: {admitted:?}");
+    h.assert_all_ended(&[1, 2, 3, 4]);
+
+    // Handed back: samples waiting on a running first sample stay; with it waiting, all go.
+    let mut h = Harness::new(SchedulerConfig { max_batch: 1, ..cfg() });
+    h.submit(1, 5, 10);
+    h.submit_after(2, 5, 10, Some(1));
+    h.submit(3, 5, 10);
+    h.submit_after(4, 5, 10, Some(3));
+    h.tick();
+    assert_eq!(h.s.take_waiting(), vec![3, 4], "1 runs: its sample 2 stays with it");
+    h.run_until_idle(100);
+    h.assert_all_ended(&[1, 2]);
+}

@@ -102,15 +102,19 @@ impl Jobs<'_> {
     /// without handing it back): that worker may have streamed events already, so it is not
     /// replayed.
     async fn end_lost(&self, job: &Job, msg: jetstream::Message) {
-        let ev = StreamEvent {
-            request_id: job.request_id.clone(),
-            seq: llmq_protocol::SEQ_FROM_ANOTHER_WORKER,
-            event: Event::Error { error: WireError::new(ErrorClass::WorkerLost, "the worker running this request stopped") },
-        };
-        if let Ok(bytes) = llmq_protocol::encode(&ev) {
-            let _ = self.client.publish(job.stream_subject.clone(), bytes.into()).await;
-            let _ = self.client.flush().await;
+        // Every sample of it ends.
+        for choice in 0..job.n.max(1) {
+            let ev = StreamEvent {
+                request_id: job.request_id.clone(),
+                seq: llmq_protocol::SEQ_FROM_ANOTHER_WORKER,
+                event: Event::Error { error: WireError::new(ErrorClass::WorkerLost, "the worker running this request stopped") },
+                choice,
+            };
+            if let Ok(bytes) = llmq_protocol::encode(&ev) {
+                let _ = self.client.publish(job.stream_subject.clone(), bytes.into()).await;
+            }
         }
+        let _ = self.client.flush().await;
         let _ = msg.ack().await;
     }
 }

@@ -86,6 +86,14 @@ impl SeqSpec {
         let Job { prompt_ids, sampling, stop, cache_salt, constraint, .. } = job;
         SeqSpec { prompt: prompt_ids, sampling, stop, salt: cache_salt, constraint }
     }
+
+    /// Sample `choice` of a job: the job's parameters, its seed (when it has one) moved by the
+    /// sample's index so that seeded samples differ yet repeat.
+    pub fn sample(job: &Job, choice: u32) -> Self {
+        let mut spec = SeqSpec::of_job(job.clone());
+        spec.sampling.seed = spec.sampling.seed.map(|s| s.wrapping_add(choice as u64));
+        spec
+    }
 }
 
 pub struct Seq {

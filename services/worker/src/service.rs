@@ -312,7 +312,6 @@ async fn publish_events(client: async_nats::Client, mut out: mpsc::UnboundedRece
                 actor.do_send(CancelRequest(id));
             }
         }
-        let terminal = o.event.event.is_terminal();
         match llmq_protocol::encode(&o.event) {
             Ok(bytes) if publish => {
                 if let Err(e) = client.publish(o.subject.clone(), bytes.into()).await {
@@ -322,7 +321,7 @@ async fn publish_events(client: async_nats::Client, mut out: mpsc::UnboundedRece
             Ok(_) => {}
             Err(e) => tracing::error!(error = %e, "encoding an event"),
         }
-        if terminal {
+        if o.last {
             if let Some((m, span)) = inflight.end(&o.request_id) {
                 record_end(&span, &o.event.event);
                 let _ = client.flush().await;

@@ -107,6 +107,7 @@ fn job(id: &str, prompt_len: usize, max_tokens: u32) -> Job {
         accepted_at_ms: 0,
         cache_salt: None,
         constraint: None,
+        n: 1,
     }
 }
 

@@ -54,7 +54,7 @@ async fn submit(engine: &mut ActorEngine, s: &mut Scheduler, next: &mut ReqId, s
     *next += 1;
     let n = spec.prompt.len();
     engine.register(id, spec).await.unwrap();
-    let a = Admission { id, prompt_tokens: n, max_tokens: MAX_TOKENS as usize, accepted_at: start.elapsed() };
+    let a = Admission { id, prompt_tokens: n, max_tokens: MAX_TOKENS as usize, accepted_at: start.elapsed(), after: None };
     events.extend(s.submit(a).into_iter().map(|e| (e.id, e.event)));
     id
 }

@@ -78,14 +78,14 @@ fn chunked_interleaved_prefill_gives_the_same_greedy_tokens() {
         for (i, p) in prompts.iter().enumerate() {
             let id = i as u64;
             engine.register(id, SeqSpec::new(p.clone(), Sampling::default(), stop.clone())).await.unwrap();
-            events.extend(s.submit(Admission { id, prompt_tokens: p.len(), max_tokens: 12, accepted_at: start.elapsed() }));
+            events.extend(s.submit(Admission { id, prompt_tokens: p.len(), max_tokens: 12, accepted_at: start.elapsed(), after: None }));
             if i == 1 && with_sampled {
                 // A sampled request among the greedy ones: while it decodes no step is queued
                 // ahead, and its own prompt's last chunk cannot ride in one.
                 let p = tok.prompt_ids("Name a colour.", true).unwrap();
                 let sampling = Sampling { temperature: 0.7, seed: Some(3), ..Default::default() };
                 engine.register(SAMPLED, SeqSpec::new(p.clone(), sampling, stop.clone())).await.unwrap();
-                events.extend(s.submit(Admission { id: SAMPLED, prompt_tokens: p.len(), max_tokens: 12, accepted_at: start.elapsed() }));
+                events.extend(s.submit(Admission { id: SAMPLED, prompt_tokens: p.len(), max_tokens: 12, accepted_at: start.elapsed(), after: None }));
             }
             // Arrivals spread over ticks, so prefills interleave with running decodes; with a
             // budget, far enough apart that decode-only steps are timed before chunks arrive.

@@ -90,7 +90,7 @@ impl Rig {
         let id = self.next;
         self.next += 1;
         self.sys.block_on(self.engine.register(id, SeqSpec { salt: salt.map(Into::into), ..SeqSpec::new(p.to_vec(), Sampling::default(), stop()) })).unwrap();
-        let a = Admission { id, prompt_tokens: p.len(), max_tokens: MAX_TOKENS, accepted_at: self.now };
+        let a = Admission { id, prompt_tokens: p.len(), max_tokens: MAX_TOKENS, accepted_at: self.now, after: None };
         self.events.extend(self.s.submit(a).into_iter().map(|e| (e.id, e.event)));
         id
     }

@@ -54,7 +54,14 @@ pub struct GenerateRequest {
     /// grammar (constrained decoding); added after v1's first fields: name "constraint" in
     /// `requires`.
     pub constraint: Option<Constraint>,
+    /// Samples of the same prompt (OpenAI's `n`; default 1): the prompt is prefilled once and
+    /// its KV shared, each sample decodes on its own. Events carry their sample's `choice`.
+    /// Added after v1's first fields: name "n" in `requires`.
+    pub n: Option<i64>,
 }
+
+/// The most samples one request may ask for.
+pub const MAX_CHOICES: u32 = 16;
 
 /// What a constrained request's output must match, from its first token to its end: the
 /// sequence ends (end of sequence) only where the output is complete, and every token chosen
@@ -78,7 +85,7 @@ pub enum Constraint {
 pub const REQUIRABLE: &[&str] = &[
     "prompt", "messages", "prompt_ids", "max_tokens", "temperature", "top_p", "top_k", "min_p",
     "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs",
-    "constraint",
+    "constraint", "n",
 ];
 
 /// Intake's immediate answer on the request's reply subject.
@@ -202,6 +209,17 @@ pub struct Job {
     /// Checked by intake: it compiles against the model's vocabulary.
     #[serde(default)]
     pub constraint: Option<Constraint>,
+    /// Samples of the prompt, 1 to `MAX_CHOICES`.
+    #[serde(default = "one")]
+    pub n: u32,
+}
+
+fn one() -> u32 {
+    1
+}
+
+fn is_zero(v: &u32) -> bool {
+    *v == 0
 }
 
 /// `seq` of an event published by a worker other than the one that streamed the request so far
@@ -214,6 +232,10 @@ pub struct StreamEvent {
     pub request_id: String,
     pub seq: u64,
     pub event: Event,
+    /// Which sample of the request the event is about (0 to n - 1; absent for 0). With n > 1
+    /// every sample ends with its own terminal event; `seq` counts the request's events.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub choice: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

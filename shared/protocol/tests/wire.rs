@@ -27,6 +27,7 @@ fn job() -> Job {
         accepted_at_ms: 1_700_000_000_000,
         cache_salt: None,
         constraint: None,
+        n: 1,
     }
 }
 
@@ -55,7 +56,7 @@ fn every_message_round_trips() {
         },
         Event::Error { error: WireError::new(ErrorClass::Cancelled, "cancelled") },
     ] {
-        roundtrip(StreamEvent { request_id: "r1".into(), seq: 9, event });
+        roundtrip(StreamEvent { request_id: "r1".into(), seq: 9, event, choice: 2 });
     }
     roundtrip(Cancel { request_id: "r1".into() });
     roundtrip(WorkerStatus { worker_id: "w1".into(), kv_bytes_free: 1 << 40, prefix_hit_rate: 0.25, ..Default::default() });
@@ -73,7 +74,7 @@ fn golden_bytes() {
         hex(&encode(&reply).unwrap()),
         "83a474797065a86163636570746564aa726571756573745f6964a27231ae73747265616d5f7375626a656374a173"
     );
-    let ev = StreamEvent { request_id: "r".into(), seq: 1, event: Event::PrefillProgress { done: 2, total: 3 } };
+    let ev = StreamEvent { request_id: "r".into(), seq: 1, event: Event::PrefillProgress { done: 2, total: 3 }, choice: 0 };
     assert_eq!(
         hex(&encode(&ev).unwrap()),
         "83aa726571756573745f6964a172a373657101a56576656e7483a474797065b070726566696c6c5f70726f6772657373a4646f6e6502a5746f74616c03"

@@ -64,17 +64,20 @@ impl Client {
         }
     }
 
-    pub async fn finish(id: String, mut sub: async_nats::Subscriber, mut on: impl FnMut(&StreamEvent)) -> Run {
+    pub async fn finish(id: String, sub: async_nats::Subscriber, on: impl FnMut(&StreamEvent)) -> Run {
+        Self::finish_choices(id, sub, 1, on).await
+    }
+
+    /// Reads a request's events until each of its `n` choices has ended.
+    pub async fn finish_choices(id: String, mut sub: async_nats::Subscriber, n: u32, mut on: impl FnMut(&StreamEvent)) -> Run {
         let mut events = vec![];
-        loop {
+        let mut ended = 0;
+        while ended < n {
             let m = tokio::time::timeout(Duration::from_secs(60), sub.next()).await.expect("event within 60 s").unwrap();
             let ev: StreamEvent = decode(&m.payload).unwrap();
             on(&ev);
-            let end = ev.event.is_terminal();
+            ended += ev.event.is_terminal() as u32;
             events.push(ev);
-            if end {
-                break;
-            }
         }
         // Nothing may follow the terminal event.
         assert!(tokio::time::timeout(Duration::from_millis(300), sub.next()).await.is_err(), "event after the terminal one");

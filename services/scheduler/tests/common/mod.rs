@@ -116,9 +116,13 @@ impl Harness {
         }
     }
     pub fn submit(&mut self, id: ReqId, prompt: usize, max_tokens: usize) {
+        self.submit_after(id, prompt, max_tokens, None);
+    }
+    /// A request admitted only once `after`'s prompt is complete (another sample of it).
+    pub fn submit_after(&mut self, id: ReqId, prompt: usize, max_tokens: usize, after: Option<ReqId>) {
         self.e.max_tokens.insert(id, max_tokens);
         self.e.prompt.insert(id, prompt);
-        let a = Admission { id, prompt_tokens: prompt, max_tokens, accepted_at: self.now };
+        let a = Admission { id, prompt_tokens: prompt, max_tokens, accepted_at: self.now, after };
         let ev = self.s.submit(a);
         self.events.extend(ev);
     }

@@ -74,18 +74,27 @@ pub trait WorkerEngine: EngineOps {
     }
 }
 
-/// An event ready to publish; `terminal` tells the NATS side to acknowledge the job.
+/// An event ready to publish; `last` (the terminal event of the job's last sample to end)
+/// tells the NATS side to acknowledge the job.
 #[derive(Debug)]
 pub struct Outbound {
     pub request_id: String,
     pub subject: String,
     pub event: StreamEvent,
+    pub last: bool,
 }
 
+/// One sample of a job: the scheduler's request for it.
 struct Meta {
     request_id: String,
+    choice: u32,
+}
+
+/// A job held here: its event stream, and its samples not ended yet.
+struct Held {
     subject: String,
     seq: u64,
+    ids: Vec<ReqId>,
 }
 
 pub struct SchedulerActor<E: WorkerEngine + Unpin + 'static> {
@@ -94,7 +103,7 @@ pub struct SchedulerActor<E: WorkerEngine + Unpin + 'static> {
     engine: Option<E>,
     cfg: SchedulerConfig,
     meta: HashMap<ReqId, Meta>,
-    by_request: HashMap<String, ReqId>,
+    jobs: HashMap<String, Held>,
     next_id: ReqId,
     tick_pending: bool,
     /// Start of the tick in progress while the scheduler is busy.
@@ -132,7 +141,7 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
             engine: Some(engine),
             cfg,
             meta: HashMap::new(),
-            by_request: HashMap::new(),
+            jobs: HashMap::new(),
             next_id: 0,
             tick_pending: false,
             tick_started: None,
@@ -177,14 +186,20 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
     fn publish(&mut self, emits: Vec<Emit>) {
         for e in emits {
             let terminal = e.event.is_terminal();
-            let Some(m) = self.meta.get_mut(&e.id) else { continue };
-            let event = StreamEvent { request_id: m.request_id.clone(), seq: m.seq, event: e.event };
-            m.seq += 1;
-            let _ = self.out.send(Outbound { request_id: m.request_id.clone(), subject: m.subject.clone(), event });
+            let Some(m) = self.meta.get(&e.id) else { continue };
+            let Some(job) = self.jobs.get_mut(&m.request_id) else { continue };
+            let event = StreamEvent { request_id: m.request_id.clone(), seq: job.seq, event: e.event, choice: m.choice };
+            job.seq += 1;
             if terminal {
-                self.ended += 1;
-                if let Some(m) = self.meta.remove(&e.id) {
-                    self.by_request.remove(&m.request_id);
+                job.ids.retain(|x| *x != e.id);
+            }
+            let last = terminal && job.ids.is_empty();
+            let _ = self.out.send(Outbound { request_id: m.request_id.clone(), subject: job.subject.clone(), event, last });
+            if terminal {
+                let m = self.meta.remove(&e.id).expect("looked up above");
+                if last {
+                    self.ended += 1;
+                    self.jobs.remove(&m.request_id);
                 }
             }
         }
@@ -304,15 +319,20 @@ pub struct HandBack;
 impl<E: WorkerEngine + Unpin + 'static> Handler<HandBack> for SchedulerActor<E> {
     type Result = Vec<(String, u64)>;
     fn handle(&mut self, _: HandBack, _: &mut Context<Self>) -> Self::Result {
+        // A job's samples are taken together or not at all (see `Scheduler::take_waiting`).
         let taken = self.scheduler.take_waiting();
-        let back: Vec<(String, u64)> = taken
-            .iter()
-            .filter_map(|id| self.meta.remove(id))
-            .map(|m| {
-                self.by_request.remove(&m.request_id);
-                (m.request_id, m.seq)
-            })
-            .collect();
+        let mut back = vec![];
+        for id in taken {
+            let Some(m) = self.meta.remove(&id) else { continue };
+            if let Some(job) = self.jobs.get_mut(&m.request_id) {
+                job.ids.retain(|x| *x != id);
+                if job.ids.is_empty() {
+                    let seq = job.seq;
+                    self.jobs.remove(&m.request_id);
+                    back.push((m.request_id, seq));
+                }
+            }
+        }
         self.refresh_snapshot();
         back
     }
@@ -334,47 +354,62 @@ pub struct ClearPrefixCache;
 impl<E: WorkerEngine + Unpin + 'static> Handler<Submit> for SchedulerActor<E> {
     type Result = AtomicResponse<Self, ()>;
     fn handle(&mut self, Submit(job, first_seq): Submit, _: &mut Context<Self>) -> Self::Result {
-        if self.by_request.contains_key(&job.request_id) {
+        if self.jobs.contains_key(&job.request_id) {
             return AtomicResponse::new(Box::pin(actix::fut::ready(()))); // a duplicate delivery of a job already running here
         }
-        let id = self.next_id;
-        self.next_id += 1;
-        self.meta.insert(id, Meta { request_id: job.request_id.clone(), subject: job.stream_subject.clone(), seq: first_seq });
-        self.by_request.insert(job.request_id.clone(), id);
+        // One scheduler request per sample; the first prefills the prompt, the others wait for
+        // it and find its KV in the prefix cache.
+        let n = job.n.clamp(1, llmq_protocol::MAX_CHOICES);
+        let ids: Vec<ReqId> = (0..n as ReqId).map(|i| self.next_id + i).collect();
+        self.next_id += n as ReqId;
+        for (choice, &id) in ids.iter().enumerate() {
+            self.meta.insert(id, Meta { request_id: job.request_id.clone(), choice: choice as u32 });
+        }
+        self.jobs.insert(job.request_id.clone(), Held { subject: job.stream_subject.clone(), seq: first_seq, ids: ids.clone() });
+        let end_all = |error: WireError| ids.iter().map(|&id| Emit { id, event: Event::Error { error: error.clone() } }).collect::<Vec<_>>();
         if self.cancelled.take(&job.request_id) {
-            let error = WireError::new(ErrorClass::Cancelled, "cancelled before it started");
-            self.publish(vec![Emit { id, event: Event::Error { error } }]);
+            self.publish(end_all(WireError::new(ErrorClass::Cancelled, "cancelled before it started")));
             return AtomicResponse::new(Box::pin(actix::fut::ready(())));
         }
-        let prompt_tokens = job.prompt_ids.len();
-        let admission = Admission {
-            id,
-            prompt_tokens,
-            max_tokens: job.stop.max_tokens as usize,
-            accepted_at: Duration::from_millis(job.accepted_at_ms),
-        };
-        if let Some(error) = self.scheduler.refusal(&admission) {
-            self.publish(vec![Emit { id, event: Event::Error { error } }]);
+        let admissions: Vec<Admission> = ids
+            .iter()
+            .map(|&id| Admission {
+                id,
+                prompt_tokens: job.prompt_ids.len(),
+                max_tokens: job.stop.max_tokens as usize,
+                accepted_at: Duration::from_millis(job.accepted_at_ms),
+                after: (id != ids[0]).then_some(ids[0]),
+            })
+            .collect();
+        if let Some(error) = self.scheduler.refusal(&admissions[0]) {
+            self.publish(end_all(error));
             return AtomicResponse::new(Box::pin(actix::fut::ready(())));
         }
-        let spec = SeqSpec::of_job(job);
+        let specs: Vec<SeqSpec> = (0..n).map(|i| SeqSpec::sample(&job, i)).collect();
         self.exchange(
             (),
             move |mut engine| async move {
-                let registered = AssertUnwindSafe(engine.register(id, spec)).catch_unwind().await;
-                let refused = !matches!(registered, Ok(Ok(())));
-                if refused {
-                    // Whatever the engine made of it goes.
-                    engine.release(&[id]).await;
+                let mut results = vec![];
+                for (&id, spec) in ids.iter().zip(specs) {
+                    let registered = AssertUnwindSafe(engine.register(id, spec)).catch_unwind().await;
+                    if !matches!(registered, Ok(Ok(()))) {
+                        // Whatever the engine made of it goes.
+                        engine.release(&[id]).await;
+                    }
+                    results.push(registered);
                 }
-                (engine, registered)
+                (engine, results)
             },
-            move |registered, act, ctx| {
-                let emits = match registered {
-                    Ok(Ok(())) => act.scheduler.submit(admission),
-                    Ok(Err(error)) => vec![Emit { id, event: Event::Error { error } }],
-                    Err(_) => vec![Emit { id, event: Event::Error { error: WireError::new(ErrorClass::Internal, "worker fault while registering") } }],
-                };
+            move |results, act, ctx| {
+                let mut emits = vec![];
+                for (registered, admission) in results.into_iter().zip(admissions) {
+                    let id = admission.id;
+                    match registered {
+                        Ok(Ok(())) => emits.extend(act.scheduler.submit(admission)),
+                        Ok(Err(error)) => emits.push(Emit { id, event: Event::Error { error } }),
+                        Err(_) => emits.push(Emit { id, event: Event::Error { error: WireError::new(ErrorClass::Internal, "worker fault while registering") } }),
+                    }
+                }
                 act.publish(emits);
                 act.schedule_tick(ctx);
             },
@@ -385,8 +420,10 @@ impl<E: WorkerEngine + Unpin + 'static> Handler<Submit> for SchedulerActor<E> {
 impl<E: WorkerEngine + Unpin + 'static> Handler<CancelRequest> for SchedulerActor<E> {
     type Result = ();
     fn handle(&mut self, CancelRequest(request_id): CancelRequest, ctx: &mut Context<Self>) {
-        if let Some(&id) = self.by_request.get(&request_id) {
-            self.scheduler.cancel(id);
+        if let Some(job) = self.jobs.get(&request_id) {
+            for &id in &job.ids {
+                self.scheduler.cancel(id);
+            }
             self.schedule_tick(ctx);
         } else {
             self.cancelled.remember(request_id, std::time::Instant::now());

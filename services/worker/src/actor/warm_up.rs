@@ -108,7 +108,7 @@ async fn warm_up<E: WorkerEngine>(engine: &mut E, cfg: SchedulerConfig, w: WarmU
             let prompt: Vec<u32> = (0..len as u32).map(|i| 1 + (i * 7 + (id % 50) as u32) % 50).collect();
             let stop = StopConditions { max_tokens: max_tokens as u32, ignore_eos: true, ..Default::default() };
             engine.register(id, SeqSpec::new(prompt, Sampling::default(), stop)).await.map_err(WarmUpError::Refused)?;
-            let a = Admission { id, prompt_tokens: len, max_tokens, accepted_at: now() };
+            let a = Admission { id, prompt_tokens: len, max_tokens, accepted_at: now(), after: None };
             if let Some(e) = s.submit(a).into_iter().find(|e| e.event.is_terminal()) {
                 return Err(WarmUpError::Ended(e.event));
             }
