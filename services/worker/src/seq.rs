@@ -42,6 +42,8 @@ pub struct Shared {
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct MaskTimes {
     pub steps: u64,
+    /// Of those steps, the ones queued ahead (their masks computed while they ran).
+    pub ahead: u64,
     pub rows: u64,
     pub mask_ms: f64,
     pub wait_ms: f64,
@@ -153,7 +155,13 @@ impl Seq {
     /// to the next step without the host (so never for a constrained sequence: its mask needs
     /// the host's matcher to have followed the token before).
     pub fn greedy(&self) -> bool {
-        self.matcher.is_none() && self.sampler.params().is_plain_greedy()
+        self.matcher.is_none() && self.device_greedy()
+    }
+
+    /// Whether its next token is the argmax of its logits (restricted to what its constraint
+    /// allows, when it has one): the device picks it, no logits go to the host.
+    pub fn device_greedy(&self) -> bool {
+        self.sampler.params().is_plain_greedy()
     }
 
     /// The prompt tokens of a chunk of `n` starting where prefill stands.
@@ -218,17 +226,18 @@ fn with_texts(mut lp: TokenLogprob, tok: Option<&Tokenizer>) -> TokenLogprob {
     lp
 }
 
-/// Each row's token mask (`words` words; every token for an unconstrained row), the constrained
-/// rows' computed in parallel on the host's cores. A row whose constraint allows nothing is
-/// marked stuck (its mask then allows everything; its step fails).
-fn token_masks(seqs: &mut [&mut Seq], words: usize) -> Vec<u32> {
+/// Each row's token mask (`words` words; every token for an unconstrained row or a row without
+/// a sequence), the constrained rows' computed in parallel on the host's cores. A row whose
+/// constraint allows nothing is marked stuck (its mask then allows everything; its step fails).
+fn token_masks<'a>(rows: impl IntoIterator<Item = Option<&'a mut Seq>>, words: usize) -> Vec<u32> {
     use rayon::prelude::*;
-    let mut masks = vec![u32::MAX; seqs.len() * words];
-    let mut work: Vec<(&mut Matcher, &mut Option<String>, &mut [u32])> = seqs
-        .iter_mut()
+    let rows: Vec<Option<&mut Seq>> = rows.into_iter().collect();
+    let mut masks = vec![u32::MAX; rows.len() * words];
+    let mut work: Vec<(&mut Matcher, &mut Option<String>, &mut [u32])> = rows
+        .into_iter()
         .zip(masks.chunks_mut(words))
         .filter_map(|(s, mask)| {
-            let Seq { matcher, stuck, .. } = &mut **s;
+            let Seq { matcher, stuck, .. } = s?;
             matcher.as_mut().map(|m| (m, stuck, mask))
         })
         .collect();
@@ -244,6 +253,32 @@ fn token_masks(seqs: &mut [&mut Seq], words: usize) -> Vec<u32> {
         work.par_iter_mut().for_each(one);
     }
     masks
+}
+
+/// `logits` [rows, ..] restricted, row by row, to what each row's constraint allows (`rows`: the
+/// sequence of each row, None for a row without one), and the masks' cost counted. The masks
+/// are computed while the device computes the logits.
+pub fn restrict_rows<'a>(shared: &Shared, logits: &Array, rows: impl IntoIterator<Item = Option<&'a mut Seq>>) -> Result<Array, WireError> {
+    let cs = shared.constraints.as_ref().as_ref().map_err(internal)?;
+    mlx_rs::transforms::async_eval([logits]).map_err(internal)?;
+    let t0 = std::time::Instant::now();
+    let rows: Vec<Option<&mut Seq>> = rows.into_iter().collect();
+    let constrained = rows.iter().filter(|s| s.as_ref().is_some_and(|s| s.matcher.is_some())).count();
+    let masks = token_masks(rows, cs.layout.words());
+    let restricted = cs.layout.restrict(logits, &masks).map_err(internal)?;
+    let mut m = shared.mask_times.get();
+    m.steps += 1;
+    m.rows += constrained as u64;
+    m.mask_ms += t0.elapsed().as_secs_f64() * 1000.0;
+    shared.mask_times.set(m);
+    Ok(restricted)
+}
+
+/// Counts the time the host waited for a masked step's results after its masks.
+pub fn waited_after_masks(shared: &Shared, since: std::time::Instant) {
+    let mut m = shared.mask_times.get();
+    m.wait_ms += since.elapsed().as_secs_f64() * 1000.0;
+    shared.mask_times.set(m);
 }
 
 /// Greedy token of every row of `logits` [rows, 1, vocab], on the device (int32, lazy).
@@ -265,33 +300,21 @@ pub fn choose(logits: &Array, seqs: &mut [&mut Seq], shared: &Shared) -> Result<
     let tok = shared.tokenizer.as_deref();
     let b = seqs.len() as i32;
     let mut rows = logits.reshape(&[b, -1]).map_err(internal)?;
-    let constrained = seqs.iter().filter(|s| s.matcher.is_some()).count();
-    let masked_at = if constrained > 0 {
-        let cs = shared.constraints.as_ref().as_ref().map_err(internal)?;
-        mlx_rs::transforms::async_eval([&rows]).map_err(internal)?;
-        let t0 = std::time::Instant::now();
-        let masks = token_masks(seqs, cs.layout.words());
-        rows = cs.layout.restrict(&rows, &masks).map_err(internal)?;
-        Some((t0, std::time::Instant::now()))
-    } else {
-        None
-    };
-    let device_argmax = |s: &Seq| s.sampler.params().is_plain_greedy();
-    let greedy_ids: Option<Vec<u32>> = if seqs.iter().any(|s| device_argmax(s)) { Some(host_ids(&argmax_rows(&rows, b)?)?) } else { None };
-    if let Some((t0, t1)) = masked_at {
+    let masked = seqs.iter().any(|s| s.matcher.is_some());
+    if masked {
+        rows = restrict_rows(shared, &rows, seqs.iter_mut().map(|s| Some(&mut **s)))?;
+    }
+    let masks_done = std::time::Instant::now();
+    let greedy_ids: Option<Vec<u32>> = if seqs.iter().any(|s| s.device_greedy()) { Some(host_ids(&argmax_rows(&rows, b)?)?) } else { None };
+    if masked {
         if greedy_ids.is_none() {
             rows.eval().map_err(internal)?;
         }
-        let mut m = shared.mask_times.get();
-        m.steps += 1;
-        m.rows += constrained as u64;
-        m.mask_ms += (t1 - t0).as_secs_f64() * 1000.0;
-        m.wait_ms += t1.elapsed().as_secs_f64() * 1000.0;
-        shared.mask_times.set(m);
+        waited_after_masks(shared, masks_done);
     }
     let mut out = Vec::with_capacity(seqs.len());
     for (i, s) in seqs.iter_mut().enumerate() {
-        if device_argmax(s) {
+        if s.device_greedy() {
             out.push((greedy_ids.as_ref().expect("computed above")[i], None));
         } else {
             let row = host_f32(&rows.index(i as i32)).map_err(internal)?;

@@ -75,96 +75,109 @@ fn constrained_rows_decode_beside_free_ones_into_valid_documents() {
         .collect();
     let questions = ["Describe a cat as JSON.", "Name two colours as JSON.", "Give a city and its population as JSON."];
 
-    actix::System::new().block_on(async {
-        let fresh = load_model(&resolve_model("smollm2").unwrap(), Dtype::Float32).unwrap();
-        // Chunks of 6 tokens in stages of 3 (two steps each), sharing steps queued ahead.
-        let opts = EngineOptions { decode_ahead: true, prefix: Some((4, u64::MAX)), chunk_stages: 2, stage_tokens: 3, stage_budget: 0.0, min_stage_tokens: 1 };
-        let mut engine = ActorEngine::start(fresh.model, fresh.tokenizer, opts);
-        let mut s = Scheduler::new(SchedulerConfig {
-            prefill_chunk: 6,
-            idle_prefill_chunk: 6,
-            kv_bytes_per_token: engine.kv_bytes_per_token(),
-            kv_budget_bytes: 1 << 30,
-            ..Default::default()
-        });
-        let start = Instant::now();
-        let mut events: Vec<(ReqId, Event)> = vec![];
-        let mut constrained: HashMap<ReqId, Value> = HashMap::new();
-        let mut next: ReqId = 0;
-        let mut plan: Vec<(SeqSpec, Option<Value>)> = vec![];
-        for (i, p) in free_prompts.iter().enumerate() {
-            plan.push((SeqSpec::new(p.clone(), Sampling::default(), stop.clone()), None));
-            let schema = &schemas()[i];
-            let c = Constraint::JsonSchema { schema: schema.to_string() };
-            plan.push((SeqSpec { constraint: Some(c), ..SeqSpec::new(ask(questions[i]), Sampling::default(), stop.clone()) }, Some(schema.clone())));
-        }
-        // Sampled under a constraint (host sampling of masked logits), and the first constrained
-        // prompt again: its prefix is cached by now.
-        let sampled = Sampling { temperature: 0.9, seed: Some(11), ..Default::default() };
-        let schema = schemas()[2].clone();
-        plan.push((SeqSpec { constraint: Some(Constraint::JsonSchema { schema: schema.to_string() }), ..SeqSpec::new(ask(questions[2]), sampled, stop.clone()) }, Some(schema)));
-        let mut ids = vec![];
-        for (spec, schema) in plan {
-            let id = submit(&mut engine, &mut s, &mut next, spec, start, &mut events).await;
-            if let Some(schema) = schema {
-                constrained.insert(id, schema);
+    // With steps queued ahead (constrained rows' masks then computed while the queued step
+    // runs) and without: the same documents.
+    let mut documents = vec![];
+    for decode_ahead in [true, false] {
+        let docs = actix::System::new().block_on(async {
+            let fresh = load_model(&resolve_model("smollm2").unwrap(), Dtype::Float32).unwrap();
+            // Chunks of 6 tokens in stages of 3 (two steps each), sharing steps queued ahead.
+            let opts = EngineOptions { decode_ahead, prefix: Some((4, u64::MAX)), chunk_stages: 2, stage_tokens: 3, stage_budget: 0.0, min_stage_tokens: 1 };
+            let mut engine = ActorEngine::start(fresh.model, fresh.tokenizer, opts);
+            let mut s = Scheduler::new(SchedulerConfig {
+                prefill_chunk: 6,
+                idle_prefill_chunk: 6,
+                kv_bytes_per_token: engine.kv_bytes_per_token(),
+                kv_budget_bytes: 1 << 30,
+                ..Default::default()
+            });
+            let start = Instant::now();
+            let mut events: Vec<(ReqId, Event)> = vec![];
+            let mut constrained: HashMap<ReqId, Value> = HashMap::new();
+            let mut next: ReqId = 0;
+            let mut plan: Vec<(SeqSpec, Option<Value>)> = vec![];
+            for (i, p) in free_prompts.iter().enumerate() {
+                plan.push((SeqSpec::new(p.clone(), Sampling::default(), stop.clone()), None));
+                let schema = &schemas()[i];
+                let c = Constraint::JsonSchema { schema: schema.to_string() };
+                plan.push((SeqSpec { constraint: Some(c), ..SeqSpec::new(ask(questions[i]), Sampling::default(), stop.clone()) }, Some(schema.clone())));
             }
-            ids.push(id);
-            for _ in 0..3 {
+            // Sampled under a constraint (host sampling of masked logits), and the first constrained
+            // prompt again: its prefix is cached by now.
+            let sampled = Sampling { temperature: 0.9, seed: Some(11), ..Default::default() };
+            let schema = schemas()[2].clone();
+            plan.push((SeqSpec { constraint: Some(Constraint::JsonSchema { schema: schema.to_string() }), ..SeqSpec::new(ask(questions[2]), sampled, stop.clone()) }, Some(schema)));
+            let mut ids = vec![];
+            for (spec, schema) in plan {
+                let id = submit(&mut engine, &mut s, &mut next, spec, start, &mut events).await;
+                if let Some(schema) = schema {
+                    constrained.insert(id, schema);
+                }
+                ids.push(id);
+                for _ in 0..3 {
+                    events.extend(s.tick(&mut engine, start.elapsed()).await.0.into_iter().map(|e| (e.id, e.event)));
+                }
+            }
+            // One more constrained request, cancelled while it decodes.
+            let c = Constraint::JsonObject;
+            let spec = SeqSpec { constraint: Some(c), ..SeqSpec::new(ask(questions[0]), Sampling::default(), stop.clone()) };
+            let doomed = submit(&mut engine, &mut s, &mut next, spec, start, &mut events).await;
+            let mut ticks = 0;
+            while !s.is_idle() && ticks < 2000 {
+                ticks += 1;
+                if ticks == 12 {
+                    assert!(s.cancel(doomed));
+                }
                 events.extend(s.tick(&mut engine, start.elapsed()).await.0.into_iter().map(|e| (e.id, e.event)));
             }
-        }
-        // One more constrained request, cancelled while it decodes.
-        let c = Constraint::JsonObject;
-        let spec = SeqSpec { constraint: Some(c), ..SeqSpec::new(ask(questions[0]), Sampling::default(), stop.clone()) };
-        let doomed = submit(&mut engine, &mut s, &mut next, spec, start, &mut events).await;
-        let mut ticks = 0;
-        while !s.is_idle() && ticks < 2000 {
-            ticks += 1;
-            if ticks == 12 {
-                assert!(s.cancel(doomed));
+            assert!(s.is_idle(), "still busy after {ticks} ticks");
+            // The first constrained prompt, again: a prefix hit, the same document.
+            let first_constrained = ids[1];
+            let again = SeqSpec { constraint: Some(Constraint::JsonSchema { schema: schemas()[0].to_string() }), ..SeqSpec::new(ask(questions[0]), Sampling::default(), stop.clone()) };
+            let again_id = submit(&mut engine, &mut s, &mut next, again, start, &mut events).await;
+            while !s.is_idle() {
+                events.extend(s.tick(&mut engine, start.elapsed()).await.0.into_iter().map(|e| (e.id, e.event)));
             }
-            events.extend(s.tick(&mut engine, start.elapsed()).await.0.into_iter().map(|e| (e.id, e.event)));
-        }
-        assert!(s.is_idle(), "still busy after {ticks} ticks");
-        // The first constrained prompt, again: a prefix hit, the same document.
-        let first_constrained = ids[1];
-        let again = SeqSpec { constraint: Some(Constraint::JsonSchema { schema: schemas()[0].to_string() }), ..SeqSpec::new(ask(questions[0]), Sampling::default(), stop.clone()) };
-        let again_id = submit(&mut engine, &mut s, &mut next, again, start, &mut events).await;
-        while !s.is_idle() {
-            events.extend(s.tick(&mut engine, start.elapsed()).await.0.into_iter().map(|e| (e.id, e.event)));
-        }
 
-        for (id, schema) in &constrained {
-            let (text, end) = outcome(&events, *id);
-            eprintln!("request {id}: {text}");
-            match end {
-                Some(Event::Done { finish_reason: FinishReason::Stop, .. }) => {
-                    let doc: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("request {id}: {text:?} is not JSON: {e}"));
-                    assert!(jsonschema::validator_for(schema).unwrap().is_valid(&doc), "request {id}: {text} against {schema}");
+            for (id, schema) in &constrained {
+                let (text, end) = outcome(&events, *id);
+                eprintln!("request {id}: {text}");
+                match end {
+                    Some(Event::Done { finish_reason: FinishReason::Stop, .. }) => {
+                        let doc: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("request {id}: {text:?} is not JSON: {e}"));
+                        assert!(jsonschema::validator_for(schema).unwrap().is_valid(&doc), "request {id}: {text} against {schema}");
+                    }
+                    other => panic!("request {id} ({text:?}) ended with {other:?}"),
                 }
-                other => panic!("request {id} ({text:?}) ended with {other:?}"),
             }
-        }
-        let (first, _) = outcome(&events, first_constrained);
-        let (repeat, end) = outcome(&events, again_id);
-        assert_eq!(repeat, first, "the same greedy document after a prefix hit");
-        match end {
-            Some(Event::Done { usage, .. }) => assert!(usage.cached > 0, "{usage:?}"),
-            other => panic!("{other:?}"),
-        }
-        match outcome(&events, doomed).1 {
-            Some(Event::Error { error }) => assert_eq!(error.class, ErrorClass::Cancelled),
-            other => panic!("the cancelled request ended with {other:?}"),
-        }
-        for (i, want) in free_alone.iter().enumerate() {
-            let id = ids[2 * i];
-            let got: Vec<u32> = events.iter().filter(|(x, _)| *x == id).flat_map(|(_, e)| if let Event::Tokens { ids, .. } = e { ids.clone() } else { vec![] }).collect();
-            assert_eq!(&got, want, "free request {id} beside constrained ones");
-        }
-        assert_eq!(engine.held(), 0);
-        assert_eq!(s.reserved_kv_bytes(), 0);
-    });
+            let (first, _) = outcome(&events, first_constrained);
+            let (repeat, end) = outcome(&events, again_id);
+            assert_eq!(repeat, first, "the same greedy document after a prefix hit");
+            match end {
+                Some(Event::Done { usage, .. }) => assert!(usage.cached > 0, "{usage:?}"),
+                other => panic!("{other:?}"),
+            }
+            match outcome(&events, doomed).1 {
+                Some(Event::Error { error }) => assert_eq!(error.class, ErrorClass::Cancelled),
+                other => panic!("the cancelled request ended with {other:?}"),
+            }
+            for (i, want) in free_alone.iter().enumerate() {
+                let id = ids[2 * i];
+                let got: Vec<u32> = events.iter().filter(|(x, _)| *x == id).flat_map(|(_, e)| if let Event::Tokens { ids, .. } = e { ids.clone() } else { vec![] }).collect();
+                assert_eq!(&got, want, "free request {id} beside constrained ones");
+            }
+            assert_eq!(engine.held(), 0);
+            assert_eq!(s.reserved_kv_bytes(), 0);
+            let masks = engine.mask_times();
+            assert!(masks.steps > 0 && masks.rows >= masks.steps, "{masks:?}");
+            assert_eq!(masks.ahead > 0, decode_ahead, "masked steps queued ahead: {masks:?}");
+            let mut docs: Vec<(ReqId, String)> = constrained.keys().map(|id| (*id, outcome(&events, *id).0)).collect();
+            docs.sort();
+            docs
+        });
+        documents.push(docs);
+    }
+    assert_eq!(documents[0], documents[1], "steps queued ahead change no constrained document");
 }
 
 #[test]

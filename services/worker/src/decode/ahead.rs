@@ -1,6 +1,8 @@
 //! The decode step queued ahead: launched from the previous step's greedy tokens while they
 //! are still on the device, delivered at the next `Step` (a completed prompt joining, the next
-//! step queued, then this one's tokens read).
+//! step queued, then this one's tokens read). With constrained rows, the step is queued without
+//! its tokens: its logits wait for the rows' masks, which the host computes at delivery while
+//! the device runs the step (the masks need the tokens before, read as the step was queued).
 
 use std::collections::HashMap;
 
@@ -14,7 +16,7 @@ use mlx_rs::Array;
 use super::chunk::InFlight;
 use super::{DecodeActor, Stepped};
 use crate::messages::StepTimes;
-use crate::seq::{argmax_rows, host_ids, internal, unknown, Seq};
+use crate::seq::{argmax_rows, host_ids, internal, restrict_rows, unknown, waited_after_masks, Seq};
 
 /// A decode step queued ahead: built from the previous step's greedy tokens while they were
 /// still on the device, so the device starts it before the host has read those tokens, handled
@@ -27,8 +29,10 @@ pub(super) struct Ahead {
     /// The requests it steps, in row order when it was queued.
     pub(super) order: Vec<ReqId>,
     /// Their tokens [rows] (int32, being evaluated), then the chunk's greedy token if a chunk
-    /// shares the step.
+    /// shares the step; when `masked`, the step's logits instead (being evaluated), whose
+    /// argmax is taken once its constrained rows' masks apply.
     pub(super) tokens: Array,
+    pub(super) masked: bool,
     /// The request whose prompt the step's chunk completes, with its sequence: its first token
     /// is `tokens[rows]`.
     pub(super) completing: Option<(ReqId, Seq)>,
@@ -37,20 +41,22 @@ pub(super) struct Ahead {
 /// Builds and launches, without waiting for it, the decode step that follows one whose greedy
 /// tokens are `tokens` (on the device, one a row), with a prefill chunk in the same pass when
 /// given; returns that step's greedy tokens (being evaluated): one a row, then the greedy token
-/// after the chunk. `took`: the host's ms building the step's graph and launching it.
+/// after the chunk (its logits instead when `masked`). `took`: the host's ms building the
+/// step's graph and launching it.
 pub(super) fn launch_step(
     model: &Model,
     rows: &[Vec<ReqId>],
     batches: &mut [DecodeBatch],
     tokens: &Array,
     chunk: Option<ChunkStage>,
+    masked: bool,
     took: &mut (f64, f64),
 ) -> Result<(Array, Option<Array>), WireError> {
     let t0 = std::time::Instant::now();
     let counts: Vec<Vec<u32>> = rows.iter().map(|g| vec![0; g.len()]).collect();
     let mut groups: Vec<(&[u32], &mut DecodeBatch)> = counts.iter().map(|t| &t[..]).zip(batches.iter_mut()).collect();
     let (logits, hidden) = model.step_staged(&mut groups, Some(tokens), chunk).map_err(internal)?;
-    let next = argmax_rows(&logits, logits.shape()[0])?;
+    let next = if masked { logits } else { argmax_rows(&logits, logits.shape()[0])? };
     let mut pending = vec![&next];
     pending.extend(hidden.as_ref());
     let t1 = std::time::Instant::now();
@@ -84,11 +90,12 @@ impl DecodeActor {
         let end = chunk.as_ref().map_or(0, |c| self.stage_end(c, true));
         let toks: Option<Vec<u32>> = chunk.as_ref().map(|c| c.lent.seq.chunk(c.lent.n));
         let part = chunk.as_mut().zip(toks.as_ref()).map(|(c, t)| c.stage(t, end));
-        let queued = launch_step(&self.shared.model, &self.rows, &mut batches, tokens, part, &mut self.launched);
+        let masked = order.iter().any(|id| self.seqs.get(id).is_some_and(|s| s.matcher.is_some()));
+        let queued = launch_step(&self.shared.model, &self.rows, &mut batches, tokens, part, masked, &mut self.launched);
         self.batches = Some(batches);
         match queued {
             Ok((tokens, hidden)) => {
-                self.ahead = Some(Ahead { order, tokens, completing: None });
+                self.ahead = Some(Ahead { order, tokens, masked, completing: None });
                 Ok(chunk.map(|c| {
                     self.chunks_ahead.0 += (end == self.shared.model.num_layers()) as u64;
                     self.stage_done(c, end, hidden, None)
@@ -96,6 +103,20 @@ impl DecodeActor {
             }
             Err(e) => Err((e, chunk)),
         }
+    }
+
+    /// The tokens of a masked step queued ahead for the rows `order` (then any row of a chunk
+    /// sharing the step, unconstrained): the argmax of its `logits` restricted by the rows'
+    /// constraints (rows that left since are not masked; their tokens are ignored).
+    fn masked_tokens(&mut self, order: &[ReqId], logits: &Array) -> Result<Array, WireError> {
+        let rows = logits.shape()[0];
+        let mut by_id: HashMap<ReqId, &mut Seq> = self.seqs.iter_mut().map(|(id, s)| (*id, s)).collect();
+        let seqs: Vec<Option<&mut Seq>> = order.iter().map(|id| by_id.remove(id)).chain(std::iter::repeat_with(|| None)).take(rows as usize).collect();
+        let restricted = restrict_rows(&self.shared, logits, seqs)?;
+        let mut m = self.shared.mask_times.get();
+        m.ahead += 1;
+        self.shared.mask_times.set(m);
+        argmax_rows(&restricted, rows)
     }
 
     /// Whether the chunk's next stage can share a step queued ahead: either it does not
@@ -111,10 +132,25 @@ impl DecodeActor {
     /// first token among them). A chunk that cannot share the step runs on its own after, and
     /// nothing is queued behind it.
     pub(super) fn deliver_ahead(&mut self, ahead: Ahead, ids: &[ReqId], chunk: Option<InFlight>) -> Stepped {
-        let Ahead { order: ahead_order, tokens, completing } = ahead;
+        let Ahead { order: ahead_order, tokens, masked, completing } = ahead;
+        let t0 = std::time::Instant::now();
+        let tokens = match masked {
+            false => tokens,
+            // The rows' masks (their matchers have followed every token read so far) while the
+            // device runs the step; then its tokens from the restricted logits.
+            true => match self.masked_tokens(&ahead_order, &tokens) {
+                Ok(t) => t,
+                Err(e) => {
+                    let _ = tokens.eval();
+                    if let Some((_, seq)) = completing {
+                        self.release_seq(seq);
+                    }
+                    return Stepped { outs: ids.iter().map(|_| Err(e.clone())).collect(), chunk: chunk.map(|c| (Err(e.clone()), c.back())) };
+                }
+            },
+        };
         let mut pos: HashMap<ReqId, usize> = ahead_order.iter().enumerate().map(|(i, id)| (*id, i)).collect();
         let mut failed_join = None;
-        let t0 = std::time::Instant::now();
         if let Some((id, seq)) = completing {
             pos.insert(id, ahead_order.len());
             if let Err(e) = self.join(id, seq) {
@@ -156,6 +192,9 @@ impl DecodeActor {
         let t2 = std::time::Instant::now();
         let host = host_ids(&tokens);
         let t3 = std::time::Instant::now();
+        if masked {
+            waited_after_masks(&self.shared, t2);
+        }
         let tok = self.shared.tokenizer.clone();
         let outs = ids
             .iter()

@@ -13,7 +13,7 @@ use super::ahead::{launch_step, Ahead};
 use super::chunk::InFlight;
 use super::{DecodeActor, Stepped, SLOW_MS};
 use crate::messages::StepTimes;
-use crate::seq::{argmax_rows, choose, host_ids, internal, Seq};
+use crate::seq::{argmax_rows, choose, host_ids, internal, restrict_rows, waited_after_masks, Seq};
 
 /// What a synchronous step of the decode batches gave: each row's outcome, the chunk's last
 /// logits when its stage completed the prompt, the chunk's hidden state when it did not reach
@@ -90,18 +90,26 @@ impl DecodeActor {
         // A chunk that does not complete its prompt needs nothing from the host, so the
         // next step can be queued after it as after a plain decode step.
         let chunk_is_final = pre.as_ref().is_some_and(|c| c.completes(end, layers));
-        let speculate = self.decode_ahead && !chunk_is_final && taken.iter().all(|(_, s)| s.greedy());
+        let speculate = self.decode_ahead && !chunk_is_final && taken.iter().all(|(_, s)| s.device_greedy());
         let mut next = None;
         let tok = self.shared.tokenizer.clone();
         let chosen = if speculate {
             // The next step is launched from this one's device tokens before the host reads
-            // them, so the device never waits for the host in between.
-            argmax_rows(&logits, rows).and_then(|dev| {
-                match launch_step(&self.shared.model, &self.rows, batches, &dev, None, &mut self.launched) {
-                    Ok((tokens, _)) => next = Some(Ahead { order: order.clone(), tokens, completing: None }),
+            // them, so the device never waits for the host in between. Constrained rows'
+            // tokens come from their restricted logits; the next step then waits for its own
+            // masks (see `Ahead`).
+            let masked = taken.iter().any(|(_, s)| s.matcher.is_some());
+            let restricted = if masked { restrict_rows(&self.shared, &logits, taken.iter_mut().map(|(_, s)| Some(s))) } else { Ok(logits.clone()) };
+            restricted.and_then(|l| argmax_rows(&l, rows)).and_then(|dev| {
+                match launch_step(&self.shared.model, &self.rows, batches, &dev, None, masked, &mut self.launched) {
+                    Ok((tokens, _)) => next = Some(Ahead { order: order.clone(), tokens, masked, completing: None }),
                     Err(e) => tracing::warn!(error = %e, "could not queue the next decode step"),
                 }
+                let masks_done = std::time::Instant::now();
                 let host = host_ids(&dev)?;
+                if masked {
+                    waited_after_masks(&self.shared, masks_done);
+                }
                 Ok(host.into_iter().map(|t| (t, None)).collect::<Vec<_>>())
             })
         } else {
