@@ -37,7 +37,7 @@ fn a_stopped_worker_finishes_its_streams_takes_no_new_jobs_and_exits() {
         let (id, mut sub) = c.start(long).await;
         let mut events = until_tokens(&mut sub).await;
         stack.terminate(first);
-        // Past the fetch the worker may have had under way (0.5 s at most), a new job waits
+        // Past the fetch the worker may have had under way (0.1 s at most), a new job waits
         // in the stream for another worker.
         tokio::time::sleep(Duration::from_secs(1)).await;
         let (id2, mut sub2) = c.start(req("Paris is", 6)).await;
@@ -67,7 +67,7 @@ fn past_its_grace_period_a_worker_ends_what_is_left_with_worker_lost_once() {
     let first = stack.spawn("worker", &[("LLMQ__WORKER__DRAIN_TIMEOUT_S", "0"), fast_ack]);
     rt().block_on(async {
         let c = Client::connect(&stack.url).await;
-        let (id, mut sub) = c.start(GenerateRequest { ignore_eos: true, ..req("a long one", 400) }).await;
+        let (id, mut sub) = c.start(GenerateRequest { ignore_eos: true, ..req("a long one", 500) }).await;
         until_tokens(&mut sub).await;
         stack.terminate(first);
         let run = Client::finish(id, sub, |_| {}).await;

@@ -14,6 +14,9 @@ use crate::actor::{CancelRequest, EndAll, HandBack, Submit};
 use crate::placement::Placement;
 use crate::service::{nats_err, Inflight, Scheduler, WorkerError};
 
+/// How long one fetch waits for a job: also how late a stopping worker notices its stop.
+const FETCH_WAIT: Duration = Duration::from_millis(100);
+
 /// The model's durable pull consumer of the jobs stream, shared by all its workers.
 pub(crate) async fn jobs_consumer(js: &jetstream::Context, settings: &Settings) -> Result<jetstream::consumer::Consumer<pull::Config>, WorkerError> {
     let model = &settings.worker.model;
@@ -38,7 +41,7 @@ pub(crate) struct Jobs<'a> {
 }
 
 impl Jobs<'_> {
-    /// Fetches at most one job (waiting up to 0.5 s for one) when there is room, and submits
+    /// Fetches at most one job (waiting up to `FETCH_WAIT` for one) when there is room, and submits
     /// it. One job per fetch: the server hands jobs to the workers' waiting fetches in turn, so
     /// equal workers share a burst evenly, and a worker without room asks for nothing.
     pub(crate) async fn fetch_one(&self) {
@@ -47,7 +50,7 @@ impl Jobs<'_> {
             tokio::time::sleep(Duration::from_millis(10)).await;
             return;
         }
-        let mut batch = match self.consumer.fetch().max_messages(1).expires(Duration::from_millis(500)).messages().await {
+        let mut batch = match self.consumer.fetch().max_messages(1).expires(FETCH_WAIT).messages().await {
             Ok(b) => b,
             Err(e) => {
                 tracing::warn!(error = %e, "fetching jobs");
