@@ -135,6 +135,12 @@ impl Matcher {
     /// of word `i / 32` is set when token `i` is allowed. Once the output is complete only the
     /// end-of-sequence tokens are. An error: the output cannot be continued validly.
     pub fn allowed(&mut self, mask: &mut [u32]) -> Result<(), String> {
+        // A matcher stopped by a limit or an error (not by a complete output) would allow only
+        // the end of sequence: that must not end an incomplete output.
+        let reason = self.inner.stop_reason();
+        if !reason.is_ok() {
+            return Err(format!("the constraint's parser stopped: {}", self.inner.get_error().unwrap_or_else(|| reason.to_string())));
+        }
         let vob = self.inner.compute_mask_or_eos().map_err(|e| e.to_string())?;
         let bits = vob.as_slice();
         let n = self.words.min(mask.len());
