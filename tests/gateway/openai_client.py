@@ -137,6 +137,62 @@ for c in client.chat.completions.create(
 assert finished == {0, 1} and all(parts[i] for i in (0, 1)), (parts, finished)
 print("n=2 streamed:", parts)
 
+# Tool calling: with tool_choice "required" (or a named function) the answer is calls whose
+# arguments validate against their function's schema, streamed and not; the call and the
+# tool's result go back as the next turn, and the model answers in text. (With parallel calls
+# a model this small repeats its calls until max_tokens: one call per answer here.)
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "The current weather in a city.",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "maxLength": 30}, "unit": {"enum": ["celsius", "fahrenheit"]},
+        }, "required": ["city", "unit"], "additionalProperties": False},
+    }},
+    {"type": "function", "function": {
+        "name": "get_population", "description": "How many people live in a country.",
+        "parameters": {"type": "object", "properties": {"country": {"type": "string", "maxLength": 30}}, "required": ["country"], "additionalProperties": False},
+    }},
+]
+SCHEMA_OF = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+for choice in ["required", {"type": "function", "function": {"name": "get_population"}}]:
+    called = client.chat.completions.create(model=model, messages=ask, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False, max_tokens=120, temperature=0)
+    c = called.choices[0]
+    assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1 and not c.message.content, called
+    for call in c.message.tool_calls:
+        assert call.type == "function" and call.id, call
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMA_OF[call.function.name])
+    if isinstance(choice, dict):
+        assert [t.function.name for t in c.message.tool_calls] == ["get_population"], c.message.tool_calls
+    streamed_calls, finish = {}, None
+    for chunk in client.chat.completions.create(model=model, messages=ask, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False, max_tokens=120, temperature=0, stream=True):
+        for ch in chunk.choices:
+            for d in ch.delta.tool_calls or []:
+                entry = streamed_calls.setdefault(d.index, {"name": "", "arguments": ""})
+                entry["name"] += d.function.name or ""
+                entry["arguments"] += d.function.arguments or ""
+            finish = ch.finish_reason or finish
+    assert finish == "tool_calls", finish
+    assert [(v["name"], json.loads(v["arguments"])) for _, v in sorted(streamed_calls.items())] == \
+        [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls], (streamed_calls, c.message.tool_calls)
+    print(f"tool_choice {choice}:", [(t.function.name, t.function.arguments) for t in c.message.tool_calls])
+first = c.message.tool_calls[0]
+second_turn = ask + [
+    {"role": "assistant", "content": None, "tool_calls": [{"id": first.id, "type": "function", "function": {"name": first.function.name, "arguments": first.function.arguments}}]},
+    {"role": "tool", "tool_call_id": first.id, "content": json.dumps({"population": 68000000})},
+]
+answer = client.chat.completions.create(model=model, messages=second_turn, tools=TOOLS, tool_choice="none", max_tokens=30, temperature=0)
+assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls, answer
+assert answer.choices[0].finish_reason in ("stop", "length"), answer
+print("second turn:", repr(answer.choices[0].message.content))
+for bad_choice in [{"type": "function", "function": {"name": "no_such_tool"}}, "sometimes"]:
+    try:
+        client.chat.completions.create(model=model, messages=ask, tools=TOOLS, tool_choice=bad_choice, max_tokens=5)
+        raise AssertionError(f"tool_choice {bad_choice} accepted")
+    except openai.BadRequestError as e:
+        assert e.status_code == 400, e.body
+print("bad tool_choice: 400")
+
 # A client that closes its stream early: the gateway must cancel the request.
 stream = client.chat.completions.create(
     model=model,

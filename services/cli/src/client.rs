@@ -18,7 +18,7 @@ pub fn generate(a: &Args) -> Result<()> {
 
 fn request(a: &Args, inbox: String) -> GenerateRequest {
     let (prompt, messages) = if a.chat {
-        (None, Some(vec![ChatMessage { role: "user".into(), content: a.prompt.clone() }]))
+        (None, Some(vec![ChatMessage::new("user", &a.prompt)]))
     } else {
         (Some(a.prompt.clone()), None)
     };

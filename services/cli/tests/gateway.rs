@@ -71,7 +71,7 @@ fn the_openai_package_works_unchanged_and_an_early_close_cancels() {
         assert_eq!(c.request_id, closed);
         let metrics = client::request(&addr, "GET", "/metrics", None).await.unwrap().body;
         for want in [
-            "llmq_gateway_requests_total{endpoint=\"chat\",outcome=\"ok\"} 11",
+            "llmq_gateway_requests_total{endpoint=\"chat\",outcome=\"ok\"} 16",
             "llmq_gateway_requests_total{endpoint=\"chat\",outcome=\"cancelled\"} 1",
             "llmq_gateway_requests_total{endpoint=\"chat\",outcome=\"model_not_found\"} 1",
             "llmq_gateway_requests_total{endpoint=\"completions\",outcome=\"ok\"} 1",

@@ -92,7 +92,8 @@ pub struct Finisher {
 impl Finisher {
     /// `eos`: the model's end-of-sequence ids (ignored when `stop.ignore_eos`).
     pub fn new(stop: StopConditions, eos: Vec<u32>) -> Self {
-        Finisher { detok: Detokenizer::new(), stop, eos, text: String::new(), produced: 0 }
+        let detok = if stop.special_text { Detokenizer::with_special_text() } else { Detokenizer::new() };
+        Finisher { detok, stop, eos, text: String::new(), produced: 0 }
     }
 
     /// All text released so far (stop strings cut off).

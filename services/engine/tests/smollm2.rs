@@ -28,7 +28,7 @@ fn chat_prompt_and_first_logits_match_transformers() {
     let ids = tok.prompt_ids(QUESTION, true).unwrap();
     let want_text = meta["prompt_text"].as_str().unwrap();
     let text = tok.apply_chat_template(
-        &[llmq_text::tokenizer::ChatMessage { role: "user".into(), content: QUESTION.into() }],
+        &[llmq_text::tokenizer::ChatMessage::new("user", QUESTION)],
         true,
     );
     assert_eq!(text.unwrap(), want_text, "chat template rendering");

@@ -3,7 +3,9 @@
 //! `llm.v1.generate` (with `require_worker`, so a model nobody serves is a 503 at once),
 //! and the request's events into OpenAI's responses: server-sent chunks ending with
 //! `data: [DONE]`, or one JSON body. `GET /v1/models` and `GET /health` come from the workers'
-//! heartbeats, `GET /metrics` is Prometheus text.
+//! heartbeats, `GET /metrics` is Prometheus text. With tools, each choice's text goes through
+//! a `ToolCallParser` in the syntax intake named: calls leave as `tool_calls` (streamed, one
+//! delta per whole call) and the choice finishes with `tool_calls`.
 //!
 //! Invariants: every accepted request ends in exactly one outcome counted in the metrics; a
 //! client that goes away before the end (a closed stream, a dropped connection while waiting for
@@ -17,6 +19,8 @@
 pub mod client;
 pub mod metrics;
 pub mod openai;
+pub mod tool_calls;
+pub mod tool_request;
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -26,12 +30,13 @@ use actix_web::{App, HttpResponse, HttpServer};
 use futures::StreamExt;
 use llmq_config::Settings;
 use llmq_protocol::workers::WorkerTable;
-use llmq_protocol::{subjects, Cancel, Event, FinishReason, GenerateReply, GenerateRequest, StreamEvent, TokenLogprob, Usage, WorkerStatus};
+use llmq_protocol::{subjects, Cancel, Event, FinishReason, GenerateReply, GenerateRequest, StreamEvent, TokenLogprob, ToolSyntax, Usage, WorkerStatus};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use metrics::Metrics;
 use openai::{ApiError, Kind, Shape};
+use tool_calls::{Call, ToolCallParser};
 
 #[derive(Debug, thiserror::Error)]
 pub enum GatewayError {
@@ -120,6 +125,8 @@ impl Drop for CancelOnDrop<'_> {
 /// response is being served).
 struct Accepted {
     request_id: String,
+    /// How the output writes tool calls, for a request with tools.
+    tool_syntax: Option<ToolSyntax>,
     events: async_nats::Subscriber,
     started: Instant,
     _span: tracing::Span,
@@ -143,9 +150,9 @@ async fn submit(state: &State, mut g: GenerateRequest) -> Result<Accepted, ApiEr
         Err(_) => return Err(ApiError::unavailable("intake did not answer in time")),
     };
     match llmq_protocol::decode::<GenerateReply>(&reply.payload) {
-        Ok(GenerateReply::Accepted { request_id, .. }) => {
+        Ok(GenerateReply::Accepted { request_id, tool_syntax, .. }) => {
             span.record("request_id", request_id.as_str());
-            Ok(Accepted { request_id, events, started, _span: span })
+            Ok(Accepted { request_id, tool_syntax, events, started, _span: span })
         }
         Ok(GenerateReply::Rejected { error }) => {
             span.record("error", tracing::field::debug(error.class));
@@ -183,6 +190,36 @@ fn chunk(shape: &Shape, id: &str, created: u64, index: u32, text: Option<&str>, 
     }
 }
 
+/// A chat stream's chunk carrying one whole tool call, for choice `index`.
+fn tool_call_chunk(shape: &Shape, id: &str, created: u64, index: u32, call: &Call) -> Value {
+    json!({
+        "id": id, "object": shape.kind.object(true), "created": created, "model": shape.model,
+        "choices": [{ "index": index, "delta": { "tool_calls": [tool_call(call, true)] }, "logprobs": null, "finish_reason": null }],
+    })
+}
+
+/// A call in OpenAI's shape (with its index in a stream's delta).
+fn tool_call(c: &Call, with_index: bool) -> Value {
+    let mut v = json!({ "id": c.id, "type": "function", "function": { "name": c.name, "arguments": c.arguments } });
+    if with_index {
+        v["index"] = json!(c.index);
+    }
+    v
+}
+
+/// The finish reason of a choice: `tool_calls` where it ended by calling.
+fn finish_reason(reason: FinishReason, called: bool) -> &'static str {
+    match reason {
+        FinishReason::Stop if called => "tool_calls",
+        r => openai::finish_reason(r),
+    }
+}
+
+/// One tool-call parser per choice, for a chat request with tools.
+fn parsers(shape: &Shape, syntax: Option<ToolSyntax>) -> Vec<Option<ToolCallParser>> {
+    (0..shape.n).map(|_| syntax.filter(|_| shape.kind == Kind::Chat).map(ToolCallParser::new)).collect()
+}
+
 fn sse(v: &Value) -> Bytes {
     Bytes::from(format!("data: {v}\n\n"))
 }
@@ -213,6 +250,7 @@ async fn stream_events(state: Arc<State>, shape: Shape, mut acc: Accepted, tx: m
     // Choices still running, and the usage of those ended (the prompt counted once).
     let mut open = shape.n;
     let mut total = Usage::default();
+    let mut parsers = parsers(&shape, acc.tool_syntax);
     let outcome: &'static str = 'run: {
         for index in 0..shape.n {
             if shape.kind == Kind::Chat && tx.send(sse(&chunk(&shape, &id, created, index, Some(""), true, &[], None))).await.is_err() {
@@ -241,12 +279,29 @@ async fn stream_events(state: Arc<State>, shape: Shape, mut acc: Accepted, tx: m
                 Event::PrefillProgress { done, total } => out.push(Bytes::from(format!(": prefill {done}/{total}\n\n"))),
                 Event::Tokens { text, logprobs, .. } => {
                     clock.tokens(&state.metrics);
+                    let (text, calls) = match parsers.get_mut(ev.choice as usize).and_then(Option::as_mut) {
+                        Some(p) => {
+                            let parsed = p.push(&text);
+                            (parsed.content, parsed.calls)
+                        }
+                        None => (text, vec![]),
+                    };
                     if !text.is_empty() || !logprobs.is_empty() {
                         out.push(sse(&chunk(&shape, &id, created, ev.choice, Some(&text), false, &logprobs, None)));
                     }
+                    out.extend(calls.iter().map(|c| sse(&tool_call_chunk(&shape, &id, created, ev.choice, c))));
                 }
-                Event::Done { finish_reason, usage, .. } => {
-                    let reason = openai::finish_reason(finish_reason);
+                Event::Done { finish_reason: reason, usage, .. } => {
+                    let mut called = false;
+                    if let Some(p) = parsers.get_mut(ev.choice as usize).and_then(Option::as_mut) {
+                        let rest = p.finish();
+                        if !rest.content.is_empty() {
+                            out.push(sse(&chunk(&shape, &id, created, ev.choice, Some(&rest.content), false, &[], None)));
+                        }
+                        out.extend(rest.calls.iter().map(|c| sse(&tool_call_chunk(&shape, &id, created, ev.choice, c))));
+                        called = p.called();
+                    }
+                    let reason = finish_reason(reason, called);
                     let text = (shape.kind == Kind::Completion).then_some("");
                     out.push(sse(&chunk(&shape, &id, created, ev.choice, text, false, &[], Some(reason))));
                     total = Usage { prompt: usage.prompt, completion: total.completion + usage.completion, cached: total.cached.max(usage.cached) };
@@ -295,6 +350,7 @@ async fn collect(state: &State, shape: &Shape, mut acc: Accepted) -> Result<Valu
     let (mut texts, mut lps) = (vec![String::new(); n], vec![vec![]; n]);
     let mut ended: Vec<Option<FinishReason>> = vec![None; n];
     let mut total = Usage::default();
+    let mut parsers = parsers(shape, acc.tool_syntax);
     loop {
         let msg = match tokio::time::timeout(SILENCE, acc.events.next()).await {
             Ok(Some(m)) => m,
@@ -312,8 +368,8 @@ async fn collect(state: &State, shape: &Shape, mut acc: Accepted) -> Result<Valu
                 texts[c].push_str(&t);
                 lps[c].extend(logprobs);
             }
-            Event::Done { finish_reason, usage, .. } => {
-                ended[c] = Some(finish_reason);
+            Event::Done { finish_reason: reason, usage, .. } => {
+                ended[c] = Some(reason);
                 total = Usage { prompt: usage.prompt, completion: total.completion + usage.completion, cached: total.cached.max(usage.cached) };
                 if ended.iter().any(Option::is_none) {
                     continue;
@@ -323,11 +379,25 @@ async fn collect(state: &State, shape: &Shape, mut acc: Accepted) -> Result<Valu
                 let choices: Vec<Value> = (0..n)
                     .map(|i| {
                         let logprobs = if shape.logprobs.is_some() { openai::logprobs(shape.kind, &lps[i]) } else { Value::Null };
-                        let reason = openai::finish_reason(ended[i].expect("every choice ended"));
-                        let text = std::mem::take(&mut texts[i]);
+                        let mut text = std::mem::take(&mut texts[i]);
+                        let mut message = json!({ "role": "assistant", "content": text });
+                        let mut called = false;
+                        if let Some(p) = parsers[i].as_mut() {
+                            let mut parsed = p.push(&text);
+                            let rest = p.finish();
+                            parsed.content.push_str(&rest.content);
+                            parsed.calls.extend(rest.calls);
+                            text = parsed.content;
+                            called = !parsed.calls.is_empty();
+                            message["content"] = if text.is_empty() && called { Value::Null } else { json!(text) };
+                            if called {
+                                message["tool_calls"] = parsed.calls.iter().map(|c| tool_call(c, false)).collect();
+                            }
+                        }
+                        let reason = finish_reason(ended[i].expect("every choice ended"), called);
                         match shape.kind {
                             Kind::Chat => json!({
-                                "index": i, "message": { "role": "assistant", "content": text },
+                                "index": i, "message": message,
                                 "logprobs": logprobs, "finish_reason": reason,
                             }),
                             Kind::Completion => json!({ "index": i, "text": text, "logprobs": logprobs, "finish_reason": reason }),

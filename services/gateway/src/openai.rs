@@ -8,6 +8,8 @@
 
 use actix_web::http::StatusCode;
 use llmq_protocol::{ChatMessage, Constraint, ErrorClass, FinishReason, GenerateRequest, TokenLogprob, Usage, WireError};
+
+use crate::tool_request::{self, InTool, InToolCall, InToolChoice};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -44,6 +46,12 @@ pub struct Part {
 pub struct InMessage {
     pub role: String,
     pub content: Option<Content>,
+    /// An assistant's calls (sent back in the next turn).
+    #[serde(default)]
+    pub tool_calls: Vec<InToolCall>,
+    /// A `tool` message: the call it answers.
+    pub tool_call_id: Option<String>,
+    pub name: Option<String>,
 }
 
 /// Fields both endpoints share.
@@ -121,9 +129,9 @@ fn neutral(field: &str, v: &Value) -> bool {
     match field {
         "frequency_penalty" | "presence_penalty" => v.as_f64() == Some(0.0),
         "logit_bias" | "metadata" => v.as_object().is_some_and(|m| m.is_empty()),
-        "tools" | "functions" => v.as_array().is_some_and(|a| a.is_empty()),
-        "tool_choice" | "function_call" => v.as_str() == Some("none") || v.as_str() == Some("auto"),
-        "parallel_tool_calls" | "store" => v.as_bool() == Some(false) || (field == "parallel_tool_calls" && v.is_boolean()),
+        "functions" => v.as_array().is_some_and(|a| a.is_empty()),
+        "function_call" => v.as_str() == Some("none") || v.as_str() == Some("auto"),
+        "store" => v.as_bool() == Some(false),
         "best_of" => v.as_i64() == Some(1),
         "suffix" => v.as_str() == Some(""),
         "modalities" => v.as_array().is_some_and(|a| a.iter().all(|m| m.as_str() == Some("text"))),
@@ -155,6 +163,10 @@ pub struct ChatRequest {
     #[serde(default)]
     pub logprobs: bool,
     pub top_logprobs: Option<i64>,
+    #[serde(default)]
+    pub tools: Vec<InTool>,
+    pub tool_choice: Option<InToolChoice>,
+    pub parallel_tool_calls: Option<bool>,
     /// Every other field (see `unsupported`).
     #[serde(flatten)]
     pub rest: serde_json::Map<String, Value>,
@@ -380,9 +392,11 @@ pub fn chat_request(r: ChatRequest) -> Result<(GenerateRequest, Shape), ApiError
                 text
             }
         };
-        messages.push(ChatMessage { role: m.role, content });
+        let tool_calls = tool_request::message_calls(m.tool_calls)?;
+        messages.push(ChatMessage { role: m.role, content, tool_calls, tool_call_id: m.tool_call_id, name: m.name });
     }
     g.messages = Some(messages);
+    tool_request::apply(&mut g, r.tools, r.tool_choice, r.parallel_tool_calls)?;
     let top = top_count(r.top_logprobs)?;
     if top > 0 && !r.logprobs {
         return Err(ApiError::invalid("top_logprobs needs logprobs: true"));
@@ -511,10 +525,10 @@ mod tests {
             chat(v)
         };
         for field in [
-            json!({"tools": [{"type": "function", "function": {"name": "f"}}]}),
+            json!({"functions": [{"name": "f"}]}),
             json!({"frequency_penalty": 0.5}),
             json!({"logit_bias": {"1": 5}}),
-            json!({"tool_choice": "required"}),
+            json!({"function_call": {"name": "f"}}),
             json!({"reasoning_effort": "low"}),
             json!({"made_up": 1}),
         ] {
@@ -523,8 +537,8 @@ mod tests {
             assert_eq!(e.status, StatusCode::BAD_REQUEST);
             assert!(e.message.contains(&format!("`{name}`")), "{}", e.message);
         }
-        let e = with(json!({"tools": [{}], "presence_penalty": 1})).unwrap_err();
-        assert!(e.message.contains("`presence_penalty`, `tools`"), "{}", e.message);
+        let e = with(json!({"functions": [{}], "presence_penalty": 1})).unwrap_err();
+        assert!(e.message.contains("`functions`, `presence_penalty`"), "{}", e.message);
         // What a client library sends by default changes nothing and is accepted.
         let (g, _) = with(json!({
             "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "tools": [], "tool_choice": "none",

@@ -24,7 +24,7 @@ use async_nats::jetstream;
 use futures::StreamExt;
 use llmq_config::Settings;
 use llmq_protocol::workers::WorkerTable;
-use llmq_protocol::{subjects, ErrorClass, GenerateReply, GenerateRequest, Job, WireError, WorkerStatus};
+use llmq_protocol::{subjects, ErrorClass, GenerateReply, GenerateRequest, Job, ToolSyntax, WireError, WorkerStatus};
 
 pub use validate::{ModelInfo, Validator};
 
@@ -71,11 +71,11 @@ impl Handler<Pending> for IntakeActor {
 
 impl IntakeActor {
     /// Decodes, validates, and checks the model's live workers.
-    fn admit(&self, payload: &[u8]) -> Result<Job, WireError> {
+    fn admit(&self, payload: &[u8]) -> Result<(Job, Option<ToolSyntax>), WireError> {
         let req: GenerateRequest =
             llmq_protocol::decode(payload).map_err(|e| WireError::new(ErrorClass::InvalidRequest, e.to_string()))?;
         let require_worker = req.require_worker;
-        let job = self.validator.validate(req)?;
+        let (job, tool_syntax) = self.validator.validate(req)?;
         let (mut live, mut queued) = (0, self.untaken.get(&job.model).copied().unwrap_or(0));
         for w in self.workers.live_for(&job.model) {
             live += 1;
@@ -90,7 +90,7 @@ impl IntakeActor {
                 format!("{queued} requests are waiting for model {:?}: try again later", job.model),
             ));
         }
-        Ok(job)
+        Ok((job, tool_syntax))
     }
 }
 
@@ -169,7 +169,7 @@ impl Handler<Incoming> for IntakeActor {
         llmq_telemetry::extract(&span, msg.headers.as_ref());
         let verdict = self.admit(&msg.payload);
         match &verdict {
-            Ok(job) => {
+            Ok((job, _)) => {
                 span.record("request_id", job.request_id.as_str());
                 span.record("model", job.model.as_str());
                 span.record("prompt_tokens", job.prompt_ids.len() as i64);
@@ -184,7 +184,7 @@ impl Handler<Incoming> for IntakeActor {
             async move {
                 let answer = match verdict {
                     Err(error) => GenerateReply::Rejected { error },
-                    Ok(job) => {
+                    Ok((job, tool_syntax)) => {
                         let subject = subjects::jobs(&job.model);
                         let headers = llmq_telemetry::headers_for(&span);
                         let stored = match llmq_protocol::encode(&job) {
@@ -195,7 +195,7 @@ impl Handler<Incoming> for IntakeActor {
                             Err(e) => Err(e.to_string()),
                         };
                         match stored {
-                            Ok(()) => GenerateReply::Accepted { request_id: job.request_id, stream_subject: job.stream_subject },
+                            Ok(()) => GenerateReply::Accepted { request_id: job.request_id, stream_subject: job.stream_subject, tool_syntax },
                             Err(e) => GenerateReply::Rejected {
                                 error: WireError::new(ErrorClass::Internal, format!("storing the job: {e}")),
                             },

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use llmq_text::constraint::Grammars;
 use llmq_text::sampling;
 use llmq_text::{load_tokenizer, resolve_model, Tokenizer};
-use llmq_protocol::{subjects, ErrorClass, GenerateRequest, Job, Sampling, StopConditions, WireError};
+use llmq_protocol::{subjects, Constraint, ErrorClass, GenerateRequest, Job, Sampling, StopConditions, ToolChoice, ToolSyntax, WireError};
 
 pub struct ModelInfo {
     /// None for random-weight benchmark models, which take `prompt_ids` only.
@@ -77,7 +77,8 @@ impl Validator {
         format!("{:016x}", z ^ (z >> 31))
     }
 
-    pub fn validate(&self, r: GenerateRequest) -> Result<Job, WireError> {
+    /// The job, and the syntax its output writes tool calls in when the request has tools.
+    pub fn validate(&self, r: GenerateRequest) -> Result<(Job, Option<ToolSyntax>), WireError> {
         if let Some(f) = r.requires.iter().find(|f| !llmq_protocol::REQUIRABLE.contains(&f.as_str())) {
             return Err(invalid(format!("this intake does not implement the request field {f:?}, which the request requires")));
         }
@@ -92,14 +93,32 @@ impl Validator {
             Some(n) => n,
         };
         let sampling = sampling_of(&r)?;
-        let stop = StopConditions {
+        llmq_text::tools::check(&r.tools, r.tool_choice.as_ref()).map_err(text_invalid)?;
+        let default_choice = if r.tools.is_empty() { ToolChoice::None } else { ToolChoice::Auto };
+        let tool_choice = r.tool_choice.clone().unwrap_or(default_choice);
+        // With `none` the tools are not shown: the model cannot call them.
+        let tools = if tool_choice == ToolChoice::None { &[][..] } else { &r.tools[..] };
+        let (prompt_ids, tool_syntax) = prompt_ids_of(model, &r, tools)?;
+        let mut stop = StopConditions {
             max_tokens: max_tokens.min(u32::MAX as i64) as u32,
             stop: r.stop.clone(),
             stop_token_ids: r.stop_token_ids.clone(),
             ignore_eos: r.ignore_eos,
+            special_text: false,
         };
         sampling::validate_stop(&stop).map_err(text_invalid)?;
-        let prompt_ids = prompt_ids_of(model, &r)?;
+        let mut constraint = r.constraint.clone();
+        if let (Some(syntax), Some(tok)) = (tool_syntax, &model.tokenizer) {
+            // Markers that are special tokens must reach the output's text to be parsed.
+            stop.special_text = llmq_text::tools::markers(syntax).iter().any(|m| tok.special_token_id(m).is_some());
+            let parallel = r.parallel_tool_calls.unwrap_or(true);
+            if let Some(grammar) = llmq_text::tools::call_grammar(syntax, tools, &tool_choice, parallel, |m| tok.special_token_id(m)) {
+                if constraint.is_some() {
+                    return Err(invalid("a constraint cannot go with tool_choice \"required\" or a named function, which constrain the output to the calls"));
+                }
+                constraint = Some(Constraint::Lark { grammar });
+            }
+        }
         if prompt_ids.is_empty() {
             return Err(invalid("the prompt has no tokens"));
         }
@@ -114,7 +133,7 @@ impl Validator {
                 ),
             ));
         }
-        if let Some(c) = &r.constraint {
+        if let Some(c) = &constraint {
             if r.ignore_eos {
                 return Err(invalid("ignore_eos cannot go with a constraint: a constrained output ends where its constraint is complete"));
             }
@@ -133,7 +152,7 @@ impl Validator {
             Some(s) => return Err(invalid(format!("stream_subject {s:?} is not a plain NATS subject"))),
             None => subjects::stream(&request_id),
         };
-        Ok(Job {
+        Ok((Job {
             request_id,
             model: r.model,
             prompt_ids,
@@ -142,9 +161,9 @@ impl Validator {
             stream_subject,
             accepted_at_ms: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_millis() as u64,
             cache_salt: r.cache_salt,
-            constraint: r.constraint,
+            constraint,
             n,
-        })
+        }, tool_syntax))
     }
 }
 
@@ -169,8 +188,9 @@ fn sampling_of(r: &GenerateRequest) -> Result<Sampling, WireError> {
 }
 
 /// The prompt's token ids from exactly one of `prompt` (encoded), `messages` (the model's chat
-/// template, then encoded) and `prompt_ids` (checked against the vocabulary).
-fn prompt_ids_of(model: &ModelInfo, r: &GenerateRequest) -> Result<Vec<u32>, WireError> {
+/// template, then encoded) and `prompt_ids` (checked against the vocabulary); with `tools`
+/// (chats only), also the syntax the model will write its calls in.
+fn prompt_ids_of(model: &ModelInfo, r: &GenerateRequest, tools: &[llmq_protocol::Tool]) -> Result<(Vec<u32>, Option<ToolSyntax>), WireError> {
     let given = [r.prompt.is_some(), r.messages.is_some(), r.prompt_ids.is_some()].iter().filter(|&&b| b).count();
     if given != 1 {
         return Err(invalid("give exactly one of prompt, messages and prompt_ids"));
@@ -180,18 +200,28 @@ fn prompt_ids_of(model: &ModelInfo, r: &GenerateRequest) -> Result<Vec<u32>, Wir
         if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
             return Err(invalid(format!("prompt id {bad} is outside the vocabulary ({vocab})")));
         }
-        return Ok(ids.clone());
+        if !tools.is_empty() {
+            return Err(invalid("tools go with a chat (messages), not with prompt_ids"));
+        }
+        return Ok((ids.clone(), None));
     }
     let tok = model.tokenizer.as_ref().ok_or_else(|| invalid("this model has no tokenizer: give prompt_ids"))?;
+    let mut syntax = None;
     let encoded = match (&r.prompt, &r.messages) {
+        (Some(_), _) if !tools.is_empty() => return Err(invalid("tools go with a chat (messages), not with a plain prompt")),
         (Some(p), _) if p.is_empty() => return Err(invalid("empty prompt")),
         (Some(p), _) => tok.encode(p, true),
         (None, Some(msgs)) if msgs.is_empty() => return Err(invalid("empty messages")),
+        (None, Some(msgs)) if !tools.is_empty() => {
+            let (text, s) = tok.apply_chat_template_with_tools(msgs, tools).map_err(text_invalid)?;
+            syntax = Some(s);
+            tok.encode(&text, false)
+        }
         (None, Some(msgs)) => {
             let text = tok.apply_chat_template(msgs, true).map_err(|e| invalid(e.to_string()))?;
             tok.encode(&text, false)
         }
         (None, None) => unreachable!("exactly one prompt form was checked above"),
     };
-    encoded.map_err(|e| invalid(e.to_string()))
+    encoded.map(|ids| (ids, syntax)).map_err(|e| invalid(e.to_string()))
 }

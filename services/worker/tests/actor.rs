@@ -102,7 +102,7 @@ fn job(id: &str, prompt_len: usize, max_tokens: u32) -> Job {
         model: "fake".into(),
         prompt_ids: vec![1; prompt_len],
         sampling: Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, repetition_penalty: 1.0, seed: None, logprobs: false, top_logprobs: 0 },
-        stop: StopConditions { max_tokens, stop: vec![], stop_token_ids: vec![], ignore_eos: false },
+        stop: StopConditions { max_tokens, stop: vec![], stop_token_ids: vec![], ignore_eos: false, special_text: false },
         stream_subject: format!("s.{id}"),
         accepted_at_ms: 0,
         cache_salt: None,

@@ -3,11 +3,77 @@
 
 use serde::{Deserialize, Serialize};
 
-/// One chat message (OpenAI / Hugging Face roles: system, user, assistant).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// One chat message (OpenAI / Hugging Face roles: system, user, assistant, tool).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct ChatMessage {
     pub role: String,
+    #[serde(default)]
     pub content: String,
+    /// An assistant's calls of the request's tools (added after v1's first fields).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+    /// A `tool` message: the id of the call whose result `content` is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// A `tool` message: the function's name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+}
+
+impl ChatMessage {
+    pub fn new(role: &str, content: &str) -> Self {
+        ChatMessage { role: role.into(), content: content.into(), ..Default::default() }
+    }
+}
+
+/// A function the model may call: rendered into the prompt through the model's chat template.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct Tool {
+    /// 1 to 64 of `a-z A-Z 0-9 _ -`.
+    pub name: String,
+    #[serde(default)]
+    pub description: Option<String>,
+    /// The arguments' JSON Schema, as JSON text (an object schema; absent: no arguments).
+    #[serde(default)]
+    pub parameters: Option<String>,
+}
+
+/// One call of a tool, as the model made it.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct ToolCall {
+    pub id: String,
+    pub name: String,
+    /// The arguments as JSON text (an object).
+    pub arguments: String,
+}
+
+/// Whether and which tools the model may call (OpenAI's `tool_choice`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ToolChoice {
+    /// No call: the tools are not shown to the model.
+    None,
+    /// The model answers in text or calls tools, as it sees fit (the default with tools).
+    Auto,
+    /// At least one call, the arguments constrained to the tools' schemas.
+    Required,
+    /// A call of this function, the arguments constrained to its schema.
+    Function { name: String },
+}
+
+/// How the model writes its tool calls in its output text (decided by its chat template):
+/// intake names it in `Accepted` so that a client can parse the calls out of the stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ToolSyntax {
+    /// `<tool_call>\n{"name": .., "arguments": {..}}\n</tool_call>`, one block per call
+    /// (Qwen 2.5 and 3, Hermes, and llmq's own prompt for templates without tools).
+    Hermes,
+    /// The whole output is `{"name": .., "parameters": {..}}`, after an optional
+    /// `<|python_tag|>` (Llama 3.1 to 3.3).
+    Llama3Json,
+    /// `[TOOL_CALLS][{"name": .., "arguments": {..}}, ..]` (Mistral).
+    Mistral,
 }
 
 /// A client's job as submitted on `llm.v1.generate`. Unchecked: intake validates it into a `Job`.
@@ -58,6 +124,14 @@ pub struct GenerateRequest {
     /// its KV shared, each sample decodes on its own. Events carry their sample's `choice`.
     /// Added after v1's first fields: name "n" in `requires`.
     pub n: Option<i64>,
+    /// Functions the model may call (chat requests only): rendered through the model's chat
+    /// template; the calls come back as text in the syntax `Accepted.tool_syntax` names.
+    /// Added after v1's first fields: name "tools" in `requires`.
+    pub tools: Vec<Tool>,
+    /// Default: `auto` with tools. Added after v1's first fields: name "tool_choice".
+    pub tool_choice: Option<ToolChoice>,
+    /// Whether one answer may hold several calls (default true, where the syntax allows it).
+    pub parallel_tool_calls: Option<bool>,
 }
 
 /// The most samples one request may ask for.
@@ -85,14 +159,20 @@ pub enum Constraint {
 pub const REQUIRABLE: &[&str] = &[
     "prompt", "messages", "prompt_ids", "max_tokens", "temperature", "top_p", "top_k", "min_p",
     "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs",
-    "constraint", "n",
+    "constraint", "n", "tools", "tool_choice", "parallel_tool_calls",
 ];
 
 /// Intake's immediate answer on the request's reply subject.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum GenerateReply {
-    Accepted { request_id: String, stream_subject: String },
+    Accepted {
+        request_id: String,
+        stream_subject: String,
+        /// How the output writes tool calls, for a request with tools (absent otherwise).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        tool_syntax: Option<ToolSyntax>,
+    },
     Rejected { error: WireError },
 }
 
@@ -186,11 +266,14 @@ pub struct StopConditions {
     pub stop_token_ids: Vec<u32>,
     /// Keep going past the model's end-of-sequence tokens.
     pub ignore_eos: bool,
+    /// Keep special tokens' text in the output (tool-call markers that are special tokens).
+    #[serde(default)]
+    pub special_text: bool,
 }
 
 impl Default for StopConditions {
     fn default() -> Self {
-        StopConditions { max_tokens: 256, stop: vec![], stop_token_ids: vec![], ignore_eos: false }
+        StopConditions { max_tokens: 256, stop: vec![], stop_token_ids: vec![], ignore_eos: false, special_text: false }
     }
 }
 

@@ -22,7 +22,7 @@ fn job() -> Job {
             logprobs: true,
             top_logprobs: 2,
         },
-        stop: StopConditions { max_tokens: 16, stop: vec!["\n\n".into()], stop_token_ids: vec![2], ignore_eos: false },
+        stop: StopConditions { max_tokens: 16, stop: vec!["\n\n".into()], stop_token_ids: vec![2], ignore_eos: false, special_text: true },
         stream_subject: "_INBOX.abc".into(),
         accepted_at_ms: 1_700_000_000_000,
         cache_salt: None,
@@ -35,13 +35,25 @@ fn job() -> Job {
 fn every_message_round_trips() {
     roundtrip(GenerateRequest {
         model: "smollm2".into(),
-        messages: Some(vec![ChatMessage { role: "user".into(), content: "hi".into() }]),
+        messages: Some(vec![ChatMessage::new("user", "hi")]),
         max_tokens: Some(-3),
         temperature: Some(f64::INFINITY),
         stop: vec!["x".into()],
         ..Default::default()
     });
-    roundtrip(GenerateReply::Accepted { request_id: "r1".into(), stream_subject: "llm.v1.stream.r1".into() });
+    roundtrip(GenerateRequest {
+        model: "m".into(),
+        messages: Some(vec![
+            ChatMessage { role: "assistant".into(), tool_calls: vec![ToolCall { id: "abcdefghi".into(), name: "f".into(), arguments: "{}".into() }], ..Default::default() },
+            ChatMessage { role: "tool".into(), content: "42".into(), tool_call_id: Some("abcdefghi".into()), ..Default::default() },
+        ]),
+        tools: vec![Tool { name: "f".into(), description: None, parameters: Some("{\"type\":\"object\"}".into()) }],
+        tool_choice: Some(ToolChoice::Function { name: "f".into() }),
+        parallel_tool_calls: Some(false),
+        requires: vec!["tools".into(), "tool_choice".into(), "parallel_tool_calls".into()],
+        ..Default::default()
+    });
+    roundtrip(GenerateReply::Accepted { request_id: "r1".into(), stream_subject: "llm.v1.stream.r1".into(), tool_syntax: Some(ToolSyntax::Mistral) });
     roundtrip(GenerateReply::Rejected { error: WireError::new(ErrorClass::PromptTooLong, "4097 > 4096") });
     roundtrip(job());
     for event in [
@@ -69,7 +81,7 @@ fn hex(b: &[u8]) -> String {
 /// The bytes on the wire are part of the contract: a change here breaks deployed clients.
 #[test]
 fn golden_bytes() {
-    let reply = GenerateReply::Accepted { request_id: "r1".into(), stream_subject: "s".into() };
+    let reply = GenerateReply::Accepted { request_id: "r1".into(), stream_subject: "s".into(), tool_syntax: None };
     assert_eq!(
         hex(&encode(&reply).unwrap()),
         "83a474797065a86163636570746564aa726571756573745f6964a27231ae73747265616d5f7375626a656374a173"

@@ -15,11 +15,18 @@ pub struct Detokenizer {
     prefix: usize,
     /// Tokens before this index have been released as text.
     read: usize,
+    /// Special tokens' text is kept (tool-call markers), not skipped.
+    special_text: bool,
 }
 
 impl Detokenizer {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A detokenizer that keeps special tokens' text.
+    pub fn with_special_text() -> Self {
+        Detokenizer { special_text: true, ..Self::default() }
     }
 
     /// Adds a token; returns the text it completes (possibly empty).
@@ -37,8 +44,9 @@ impl Detokenizer {
         if self.read == self.ids.len() {
             return Ok(String::new());
         }
-        let before = tok.decode(&self.ids[self.prefix..self.read], true)?;
-        let full = tok.decode(&self.ids[self.prefix..], true)?;
+        let skip = !self.special_text;
+        let before = tok.decode(&self.ids[self.prefix..self.read], skip)?;
+        let full = tok.decode(&self.ids[self.prefix..], skip)?;
         if !force && full.ends_with('\u{FFFD}') {
             return Ok(String::new());
         }

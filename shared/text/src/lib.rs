@@ -13,6 +13,7 @@
 //! - `sampling`      sampling and stop parameters, their validation, the sampler
 //! - `constraint`    constrained decoding: JSON schemas, regular expressions and grammars as
 //!                   token masks (llguidance)
+//! - `tools`         tools in chat templates, and the grammar of a required call
 //!
 //! And where named models live (`resolve_model`), and a model's tokenizer and context without
 //! its weights (`load_tokenizer`).
@@ -29,6 +30,7 @@ pub mod sampling;
 pub mod sentencepiece;
 pub mod shapes;
 pub mod tokenizer;
+pub mod tools;
 
 use std::path::{Path, PathBuf};
 

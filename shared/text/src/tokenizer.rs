@@ -16,6 +16,9 @@ use crate::gguf::Value;
 use crate::sentencepiece::SentencePieceModel;
 
 pub use llmq_protocol::ChatMessage;
+use llmq_protocol::{Tool, ToolSyntax};
+
+use crate::tools::Support;
 
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
@@ -256,17 +259,40 @@ impl Tokenizer {
 
     /// Renders the chat template for `messages` (with the assistant's turn opened).
     pub fn apply_chat_template(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
-        let template = self
-            .chat_template
-            .as_deref()
-            .ok_or_else(|| Error::Template("this model has no chat template".into()))?;
-        render_chat(template, messages, add_generation_prompt, self.bos_token.as_deref(), self.eos_token.as_deref())
+        self.render(&crate::tools::template_messages(messages), None, add_generation_prompt)
+    }
+
+    /// Renders the chat template for `messages` with `tools` the model may call; returns the
+    /// text and the syntax its calls will come in (see `tools`).
+    pub fn apply_chat_template_with_tools(&self, messages: &[ChatMessage], tools: &[Tool]) -> Result<(String, ToolSyntax)> {
+        let support = crate::tools::support(self.template()?)?;
+        let text = match support {
+            Support::Template(_) => {
+                let tools = crate::tools::template_tools(tools);
+                self.render(&crate::tools::template_messages(messages), Some(&tools), true)?
+            }
+            Support::Instructed => self.apply_chat_template(&crate::tools::instructed_messages(messages, tools), true)?,
+        };
+        Ok((text, support.syntax()))
+    }
+
+    fn template(&self) -> Result<&str> {
+        self.chat_template.as_deref().ok_or_else(|| Error::Template("this model has no chat template".into()))
+    }
+
+    fn render(&self, messages: &[Json], tools: Option<&[Json]>, add_generation_prompt: bool) -> Result<String> {
+        render_chat(self.template()?, messages, tools, add_generation_prompt, self.bos_token.as_deref(), self.eos_token.as_deref())
+    }
+
+    /// The id of the special token whose text is `content`, if the vocabulary has one.
+    pub fn special_token_id(&self, content: &str) -> Option<u32> {
+        self.inner.get_added_tokens_decoder().iter().find(|(_, t)| t.special && t.content == content).map(|(&id, _)| id)
     }
 
     /// The prompt's token ids: chat-templated (special tokens come from the template) or plain.
     pub fn prompt_ids(&self, prompt: &str, chat: bool) -> Result<Vec<u32>> {
         if chat {
-            let text = self.apply_chat_template(&[ChatMessage { role: "user".into(), content: prompt.into() }], true)?;
+            let text = self.apply_chat_template(&[ChatMessage::new("user", prompt)], true)?;
             self.encode(&text, false)
         } else {
             self.encode(prompt, true)
@@ -340,9 +366,12 @@ fn merges_from_scores(tokens: &[String], scores: &[f64], types: &[u64]) -> Vec<J
     merges.into_iter().map(|(_, _, a, b)| json!([tokens[a], tokens[b]])).collect()
 }
 
+/// Renders a chat template as transformers does: `messages` and `tools` (None: undefined)
+/// in its shapes (`tools::template_messages`, `tools::template_tools`).
 pub fn render_chat(
     template: &str,
-    messages: &[ChatMessage],
+    messages: &[Json],
+    tools: Option<&[Json]>,
     add_generation_prompt: bool,
     bos_token: Option<&str>,
     eos_token: Option<&str>,
@@ -359,6 +388,7 @@ pub fn render_chat(
     let t = env.get_template("chat").map_err(|e| Error::Template(e.to_string()))?;
     t.render(minijinja::context! {
         messages => messages,
+        tools => tools,
         add_generation_prompt => add_generation_prompt,
         bos_token => bos_token.unwrap_or(""),
         eos_token => eos_token.unwrap_or(""),
