@@ -1,12 +1,86 @@
 //! Token masks on the device: rows of logits restricted to the tokens a constraint allows.
 //! Masks come from the host packed 32 tokens to a word (bit `i % 32` of word `i / 32` allows
 //! token `i`), so a step uploads a few kilobytes a row; the device unpacks them beside the
-//! logits and sets every disallowed token's logit to -inf.
+//! logits and sets every disallowed token's logit to -inf. For greedy rows `argmax` picks each
+//! row's best allowed token directly: on a GPU in one kernel of llmq's (one read of the logits
+//! and the masks), elsewhere as the argmax of the restricted logits.
 
+use std::sync::OnceLock;
+
+use mlx_rs::ops::indexing::argmax_axis;
 use mlx_rs::ops::{floor_divide, remainder, select};
 use mlx_rs::{Array, Dtype};
 
 use crate::error::{EngineError, Result};
+use crate::kernel::Kernel;
+
+/// One block a row: each thread scans a stride of the vocabulary for its best allowed token
+/// (the lowest index among equals, as an argmax), then the block reduces the threads' bests.
+const ARGMAX_SOURCE: &str = r#"
+    const int row = blockIdx.x;
+    const T* l = logits + (size_t)row * VOCAB;
+    const uint32_t* m = masks + (size_t)row * WORDS;
+    const int none = 0x7fffffff;
+    float best = 0.0f;
+    int at = none;
+    for (int i = threadIdx.x; i < VOCAB; i += blockDim.x) {
+        if ((m[i >> 5] >> (i & 31)) & 1u) {
+            const float v = static_cast<float>(l[i]);
+            if (at == none || v > best) {
+                best = v;
+                at = i;
+            }
+        }
+    }
+    __shared__ float best_of[32];
+    __shared__ int at_of[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int round = 0; round < 2; ++round) {
+        for (int off = 16; off > 0; off >>= 1) {
+            const float v = __shfl_down_sync(0xffffffffu, best, off);
+            const int j = __shfl_down_sync(0xffffffffu, at, off);
+            if (j != none && (at == none || v > best || (v == best && j < at))) {
+                best = v;
+                at = j;
+            }
+        }
+        if (round == 1) {
+            break;
+        }
+        if (lane == 0) {
+            best_of[warp] = best;
+            at_of[warp] = at;
+        }
+        __syncthreads();
+        if (warp != 0) {
+            return;
+        }
+        const bool here = lane < (int)(blockDim.x >> 5);
+        best = here ? best_of[lane] : 0.0f;
+        at = here ? at_of[lane] : none;
+    }
+    if (threadIdx.x == 0) {
+        out[row] = at == none ? 0 : at;
+    }
+"#;
+
+const ARGMAX_THREADS: i32 = 1024;
+
+/// The masked argmax kernel, made once per process; None without CUDA.
+fn argmax_kernel() -> Option<&'static Kernel> {
+    static KERNEL: OnceLock<Option<Kernel>> = OnceLock::new();
+    KERNEL
+        .get_or_init(|| {
+            let mut cuda = false;
+            if unsafe { mlx_sys::mlx_cuda_is_available(&mut cuda) } != 0 || !cuda || !crate::on_gpu() {
+                return None;
+            }
+            Kernel::new("llmq_masked_argmax", &["logits", "masks"], &["out"], ARGMAX_SOURCE, "", 0)
+                .inspect_err(|e| tracing::warn!(error = %e, "masked argmax kernel unavailable; using MLX's ops"))
+                .ok()
+        })
+        .as_ref()
+}
 
 /// Where each token's bit sits: its word and its place value within it, for a vocabulary.
 pub struct MaskLayout {
@@ -41,12 +115,37 @@ impl MaskLayout {
                 self.vocab
             )));
         }
-        let packed = Array::from_slice(masks, &[rows, self.words() as i32]);
+        let packed = self.packed(rows, masks)?;
         let per_token = packed.take_axis(&self.word, 1)?;
         let bit = remainder(floor_divide(&per_token, &self.place)?, Array::from_int(2).as_dtype(Dtype::Uint32)?)?;
         let allowed = bit.eq(Array::from_int(1).as_dtype(Dtype::Uint32)?)?.reshape(&shape)?;
         let floor = Array::from_f32(f32::NEG_INFINITY).as_dtype(logits.dtype())?;
         Ok(select(&allowed, logits, &floor)?)
+    }
+
+    /// Each row's greedy token among those its mask allows (int32 [rows], lazy): the argmax of
+    /// the restricted logits, computed on a GPU without them.
+    pub fn argmax(&self, logits: &Array, masks: &[u32]) -> Result<Array> {
+        let rows = logits.shape()[0];
+        let Some(kernel) = argmax_kernel() else {
+            let restricted = self.restrict(logits, masks)?;
+            return Ok(argmax_axis(&restricted.reshape(&[rows, -1])?, -1, None)?.as_dtype(Dtype::Int32)?);
+        };
+        let packed = self.packed(rows, masks)?;
+        if logits.shape().last().copied() != Some(self.vocab as i32) {
+            return Err(EngineError::Host(format!("logits of shape {:?} for a vocabulary of {}", logits.shape(), self.vocab)));
+        }
+        let ints = [("VOCAB", self.vocab as i32), ("WORDS", self.words() as i32)];
+        let out = kernel.apply(&[logits, &packed], &[(&[rows], Dtype::Int32)], rows, ARGMAX_THREADS, logits.dtype(), &ints)?;
+        Ok(out.into_iter().next().expect("one output"))
+    }
+
+    /// The masks as an array [rows, words], checked against the layout.
+    fn packed(&self, rows: i32, masks: &[u32]) -> Result<Array> {
+        if masks.len() != rows as usize * self.words() {
+            return Err(EngineError::Host(format!("token masks of {} words for {rows} rows (expected {} words a row)", masks.len(), self.words())));
+        }
+        Ok(Array::from_slice(masks, &[rows, self.words() as i32]))
     }
 }
 

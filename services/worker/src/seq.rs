@@ -113,6 +113,9 @@ pub struct Seq {
     pub row: Option<(usize, usize)>,
     /// Where its output stands in its constraint, if it has one.
     pub matcher: Option<Matcher>,
+    /// The token taken last, which its matcher follows when the next mask is computed: the
+    /// rows' matchers follow their tokens in parallel there, not one by one as tokens are taken.
+    pub unfollowed: Option<u32>,
     /// Why its constraint allows no next token (found while masking): its step fails with it.
     pub stuck: Option<String>,
 }
@@ -147,6 +150,7 @@ impl Seq {
             next: None,
             row: None,
             matcher,
+            unfollowed: None,
             stuck: None,
         })
     }
@@ -176,11 +180,11 @@ impl Seq {
 
     /// Takes `id` as the sequence's next token and runs the stop checks.
     pub fn take_token(&mut self, tok: Option<&Tokenizer>, id: u32, lp: Option<TokenLogprob>) -> Result<StepOut, WireError> {
-        if let Some(m) = self.matcher.as_mut() {
+        if self.matcher.is_some() {
             if let Some(why) = self.stuck.take() {
                 return Err(WireError::new(ErrorClass::ConstraintFailed, why));
             }
-            m.accept(id).map_err(|why| WireError::new(ErrorClass::ConstraintFailed, why))?;
+            self.unfollowed = Some(id);
         }
         self.history.push(id);
         self.next = Some(id);
@@ -233,16 +237,18 @@ fn token_masks<'a>(rows: impl IntoIterator<Item = Option<&'a mut Seq>>, words: u
     use rayon::prelude::*;
     let rows: Vec<Option<&mut Seq>> = rows.into_iter().collect();
     let mut masks = vec![u32::MAX; rows.len() * words];
-    let mut work: Vec<(&mut Matcher, &mut Option<String>, &mut [u32])> = rows
+    type Row<'r> = (&'r mut Matcher, Option<u32>, &'r mut Option<String>, &'r mut [u32]);
+    let mut work: Vec<Row> = rows
         .into_iter()
         .zip(masks.chunks_mut(words))
         .filter_map(|(s, mask)| {
-            let Seq { matcher, stuck, .. } = s?;
-            matcher.as_mut().map(|m| (m, stuck, mask))
+            let Seq { matcher, unfollowed, stuck, .. } = s?;
+            matcher.as_mut().map(|m| (m, unfollowed.take(), stuck, mask))
         })
         .collect();
-    let one = |(m, stuck, mask): &mut (&mut Matcher, &mut Option<String>, &mut [u32])| {
-        if let Err(why) = m.allowed(mask) {
+    // Each row's matcher follows its last token, then writes what may come next.
+    let one = |(m, last, stuck, mask): &mut Row| {
+        if let Err(why) = last.take().map_or(Ok(()), |t| m.accept(t)).and_then(|()| m.allowed(mask)) {
             **stuck = Some(why);
             mask.fill(u32::MAX);
         }
@@ -259,19 +265,35 @@ fn token_masks<'a>(rows: impl IntoIterator<Item = Option<&'a mut Seq>>, words: u
 /// sequence of each row, None for a row without one), and the masks' cost counted. The masks
 /// are computed while the device computes the logits.
 pub fn restrict_rows<'a>(shared: &Shared, logits: &Array, rows: impl IntoIterator<Item = Option<&'a mut Seq>>) -> Result<Array, WireError> {
+    masked(shared, logits, rows, |layout, masks| layout.restrict(logits, masks))
+}
+
+/// Each row's greedy token among those its constraint allows (int32 [rows], lazy), as
+/// `argmax_rows` of `restrict_rows` but without the restricted logits (see `MaskLayout::argmax`).
+pub fn restricted_argmax<'a>(shared: &Shared, logits: &Array, rows: impl IntoIterator<Item = Option<&'a mut Seq>>) -> Result<Array, WireError> {
+    masked(shared, logits, rows, |layout, masks| layout.argmax(logits, masks))
+}
+
+/// The rows' masks, computed while the device computes `logits` and counted, then `apply`.
+fn masked<'a>(
+    shared: &Shared,
+    logits: &Array,
+    rows: impl IntoIterator<Item = Option<&'a mut Seq>>,
+    apply: impl FnOnce(&MaskLayout, &[u32]) -> llmq_engine::Result<Array>,
+) -> Result<Array, WireError> {
     let cs = shared.constraints.as_ref().as_ref().map_err(internal)?;
     mlx_rs::transforms::async_eval([logits]).map_err(internal)?;
     let t0 = std::time::Instant::now();
     let rows: Vec<Option<&mut Seq>> = rows.into_iter().collect();
     let constrained = rows.iter().filter(|s| s.as_ref().is_some_and(|s| s.matcher.is_some())).count();
     let masks = token_masks(rows, cs.layout.words());
-    let restricted = cs.layout.restrict(logits, &masks).map_err(internal)?;
+    let out = apply(&cs.layout, &masks).map_err(internal)?;
     let mut m = shared.mask_times.get();
     m.steps += 1;
     m.rows += constrained as u64;
     m.mask_ms += t0.elapsed().as_secs_f64() * 1000.0;
     shared.mask_times.set(m);
-    Ok(restricted)
+    Ok(out)
 }
 
 /// Counts the time the host waited for a masked step's results after its masks.
@@ -301,6 +323,14 @@ pub fn choose(logits: &Array, seqs: &mut [&mut Seq], shared: &Shared) -> Result<
     let b = seqs.len() as i32;
     let mut rows = logits.reshape(&[b, -1]).map_err(internal)?;
     let masked = seqs.iter().any(|s| s.matcher.is_some());
+    if masked && seqs.iter().all(|s| s.device_greedy()) {
+        // No logits go to the host: the restricted greedy tokens straight from the device.
+        let ids = restricted_argmax(shared, &rows, seqs.iter_mut().map(|s| Some(&mut **s)))?;
+        let masks_done = std::time::Instant::now();
+        let ids = host_ids(&ids)?;
+        waited_after_masks(shared, masks_done);
+        return Ok(ids.into_iter().map(|t| (t, None)).collect());
+    }
     if masked {
         rows = restrict_rows(shared, &rows, seqs.iter_mut().map(|s| Some(&mut **s)))?;
     }

@@ -16,7 +16,7 @@ use mlx_rs::Array;
 use super::chunk::InFlight;
 use super::{DecodeActor, Stepped};
 use crate::messages::StepTimes;
-use crate::seq::{argmax_rows, host_ids, internal, restrict_rows, unknown, waited_after_masks, Seq};
+use crate::seq::{argmax_rows, host_ids, internal, restricted_argmax, unknown, waited_after_masks, Seq};
 
 /// A decode step queued ahead: built from the previous step's greedy tokens while they were
 /// still on the device, so the device starts it before the host has read those tokens, handled
@@ -112,11 +112,11 @@ impl DecodeActor {
         let rows = logits.shape()[0];
         let mut by_id: HashMap<ReqId, &mut Seq> = self.seqs.iter_mut().map(|(id, s)| (*id, s)).collect();
         let seqs: Vec<Option<&mut Seq>> = order.iter().map(|id| by_id.remove(id)).chain(std::iter::repeat_with(|| None)).take(rows as usize).collect();
-        let restricted = restrict_rows(&self.shared, logits, seqs)?;
+        let tokens = restricted_argmax(&self.shared, logits, seqs)?;
         let mut m = self.shared.mask_times.get();
         m.ahead += 1;
         self.shared.mask_times.set(m);
-        argmax_rows(&restricted, rows)
+        Ok(tokens)
     }
 
     /// Whether the chunk's next stage can share a step queued ahead: either it does not

@@ -13,7 +13,7 @@ use super::ahead::{launch_step, Ahead};
 use super::chunk::InFlight;
 use super::{DecodeActor, Stepped, SLOW_MS};
 use crate::messages::StepTimes;
-use crate::seq::{argmax_rows, choose, host_ids, internal, restrict_rows, waited_after_masks, Seq};
+use crate::seq::{argmax_rows, choose, host_ids, internal, restricted_argmax, waited_after_masks, Seq};
 
 /// What a synchronous step of the decode batches gave: each row's outcome, the chunk's last
 /// logits when its stage completed the prompt, the chunk's hidden state when it did not reach
@@ -99,8 +99,8 @@ impl DecodeActor {
             // tokens come from their restricted logits; the next step then waits for its own
             // masks (see `Ahead`).
             let masked = taken.iter().any(|(_, s)| s.matcher.is_some());
-            let restricted = if masked { restrict_rows(&self.shared, &logits, taken.iter_mut().map(|(_, s)| Some(s))) } else { Ok(logits.clone()) };
-            restricted.and_then(|l| argmax_rows(&l, rows)).and_then(|dev| {
+            let dev = if masked { restricted_argmax(&self.shared, &logits, taken.iter_mut().map(|(_, s)| Some(s))) } else { argmax_rows(&logits, rows) };
+            dev.and_then(|dev| {
                 match launch_step(&self.shared.model, &self.rows, batches, &dev, None, masked, &mut self.launched) {
                     Ok((tokens, _)) => next = Some(Ahead { order: order.clone(), tokens, masked, completing: None }),
                     Err(e) => tracing::warn!(error = %e, "could not queue the next decode step"),
