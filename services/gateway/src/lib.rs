@@ -19,6 +19,7 @@
 pub mod client;
 pub mod metrics;
 pub mod openai;
+pub mod response;
 pub mod tool_calls;
 pub mod tool_request;
 
@@ -30,13 +31,13 @@ use actix_web::{App, HttpResponse, HttpServer};
 use futures::StreamExt;
 use llmq_config::Settings;
 use llmq_protocol::workers::WorkerTable;
-use llmq_protocol::{subjects, Cancel, Event, FinishReason, GenerateReply, GenerateRequest, StreamEvent, TokenLogprob, ToolSyntax, Usage, WorkerStatus};
+use llmq_protocol::{subjects, Cancel, Event, FinishReason, GenerateReply, GenerateRequest, StreamEvent, ToolSyntax, Usage, WorkerStatus};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use metrics::Metrics;
+use metrics::{Clock, Metrics};
 use openai::{ApiError, Kind, Shape};
-use tool_calls::{Call, ToolCallParser};
+use response::{chunk, finish_reason, parsers, sse, tool_call, tool_call_chunk};
 
 #[derive(Debug, thiserror::Error)]
 pub enum GatewayError {
@@ -162,85 +163,6 @@ async fn submit(state: &State, mut g: GenerateRequest) -> Result<Accepted, ApiEr
     }
 }
 
-/// One chunk of a stream in the endpoint's format, for choice `index`.
-#[allow(clippy::too_many_arguments)]
-fn chunk(shape: &Shape, id: &str, created: u64, index: u32, text: Option<&str>, role: bool, lps: &[TokenLogprob], finish: Option<&str>) -> Value {
-    let logprobs = match shape.logprobs {
-        Some(_) if !lps.is_empty() => openai::logprobs(shape.kind, lps),
-        _ => Value::Null,
-    };
-    match shape.kind {
-        Kind::Chat => {
-            let mut delta = serde_json::Map::new();
-            if role {
-                delta.insert("role".into(), json!("assistant"));
-            }
-            if let Some(t) = text {
-                delta.insert("content".into(), json!(t));
-            }
-            json!({
-                "id": id, "object": shape.kind.object(true), "created": created, "model": shape.model,
-                "choices": [{ "index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish }],
-            })
-        }
-        Kind::Completion => json!({
-            "id": id, "object": shape.kind.object(true), "created": created, "model": shape.model,
-            "choices": [{ "index": index, "text": text.unwrap_or(""), "logprobs": logprobs, "finish_reason": finish }],
-        }),
-    }
-}
-
-/// A chat stream's chunk carrying one whole tool call, for choice `index`.
-fn tool_call_chunk(shape: &Shape, id: &str, created: u64, index: u32, call: &Call) -> Value {
-    json!({
-        "id": id, "object": shape.kind.object(true), "created": created, "model": shape.model,
-        "choices": [{ "index": index, "delta": { "tool_calls": [tool_call(call, true)] }, "logprobs": null, "finish_reason": null }],
-    })
-}
-
-/// A call in OpenAI's shape (with its index in a stream's delta).
-fn tool_call(c: &Call, with_index: bool) -> Value {
-    let mut v = json!({ "id": c.id, "type": "function", "function": { "name": c.name, "arguments": c.arguments } });
-    if with_index {
-        v["index"] = json!(c.index);
-    }
-    v
-}
-
-/// The finish reason of a choice: `tool_calls` where it ended by calling.
-fn finish_reason(reason: FinishReason, called: bool) -> &'static str {
-    match reason {
-        FinishReason::Stop if called => "tool_calls",
-        r => openai::finish_reason(r),
-    }
-}
-
-/// One tool-call parser per choice, for a chat request with tools.
-fn parsers(shape: &Shape, syntax: Option<ToolSyntax>) -> Vec<Option<ToolCallParser>> {
-    (0..shape.n).map(|_| syntax.filter(|_| shape.kind == Kind::Chat).map(ToolCallParser::new)).collect()
-}
-
-fn sse(v: &Value) -> Bytes {
-    Bytes::from(format!("data: {v}\n\n"))
-}
-
-/// Tracks first-token and inter-token times of one request into the metrics.
-struct Clock {
-    started: Instant,
-    last: Option<Instant>,
-}
-
-impl Clock {
-    fn tokens(&mut self, m: &Metrics) {
-        let now = Instant::now();
-        match self.last {
-            None => m.first_token((now - self.started).as_secs_f64()),
-            Some(prev) => m.inter_token((now - prev).as_secs_f64()),
-        }
-        self.last = Some(now);
-    }
-}
-
 /// Forwards a request's events to the client as server-sent events, until its terminal event or
 /// until the client goes away (then cancels it).
 async fn stream_events(state: Arc<State>, shape: Shape, mut acc: Accepted, tx: mpsc::Sender<Bytes>) {
@@ -310,7 +232,7 @@ async fn stream_events(state: Arc<State>, shape: Shape, mut acc: Accepted, tx: m
                         if shape.include_usage {
                             out.push(sse(&json!({
                                 "id": id, "object": shape.kind.object(true), "created": created, "model": shape.model,
-                                "choices": [], "usage": openai::usage(&total),
+                                "choices": [], "usage": response::usage(&total),
                             })));
                         }
                         end = Some("ok");
@@ -378,7 +300,7 @@ async fn collect(state: &State, shape: &Shape, mut acc: Accepted) -> Result<Valu
                 let id = shape.kind.response_id(&acc.request_id);
                 let choices: Vec<Value> = (0..n)
                     .map(|i| {
-                        let logprobs = if shape.logprobs.is_some() { openai::logprobs(shape.kind, &lps[i]) } else { Value::Null };
+                        let logprobs = if shape.logprobs.is_some() { response::logprobs(shape.kind, &lps[i]) } else { Value::Null };
                         let mut text = std::mem::take(&mut texts[i]);
                         let mut message = json!({ "role": "assistant", "content": text });
                         let mut called = false;
@@ -406,7 +328,7 @@ async fn collect(state: &State, shape: &Shape, mut acc: Accepted) -> Result<Valu
                     .collect();
                 return Ok(json!({
                     "id": id, "object": shape.kind.object(false), "created": unix_secs(), "model": shape.model,
-                    "choices": choices, "usage": openai::usage(&total),
+                    "choices": choices, "usage": response::usage(&total),
                 }));
             }
             Event::Error { error } => {

@@ -6,6 +6,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::sync::Mutex;
+use std::time::Instant;
 
 use llmq_protocol::workers::WorkerTable;
 
@@ -131,5 +132,22 @@ mod tests {
         assert!(text.contains("llmq_worker_queued_requests{worker=\"w1\",model=\"m\"} 3"));
         assert!(text.contains("llmq_worker_prefix_cache_hit_rate{worker=\"w1\",model=\"m\"} 0.5"));
         assert!(text.contains("# TYPE llmq_worker_prefix_cache_evictions_total counter"));
+    }
+}
+
+/// Tracks first-token and inter-token times of one request into the metrics.
+pub struct Clock {
+    pub started: Instant,
+    pub last: Option<Instant>,
+}
+
+impl Clock {
+    pub fn tokens(&mut self, m: &Metrics) {
+        let now = Instant::now();
+        match self.last {
+            None => m.first_token((now - self.started).as_secs_f64()),
+            Some(prev) => m.inter_token((now - prev).as_secs_f64()),
+        }
+        self.last = Some(now);
     }
 }

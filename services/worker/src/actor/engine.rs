@@ -1,0 +1,53 @@
+//! What the scheduler actor needs of an engine beyond the work itself (`WorkerEngine`): the
+//! real one is `crate::engine::ActorEngine`, tests use fakes.
+
+use llmq_engine::prefix::PrefixStats;
+use llmq_protocol::WireError;
+use llmq_scheduler::{EngineOps, ReqId};
+
+use crate::messages::StepTimes;
+use crate::seq::{MaskTimes, SeqSpec};
+
+/// What the scheduler actor needs of an engine beyond the work itself: admitting requests and
+/// reporting on memory and time. `ActorEngine` is the real one; tests use fakes. The reports
+/// are what the engine knew after its last call (the real one's actors send theirs with every
+/// answer).
+#[allow(async_fn_in_trait)]
+pub trait WorkerEngine: EngineOps {
+    /// Creates a request's state, validating its parameters.
+    async fn register(&mut self, id: ReqId, spec: SeqSpec) -> Result<(), WireError>;
+    /// Drops every request's state (after a fault: the engine starts again from clean state,
+    /// its prefix cache aside).
+    async fn reset(&mut self);
+    fn kv_bytes_per_token(&self) -> u64;
+    fn kv_bytes_in_use(&self) -> u64;
+    /// Ticks a prefill chunk of `n` tokens takes beside decoding rows (an engine that spreads
+    /// a chunk's layers over steps takes more than one).
+    fn chunk_ticks(&self, _n: usize) -> usize {
+        1
+    }
+    fn context_tokens(&self) -> usize;
+    /// Milliseconds inside the engine since start: prefill and decode calls, and the KV
+    /// bookkeeping of admissions, releases and prefix-cache trims.
+    fn engine_ms(&self) -> f64;
+    /// (prefill calls, their ms, decode calls, their ms) since start.
+    fn call_times(&self) -> (u64, f64, u64, f64);
+    /// What constrained rows' token masks have cost (nothing by default).
+    fn mask_times(&self) -> MaskTimes {
+        MaskTimes::default()
+    }
+    /// The prefix cache's counters (all zero without one).
+    fn prefix_stats(&self) -> PrefixStats {
+        Default::default()
+    }
+    /// Drops every cached prefix; returns the bytes freed.
+    async fn prefix_clear(&mut self) -> u64 {
+        0
+    }
+    /// Zeroes the counters behind `call_times` and `prefix_stats` (after the warm-up).
+    async fn reset_counters(&mut self) {}
+    /// The host's time in the last step, for the tick log (none by default).
+    fn last_step(&self) -> Option<StepTimes> {
+        None
+    }
+}
