@@ -7,6 +7,13 @@ use std::ffi::{c_char, CString};
 use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype, StreamOrDevice};
 
+/// Whether llmq's kernels can run here: MLX has CUDA and computes on the GPU.
+pub(crate) fn available() -> bool {
+    let mut cuda = false;
+    let status = unsafe { mlx_sys::mlx_cuda_is_available(&mut cuda) };
+    status == 0 && cuda && crate::on_gpu()
+}
+
 /// One custom kernel of MLX (compiled through NVRTC the first time it runs), freed on drop.
 pub(crate) struct Kernel(mlx_sys::mlx_fast_cuda_kernel);
 

@@ -71,8 +71,7 @@ fn argmax_kernel() -> Option<&'static Kernel> {
     static KERNEL: OnceLock<Option<Kernel>> = OnceLock::new();
     KERNEL
         .get_or_init(|| {
-            let mut cuda = false;
-            if unsafe { mlx_sys::mlx_cuda_is_available(&mut cuda) } != 0 || !cuda || !crate::on_gpu() {
+            if !crate::kernel::available() {
                 return None;
             }
             Kernel::new("llmq_masked_argmax", &["logits", "masks"], &["out"], ARGMAX_SOURCE, "", 0)

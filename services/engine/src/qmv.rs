@@ -168,8 +168,7 @@ fn kernels() -> Option<&'static Kernels> {
     static KERNELS: OnceLock<Option<Kernels>> = OnceLock::new();
     KERNELS
         .get_or_init(|| {
-            let mut cuda = false;
-            if unsafe { mlx_sys::mlx_cuda_is_available(&mut cuda) } != 0 || !cuda || !crate::on_gpu() {
+            if !crate::kernel::available() {
                 return None;
             }
             let header = format!("constexpr int MAX_ROWS = {MAX_ROWS};\n");

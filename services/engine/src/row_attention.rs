@@ -228,8 +228,7 @@ impl RowAttention {
     /// do not cover (`head_dim` a multiple of 32 up to 256, `heads` a multiple of `kv_heads`),
     /// and when `LLMQ_MASKED_DECODE_ATTENTION` is set (to compare the two).
     pub fn new(heads: i32, kv_heads: i32, head_dim: i32, scale: f32, dtype: Dtype) -> Option<Self> {
-        let mut cuda = false;
-        if unsafe { mlx_sys::mlx_cuda_is_available(&mut cuda) } != 0 || !cuda || !crate::on_gpu() {
+        if !crate::kernel::available() {
             return None;
         }
         if head_dim % 32 != 0 || head_dim > 256 || kv_heads <= 0 || heads % kv_heads != 0 {
