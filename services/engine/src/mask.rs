@@ -104,17 +104,7 @@ impl MaskLayout {
     /// `masks`: `words()` words a row, row after row.
     pub fn restrict(&self, logits: &Array, masks: &[u32]) -> Result<Array> {
         let shape = logits.shape().to_vec();
-        let rows = shape[0];
-        let vocab = *shape.last().unwrap_or(&0) as usize;
-        if vocab != self.vocab || masks.len() != rows as usize * self.words() {
-            return Err(EngineError::Host(format!(
-                "token masks of {} words for {rows} rows of {vocab} logits (expected {} words a row of {})",
-                masks.len(),
-                self.words(),
-                self.vocab
-            )));
-        }
-        let packed = self.packed(rows, masks)?;
+        let packed = self.packed(logits, masks)?;
         let per_token = packed.take_axis(&self.word, 1)?;
         let bit = remainder(floor_divide(&per_token, &self.place)?, Array::from_int(2).as_dtype(Dtype::Uint32)?)?;
         let allowed = bit.eq(Array::from_int(1).as_dtype(Dtype::Uint32)?)?.reshape(&shape)?;
@@ -130,19 +120,24 @@ impl MaskLayout {
             let restricted = self.restrict(logits, masks)?;
             return Ok(argmax_axis(&restricted.reshape(&[rows, -1])?, -1, None)?.as_dtype(Dtype::Int32)?);
         };
-        let packed = self.packed(rows, masks)?;
-        if logits.shape().last().copied() != Some(self.vocab as i32) {
-            return Err(EngineError::Host(format!("logits of shape {:?} for a vocabulary of {}", logits.shape(), self.vocab)));
-        }
+        let packed = self.packed(logits, masks)?;
         let ints = [("VOCAB", self.vocab as i32), ("WORDS", self.words() as i32)];
         let out = kernel.apply(&[logits, &packed], &[(&[rows], Dtype::Int32)], rows, ARGMAX_THREADS, logits.dtype(), &ints)?;
         Ok(out.into_iter().next().expect("one output"))
     }
 
-    /// The masks as an array [rows, words], checked against the layout.
-    fn packed(&self, rows: i32, masks: &[u32]) -> Result<Array> {
-        if masks.len() != rows as usize * self.words() {
-            return Err(EngineError::Host(format!("token masks of {} words for {rows} rows (expected {} words a row)", masks.len(), self.words())));
+    /// The masks as an array [rows, words], checked against the layout and the logits' rows.
+    fn packed(&self, logits: &Array, masks: &[u32]) -> Result<Array> {
+        let shape = logits.shape();
+        let rows = shape[0];
+        let vocab = *shape.last().unwrap_or(&0) as usize;
+        if vocab != self.vocab || masks.len() != rows as usize * self.words() {
+            return Err(EngineError::Host(format!(
+                "token masks of {} words for {rows} rows of {vocab} logits (expected {} words a row of {})",
+                masks.len(),
+                self.words(),
+                self.vocab
+            )));
         }
         Ok(Array::from_slice(masks, &[rows, self.words() as i32]))
     }
