@@ -44,6 +44,9 @@ pub struct Args {
     /// burst: tokens of each burst prompt.
     #[arg(long, default_value_t = 8192)]
     burst_tokens: usize,
+    /// burst: short prompts (64 tokens) arriving half a second after the burst.
+    #[arg(long, default_value_t = 0)]
+    short: usize,
     /// Prefill tokens granted per decode tick (`scheduler.prefill_chunk_tokens`).
     #[arg(long, default_value_t = 256)]
     chunk: usize,
@@ -144,13 +147,15 @@ fn through_nats(a: &Args) -> Result<serde_json::Value> {
     if let Some(b) = a.tick_budget {
         worker_env.push(("LLMQ__SCHEDULER__TICK_BUDGET".to_string(), b.to_string()));
     }
-    worker_env.push(("LLMQ__SCHEDULER__MAX_BATCH".to_string(), a.streams.max(a.active + a.burst).to_string()));
-    worker_env.push(("LLMQ__WORKER__MAX_QUEUED".to_string(), (2 * a.streams.max(a.active + a.burst)).to_string()));
+    let most = a.streams.max(a.active + a.burst + a.short);
+    worker_env.push(("LLMQ__SCHEDULER__MAX_BATCH".to_string(), most.to_string()));
+    worker_env.push(("LLMQ__WORKER__MAX_QUEUED".to_string(), (2 * most).to_string()));
     let knobs = crate::bench_nats::Knobs {
         model: model.clone(),
         active: a.active,
         burst: a.burst,
         burst_tokens: a.burst_tokens,
+        short: a.short,
         chunk: a.chunk,
         interleave: !a.no_interleave,
         streams: a.streams,

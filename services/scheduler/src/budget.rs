@@ -29,6 +29,20 @@
 //! would otherwise never be tried again, though it may fit now. A smaller size costs little to
 //! try: at worst about what the size it replaces costs.
 //!
+//! A chunk's time also grows with the prompt's offset (each of its tokens attends to every
+//! position before it): on a 2-core CPU, SmolLM2's tokens cost about 7x more at position 3,000
+//! than at 0. Each sample keeps the offset it was taken at, and one slope shared by all sizes,
+//! the per-token time added by each position of offset, is fitted to how each size's per-token
+//! time moved with its offsets (a slowly forgetting least-squares fit within each size); a
+//! size's time is moved along that slope to the offset asked about. So a long prompt's chunks
+//! shrink as it advances, ahead of their measured times, and the next prompt's start
+//! (offset 0 again) is not judged by the last one's end.
+//!
+//! Whole chunks (`size`) are committed in one tick, so before any time is known they start at
+//! the smallest size and grow as measured times allow (on a CPU a chunk's time is close to
+//! proportional to its tokens, and one too large is a stall of seconds); a tick's share of a
+//! chunk spread over ticks (`pick`) is chosen again every tick, so it starts at the largest.
+//!
 //! Sizes: `min`, `2·min`, `4·min`, ... below `max`, then `max`. A chunk of size `s` starts at a
 //! multiple of `s` of the prompt's positions, so that on a GPU each size meets one attention
 //! shape per position on its own grid (MLX plans a new shape for tens of ms; the worker's
@@ -36,8 +50,7 @@
 //!
 //! Invariants: a granted chunk is never empty and never more than `max` tokens, so a prefill
 //! always advances; a prompt position that is not a multiple of `min` (a prefix-cache hit off
-//! the grid) is first brought back onto it; before both times are known, the largest aligned
-//! size is granted.
+//! the grid) is first brought back onto it.
 
 use std::time::Duration;
 
@@ -45,10 +58,42 @@ use std::time::Duration;
 /// host hiccup, a tick with an extra length group) does not flip the size chosen.
 const DECODE_WEIGHT: f64 = 0.2;
 const CHUNK_WEIGHT: f64 = 0.25;
+/// The offset slope's fit forgets more slowly: it needs samples spread over positions.
+const SLOPE_WEIGHT: f64 = 0.05;
 
 /// Chunk ticks after which a smaller size's time is stale and, while no size fits the budget,
 /// measured again.
 const REMEASURE_TICKS: u32 = 16;
+
+/// Which size to grant before the times are known.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Start {
+    Smallest,
+    Largest,
+}
+
+/// One size's measurements: its tick time beyond a decode-only tick, at the mean offset of its
+/// samples (moving averages), and the slowly forgetting sums of (offset, per-token time) that
+/// the shared slope is fitted to.
+#[derive(Debug, Clone, Copy, Default)]
+struct Measured {
+    extra_ms: f64,
+    /// Mean position of the chunk's tokens (its offset plus half its tokens).
+    mid: f64,
+    /// Weighted sums: weight, x, y, x·x, x·y (x: mid position, y: ms per token).
+    fit: [f64; 5],
+}
+
+impl Measured {
+    /// This size's (centred x·x, centred x·y) sums, for the shared slope.
+    fn centred(&self) -> (f64, f64) {
+        let [w, x, y, xx, xy] = self.fit;
+        if w <= 0.0 {
+            return (0.0, 0.0);
+        }
+        (xx - x * x / w, xy - x * y / w)
+    }
+}
 
 #[derive(Debug, Clone, Default)]
 pub struct ChunkSizer {
@@ -57,18 +102,19 @@ pub struct ChunkSizer {
     /// Chunk sizes, ascending.
     sizes: Vec<usize>,
     decode_ms: Option<f64>,
-    /// Per entry of `sizes`: a tick's time beyond `decode_ms` with a chunk of that size.
-    extra_ms: Vec<Option<f64>>,
+    /// Per entry of `sizes`: its measurements, once it has some.
+    measured: Vec<Option<Measured>>,
     /// Per entry of `sizes`: chunk ticks measured since that size's own last measurement.
     age: Vec<u32>,
-    /// The last tick's start, rows decoded and chunk tokens, while the next follows at once.
-    last: Option<(Duration, usize, usize)>,
+    /// The last tick's start, rows decoded, chunk tokens and the chunk's offset, while the next
+    /// follows at once.
+    last: Option<(Duration, usize, usize, usize)>,
 }
 
 impl ChunkSizer {
     pub fn new(budget: f64, min: usize, max: usize) -> Self {
         let sizes = Self::sizes(min, max);
-        ChunkSizer { budget, extra_ms: vec![None; sizes.len()], age: vec![0; sizes.len()], sizes, ..Default::default() }
+        ChunkSizer { budget, measured: vec![None; sizes.len()], age: vec![0; sizes.len()], sizes, ..Default::default() }
     }
 
     /// The sizes chunks take between `min` and `max` tokens: `min` doubled while below `max`,
@@ -91,19 +137,18 @@ impl ChunkSizer {
 
     /// A tick starts at `now`: times the previous one, if it ran right before.
     pub fn tick_started(&mut self, now: Duration) {
-        let Some((start, decoded, chunk)) = self.last.take() else { return };
+        let Some((start, decoded, chunk, at)) = self.last.take() else { return };
         let ms = now.saturating_sub(start).as_secs_f64() * 1000.0;
         if decoded == 0 {
             return;
         }
-        let avg = |old: Option<f64>, w: f64, x: f64| Some(old.map_or(x, |o| o + w * (x - o)));
         if chunk == 0 {
-            self.decode_ms = avg(self.decode_ms, DECODE_WEIGHT, ms);
+            self.decode_ms = Some(self.decode_ms.map_or(ms, |o| o + DECODE_WEIGHT * (ms - o)));
         } else if let (Some(d), Some(i)) = (self.decode_ms, self.sizes.iter().position(|&s| s == chunk)) {
             // (A prompt's last chunk, of whatever tokens were left, is not timed.) A stale time
             // is replaced, not averaged.
             let stale = self.stale(i);
-            self.extra_ms[i] = avg(self.extra_ms[i], if stale { 1.0 } else { CHUNK_WEIGHT }, (ms - d).max(0.0));
+            self.record(i, (ms - d).max(0.0), at, if stale { 1.0 } else { CHUNK_WEIGHT });
             for a in &mut self.age {
                 *a = a.saturating_add(1);
             }
@@ -113,10 +158,24 @@ impl ChunkSizer {
         }
     }
 
-    /// The tick that started at `start` decoded `decoded` rows and prefilled `chunk` tokens;
-    /// `next_follows`: the next tick starts at once.
-    pub fn tick_ended(&mut self, start: Duration, decoded: usize, chunk: usize, next_follows: bool) {
-        self.last = next_follows.then_some((start, decoded, chunk));
+    /// Adds a sample of `sizes[i]` at offset `at`: `extra` ms beyond a decode-only tick, with
+    /// weight `w` in its moving averages.
+    fn record(&mut self, i: usize, extra: f64, at: usize, w: f64) {
+        let n = self.sizes[i] as f64;
+        let mid = at as f64 + n / 2.0;
+        let (x, y) = (mid, extra / n);
+        let m = self.measured[i].get_or_insert(Measured { extra_ms: extra, mid, fit: [0.0; 5] });
+        m.extra_ms += w * (extra - m.extra_ms);
+        m.mid += w * (mid - m.mid);
+        for (sum, v) in m.fit.iter_mut().zip([1.0, x, y, x * x, x * y]) {
+            *sum = (1.0 - SLOPE_WEIGHT) * *sum + SLOPE_WEIGHT * v;
+        }
+    }
+
+    /// The tick that started at `start` decoded `decoded` rows and prefilled `chunk` tokens
+    /// from the prompt's position `at`; `next_follows`: the next tick starts at once.
+    pub fn tick_ended(&mut self, start: Duration, decoded: usize, chunk: usize, at: usize, next_follows: bool) {
+        self.last = next_follows.then_some((start, decoded, chunk, at));
     }
 
     /// Tokens to grant a prompt with `prefilled` positions done and `remaining` to go, beside a
@@ -129,21 +188,22 @@ impl ChunkSizer {
         }
         // Sizes that may start here.
         let aligned: Vec<usize> = (0..self.sizes.len()).filter(|&i| prefilled % self.sizes[i] == 0).collect();
-        self.choose(&aligned).min(remaining).max(1)
+        self.choose(&aligned, prefilled, Start::Smallest).min(remaining).max(1)
     }
 
-    /// The prefill work to give the next tick when any size may be chosen (a chunk's share
-    /// spread over ticks has no grid to keep): as `size`, without alignment.
-    pub fn pick(&self) -> usize {
+    /// The prefill work to give the next tick of a chunk at the prompt's position `at`, when
+    /// any size may be chosen (a chunk's share spread over ticks has no grid to keep): as
+    /// `size`, without alignment.
+    pub fn pick(&self, at: usize) -> usize {
         let all: Vec<usize> = (0..self.sizes.len()).collect();
-        self.choose(&all)
+        self.choose(&all, at, Start::Largest)
     }
 
-    /// Of the sizes at `candidates` (indices, ascending): the largest expected to fit the
-    /// budget; when none is, the one with the shortest expected tick; before both times are
-    /// known, the largest.
-    fn choose(&self, candidates: &[usize]) -> usize {
-        let expected: Vec<(usize, Option<f64>)> = candidates.iter().rev().map(|&i| (self.sizes[i], self.expected_ms(i))).collect();
+    /// Of the sizes at `candidates` (indices, ascending), for a chunk from position `at`: the
+    /// largest expected to fit the budget; when none is, the one with the shortest expected
+    /// tick; before both times are known, the one `start` says.
+    fn choose(&self, candidates: &[usize], at: usize, start: Start) -> usize {
+        let expected: Vec<(usize, Option<f64>)> = candidates.iter().rev().map(|&i| (self.sizes[i], self.expected_ms(i, at))).collect();
         let first = self.sizes.first().copied().unwrap_or(1);
         match self.decode_ms {
             Some(d) if expected.iter().all(|(_, e)| e.is_some()) => {
@@ -157,26 +217,45 @@ impl ChunkSizer {
                 // None fits: a smaller size measured long ago is tried again (the largest such).
                 candidates.iter().rev().find(|&&i| self.sizes[i] < pick && self.stale(i)).map_or(pick, |&i| self.sizes[i])
             }
+            _ if start == Start::Smallest => expected.last().map_or(first, |(s, _)| *s),
             _ => expected.first().map_or(first, |(s, _)| *s),
         }
     }
 
     /// Whether `sizes[i]`'s measured time is old enough to measure again.
     fn stale(&self, i: usize) -> bool {
-        self.extra_ms[i].is_some() && self.age[i] >= REMEASURE_TICKS
+        self.measured[i].is_some() && self.age[i] >= REMEASURE_TICKS
     }
 
-    /// The time a chunk of `sizes[i]` is expected to add to a tick: the least of its own
-    /// measured time and smaller sizes' scaled up; unmeasured, a larger size's scaled down.
-    fn expected_ms(&self, i: usize) -> Option<f64> {
-        let scaled = |j: usize| self.extra_ms[j].map(|e| e * self.sizes[i] as f64 / self.sizes[j] as f64);
-        let upper = (0..i).filter_map(scaled).chain(self.extra_ms[i]).min_by(|a, b| a.total_cmp(b));
-        upper.or_else(|| (i + 1..self.sizes.len()).find_map(scaled))
+    /// The per-token time each position of offset adds: the slope of per-token time over
+    /// position, fitted within each size and pooled (never negative; 0 before the samples
+    /// spread over positions).
+    fn slope(&self) -> f64 {
+        let (xx, xy) = self.measured.iter().flatten().map(Measured::centred).fold((0.0, 0.0), |a, c| (a.0 + c.0, a.1 + c.1));
+        // Samples spread over less than a position carry no slope.
+        if xx > 1.0 { (xy / xx).max(0.0) } else { 0.0 }
     }
 
-    /// (decode-only tick ms, each size's measured extra ms), as measured so far.
-    pub fn estimates(&self) -> (Option<f64>, &[Option<f64>]) {
-        (self.decode_ms, &self.extra_ms)
+    /// `sizes[j]`'s measured time moved to a chunk of `n` tokens from position `at`: per token
+    /// along the slope, then in proportion to the tokens.
+    fn moved(&self, j: usize, n: usize, at: usize, slope: f64) -> Option<f64> {
+        let m = self.measured[j]?;
+        let per_token = m.extra_ms / self.sizes[j] as f64 + slope * (at as f64 + n as f64 / 2.0 - m.mid);
+        Some(per_token.max(0.0) * n as f64)
+    }
+
+    /// The time a chunk of `sizes[i]` from position `at` is expected to add to a tick: the
+    /// least of its own measured time and smaller sizes' scaled up; unmeasured, a larger size's
+    /// scaled down (each moved to `at`).
+    fn expected_ms(&self, i: usize, at: usize) -> Option<f64> {
+        let (n, slope) = (self.sizes[i], self.slope());
+        let upper = (0..=i).filter_map(|j| self.moved(j, n, at, slope)).min_by(|a, b| a.total_cmp(b));
+        upper.or_else(|| (i + 1..self.sizes.len()).find_map(|j| self.moved(j, n, at, slope)))
+    }
+
+    /// (decode-only tick ms, each size's measured extra ms at the mean offset of its samples).
+    pub fn estimates(&self) -> (Option<f64>, Vec<Option<f64>>) {
+        (self.decode_ms, self.measured.iter().map(|m| m.map(|m| m.extra_ms)).collect())
     }
 }
 
@@ -198,13 +277,13 @@ mod tests {
     }
 
     #[test]
-    fn the_largest_aligned_size_until_times_are_known() {
+    fn whole_chunks_start_at_the_smallest_size_and_shares_at_the_largest() {
         let s = ChunkSizer::new(1.8, 64, 256);
-        assert_eq!(s.size(0, 10_000), 256);
-        assert_eq!(s.size(128, 10_000), 128);
-        assert_eq!(s.size(192, 10_000), 64);
+        assert_eq!(s.size(0, 10_000), 64);
+        assert_eq!(s.size(128, 10_000), 64);
         assert_eq!(s.size(100, 10_000), 28, "back onto the grid first");
-        assert_eq!(s.size(0, 100), 100, "the rest of a prompt");
+        assert_eq!(s.size(0, 30), 30, "the rest of a prompt");
+        assert_eq!(s.pick(0), 256);
     }
 
     /// Times the sizer as a scheduler would: `extra(n)` ms beyond a 10 ms decode step for an
@@ -213,7 +292,7 @@ mod tests {
         let mut out = vec![];
         for _ in 0..ticks {
             let n = s.size(*prefilled, 1 << 20);
-            s.tick_ended(*t, 16, n, true);
+            s.tick_ended(*t, 16, n, *prefilled, true);
             *t += Duration::from_secs_f64((10.0 + extra(n)) / 1000.0);
             s.tick_started(*t);
             *prefilled += n;
@@ -226,7 +305,7 @@ mod tests {
         let mut s = ChunkSizer::new(budget, 64, 256);
         let mut t = ms(0);
         for _ in 0..3 {
-            s.tick_ended(t, 16, 0, true);
+            s.tick_ended(t, 16, 0, 0, true);
             t += ms(10);
             s.tick_started(t);
         }
@@ -240,15 +319,15 @@ mod tests {
         let mut at = 0;
         // 0.1 ms a token: 10 ms of room fits 64 tokens (6.4 ms), not 128 (12.8)
         let sizes = run(&mut s, &mut t, &mut at, 6, |n| 0.1 * n as f64);
-        assert_eq!(sizes, vec![256, 64, 64, 64, 64, 64]);
+        assert_eq!(sizes, vec![64, 64, 64, 64, 64, 64]);
         // cheaper (0.02 ms a token): once 64's average comes down, it puts 128 and then 256
         // within the room (a single cheap tick moves an average only a quarter of the way)
         let sizes = run(&mut s, &mut t, &mut at, 10, |n| 0.02 * n as f64);
         assert_eq!(&sizes[6..], &[256, 256, 256, 256], "{sizes:?} {:?}", s.estimates());
         // a tick after idle time is not timed
-        s.tick_ended(t, 16, 256, false);
+        s.tick_ended(t, 16, 256, at, false);
         s.tick_started(t + ms(5000));
-        assert_eq!(s.size(256, 10_000), 256);
+        assert_eq!(s.size(at, 10_000), 256);
     }
 
     #[test]
@@ -257,8 +336,8 @@ mod tests {
         let (mut s, mut t) = with_decode_ticks(1.5);
         let mut picked = vec![];
         for i in 0..8 {
-            let w = s.pick();
-            s.tick_ended(t, 16, w, true);
+            let w = s.pick(0);
+            s.tick_ended(t, 16, w, 0, true);
             // 8 ms of extra device time for 256 tokens' work, in proportion below; cheaper from
             // the fifth tick (a slower host: the device has slack).
             let per_token = if i < 4 { 8.0 / 256.0 } else { 1.0 / 256.0 };
@@ -271,29 +350,70 @@ mod tests {
         // ...and back to 256 once it is cheap (estimated up from the smaller size measured).
         assert_eq!(*picked.last().unwrap(), 256, "{picked:?} {:?}", s.estimates());
         // Idle time between two ticks is not a tick's time.
-        s.tick_ended(t, 16, 256, false);
+        s.tick_ended(t, 16, 256, 0, false);
         s.tick_started(t + ms(5000));
-        assert_eq!(s.pick(), 256);
+        assert_eq!(s.pick(0), 256);
     }
 
     #[test]
     fn chunks_with_a_fixed_cost_are_not_shrunk_for_nothing() {
+        // Shares (`pick`) start at the largest: 6 ms whatever the size (and 128 slower still),
+        // nothing fits 5 ms of room; after trying smaller sizes, the shortest ticks.
         let (mut s, mut t) = with_decode_ticks(1.5);
-        let mut at = 0;
-        // 6 ms whatever the size (and 128 slower still): nothing fits 5 ms of room; after
-        // trying smaller sizes, whole chunks, the shortest ticks.
-        let sizes = run(&mut s, &mut t, &mut at, 8, |n| if n == 128 { 9.0 } else { 6.0 });
+        let sizes = picks(&mut s, &mut t, 8, |n| if n == 128 { 9.0 } else { 6.0 });
         assert_eq!(&sizes[..2], &[256, 128], "{sizes:?}");
         assert!(sizes[2..].iter().all(|&n| n == 256 || n == 64), "{sizes:?}");
         assert_eq!(*sizes.last().unwrap(), 256, "{sizes:?} {:?}", s.estimates());
+        // Whole chunks start at the smallest and are judged larger in proportion (an upper
+        // bound): over budget already, they are not made larger.
+        let (mut s, mut t) = with_decode_ticks(1.5);
+        let mut at = 0;
+        let sizes = run(&mut s, &mut t, &mut at, 8, |_| 6.0);
+        assert!(sizes.iter().all(|&n| n == 64), "{sizes:?}");
+    }
+
+    #[test]
+    fn chunks_shrink_as_the_prompt_advances_and_start_large_again_at_the_next_prompt() {
+        // A CPU's chunk: 0.5 ms a token plus 0.5 us a token for each position before it (7x
+        // at position 6,000), beside 10 ms decode ticks with a budget of 3 (20 ms of room).
+        let mut s = ChunkSizer::new(3.0, 4, 256);
+        let mut t = ms(0);
+        for _ in 0..3 {
+            s.tick_ended(t, 16, 0, 0, true);
+            t += ms(10);
+            s.tick_started(t);
+        }
+        let cost = |n: usize, at: usize| n as f64 * (0.5 + 0.0005 * (at as f64 + n as f64 / 2.0));
+        let mut at = 0;
+        let mut over = vec![];
+        let mut granted = vec![];
+        while at < 6_000 {
+            let n = s.size(at, 1 << 20);
+            s.tick_ended(t, 16, n, at, true);
+            let extra = cost(n, at);
+            t += Duration::from_secs_f64((10.0 + extra) / 1000.0);
+            s.tick_started(t);
+            over.push(extra / 20.0);
+            granted.push(n);
+            at += n;
+        }
+        assert_eq!(granted[0], 4, "{granted:?}");
+        assert!(granted.contains(&32) && granted.iter().rev().take(8).all(|&n| n == 4), "{granted:?}");
+        // Ticks stay within the budget as the costs grow, but for a few while the slope is
+        // learnt (at most 1.5x the room).
+        let worst = over.iter().copied().fold(0.0, f64::max);
+        let within = over.iter().filter(|&&o| o <= 1.0).count() as f64 / over.len() as f64;
+        assert!(worst < 1.5 && within > 0.95, "worst {worst}, within {within} {over:?}");
+        // The next prompt starts at position 0: its cost there, not the last one's at 6,000.
+        assert!(s.size(0, 1 << 20) >= 32, "{:?}", s.estimates());
     }
 
     /// Times the sizer as the decode actor would (`pick`, any size after any other), as `run`.
     fn picks(s: &mut ChunkSizer, t: &mut Duration, ticks: usize, extra: impl Fn(usize) -> f64) -> Vec<usize> {
         (0..ticks)
             .map(|_| {
-                let w = s.pick();
-                s.tick_ended(*t, 16, w, true);
+                let w = s.pick(0);
+                s.tick_ended(*t, 16, w, 0, true);
                 *t += Duration::from_secs_f64((10.0 + extra(w)) / 1000.0);
                 s.tick_started(*t);
                 w

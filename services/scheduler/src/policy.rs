@@ -335,6 +335,7 @@ impl Scheduler {
         // 3. exactly one prefill chunk, to one request: the one in flight, or a new one
         let in_flight = self.in_flight.take().filter(|(id, _)| self.prefilling.contains(id));
         let chunk = in_flight.or_else(|| self.pick_prefill(now).map(|id| (id, self.chunk_size(id))));
+        let prefill_at = chunk.and_then(|(id, _)| self.reqs.get(&id)).map_or(0, |r| r.prefilled);
 
         // 4. the work: the decode batch steps (its tokens are delivered first), and the chunk
         //    is prefilled, in one engine call
@@ -355,7 +356,7 @@ impl Scheduler {
         self.release_ended(engine).await;
         // Sequences that ended or completed their prompt this tick were remembered.
         engine.prefix_trim(self.cfg.kv_budget_bytes - self.reserved).await;
-        self.sizer.tick_ended(now, report.decoded, report.prefill_tokens, !self.is_idle());
+        self.sizer.tick_ended(now, report.decoded, report.prefill_tokens, prefill_at, !self.is_idle());
         (out, report)
     }
 

@@ -4,7 +4,8 @@
 //!
 //! - burst: `active` streams decode; then `burst` prompts of `burst_tokens` arrive at once. The
 //!   active streams' steady gap (median before), worst gap (during) and the time until the last
-//!   burst prompt's first token.
+//!   burst prompt's first token; with `short`, that many 64-token prompts arrive half a second
+//!   after the burst, and the time until the last one's first token (from its arrival).
 //! - batch: `streams` requests of `prompt_tokens` submitted together, `output_tokens` each: the
 //!   output tokens/s while all streams decode. With `--constrained json`, the batch runs twice
 //!   in one stack, free then with every stream under a JSON-schema constraint: both rates side
@@ -39,6 +40,7 @@ pub struct Knobs {
     pub active: usize,
     pub burst: usize,
     pub burst_tokens: usize,
+    pub short: usize,
     pub chunk: usize,
     pub interleave: bool,
     pub streams: usize,
@@ -291,6 +293,7 @@ async fn burst((mut c, mut rx): (Client, mpsc::UnboundedReceiver<Seen>), k: &Kno
     let mut burst_at = Instant::now();
     let mut burst_ids: Vec<usize> = vec![];
     let mut first: HashMap<usize, f64> = HashMap::new();
+    let (mut short_at, mut short_ids, mut short_first) = (None::<Instant>, vec![], HashMap::<usize, f64>::new());
     while let Some(s) = rx.recv().await {
         if s.terminal && s.stream < k.active {
             if phase == 3 {
@@ -311,9 +314,17 @@ async fn burst((mut c, mut rx): (Client, mpsc::UnboundedReceiver<Seen>), k: &Kno
             *count.entry(s.stream).or_default() += 1;
         } else if burst_ids.contains(&s.stream) && s.tokens > 0 && !first.contains_key(&s.stream) {
             first.insert(s.stream, (s.at - burst_at).as_secs_f64());
+        } else if let Some(at) = short_at.filter(|_| short_ids.contains(&s.stream) && s.tokens > 0) {
+            short_first.entry(s.stream).or_insert((s.at - at).as_secs_f64());
+        }
+        if phase == 2 && short_at.is_none() && k.short > 0 && burst_at.elapsed() >= Duration::from_millis(500) {
+            short_at = Some(Instant::now());
+            for j in 0..k.short {
+                short_ids.push(c.submit(&k.model, prompt(64, 500 + j as u64), 8).await?);
+            }
         }
         let min = active.iter().map(|i| count.get(i).copied().unwrap_or(0)).min().unwrap_or(0);
-        if phase == 2 && first.len() == k.burst {
+        if phase == 2 && first.len() == k.burst && short_first.len() == k.short {
             phase = 3;
             after_from = min;
             status1 = Some(c.status().await?);
@@ -345,6 +356,10 @@ async fn burst((mut c, mut rx): (Client, mpsc::UnboundedReceiver<Seen>), k: &Kno
         "last_burst_first_token_s": round(first.values().copied().fold(0.0, f64::max), 3),
         "steady_gap_after_ms": round(median(after), 2),
     });
+    if k.short > 0 {
+        v["short_prompts"] = k.short.into();
+        v["last_short_first_token_s"] = round(short_first.values().copied().fold(0.0, f64::max), 3).into();
+    }
     if let Some(s0) = status0 {
         v.as_object_mut().unwrap().extend(overhead(&s0, &status1).as_object().unwrap().clone());
     }

@@ -315,9 +315,6 @@ impl Handler<Step> for DecodeActor {
         self.last_stage = (0, 0);
         if !live.is_empty() {
             self.sizer.tick_started(started);
-            if self.sizer.enabled() {
-                self.stage_work = self.sizer.pick();
-            }
         }
         let chunk_id = chunk.as_ref().map(|g| match g {
             Grant::New(l) => l.id,
@@ -332,6 +329,11 @@ impl Handler<Step> for DecodeActor {
             },
             None => (None, None),
         };
+        // Where in its prompt the chunk's tokens are (its cost grows with that).
+        let at = chunk.as_ref().map_or(0, |c| c.lent.seq.prefilled);
+        if !live.is_empty() && self.sizer.enabled() {
+            self.stage_work = self.sizer.pick(at);
+        }
         let mut stepped = self.work(true, |a| a.step(&live, chunk)).unwrap_or_else(|what| {
             let e = Self::fault(&what);
             Stepped { outs: live.iter().map(|_| Err(e.clone())).collect(), chunk: chunk_id.map(|_| (Err(e.clone()), None)) }
@@ -350,7 +352,7 @@ impl Handler<Step> for DecodeActor {
             stepped.chunk = Some((Err(e), None));
         }
         // The work of the stage this step ran (0 without one).
-        self.sizer.tick_ended(started, live.len(), self.last_stage.1, !live.is_empty());
+        self.sizer.tick_ended(started, live.len(), self.last_stage.1, at, !live.is_empty());
         MessageResult(self.reply(stepped))
     }
 }
