@@ -39,6 +39,12 @@ pub trait KvCache: Send {
     fn contents(&self) -> Option<(Array, Array)> {
         None
     }
+    /// The whole buffers [1, kv_heads, capacity, head_dim] whose first `offset` positions are
+    /// written, when this cache keeps positions in order in such buffers (what llmq's CPU
+    /// attention reads).
+    fn buffers(&self) -> Option<(&Array, &Array)> {
+        None
+    }
 }
 
 /// Grows geometrically (in whole steps) and writes new tokens in place: decode copies nothing
@@ -113,6 +119,10 @@ impl KvCache for StandardCache {
         // on a GPU (`Model::chunk_grid`).
         let mask = if t == 1 { AttnMask::None } else { AttnMask::Causal };
         Ok((keys.index((.., .., ..e, ..)), values.index((.., .., ..e, ..)), mask))
+    }
+
+    fn buffers(&self) -> Option<(&Array, &Array)> {
+        self.keys.as_ref().zip(self.values.as_ref())
     }
 
     fn rewind(&mut self, n: usize) -> Result<()> {

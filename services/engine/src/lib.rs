@@ -8,6 +8,7 @@
 //! - `arch`      what distinguishes Llama, Qwen2 and Qwen3
 //! - `model`     the transformer: chunked prefill and batched decode over per-sequence caches
 //! - `cache`     the KV-cache trait, a growing cache and a sliding-window one
+//! - `cpu_attention` a sequence's attention over its cache on a CPU (MLX's is unfused there)
 //! - `batch`     the decode batch: every running sequence as one row of shared KV buffers
 //! - `row_attention` the decode batch's attention by row lengths, a CUDA kernel (GPU only)
 //! - `qmv`       quantized matrix products of a few rows, a CUDA kernel (GPU only)
@@ -22,6 +23,7 @@
 pub mod arch;
 pub mod batch;
 pub mod cache;
+pub mod cpu_attention;
 pub mod error;
 pub mod generate;
 pub(crate) mod kernel;

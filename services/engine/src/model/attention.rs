@@ -5,7 +5,7 @@
 use mlx_rs::fast::{rms_norm, scaled_dot_product_attention, ScaledDotProductAttentionMask};
 use mlx_rs::ops::concatenate;
 use mlx_rs::ops::indexing::IndexOp;
-use mlx_rs::Array;
+use mlx_rs::{Array, Dtype};
 
 use llmq_text::config::ModelConfig;
 
@@ -13,7 +13,8 @@ use super::rope::{Rope, Rotation};
 use super::layer::{norm_weight, softcap, Linear};
 use crate::arch::ArchOptions;
 use crate::cache::{AttnMask, KvCache};
-use crate::error::Result;
+use crate::cpu_attention::{causal_attention, rows_attention, Shape};
+use crate::error::{EngineError, Result};
 use crate::row_attention::{RowAttention, RowPlan};
 use crate::weights::Weights;
 
@@ -30,6 +31,13 @@ pub(super) struct Attention {
     /// Scores soft-capped before the softmax (Gemma 2): attention then runs unfused.
     pub(super) softcap: Option<f32>,
     pub(super) eps: f32,
+    /// On a CPU, scores not soft-capped: attention in f32 runs in `crate::cpu_attention`.
+    pub(super) cpu: bool,
+}
+
+/// An f32 array's data on the host (evaluated first).
+fn f32_slice(a: &Array) -> Result<&[f32]> {
+    a.try_as_slice::<f32>().map_err(|e| EngineError::Host(format!("attention input: {e}")))
 }
 
 pub(super) fn heads_first(x: Array, b: i32, t: i32, heads: i32, dim: i32, norm: Option<&Array>, eps: f32) -> Result<Array> {
@@ -61,6 +69,7 @@ impl Attention {
             scale: 1.0 / c.query_pre_attn_scalar.unwrap_or(d as f32).sqrt(),
             softcap: c.attn_logit_softcap,
             eps: c.rms_norm_eps,
+            cpu: !crate::on_gpu() && c.attn_logit_softcap.is_none(),
         })
     }
 
@@ -102,7 +111,27 @@ impl Attention {
     /// values appended to its cache, the queries attending over what the cache returns.
     pub(super) fn attend_cached(&self, q: &Array, k: &Array, v: &Array, cache: &mut (dyn KvCache + 'static)) -> Result<Array> {
         let (keys, values, mask) = cache.update(k, v)?;
+        if let Some(o) = self.attend_on_cpu(q, &*cache, &mask)? {
+            return Ok(o);
+        }
         self.attend(q, &keys, &values, &mask)
+    }
+
+    /// On a CPU, queries [1, heads, t, d] in f32 over a cache that keeps its positions in
+    /// order, causal or unmasked, through llmq's attention (`crate::cpu_attention`); `None`
+    /// elsewhere (soft-capped scores, explicit masks, a GPU, another dtype).
+    fn attend_on_cpu(&self, q: &Array, cache: &(dyn KvCache + 'static), mask: &AttnMask) -> Result<Option<Array>> {
+        let Some((keys, values)) = cache.buffers().filter(|_| self.cpu && q.dtype() == Dtype::Float32) else {
+            return Ok(None);
+        };
+        if matches!(mask, AttnMask::Explicit(_)) || keys.dtype() != Dtype::Float32 {
+            return Ok(None);
+        }
+        let t = q.shape()[2] as usize;
+        let shape = Shape { heads: self.heads as usize, kv_heads: self.kv_heads as usize, t, len: cache.offset(), cap: keys.shape()[2] as usize, d: self.head_dim as usize };
+        let q = q.contiguous()?;
+        let o = causal_attention(f32_slice(&q)?, f32_slice(keys)?, f32_slice(values)?, shape, self.scale);
+        Ok(Some(Array::from_slice(&o, &[1, self.heads, t as i32, self.head_dim])))
     }
 
     /// Queries [1, heads, t, d] over the keys and values a cache update returned, through
@@ -258,7 +287,10 @@ impl Attention {
                 let o = match &g.attend {
                     GroupAttention::Masked(mask) => scaled_dot_product_attention(&q, &kv.0, &kv.1, self.scale, mask, None)?,
                     GroupAttention::Rows => unreachable!("a step attends through the row attention kernel whole or not at all"),
-                    GroupAttention::PerRow(lens) => self.attend_per_row(&q, kv, lens, b)?,
+                    GroupAttention::PerRow(lens) => match self.rows_on_cpu(&q, kv, lens)? {
+                        Some(o) => o,
+                        None => self.attend_per_row(&q, kv, lens, b)?,
+                    },
                 };
                 outs.push(self.rows_first(&o)?);
             }
@@ -273,12 +305,26 @@ impl Attention {
                 Some(parts) => parts,
                 None => (rows(&q), rows(&k), rows(&v)),
             };
-            let (keys, values, mask) = cache.update(&seq(&ck)?, &seq(&cv)?)?;
-            let o = self.attend(&seq(&cq)?, &keys, &values, &mask)?.transpose_axes(&[2, 0, 1, 3])?;
+            let o = self.attend_cached(&seq(&cq)?, &seq(&ck)?, &seq(&cv)?, cache)?.transpose_axes(&[2, 0, 1, 3])?;
             outs.push(o);
         }
         let o = if outs.len() == 1 { outs.pop().unwrap() } else { concatenate(&outs, 0)? };
         self.o.forward(&o.reshape(&[n, 1, self.heads * d])?)
+    }
+
+    /// On a CPU in f32, a group's rows [slots, heads, 1, d] over their buffers `kv`, each over
+    /// its first `lens` positions, through `crate::cpu_attention` (scratch rows zeros); `None`
+    /// elsewhere.
+    fn rows_on_cpu(&self, q: &Array, kv: &(Array, Array), lens: &[i32]) -> Result<Option<Array>> {
+        if !self.cpu || q.dtype() != Dtype::Float32 || kv.0.dtype() != Dtype::Float32 {
+            return Ok(None);
+        }
+        let s = q.shape();
+        let shape = Shape { heads: self.heads as usize, kv_heads: self.kv_heads as usize, t: 1, len: 0, cap: kv.0.shape()[2] as usize, d: self.head_dim as usize };
+        let lens: Vec<usize> = lens.iter().map(|&l| l as usize).collect();
+        let q = q.contiguous()?;
+        let o = rows_attention(f32_slice(&q)?, f32_slice(&kv.0)?, f32_slice(&kv.1)?, &lens, shape, self.scale);
+        Ok(Some(Array::from_slice(&o, s)))
     }
 
     /// A group's active rows, each over its own keys unmasked (MLX's fused vector kernel), its

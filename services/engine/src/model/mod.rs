@@ -56,6 +56,9 @@ pub struct Model {
     chunk_grid: usize,
     /// Decode attention by row lengths (NVIDIA GPUs); None: masked attention.
     row_attention: Option<RowAttention>,
+    /// On a CPU in f32 (scores not soft-capped): a sequence's attention and the decode rows'
+    /// run in `crate::cpu_attention`.
+    cpu_attention: bool,
     /// What the checkpoint's weights became at load (`Weights::summary`).
     weights: String,
 }
@@ -97,7 +100,8 @@ impl Model {
         ropes.extend(config.rope_local.clone().map(|r| Rope::new(r, config.head_dim)));
         let weights = w.summary();
         tracing::info!(source = %w.source().display(), %weights, "weights loaded");
-        let model = Model { config, embed, layers, ropes, embed_scale, norm, lm_head, dtype, chunk_grid, row_attention, weights };
+        let cpu_attention = layers.first().is_some_and(|l| l.attn.cpu) && dtype == Dtype::Float32;
+        let model = Model { config, embed, layers, ropes, embed_scale, norm, lm_head, dtype, chunk_grid, row_attention, cpu_attention, weights };
         mlx_rs::transforms::eval(model.parameters())?;
         Ok(model)
     }

@@ -135,7 +135,7 @@ impl Model {
             r.keys.resize(offset as usize + slots, 0);
             let attend = if self.row_attention.is_some() {
                 GroupAttention::Rows
-            } else if batch.per_row_attention() {
+            } else if batch.per_row_attention() || self.cpu_attention {
                 GroupAttention::PerRow(batch.lens().iter().map(|&l| l as i32 + 1).collect())
             } else {
                 let cap = batch.capacity() as i32;

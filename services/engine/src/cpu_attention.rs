@@ -1,0 +1,349 @@
+//! llmq's attention on a CPU: a sequence's new queries over its cache, causal, in f32.
+//!
+//! MLX's CPU attention computes the whole score matrix and its softmax unfused, and on x86 its
+//! `exp` runs one element at a time through libm's `fmaf`: 10-17 ns a score on the project's
+//! 2-core machine, most of a long prompt's prefill (a 3,100-token prompt: 31 s in 256-token
+//! chunks, 47 s in one piece, for SmolLM2's 135M parameters), and the reason a chunk beside
+//! decoding streams costs more the further into its prompt it is. This kernel streams over
+//! the keys in blocks with a running softmax (no score matrix), with the 8-wide FMAs of AVX2
+//! where the CPU has them and an `exp` of plain arithmetic the compiler vectorizes, one task
+//! per kv head and tile of queries on the host's cores.
+//!
+//! Layout: queries [heads, t, d] at the last `t` of `len` positions, keys and values
+//! [kv_heads, cap, d] with positions `0..len` written; query `i` sees positions `0..=len-t+i`
+//! (the bottom-right causal mask of a chunk). Heads share kv heads in groups (GQA).
+
+use rayon::prelude::*;
+
+/// Keys per block: the block's transposed keys and one row's scores stay in the L1 cache.
+const BLOCK: usize = 64;
+/// Queries per task (times the heads sharing a kv head).
+const QUERY_TILE: usize = 8;
+
+/// The shapes of one call (see the module's layout).
+#[derive(Debug, Clone, Copy)]
+pub struct Shape {
+    pub heads: usize,
+    pub kv_heads: usize,
+    /// New queries.
+    pub t: usize,
+    /// Positions written in the cache, the new ones included.
+    pub len: usize,
+    /// Positions the cache buffers hold.
+    pub cap: usize,
+    pub d: usize,
+}
+
+/// Attention of `q` over `k` and `v` (see the module's layout), scores scaled by `scale`.
+/// Returns [heads, t, d].
+///
+/// # Panics
+/// When the slices' lengths do not match `s`, `t > len`, `len > cap`, or the heads are not a
+/// multiple of the kv heads.
+pub fn causal_attention(q: &[f32], k: &[f32], v: &[f32], s: Shape, scale: f32) -> Vec<f32> {
+    assert!(s.kv_heads > 0 && s.heads % s.kv_heads == 0 && s.t <= s.len && s.len <= s.cap, "{s:?}");
+    assert_eq!(q.len(), s.heads * s.t * s.d, "queries of {s:?}");
+    assert!(k.len() == s.kv_heads * s.cap * s.d && v.len() == k.len(), "keys and values of {s:?}");
+    let tiles = s.t.div_ceil(QUERY_TILE);
+    let group = s.heads / s.kv_heads;
+    // Each task's output rows: (head in its group, query) for its kv head and query tile.
+    let parts: Vec<(usize, usize, Vec<f32>)> = (0..s.kv_heads * tiles)
+        .into_par_iter()
+        .map(|task| {
+            let (g, tile) = (task / tiles, task % tiles);
+            let queries = tile * QUERY_TILE..((tile + 1) * QUERY_TILE).min(s.t);
+            (g, queries.start, run_tile(q, k, v, s, scale, g, queries))
+        })
+        .collect();
+    let mut out = vec![0.0; q.len()];
+    for (g, first, rows) in parts {
+        let n = rows.len() / (group * s.d);
+        for (r, row) in rows.chunks_exact(s.d).enumerate() {
+            let (h, i) = (g * group + r / n, first + r % n);
+            out[(h * s.t + i) * s.d..][..s.d].copy_from_slice(row);
+        }
+    }
+    out
+}
+
+/// A decode step's rows, one query each: `q` [slots, heads, 1, d], `k` and `v` [slots,
+/// kv_heads, cap, d], row `r` over its first `lens[r]` positions (its new token's included);
+/// slots past `lens` (scratch rows) get zeros. Returns [slots, heads, 1, d].
+pub fn rows_attention(q: &[f32], k: &[f32], v: &[f32], lens: &[usize], s: Shape, scale: f32) -> Vec<f32> {
+    let slots = q.len() / (s.heads * s.d).max(1);
+    let (row_q, row_kv) = (s.heads * s.d, s.kv_heads * s.cap * s.d);
+    assert!(lens.len() <= slots && k.len() == slots * row_kv && v.len() == k.len(), "{s:?} for {} rows of {slots}", lens.len());
+    let parts: Vec<Vec<f32>> = (0..lens.len() * s.kv_heads)
+        .into_par_iter()
+        .map(|task| {
+            let (r, g) = (task / s.kv_heads, task % s.kv_heads);
+            let one = Shape { t: 1, len: lens[r], ..s };
+            let (q, k, v) = (&q[r * row_q..][..row_q], &k[r * row_kv..][..row_kv], &v[r * row_kv..][..row_kv]);
+            run_tile(q, k, v, one, scale, g, 0..1)
+        })
+        .collect();
+    let mut out = vec![0.0; q.len()];
+    let group = s.heads / s.kv_heads;
+    for (task, heads) in parts.into_iter().enumerate() {
+        let (r, g) = (task / s.kv_heads, task % s.kv_heads);
+        out[r * row_q + g * group * s.d..][..heads.len()].copy_from_slice(&heads);
+    }
+    out
+}
+
+/// One task: the heads of kv head `g` for `queries`. Rows are (head in the group, query),
+/// query fastest.
+fn run_tile(q: &[f32], k: &[f32], v: &[f32], s: Shape, scale: f32, g: usize, queries: std::ops::Range<usize>) -> Vec<f32> {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU has the features the function is compiled for.
+        return unsafe { tile_avx2(q, k, v, s, scale, g, queries) };
+    }
+    tile::<false>(q, k, v, s, scale, g, queries)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn tile_avx2(q: &[f32], k: &[f32], v: &[f32], s: Shape, scale: f32, g: usize, queries: std::ops::Range<usize>) -> Vec<f32> {
+    tile::<true>(q, k, v, s, scale, g, queries)
+}
+
+/// `a * b + c`, fused where the caller is compiled with FMA (elsewhere `mul_add` would be a
+/// libm call).
+#[inline(always)]
+fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
+    if FMA {
+        a.mul_add(b, c)
+    } else {
+        a * b + c
+    }
+}
+
+/// A running softmax over blocks of keys for each row of the tile.
+#[inline(always)]
+fn tile<const FMA: bool>(q: &[f32], k: &[f32], v: &[f32], s: Shape, scale: f32, g: usize, queries: std::ops::Range<usize>) -> Vec<f32> {
+    let (d, n) = (s.d, queries.len());
+    let group = s.heads / s.kv_heads;
+    let rows = group * n;
+    // Rows' queries, scaled; the last key each may see.
+    let mut qs = vec![0.0f32; rows * d];
+    let mut last = vec![0usize; rows];
+    for r in 0..rows {
+        let (h, i) = (g * group + r / n, queries.start + r % n);
+        for (dst, src) in qs[r * d..][..d].iter_mut().zip(&q[(h * s.t + i) * d..][..d]) {
+            *dst = src * scale;
+        }
+        last[r] = s.len - s.t + i;
+    }
+    let keys = &k[g * s.cap * d..][..s.len * d];
+    let values = &v[g * s.cap * d..][..s.len * d];
+    let mut max = vec![f32::NEG_INFINITY; rows];
+    let mut sum = vec![0.0f32; rows];
+    let mut acc = vec![0.0f32; rows * d];
+    let mut kt = vec![0.0f32; d * BLOCK];
+    let mut scores = vec![[0.0f32; BLOCK]; rows];
+    let end = last.iter().max().map_or(0, |&l| l + 1);
+    for j0 in (0..end).step_by(BLOCK) {
+        let b = BLOCK.min(end - j0);
+        // The block's keys transposed, [d][BLOCK]: a row's scores are then FMAs across keys.
+        for (jj, key) in keys[j0 * d..(j0 + b) * d].chunks_exact(d).enumerate() {
+            for (c, &x) in key.iter().enumerate() {
+                kt[c * BLOCK + jj] = x;
+            }
+        }
+        let live: Vec<usize> = (0..rows).filter(|&r| last[r] >= j0).collect();
+        block_scores::<FMA>(&qs, &kt, d, &live, &mut scores);
+        for &r in &live {
+            let seen = (last[r] + 1 - j0).min(b);
+            let sc = &mut scores[r][..seen];
+            let new_max = max[r].max(lanes(sc, f32::NEG_INFINITY, f32::max));
+            let rescale = exp_le0(max[r] - new_max);
+            for x in sc.iter_mut() {
+                *x = exp_le0(*x - new_max);
+            }
+            sum[r] = sum[r] * rescale + lanes(sc, 0.0, |a, b| a + b);
+            max[r] = new_max;
+            accumulate::<FMA>(&mut acc[r * d..][..d], rescale, sc, &values[j0 * d..]);
+        }
+    }
+    for (r, out) in acc.chunks_exact_mut(d).enumerate() {
+        let inv = 1.0 / sum[r];
+        for o in out {
+            *o *= inv;
+        }
+    }
+    acc
+}
+
+/// `xs` folded with `f` in 8 independent lanes, then across them: a fold the compiler can
+/// vectorize (a float sum in order cannot be reordered, and waits on each addition).
+#[inline(always)]
+fn lanes(xs: &[f32], init: f32, f: impl Fn(f32, f32) -> f32) -> f32 {
+    let mut acc = [init; 8];
+    let mut chunks = xs.chunks_exact(8);
+    for c in &mut chunks {
+        for l in 0..8 {
+            acc[l] = f(acc[l], c[l]);
+        }
+    }
+    chunks.remainder().iter().fold(acc.into_iter().fold(init, &f), |a, &x| f(a, x))
+}
+
+/// Scores of the `live` rows over a block's keys (`kt`, [d][BLOCK]), two rows and half a block
+/// at a time: 8 vector accumulators that stay in registers, each key vector loaded once for two
+/// rows.
+#[inline(always)]
+fn block_scores<const FMA: bool>(qs: &[f32], kt: &[f32], d: usize, live: &[usize], scores: &mut [[f32; BLOCK]]) {
+    const HALF: usize = BLOCK / 2;
+    for pair in live.chunks(2) {
+        let (r0, r1) = (pair[0], pair[pair.len() - 1]);
+        for h in 0..2 {
+            let mut a = [[0.0f32; HALF]; 2];
+            for c in 0..d {
+                let kc: &[f32; HALF] = kt[c * BLOCK + h * HALF..][..HALF].try_into().expect("a half block");
+                let (q0, q1) = (qs[r0 * d + c], qs[r1 * d + c]);
+                for l in 0..HALF {
+                    a[0][l] = madd::<FMA>(q0, kc[l], a[0][l]);
+                    a[1][l] = madd::<FMA>(q1, kc[l], a[1][l]);
+                }
+            }
+            scores[r0][h * HALF..][..HALF].copy_from_slice(&a[0]);
+            scores[r1][h * HALF..][..HALF].copy_from_slice(&a[1]);
+        }
+    }
+}
+
+/// `out = out * rescale + sum_j p_j v_j` over the block's values (rows of `out.len()`), four
+/// keys at a time so that `out` is loaded and stored once per four.
+#[inline(always)]
+fn accumulate<const FMA: bool>(out: &mut [f32], rescale: f32, p: &[f32], values: &[f32]) {
+    let d = out.len();
+    for o in out.iter_mut() {
+        *o *= rescale;
+    }
+    let mut j = 0;
+    while j + 4 <= p.len() {
+        let v = &values[j * d..(j + 4) * d];
+        let (v0, v1, v2, v3) = (&v[..d], &v[d..2 * d], &v[2 * d..3 * d], &v[3 * d..]);
+        for c in 0..d {
+            let x = madd::<FMA>(p[j], v0[c], madd::<FMA>(p[j + 1], v1[c], madd::<FMA>(p[j + 2], v2[c], madd::<FMA>(p[j + 3], v3[c], out[c]))));
+            out[c] = x;
+        }
+        j += 4;
+    }
+    for (&pj, v) in p[j..].iter().zip(values[j * d..].chunks_exact(d)) {
+        for (o, &x) in out.iter_mut().zip(v) {
+            *o = madd::<FMA>(pj, x, *o);
+        }
+    }
+}
+
+/// `e^x` for `x <= 0` (and -inf: 0) in arithmetic the compiler vectorizes: `2^(x log2 e)`
+/// split into a whole power, set in the float's exponent bits, and a fraction in
+/// [-0.5, 0.5], a degree-6 polynomial. Relative error: below 1e-6 (a few ulps) down to -10, growing with
+/// `|x|` (f32's rounding of `x log2 e`) to 1e-5 at -87; 0 below `2^-126`.
+#[inline(always)]
+fn exp_le0(x: f32) -> f32 {
+    const C: [f32; 7] = [1.0, 0.693_147_2, 0.240_226_5, 0.055_504_11, 0.009_618_129, 0.001_333_355_8, 0.000_154_035_3];
+    let t = (x * std::f32::consts::LOG2_E).max(-127.0);
+    let whole = (t + 0.5).floor();
+    let f = t - whole;
+    let p = C[0] + f * (C[1] + f * (C[2] + f * (C[3] + f * (C[4] + f * (C[5] + f * C[6])))));
+    // whole is in [-127, 0]: -127 gives the bits of 0.
+    let bits = ((whole as i32 + 127).max(0) as u32) << 23;
+    p * f32::from_bits(bits)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exp_matches_the_standard_library() {
+        let (mut near, mut far): (f32, f32) = (0.0, 0.0);
+        for i in 0..=200_000 {
+            let x = -(i as f32) * 0.0005;
+            let (a, b) = (exp_le0(x), x.exp());
+            let rel = ((a - b) / b).abs();
+            if x >= -10.0 {
+                near = near.max(rel);
+            } else if b > 1e-30 {
+                far = far.max(rel);
+            }
+        }
+        assert!(near < 1e-6 && far < 1e-5, "relative error {near}, {far}");
+        assert_eq!(exp_le0(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp_le0(-200.0), 0.0);
+        assert_eq!(exp_le0(0.0), 1.0);
+    }
+
+    /// The plain definition: scores, a causal mask, a softmax in f64, the weighted values.
+    fn reference(q: &[f32], k: &[f32], v: &[f32], s: Shape, scale: f32) -> Vec<f32> {
+        let mut out = vec![0.0; q.len()];
+        let group = s.heads / s.kv_heads;
+        for h in 0..s.heads {
+            let g = h / group;
+            for i in 0..s.t {
+                let last = s.len - s.t + i;
+                let qr = &q[(h * s.t + i) * s.d..][..s.d];
+                let sc: Vec<f64> = (0..=last).map(|j| qr.iter().zip(&k[(g * s.cap + j) * s.d..][..s.d]).map(|(a, b)| (a * b) as f64).sum::<f64>() * scale as f64).collect();
+                let m = sc.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = sc.iter().map(|x| (x - m).exp()).collect();
+                let z: f64 = e.iter().sum();
+                for c in 0..s.d {
+                    let x: f64 = (0..=last).map(|j| e[j] * v[(g * s.cap + j) * s.d + c] as f64).sum();
+                    out[(h * s.t + i) * s.d + c] = (x / z) as f32;
+                }
+            }
+        }
+        out
+    }
+
+    fn random(n: usize, seed: &mut u64) -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((*seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 4.0
+            })
+            .collect()
+    }
+
+    #[test]
+    fn decode_rows_attend_over_their_own_lengths() {
+        let mut seed = 11;
+        let s = Shape { heads: 6, kv_heads: 2, t: 1, len: 0, cap: 40, d: 32 };
+        let (slots, lens) = (4, [1usize, 40, 17]);
+        let q = random(slots * s.heads * s.d, &mut seed);
+        let k = random(slots * s.kv_heads * s.cap * s.d, &mut seed);
+        let v = random(slots * s.kv_heads * s.cap * s.d, &mut seed);
+        let got = rows_attention(&q, &k, &v, &lens, s, 0.3);
+        let (row_q, row_kv) = (s.heads * s.d, s.kv_heads * s.cap * s.d);
+        for (r, &len) in lens.iter().enumerate() {
+            let one = Shape { len, ..s };
+            let want = reference(&q[r * row_q..][..row_q], &k[r * row_kv..][..row_kv], &v[r * row_kv..][..row_kv], one, 0.3);
+            let worst = got[r * row_q..][..row_q].iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+            assert!(worst < 2e-5, "row {r}: {worst}");
+        }
+        assert!(got[3 * row_q..].iter().all(|&x| x == 0.0), "a scratch row is zeros");
+    }
+
+    #[test]
+    fn matches_the_definition_for_chunks_rows_and_head_groups() {
+        let mut seed = 7;
+        for s in [
+            Shape { heads: 9, kv_heads: 3, t: 1, len: 1, cap: 16, d: 64 },
+            Shape { heads: 9, kv_heads: 3, t: 1, len: 300, cap: 320, d: 64 },
+            Shape { heads: 4, kv_heads: 4, t: 37, len: 37, cap: 64, d: 32 },
+            Shape { heads: 8, kv_heads: 2, t: 20, len: 200, cap: 256, d: 128 },
+            Shape { heads: 2, kv_heads: 1, t: 65, len: 130, cap: 130, d: 16 },
+        ] {
+            let q = random(s.heads * s.t * s.d, &mut seed);
+            let k = random(s.kv_heads * s.cap * s.d, &mut seed);
+            let v = random(s.kv_heads * s.cap * s.d, &mut seed);
+            let scale = 1.0 / (s.d as f32).sqrt();
+            let (got, want) = (causal_attention(&q, &k, &v, s, scale), reference(&q, &k, &v, s, scale));
+            let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+            assert!(worst < 2e-5, "{s:?}: {worst}");
+        }
+    }
+}
