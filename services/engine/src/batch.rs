@@ -149,7 +149,16 @@ impl DecodeBatch {
             cache.contents(l).ok_or_else(|| EngineError::InvalidRequest("a sliding-window cache cannot join the decode batch".into()))
         };
         if row == 0 && self.per_row_up_to > 0 {
-            // The first long row: its own KV plus room to grow are the buffers.
+            // The first long row: its own KV plus room to grow are the buffers. A cache whose
+            // buffers already have that room lends them (no copy: a long prompt's KV is
+            // hundreds of megabytes, seconds of a CPU's time to copy); once the sequence drops
+            // its cache, the batch writes into them in place.
+            if let Some(layers) = cache.buffers_with_room(len + 1) {
+                (self.slots, self.capacity) = (1, layers.first().map_or(0, |(k, _)| k.shape()[2] as usize));
+                self.layers = layers;
+                self.lens.push(len);
+                return Ok(0);
+            }
             let capacity = whole_steps(len + 1);
             let room = self.zeros(1, capacity - len)?;
             self.layers = (0..self.num_layers)

@@ -48,17 +48,24 @@ pub trait KvCache: Send {
 }
 
 /// Grows geometrically (in whole steps) and writes new tokens in place: decode copies nothing
-/// that already exists.
+/// that already exists. Its first buffers hold at least `room` positions: a sequence whose
+/// length is known (a prompt) is never copied to grow while it is prefilled.
 pub struct StandardCache {
     keys: Option<Array>,
     values: Option<Array>,
     offset: usize,
     step: usize,
+    room: usize,
 }
 
 impl StandardCache {
     pub fn new(step: usize) -> Self {
-        StandardCache { keys: None, values: None, offset: 0, step: step.max(1) }
+        Self::with_room(step, 0)
+    }
+
+    /// A cache whose first buffers hold at least `room` positions.
+    pub fn with_room(step: usize, room: usize) -> Self {
+        StandardCache { keys: None, values: None, offset: 0, step: step.max(1), room }
     }
 
     fn capacity(&self) -> usize {
@@ -99,7 +106,7 @@ impl KvCache for StandardCache {
         if end > self.capacity() {
             // Geometric growth: a long prompt prefilled in chunks copies its cache O(log n)
             // times, not once per chunk.
-            let target = end.max(2 * self.capacity()).div_ceil(self.step) * self.step;
+            let target = end.max(2 * self.capacity()).max(self.room).div_ceil(self.step) * self.step;
             let extra = target - self.capacity();
             self.keys = Some(grow(self.keys.as_ref(), k, extra)?);
             self.values = Some(grow(self.values.as_ref(), v, extra)?);
@@ -242,5 +249,12 @@ impl SequenceCache {
     /// Layer `l`'s keys and values for every position, if this cache keeps them all.
     pub fn contents(&self, l: usize) -> Option<(Array, Array)> {
         self.layers.get(l)?.contents()
+    }
+    /// Every layer's whole buffers (see `KvCache::buffers`), shared, when each layer keeps its
+    /// positions in order in buffers of one capacity of at least `room` positions.
+    pub fn buffers_with_room(&self, room: usize) -> Option<Vec<(Array, Array)>> {
+        let layers: Vec<(Array, Array)> = self.layers.iter().map(|l| l.buffers().map(|(k, v)| (k.clone(), v.clone()))).collect::<Option<_>>()?;
+        let capacity = layers.first()?.0.shape()[2] as usize;
+        layers.iter().all(|(k, v)| k.shape()[2] as usize == capacity && v.shape()[2] as usize == capacity).then_some(layers).filter(|_| capacity >= room)
     }
 }

@@ -38,10 +38,12 @@
 //! shrink as it advances, ahead of their measured times, and the next prompt's start
 //! (offset 0 again) is not judged by the last one's end.
 //!
-//! Whole chunks (`size`) are committed in one tick, so before any time is known they start at
-//! the smallest size and grow as measured times allow (on a CPU a chunk's time is close to
-//! proportional to its tokens, and one too large is a stall of seconds); a tick's share of a
-//! chunk spread over ticks (`pick`) is chosen again every tick, so it starts at the largest.
+//! Whole chunks (`size`) are committed in one tick, so they are judged cautiously: before any
+//! time is known they start at the smallest size and grow as measured times allow (on a CPU a
+//! chunk's time is close to proportional to its tokens, and one too large is a stall of
+//! seconds), and a size's own recent time counts over what smaller sizes, measured earlier,
+//! suggest. A tick's share of a chunk spread over ticks (`pick`) is chosen again every tick, so
+//! it starts at the largest and takes the most hopeful estimate.
 //!
 //! Sizes: `min`, `2·min`, `4·min`, ... below `max`, then `max`. A chunk of size `s` starts at a
 //! multiple of `s` of the prompt's positions, so that on a GPU each size meets one attention
@@ -65,11 +67,14 @@ const SLOPE_WEIGHT: f64 = 0.05;
 /// measured again.
 const REMEASURE_TICKS: u32 = 16;
 
-/// Which size to grant before the times are known.
+/// What is sized: a whole chunk, committed for its tick, judged cautiously (the smallest size
+/// before times are known; a size's own recent time over any estimate from another size); or
+/// a tick's share of a chunk, chosen again each tick, judged hopefully (the largest first; the
+/// least of a size's own time and the smaller sizes' scaled up).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Start {
-    Smallest,
-    Largest,
+enum Mode {
+    Whole,
+    Share,
 }
 
 /// One size's measurements: its tick time beyond a decode-only tick, at the mean offset of its
@@ -188,7 +193,7 @@ impl ChunkSizer {
         }
         // Sizes that may start here.
         let aligned: Vec<usize> = (0..self.sizes.len()).filter(|&i| prefilled % self.sizes[i] == 0).collect();
-        self.choose(&aligned, prefilled, Start::Smallest).min(remaining).max(1)
+        self.choose(&aligned, prefilled, Mode::Whole).min(remaining).max(1)
     }
 
     /// The prefill work to give the next tick of a chunk at the prompt's position `at`, when
@@ -196,14 +201,14 @@ impl ChunkSizer {
     /// `size`, without alignment.
     pub fn pick(&self, at: usize) -> usize {
         let all: Vec<usize> = (0..self.sizes.len()).collect();
-        self.choose(&all, at, Start::Largest)
+        self.choose(&all, at, Mode::Share)
     }
 
     /// Of the sizes at `candidates` (indices, ascending), for a chunk from position `at`: the
     /// largest expected to fit the budget; when none is, the one with the shortest expected
     /// tick; before both times are known, the one `start` says.
-    fn choose(&self, candidates: &[usize], at: usize, start: Start) -> usize {
-        let expected: Vec<(usize, Option<f64>)> = candidates.iter().rev().map(|&i| (self.sizes[i], self.expected_ms(i, at))).collect();
+    fn choose(&self, candidates: &[usize], at: usize, mode: Mode) -> usize {
+        let expected: Vec<(usize, Option<f64>)> = candidates.iter().rev().map(|&i| (self.sizes[i], self.expected_ms(i, at, mode))).collect();
         let first = self.sizes.first().copied().unwrap_or(1);
         match self.decode_ms {
             Some(d) if expected.iter().all(|(_, e)| e.is_some()) => {
@@ -217,7 +222,7 @@ impl ChunkSizer {
                 // None fits: a smaller size measured long ago is tried again (the largest such).
                 candidates.iter().rev().find(|&&i| self.sizes[i] < pick && self.stale(i)).map_or(pick, |&i| self.sizes[i])
             }
-            _ if start == Start::Smallest => expected.last().map_or(first, |(s, _)| *s),
+            _ if mode == Mode::Whole => expected.last().map_or(first, |(s, _)| *s),
             _ => expected.first().map_or(first, |(s, _)| *s),
         }
     }
@@ -245,10 +250,14 @@ impl ChunkSizer {
     }
 
     /// The time a chunk of `sizes[i]` from position `at` is expected to add to a tick: the
-    /// least of its own measured time and smaller sizes' scaled up; unmeasured, a larger size's
-    /// scaled down (each moved to `at`).
-    fn expected_ms(&self, i: usize, at: usize) -> Option<f64> {
+    /// least of its own measured time and smaller sizes' scaled up (for a whole chunk, its own
+    /// time alone while it is recent); unmeasured, a larger size's scaled down (each moved to
+    /// `at`).
+    fn expected_ms(&self, i: usize, at: usize, mode: Mode) -> Option<f64> {
         let (n, slope) = (self.sizes[i], self.slope());
+        if mode == Mode::Whole && self.measured[i].is_some() && !self.stale(i) {
+            return self.moved(i, n, at, slope);
+        }
         let upper = (0..=i).filter_map(|j| self.moved(j, n, at, slope)).min_by(|a, b| a.total_cmp(b));
         upper.or_else(|| (i + 1..self.sizes.len()).find_map(|j| self.moved(j, n, at, slope)))
     }

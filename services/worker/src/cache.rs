@@ -1,7 +1,9 @@
 //! The cache actor: owns the worker's prefix cache (the KV of prompts and outputs already
 //! computed, by salt and token prefix). The prefill actor asks it for a new request's longest
-//! cached prefix; the prefill and decode actors send it the KV of every completed prompt and
-//! ended sequence; the scheduler trims it to the KV budget its reservations leave.
+//! cached prefix; the prefill and decode actors send it a copy of the KV of every completed
+//! prompt and ended sequence (made before the message goes, so the sender's buffers are theirs
+//! alone again at once, and a decode batch keeps writing its rows in place); the scheduler
+//! trims it to the KV budget its reservations leave.
 //!
 //! Invariants: entries are copies (a hit never shares memory with a running sequence, and
 //! nothing a running request uses is evicted); what it holds never exceeds the last trim's
@@ -66,13 +68,13 @@ pub struct Lookup {
     pub prompt: Vec<u32>,
 }
 
-/// Keep the KV of `tokens` (per-layer views into a sequence's buffers; copied if kept).
+/// Keep the KV of `tokens` (a copy of its sequence's, see `crate::seq::Seq::kv_copy`).
 #[derive(Message)]
 #[rtype(result = "()")]
 pub struct Remember {
     pub salt: Option<String>,
     pub tokens: Vec<u32>,
-    pub layers: Option<Vec<(Array, Array)>>,
+    pub kv: KvPrefix,
 }
 
 /// Evict, least recently used first, until at most this many bytes are held; answers with
@@ -97,11 +99,8 @@ impl Handler<Lookup> for CacheActor {
 impl Handler<Remember> for CacheActor {
     type Result = ();
     fn handle(&mut self, m: Remember, _: &mut Context<Self>) {
-        let Some(layers) = m.layers else { return };
         self.work((), |p| {
-            if let Err(e) = p.insert(m.salt.as_deref(), &m.tokens, || KvPrefix::copy_of(layers)) {
-                tracing::warn!(error = %e, "could not store a prefix");
-            }
+            let _ = p.insert(m.salt.as_deref(), &m.tokens, || Ok::<_, std::convert::Infallible>(m.kv));
         });
     }
 }

@@ -86,7 +86,7 @@ impl ActorEngine {
         // Hits in whole chunk-grid blocks, so that the chunks after one start on the grid (see
         // `Model::chunk_grid`).
         let cache = CacheActor::new(opts.prefix.map(|(block, max)| (block, model.chunk_grid(), max))).start();
-        let shared = Shared::new(model, tokenizer);
+        let shared = Shared::new(model, tokenizer, opts.prefix.is_some());
         let mask_times = shared.mask_times.clone();
         let prefill = PrefillActor::new(shared.clone(), cache.clone()).start();
         let staging = decode::Staging::new(&shared.model, opts.chunk_stages, opts.stage_tokens, opts.stage_budget, opts.min_stage_tokens);

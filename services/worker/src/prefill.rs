@@ -78,9 +78,10 @@ impl PrefillActor {
 
     /// Sends the KV of a sequence's first `fed` history tokens to the cache actor.
     fn remember(&self, seq: &Seq, fed: usize) {
-        let layers = seq.layers(self.shared.model.config.num_layers);
-        let tokens = seq.history[..fed.min(seq.history.len())].to_vec();
-        self.cache.do_send(Remember { salt: seq.salt.clone(), tokens, layers });
+        if let Some(kv) = Seq::kv_copy(&self.shared, seq.layers(self.shared.model.config.num_layers)) {
+            let tokens = seq.history[..fed.min(seq.history.len())].to_vec();
+            self.cache.do_send(Remember { salt: seq.salt.clone(), tokens, kv });
+        }
     }
 }
 
@@ -156,7 +157,7 @@ impl Handler<Admit> for PrefillActor {
         AtomicResponse::new(Box::pin(fut.into_actor(self).map(move |hit, a, _| {
             let reused = a.work(false, |a| {
                 let (Some((n, layers)), Some(seq)) = (hit, a.seqs.get_mut(&id)) else { return Ok(0) };
-                match a.shared.model.cache_from_prefix(&layers, n, seq.prompt.len()) {
+                match a.shared.model.cache_from_prefix(&layers, n, seq.prompt.len() + 1) {
                     Ok(cache) => {
                         seq.cache = cache;
                         seq.prefilled = n;

@@ -13,6 +13,7 @@ use std::rc::Rc;
 use llmq_engine::cache::SequenceCache;
 use llmq_engine::generate::Finisher;
 use llmq_engine::model::host_f32;
+use llmq_engine::prefix::KvPrefix;
 use llmq_engine::mask::MaskLayout;
 use llmq_engine::Model;
 use llmq_protocol::{Constraint, ErrorClass, Job, TokenLogprob, WireError};
@@ -34,6 +35,8 @@ pub struct Shared {
     pub constraints: Rc<Result<Constraints, String>>,
     /// What computing constrained rows' masks has cost, since start.
     pub mask_times: Rc<Cell<MaskTimes>>,
+    /// Whether the worker keeps a prefix cache (sequences' KV is then copied for it).
+    pub remembers: bool,
 }
 
 /// Steps with constrained rows, those rows, the host's wall time computing their masks, and
@@ -50,7 +53,7 @@ pub struct MaskTimes {
 }
 
 impl Shared {
-    pub fn new(model: Model, tokenizer: Option<Tokenizer>) -> Self {
+    pub fn new(model: Model, tokenizer: Option<Tokenizer>, remembers: bool) -> Self {
         let constraints = match &tokenizer {
             None => Err("the model has no tokenizer".to_string()),
             Some(t) => {
@@ -58,7 +61,7 @@ impl Shared {
                 Grammars::new(t, vocab, &t.eos_ids).map(|grammars| Constraints { grammars, layout: MaskLayout::new(vocab) }).map_err(|e| e.to_string())
             }
         };
-        Shared { model: Rc::new(model), tokenizer: tokenizer.map(Rc::new), constraints: Rc::new(constraints), mask_times: Rc::default() }
+        Shared { model: Rc::new(model), tokenizer: tokenizer.map(Rc::new), constraints: Rc::new(constraints), mask_times: Rc::default(), remembers }
     }
 }
 
@@ -140,7 +143,9 @@ impl Seq {
         };
         let eos = shared.tokenizer.as_ref().map(|t| t.eos_ids.clone()).unwrap_or_default();
         Ok(Seq {
-            cache: shared.model.new_cache(),
+            // Room for the prompt and its first token: the cache never grows during prefill,
+            // and joins the decode batch without a copy.
+            cache: shared.model.new_cache_for(prompt.len() + 1),
             history: prompt.clone(),
             prompt,
             prefilled: 0,
@@ -176,6 +181,16 @@ impl Seq {
     /// Per-layer views of every position its own cache holds (None for a wrapped window).
     pub fn layers(&self, layers: usize) -> Option<Vec<(Array, Array)>> {
         (0..layers).map(|l| self.cache.contents(l)).collect()
+    }
+
+    /// A copy of `layers` (this sequence's KV, as `layers` gives it) for the prefix cache, or
+    /// `None` without one (or without KV to keep). The copy is queued on the device at once:
+    /// queued before any later write to the buffers it reads, it leaves them with no other
+    /// reader, so those writes stay in place (a view kept past them would make each one copy
+    /// its whole buffer).
+    pub fn kv_copy(shared: &Shared, layers: Option<Vec<(Array, Array)>>) -> Option<KvPrefix> {
+        let layers = layers.filter(|_| shared.remembers)?;
+        KvPrefix::copy_of(layers).inspect_err(|e| tracing::warn!(error = %e, "could not copy a prefix")).ok()
     }
 
     /// Takes `id` as the sequence's next token and runs the stop checks.

@@ -68,18 +68,18 @@ pub(crate) fn nats_err(e: impl std::error::Error + Send + Sync + 'static) -> Wor
 /// stages: such a chunk spans them; with stages, the tick budget sizes each tick's share of a
 /// chunk in the decode actor, so here it sizes nothing; without, a budget set (the default one
 /// is for stages only) sizes whole chunks.
-pub fn scheduler_config(c: &SchedulerSettings, stages: usize, kv_budget_bytes: u64) -> SchedulerConfig {
+pub fn scheduler_config(c: &SchedulerSettings, gpu: bool, stages: usize, kv_budget_bytes: u64) -> SchedulerConfig {
     SchedulerConfig {
         prefill_chunk: c.prefill_chunk_tokens.saturating_mul(stages),
-        idle_prefill_chunk: c.idle_prefill_chunk_tokens,
+        idle_prefill_chunk: c.idle_chunk(gpu),
         max_batch: c.max_batch,
         kv_budget_bytes,
         kv_bytes_per_token: 1,
         aging_tokens_per_s: c.aging_tokens_per_s,
         interleave: c.interleave,
         continuous: c.continuous,
-        tick_budget: if stages > 1 { 0.0 } else { c.tick_budget.unwrap_or(0.0) },
-        min_prefill_chunk: c.min_prefill_chunk_tokens,
+        tick_budget: if stages > 1 { 0.0 } else { c.tick_budget(gpu) },
+        min_prefill_chunk: c.min_chunk(gpu),
     }
 }
 
@@ -194,7 +194,7 @@ async fn start_device(
     let sched = settings.scheduler.clone();
     let prefix = settings.prefix_cache.clone();
     let requested_stages = sched.chunk_stages(gpu);
-    let (stage_budget, stage_tokens, min_stage_tokens) = (sched.tick_budget(gpu), sched.prefill_chunk_tokens, sched.min_prefill_chunk_tokens);
+    let (stage_budget, stage_tokens, min_stage_tokens) = (sched.tick_budget(gpu), sched.prefill_chunk_tokens, sched.min_chunk(gpu));
     let w = settings.worker.clone();
     let worker_id = worker_id.to_string();
     let device = Arbiter::new();
@@ -213,7 +213,7 @@ async fn start_device(
             let kv_budget = sched.kv_budget_bytes.unwrap_or_else(|| auto_kv_budget(model.weight_bytes()));
             tracing::info!(kv_budget_bytes = kv_budget, weight_bytes = model.weight_bytes(), "KV budget");
             let prefix_max = if prefix.max_bytes == 0 { kv_budget } else { prefix.max_bytes.min(kv_budget) };
-            let cfg = scheduler_config(&sched, chunk_stages, kv_budget);
+            let cfg = scheduler_config(&sched, gpu, chunk_stages, kv_budget);
             // Whole chunks, of every size the tick budget grants, are never padded.
             let mut sizes = cfg.chunk_sizes();
             sizes.push(cfg.idle_prefill_chunk);

@@ -151,7 +151,10 @@ impl Default for WorkerSettings {
 #[serde(default, deny_unknown_fields)]
 pub struct SchedulerSettings {
     pub prefill_chunk_tokens: usize,
-    pub idle_prefill_chunk_tokens: usize,
+    /// Prefill tokens a tick takes when nothing decodes. Default (None): 4096 on a GPU, 512 on
+    /// a CPU (where a prompt's chunk is seconds: shorter ones let a short prompt arriving
+    /// meanwhile in soon).
+    pub idle_prefill_chunk_tokens: Option<usize>,
     pub max_batch: usize,
     /// KV memory reserved for requests (prompt + max_tokens each). Default: from what the
     /// device's memory leaves beside the weights (the worker's `auto_kv_budget`).
@@ -174,10 +177,12 @@ pub struct SchedulerSettings {
     /// (measured). With chunks in stages, each tick's share of a chunk is sized to it, between
     /// `min_prefill_chunk_tokens` and `prefill_chunk_tokens` tokens' worth; with chunks in one
     /// tick, the chunks themselves are. 0: off (every tick carries `prefill_chunk_tokens`'
-    /// worth). Default (None): 1.3 on a GPU with stages, off otherwise.
+    /// worth). Default (None): 1.3 on a GPU with stages, 2.5 on a CPU, off otherwise.
     pub tick_budget: Option<f64>,
-    /// The least prefill work (tokens' worth) the tick budget sizes a tick's down to.
-    pub min_prefill_chunk_tokens: usize,
+    /// The least prefill work (tokens' worth) the tick budget sizes a tick's down to. Default
+    /// (None): 128 on a GPU, 8 on a CPU (where a token late in a long prompt costs
+    /// milliseconds).
+    pub min_prefill_chunk_tokens: Option<usize>,
 }
 
 /// `scheduler.prefill_chunk_stages` when not set, on a GPU.
@@ -186,17 +191,44 @@ pub const GPU_PREFILL_CHUNK_STAGES: usize = 4;
 /// `scheduler.tick_budget` when not set, on a GPU whose chunks run in stages.
 pub const GPU_TICK_BUDGET: f64 = 1.3;
 
+/// `scheduler.tick_budget` when not set, on a CPU.
+pub const CPU_TICK_BUDGET: f64 = 2.5;
+
 impl SchedulerSettings {
     /// Ticks a full prefill chunk is spread over: `prefill_chunk_stages`, or its device default
     /// (on a GPU no more than keeps the chunk within `idle_prefill_chunk_tokens`).
     pub fn chunk_stages(&self, gpu: bool) -> usize {
-        let fits = (self.idle_prefill_chunk_tokens / self.prefill_chunk_tokens.max(1)).max(1);
+        let fits = (self.idle_tokens(gpu) / self.prefill_chunk_tokens.max(1)).max(1);
         self.prefill_chunk_stages.unwrap_or(if gpu { GPU_PREFILL_CHUNK_STAGES.min(fits) } else { 1 })
+    }
+
+    /// `idle_prefill_chunk_tokens` or its device default.
+    fn idle_tokens(&self, gpu: bool) -> usize {
+        self.idle_prefill_chunk_tokens.unwrap_or(if gpu { 4096 } else { 512 })
+    }
+
+    /// Prefill tokens a tick takes when nothing decodes: `idle_prefill_chunk_tokens` or its
+    /// device default, and at least a chunk's tokens over its stages.
+    pub fn idle_chunk(&self, gpu: bool) -> usize {
+        self.idle_tokens(gpu).max(self.prefill_chunk_tokens.saturating_mul(self.chunk_stages(gpu)))
     }
 
     /// The tick budget: `tick_budget`, or its device default (0: off).
     pub fn tick_budget(&self, gpu: bool) -> f64 {
-        self.tick_budget.unwrap_or(if gpu && self.chunk_stages(gpu) > 1 { GPU_TICK_BUDGET } else { 0.0 })
+        let default = if !gpu {
+            CPU_TICK_BUDGET
+        } else if self.chunk_stages(gpu) > 1 {
+            GPU_TICK_BUDGET
+        } else {
+            0.0
+        };
+        self.tick_budget.unwrap_or(default)
+    }
+
+    /// The least prefill work the tick budget gives a tick: `min_prefill_chunk_tokens` or its
+    /// device default.
+    pub fn min_chunk(&self, gpu: bool) -> usize {
+        self.min_prefill_chunk_tokens.unwrap_or(if gpu { 128 } else { 8 })
     }
 }
 
@@ -204,7 +236,7 @@ impl Default for SchedulerSettings {
     fn default() -> Self {
         SchedulerSettings {
             prefill_chunk_tokens: 256,
-            idle_prefill_chunk_tokens: 4096,
+            idle_prefill_chunk_tokens: None,
             max_batch: 64,
             kv_budget_bytes: None,
             aging_tokens_per_s: 1000.0,
@@ -213,7 +245,7 @@ impl Default for SchedulerSettings {
             decode_ahead: true,
             prefill_chunk_stages: None,
             tick_budget: None,
-            min_prefill_chunk_tokens: 128,
+            min_prefill_chunk_tokens: None,
         }
     }
 }
@@ -271,15 +303,11 @@ impl Settings {
         if let Some(b) = s.tick_budget.filter(|&b| !(b == 0.0 || (b > 1.0 && b.is_finite()))) {
             return bad("scheduler.tick_budget", b.to_string(), "must be 0 (off) or a finite number above 1");
         }
-        if s.min_prefill_chunk_tokens == 0 {
+        if s.min_prefill_chunk_tokens == Some(0) {
             return bad("scheduler.min_prefill_chunk_tokens", "0".into(), "must be at least 1");
         }
-        if s.idle_prefill_chunk_tokens < s.prefill_chunk_tokens.saturating_mul(s.prefill_chunk_stages.unwrap_or(1)) {
-            return bad(
-                "scheduler.idle_prefill_chunk_tokens",
-                s.idle_prefill_chunk_tokens.to_string(),
-                "must be at least prefill_chunk_tokens (times prefill_chunk_stages)",
-            );
+        if let Some(idle) = s.idle_prefill_chunk_tokens.filter(|&i| i < s.prefill_chunk_tokens.saturating_mul(s.prefill_chunk_stages.unwrap_or(1))) {
+            return bad("scheduler.idle_prefill_chunk_tokens", idle.to_string(), "must be at least prefill_chunk_tokens (times prefill_chunk_stages)");
         }
         if s.max_batch == 0 {
             return bad("scheduler.max_batch", "0".into(), "must be at least 1");
@@ -378,15 +406,20 @@ mod tests {
         assert!(err.contains("scheduler.prefill_chunk_stages"), "{err}");
         // Stages: 4 on a GPU and 1 on a CPU unless set; a staged chunk fits the idle chunk.
         assert_eq!((d.scheduler.chunk_stages(true), d.scheduler.chunk_stages(false)), (4, 1));
-        assert_eq!((d.scheduler.tick_budget(true), d.scheduler.tick_budget(false)), (GPU_TICK_BUDGET, 0.0), "a budget by default only for a GPU's stages");
+        assert_eq!((d.scheduler.tick_budget(true), d.scheduler.tick_budget(false)), (GPU_TICK_BUDGET, CPU_TICK_BUDGET), "a budget by default on a GPU's stages and on a CPU");
+        assert_eq!((d.scheduler.min_chunk(true), d.scheduler.min_chunk(false)), (128, 8));
+        assert_eq!((d.scheduler.idle_chunk(true), d.scheduler.idle_chunk(false)), (4096, 512));
         std::fs::write(&f, "[scheduler]\nidle_prefill_chunk_tokens = 512\n").unwrap();
         assert_eq!(load(Some(&f)).unwrap().scheduler.chunk_stages(true), 2);
         std::fs::write(&f, "[scheduler]\nprefill_chunk_stages = 3\n").unwrap();
         let s = load(Some(&f)).unwrap();
         assert_eq!((s.scheduler.chunk_stages(true), s.scheduler.chunk_stages(false)), (3, 3), "an explicit setting holds on a CPU too");
+        assert_eq!(s.scheduler.idle_chunk(false), 768, "an idle chunk takes at least a staged chunk");
         std::fs::write(&f, "[scheduler]\nprefill_chunk_stages = 1\n").unwrap();
         assert_eq!(load(Some(&f)).unwrap().scheduler.tick_budget(true), 0.0, "no stages, no default budget");
         std::fs::write(&f, "[scheduler]\nprefill_chunk_stages = 32\n").unwrap();
+        assert_eq!(load(Some(&f)).unwrap().scheduler.idle_chunk(true), 8192, "the default idle chunk grows to a staged chunk");
+        std::fs::write(&f, "[scheduler]\nprefill_chunk_stages = 32\nidle_prefill_chunk_tokens = 4096\n").unwrap();
         let err = load(Some(&f)).unwrap_err().to_string();
         assert!(err.contains("scheduler.idle_prefill_chunk_tokens"), "{err}");
         for bad_budget in ["1.0", "-2.0", "nan"] {
@@ -396,7 +429,7 @@ mod tests {
         }
         std::fs::write(&f, "[scheduler]\ntick_budget = 0.0\nmin_prefill_chunk_tokens = 64\n").unwrap();
         let s = load(Some(&f)).unwrap();
-        assert_eq!((s.scheduler.tick_budget(true), s.scheduler.min_prefill_chunk_tokens), (0.0, 64));
+        assert_eq!((s.scheduler.tick_budget(true), s.scheduler.tick_budget(false), s.scheduler.min_chunk(false)), (0.0, 0.0, 64));
         std::fs::write(&f, "[worker]\nmlx_cache_limit_bytes = 0\nmlx_memory_limit_bytes = 100000000000\n").unwrap();
         let s = load(Some(&f)).unwrap();
         assert_eq!((s.worker.mlx_cache_limit_bytes, s.worker.mlx_memory_limit_bytes), (Some(0), Some(100_000_000_000)));

@@ -192,11 +192,17 @@ impl Model {
 
     /// A fresh, empty cache for one sequence.
     pub fn new_cache(&self) -> SequenceCache {
+        self.new_cache_for(0)
+    }
+
+    /// A fresh, empty cache for one sequence that will hold at least `positions` (its prompt and
+    /// first token): its buffers are made that large at once, not grown (and copied) on the way.
+    pub fn new_cache_for(&self, positions: usize) -> SequenceCache {
         let layers = (0..self.config.num_layers)
             .map(|i| -> Box<dyn KvCache> {
                 match self.config.window(i) {
                     Some(w) => Box::new(RotatingCache::new(w)),
-                    None => Box::new(StandardCache::new(CACHE_STEP)),
+                    None => Box::new(StandardCache::with_room(CACHE_STEP, positions)),
                 }
             })
             .collect();

@@ -209,7 +209,9 @@ impl DecodeActor {
     }
 
     fn remember(&self, salt: Option<String>, tokens: &[u32], layers: Option<Vec<(Array, Array)>>) {
-        self.cache.do_send(Remember { salt, tokens: tokens.to_vec(), layers });
+        if let Some(kv) = Seq::kv_copy(&self.shared, layers) {
+            self.cache.do_send(Remember { salt, tokens: tokens.to_vec(), kv });
+        }
     }
 
     /// A sequence whose prompt is complete: remembers the prompt's KV and moves it into its
