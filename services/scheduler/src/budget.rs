@@ -30,13 +30,13 @@
 //! try: at worst about what the size it replaces costs.
 //!
 //! A chunk's time also grows with the prompt's offset (each of its tokens attends to every
-//! position before it): on a 2-core CPU, SmolLM2's tokens cost about 7x more at position 3,000
-//! than at 0. Each sample keeps the offset it was taken at, and one slope shared by all sizes,
-//! the per-token time added by each position of offset, is fitted to how each size's per-token
-//! time moved with its offsets (a slowly forgetting least-squares fit within each size); a
-//! size's time is moved along that slope to the offset asked about. So a long prompt's chunks
-//! shrink as it advances, ahead of their measured times, and the next prompt's start
-//! (offset 0 again) is not judged by the last one's end.
+//! position before it): on a 2-core CPU, SmolLM2's tokens cost several times more at position
+//! 3,000 than at 0. Each sample keeps the offset it was taken at, and one slope shared by all
+//! sizes, the per-token time added by each position of offset, is fitted to how each size's
+//! per-token time moved with its offsets (a slowly forgetting least-squares fit within each
+//! size); a whole chunk's time is moved along that slope to the offset asked about. So a long
+//! prompt's chunks shrink as it advances, ahead of their measured times, and the next prompt's
+//! start (offset 0 again) is not judged by the last one's end.
 //!
 //! Whole chunks (`size`) are committed in one tick, so they are judged cautiously: before any
 //! time is known they start at the smallest size and grow as measured times allow (on a CPU a
@@ -68,9 +68,10 @@ const SLOPE_WEIGHT: f64 = 0.05;
 const REMEASURE_TICKS: u32 = 16;
 
 /// What is sized: a whole chunk, committed for its tick, judged cautiously (the smallest size
-/// before times are known; a size's own recent time over any estimate from another size); or
-/// a tick's share of a chunk, chosen again each tick, judged hopefully (the largest first; the
-/// least of a size's own time and the smaller sizes' scaled up).
+/// before times are known; a size's own recent time over any estimate from another size;
+/// times moved to the chunk's offset); or a tick's share of a chunk, chosen again each tick,
+/// judged hopefully (the largest first; the least of a size's own time and the smaller sizes'
+/// scaled up; times as measured, the moving averages following the offset).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Mode {
     Whole,
@@ -196,12 +197,11 @@ impl ChunkSizer {
         self.choose(&aligned, prefilled, Mode::Whole).min(remaining).max(1)
     }
 
-    /// The prefill work to give the next tick of a chunk at the prompt's position `at`, when
-    /// any size may be chosen (a chunk's share spread over ticks has no grid to keep): as
-    /// `size`, without alignment.
-    pub fn pick(&self, at: usize) -> usize {
+    /// The prefill work to give the next tick when any size may be chosen (a chunk's share
+    /// spread over ticks has no grid to keep): as `size`, without alignment, judged as a share.
+    pub fn pick(&self) -> usize {
         let all: Vec<usize> = (0..self.sizes.len()).collect();
-        self.choose(&all, at, Mode::Share)
+        self.choose(&all, 0, Mode::Share)
     }
 
     /// Of the sizes at `candidates` (indices, ascending), for a chunk from position `at`: the
@@ -254,7 +254,10 @@ impl ChunkSizer {
     /// time alone while it is recent); unmeasured, a larger size's scaled down (each moved to
     /// `at`).
     fn expected_ms(&self, i: usize, at: usize, mode: Mode) -> Option<f64> {
-        let (n, slope) = (self.sizes[i], self.slope());
+        // A share's time is not moved along the slope: on an H200 (8b, four 8k-token prompts
+        // arriving) moving it made the shares smaller and the last prompt's first token came
+        // at 3.0-3.3 s instead of 2.0-2.2 s, for no better gaps.
+        let (n, slope) = (self.sizes[i], if mode == Mode::Whole { self.slope() } else { 0.0 });
         if mode == Mode::Whole && self.measured[i].is_some() && !self.stale(i) {
             return self.moved(i, n, at, slope);
         }
@@ -292,7 +295,7 @@ mod tests {
         assert_eq!(s.size(128, 10_000), 64);
         assert_eq!(s.size(100, 10_000), 28, "back onto the grid first");
         assert_eq!(s.size(0, 30), 30, "the rest of a prompt");
-        assert_eq!(s.pick(0), 256);
+        assert_eq!(s.pick(), 256);
     }
 
     /// Times the sizer as a scheduler would: `extra(n)` ms beyond a 10 ms decode step for an
@@ -345,7 +348,7 @@ mod tests {
         let (mut s, mut t) = with_decode_ticks(1.5);
         let mut picked = vec![];
         for i in 0..8 {
-            let w = s.pick(0);
+            let w = s.pick();
             s.tick_ended(t, 16, w, 0, true);
             // 8 ms of extra device time for 256 tokens' work, in proportion below; cheaper from
             // the fifth tick (a slower host: the device has slack).
@@ -361,7 +364,7 @@ mod tests {
         // Idle time between two ticks is not a tick's time.
         s.tick_ended(t, 16, 256, 0, false);
         s.tick_started(t + ms(5000));
-        assert_eq!(s.pick(0), 256);
+        assert_eq!(s.pick(), 256);
     }
 
     #[test]
@@ -421,7 +424,7 @@ mod tests {
     fn picks(s: &mut ChunkSizer, t: &mut Duration, ticks: usize, extra: impl Fn(usize) -> f64) -> Vec<usize> {
         (0..ticks)
             .map(|_| {
-                let w = s.pick(0);
+                let w = s.pick();
                 s.tick_ended(*t, 16, w, 0, true);
                 *t += Duration::from_secs_f64((10.0 + extra(w)) / 1000.0);
                 s.tick_started(*t);

@@ -334,7 +334,7 @@ impl Handler<Step> for DecodeActor {
         // Where in its prompt the chunk's tokens are (its cost grows with that).
         let at = chunk.as_ref().map_or(0, |c| c.lent.seq.prefilled);
         if !live.is_empty() && self.sizer.enabled() {
-            self.stage_work = self.sizer.pick(at);
+            self.stage_work = self.sizer.pick();
         }
         let mut stepped = self.work(true, |a| a.step(&live, chunk)).unwrap_or_else(|what| {
             let e = Self::fault(&what);
