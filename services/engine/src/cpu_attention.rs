@@ -68,7 +68,8 @@ pub fn causal_attention(q: &[f32], k: &[f32], v: &[f32], s: Shape, scale: f32) -
 
 /// A decode step's rows, one query each: `q` [slots, heads, 1, d], `k` and `v` [slots,
 /// kv_heads, cap, d], row `r` over its first `lens[r]` positions (its new token's included);
-/// slots past `lens` (scratch rows) get zeros. Returns [slots, heads, 1, d].
+/// slots past `lens` (scratch rows) get zeros. Returns [slots, heads, 1, d]. Of `s`, `t` and
+/// `len` are each row's (1 and `lens[r]`), whatever `s` says.
 pub fn rows_attention(q: &[f32], k: &[f32], v: &[f32], lens: &[usize], s: Shape, scale: f32) -> Vec<f32> {
     let slots = q.len() / (s.heads * s.d).max(1);
     let (row_q, row_kv) = (s.heads * s.d, s.kv_heads * s.cap * s.d);

@@ -31,7 +31,8 @@ pub struct KvPrefix {
 impl KvPrefix {
     /// Copies `layers` (views into a sequence's buffers) into buffers of their own, so the
     /// entry keeps only its own bytes alive (once the copy has run) and its size is known. The
-    /// copy is queued on the device, not waited for: it is not on any request's critical path.
+    /// copy is queued on the device, not waited for (on a GPU it stays off the host's path; on a
+    /// CPU it is the device thread's work like any other).
     pub fn copy_of(layers: Vec<(mlx_rs::Array, mlx_rs::Array)>) -> crate::Result<Self> {
         let layers = layers.iter().map(|(k, v)| Ok((k.contiguous()?, v.contiguous()?))).collect::<crate::Result<Vec<_>>>()?;
         mlx_rs::transforms::async_eval(layers.iter().flat_map(|(k, v)| [k, v]))?;
@@ -187,19 +188,19 @@ impl<P: Payload> PrefixCache<P> {
         Some((n, &e.payload))
     }
 
-    /// Stores the KV of `tokens` (made by `make` only if it will be kept). Entries that are a
-    /// prefix of `tokens` are dropped; if an entry already covers all of `tokens`, nothing is
-    /// stored. Returns whether it was stored.
-    pub fn insert<E>(&mut self, salt: Option<&str>, tokens: &[u32], make: impl FnOnce() -> Result<P, E>) -> Result<bool, E> {
+    /// Stores `payload`, the KV of `tokens`. Entries that are a prefix of `tokens` are dropped;
+    /// if an entry already covers all of `tokens`, nothing is stored. Returns whether it was
+    /// stored.
+    pub fn insert(&mut self, salt: Option<&str>, tokens: &[u32], payload: P) -> bool {
         if tokens.len() < self.block {
-            return Ok(false);
+            return false;
         }
         let hashes: Vec<u64> = block_hashes(salt, tokens, self.block).collect();
         if let Some((id, n)) = self.best_match(salt, tokens, hashes.iter().copied()) {
             if n == tokens.len() {
                 self.clock += 1;
                 self.entries.get_mut(&id).expect("indexed").last_used = self.clock;
-                return Ok(false);
+                return false;
             }
         }
         // Entries the new one subsumes: same salt, and all their tokens are a prefix of `tokens`.
@@ -218,10 +219,9 @@ impl<P: Payload> PrefixCache<P> {
         for id in subsumed {
             self.remove(id);
         }
-        let payload = make()?;
         let bytes = payload.nbytes();
         if bytes > self.max_bytes {
-            return Ok(false);
+            return false;
         }
         self.trim(self.max_bytes - bytes);
         let id = self.next_id;
@@ -236,7 +236,7 @@ impl<P: Payload> PrefixCache<P> {
         );
         self.held += bytes;
         self.stats.inserted += 1;
-        Ok(true)
+        true
     }
 
     fn remove(&mut self, id: u64) {
@@ -290,7 +290,7 @@ mod tests {
     }
 
     fn put(c: &mut PrefixCache<Fake>, salt: Option<&str>, t: &[u32]) -> bool {
-        c.insert::<()>(salt, t, || Ok(Fake(t.len() as u64))).unwrap()
+        c.insert(salt, t, Fake(t.len() as u64))
     }
 
     fn seq(from: u32, n: u32) -> Vec<u32> {

@@ -68,7 +68,7 @@ pub struct Lookup {
     pub prompt: Vec<u32>,
 }
 
-/// Keep the KV of `tokens` (a copy of its sequence's, see `crate::seq::Seq::kv_copy`).
+/// Keep the KV of `tokens` (a copy of its sequence's, see `crate::seq::Shared::prefix_copy`).
 #[derive(Message)]
 #[rtype(result = "()")]
 pub struct Remember {
@@ -100,7 +100,7 @@ impl Handler<Remember> for CacheActor {
     type Result = ();
     fn handle(&mut self, m: Remember, _: &mut Context<Self>) {
         self.work((), |p| {
-            let _ = p.insert(m.salt.as_deref(), &m.tokens, || Ok::<_, std::convert::Infallible>(m.kv));
+            p.insert(m.salt.as_deref(), &m.tokens, m.kv);
         });
     }
 }

@@ -63,6 +63,16 @@ impl Shared {
         };
         Shared { model: Rc::new(model), tokenizer: tokenizer.map(Rc::new), constraints: Rc::new(constraints), mask_times: Rc::default(), remembers }
     }
+
+    /// A copy of a sequence's KV (`layers`, as `Seq::layers` gives it) for the prefix cache, or
+    /// `None` without one (or without KV to keep). The copy is queued on the device at once:
+    /// queued before any later write to the buffers it reads, it leaves them with no other
+    /// reader, so those writes stay in place (a view kept past them would make each one copy
+    /// its whole buffer).
+    pub fn prefix_copy(&self, layers: Option<Vec<(Array, Array)>>) -> Option<KvPrefix> {
+        let layers = layers.filter(|_| self.remembers)?;
+        KvPrefix::copy_of(layers).inspect_err(|e| tracing::warn!(error = %e, "could not copy a prefix")).ok()
+    }
 }
 
 /// Constrained decoding for one model: constraints compiled against its vocabulary, and the
@@ -181,16 +191,6 @@ impl Seq {
     /// Per-layer views of every position its own cache holds (None for a wrapped window).
     pub fn layers(&self, layers: usize) -> Option<Vec<(Array, Array)>> {
         (0..layers).map(|l| self.cache.contents(l)).collect()
-    }
-
-    /// A copy of `layers` (this sequence's KV, as `layers` gives it) for the prefix cache, or
-    /// `None` without one (or without KV to keep). The copy is queued on the device at once:
-    /// queued before any later write to the buffers it reads, it leaves them with no other
-    /// reader, so those writes stay in place (a view kept past them would make each one copy
-    /// its whole buffer).
-    pub fn kv_copy(shared: &Shared, layers: Option<Vec<(Array, Array)>>) -> Option<KvPrefix> {
-        let layers = layers.filter(|_| shared.remembers)?;
-        KvPrefix::copy_of(layers).inspect_err(|e| tracing::warn!(error = %e, "could not copy a prefix")).ok()
     }
 
     /// Takes `id` as the sequence's next token and runs the stop checks.

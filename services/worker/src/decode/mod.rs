@@ -209,7 +209,7 @@ impl DecodeActor {
     }
 
     fn remember(&self, salt: Option<String>, tokens: &[u32], layers: Option<Vec<(Array, Array)>>) {
-        if let Some(kv) = Seq::kv_copy(&self.shared, layers) {
+        if let Some(kv) = self.shared.prefix_copy(layers) {
             self.cache.do_send(Remember { salt, tokens: tokens.to_vec(), kv });
         }
     }
