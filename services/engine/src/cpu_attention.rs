@@ -241,8 +241,8 @@ fn accumulate<const FMA: bool>(out: &mut [f32], rescale: f32, p: &[f32], values:
 
 /// `e^x` for `x <= 0` (and -inf: 0) in arithmetic the compiler vectorizes: `2^(x log2 e)`
 /// split into a whole power, set in the float's exponent bits, and a fraction in
-/// [-0.5, 0.5], a degree-6 polynomial. Relative error: below 1e-6 (a few ulps) down to -10, growing with
-/// `|x|` (f32's rounding of `x log2 e`) to 1e-5 at -87; 0 below `2^-126`.
+/// [-0.5, 0.5], a degree-6 polynomial. Relative error: below 1e-6 (a few ulps) down to -10,
+/// growing with `|x|` (f32's rounding of `x log2 e`) to 1e-5 at -87; 0 below `2^-126`.
 #[inline(always)]
 fn exp_le0(x: f32) -> f32 {
     const C: [f32; 7] = [1.0, 0.693_147_2, 0.240_226_5, 0.055_504_11, 0.009_618_129, 0.001_333_355_8, 0.000_154_035_3];

@@ -206,7 +206,8 @@ impl ChunkSizer {
 
     /// Of the sizes at `candidates` (indices, ascending), for a chunk from position `at`: the
     /// largest expected to fit the budget; when none is, the one with the shortest expected
-    /// tick; before both times are known, the one `start` says.
+    /// tick; before both times are known, the smallest for a whole chunk, the largest for a
+    /// share.
     fn choose(&self, candidates: &[usize], at: usize, mode: Mode) -> usize {
         let expected: Vec<(usize, Option<f64>)> = candidates.iter().rev().map(|&i| (self.sizes[i], self.expected_ms(i, at, mode))).collect();
         let first = self.sizes.first().copied().unwrap_or(1);

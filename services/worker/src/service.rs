@@ -66,8 +66,8 @@ pub(crate) fn nats_err(e: impl std::error::Error + Send + Sync + 'static) -> Wor
 
 /// The scheduler's settings for a worker whose chunks beside decoding streams run in `stages`
 /// stages: such a chunk spans them; with stages, the tick budget sizes each tick's share of a
-/// chunk in the decode actor, so here it sizes nothing; without, a budget set (the default one
-/// is for stages only) sizes whole chunks.
+/// chunk in the decode actor, so here it sizes nothing; without, the budget (set, or the
+/// device's default: a CPU's) sizes whole chunks.
 pub fn scheduler_config(c: &SchedulerSettings, gpu: bool, stages: usize, kv_budget_bytes: u64) -> SchedulerConfig {
     SchedulerConfig {
         prefill_chunk: c.prefill_chunk_tokens.saturating_mul(stages),

@@ -317,6 +317,9 @@ impl Handler<Step> for DecodeActor {
         self.last_stage = (0, 0);
         if !live.is_empty() {
             self.sizer.tick_started(started);
+            if self.sizer.enabled() {
+                self.stage_work = self.sizer.pick();
+            }
         }
         let chunk_id = chunk.as_ref().map(|g| match g {
             Grant::New(l) => l.id,
@@ -331,11 +334,6 @@ impl Handler<Step> for DecodeActor {
             },
             None => (None, None),
         };
-        // Where in its prompt the chunk's tokens are (its cost grows with that).
-        let at = chunk.as_ref().map_or(0, |c| c.lent.seq.prefilled);
-        if !live.is_empty() && self.sizer.enabled() {
-            self.stage_work = self.sizer.pick();
-        }
         let mut stepped = self.work(true, |a| a.step(&live, chunk)).unwrap_or_else(|what| {
             let e = Self::fault(&what);
             Stepped { outs: live.iter().map(|_| Err(e.clone())).collect(), chunk: chunk_id.map(|_| (Err(e.clone()), None)) }
@@ -353,8 +351,9 @@ impl Handler<Step> for DecodeActor {
         if let Some(e) = mismatch {
             stepped.chunk = Some((Err(e), None));
         }
-        // The work of the stage this step ran (0 without one).
-        self.sizer.tick_ended(started, live.len(), self.last_stage.1, at, !live.is_empty());
+        // The work of the stage this step ran (0 without one); shares are sized without their
+        // chunk's offset (see `ChunkSizer::pick`).
+        self.sizer.tick_ended(started, live.len(), self.last_stage.1, 0, !live.is_empty());
         MessageResult(self.reply(stepped))
     }
 }
