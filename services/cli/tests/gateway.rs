@@ -84,10 +84,13 @@ fn the_openai_package_works_unchanged_and_an_early_close_cancels() {
 
 #[test]
 fn typed_errors_health_and_worker_loss() {
-    let mut stack = Stack::nats_only();
+    // SmolLM2, not the tiny fixture: its streams must still be decoding when the worker is
+    // killed (the fixture decodes 400 tokens in well under a second, inside the heartbeats'
+    // delay), and SmolLM2 takes about 50 ms a token on a CPU.
+    let model = "smollm2";
+    let mut stack = Stack::nats_for(model);
     stack.spawn("intake", &[("LLMQ__INTAKE__MAX_QUEUED_REQUESTS", "1")]);
     let addr = spawn_gateway(&mut stack);
-    let model = fixture();
     let completion = |extra: serde_json::Value| {
         let mut v = serde_json::json!({ "model": model, "prompt": "Hello", "max_tokens": 4 });
         v.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
