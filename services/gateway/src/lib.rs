@@ -37,7 +37,7 @@ use tokio::sync::mpsc;
 
 use metrics::{Clock, Metrics};
 use openai::{ApiError, Kind, Shape};
-use response::{chunk, finish_reason, parsers, sse, tool_call, tool_call_chunk};
+use response::{finish_reason, parsers, sse, tool_call, SseWriter};
 
 #[derive(Debug, thiserror::Error)]
 pub enum GatewayError {
@@ -166,16 +166,11 @@ async fn submit(state: &State, mut g: GenerateRequest) -> Result<Accepted, ApiEr
 /// Forwards a request's events to the client as server-sent events, until its terminal event or
 /// until the client goes away (then cancels it).
 async fn stream_events(state: Arc<State>, shape: Shape, mut acc: Accepted, tx: mpsc::Sender<Bytes>) {
-    let id = shape.kind.response_id(&acc.request_id);
-    let created = unix_secs();
     let mut clock = Clock { started: acc.started, last: None };
-    // Choices still running, and the usage of those ended (the prompt counted once).
-    let mut open = shape.n;
-    let mut total = Usage::default();
-    let mut parsers = parsers(&shape, acc.tool_syntax);
+    let mut writer = SseWriter::new(&shape, shape.kind.response_id(&acc.request_id), unix_secs(), acc.tool_syntax);
     let outcome: &'static str = 'run: {
-        for index in 0..shape.n {
-            if shape.kind == Kind::Chat && tx.send(sse(&chunk(&shape, &id, created, index, Some(""), true, &[], None))).await.is_err() {
+        for b in writer.opening() {
+            if tx.send(b).await.is_err() {
                 break 'run "cancelled";
             }
         }
@@ -194,59 +189,10 @@ async fn stream_events(state: Arc<State>, shape: Shape, mut acc: Accepted, tx: m
             };
             let Some(msg) = msg else { break 'run "internal_error" };
             let Ok(ev) = llmq_protocol::decode::<StreamEvent>(&msg.payload) else { continue };
-            let mut out: Vec<Bytes> = vec![];
-            let mut end = None;
-            match ev.event {
-                Event::Queued { position } => out.push(Bytes::from(format!(": queued {position}\n\n"))),
-                Event::PrefillProgress { done, total } => out.push(Bytes::from(format!(": prefill {done}/{total}\n\n"))),
-                Event::Tokens { text, logprobs, .. } => {
-                    clock.tokens(&state.metrics);
-                    let (text, calls) = match parsers.get_mut(ev.choice as usize).and_then(Option::as_mut) {
-                        Some(p) => {
-                            let parsed = p.push(&text);
-                            (parsed.content, parsed.calls)
-                        }
-                        None => (text, vec![]),
-                    };
-                    if !text.is_empty() || !logprobs.is_empty() {
-                        out.push(sse(&chunk(&shape, &id, created, ev.choice, Some(&text), false, &logprobs, None)));
-                    }
-                    out.extend(calls.iter().map(|c| sse(&tool_call_chunk(&shape, &id, created, ev.choice, c))));
-                }
-                Event::Done { finish_reason: reason, usage, .. } => {
-                    let mut called = false;
-                    if let Some(p) = parsers.get_mut(ev.choice as usize).and_then(Option::as_mut) {
-                        let rest = p.finish();
-                        if !rest.content.is_empty() {
-                            out.push(sse(&chunk(&shape, &id, created, ev.choice, Some(&rest.content), false, &[], None)));
-                        }
-                        out.extend(rest.calls.iter().map(|c| sse(&tool_call_chunk(&shape, &id, created, ev.choice, c))));
-                        called = p.called();
-                    }
-                    let reason = finish_reason(reason, called);
-                    let text = (shape.kind == Kind::Completion).then_some("");
-                    out.push(sse(&chunk(&shape, &id, created, ev.choice, text, false, &[], Some(reason))));
-                    total = Usage { prompt: usage.prompt, completion: total.completion + usage.completion, cached: total.cached.max(usage.cached) };
-                    open = open.saturating_sub(1);
-                    if open == 0 {
-                        if shape.include_usage {
-                            out.push(sse(&json!({
-                                "id": id, "object": shape.kind.object(true), "created": created, "model": shape.model,
-                                "choices": [], "usage": response::usage(&total),
-                            })));
-                        }
-                        end = Some("ok");
-                    }
-                }
-                Event::Error { error } => {
-                    let e = ApiError::from_wire(&error);
-                    out.push(sse(&e.body()));
-                    end = Some(e.code);
-                }
+            if matches!(ev.event, Event::Tokens { .. }) {
+                clock.tokens(&state.metrics);
             }
-            if end.is_some() {
-                out.push(Bytes::from_static(b"data: [DONE]\n\n"));
-            }
+            let (out, end) = writer.event(ev.choice, ev.event);
             for b in out {
                 if tx.send(b).await.is_err() {
                     break 'run end.unwrap_or("cancelled");

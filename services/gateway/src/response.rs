@@ -2,10 +2,10 @@
 //! shape, finish reasons, usage and logprobs in each endpoint's format.
 
 use actix_web::web::Bytes;
-use llmq_protocol::{FinishReason, TokenLogprob, ToolSyntax, Usage};
+use llmq_protocol::{Event, FinishReason, TokenLogprob, ToolSyntax, Usage};
 use serde_json::{json, Value};
 
-use crate::openai::{Kind, Shape};
+use crate::openai::{ApiError, Kind, Shape};
 use crate::tool_calls::{Call, ToolCallParser};
 
 /// One chunk of a stream in the endpoint's format, for choice `index`.
@@ -71,6 +71,109 @@ pub fn sse(v: &Value) -> Bytes {
     Bytes::from(format!("data: {v}\n\n"))
 }
 
+/// A stream's events turned into server-sent events: the choices' chunks, their tool calls,
+/// the usage chunk once every choice has ended, and `[DONE]` after the last one or an error.
+pub struct SseWriter<'a> {
+    shape: &'a Shape,
+    id: String,
+    created: u64,
+    /// Choices still running, and the usage of those ended (the prompt counted once).
+    open: u32,
+    total: Usage,
+    parsers: Vec<Option<ToolCallParser>>,
+}
+
+impl<'a> SseWriter<'a> {
+    pub fn new(shape: &'a Shape, id: String, created: u64, syntax: Option<ToolSyntax>) -> Self {
+        SseWriter { shape, id, created, open: shape.n, total: Usage::default(), parsers: parsers(shape, syntax) }
+    }
+
+    /// What a stream starts with: a chat's choices each open with the assistant's role.
+    pub fn opening(&self) -> Vec<Bytes> {
+        match self.shape.kind {
+            Kind::Chat => (0..self.shape.n).map(|i| self.chunk(i, Some(""), true, &[], None)).collect(),
+            Kind::Completion => vec![],
+        }
+    }
+
+    /// One event's output, and the request's outcome where the event ended it.
+    pub fn event(&mut self, choice: u32, event: Event) -> (Vec<Bytes>, Option<&'static str>) {
+        let mut out = vec![];
+        let mut end = None;
+        match event {
+            Event::Queued { position } => out.push(Bytes::from(format!(": queued {position}\n\n"))),
+            Event::PrefillProgress { done, total } => out.push(Bytes::from(format!(": prefill {done}/{total}\n\n"))),
+            Event::Tokens { text, logprobs, .. } => {
+                let (text, calls) = match self.parser(choice) {
+                    Some(p) => {
+                        let parsed = p.push(&text);
+                        (parsed.content, parsed.calls)
+                    }
+                    None => (text, vec![]),
+                };
+                if !text.is_empty() || !logprobs.is_empty() {
+                    out.push(self.chunk(choice, Some(&text), false, &logprobs, None));
+                }
+                out.extend(calls.iter().map(|c| self.call(choice, c)));
+            }
+            Event::Done { finish_reason: reason, usage, .. } => {
+                if self.choice_done(choice, reason, usage, &mut out) {
+                    end = Some("ok");
+                }
+            }
+            Event::Error { error } => {
+                let e = ApiError::from_wire(&error);
+                out.push(sse(&e.body()));
+                end = Some(e.code);
+            }
+        }
+        if end.is_some() {
+            out.push(Bytes::from_static(b"data: [DONE]\n\n"));
+        }
+        (out, end)
+    }
+
+    /// A choice's last chunks (what its parser held back, its finish reason); whether it was
+    /// the last choice running (the usage chunk then follows where asked for).
+    fn choice_done(&mut self, choice: u32, reason: FinishReason, usage: Usage, out: &mut Vec<Bytes>) -> bool {
+        let mut called = false;
+        if let Some(p) = self.parser(choice) {
+            let rest = p.finish();
+            called = p.called();
+            if !rest.content.is_empty() {
+                out.push(self.chunk(choice, Some(&rest.content), false, &[], None));
+            }
+            out.extend(rest.calls.iter().map(|c| self.call(choice, c)));
+        }
+        let text = (self.shape.kind == Kind::Completion).then_some("");
+        out.push(self.chunk(choice, text, false, &[], Some(finish_reason(reason, called))));
+        self.total = Usage { prompt: usage.prompt, completion: self.total.completion + usage.completion, cached: self.total.cached.max(usage.cached) };
+        self.open = self.open.saturating_sub(1);
+        if self.open > 0 {
+            return false;
+        }
+        if self.shape.include_usage {
+            let s = self.shape;
+            out.push(sse(&json!({
+                "id": self.id, "object": s.kind.object(true), "created": self.created, "model": s.model,
+                "choices": [], "usage": crate::response::usage(&self.total),
+            })));
+        }
+        true
+    }
+
+    fn parser(&mut self, choice: u32) -> Option<&mut ToolCallParser> {
+        self.parsers.get_mut(choice as usize).and_then(Option::as_mut)
+    }
+
+    fn chunk(&self, choice: u32, text: Option<&str>, role: bool, lps: &[TokenLogprob], finish: Option<&str>) -> Bytes {
+        sse(&chunk(self.shape, &self.id, self.created, choice, text, role, lps, finish))
+    }
+
+    fn call(&self, choice: u32, c: &Call) -> Bytes {
+        sse(&tool_call_chunk(self.shape, &self.id, self.created, choice, c))
+    }
+}
 
 pub fn usage(u: &Usage) -> Value {
     json!({

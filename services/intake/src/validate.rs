@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use llmq_text::constraint::Grammars;
 use llmq_text::sampling;
 use llmq_text::{load_tokenizer, resolve_model, Tokenizer};
-use llmq_protocol::{subjects, Constraint, ErrorClass, GenerateRequest, Job, Sampling, StopConditions, ToolChoice, ToolSyntax, WireError};
+use llmq_protocol::{subjects, Constraint, ErrorClass, GenerateRequest, Job, Sampling, StopConditions, Tool, ToolChoice, ToolSyntax, WireError};
 
 pub struct ModelInfo {
     /// None for random-weight benchmark models, which take `prompt_ids` only.
@@ -107,45 +107,15 @@ impl Validator {
             special_text: false,
         };
         sampling::validate_stop(&stop).map_err(text_invalid)?;
-        let mut constraint = r.constraint.clone();
-        if let (Some(syntax), Some(tok)) = (tool_syntax, &model.tokenizer) {
-            // Markers that are special tokens must reach the output's text to be parsed.
-            stop.special_text = llmq_text::tools::markers(syntax).iter().any(|m| tok.special_token_id(m).is_some());
-            let parallel = r.parallel_tool_calls.unwrap_or(true);
-            if let Some(grammar) = llmq_text::tools::call_grammar(syntax, tools, &tool_choice, parallel, |m| tok.special_token_id(m)) {
-                if constraint.is_some() {
-                    return Err(invalid("a constraint cannot go with tool_choice \"required\" or a named function, which constrain the output to the calls"));
-                }
-                constraint = Some(Constraint::Lark { grammar });
-            }
-        }
+        let constraint = constraint_of(model, &r, tools, &tool_choice, tool_syntax, &mut stop)?;
         if prompt_ids.is_empty() {
             return Err(invalid("the prompt has no tokens"));
         }
-        if prompt_ids.len() + max_tokens as usize > model.context_tokens {
-            return Err(WireError::new(
-                ErrorClass::PromptTooLong,
-                format!(
-                    "{} prompt tokens + max_tokens {} exceed the context of {} tokens",
-                    prompt_ids.len(),
-                    max_tokens,
-                    model.context_tokens
-                ),
-            ));
-        }
+        check_context(model, prompt_ids.len(), max_tokens)?;
         if let Some(c) = &constraint {
-            if r.ignore_eos {
-                return Err(invalid("ignore_eos cannot go with a constraint: a constrained output ends where its constraint is complete"));
-            }
-            // Compiled here so that a constraint the library rejects is refused with its reason.
-            let grammars = model.grammars.as_ref().map_err(|why| invalid(format!("this model cannot take a constraint: {why}")))?;
-            grammars.matcher(c).map_err(text_invalid)?;
+            check_constraint(model, c, r.ignore_eos)?;
         }
-        let n = match r.n {
-            None => 1,
-            Some(n) if (1..=llmq_protocol::MAX_CHOICES as i64).contains(&n) => n as u32,
-            Some(n) => return Err(invalid(format!("n must be between 1 and {}, got {n}", llmq_protocol::MAX_CHOICES))),
-        };
+        let n = choices(r.n)?;
         let request_id = self.request_id();
         let stream_subject = match r.stream_subject {
             Some(s) if subjects::is_valid_stream_subject(&s) => s,
@@ -164,6 +134,58 @@ impl Validator {
             constraint,
             n,
         }, tool_syntax))
+    }
+}
+
+/// The request's constraint, or the grammar of its tool calls where `tool_choice` requires a
+/// call; `stop.special_text` is set where the calls' markers are special tokens (they must
+/// reach the output's text to be parsed).
+fn constraint_of(
+    model: &ModelInfo,
+    r: &GenerateRequest,
+    tools: &[Tool],
+    tool_choice: &ToolChoice,
+    syntax: Option<ToolSyntax>,
+    stop: &mut StopConditions,
+) -> Result<Option<Constraint>, WireError> {
+    let (Some(syntax), Some(tok)) = (syntax, &model.tokenizer) else { return Ok(r.constraint.clone()) };
+    stop.special_text = llmq_text::tools::markers(syntax).iter().any(|m| tok.special_token_id(m).is_some());
+    let parallel = r.parallel_tool_calls.unwrap_or(true);
+    match llmq_text::tools::call_grammar(syntax, tools, tool_choice, parallel, |m| tok.special_token_id(m)) {
+        Some(_) if r.constraint.is_some() => {
+            Err(invalid("a constraint cannot go with tool_choice \"required\" or a named function, which constrain the output to the calls"))
+        }
+        Some(grammar) => Ok(Some(Constraint::Lark { grammar })),
+        None => Ok(r.constraint.clone()),
+    }
+}
+
+fn check_context(model: &ModelInfo, prompt_tokens: usize, max_tokens: i64) -> Result<(), WireError> {
+    if prompt_tokens + max_tokens as usize <= model.context_tokens {
+        return Ok(());
+    }
+    Err(WireError::new(
+        ErrorClass::PromptTooLong,
+        format!("{prompt_tokens} prompt tokens + max_tokens {max_tokens} exceed the context of {} tokens", model.context_tokens),
+    ))
+}
+
+/// A constraint compiled here, so that one the library rejects is refused with its reason.
+fn check_constraint(model: &ModelInfo, c: &Constraint, ignore_eos: bool) -> Result<(), WireError> {
+    if ignore_eos {
+        return Err(invalid("ignore_eos cannot go with a constraint: a constrained output ends where its constraint is complete"));
+    }
+    let grammars = model.grammars.as_ref().map_err(|why| invalid(format!("this model cannot take a constraint: {why}")))?;
+    grammars.matcher(c).map_err(text_invalid)?;
+    Ok(())
+}
+
+/// The number of samples asked for (`n`), checked.
+fn choices(n: Option<i64>) -> Result<u32, WireError> {
+    match n {
+        None => Ok(1),
+        Some(n) if (1..=llmq_protocol::MAX_CHOICES as i64).contains(&n) => Ok(n as u32),
+        Some(n) => Err(invalid(format!("n must be between 1 and {}, got {n}", llmq_protocol::MAX_CHOICES))),
     }
 }
 

@@ -59,6 +59,17 @@ async fn submit(engine: &mut ActorEngine, s: &mut Scheduler, next: &mut ReqId, s
     id
 }
 
+/// SmolLM2 behind the role actors with a prefix cache, and a scheduler granting chunks of 6
+/// tokens, each run in stages of 3 (two steps each), sharing steps queued ahead or not.
+fn staged_smollm2(decode_ahead: bool) -> (ActorEngine, Scheduler) {
+    let fresh = load_model(&resolve_model("smollm2").unwrap(), Dtype::Float32).unwrap();
+    let opts = EngineOptions { decode_ahead, prefix: Some((4, u64::MAX)), chunk_stages: 2, stage_tokens: 3, stage_budget: 0.0, min_stage_tokens: 1 };
+    let engine = ActorEngine::start(fresh.model, fresh.tokenizer, opts);
+    let kv_bytes_per_token = engine.kv_bytes_per_token();
+    let s = Scheduler::new(SchedulerConfig { prefill_chunk: 6, idle_prefill_chunk: 6, kv_bytes_per_token, kv_budget_bytes: 1 << 30, ..Default::default() });
+    (engine, s)
+}
+
 #[test]
 fn constrained_rows_decode_beside_free_ones_into_valid_documents() {
     let loaded = load_model(&resolve_model("smollm2").unwrap(), Dtype::Float32).unwrap();
@@ -80,33 +91,12 @@ fn constrained_rows_decode_beside_free_ones_into_valid_documents() {
     let mut documents = vec![];
     for decode_ahead in [true, false] {
         let docs = actix::System::new().block_on(async {
-            let fresh = load_model(&resolve_model("smollm2").unwrap(), Dtype::Float32).unwrap();
-            // Chunks of 6 tokens in stages of 3 (two steps each), sharing steps queued ahead.
-            let opts = EngineOptions { decode_ahead, prefix: Some((4, u64::MAX)), chunk_stages: 2, stage_tokens: 3, stage_budget: 0.0, min_stage_tokens: 1 };
-            let mut engine = ActorEngine::start(fresh.model, fresh.tokenizer, opts);
-            let mut s = Scheduler::new(SchedulerConfig {
-                prefill_chunk: 6,
-                idle_prefill_chunk: 6,
-                kv_bytes_per_token: engine.kv_bytes_per_token(),
-                kv_budget_bytes: 1 << 30,
-                ..Default::default()
-            });
+            let (mut engine, mut s) = staged_smollm2(decode_ahead);
             let start = Instant::now();
             let mut events: Vec<(ReqId, Event)> = vec![];
             let mut constrained: HashMap<ReqId, Value> = HashMap::new();
             let mut next: ReqId = 0;
-            let mut plan: Vec<(SeqSpec, Option<Value>)> = vec![];
-            for (i, p) in free_prompts.iter().enumerate() {
-                plan.push((SeqSpec::new(p.clone(), Sampling::default(), stop.clone()), None));
-                let schema = &schemas()[i];
-                let c = Constraint::JsonSchema { schema: schema.to_string() };
-                plan.push((SeqSpec { constraint: Some(c), ..SeqSpec::new(ask(questions[i]), Sampling::default(), stop.clone()) }, Some(schema.clone())));
-            }
-            // Sampled under a constraint (host sampling of masked logits), and the first constrained
-            // prompt again: its prefix is cached by now.
-            let sampled = Sampling { temperature: 0.9, seed: Some(11), ..Default::default() };
-            let schema = schemas()[2].clone();
-            plan.push((SeqSpec { constraint: Some(Constraint::JsonSchema { schema: schema.to_string() }), ..SeqSpec::new(ask(questions[2]), sampled, stop.clone()) }, Some(schema)));
+            let plan = plan(&ask, &free_prompts, &questions, &stop);
             let mut ids = vec![];
             for (spec, schema) in plan {
                 let id = submit(&mut engine, &mut s, &mut next, spec, start, &mut events).await;
@@ -132,40 +122,14 @@ fn constrained_rows_decode_beside_free_ones_into_valid_documents() {
             }
             assert!(s.is_idle(), "still busy after {ticks} ticks");
             // The first constrained prompt, again: a prefix hit, the same document.
-            let first_constrained = ids[1];
             let again = SeqSpec { constraint: Some(Constraint::JsonSchema { schema: schemas()[0].to_string() }), ..SeqSpec::new(ask(questions[0]), Sampling::default(), stop.clone()) };
             let again_id = submit(&mut engine, &mut s, &mut next, again, start, &mut events).await;
             while !s.is_idle() {
                 events.extend(s.tick(&mut engine, start.elapsed()).await.0.into_iter().map(|e| (e.id, e.event)));
             }
 
-            for (id, schema) in &constrained {
-                let (text, end) = outcome(&events, *id);
-                eprintln!("request {id}: {text}");
-                match end {
-                    Some(Event::Done { finish_reason: FinishReason::Stop, .. }) => {
-                        let doc: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("request {id}: {text:?} is not JSON: {e}"));
-                        assert!(jsonschema::validator_for(schema).unwrap().is_valid(&doc), "request {id}: {text} against {schema}");
-                    }
-                    other => panic!("request {id} ({text:?}) ended with {other:?}"),
-                }
-            }
-            let (first, _) = outcome(&events, first_constrained);
-            let (repeat, end) = outcome(&events, again_id);
-            assert_eq!(repeat, first, "the same greedy document after a prefix hit");
-            match end {
-                Some(Event::Done { usage, .. }) => assert!(usage.cached > 0, "{usage:?}"),
-                other => panic!("{other:?}"),
-            }
-            match outcome(&events, doomed).1 {
-                Some(Event::Error { error }) => assert_eq!(error.class, ErrorClass::Cancelled),
-                other => panic!("the cancelled request ended with {other:?}"),
-            }
-            for (i, want) in free_alone.iter().enumerate() {
-                let id = ids[2 * i];
-                let got: Vec<u32> = events.iter().filter(|(x, _)| *x == id).flat_map(|(_, e)| if let Event::Tokens { ids, .. } = e { ids.clone() } else { vec![] }).collect();
-                assert_eq!(&got, want, "free request {id} beside constrained ones");
-            }
+            let free: Vec<(ReqId, &Vec<u32>)> = free_alone.iter().enumerate().map(|(i, want)| (ids[2 * i], want)).collect();
+            check_outcomes(&events, &constrained, &free, Repeated { first: ids[1], again: again_id }, doomed);
             assert_eq!(engine.held(), 0);
             assert_eq!(s.reserved_kv_bytes(), 0);
             let masks = engine.mask_times();
@@ -178,6 +142,62 @@ fn constrained_rows_decode_beside_free_ones_into_valid_documents() {
         documents.push(docs);
     }
     assert_eq!(documents[0], documents[1], "steps queued ahead change no constrained document");
+}
+
+/// The requests of `constrained_rows_decode_beside_free_ones_into_valid_documents`, each with
+/// its schema where it has one: free and constrained ones in turn, then one sampled under a
+/// constraint (host sampling of masked logits).
+fn plan(ask: &dyn Fn(&str) -> Vec<u32>, free: &[Vec<u32>], questions: &[&str], stop: &StopConditions) -> Vec<(SeqSpec, Option<Value>)> {
+    let mut plan = vec![];
+    for (i, p) in free.iter().enumerate() {
+        plan.push((SeqSpec::new(p.clone(), Sampling::default(), stop.clone()), None));
+        let schema = &schemas()[i];
+        let c = Constraint::JsonSchema { schema: schema.to_string() };
+        plan.push((SeqSpec { constraint: Some(c), ..SeqSpec::new(ask(questions[i]), Sampling::default(), stop.clone()) }, Some(schema.clone())));
+    }
+    let sampled = Sampling { temperature: 0.9, seed: Some(11), ..Default::default() };
+    let schema = schemas()[2].clone();
+    let c = Constraint::JsonSchema { schema: schema.to_string() };
+    plan.push((SeqSpec { constraint: Some(c), ..SeqSpec::new(ask(questions[2]), sampled, stop.clone()) }, Some(schema)));
+    plan
+}
+
+/// A constrained prompt sent twice, the second time a prefix-cache hit.
+struct Repeated {
+    first: ReqId,
+    again: ReqId,
+}
+
+/// Every constrained request ended with a document valid against its schema; the free ones
+/// with the tokens they get alone; the repeated one with the same document from cached KV; the
+/// cancelled one with `Cancelled`.
+fn check_outcomes(events: &[(ReqId, Event)], constrained: &HashMap<ReqId, Value>, free: &[(ReqId, &Vec<u32>)], repeated: Repeated, cancelled: ReqId) {
+    for (id, schema) in constrained {
+        let (text, end) = outcome(events, *id);
+        eprintln!("request {id}: {text}");
+        match end {
+            Some(Event::Done { finish_reason: FinishReason::Stop, .. }) => {
+                let doc: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("request {id}: {text:?} is not JSON: {e}"));
+                assert!(jsonschema::validator_for(schema).unwrap().is_valid(&doc), "request {id}: {text} against {schema}");
+            }
+            other => panic!("request {id} ({text:?}) ended with {other:?}"),
+        }
+    }
+    let (first, _) = outcome(events, repeated.first);
+    let (repeat, end) = outcome(events, repeated.again);
+    assert_eq!(repeat, first, "the same greedy document after a prefix hit");
+    match end {
+        Some(Event::Done { usage, .. }) => assert!(usage.cached > 0, "{usage:?}"),
+        other => panic!("{other:?}"),
+    }
+    match outcome(events, cancelled).1 {
+        Some(Event::Error { error }) => assert_eq!(error.class, ErrorClass::Cancelled),
+        other => panic!("the cancelled request ended with {other:?}"),
+    }
+    for &(id, want) in free {
+        let got: Vec<u32> = events.iter().filter(|(x, _)| *x == id).flat_map(|(_, e)| if let Event::Tokens { ids, .. } = e { ids.clone() } else { vec![] }).collect();
+        assert_eq!(&got, want, "free request {id} beside constrained ones");
+    }
 }
 
 #[test]

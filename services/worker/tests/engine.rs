@@ -20,7 +20,6 @@ use mlx_rs::Dtype;
 
 #[test]
 fn chunked_interleaved_prefill_gives_the_same_greedy_tokens() {
-    const SAMPLED: u64 = 10;
     let loaded = load_model(&resolve_model("smollm2").unwrap(), Dtype::Float32).unwrap();
     let tok = loaded.tokenizer.as_ref().unwrap();
     let prompts = [
@@ -53,7 +52,27 @@ fn chunked_interleaved_prefill_gives_the_same_greedy_tokens() {
         (false, 1, true, 3, 0.0),
         (true, 1, false, 2, 1.01),
     ] {
-      actix::System::new().block_on(async {
+        let case = Interleaved { ahead, grid, with_sampled, stages, budget };
+        actix::System::new().block_on(case.run(&prompts, &alone, &stop, tok));
+    }
+}
+
+/// One way of running `chunked_interleaved_prefill_gives_the_same_greedy_tokens`'s prompts.
+struct Interleaved {
+    ahead: bool,
+    grid: usize,
+    with_sampled: bool,
+    stages: usize,
+    budget: f64,
+}
+
+impl Interleaved {
+    const SAMPLED: u64 = 10;
+
+    /// Runs the prompts through the scheduler and the actors, arrivals spread over ticks; checks
+    /// their greedy tokens against `alone` and that nothing is left held.
+    async fn run(&self, prompts: &[Vec<u32>], alone: &[Vec<u32>], stop: &StopConditions, tok: &llmq_text::Tokenizer) {
+        let Interleaved { ahead, grid, with_sampled, stages, budget } = *self;
         let fresh = load_model(&resolve_model("smollm2").unwrap(), Dtype::Float32).unwrap();
         // Chunks of 7 tokens: with `stages` stages, 7 / stages tokens (rounded up) a step.
         let opts = EngineOptions {
@@ -84,8 +103,8 @@ fn chunked_interleaved_prefill_gives_the_same_greedy_tokens() {
                 // ahead, and its own prompt's last chunk cannot ride in one.
                 let p = tok.prompt_ids("Name a colour.", true).unwrap();
                 let sampling = Sampling { temperature: 0.7, seed: Some(3), ..Default::default() };
-                engine.register(SAMPLED, SeqSpec::new(p.clone(), sampling, stop.clone())).await.unwrap();
-                events.extend(s.submit(Admission { id: SAMPLED, prompt_tokens: p.len(), max_tokens: 12, accepted_at: start.elapsed(), after: None }));
+                engine.register(Self::SAMPLED, SeqSpec::new(p.clone(), sampling, stop.clone())).await.unwrap();
+                events.extend(s.submit(Admission { id: Self::SAMPLED, prompt_tokens: p.len(), max_tokens: 12, accepted_at: start.elapsed(), after: None }));
             }
             // Arrivals spread over ticks, so prefills interleave with running decodes; with a
             // budget, far enough apart that decode-only steps are timed before chunks arrive.
@@ -100,24 +119,7 @@ fn chunked_interleaved_prefill_gives_the_same_greedy_tokens() {
             events.extend(s.tick(&mut engine, start.elapsed()).await.0);
         }
         assert!(s.is_idle());
-        if with_sampled {
-            let sampled: Vec<&Event> = events.iter().filter(|e| e.id == SAMPLED).map(|e| &e.event).collect();
-            let n: usize = sampled.iter().map(|e| if let Event::Tokens { ids, .. } = e { ids.len() } else { 0 }).sum();
-            match sampled.last() {
-                Some(Event::Done { usage, .. }) => assert!(n >= 1 && usage.completion as usize == n, "sampled request: {n} tokens, {usage:?}"),
-                e => panic!("sampled request ended with {e:?}"),
-            }
-        }
-        for (i, want) in alone.iter().enumerate() {
-            let got: Vec<u32> = events
-                .iter()
-                .filter(|e| e.id == i as u64)
-                .flat_map(|e| if let Event::Tokens { ids, .. } = &e.event { ids.clone() } else { vec![] })
-                .collect();
-            let end = events.iter().filter(|e| e.id == i as u64).last().map(|e| &e.event);
-            assert_eq!(&got, want, "request {i}, decode_ahead {ahead}, grid {grid}, with a sampled one {with_sampled}, stages {stages}, budget {budget}: ended with {end:?}");
-            assert!(events.iter().filter(|e| e.id == i as u64).last().unwrap().event.is_terminal());
-        }
+        self.check_tokens(&events, alone);
         // Chunks, and chunks that complete a prompt (its first token then comes with the next
         // decode step), ride in steps queued ahead.
         let (chunks, completions) = engine.chunks_queued_ahead();
@@ -132,6 +134,29 @@ fn chunked_interleaved_prefill_gives_the_same_greedy_tokens() {
         assert_eq!(engine.held(), 0);
         assert_eq!(engine.kv_bytes_in_use(), 0, "decode_ahead {ahead}");
         assert_eq!(s.reserved_kv_bytes(), 0);
-      });
+    }
+
+    /// Every greedy request got the tokens it gets alone and ended once; the sampled one ended
+    /// with as many tokens as its usage says.
+    fn check_tokens(&self, events: &[llmq_scheduler::Emit], alone: &[Vec<u32>]) {
+        if self.with_sampled {
+            let sampled: Vec<&Event> = events.iter().filter(|e| e.id == Self::SAMPLED).map(|e| &e.event).collect();
+            let n: usize = sampled.iter().map(|e| if let Event::Tokens { ids, .. } = e { ids.len() } else { 0 }).sum();
+            match sampled.last() {
+                Some(Event::Done { usage, .. }) => assert!(n >= 1 && usage.completion as usize == n, "sampled request: {n} tokens, {usage:?}"),
+                e => panic!("sampled request ended with {e:?}"),
+            }
+        }
+        let Interleaved { ahead, grid, with_sampled, stages, budget } = *self;
+        for (i, want) in alone.iter().enumerate() {
+            let got: Vec<u32> = events
+                .iter()
+                .filter(|e| e.id == i as u64)
+                .flat_map(|e| if let Event::Tokens { ids, .. } = &e.event { ids.clone() } else { vec![] })
+                .collect();
+            let end = events.iter().filter(|e| e.id == i as u64).last().map(|e| &e.event);
+            assert_eq!(&got, want, "request {i}, decode_ahead {ahead}, grid {grid}, with a sampled one {with_sampled}, stages {stages}, budget {budget}: ended with {end:?}");
+            assert!(end.unwrap().is_terminal());
+        }
     }
 }

@@ -114,62 +114,20 @@ impl Tokenizer {
 
     /// Rebuilds the tokenizer that a GGUF file's `tokenizer.ggml.*` metadata describes.
     pub fn from_gguf_metadata(path: &Path, md: &HashMap<String, Value>) -> Result<Self> {
-        let get = |k: &str| md.get(&format!("tokenizer.ggml.{k}"));
-        let strings = |k: &str| -> Option<Vec<String>> {
-            get(k)?.as_array()?.iter().map(|v| v.as_str().map(String::from)).collect()
-        };
-        let model = get("model").and_then(Value::as_str).unwrap_or("");
-        let tokens = strings("tokens").ok_or_else(|| tok_err(path, "no tokenizer.ggml.tokens"))?;
-        let types: Vec<u64> = get("token_type")
+        let g = GgufVocab { path, md };
+        let model = g.get("model").and_then(Value::as_str).unwrap_or("");
+        let tokens = g.strings("tokens").ok_or_else(|| tok_err(path, "no tokenizer.ggml.tokens"))?;
+        let types: Vec<u64> = g
+            .get("token_type")
             .and_then(Value::as_array)
             .map(|a| a.iter().map(|v| v.as_u64().unwrap_or(1)).collect())
             .unwrap_or_else(|| vec![1; tokens.len()]);
-        let id = |k: &str| get(k).and_then(Value::as_u64).map(|v| v as u32);
-        let (bos, eos) = (id("bos_token_id"), id("eos_token_id"));
-        let add_bos = get("add_bos_token").and_then(Value::as_bool).unwrap_or(model == "llama");
-        let vocab: serde_json::Map<String, Json> =
-            tokens.iter().enumerate().map(|(i, t)| (t.clone(), json!(i))).collect();
+        let (bos, eos) = (g.id("bos_token_id"), g.id("eos_token_id"));
+        let add_bos = g.get("add_bos_token").and_then(Value::as_bool).unwrap_or(model == "llama");
+        let vocab: serde_json::Map<String, Json> = tokens.iter().enumerate().map(|(i, t)| (t.clone(), json!(i))).collect();
         let mut tj = match model {
-            "gpt2" => {
-                let merges = strings("merges").ok_or_else(|| tok_err(path, "BPE vocabulary without tokenizer.ggml.merges"))?;
-                let pre_name = get("pre").and_then(Value::as_str).unwrap_or("default");
-                let (pre, ignore_merges) = byte_level_pre_tokenizer(pre_name).ok_or_else(|| {
-                    tok_err(path, format!("unknown pre-tokenizer {pre_name:?} (tokenizer.ggml.pre)"))
-                })?;
-                json!({
-                    "normalizer": if pre_name == "qwen2" { json!({"type": "NFC"}) } else { Json::Null },
-                    "pre_tokenizer": pre,
-                    "decoder": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false},
-                    "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
-                              "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
-                              "ignore_merges": ignore_merges, "vocab": vocab, "merges": merges},
-                })
-            }
-            "llama" => {
-                let scores: Vec<f64> = get("scores")
-                    .and_then(Value::as_array)
-                    .map(|a| a.iter().map(|v| v.as_f64().unwrap_or(0.0)).collect())
-                    .ok_or_else(|| tok_err(path, "SentencePiece vocabulary without tokenizer.ggml.scores"))?;
-                let unk = id("unknown_token_id").map(|i| tokens[i as usize].clone());
-                // SentencePiece prefixes a space unless the model says not to (Gemma).
-                let prefix_space = get("add_space_prefix").and_then(Value::as_bool).unwrap_or(true);
-                let mut normalizers = vec![json!({"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"})];
-                if prefix_space {
-                    normalizers.insert(0, json!({"type": "Prepend", "prepend": "\u{2581}"}));
-                }
-                let mut decoders = vec![json!({"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "}), json!({"type": "ByteFallback"}), json!({"type": "Fuse"})];
-                if prefix_space {
-                    decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
-                }
-                json!({
-                    "normalizer": {"type": "Sequence", "normalizers": normalizers},
-                    "pre_tokenizer": null,
-                    "decoder": {"type": "Sequence", "decoders": decoders},
-                    "model": {"type": "BPE", "dropout": null, "unk_token": unk, "continuing_subword_prefix": null,
-                              "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true,
-                              "vocab": vocab, "merges": merges_from_scores(&tokens, &scores, &types)},
-                })
-            }
+            "gpt2" => g.byte_level_bpe(vocab)?,
+            "llama" => g.sentencepiece(vocab, &tokens, &types)?,
             other => return Err(tok_err(path, format!("unsupported tokenizer model {other:?} (tokenizer.ggml.model)"))),
         };
         let obj = tj.as_object_mut().expect("built as an object");
@@ -183,7 +141,7 @@ impl Tokenizer {
         let tok_at = |i: Option<u32>| i.and_then(|i| tokens.get(i as usize).cloned());
         let mut eos_ids: Vec<u32> = eos.into_iter().collect();
         // Chat models end a turn with their end-of-turn token, which GGUF often records as EOT.
-        if let Some(eot) = id("eot_token_id") {
+        if let Some(eot) = g.id("eot_token_id") {
             if !eos_ids.contains(&eot) {
                 eos_ids.push(eot);
             }
@@ -297,6 +255,74 @@ impl Tokenizer {
         } else {
             self.encode(prompt, true)
         }
+    }
+}
+
+/// A GGUF file's `tokenizer.ggml.*` metadata, turned into the `tokenizers` crate's JSON.
+struct GgufVocab<'a> {
+    path: &'a Path,
+    md: &'a HashMap<String, Value>,
+}
+
+impl GgufVocab<'_> {
+    fn get(&self, k: &str) -> Option<&Value> {
+        self.md.get(&format!("tokenizer.ggml.{k}"))
+    }
+
+    fn strings(&self, k: &str) -> Option<Vec<String>> {
+        self.get(k)?.as_array()?.iter().map(|v| v.as_str().map(String::from)).collect()
+    }
+
+    fn id(&self, k: &str) -> Option<u32> {
+        self.get(k).and_then(Value::as_u64).map(|v| v as u32)
+    }
+
+    /// GPT-2's byte-level BPE (Llama 3, Qwen), with the pre-tokenizer `tokenizer.ggml.pre` names.
+    fn byte_level_bpe(&self, vocab: serde_json::Map<String, Json>) -> Result<Json> {
+        let merges = self.strings("merges").ok_or_else(|| tok_err(self.path, "BPE vocabulary without tokenizer.ggml.merges"))?;
+        let pre_name = self.get("pre").and_then(Value::as_str).unwrap_or("default");
+        let (pre, ignore_merges) = byte_level_pre_tokenizer(pre_name)
+            .ok_or_else(|| tok_err(self.path, format!("unknown pre-tokenizer {pre_name:?} (tokenizer.ggml.pre)")))?;
+        Ok(json!({
+            "normalizer": if pre_name == "qwen2" { json!({"type": "NFC"}) } else { Json::Null },
+            "pre_tokenizer": pre,
+            "decoder": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false},
+            "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                      "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
+                      "ignore_merges": ignore_merges, "vocab": vocab, "merges": merges},
+        }))
+    }
+
+    /// SentencePiece's vocabulary with scores (Llama 2, Gemma), as a BPE with byte fallback.
+    fn sentencepiece(&self, vocab: serde_json::Map<String, Json>, tokens: &[String], types: &[u64]) -> Result<Json> {
+        let scores: Vec<f64> = self
+            .get("scores")
+            .and_then(Value::as_array)
+            .map(|a| a.iter().map(|v| v.as_f64().unwrap_or(0.0)).collect())
+            .ok_or_else(|| tok_err(self.path, "SentencePiece vocabulary without tokenizer.ggml.scores"))?;
+        let unk = self.id("unknown_token_id").map(|i| tokens[i as usize].clone());
+        // SentencePiece prefixes a space unless the model says not to (Gemma).
+        let prefix_space = self.get("add_space_prefix").and_then(Value::as_bool).unwrap_or(true);
+        let mut normalizers = vec![json!({"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"})];
+        if prefix_space {
+            normalizers.insert(0, json!({"type": "Prepend", "prepend": "\u{2581}"}));
+        }
+        let mut decoders = vec![
+            json!({"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "}),
+            json!({"type": "ByteFallback"}),
+            json!({"type": "Fuse"}),
+        ];
+        if prefix_space {
+            decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
+        }
+        Ok(json!({
+            "normalizer": {"type": "Sequence", "normalizers": normalizers},
+            "pre_tokenizer": null,
+            "decoder": {"type": "Sequence", "decoders": decoders},
+            "model": {"type": "BPE", "dropout": null, "unk_token": unk, "continuing_subword_prefix": null,
+                      "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true,
+                      "vocab": vocab, "merges": merges_from_scores(tokens, &scores, types)},
+        }))
     }
 }
 

@@ -19,6 +19,7 @@
 //!   that resend it with short different suffixes: median time to first token with the prefix
 //!   cache (hits) and on a stack with the cache off (misses: the same prompts recomputed).
 
+mod burst;
 mod constrained;
 mod gateway;
 
@@ -33,6 +34,7 @@ use tokio::sync::mpsc;
 
 use crate::bench::random_prompt as prompt;
 use crate::serve::{start_stack, wait_for_workers};
+use burst::burst;
 use constrained::constrained_batch;
 
 pub struct Knobs {
@@ -270,100 +272,6 @@ async fn with_stack<'a>(k: &'a Knobs, env: &[(String, String)], f: impl FnOnce((
     let r = f((client, rx)).await;
     drop(stack);
     r
-}
-
-async fn burst((mut c, mut rx): (Client, mpsc::UnboundedReceiver<Seen>), k: &Knobs) -> Result<Value> {
-    // Active streams run until cancelled (2048 tokens outlast any burst measured here; a
-    // larger cap would only inflate their KV reservations).
-    let long = (c.status().await?.context_tokens as usize).saturating_sub(129).clamp(1, 2048);
-    let mut active = vec![];
-    for i in 0..k.active {
-        active.push(c.submit(&k.model, prompt(128, 3 + i as u64), long).await?);
-    }
-    let mut last: HashMap<usize, Instant> = HashMap::new();
-    let mut count: HashMap<usize, usize> = HashMap::new();
-    let (mut before, mut during, mut after) = (vec![], vec![], vec![]);
-    // Warm up, then measure the steady gap over 40 tokens of every active stream; after the
-    // burst, 40 more (the pace then tells whether the machine's own speed changed meanwhile:
-    // a shared host's CPUs can run this work at different speeds from one second to the next).
-    let mut phase = 0; // 0 warm, 1 steady, 2 burst, 3 after
-    let mut status1 = None;
-    let mut after_from = 0;
-    let mut status0 = None;
-    let mut burst_at = Instant::now();
-    let mut burst_ids: Vec<usize> = vec![];
-    let mut first: HashMap<usize, f64> = HashMap::new();
-    let (mut short_at, mut short_ids, mut short_first) = (None::<Instant>, vec![], HashMap::<usize, f64>::new());
-    while let Some(s) = rx.recv().await {
-        if s.terminal && s.stream < k.active {
-            if phase == 3 {
-                break; // its token cap reached after the burst: the pace after is what was seen
-            }
-            bail!("an active stream ended early");
-        }
-        if s.stream < k.active && s.tokens > 0 {
-            if let Some(p) = last.insert(s.stream, s.at) {
-                let gap = (s.at - p).as_secs_f64() * 1000.0;
-                match phase {
-                    1 => before.push(gap),
-                    2 => during.push(gap),
-                    3 => after.push(gap),
-                    _ => {}
-                }
-            }
-            *count.entry(s.stream).or_default() += 1;
-        } else if burst_ids.contains(&s.stream) && s.tokens > 0 && !first.contains_key(&s.stream) {
-            first.insert(s.stream, (s.at - burst_at).as_secs_f64());
-        } else if let Some(at) = short_at.filter(|_| short_ids.contains(&s.stream) && s.tokens > 0) {
-            short_first.entry(s.stream).or_insert((s.at - at).as_secs_f64());
-        }
-        if phase == 2 && short_at.is_none() && k.short > 0 && burst_at.elapsed() >= Duration::from_millis(500) {
-            short_at = Some(Instant::now());
-            for j in 0..k.short {
-                short_ids.push(c.submit(&k.model, prompt(64, 500 + j as u64), 8).await?);
-            }
-        }
-        let min = active.iter().map(|i| count.get(i).copied().unwrap_or(0)).min().unwrap_or(0);
-        if phase == 2 && first.len() == k.burst && short_first.len() == k.short {
-            phase = 3;
-            after_from = min;
-            status1 = Some(c.status().await?);
-        } else if phase == 3 && min >= after_from + 40 {
-            break;
-        } else if phase == 0 && min >= 20 {
-            phase = 1;
-        } else if phase == 1 && min >= 60 {
-            phase = 2;
-            status0 = Some(c.status().await?);
-            burst_at = Instant::now();
-            for j in 0..k.burst {
-                burst_ids.push(c.submit(&k.model, prompt(k.burst_tokens, 100 + j as u64), 8).await?);
-            }
-        }
-    }
-    let status1 = match status1 {
-        Some(s) => s,
-        None => c.status().await?,
-    };
-    c.cancel_all().await?;
-    let steady = median(before);
-    let worst = during.iter().copied().fold(0.0, f64::max);
-    let mut v = json!({
-        "scenario": "burst", "active_streams": k.active, "burst_prompts": k.burst,
-        "burst_tokens": k.burst_tokens, "prefill_step": k.chunk, "interleave": k.interleave,
-        "steady_gap_ms": round(steady, 2), "worst_gap_ms": round(worst, 2),
-        "worst_over_steady": round(worst / steady, 1),
-        "last_burst_first_token_s": round(first.values().copied().fold(0.0, f64::max), 3),
-        "steady_gap_after_ms": round(median(after), 2),
-    });
-    if k.short > 0 {
-        v["short_prompts"] = k.short.into();
-        v["last_short_first_token_s"] = round(short_first.values().copied().fold(0.0, f64::max), 3).into();
-    }
-    if let Some(s0) = status0 {
-        v.as_object_mut().unwrap().extend(overhead(&s0, &status1).as_object().unwrap().clone());
-    }
-    Ok(v)
 }
 
 async fn batch(c: &mut Client, rx: &mut mpsc::UnboundedReceiver<Seen>, k: &Knobs) -> Result<Value> {

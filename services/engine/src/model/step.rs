@@ -1,13 +1,15 @@
 //! A decode step: every length group's rows and a prefill chunk's stage in one pass over the
 //! weights, each row writing and attending at its own position.
 
+use std::ops::Range;
+
 use mlx_rs::fast::rms_norm;
 use mlx_rs::ops::concatenate;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::{Array, Dtype};
 
 use super::attention::{GroupAttention, GroupStep, RowStep};
-use super::rope::Layout;
+use super::rope::{Layout, Rotation};
 use super::{ChunkStage, Model};
 use crate::batch::DecodeBatch;
 use crate::error::{EngineError, Result};
@@ -27,9 +29,6 @@ impl Model {
             .as_ref()
             .filter(|_| decode_slots > 0)
             .map(|kernel| RowStep { kernel, plan: kernel.plan(&keys), slots: decode_slots as i32 });
-        // Where each row is rotated: a decode slot at its length before this step's token
-        // (scratch slots 0), then, in the chunk's layers, the chunk's positions.
-        let mut rotation: Vec<i32> = keys.iter().map(|&k| k.saturating_sub(1) as i32).collect();
         let mut chunk = chunk;
         let n_layers = self.layers.len();
         let (range, mut hidden_in) = match chunk.as_mut() {
@@ -42,19 +41,8 @@ impl Model {
             None => 0,
         };
         let t = chunk.as_ref().map_or(0, |c| (c.tokens.len() + pad) as i32);
-        // The decode rows alone, for the layers outside the chunk's stage (all of them without a
-        // chunk).
-        // Per rope (`Model::ropes`): the decode rows alone, for the layers outside the chunk's
-        // stage, and the decode rows with the chunk's, for those within it.
-        let rotate_decode = if range != (0..n_layers) { self.ropes.iter().map(|r| r.at(&rotation, Layout::Rows)).collect::<Result<Vec<_>>>()? } else { vec![] };
-        let rotate_all = match chunk.as_ref() {
-            Some(c) => {
-                let off = c.cache.layers[range.start].offset() as i32;
-                rotation.extend(off..off + t);
-                self.ropes.iter().map(|r| r.at(&rotation, Layout::Rows)).collect::<Result<Vec<_>>>()?
-            }
-            None => vec![],
-        };
+        let chunk_from = chunk.as_ref().map(|c| c.cache.layers[range.start].offset() as i32);
+        let (rotate_decode, rotate_all) = self.step_rotations(&keys, &range, chunk_from.map(|off| off..off + t))?;
         if active.is_empty() {
             return Err(EngineError::InvalidRequest("decode: no rows".into()));
         }
@@ -95,6 +83,24 @@ impl Model {
         }
         let logits = self.head(x, &active, decode_rows, decode_slots)?;
         Ok((logits, hidden_out))
+    }
+
+    /// Per rope (`Model::ropes`), where a step's rows are rotated: the decode rows alone (each
+    /// slot at its length before this step's token, scratch slots 0), for the layers outside
+    /// the chunk's stage (none when the stage is every layer); and the decode rows followed by
+    /// the chunk's `positions`, for those within it (none without a chunk).
+    fn step_rotations(&self, keys: &[usize], stage: &Range<usize>, positions: Option<Range<i32>>) -> Result<(Vec<Rotation>, Vec<Rotation>)> {
+        let mut rotation: Vec<i32> = keys.iter().map(|&k| k.saturating_sub(1) as i32).collect();
+        let at = |rotation: &[i32]| self.ropes.iter().map(|r| r.at(rotation, Layout::Rows)).collect::<Result<Vec<_>>>();
+        let decode = if *stage != (0..self.layers.len()) { at(&rotation)? } else { vec![] };
+        let all = match positions {
+            Some(p) => {
+                rotation.extend(p);
+                at(&rotation)?
+            }
+            None => vec![],
+        };
+        Ok((decode, all))
     }
 }
 

@@ -10,11 +10,11 @@ use llmq_engine::batch::DecodeBatch;
 use llmq_engine::model::ChunkStage;
 use llmq_engine::Model;
 use llmq_protocol::WireError;
-use llmq_scheduler::{PrefillResult, ReqId};
+use llmq_scheduler::ReqId;
 use mlx_rs::Array;
 
 use super::chunk::InFlight;
-use super::{DecodeActor, Stepped};
+use super::{ChunkOutcome, DecodeActor, Stepped};
 use crate::messages::StepTimes;
 use crate::seq::{argmax_rows, host_ids, internal, restricted_argmax, unknown, waited_after_masks, Seq};
 
@@ -85,7 +85,7 @@ impl DecodeActor {
     /// device), for the rows `order`, with the granted chunk's next stage (see
     /// `chunk_can_queue`) in the same pass; the stage then counts as done. On failure nothing
     /// is queued (the next step is built as usual) and the chunk comes back with the error.
-    pub(super) fn queue_ahead(&mut self, order: Vec<ReqId>, tokens: &Array, mut chunk: Option<InFlight>) -> Result<Option<(PrefillResult, Option<Box<Seq>>)>, (WireError, Option<InFlight>)> {
+    pub(super) fn queue_ahead(&mut self, order: Vec<ReqId>, tokens: &Array, mut chunk: Option<InFlight>) -> Result<Option<ChunkOutcome>, (WireError, Option<InFlight>)> {
         let Some(mut batches) = self.batches.take() else { return Err((internal("no decode batches"), chunk)) };
         let end = chunk.as_ref().map_or(0, |c| self.stage_end(c, true));
         let toks: Option<Vec<u32>> = chunk.as_ref().map(|c| c.lent.seq.chunk(c.lent.n));
@@ -145,7 +145,7 @@ impl DecodeActor {
                     if let Some((_, seq)) = completing {
                         self.release_seq(seq);
                     }
-                    return Stepped { outs: ids.iter().map(|_| Err(e.clone())).collect(), chunk: chunk.map(|c| (Err(e.clone()), c.back())) };
+                    return Stepped::failed(ids, chunk, e);
                 }
             },
         };
@@ -160,35 +160,13 @@ impl DecodeActor {
         let order: Vec<ReqId> = self.rows.iter().flatten().copied().collect();
         let decode: Vec<ReqId> = ids.iter().copied().filter(|id| failed_join.as_ref().is_none_or(|(f, _)| f != id)).collect();
         if decode.len() != order.len() || order.iter().any(|id| !pos.contains_key(id)) || decode.iter().any(|id| !order.contains(id)) {
-            let e = internal("the queued decode step is out of step with the scheduler");
             let _ = tokens.eval();
-            return Stepped { outs: ids.iter().map(|_| Err(e.clone())).collect(), chunk: chunk.map(|c| (Err(e.clone()), c.back())) };
+            return Stepped::failed(ids, chunk, internal("the queued decode step is out of step with the scheduler"));
         }
         let t1 = std::time::Instant::now();
         // This delivery's own launch only (a step launched synchronously earlier set it too).
         self.launched = (0.0, 0.0);
-        // The chunk's outcome when its stage rode in the queued step; otherwise it is still to run.
-        let mut folded = None;
-        let mut alone = None;
-        match chunk {
-            Some(c) if !self.chunk_can_queue(&c) => alone = Some(c),
-            chunk => {
-                let idx: Vec<i32> = order.iter().map(|id| pos[id] as i32).collect();
-                match tokens.take_axis(Array::from_slice(&idx, &[idx.len() as i32]), 0) {
-                    Ok(current) => match self.queue_ahead(order, &current, chunk) {
-                        Ok(outcome) => folded = outcome,
-                        Err((e, c)) => {
-                            tracing::warn!(error = %e, "could not queue the next decode step");
-                            folded = c.map(|c| (Err(e), c.back()));
-                        }
-                    },
-                    Err(e) => {
-                        tracing::warn!(error = %e, "could not queue the next decode step");
-                        alone = chunk;
-                    }
-                }
-            }
-        }
+        let (folded, alone) = self.queue_next(order, &pos, &tokens, chunk);
         let t2 = std::time::Instant::now();
         let host = host_ids(&tokens);
         let t3 = std::time::Instant::now();
@@ -220,5 +198,28 @@ impl DecodeActor {
             ..StepTimes::default()
         };
         Stepped { outs, chunk }
+    }
+
+    /// Queues the next step ahead (the current rows, their tokens just sampled, picked out of
+    /// `tokens` by `pos`), with the chunk's stage where it can ride in it. The chunk's outcome
+    /// when it rode (first), or the chunk still to run alone (second).
+    fn queue_next(&mut self, order: Vec<ReqId>, pos: &HashMap<ReqId, usize>, tokens: &Array, chunk: Option<InFlight>) -> (Option<ChunkOutcome>, Option<InFlight>) {
+        if chunk.as_ref().is_some_and(|c| !self.chunk_can_queue(c)) {
+            return (None, chunk);
+        }
+        let idx: Vec<i32> = order.iter().map(|id| pos[id] as i32).collect();
+        match tokens.take_axis(Array::from_slice(&idx, &[idx.len() as i32]), 0) {
+            Ok(current) => match self.queue_ahead(order, &current, chunk) {
+                Ok(outcome) => (outcome, None),
+                Err((e, c)) => {
+                    tracing::warn!(error = %e, "could not queue the next decode step");
+                    (c.map(|c| (Err(e), c.back())), None)
+                }
+            },
+            Err(e) => {
+                tracing::warn!(error = %e, "could not queue the next decode step");
+                (None, chunk)
+            }
+        }
     }
 }

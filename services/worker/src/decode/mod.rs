@@ -106,7 +106,17 @@ pub struct Stepped {
     /// The chunk's result, and its sequence when it goes back to the prefill actor (its
     /// prompt is not complete, or the chunk failed). A chunk part-way through the model
     /// (`Prefilled::Pending`) stays here with its sequence.
-    pub chunk: Option<(PrefillResult, Option<Box<Seq>>)>,
+    pub chunk: Option<ChunkOutcome>,
+}
+
+/// A chunk's result, and its sequence when it goes back to the prefill actor.
+pub type ChunkOutcome = (PrefillResult, Option<Box<Seq>>);
+
+impl Stepped {
+    /// Every row and the chunk failed with `e` (the chunk's sequence goes back).
+    fn failed(ids: &[ReqId], chunk: Option<InFlight>, e: WireError) -> Stepped {
+        Stepped { outs: ids.iter().map(|_| Err(e.clone())).collect(), chunk: chunk.map(|c| (Err(e), c.back())) }
+    }
 }
 
 /// A sequence whose prompt was completed by the prefill actor joins the decode batch.

@@ -1,0 +1,135 @@
+//! A model's shape and options, read from a Hugging Face `config.json` or from GGUF metadata.
+//! One struct for every architecture: each arch module says which options it uses. `hf` reads
+//! `config.json`, `gguf` a GGUF file's metadata.
+
+mod gguf;
+mod hf;
+#[cfg(test)]
+mod tests;
+
+pub use self::gguf::from_gguf;
+pub use self::hf::from_hf_json;
+
+use std::path::Path;
+
+use crate::error::{Error, Result};
+use crate::rope::RopeConfig;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arch {
+    /// Llama 2/3, SmolLM, TinyLlama, Mistral (with a sliding window).
+    Llama,
+    /// Qwen2: biases on q/k/v.
+    Qwen2,
+    /// Qwen3: RMS norms on q and k per head.
+    Qwen3,
+    /// Phi-3, Phi-4-mini: q/k/v and gate/up stored as one projection each.
+    Phi3,
+    /// Gemma 2: norms around attention and MLP (weights as 1 + w), GELU (tanh), scaled
+    /// embeddings, soft-capped attention scores and logits, alternating sliding layers.
+    Gemma2,
+    /// Gemma 3 text: Gemma 2's layer without soft-capping, with q/k norms, five sliding layers
+    /// (their own rope base) to one global.
+    Gemma3,
+}
+
+impl Arch {
+    pub fn is_gemma(self) -> bool {
+        matches!(self, Arch::Gemma2 | Arch::Gemma3)
+    }
+}
+
+/// Mixture of experts: a router picks `experts_per_token` of `experts` MLPs for each token, and
+/// their outputs are summed weighted by the router's softmax.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    pub experts: usize,
+    pub experts_per_token: usize,
+    /// Each expert's intermediate width.
+    pub expert_size: usize,
+    /// The chosen experts' weights rescaled to sum to 1 (Mixtral always; Qwen3-MoE's
+    /// `norm_topk_prob`).
+    pub renormalize: bool,
+    /// Which layers route through experts; the others run a dense MLP of `intermediate_size`.
+    pub sparse_layers: Vec<bool>,
+    /// A shared expert every token runs beside its k, this wide, its output scaled by a sigmoid
+    /// gate of its own (Qwen2-MoE).
+    pub shared_expert: Option<usize>,
+}
+
+#[derive(Debug, Clone)]
+pub struct ModelConfig {
+    pub arch: Arch,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub rms_norm_eps: f32,
+    pub rope: RopeConfig,
+    pub tie_word_embeddings: bool,
+    /// Sliding layers look back this many tokens, the current one included.
+    pub sliding_window: Option<usize>,
+    /// Which layers slide (one entry a layer; none without a window).
+    pub sliding_layers: Vec<bool>,
+    /// The rope of sliding layers where it differs from `rope` (Gemma 3's local base).
+    pub rope_local: Option<RopeConfig>,
+    /// Attention scores scaled by `query_pre_attn_scalar^-1/2` instead of `head_dim^-1/2` (Gemma).
+    pub query_pre_attn_scalar: Option<f32>,
+    /// Scores and final logits soft-capped: `cap * tanh(x / cap)` (Gemma 2).
+    pub attn_logit_softcap: Option<f32>,
+    pub final_logit_softcap: Option<f32>,
+    /// Mixture-of-experts layers (Mixtral, Qwen3-MoE).
+    pub moe: Option<MoeConfig>,
+    pub max_position_embeddings: usize,
+}
+
+impl ModelConfig {
+    /// A layer's attention window, None when it attends to everything before it.
+    pub fn window(&self, layer: usize) -> Option<usize> {
+        self.sliding_window.filter(|_| self.sliding_layers.get(layer).copied().unwrap_or(false))
+    }
+
+    /// Whether any layer slides (its caches cannot rewind, and it decodes per sequence).
+    pub fn any_sliding(&self) -> bool {
+        self.sliding_window.is_some() && self.sliding_layers.iter().any(|&s| s)
+    }
+
+    /// A layer's rope.
+    pub fn rope_of(&self, layer: usize) -> &RopeConfig {
+        match &self.rope_local {
+            Some(local) if self.window(layer).is_some() => local,
+            _ => &self.rope,
+        }
+    }
+
+    pub fn validate(&self, path: &Path) -> Result<()> {
+        let bad = |m: String| Err(Error::format(path, m));
+        if self.num_heads == 0 || self.num_kv_heads == 0 || self.num_heads % self.num_kv_heads != 0 {
+            return bad(format!("{} attention heads do not group over {} kv heads", self.num_heads, self.num_kv_heads));
+        }
+        if self.hidden_size == 0 || self.num_layers == 0 || self.vocab_size == 0 || self.head_dim == 0 {
+            return bad("zero-sized model dimension".into());
+        }
+        if self.sliding_layers.len() != self.num_layers {
+            return bad(format!("{} layer types for {} layers", self.sliding_layers.len(), self.num_layers));
+        }
+        if let Some(m) = &self.moe {
+            if m.experts == 0 || m.experts_per_token == 0 || m.experts_per_token > m.experts || m.expert_size == 0 {
+                return bad(format!("{} of {} experts a token, {} wide", m.experts_per_token, m.experts, m.expert_size));
+            }
+            if m.sparse_layers.len() != self.num_layers {
+                return bad(format!("{} expert layer flags for {} layers", m.sparse_layers.len(), self.num_layers));
+            }
+        }
+        if self.sliding_window == Some(0) {
+            return bad("a sliding window of 0 tokens".into());
+        }
+        if self.rope.dims % 2 != 0 || self.rope.dims == 0 || self.rope.dims > self.head_dim {
+            return bad(format!("{} rotary dimensions of a {}-wide head: rotary embeddings need pairs within the head", self.rope.dims, self.head_dim));
+        }
+        Ok(())
+    }
+}
