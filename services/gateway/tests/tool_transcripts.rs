@@ -7,6 +7,9 @@
 //! required call to, walked at random on each family's vocabulary, gives calls that parse and
 //! validate (checked with the `jsonschema` crate).
 
+#[path = "../../../shared/text/tests/common/walk.rs"]
+mod text_walk;
+
 use std::path::PathBuf;
 
 use llmq_gateway::tool_calls::{Parsed, ToolCallParser};
@@ -129,33 +132,11 @@ fn a_template_without_tools_is_instructed_and_its_turns_written_as_text() {
     assert_eq!((parsed.content.as_str(), parsed.calls.len()), ("", 1));
 }
 
-/// Token ids of a walk that picks random allowed tokens (mostly ones that close something,
-/// so that it ends) until the end of sequence is allowed; None past `limit` tokens.
+/// Token ids of a walk through the call grammar, mostly by tokens that close something (or are
+/// special: a call's markers), so that it ends.
 fn walk(g: &Grammars, tok: &Tokenizer, c: &Constraint, eos: &[u32], seed: u64, limit: usize) -> Option<Vec<u32>> {
-    let mut m = g.matcher(c).unwrap();
-    let mut mask = vec![0u32; g.mask_words()];
-    let mut rng = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    let mut next = move |n: usize| {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        (rng % n as u64) as usize
-    };
-    let bytes = tok.token_bytes().unwrap();
-    let mut ids = vec![];
-    for _ in 0..limit {
-        m.allowed(&mut mask).unwrap();
-        let options: Vec<u32> = (0..mask.len() * 32).filter(|&t| mask[t / 32] >> (t % 32) & 1 == 1).map(|t| t as u32).collect();
-        if options.iter().any(|t| eos.contains(t)) {
-            return Some(ids);
-        }
-        let closing: Vec<u32> = options.iter().copied().filter(|&t| bytes[t as usize].0.iter().any(|b| b"\"}]<>".contains(b)) || bytes[t as usize].1).collect();
-        let pool = if !closing.is_empty() && next(10) < 8 { &closing } else { &options };
-        let t = pool[next(pool.len())];
-        ids.push(t);
-        m.accept(t).unwrap();
-    }
-    None
+    let closes = |b: &[u8], special: bool| special || b.iter().any(|b| b"\"}]<>".contains(b));
+    text_walk::walk(g, tok, c, eos, seed, limit, &closes)
 }
 
 /// What intake asks for with `required` or a named function: in every family's syntax and

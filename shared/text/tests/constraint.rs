@@ -5,6 +5,10 @@
 //! that the `jsonschema` crate (an independent validator) accepts; what cannot be compiled is an
 //! invalid request with the library's reason.
 
+mod common {
+    pub mod walk;
+}
+
 use std::path::PathBuf;
 
 use llmq_text::constraint::{Constraint, Grammars, Matcher};
@@ -104,36 +108,12 @@ fn a_valid_document_is_followed_and_ends_only_where_complete() {
     }
 }
 
-/// A walk through the constraint: at each step a random allowed token, preferring those that
-/// close strings, objects and arrays, and the end as soon as it is allowed. Returns the text
-/// when the walk ended within `limit` tokens.
+/// A walk's text, preferring tokens that close strings, objects and arrays or write numbers.
 fn walk(g: &Grammars, tok: &Tokenizer, c: &Constraint, eos: &[u32], seed: u64, limit: usize) -> Option<String> {
-    let mut m = g.matcher(c).unwrap();
-    let mut mask = vec![0; g.mask_words()];
-    let mut rng = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    let mut next = move |n: usize| {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        (rng % n as u64) as usize
-    };
+    let closes = |b: &[u8], _: bool| b.iter().any(|b| b"\"}],0123456789".contains(b));
+    let ids = common::walk::walk(g, tok, c, eos, seed, limit, &closes)?;
     let bytes = tok.token_bytes().unwrap();
-    let mut out = vec![];
-    for _ in 0..limit {
-        m.allowed(&mut mask).unwrap();
-        let options = set(&mask);
-        assert!(!options.is_empty());
-        if let Some(&e) = options.iter().find(|t| eos.contains(t)) {
-            m.accept(e).unwrap();
-            return Some(String::from_utf8(out).expect("the constraint keeps the output UTF-8"));
-        }
-        let closing: Vec<u32> = options.iter().copied().filter(|&t| bytes[t as usize].0.iter().any(|b| b"\"}],0123456789".contains(b))).collect();
-        let pool = if !closing.is_empty() && next(10) < 8 { &closing } else { &options };
-        let t = pool[next(pool.len())];
-        out.extend_from_slice(&bytes[t as usize].0);
-        m.accept(t).unwrap();
-    }
-    None
+    Some(String::from_utf8(ids.iter().flat_map(|&t| bytes[t as usize].0.clone()).collect()).expect("the constraint keeps the output UTF-8"))
 }
 
 #[test]
