@@ -13,6 +13,7 @@
 //! - `seq` a request's sequence and the work the prefill and decode actors share
 //! - `placement` how many jobs a worker holds, from its peers' heartbeats
 //! - `held` the jobs a worker holds, and when it must give them up (cut off from the server)
+//! - `host_memory` on a CPU, memory faulted in once and reused, so KV does not page-fault
 //! - `service` the worker process: the device thread, events out, cancels, cache clears, heartbeats
 //! - `jobs` the jobs stream: taking jobs while there is room, handing back, draining
 //! - `tick_log` one line per tick, for tuning (off unless `worker.tick_log` is set)
@@ -24,6 +25,7 @@ pub mod cache;
 pub mod decode;
 pub mod engine;
 pub mod held;
+pub mod host_memory;
 pub mod jobs;
 pub mod messages;
 pub mod placement;

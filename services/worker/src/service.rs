@@ -29,9 +29,10 @@ use llmq_engine::{load_named, LoadOptions};
 use llmq_protocol::{subjects, CacheCleared, Cancel, ClearCache, Event, WorkerStatus};
 use tokio::sync::mpsc;
 
-use crate::actor::{CancelRequest, ClearPrefixCache, Outbound, SchedulerActor, WarmUp};
+use crate::actor::{CancelRequest, ClearPrefixCache, Outbound, SchedulerActor, WarmUp, WorkerEngine};
 use crate::engine::{ActorEngine, EngineOptions};
 use crate::held::Held;
+use crate::host_memory;
 use crate::jobs::{drain, hand_back, jobs_consumer, replay_cancels, Jobs};
 use crate::placement::Placement;
 use llmq_scheduler::SchedulerConfig;
@@ -201,6 +202,11 @@ async fn start_device(
     device.spawn_fn(move || {
         let loaded = (|| {
             set_mlx_limits(w.mlx_memory_limit_bytes, w.mlx_cache_limit_bytes)?;
+            if !gpu && w.host_memory_reserve_bytes != Some(0) {
+                let kept = host_memory::keep_freed(w.mlx_cache_limit_bytes)
+                    .map_err(|source| WorkerError::MlxLimit { setting: "worker.host_memory_reserve_bytes", source })?;
+                tracing::debug!(kept, "freed host memory kept for reuse");
+            }
             let load = |source| WorkerError::Load { model: w.model.clone(), source };
             let opts = LoadOptions::from_settings(w.dtype.as_deref(), w.quantize, w.quantize_group_size, w.keep_quantized).map_err(load)?;
             load_named(&w.model, opts).map_err(load)
@@ -221,6 +227,14 @@ async fn start_device(
             let prefix = prefix.enabled.then_some((prefix.block_tokens, prefix_max));
             let opts = EngineOptions { decode_ahead: sched.decode_ahead, prefix, chunk_stages, stage_tokens, stage_budget, min_stage_tokens };
             let engine = ActorEngine::start(model, m.tokenizer, opts);
+            if !gpu && w.host_memory_reserve_bytes != Some(0) {
+                let reserve = w.host_memory_reserve_bytes.unwrap_or_else(|| host_memory::default_reserve(engine.context_tokens(), engine.kv_bytes_per_token(), kv_budget));
+                let t = std::time::Instant::now();
+                match host_memory::fault_in(reserve) {
+                    Ok(()) => tracing::info!(reserve_bytes = reserve, ms = t.elapsed().as_millis() as u64, "host memory faulted in"),
+                    Err(e) => tracing::warn!(error = %e, "host memory not faulted in"),
+                }
+            }
             SchedulerActor::new(engine, cfg, out, worker_id, w.model.clone())
                 .with_status_snapshot(snapshot)
                 .with_tick_log(w.tick_log.as_deref())

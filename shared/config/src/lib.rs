@@ -133,6 +133,12 @@ pub struct WorkerSettings {
     /// Most bytes MLX keeps in its cache of freed buffers for reuse. Default: MLX's own (the
     /// memory limit); 0 frees every buffer as soon as it is dropped.
     pub mlx_cache_limit_bytes: Option<u64>,
+    /// On a CPU: host memory faulted in at start and kept for MLX's buffers (freed buffers are
+    /// then reused for any size, and MLX's own cache is off unless `mlx_cache_limit_bytes` is
+    /// set), so that a long prompt's KV does not page-fault on the cores the streams decode on.
+    /// Default: one sequence of the model's whole context and its prefix-cache copy, at most
+    /// the KV budget; 0: off (MLX's cache of freed buffers, as on a GPU). Ignored on a GPU.
+    pub host_memory_reserve_bytes: Option<u64>,
     /// Writes one line per scheduler tick to `<tick_log>.<worker id>`, for tuning (see the
     /// worker's `tick_log` module). Default: none.
     pub tick_log: Option<std::path::PathBuf>,
@@ -143,7 +149,7 @@ pub struct WorkerSettings {
 
 impl Default for WorkerSettings {
     fn default() -> Self {
-        WorkerSettings { id: None, model: "smollm2".into(), dtype: None, quantize: None, quantize_group_size: 64, keep_quantized: None, device: None, heartbeat_ms: 1000, max_queued: 256, ack_wait_ms: 6_000, warm_up_tokens: None, mlx_memory_limit_bytes: None, mlx_cache_limit_bytes: None, tick_log: None, drain_timeout_s: 30 }
+        WorkerSettings { id: None, model: "smollm2".into(), dtype: None, quantize: None, quantize_group_size: 64, keep_quantized: None, device: None, heartbeat_ms: 1000, max_queued: 256, ack_wait_ms: 6_000, warm_up_tokens: None, mlx_memory_limit_bytes: None, mlx_cache_limit_bytes: None, host_memory_reserve_bytes: None, tick_log: None, drain_timeout_s: 30 }
     }
 }
 
