@@ -86,14 +86,36 @@ struct Measured {
     extra_ms: f64,
     /// Mean position of the chunk's tokens (its offset plus half its tokens).
     mid: f64,
-    /// Weighted sums: weight, x, y, x·x, x·y (x: mid position, y: ms per token).
-    fit: [f64; 5],
+    fit: Sums,
+}
+
+/// Slowly forgetting weighted sums of samples (x: mid position, y: ms per token), for a least
+/// squares line.
+#[derive(Debug, Clone, Copy, Default)]
+struct Sums {
+    w: f64,
+    x: f64,
+    y: f64,
+    xx: f64,
+    xy: f64,
+}
+
+impl Sums {
+    /// Adds the sample (x, y) with weight `keep` on what is new, `1 - keep` on what was.
+    fn add(&mut self, x: f64, y: f64, keep: f64) {
+        let mix = |sum: &mut f64, v: f64| *sum = (1.0 - keep) * *sum + keep * v;
+        mix(&mut self.w, 1.0);
+        mix(&mut self.x, x);
+        mix(&mut self.y, y);
+        mix(&mut self.xx, x * x);
+        mix(&mut self.xy, x * y);
+    }
 }
 
 impl Measured {
     /// This size's (centred x·x, centred x·y) sums, for the shared slope.
     fn centred(&self) -> (f64, f64) {
-        let [w, x, y, xx, xy] = self.fit;
+        let Sums { w, x, y, xx, xy } = self.fit;
         if w <= 0.0 {
             return (0.0, 0.0);
         }
@@ -170,12 +192,10 @@ impl ChunkSizer {
         let n = self.sizes[i] as f64;
         let mid = at as f64 + n / 2.0;
         let (x, y) = (mid, extra / n);
-        let m = self.measured[i].get_or_insert(Measured { extra_ms: extra, mid, fit: [0.0; 5] });
+        let m = self.measured[i].get_or_insert(Measured { extra_ms: extra, mid, fit: Sums::default() });
         m.extra_ms += w * (extra - m.extra_ms);
         m.mid += w * (mid - m.mid);
-        for (sum, v) in m.fit.iter_mut().zip([1.0, x, y, x * x, x * y]) {
-            *sum = (1.0 - SLOPE_WEIGHT) * *sum + SLOPE_WEIGHT * v;
-        }
+        m.fit.add(x, y, SLOPE_WEIGHT);
     }
 
     /// The tick that started at `start` decoded `decoded` rows and prefilled `chunk` tokens
