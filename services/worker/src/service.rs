@@ -197,12 +197,14 @@ async fn start_device(
     let requested_stages = sched.chunk_stages(gpu);
     let (stage_budget, stage_tokens, min_stage_tokens) = (sched.tick_budget(gpu), sched.prefill_chunk_tokens, sched.min_chunk(gpu));
     let w = settings.worker.clone();
+    // On a CPU, memory faulted in once and reused (see `host_memory`).
+    let reserve_host_memory = !gpu && w.host_memory_reserve_bytes != Some(0);
     let worker_id = worker_id.to_string();
     let device = Arbiter::new();
     device.spawn_fn(move || {
         let loaded = (|| {
             set_mlx_limits(w.mlx_memory_limit_bytes, w.mlx_cache_limit_bytes)?;
-            if !gpu && w.host_memory_reserve_bytes != Some(0) {
+            if reserve_host_memory {
                 let kept = host_memory::keep_freed(w.mlx_cache_limit_bytes)
                     .map_err(|source| WorkerError::MlxLimit { setting: "worker.host_memory_reserve_bytes", source })?;
                 tracing::debug!(kept, "freed host memory kept for reuse");
@@ -227,7 +229,7 @@ async fn start_device(
             let prefix = prefix.enabled.then_some((prefix.block_tokens, prefix_max));
             let opts = EngineOptions { decode_ahead: sched.decode_ahead, prefix, chunk_stages, stage_tokens, stage_budget, min_stage_tokens };
             let engine = ActorEngine::start(model, m.tokenizer, opts);
-            if !gpu && w.host_memory_reserve_bytes != Some(0) {
+            if reserve_host_memory {
                 let reserve = w.host_memory_reserve_bytes.unwrap_or_else(|| host_memory::default_reserve(engine.context_tokens(), engine.kv_bytes_per_token(), kv_budget));
                 let t = std::time::Instant::now();
                 match host_memory::fault_in(reserve) {
