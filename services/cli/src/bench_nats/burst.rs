@@ -27,29 +27,29 @@ pub(super) async fn burst((mut c, mut rx): (Client, mpsc::UnboundedReceiver<Seen
     let (mut status0, mut status1, mut after_from) = (None, None, 0);
     while let Some(s) = rx.recv().await {
         if s.terminal && s.stream < k.active {
-            if seen.phase == AFTER {
+            if seen.phase == Phase::After {
                 break; // its token cap reached after the burst: the pace after is what was seen
             }
             bail!("an active stream ended early");
         }
         seen.record(&s);
-        if seen.phase == BURST && seen.short_at.is_none() && k.short > 0 && seen.burst_at.elapsed() >= Duration::from_millis(500) {
+        if seen.phase == Phase::Burst && seen.short_at.is_none() && k.short > 0 && seen.burst_at.elapsed() >= Duration::from_millis(500) {
             seen.short_at = Some(Instant::now());
             for j in 0..k.short {
                 seen.short_ids.push(c.submit(&k.model, prompt(64, 500 + j as u64), 8).await?);
             }
         }
         let min = active.iter().map(|i| seen.count.get(i).copied().unwrap_or(0)).min().unwrap_or(0);
-        if seen.phase == BURST && seen.first.len() == k.burst && seen.short_first.len() == k.short {
-            seen.phase = AFTER;
+        if seen.phase == Phase::Burst && seen.first.len() == k.burst && seen.short_first.len() == k.short {
+            seen.phase = Phase::After;
             after_from = min;
             status1 = Some(c.status().await?);
-        } else if seen.phase == AFTER && min >= after_from + 40 {
+        } else if seen.phase == Phase::After && min >= after_from + 40 {
             break;
-        } else if seen.phase == WARM && min >= 20 {
-            seen.phase = STEADY;
-        } else if seen.phase == STEADY && min >= 60 {
-            seen.phase = BURST;
+        } else if seen.phase == Phase::Warm && min >= 20 {
+            seen.phase = Phase::Steady;
+        } else if seen.phase == Phase::Steady && min >= 60 {
+            seen.phase = Phase::Burst;
             status0 = Some(c.status().await?);
             seen.burst_at = Instant::now();
             for j in 0..k.burst {
@@ -70,19 +70,25 @@ pub(super) async fn burst((mut c, mut rx): (Client, mpsc::UnboundedReceiver<Seen
 }
 
 /// The burst scenario's phases: warming up, the steady gap, the burst, the pace after it.
-const WARM: usize = 0;
-const STEADY: usize = 1;
-const BURST: usize = 2;
-const AFTER: usize = 3;
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Warm,
+    Steady,
+    Burst,
+    After,
+}
 
 /// What the burst scenario has seen: the active streams' gaps in each phase, and when the
 /// burst's prompts and the short ones sent during it got their first tokens.
 struct BurstSeen {
     active: usize,
-    phase: usize,
+    phase: Phase,
     last: HashMap<usize, Instant>,
     count: HashMap<usize, usize>,
-    gaps: [Vec<f64>; 4],
+    /// The active streams' gaps (ms) in the steady phase, during the burst, and after it.
+    steady: Vec<f64>,
+    during: Vec<f64>,
+    after: Vec<f64>,
     burst_at: Instant,
     burst_ids: Vec<usize>,
     first: HashMap<usize, f64>,
@@ -95,10 +101,12 @@ impl BurstSeen {
     fn new(active: usize) -> Self {
         BurstSeen {
             active,
-            phase: WARM,
+            phase: Phase::Warm,
             last: HashMap::new(),
             count: HashMap::new(),
-            gaps: Default::default(),
+            steady: vec![],
+            during: vec![],
+            after: vec![],
             burst_at: Instant::now(),
             burst_ids: vec![],
             first: HashMap::new(),
@@ -111,7 +119,13 @@ impl BurstSeen {
     fn record(&mut self, s: &Seen) {
         if s.stream < self.active && s.tokens > 0 {
             if let Some(p) = self.last.insert(s.stream, s.at) {
-                self.gaps[self.phase].push((s.at - p).as_secs_f64() * 1000.0);
+                let gap = (s.at - p).as_secs_f64() * 1000.0;
+                match self.phase {
+                    Phase::Warm => {}
+                    Phase::Steady => self.steady.push(gap),
+                    Phase::Burst => self.during.push(gap),
+                    Phase::After => self.after.push(gap),
+                }
             }
             *self.count.entry(s.stream).or_default() += 1;
         } else if self.burst_ids.contains(&s.stream) && s.tokens > 0 && !self.first.contains_key(&s.stream) {
@@ -122,15 +136,15 @@ impl BurstSeen {
     }
 
     fn report(&self, k: &Knobs) -> Value {
-        let steady = median(self.gaps[STEADY].clone());
-        let worst = self.gaps[BURST].iter().copied().fold(0.0, f64::max);
+        let steady = median(self.steady.clone());
+        let worst = self.during.iter().copied().fold(0.0, f64::max);
         let mut v = json!({
             "scenario": "burst", "active_streams": k.active, "burst_prompts": k.burst,
             "burst_tokens": k.burst_tokens, "prefill_step": k.chunk, "interleave": k.interleave,
             "steady_gap_ms": round(steady, 2), "worst_gap_ms": round(worst, 2),
             "worst_over_steady": round(worst / steady, 1),
             "last_burst_first_token_s": round(self.first.values().copied().fold(0.0, f64::max), 3),
-            "steady_gap_after_ms": round(median(self.gaps[AFTER].clone()), 2),
+            "steady_gap_after_ms": round(median(self.after.clone()), 2),
         });
         if k.short > 0 {
             v["short_prompts"] = k.short.into();
