@@ -6,7 +6,7 @@
 //! so a new prompt length meets fresh memory again.
 //!
 //! So on a CPU the worker (1) keeps freed memory in the process: glibc serves buffers up to
-//! 32 MB from its heap and never gives freed heap back; (2) lets MLX free buffers at once
+//! 32 MB from its heap and keeps freed heap (up to 2 GB) instead of giving it back; (2) lets MLX free buffers at once
 //! (cache limit 0), so that glibc reuses them for any size; (3) faults its reserve in once at
 //! start, through MLX's own allocations, so that the first long prompt finds it.
 
@@ -21,7 +21,7 @@ mod glibc {
 }
 
 /// The largest buffer glibc may serve from its heap (its ceiling for the mmap threshold).
-pub const LARGEST_HEAP_BUFFER: usize = 32 << 20;
+const LARGEST_HEAP_BUFFER: usize = 32 << 20;
 
 /// Freed memory stays in the process for reuse (see the module's doc); MLX frees buffers at
 /// once unless `mlx_cache_limit` says otherwise. Whether glibc took the settings (false on
