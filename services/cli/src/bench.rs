@@ -73,7 +73,10 @@ pub struct Args {
     /// Workers in the stack the benchmark starts (burst, batch, static, prefix, gateway).
     #[arg(long, default_value_t = 1)]
     workers: usize,
-    /// GPUs to spread those workers over, one each in turn (e.g. 0,1).
+    /// Prefill workers besides (the workers then decode only, their prompts prefilled by these).
+    #[arg(long, default_value_t = 0)]
+    prefill_workers: usize,
+    /// GPUs to spread those workers over, one each in turn (e.g. 0,1), prefill workers last.
     #[arg(long, value_delimiter = ',')]
     gpus: Vec<u32>,
     /// KV budget of the worker in bytes (default: the worker's).
@@ -163,6 +166,7 @@ fn through_nats(a: &Args) -> Result<serde_json::Value> {
         output_tokens: a.output_tokens,
         prefix_tokens: a.prefix_tokens,
         workers: a.workers.max(1),
+        prefill_workers: a.prefill_workers,
         gpus: a.gpus.clone(),
         gateway: (a.scenario == "gateway").then(|| "127.0.0.1:0".to_string()),
         nats: a.nats.clone(),

@@ -23,7 +23,7 @@ enum Command {
     /// Measure speed; prints JSON lines with the peer benchmark's field names.
     Bench(bench::Args),
     /// Run an engine worker (one model on one device).
-    Worker(serve::ServiceArgs),
+    Worker(serve::WorkerArgs),
     /// Run an intake service.
     Intake(serve::ServiceArgs),
     /// Run the OpenAI-compatible HTTP gateway (`gateway.listen`).

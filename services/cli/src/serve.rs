@@ -20,8 +20,22 @@ fn settings(a: &ServiceArgs) -> Result<llmq_config::Settings> {
     Ok(llmq_config::load(a.config.as_deref())?)
 }
 
-pub fn worker(a: ServiceArgs) -> Result<()> {
-    let s = settings(&a)?;
+#[derive(clap::Args)]
+pub struct WorkerArgs {
+    #[command(flatten)]
+    service: ServiceArgs,
+    /// both: take jobs, prefill and decode them; decode: take jobs and have their prompts
+    /// prefilled by a live prefill worker; prefill: compute prompt chunks for decode workers
+    /// (`worker.role`; default: the configuration's, `both`).
+    #[arg(long, value_parser = ["both", "prefill", "decode"])]
+    role: Option<String>,
+}
+
+pub fn worker(a: WorkerArgs) -> Result<()> {
+    let mut s = settings(&a.service)?;
+    if let Some(role) = a.role {
+        s.worker.role = role;
+    }
     if let Some(d) = s.worker.device {
         // Before MLX initialises (the model loads later, on the device thread).
         std::env::set_var("CUDA_VISIBLE_DEVICES", d.to_string());
@@ -62,9 +76,13 @@ pub fn gateway(a: ServiceArgs) -> Result<()> {
 
 #[derive(clap::Args)]
 pub struct UpArgs {
-    /// Engine workers to start.
+    /// Engine workers to start (they take the jobs).
     #[arg(long, default_value_t = 1)]
     workers: usize,
+    /// Prefill workers to start besides: the engine workers then have their prompts
+    /// prefilled by them (roles `decode` and `prefill`).
+    #[arg(long, default_value_t = 0)]
+    prefill_workers: usize,
     /// The model the workers serve (a known name or a path).
     #[arg(long, default_value = "smollm2")]
     model: String,
@@ -76,7 +94,7 @@ pub struct UpArgs {
     #[arg(long)]
     gateway: Option<String>,
     /// GPUs to spread the workers over, one each in turn (e.g. 0,1): worker i owns
-    /// GPU gpus[i % len] (`worker.device`).
+    /// GPU gpus[i % len] (`worker.device`), the prefill workers counted after the others.
     #[arg(long, value_delimiter = ',')]
     gpus: Vec<u32>,
     #[arg(long)]
@@ -136,17 +154,27 @@ impl Drop for Stack {
     }
 }
 
-/// Starts nats-server on `port` (or a free one), intake and `workers` workers for `model`, with
-/// extra environment for the workers (LLMQ__SCHEDULER__..., say).
-pub fn start_stack(
-    model: &str,
-    workers: usize,
-    port: Option<u16>,
-    config: Option<&std::path::Path>,
-    worker_env: &[(String, String)],
-    gateway: Option<&str>,
-    gpus: &[u32],
-) -> Result<Stack> {
+/// What `start_stack` starts besides nats-server and intake.
+#[derive(Default)]
+pub struct StackSpec<'a> {
+    pub model: &'a str,
+    /// Workers that take jobs, and prefill workers besides (with any, the others decode only).
+    pub workers: usize,
+    pub prefill_workers: usize,
+    /// NATS port on 127.0.0.1 (default: a free one).
+    pub port: Option<u16>,
+    pub config: Option<&'a std::path::Path>,
+    /// Extra environment for the workers (LLMQ__SCHEDULER__..., say).
+    pub worker_env: &'a [(String, String)],
+    /// The gateway's listening address, when it runs.
+    pub gateway: Option<&'a str>,
+    /// GPUs the workers take in turn.
+    pub gpus: &'a [u32],
+}
+
+/// Starts nats-server, intake, the workers and optionally the gateway.
+pub fn start_stack(spec: StackSpec) -> Result<Stack> {
+    let StackSpec { model, workers, prefill_workers, port, config, worker_env, gateway, gpus } = spec;
     static STACKS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let n = STACKS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let dir = std::env::temp_dir().join(format!("llmq-stack-{}-{n}", std::process::id()));
@@ -166,10 +194,14 @@ pub fn start_stack(
         Ok(c.stdin(Stdio::null()).stdout(Stdio::null()).spawn()?)
     };
     stack.children.push("intake", spawn("intake", &[])?);
-    for i in 0..workers {
+    for i in 0..workers + prefill_workers {
         let mut env = worker_env.to_vec();
         if !gpus.is_empty() {
             env.push(("LLMQ__WORKER__DEVICE".into(), gpus[i % gpus.len()].to_string()));
+        }
+        if prefill_workers > 0 {
+            let role = if i < workers { "decode" } else { "prefill" };
+            env.push(("LLMQ__WORKER__ROLE".into(), role.into()));
         }
         stack.children.push(&format!("worker {i}"), spawn("worker", &env)?);
     }
@@ -213,18 +245,29 @@ pub async fn wait_for_workers(client: &async_nats::Client, workers: usize, child
 }
 
 pub fn up(a: UpArgs) -> Result<()> {
-    let mut stack = start_stack(&a.model, a.workers, a.port, a.config.as_deref(), &[], a.gateway.as_deref(), &a.gpus)?;
+    let spec = StackSpec {
+        model: &a.model,
+        workers: a.workers,
+        prefill_workers: a.prefill_workers,
+        port: a.port,
+        config: a.config.as_deref(),
+        gateway: a.gateway.as_deref(),
+        gpus: &a.gpus,
+        ..Default::default()
+    };
+    let mut stack = start_stack(spec)?;
     let (url, gateway) = (stack.url.clone(), stack.gateway.clone());
     let children = &mut stack.children;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let result = rt.block_on(async {
         let client = async_nats::connect(&url).await?;
-        wait_for_workers(&client, a.workers, children).await?;
+        wait_for_workers(&client, a.workers + a.prefill_workers, children).await?;
         println!("LLMQ_NATS_URL={url}");
         if let Some(g) = &gateway {
             println!("LLMQ_GATEWAY_URL=http://{g}");
         }
-        eprintln!("llmq: up: nats-server, intake and {} worker(s) for {}; Ctrl-C stops them", a.workers, a.model);
+        let prefill = if a.prefill_workers > 0 { format!(" and {} prefill worker(s)", a.prefill_workers) } else { String::new() };
+        eprintln!("llmq: up: nats-server, intake and {} worker(s){prefill} for {}; Ctrl-C stops them", a.workers, a.model);
         let stop = stop_signal();
         tokio::pin!(stop);
         loop {

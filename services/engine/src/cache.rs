@@ -39,6 +39,9 @@ pub trait KvCache: Send {
     fn contents(&self) -> Option<(Array, Array)> {
         None
     }
+    /// The keys and values of the last `n` positions written [1, kv_heads, n, head_dim], when
+    /// this cache still keeps them (a sliding window keeps its last `window - 1`).
+    fn last(&self, n: usize) -> Option<(Array, Array)>;
     /// The whole buffers [1, kv_heads, capacity, head_dim] whose first `offset` positions are
     /// written, when this cache keeps positions in order in such buffers (what llmq's CPU
     /// attention reads).
@@ -132,6 +135,11 @@ impl KvCache for StandardCache {
         self.keys.as_ref().zip(self.values.as_ref())
     }
 
+    fn last(&self, n: usize) -> Option<(Array, Array)> {
+        let (o, e) = (self.offset.checked_sub(n)? as i32, self.offset as i32);
+        Some((self.keys.as_ref()?.index((.., .., o..e, ..)), self.values.as_ref()?.index((.., .., o..e, ..))))
+    }
+
     fn rewind(&mut self, n: usize) -> Result<()> {
         if n > self.offset {
             return Err(crate::EngineError::InvalidRequest(format!("rewind of {n} tokens from position {}", self.offset)));
@@ -219,6 +227,13 @@ impl KvCache for RotatingCache {
         self.keys.as_ref().map_or(0, |k| k.nbytes()) + self.values.as_ref().map_or(0, |v| v.nbytes())
     }
 
+    fn last(&self, n: usize) -> Option<(Array, Array)> {
+        let (k, v) = (self.keys.as_ref()?, self.values.as_ref()?);
+        let kept = k.shape()[2] as usize;
+        let from = kept.checked_sub(n)? as i32;
+        Some((k.index((.., .., from.., ..)), v.index((.., .., from.., ..))))
+    }
+
     /// Every position, as long as the window has not dropped any (a wrapped cache cannot be
     /// resumed at an earlier position: the keys it would need are gone).
     fn contents(&self) -> Option<(Array, Array)> {
@@ -245,6 +260,22 @@ impl SequenceCache {
     }
     pub fn nbytes(&self) -> usize {
         self.layers.iter().map(|l| l.nbytes()).sum()
+    }
+    /// Every layer's keys and values of the last `n` positions written, if every layer still
+    /// keeps them (see `KvCache::last`).
+    pub fn last(&self, n: usize) -> Option<Vec<(Array, Array)>> {
+        self.layers.iter().map(|l| if n == 0 { None } else { l.last(n) }).collect()
+    }
+    /// Appends keys and values computed elsewhere (another worker's prefill): one
+    /// [1, kv_heads, n, head_dim] pair per layer, written as a chunk run here would write them.
+    pub fn append(&mut self, layers: &[(Array, Array)]) -> Result<()> {
+        if layers.len() != self.layers.len() {
+            return Err(crate::EngineError::InvalidRequest(format!("KV of {} layers for a cache of {}", layers.len(), self.layers.len())));
+        }
+        for (cache, (k, v)) in self.layers.iter_mut().zip(layers) {
+            cache.update(k, v)?;
+        }
+        Ok(())
     }
     /// Layer `l`'s keys and values for every position, if this cache keeps them all.
     pub fn contents(&self, l: usize) -> Option<(Array, Array)> {

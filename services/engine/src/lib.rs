@@ -14,6 +14,7 @@
 //! - `qmv`       quantized matrix products of a few rows, a CUDA kernel (GPU only)
 //! - `kernel`    how llmq's CUDA kernels are compiled and launched through MLX
 //! - `mask`      logits restricted to the tokens a constraint allows (packed bit masks)
+//! - `kv_bytes`  a chunk's KV as bytes, to travel between workers (prefill workers)
 //! - `prefix`    the prefix cache: KV of earlier sequences, found again by their first tokens
 //! - `generate`  one sequence end to end, for the CLI and the single-stream benchmark
 //! - `shapes`    random-weight models of known shapes, for benchmarks
@@ -27,6 +28,7 @@ pub mod cpu_attention;
 pub mod error;
 pub mod generate;
 pub(crate) mod kernel;
+pub mod kv_bytes;
 pub mod mask;
 pub mod model;
 pub mod prefix;

@@ -10,7 +10,9 @@
 //!   decode batch there);
 //! - a tick without decode rows: the prefill actor runs the chunk; a completed prompt's
 //!   sequence moves to the decode actor (`Join`);
-//! - releases go to both role actors (each forgets what it holds); trims to the cache actor.
+//! - releases go to both role actors (each forgets what it holds); trims to the cache actor;
+//! - on a decode worker (`remote`), a chunk of a request prefilled by a prefill worker is
+//!   granted to it instead, and the KV that arrives is installed in the prefill actor.
 //!
 //! Invariants: every call waits for its answers, so the scheduler's next call sees their
 //! effects; a lost actor (its mailbox closed) turns into internal errors for the requests of
@@ -26,6 +28,7 @@ use crate::cache::{self, CacheActor};
 use crate::messages::{Release, Reply, Report, Reset, ResetCounters, StepTimes};
 use crate::decode::{self, DecodeActor, Grant, Lent, Step};
 use crate::prefill::{self, Chunked, PrefillActor};
+use crate::remote::{Install, Plan, RemotePrefill};
 use llmq_scheduler::{EngineOps, PrefillResult, Prefilled, ReqId, StepOut};
 use crate::seq::{internal, MaskTimes, SeqSpec, Shared};
 
@@ -67,7 +70,13 @@ pub struct ActorEngine {
     staging: decode::Staging,
     /// What constrained rows' masks have cost (the role actors add to it; same thread).
     mask_times: std::rc::Rc<std::cell::Cell<MaskTimes>>,
+    /// Prefill by prefill workers (a decode worker's).
+    remote: Option<RemotePrefill>,
+    kv_layout: llmq_engine::kv_bytes::KvLayout,
 }
+
+/// How long a tick with nothing else to do waits for a prefill worker's KV.
+const REMOTE_POLL: std::time::Duration = std::time::Duration::from_millis(20);
 
 const PREFILL: usize = 0;
 const DECODE: usize = 1;
@@ -83,6 +92,7 @@ impl ActorEngine {
         };
         let kv_bytes_per_token = 2 * (c.num_layers * c.num_kv_heads * c.head_dim * elem) as u64;
         let context_tokens = c.max_position_embeddings;
+        let kv_layout = model.kv_layout();
         // Hits in whole chunk-grid blocks, so that the chunks after one start on the grid (see
         // `Model::chunk_grid`).
         let cache = CacheActor::new(opts.prefix.map(|(block, max)| (block, model.chunk_grid(), max))).start();
@@ -91,7 +101,72 @@ impl ActorEngine {
         let prefill = PrefillActor::new(shared.clone(), cache.clone()).start();
         let staging = decode::Staging::new(&shared.model, opts.chunk_stages, opts.stage_tokens, opts.stage_budget, opts.min_stage_tokens);
         let decode = DecodeActor::new(shared, cache.clone(), opts.decode_ahead, staging).start();
-        ActorEngine { prefill, decode, cache, kv_bytes_per_token, context_tokens, reports: Default::default(), staged: None, staging, mask_times }
+        ActorEngine {
+            prefill,
+            decode,
+            cache,
+            kv_bytes_per_token,
+            context_tokens,
+            reports: Default::default(),
+            staged: None,
+            staging,
+            mask_times,
+            remote: None,
+            kv_layout,
+        }
+    }
+
+    /// Prompts are prefilled by prefill workers while one is live (a decode worker).
+    pub fn with_remote_prefill(mut self, mut remote: RemotePrefill) -> Self {
+        remote.set_kv_layout(self.kv_layout.to_string());
+        self.remote = Some(remote);
+        self
+    }
+
+    /// Writes a prefill worker's chunk into its request's cache.
+    async fn install(&mut self, i: Install) {
+        let Install { key, start, n, bytes } = i;
+        let layers = llmq_engine::kv_bytes::from_bytes(&bytes, self.kv_layout, n).map_err(internal);
+        let installed = match layers {
+            Ok(layers) => {
+                let answer = self.prefill.send(prefill::Install { id: key, start, n, layers }).await;
+                self.take(PREFILL, answer, Err)
+            }
+            Err(e) => Err(e),
+        };
+        if let Some(remote) = self.remote.as_mut() {
+            match installed {
+                Ok(()) => remote.installed(key, n, bytes.len()),
+                Err(e) => remote.failed(key, e.message),
+            }
+        }
+    }
+
+    /// A tick's work on a decode worker: installs the KV that arrived; a chunk of a request
+    /// prefilled remotely is granted to its prefill worker (`Pending` until computed), or run
+    /// here (its last position, or all of it after a fallback).
+    async fn step_with_remote(&mut self, ids: &[ReqId], chunk: Option<(ReqId, usize)>) -> (Vec<Result<StepOut, WireError>>, Option<PrefillResult>) {
+        let Some(remote) = self.remote.as_mut() else { return self.step_here(ids, chunk).await };
+        let remote_chunk = chunk.filter(|(id, _)| remote.is_remote(*id));
+        // With nothing else to do this tick, wait a little for the prefill worker.
+        let wait = (ids.is_empty() && remote_chunk.is_some() && remote.waiting()).then_some(REMOTE_POLL);
+        for i in remote.arrived(wait).await {
+            self.install(i).await;
+        }
+        let Some((id, n)) = remote_chunk else { return self.step_here(ids, chunk).await };
+        let plan = self.remote.as_mut().map_or(Plan::Local(n), |r| r.plan(id, n));
+        let prefilled = match plan {
+            Plan::Local(m) => return self.step_here(ids, Some((id, m))).await,
+            Plan::Pending => Prefilled::Pending,
+            Plan::Done => Prefilled::Done(None),
+        };
+        let (outs, _) = self.step_here(ids, None).await;
+        (outs, Some(Ok(prefilled)))
+    }
+
+    /// KV bytes installed from prefill workers since start.
+    pub fn kv_bytes_received(&self) -> u64 {
+        self.remote.as_ref().map_or(0, |r| r.received_bytes)
     }
 
     /// An answer's value, its report noted; a lost actor gives `lost`.
@@ -147,6 +222,34 @@ impl EngineOps for ActorEngine {
     }
 
     async fn step(&mut self, ids: &[ReqId], chunk: Option<(ReqId, usize)>) -> (Vec<Result<StepOut, WireError>>, Option<PrefillResult>) {
+        self.step_with_remote(ids, chunk).await
+    }
+
+    async fn release(&mut self, ids: &[ReqId]) {
+        if let Some(remote) = self.remote.as_mut() {
+            ids.iter().for_each(|&id| remote.forget(id));
+        }
+        self.release_here(ids).await
+    }
+
+    async fn admit(&mut self, id: ReqId) -> usize {
+        let answer = self.prefill.send(prefill::Admit(id)).await;
+        let reused = self.take(PREFILL, answer, |_| 0);
+        if let Some(remote) = self.remote.as_mut() {
+            remote.admitted(id, reused);
+        }
+        reused
+    }
+
+    async fn prefix_trim(&mut self, max_bytes: u64) -> u64 {
+        let answer = self.cache.send(cache::Trim(max_bytes)).await;
+        self.take(CACHE, answer, |_| 0)
+    }
+}
+
+impl ActorEngine {
+    /// A tick's work on this worker's device: the decode step, and the chunk in the same pass.
+    async fn step_here(&mut self, ids: &[ReqId], chunk: Option<(ReqId, usize)>) -> (Vec<Result<StepOut, WireError>>, Option<PrefillResult>) {
         // A chunk part-way through the model goes on where it is, in the decode actor.
         let going_on = chunk.filter(|(id, _)| self.staged == Some(*id));
         if ids.is_empty() && going_on.is_none() {
@@ -193,7 +296,7 @@ impl EngineOps for ActorEngine {
         (stepped.outs, pre)
     }
 
-    async fn release(&mut self, ids: &[ReqId]) {
+    async fn release_here(&mut self, ids: &[ReqId]) {
         if self.staged.is_some_and(|s| ids.contains(&s)) {
             self.staged = None;
         }
@@ -202,26 +305,24 @@ impl EngineOps for ActorEngine {
         let answer = self.decode.send(Release(ids.to_vec())).await;
         self.take(DECODE, answer, |_| ());
     }
-
-    async fn admit(&mut self, id: ReqId) -> usize {
-        let answer = self.prefill.send(prefill::Admit(id)).await;
-        self.take(PREFILL, answer, |_| 0)
-    }
-
-    async fn prefix_trim(&mut self, max_bytes: u64) -> u64 {
-        let answer = self.cache.send(cache::Trim(max_bytes)).await;
-        self.take(CACHE, answer, |_| 0)
-    }
 }
 
 impl WorkerEngine for ActorEngine {
     async fn register(&mut self, id: ReqId, spec: SeqSpec) -> Result<(), WireError> {
+        let remote = self.remote.as_ref().map(|_| (spec.prompt.clone(), spec.salt.clone()));
         let answer = self.prefill.send(prefill::Register { id, spec }).await;
-        self.take(PREFILL, answer, Err)
+        self.take(PREFILL, answer, Err)?;
+        if let (Some(r), Some((prompt, salt))) = (self.remote.as_mut(), remote) {
+            r.register(id, &prompt, salt);
+        }
+        Ok(())
     }
 
     async fn reset(&mut self) {
         self.staged = None;
+        if let Some(remote) = self.remote.as_mut() {
+            remote.forget_all();
+        }
         let answer = self.prefill.send(Reset).await;
         self.take(PREFILL, answer, |_| ());
         let answer = self.decode.send(Reset).await;
@@ -269,6 +370,10 @@ impl WorkerEngine for ActorEngine {
     async fn prefix_clear(&mut self) -> u64 {
         let answer = self.cache.send(cache::Clear).await;
         self.take(CACHE, answer, |_| 0)
+    }
+
+    fn kv_bytes_received(&self) -> u64 {
+        ActorEngine::kv_bytes_received(self)
     }
 
     fn last_step(&self) -> Option<StepTimes> {

@@ -9,6 +9,9 @@
 //! - `decode` the decode actor: the decode batches and their rows (`step`), the step queued
 //!   ahead (`ahead`), a chunk lent to it and staged over steps (`chunk`)
 //! - `cache` the cache actor: the prefix cache
+//! - `remote` a decode worker's prompts prefilled by prefill workers: grants out, KV in
+//! - `prefill_server` a prefill worker's device side: sessions of prompts computed for decoders
+//! - `prefill_service` the prefill worker process: grants in, KV out in pieces, heartbeats
 //! - `messages` what the role actors share: the report every answer carries, common messages
 //! - `seq` a request's sequence and the work the prefill and decode actors share
 //! - `placement` how many jobs a worker holds, from its peers' heartbeats
@@ -30,6 +33,9 @@ pub mod jobs;
 pub mod messages;
 pub mod placement;
 pub mod prefill;
+pub mod prefill_server;
+pub mod prefill_service;
+pub mod remote;
 pub mod seq;
 pub mod service;
 pub mod tick_log;

@@ -7,6 +7,9 @@
 //! A completed prompt's sequence leaves for the decode actor (which sends the prompt's KV to
 //! the cache actor); a released one's KV goes to the cache actor from here.
 //!
+//! A prompt prefilled by a prefill worker grows here by `Install`: its chunks' KV, written
+//! into its cache as a chunk run here would write it.
+//!
 //! Invariants: a sequence is here from `Register` until its prompt completes or it is
 //! released, except while lent; a panic in a handler drops every sequence held here (their
 //! requests then fail with the fault at their next chunk) and never escapes.
@@ -200,6 +203,32 @@ impl Handler<Chunk> for PrefillActor {
                     Err(e)
                 }
             }
+        });
+        MessageResult(self.reply(r))
+    }
+}
+
+/// KV computed elsewhere (a prefill worker) for the next `n` prompt positions of a request.
+#[derive(Message)]
+#[rtype(result = "Reply<Result<(), WireError>>")]
+pub struct Install {
+    pub id: ReqId,
+    pub start: usize,
+    pub n: usize,
+    pub layers: Vec<(mlx_rs::Array, mlx_rs::Array)>,
+}
+
+impl Handler<Install> for PrefillActor {
+    type Result = MessageResult<Install>;
+    fn handle(&mut self, Install { id, start, n, layers }: Install, _: &mut Context<Self>) -> Self::Result {
+        let r = self.work(false, |a| {
+            let seq = a.seqs.get_mut(&id).ok_or_else(|| unknown("install", id))?;
+            if seq.prefilled != start || start + n >= seq.prompt.len() {
+                return Err(internal(format!("KV of [{start}, {}) for a {}-token prompt prefilled to {}", start + n, seq.prompt.len(), seq.prefilled)));
+            }
+            seq.cache.append(&layers).map_err(internal)?;
+            seq.prefilled += n;
+            Ok(())
         });
         MessageResult(self.reply(r))
     }

@@ -24,9 +24,9 @@ use std::time::Duration;
 use actix::prelude::*;
 use async_nats::jetstream::{self, AckKind};
 use futures::StreamExt;
-use llmq_config::{SchedulerSettings, Settings};
-use llmq_engine::{load_named, LoadOptions};
-use llmq_protocol::{subjects, CacheCleared, Cancel, ClearCache, Event, WorkerStatus};
+use llmq_config::{SchedulerSettings, Settings, WorkerSettings};
+use llmq_engine::{load_named, LoadOptions, LoadedModel};
+use llmq_protocol::{subjects, CacheCleared, Cancel, ClearCache, Event, WorkerRole, WorkerStatus};
 use tokio::sync::mpsc;
 
 use crate::actor::{CancelRequest, ClearPrefixCache, Outbound, SchedulerActor, WarmUp, WorkerEngine};
@@ -35,6 +35,7 @@ use crate::held::Held;
 use crate::host_memory;
 use crate::jobs::{drain, hand_back, jobs_consumer, replay_cancels, Jobs};
 use crate::placement::Placement;
+use crate::remote::RemotePrefill;
 use llmq_scheduler::SchedulerConfig;
 
 #[derive(Debug, thiserror::Error)]
@@ -119,7 +120,11 @@ pub(crate) type Scheduler = Addr<SchedulerActor<ActorEngine>>;
 pub async fn run(settings: Settings, stop: impl std::future::Future<Output = ()> + 'static) -> Result<(), WorkerError> {
     let worker_id = settings.worker.id.clone().unwrap_or_else(default_worker_id);
     let model_name = settings.worker.model.clone();
+    let role: WorkerRole = settings.worker.role.parse().unwrap_or_default();
     let client = llmq_protocol::connect(&settings.nats.url, settings.nats.ca_file.as_deref(), "llmq-worker").await.map_err(nats_err)?;
+    if role == WorkerRole::Prefill {
+        return crate::prefill_service::run(settings, client, worker_id, stop).await;
+    }
     let js = jetstream::new(client.clone());
     let consumer = jobs_consumer(&js, &settings).await?;
     let cancels_stream = subjects::cancels_stream(&js).await.map_err(nats_err)?;
@@ -127,21 +132,38 @@ pub async fn run(settings: Settings, stop: impl std::future::Future<Output = ()>
 
     let (out_tx, out_rx) = mpsc::unbounded_channel::<Outbound>();
     let snapshot = Arc::new(Mutex::new(WorkerStatus::default()));
-    let (actor, device) = start_device(&settings, &worker_id, out_tx, snapshot.clone()).await?;
+    let (remote, link) = match role {
+        WorkerRole::Decode => {
+            let (device_end, link_end) = RemotePrefill::new(&worker_id, Duration::from_millis(settings.worker.remote_prefill_timeout_ms));
+            (Some(device_end), Some(link_end))
+        }
+        _ => (None, None),
+    };
+    let (actor, device) = start_device(&settings, &worker_id, out_tx, snapshot.clone(), remote).await?;
     // Whatever ends the serving (a stop, an error), the device thread is stopped before the
     // process may exit.
     let served: Result<(), WorkerError> = async {
         let inflight = Arc::new(Held::new(Duration::from_millis(settings.worker.ack_wait_ms)));
         let placement = follow_peers(&client, &settings, &worker_id, inflight.clone()).await?;
         warm_up(&actor, &settings).await?;
-        tracing::info!(%worker_id, model = %model_name, "worker ready");
+        tracing::info!(%worker_id, model = %model_name, ?role, "worker ready");
+        // Prompts go to prefill workers only after the warm-up (which runs here).
+        if let Some(end) = link {
+            let beat = Duration::from_millis(settings.worker.heartbeat_ms);
+            let link = crate::remote::link(client.clone(), end, worker_id.clone(), model_name.clone(), beat);
+            actix::spawn(async move {
+                if let Err(e) = link.await {
+                    tracing::error!(error = %e, "remote prefill stopped; prefilling here");
+                }
+            });
+        }
 
         actix::spawn(publish_events(client.clone(), out_rx, inflight.clone(), actor.clone()));
         let cancels = client.subscribe(subjects::CANCEL).await.map_err(nats_err)?;
         actix::spawn(forward_cancels(cancels, actor.clone()));
         let clears = client.subscribe(subjects::CACHE_CLEAR).await.map_err(nats_err)?;
         actix::spawn(clear_caches(clears, actor.clone(), client.clone(), worker_id.clone(), model_name));
-        actix::spawn(heartbeats(client.clone(), &settings, &worker_id, snapshot, inflight.clone()));
+        actix::spawn(heartbeats(client.clone(), &settings, &worker_id, role, snapshot, inflight.clone()));
         // Cancels sent before this worker started, for jobs that may still be waiting in the stream
         // (the live subscription above covers everything from its start on; twice is harmless).
         match replay_cancels(&cancels_stream, &actor).await {
@@ -174,7 +196,7 @@ pub async fn run(settings: Settings, stop: impl std::future::Future<Output = ()>
 /// Stops the device thread and waits for it: its actors, the model and every array are
 /// dropped there, before the process exits. (Exiting with the thread alive runs MLX's static
 /// destructors while the thread still holds arrays: glibc saw the heap corrupted.)
-async fn stop_device(device: Arbiter) {
+pub(crate) async fn stop_device(device: Arbiter) {
     device.stop();
     if tokio::task::spawn_blocking(move || device.join()).await.map_or(true, |r| r.is_err()) {
         tracing::error!("the device thread panicked while stopping");
@@ -189,6 +211,7 @@ async fn start_device(
     worker_id: &str,
     out: mpsc::UnboundedSender<Outbound>,
     snapshot: Arc<Mutex<WorkerStatus>>,
+    remote: Option<RemotePrefill>,
 ) -> Result<(Scheduler, Arbiter), WorkerError> {
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<Scheduler, WorkerError>>();
     let gpu = llmq_engine::on_gpu();
@@ -202,17 +225,7 @@ async fn start_device(
     let worker_id = worker_id.to_string();
     let device = Arbiter::new();
     device.spawn_fn(move || {
-        let loaded = (|| {
-            set_mlx_limits(w.mlx_memory_limit_bytes, w.mlx_cache_limit_bytes)?;
-            if reserve_host_memory {
-                let kept = host_memory::keep_freed(w.mlx_cache_limit_bytes)
-                    .map_err(|source| WorkerError::MlxLimit { setting: "worker.host_memory_reserve_bytes", source })?;
-                tracing::debug!(kept, "freed host memory kept for reuse");
-            }
-            let load = |source| WorkerError::Load { model: w.model.clone(), source };
-            let opts = LoadOptions::from_settings(w.dtype.as_deref(), w.quantize, w.quantize_group_size, w.keep_quantized).map_err(load)?;
-            load_named(&w.model, opts).map_err(load)
-        })();
+        let loaded = load_on_device(&w, reserve_host_memory);
         let _ = ready_tx.send(loaded.map(|m| {
             let mut model = m.model;
             // A chunk beside decoding streams spans the stages this model's decode actor runs
@@ -228,7 +241,10 @@ async fn start_device(
             model.fit_chunk_grid(&sizes);
             let prefix = prefix.enabled.then_some((prefix.block_tokens, prefix_max));
             let opts = EngineOptions { decode_ahead: sched.decode_ahead, prefix, chunk_stages, stage_tokens, stage_budget, min_stage_tokens };
-            let engine = ActorEngine::start(model, m.tokenizer, opts);
+            let mut engine = ActorEngine::start(model, m.tokenizer, opts);
+            if let Some(remote) = remote {
+                engine = engine.with_remote_prefill(remote);
+            }
             if reserve_host_memory {
                 let reserve = w.host_memory_reserve_bytes.unwrap_or_else(|| host_memory::default_reserve(engine.context_tokens(), engine.kv_bytes_per_token(), kv_budget));
                 let t = std::time::Instant::now();
@@ -255,6 +271,20 @@ async fn start_device(
             Err(e)
         }
     }
+}
+
+/// On the device thread, before anything else runs there: MLX's limits, the host memory kept
+/// for reuse (on a CPU, when `reserve_host_memory`), then the model.
+pub(crate) fn load_on_device(w: &WorkerSettings, reserve_host_memory: bool) -> Result<LoadedModel, WorkerError> {
+    set_mlx_limits(w.mlx_memory_limit_bytes, w.mlx_cache_limit_bytes)?;
+    if reserve_host_memory {
+        let kept = host_memory::keep_freed(w.mlx_cache_limit_bytes)
+            .map_err(|source| WorkerError::MlxLimit { setting: "worker.host_memory_reserve_bytes", source })?;
+        tracing::debug!(kept, "freed host memory kept for reuse");
+    }
+    let load = |source| WorkerError::Load { model: w.model.clone(), source };
+    let opts = LoadOptions::from_settings(w.dtype.as_deref(), w.quantize, w.quantize_group_size, w.keep_quantized).map_err(load)?;
+    load_named(&w.model, opts).map_err(load)
 }
 
 /// Follows the peers' heartbeats, from before the warm-up so that the peer set is known when
@@ -383,6 +413,7 @@ fn heartbeats(
     client: async_nats::Client,
     settings: &Settings,
     worker_id: &str,
+    role: WorkerRole,
     snapshot: Arc<Mutex<WorkerStatus>>,
     inflight: Inflight,
 ) -> impl std::future::Future<Output = ()> {
@@ -403,6 +434,7 @@ fn heartbeats(
                 last_beat = Some(tokio::time::Instant::now());
                 let mut status = snapshot.lock().unwrap().clone();
                 status.sent_at_ms = unix_ms();
+                status.role = role;
                 if let Ok(bytes) = llmq_protocol::encode(&status) {
                     let _ = client.publish(subject.clone(), bytes.into()).await;
                 }
@@ -431,13 +463,13 @@ fn record_end(span: &tracing::Span, event: &Event) {
 
 /// `<host>-<random>`: the host names the machine or container in metrics and logs, the random
 /// part tells a restarted worker from its predecessor.
-fn default_worker_id() -> String {
+pub(crate) fn default_worker_id() -> String {
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
     let host = subjects::token(host.trim());
     format!("{}-{:08x}", if host.is_empty() { "w" } else { &host }, rand_u32())
 }
 
-fn unix_ms() -> u64 {
+pub(crate) fn unix_ms() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_millis() as u64
 }
 

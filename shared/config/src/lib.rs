@@ -145,11 +145,18 @@ pub struct WorkerSettings {
     /// On SIGTERM a worker stops fetching jobs and finishes those it holds for up to this long;
     /// what is left then ends with `worker_lost`.
     pub drain_timeout_s: u64,
+    /// `both`: takes jobs, prefills and decodes them; `decode`: takes jobs, and has their
+    /// prompts prefilled by a live prefill worker of its model (itself when none is live);
+    /// `prefill`: takes no jobs, computes prompt chunks for decode workers.
+    pub role: String,
+    /// A decode worker prefills a prompt itself when a prefill worker has not computed a
+    /// granted chunk, or its KV has not arrived, within this long.
+    pub remote_prefill_timeout_ms: u64,
 }
 
 impl Default for WorkerSettings {
     fn default() -> Self {
-        WorkerSettings { id: None, model: "smollm2".into(), dtype: None, quantize: None, quantize_group_size: 64, keep_quantized: None, device: None, heartbeat_ms: 1000, max_queued: 256, ack_wait_ms: 6_000, warm_up_tokens: None, mlx_memory_limit_bytes: None, mlx_cache_limit_bytes: None, host_memory_reserve_bytes: None, tick_log: None, drain_timeout_s: 30 }
+        WorkerSettings { id: None, model: "smollm2".into(), dtype: None, quantize: None, quantize_group_size: 64, keep_quantized: None, device: None, heartbeat_ms: 1000, max_queued: 256, ack_wait_ms: 6_000, warm_up_tokens: None, mlx_memory_limit_bytes: None, mlx_cache_limit_bytes: None, host_memory_reserve_bytes: None, tick_log: None, drain_timeout_s: 30, role: "both".into(), remote_prefill_timeout_ms: 10_000 }
     }
 }
 
@@ -326,6 +333,12 @@ impl Settings {
         }
         if self.prefix_cache.block_tokens == 0 {
             return bad("prefix_cache.block_tokens", "0".into(), "must be at least 1");
+        }
+        if !["both", "prefill", "decode"].contains(&self.worker.role.as_str()) {
+            return bad("worker.role", self.worker.role.clone(), "must be both, prefill or decode");
+        }
+        if self.worker.remote_prefill_timeout_ms == 0 {
+            return bad("worker.remote_prefill_timeout_ms", "0".into(), "must be positive");
         }
         if self.worker.heartbeat_ms == 0 {
             return bad("worker.heartbeat_ms", "0".into(), "must be positive");

@@ -11,6 +11,7 @@
 #[cfg(feature = "nats")]
 pub mod connect;
 pub mod messages;
+pub mod prefill;
 pub mod subjects;
 pub mod workers;
 

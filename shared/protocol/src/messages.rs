@@ -403,12 +403,49 @@ pub struct CacheCleared {
     pub freed_bytes: u64,
 }
 
+/// What a worker does: `Both` takes jobs and prefills and decodes them; `Decode` takes jobs
+/// and has their prompts prefilled by a live `Prefill` worker (itself when none is live);
+/// `Prefill` takes no jobs, and computes prompt chunks for decode workers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WorkerRole {
+    #[default]
+    Both,
+    Prefill,
+    Decode,
+}
+
+impl WorkerRole {
+    /// Whether the worker pulls jobs (and so serves its model to intake and the gateway).
+    pub fn takes_jobs(self) -> bool {
+        self != WorkerRole::Prefill
+    }
+}
+
+impl std::str::FromStr for WorkerRole {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "both" => Ok(WorkerRole::Both),
+            "prefill" => Ok(WorkerRole::Prefill),
+            "decode" => Ok(WorkerRole::Decode),
+            other => Err(format!("unknown worker role {other:?} (both, prefill, decode)")),
+        }
+    }
+}
+
 /// A worker's heartbeat on `llm.v1.worker.<id>.status`; intake routes by it.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(default)]
 pub struct WorkerStatus {
     pub worker_id: String,
     pub model: String,
+    /// What the worker does (an older worker's heartbeat has none: `Both`).
+    pub role: WorkerRole,
+    /// Prompt KV bytes sent to decode workers (a prefill worker) or received from prefill
+    /// workers (a decode worker), since start.
+    pub kv_bytes_sent: u64,
+    pub kv_bytes_received: u64,
     /// Longest prompt + output the model accepts.
     pub context_tokens: u32,
     pub active_streams: u32,

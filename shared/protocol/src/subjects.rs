@@ -27,6 +27,16 @@ pub fn worker_status(worker_id: &str) -> String {
     format!("llm.v1.worker.{worker_id}.status")
 }
 
+/// A prefill worker's orders (`PrefillOrder`): grants of prompt chunks from decode workers.
+pub fn prefill_orders(worker_id: &str) -> String {
+    format!("llm.v1.prefill.{}.orders", token(worker_id))
+}
+
+/// A decode worker's inbox for the prompt KV prefill workers send it (`PrefillReply`).
+pub fn prefill_kv(worker_id: &str) -> String {
+    format!("llm.v1.prefill.{}.kv", token(worker_id))
+}
+
 /// Accepted jobs for `model`: every worker serving the model pulls from one durable consumer
 /// on this subject, when it has room.
 pub fn jobs(model: &str) -> String {

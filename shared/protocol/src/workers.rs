@@ -28,7 +28,9 @@ impl WorkerTable {
     pub fn update_at(&mut self, status: WorkerStatus, at: Instant) {
         let forget = self.timeout * 10;
         self.seen.retain(|_, (_, t)| at.saturating_duration_since(*t) < forget);
-        self.model_heard.insert(status.model.clone(), at);
+        if status.role.takes_jobs() {
+            self.model_heard.insert(status.model.clone(), at);
+        }
         self.seen.insert(status.worker_id.clone(), (status, at));
     }
 
@@ -47,14 +49,14 @@ impl WorkerTable {
         self.live_at(Instant::now())
     }
 
-    /// Live workers serving `model`.
+    /// Live workers serving `model`: those that take its jobs (not prefill workers).
     pub fn live_for<'a>(&'a self, model: &'a str) -> impl Iterator<Item = &'a WorkerStatus> + 'a {
-        self.live().filter(move |s| s.model == model)
+        self.live().filter(move |s| s.model == model && s.role.takes_jobs())
     }
 
     /// The models live workers serve, sorted, once each.
     pub fn models(&self) -> Vec<String> {
-        let mut m: Vec<String> = self.live().map(|s| s.model.clone()).collect();
+        let mut m: Vec<String> = self.live().filter(|s| s.role.takes_jobs()).map(|s| s.model.clone()).collect();
         m.sort();
         m.dedup();
         m
@@ -88,5 +90,17 @@ mod tests {
         assert!(t.model_heard_within("n", Duration::from_secs(60), later));
         assert!(!t.model_heard_within("n", Duration::from_secs(10), later));
         assert!(!t.model_heard_within("x", Duration::from_secs(60), later));
+    }
+
+    #[test]
+    fn prefill_workers_do_not_serve_a_model() {
+        let mut t = WorkerTable::new(Duration::from_secs(1));
+        let t0 = Instant::now();
+        t.update_at(WorkerStatus { role: crate::WorkerRole::Prefill, ..status("p", "m") }, t0);
+        assert!(!t.model_heard_within("m", Duration::from_secs(5), t0));
+        assert!(!t.models().contains(&"m".to_string()));
+        assert_eq!(t.live_for("m").count(), 0);
+        t.update_at(WorkerStatus { role: crate::WorkerRole::Decode, ..status("d", "m") }, t0);
+        assert!(t.model_heard_within("m", Duration::from_secs(5), t0));
     }
 }

@@ -33,7 +33,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use crate::bench::random_prompt as prompt;
-use crate::serve::{start_stack, wait_for_workers};
+use crate::serve::{start_stack, wait_for_workers, StackSpec};
 use burst::burst;
 use constrained::constrained_batch;
 
@@ -53,6 +53,8 @@ pub struct Knobs {
     pub gateway: Option<String>,
     /// Workers to start, and the GPUs to spread them over.
     pub workers: usize,
+    /// Prefill workers besides (the workers then decode only).
+    pub prefill_workers: usize,
     pub gpus: Vec<u32>,
     pub nats: Option<String>,
     pub worker_env: Vec<(String, String)>,
@@ -257,7 +259,16 @@ async fn with_stack<'a>(k: &'a Knobs, env: &[(String, String)], f: impl FnOnce((
     let url = match &k.nats {
         Some(u) => u.clone(),
         None => {
-            let s = start_stack(&k.model, k.workers, None, None, env, k.gateway.as_deref(), &k.gpus)?;
+            let spec = StackSpec {
+                model: &k.model,
+                workers: k.workers,
+                prefill_workers: k.prefill_workers,
+                worker_env: env,
+                gateway: k.gateway.as_deref(),
+                gpus: &k.gpus,
+                ..Default::default()
+            };
+            let s = start_stack(spec)?;
             let u = s.url.clone();
             stack = Some(s);
             u
@@ -265,7 +276,7 @@ async fn with_stack<'a>(k: &'a Knobs, env: &[(String, String)], f: impl FnOnce((
     };
     let nc = llmq_protocol::connect(&url, None, "llmq-bench").await?;
     if let Some(s) = stack.as_mut() {
-        wait_for_workers(&nc, k.workers, &mut s.children).await?;
+        wait_for_workers(&nc, k.workers + k.prefill_workers, &mut s.children).await?;
     }
     let (tx, rx) = mpsc::unbounded_channel();
     let client = Client { nc, constraint: None, tx, ids: vec![], gateway: stack.as_ref().and_then(|s| s.gateway.clone()) };

@@ -137,6 +137,12 @@ impl Model {
         self.dtype
     }
 
+    /// What one position's KV is made of (every layer's keys and values, in the model's dtype).
+    pub fn kv_layout(&self) -> crate::kv_bytes::KvLayout {
+        let c = &self.config;
+        crate::kv_bytes::KvLayout { layers: c.num_layers, kv_heads: c.num_kv_heads, head_dim: c.head_dim, dtype: self.dtype }
+    }
+
     /// What the checkpoint's weights became at load, counted by kind: e.g.
     /// "169 x Q4_K (exact) -> 4-bit, groups of 32; 25 x Q6_K (requantized) -> 8-bit, groups of 32".
     pub fn weights_summary(&self) -> &str {

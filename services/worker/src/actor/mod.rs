@@ -216,6 +216,7 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
         WorkerStatus {
             worker_id: self.worker_id.clone(),
             model: self.model_name.clone(),
+            kv_bytes_received: engine.kv_bytes_received(),
             context_tokens: engine.context_tokens() as u32,
             active_streams: self.scheduler.active_streams() as u32,
             queued_requests: self.scheduler.queued_requests() as u32,
@@ -243,6 +244,7 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
             constrained_rows: masks.rows,
             mask_ms: masks.mask_ms,
             mask_wait_ms: masks.wait_ms,
+            ..Default::default()
         }
     }
 }
