@@ -6,7 +6,8 @@
 //! so a new prompt length meets fresh memory again.
 //!
 //! So on a CPU the worker (1) keeps freed memory in the process: glibc serves buffers up to
-//! 32 MB from its heap and keeps up to 2 GB of freed heap instead of giving it back; (2) lets
+//! 32 MB from its heap and keeps up to 2 GB of freed heap instead
+//! of giving it back; (2) lets
 //! MLX free buffers at once (cache limit 0), so that glibc reuses them for any size; (3) faults
 //! its reserve in once at start, through MLX's own allocations, so that the first long prompt
 //! finds it.
@@ -41,10 +42,12 @@ pub fn keep_freed(mlx_cache_limit: Option<u64>) -> Result<bool, mlx_rs::error::E
     Ok(false)
 }
 
-/// Faults `bytes` of memory in through MLX's allocator (buffers of 4 MB written once, then
-/// freed), so that later buffers reuse it. Call after `keep_freed`.
+/// Faults `bytes` of memory in through MLX's allocator (buffers just under the largest heap
+/// buffer, written once, then freed), so that later buffers reuse it: any buffer glibc serves
+/// from its heap then fits in one freed piece, whatever small allocations came to sit between
+/// the pieces. Call after `keep_freed`.
 pub fn fault_in(bytes: u64) -> Result<(), mlx_rs::error::Exception> {
-    const PIECE: usize = 1 << 20; // f32 elements: 4 MB
+    const PIECE: usize = (LARGEST_HEAP_BUFFER - (64 << 10)) / 4; // f32 elements
     let pieces = (bytes as usize).div_ceil(PIECE * 4);
     let one = mlx_rs::Array::from_f32(1.0);
     let mut held = Vec::with_capacity(pieces);
