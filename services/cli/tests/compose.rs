@@ -400,3 +400,25 @@ fn stopping_the_workers_hands_back_what_they_had_not_started_and_loses_nothing()
     drop(stack); // `down` reads the overlay too
     let _ = std::fs::remove_file(&overlay);
 }
+
+#[test]
+fn a_prefill_worker_container_prefills_for_the_decode_worker() {
+    let stack = Compose::up_with("prefill", 1, &["deploy/docker/prefill.yml"]);
+    let prompt = "The history of the city of Paris begins long ago, with many kings and people. ".repeat(20);
+    let want = common::client::local_greedy_of("smollm2", &prompt, 12);
+    common::client::rt().block_on(async {
+        // The decode worker and the prefill worker both report; the first hears the second.
+        let addr = stack.wait_workers(2).await;
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let nats = Client::connect(&stack.nats_url()).await;
+        let run = nats.run(request(&prompt, 12)).await;
+        assert_eq!(run.tokens(), want, "the same greedy tokens as in-process generation");
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let page = client::request(&addr, "GET", "/metrics", None).await.unwrap().body;
+        let sent = metric(&page, "llmq_worker_kv_bytes_sent_total");
+        let received = metric(&page, "llmq_worker_kv_bytes_received_total");
+        let of = |m: &[(String, f64)], role: &str| m.iter().filter(|(l, _)| l.contains(&format!("role=\"{role}\""))).map(|(_, v)| *v).sum::<f64>();
+        assert!(of(&sent, "prefill") > 0.0, "{page}");
+        assert_eq!(of(&sent, "prefill"), of(&received, "decode"), "{page}");
+    });
+}

@@ -91,10 +91,12 @@ impl Metrics {
             ("llmq_worker_prefix_cache_hit_rate", "Prompt tokens reused over prompt tokens looked up.", |s| s.prefix_hit_rate),
             ("llmq_worker_prefix_cache_bytes", "Bytes the prefix cache holds.", |s| s.prefix_bytes as f64),
         ];
-        let counters: [(&str, &str, fn(&llmq_protocol::WorkerStatus) -> f64); 3] = [
+        let counters: [(&str, &str, fn(&llmq_protocol::WorkerStatus) -> f64); 5] = [
             ("llmq_worker_requests_ended_total", "Requests the worker has ended (done or error).", |s| s.ended_requests as f64),
             ("llmq_worker_prefix_cache_reused_tokens_total", "Prompt tokens served from the prefix cache.", |s| s.prefix_reused_tokens as f64),
             ("llmq_worker_prefix_cache_evictions_total", "Prefix-cache entries evicted.", |s| s.prefix_evictions as f64),
+            ("llmq_worker_kv_bytes_sent_total", "Prompt KV bytes a prefill worker sent to decode workers.", |s| s.kv_bytes_sent as f64),
+            ("llmq_worker_kv_bytes_received_total", "Prompt KV bytes a decode worker received from prefill workers.", |s| s.kv_bytes_received as f64),
         ];
         let mut live: Vec<&llmq_protocol::WorkerStatus> = workers.live().collect();
         live.sort_by(|a, b| a.worker_id.cmp(&b.worker_id));
@@ -102,7 +104,12 @@ impl Metrics {
         for ((name, help, get), kind) in kinds {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
             for s in &live {
-                let _ = writeln!(out, "{name}{{worker=\"{}\",model=\"{}\"}} {}", label(&s.worker_id), label(&s.model), get(s));
+                let role = match s.role {
+                    llmq_protocol::WorkerRole::Both => "both",
+                    llmq_protocol::WorkerRole::Prefill => "prefill",
+                    llmq_protocol::WorkerRole::Decode => "decode",
+                };
+                let _ = writeln!(out, "{name}{{worker=\"{}\",model=\"{}\",role=\"{role}\"}} {}", label(&s.worker_id), label(&s.model), get(s));
             }
         }
         out
@@ -129,8 +136,8 @@ mod tests {
         assert!(text.contains("llmq_gateway_time_to_first_token_seconds_bucket{le=\"0.0025\"} 0"));
         assert!(text.contains("llmq_gateway_time_to_first_token_seconds_bucket{le=\"0.005\"} 1"));
         assert!(text.contains("llmq_gateway_inter_token_latency_seconds_count 1"));
-        assert!(text.contains("llmq_worker_queued_requests{worker=\"w1\",model=\"m\"} 3"));
-        assert!(text.contains("llmq_worker_prefix_cache_hit_rate{worker=\"w1\",model=\"m\"} 0.5"));
+        assert!(text.contains("llmq_worker_queued_requests{worker=\"w1\",model=\"m\",role=\"both\"} 3"));
+        assert!(text.contains("llmq_worker_prefix_cache_hit_rate{worker=\"w1\",model=\"m\",role=\"both\"} 0.5"));
         assert!(text.contains("# TYPE llmq_worker_prefix_cache_evictions_total counter"));
     }
 }

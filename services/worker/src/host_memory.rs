@@ -6,8 +6,7 @@
 //! so a new prompt length meets fresh memory again.
 //!
 //! So on a CPU the worker (1) keeps freed memory in the process: glibc serves buffers up to
-//! 32 MB from its heap and keeps up to 2 GB of freed heap instead
-//! of giving it back; (2) lets
+//! 32 MB from its heap and keeps up to 2 GB of freed heap instead of giving it back; (2) lets
 //! MLX free buffers at once (cache limit 0), so that glibc reuses them for any size; (3) faults
 //! its reserve in once at start, through MLX's own allocations, so that the first long prompt
 //! finds it.

@@ -1,7 +1,6 @@
 //! A NATS client of llmq for the end-to-end tests: submits jobs as a user would (its own inbox
 //! first), collects their events, checks that nothing follows the terminal one.
 
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -116,7 +115,12 @@ pub fn rt() -> tokio::runtime::Runtime {
 }
 
 pub fn local_greedy(prompt: &str, max_tokens: usize) -> Vec<u32> {
-    let m = llmq_engine::load_model(&PathBuf::from(fixture()), mlx_rs::Dtype::Float32).unwrap();
+    local_greedy_of(&fixture(), prompt, max_tokens)
+}
+
+/// Greedy tokens of `model` (a known name or a path) for a raw prompt, in this process.
+pub fn local_greedy_of(model: &str, prompt: &str, max_tokens: usize) -> Vec<u32> {
+    let m = llmq_engine::load_named(model, mlx_rs::Dtype::Float32).unwrap();
     let tok = m.tokenizer.as_ref().unwrap();
     let r = llmq_engine::generate::GenerateRequest {
         prompt_ids: tok.encode(prompt, true).unwrap(),
