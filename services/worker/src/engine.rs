@@ -125,7 +125,7 @@ impl ActorEngine {
 
     /// Writes a prefill worker's chunk into its request's cache.
     async fn install(&mut self, i: Install) {
-        let Install { key, start, n, bytes } = i;
+        let Install { key, start, n, bytes, transfer } = i;
         let layers = llmq_engine::kv_bytes::from_bytes(&bytes, self.kv_layout, n).map_err(internal);
         let installed = match layers {
             Ok(layers) => {
@@ -136,7 +136,7 @@ impl ActorEngine {
         };
         if let Some(remote) = self.remote.as_mut() {
             match installed {
-                Ok(()) => remote.installed(key, n, bytes.len()),
+                Ok(()) => remote.installed(key, n, bytes.len(), transfer),
                 Err(e) => remote.failed(key, e.message),
             }
         }
@@ -164,9 +164,9 @@ impl ActorEngine {
         (outs, Some(Ok(prefilled)))
     }
 
-    /// KV bytes installed from prefill workers since start.
-    pub fn kv_bytes_received(&self) -> u64 {
-        self.remote.as_ref().map_or(0, |r| r.received_bytes)
+    /// KV bytes installed from prefill workers since start, and the ms their pieces took.
+    pub fn kv_received(&self) -> (u64, f64) {
+        self.remote.as_ref().map_or((0, 0.0), |r| (r.received_bytes, r.transfer.as_secs_f64() * 1000.0))
     }
 
     /// An answer's value, its report noted; a lost actor gives `lost`.
@@ -372,8 +372,8 @@ impl WorkerEngine for ActorEngine {
         self.take(CACHE, answer, |_| 0)
     }
 
-    fn kv_bytes_received(&self) -> u64 {
-        ActorEngine::kv_bytes_received(self)
+    fn kv_received(&self) -> (u64, f64) {
+        ActorEngine::kv_received(self)
     }
 
     fn last_step(&self) -> Option<StepTimes> {

@@ -151,7 +151,7 @@ async fn send_answers(client: async_nats::Client, mut answers: mpsc::UnboundedRe
     while let Some(a) = answers.recv().await {
         let subject = subjects::prefill_kv(&a.decoder);
         let replies: Vec<PrefillReply> = match &a.kv {
-            Ok(bytes) => kv_pieces(a.key, a.start, a.n, bytes).map(PrefillReply::Kv).collect(),
+            Ok(bytes) => kv_pieces(a.key, a.start, a.n, unix_us(), bytes).map(PrefillReply::Kv).collect(),
             Err(error) => vec![PrefillReply::Failed { key: a.key, start: a.start, error: error.clone() }],
         };
         for r in replies {
@@ -169,6 +169,10 @@ async fn send_answers(client: async_nats::Client, mut answers: mpsc::UnboundedRe
             s.kv_bytes_sent += bytes.len() as u64;
         }
     }
+}
+
+fn unix_us() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_micros() as u64
 }
 
 /// The status every `period`, whatever the device thread is doing.

@@ -41,8 +41,8 @@ pub enum Order {
 pub enum Arrival {
     /// The first piece of the chunk at `start` arrived: the chunk is computed.
     Computed { key: ReqId, start: usize },
-    /// A whole chunk's KV, checked.
-    Kv { key: ReqId, start: usize, n: usize, bytes: Vec<u8> },
+    /// A whole chunk's KV, checked, and the time from its sending to its last piece's arrival.
+    Kv { key: ReqId, start: usize, n: usize, bytes: Vec<u8>, transfer: Duration },
     Failed { key: ReqId, why: String },
 }
 
@@ -64,6 +64,7 @@ pub struct Install {
     pub start: usize,
     pub n: usize,
     pub bytes: Vec<u8>,
+    pub transfer: Duration,
 }
 
 struct Remote {
@@ -91,8 +92,9 @@ pub struct RemotePrefill {
     live: Arc<AtomicBool>,
     timeout: Duration,
     reqs: HashMap<ReqId, Remote>,
-    /// KV bytes installed from prefill workers since start.
+    /// KV bytes installed from prefill workers since start, and their chunks' transfer times.
     pub received_bytes: u64,
+    pub transfer: Duration,
 }
 
 /// The link's end: what `link` needs.
@@ -117,6 +119,7 @@ impl RemotePrefill {
             timeout,
             reqs: HashMap::new(),
             received_bytes: 0,
+            transfer: Duration::ZERO,
         };
         (device, LinkEnd { orders: orders_rx, arrivals: arrivals_tx, live })
     }
@@ -172,12 +175,13 @@ impl RemotePrefill {
         }
     }
 
-    /// Installed `n` positions of `key`.
-    pub fn installed(&mut self, key: ReqId, n: usize, bytes: usize) {
+    /// Installed `n` positions of `key`: `bytes`, which took `transfer` to arrive.
+    pub fn installed(&mut self, key: ReqId, n: usize, bytes: usize, transfer: Duration) {
         if let Some(r) = self.reqs.get_mut(&key) {
             r.installed += n;
             r.waiting_since = (r.installed < r.computed).then(Instant::now);
             self.received_bytes += bytes as u64;
+            self.transfer += transfer;
         }
     }
 
@@ -205,10 +209,10 @@ impl RemotePrefill {
                         }
                     }
                 }
-                Arrival::Kv { key, start, n, bytes } => {
+                Arrival::Kv { key, start, n, bytes, transfer } => {
                     if let Some(r) = self.reqs.get(&key) {
                         if start == r.installed + installs.iter().filter(|i: &&Install| i.key == key).map(|i| i.n).sum::<usize>() {
-                            installs.push(Install { key, start, n, bytes });
+                            installs.push(Install { key, start, n, bytes, transfer });
                         } else {
                             self.failed(key, format!("KV of [{start}, {}) arrived with {} positions installed", start + n, r.installed));
                         }
@@ -321,11 +325,13 @@ pub async fn link(client: async_nats::Client, end: LinkEnd, decoder: String, mod
                     if !assemblies.contains_key(&slot) {
                         let _ = arrivals.send(Arrival::Computed { key, start: start as usize });
                     }
+                    let sent_at = std::time::UNIX_EPOCH + Duration::from_micros(p.sent_at_us);
                     match assemblies.entry(slot).or_default().add(p) {
                         Ok(None) => {}
                         Ok(Some(bytes)) => {
                             assemblies.remove(&slot);
-                            let _ = arrivals.send(Arrival::Kv { key, start: start as usize, n, bytes });
+                            let transfer = std::time::SystemTime::now().duration_since(sent_at).unwrap_or_default();
+                            let _ = arrivals.send(Arrival::Kv { key, start: start as usize, n, bytes, transfer });
                         }
                         Err(e) => {
                             assemblies.remove(&slot);

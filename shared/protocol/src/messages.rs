@@ -446,6 +446,9 @@ pub struct WorkerStatus {
     /// workers (a decode worker), since start.
     pub kv_bytes_sent: u64,
     pub kv_bytes_received: u64,
+    /// A decode worker's time from each chunk's KV leaving its prefill worker to its last piece
+    /// arriving here, summed since start.
+    pub kv_transfer_ms: f64,
     /// Longest prompt + output the model accepts.
     pub context_tokens: u32,
     pub active_streams: u32,

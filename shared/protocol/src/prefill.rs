@@ -64,6 +64,9 @@ pub struct KvPiece {
     /// The whole chunk's bytes, and their `kv_checksum`.
     pub total_bytes: u64,
     pub checksum: u64,
+    /// When the prefill worker started sending the chunk (UNIX microseconds): the decoder's
+    /// receipt of the last piece less this is the chunk's transfer time.
+    pub sent_at_us: u64,
     pub data: Bytes,
 }
 
@@ -116,13 +119,13 @@ pub fn kv_checksum(bytes: &[u8]) -> u64 {
 }
 
 /// A chunk's KV cut into pieces.
-pub fn kv_pieces(key: u64, start: u32, n: u32, bytes: &[u8]) -> impl Iterator<Item = KvPiece> + '_ {
+pub fn kv_pieces(key: u64, start: u32, n: u32, sent_at_us: u64, bytes: &[u8]) -> impl Iterator<Item = KvPiece> + '_ {
     let checksum = kv_checksum(bytes);
     let pieces = bytes.len().div_ceil(KV_PIECE_BYTES).max(1) as u32;
     (0..pieces).map(move |i| {
         let lo = (i as usize * KV_PIECE_BYTES).min(bytes.len());
         let hi = (lo + KV_PIECE_BYTES).min(bytes.len());
-        KvPiece { key, start, n, piece: i, pieces, total_bytes: bytes.len() as u64, checksum, data: Bytes(bytes[lo..hi].to_vec()) }
+        KvPiece { key, start, n, piece: i, pieces, total_bytes: bytes.len() as u64, checksum, sent_at_us, data: Bytes(bytes[lo..hi].to_vec()) }
     })
 }
 
@@ -179,7 +182,7 @@ mod tests {
     #[test]
     fn pieces_round_trip_in_any_order_and_through_messagepack() {
         let bytes: Vec<u8> = (0..(KV_PIECE_BYTES * 2 + 1000)).map(|i| (i * 7 % 251) as u8).collect();
-        let mut pieces: Vec<KvPiece> = kv_pieces(3, 16, 8, &bytes).collect();
+        let mut pieces: Vec<KvPiece> = kv_pieces(3, 16, 8, 0, &bytes).collect();
         assert_eq!(pieces.len(), 3);
         pieces.reverse();
         let mut a = KvAssembly::default();
@@ -196,12 +199,12 @@ mod tests {
     #[test]
     fn a_corrupted_or_foreign_piece_is_refused() {
         let bytes = vec![5u8; KV_PIECE_BYTES + 10];
-        let mut pieces: Vec<KvPiece> = kv_pieces(1, 0, 4, &bytes).collect();
+        let mut pieces: Vec<KvPiece> = kv_pieces(1, 0, 4, 0, &bytes).collect();
         pieces[1].data.0[3] ^= 1;
         let mut a = KvAssembly::default();
         assert_eq!(a.add(pieces[0].clone()).unwrap(), None);
         assert_eq!(a.add(pieces[1].clone()), Err(KvError::Checksum));
-        let other: Vec<KvPiece> = kv_pieces(1, 0, 4, &[1, 2, 3]).collect();
+        let other: Vec<KvPiece> = kv_pieces(1, 0, 4, 0, &[1, 2, 3]).collect();
         let mut a = KvAssembly::default();
         a.add(pieces[0].clone()).unwrap();
         assert!(matches!(a.add(other[0].clone()), Err(KvError::Mismatch { .. })));

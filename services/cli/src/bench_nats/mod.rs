@@ -155,10 +155,16 @@ impl Client {
         Ok(v)
     }
 
+    /// The next heartbeat of a worker that takes jobs (not a prefill worker's).
     async fn status(&self) -> Result<WorkerStatus> {
         let mut sub = self.nc.subscribe(subjects::WORKER_STATUS_ALL).await?;
-        let m = tokio::time::timeout(Duration::from_secs(30), sub.next()).await?.ok_or_else(|| anyhow::anyhow!("no status"))?;
-        Ok(llmq_protocol::decode(&m.payload)?)
+        loop {
+            let m = tokio::time::timeout(Duration::from_secs(30), sub.next()).await?.ok_or_else(|| anyhow::anyhow!("no status"))?;
+            let s: WorkerStatus = llmq_protocol::decode(&m.payload)?;
+            if s.role.takes_jobs() {
+                return Ok(s);
+            }
+        }
     }
 }
 
@@ -180,7 +186,11 @@ fn overhead(before: &WorkerStatus, after: &WorkerStatus) -> Value {
     let engine = after.engine_ms - before.engine_ms;
     let ticks = after.ticks - before.ticks;
     let per = |ms: f64, n: u64| round(ms / n.max(1) as f64, 3);
+    let (kv, kv_ms) = (after.kv_bytes_received - before.kv_bytes_received, after.kv_transfer_ms - before.kv_transfer_ms);
     json!({
+        // A decode worker's prompt KV from prefill workers, and its rate over NATS.
+        "kv_bytes_received": kv,
+        "kv_gb_per_s": if kv_ms > 0.0 { round(kv as f64 / kv_ms / 1e6, 3) } else { 0.0 },
         "ticks": ticks,
         "tick_ms": round(wall / ticks.max(1) as f64, 3),
         "control_overhead_fraction": round(1.0 - engine / wall.max(1e-9), 4),

@@ -46,9 +46,10 @@ pub trait WorkerEngine: EngineOps {
     }
     /// Zeroes the counters behind `call_times` and `prefix_stats` (after the warm-up).
     async fn reset_counters(&mut self) {}
-    /// Prompt KV bytes received from prefill workers since start (none by default).
-    fn kv_bytes_received(&self) -> u64 {
-        0
+    /// Prompt KV bytes received from prefill workers since start, and the ms their chunks'
+    /// pieces took to arrive (none by default).
+    fn kv_received(&self) -> (u64, f64) {
+        (0, 0.0)
     }
     /// The host's time in the last step, for the tick log (none by default).
     fn last_step(&self) -> Option<StepTimes> {

@@ -216,7 +216,8 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
         WorkerStatus {
             worker_id: self.worker_id.clone(),
             model: self.model_name.clone(),
-            kv_bytes_received: engine.kv_bytes_received(),
+            kv_bytes_received: engine.kv_received().0,
+            kv_transfer_ms: engine.kv_received().1,
             context_tokens: engine.context_tokens() as u32,
             active_streams: self.scheduler.active_streams() as u32,
             queued_requests: self.scheduler.queued_requests() as u32,
