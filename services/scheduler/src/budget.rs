@@ -41,8 +41,9 @@
 //! Whole chunks (`size`) are committed in one tick, so they are judged cautiously: before any
 //! time is known they start at the smallest size and grow as measured times allow (on a CPU a
 //! chunk's time is close to proportional to its tokens, and one too large is a stall of
-//! seconds), and a size's own recent time counts over what smaller sizes, measured earlier,
-//! suggest. A tick's share of a chunk spread over ticks (`pick`) is chosen again every tick, so
+//! seconds), and a size's own time, however old, counts over what smaller sizes suggest (at
+//! large offsets a size can cost more than twice the size below it: a stale time is measured
+//! again only through the retry above, when no size fits). A tick's share of a chunk spread over ticks (`pick`) is chosen again every tick, so
 //! it starts at the largest and takes the most hopeful estimate.
 //!
 //! Sizes: `min`, `2·min`, `4·min`, ... below `max`, then `max`. A chunk of size `s` starts at a
@@ -68,7 +69,7 @@ const SLOPE_WEIGHT: f64 = 0.05;
 const REMEASURE_TICKS: u32 = 16;
 
 /// What is sized: a whole chunk, committed for its tick, judged cautiously (the smallest size
-/// before times are known; a size's own recent time over any estimate from another size;
+/// before times are known; a size's own time, once it has one, over any estimate from another size;
 /// times moved to the chunk's offset); or a tick's share of a chunk, chosen again each tick,
 /// judged hopefully (the largest first; the least of a size's own time and the smaller sizes'
 /// scaled up; times as measured, the moving averages following the offset).
@@ -272,14 +273,14 @@ impl ChunkSizer {
 
     /// The time a chunk of `sizes[i]` from position `at` is expected to add to a tick: the
     /// least of its own measured time and smaller sizes' scaled up (for a whole chunk, its own
-    /// time alone while it is recent); unmeasured, a larger size's scaled down (each moved to
+    /// time alone once it has one); unmeasured, a larger size's scaled down (each moved to
     /// `at`).
     fn expected_ms(&self, i: usize, at: usize, mode: Mode) -> Option<f64> {
         // A share's time is not moved along the slope: on an H200 (8b, four 8k-token prompts
         // arriving) moving it made the shares smaller and the last prompt's first token came
         // at 3.0-3.3 s instead of 2.0-2.2 s, for no better gaps.
         let (n, slope) = (self.sizes[i], if mode == Mode::Whole { self.slope() } else { 0.0 });
-        if mode == Mode::Whole && self.measured[i].is_some() && !self.stale(i) {
+        if mode == Mode::Whole && self.measured[i].is_some() {
             return self.moved(i, n, at, slope);
         }
         let upper = (0..=i).filter_map(|j| self.moved(j, n, at, slope)).min_by(|a, b| a.total_cmp(b));
@@ -475,5 +476,23 @@ mod tests {
         let sizes = picks(&mut s, &mut t, 64, |n| if n < 256 { 9.0 } else { 6.0 });
         let smaller = sizes[3..].iter().filter(|&&w| w < 256).count();
         assert!((1..=64 / REMEASURE_TICKS as usize + 1).contains(&smaller), "{sizes:?}");
+    }
+
+    #[test]
+    fn a_whole_size_that_costs_more_than_its_share_is_not_retried_on_a_smaller_sizes_time() {
+        // 8 tokens fit a budget of 2.5x a 10 ms step (6 ms extra, 15 allowed); 16 cost more
+        // than twice 8 (20 ms): after its first try, 16 is judged by its own time, stale or
+        // not, never by 8's doubled (12 ms, which would fit).
+        let mut s = ChunkSizer::new(2.5, 8, 16);
+        let mut t = Duration::ZERO;
+        let mut prefilled = 0;
+        for _ in 0..3 {
+            s.tick_ended(t, 16, 0, 0, true);
+            t += ms(10);
+            s.tick_started(t);
+        }
+        let sizes = run(&mut s, &mut t, &mut prefilled, 80, |n| if n == 8 { 6.0 } else { 20.0 });
+        let sixteen = sizes.iter().filter(|&&n| n == 16).count();
+        assert!(sixteen <= 1, "{sizes:?}");
     }
 }

@@ -5,9 +5,10 @@
 //! model has a free slot, so no job waits on a busy worker while another could run it; only when
 //! every live peer is full (or there is none) does it hold up to `max_queued`, its own queue.
 //!
-//! Invariants: a peer counts as having room when its running + waiting requests are fewer than
-//! its `max_batch` and some of its KV budget is unreserved; a worker that has listened to the
-//! heartbeats for less than two periods assumes a peer has room (it does not yet know its peers).
+//! Invariants: a peer (one that takes jobs: not a prefill worker) counts as having room when
+//! its running + waiting requests are fewer than its `max_batch` and some of its KV budget is
+//! unreserved; a worker that has listened to the heartbeats for less than two periods assumes a
+//! peer has room (it does not yet know its peers).
 
 use std::time::{Duration, Instant};
 
@@ -52,7 +53,7 @@ impl Placement {
     fn peer_has_room_at(&self, now: Instant) -> bool {
         now.saturating_duration_since(self.listening_since) < 2 * self.heartbeat
             || self.peers.live_at(now).any(|w| {
-                w.model == self.model && w.active_streams + w.queued_requests < w.max_batch && w.kv_bytes_free > 0
+                w.model == self.model && w.role.takes_jobs() && w.active_streams + w.queued_requests < w.max_batch && w.kv_bytes_free > 0
             })
     }
 
