@@ -168,7 +168,8 @@ impl Handler<Serve> for PrefillServer {
                             let capacity = g.prompt.len() + 1;
                             let cache = hit
                                 .flatten()
-                                .filter(|(n, _)| *n <= g.start as usize)
+                                .map(|(n, layers)| (n.min(g.start as usize), layers))
+                                .filter(|(n, _)| *n > 0)
                                 .and_then(|(n, layers)| a.shared.model.cache_from_prefix(&layers, n, capacity).ok())
                                 .unwrap_or_else(|| a.shared.model.new_cache_for(capacity));
                             Session { prompt: g.prompt.clone(), salt: g.salt.clone(), cache, touched: now }

@@ -279,90 +279,126 @@ pub async fn link(client: async_nats::Client, end: LinkEnd, decoder: String, mod
     let LinkEnd { mut orders, arrivals, live } = end;
     let mut kv = client.subscribe(subjects::prefill_kv(&decoder)).await?;
     let mut beats = client.subscribe(subjects::WORKER_STATUS_ALL).await?;
-    let mut peers = WorkerTable::new(3 * heartbeat);
-    let mut targets: HashMap<ReqId, String> = HashMap::new();
-    let mut assemblies: HashMap<(ReqId, u32), KvAssembly> = HashMap::new();
     let mut check = tokio::time::interval(heartbeat);
-    let prefill_workers = |peers: &WorkerTable| -> Vec<WorkerStatus> {
-        peers.live().filter(|w| w.role == WorkerRole::Prefill && w.model == model).cloned().collect()
-    };
+    let mut link = Link { client, decoder, model, arrivals, live, peers: WorkerTable::new(3 * heartbeat), targets: HashMap::new(), assemblies: HashMap::new() };
     loop {
         tokio::select! {
             order = orders.recv() => match order {
                 None => return Ok(()),
-                Some(Order::Grant(g)) => {
-                    let key = g.key;
-                    let target = targets.get(&key).cloned().or_else(|| {
-                        let w = prefill_workers(&peers).into_iter().min_by_key(|w| (w.queued_prefill_tokens, w.active_streams))?;
-                        targets.insert(key, w.worker_id.clone());
-                        Some(w.worker_id)
-                    });
-                    let Some(target) = target else {
-                        let _ = arrivals.send(Arrival::Failed { key, why: "no prefill worker is live".into() });
-                        continue;
-                    };
-                    let sent = match llmq_protocol::encode(&PrefillOrder::Grant(g)) {
-                        Ok(bytes) => client.publish(subjects::prefill_orders(&target), bytes.into()).await.map_err(|e| e.to_string()),
-                        Err(e) => Err(e.to_string()),
-                    };
-                    if let Err(why) = sent {
-                        let _ = arrivals.send(Arrival::Failed { key, why });
-                    }
-                }
-                Some(Order::Drop(key)) => {
-                    assemblies.retain(|(k, _), _| *k != key);
-                    if let Some(target) = targets.remove(&key) {
-                        if let Ok(bytes) = llmq_protocol::encode(&PrefillOrder::Drop { decoder: decoder.clone(), key }) {
-                            let _ = client.publish(subjects::prefill_orders(&target), bytes.into()).await;
-                        }
-                    }
-                }
+                Some(order) => link.order(order).await,
             },
             Some(m) = kv.next() => match llmq_protocol::decode::<PrefillReply>(&m.payload) {
-                Ok(PrefillReply::Kv(p)) if targets.contains_key(&p.key) => {
-                    let (key, start, n) = (p.key, p.start, p.n as usize);
-                    let slot = (key, start);
-                    if !assemblies.contains_key(&slot) {
-                        let _ = arrivals.send(Arrival::Computed { key, start: start as usize });
-                    }
-                    let sent_at = std::time::UNIX_EPOCH + Duration::from_micros(p.sent_at_us);
-                    match assemblies.entry(slot).or_default().add(p) {
-                        Ok(None) => {}
-                        Ok(Some(bytes)) => {
-                            assemblies.remove(&slot);
-                            let transfer = std::time::SystemTime::now().duration_since(sent_at).unwrap_or_default();
-                            let _ = arrivals.send(Arrival::Kv { key, start: start as usize, n, bytes, transfer });
-                        }
-                        Err(e) => {
-                            assemblies.remove(&slot);
-                            let _ = arrivals.send(Arrival::Failed { key, why: e.to_string() });
-                        }
-                    }
-                }
-                Ok(PrefillReply::Kv(_)) => {} // for a request forgotten here
-                Ok(PrefillReply::Failed { key, start, error }) => {
-                    let _ = arrivals.send(Arrival::Failed { key, why: format!("chunk at {start}: {}", error.message) });
-                }
+                Ok(reply) => link.reply(reply),
                 Err(e) => tracing::warn!(error = %e, "an undecodable prefill reply"),
             },
             Some(m) = beats.next() => {
                 if let Ok(s) = llmq_protocol::decode::<WorkerStatus>(&m.payload) {
-                    if s.role == WorkerRole::Prefill && s.model == model {
-                        live.store(true, Ordering::Relaxed);
+                    link.heard(s);
+                }
+            }
+            _ = check.tick() => link.check(),
+        }
+    }
+}
+
+/// The link's state: the prefill workers heard, which one serves each request, the chunks
+/// whose pieces are arriving.
+struct Link {
+    client: async_nats::Client,
+    decoder: String,
+    model: String,
+    arrivals: UnboundedSender<Arrival>,
+    live: Arc<AtomicBool>,
+    peers: WorkerTable,
+    targets: HashMap<ReqId, String>,
+    assemblies: HashMap<(ReqId, u32), KvAssembly>,
+}
+
+impl Link {
+    fn prefill_workers(&self) -> Vec<WorkerStatus> {
+        self.peers.live().filter(|w| w.role == WorkerRole::Prefill && w.model == self.model).cloned().collect()
+    }
+
+    fn fail(&self, key: ReqId, why: String) {
+        let _ = self.arrivals.send(Arrival::Failed { key, why });
+    }
+
+    /// A grant goes to the request's prefill worker (the least loaded live one for its first);
+    /// a drop to the worker that had it.
+    async fn order(&mut self, order: Order) {
+        match order {
+            Order::Grant(g) => {
+                let key = g.key;
+                if !self.targets.contains_key(&key) {
+                    let Some(w) = self.prefill_workers().into_iter().min_by_key(|w| (w.queued_prefill_tokens, w.active_streams)) else {
+                        return self.fail(key, "no prefill worker is live".into());
+                    };
+                    self.targets.insert(key, w.worker_id);
+                }
+                let target = subjects::prefill_orders(&self.targets[&key]);
+                let sent = match llmq_protocol::encode(&PrefillOrder::Grant(g)) {
+                    Ok(bytes) => self.client.publish(target, bytes.into()).await.map_err(|e| e.to_string()),
+                    Err(e) => Err(e.to_string()),
+                };
+                if let Err(why) = sent {
+                    self.fail(key, why);
+                }
+            }
+            Order::Drop(key) => {
+                self.assemblies.retain(|(k, _), _| *k != key);
+                if let Some(target) = self.targets.remove(&key) {
+                    if let Ok(bytes) = llmq_protocol::encode(&PrefillOrder::Drop { decoder: self.decoder.clone(), key }) {
+                        let _ = self.client.publish(subjects::prefill_orders(&target), bytes.into()).await;
                     }
-                    peers.update(s);
                 }
             }
-            _ = check.tick() => {
-                let alive = prefill_workers(&peers);
-                live.store(!alive.is_empty(), Ordering::Relaxed);
-                let gone: Vec<ReqId> = targets.iter().filter(|(_, t)| !alive.iter().any(|w| &&w.worker_id == t)).map(|(k, _)| *k).collect();
-                for key in gone {
-                    let target = targets.remove(&key).unwrap_or_default();
-                    assemblies.retain(|(k, _), _| *k != key);
-                    let _ = arrivals.send(Arrival::Failed { key, why: format!("prefill worker {target} went silent") });
-                }
+        }
+    }
+
+    /// A piece of a chunk's KV (its first: the chunk is computed; its last: the chunk goes to
+    /// the device thread, checked), or a failed grant.
+    fn reply(&mut self, reply: PrefillReply) {
+        let p = match reply {
+            PrefillReply::Kv(p) if self.targets.contains_key(&p.key) => p,
+            PrefillReply::Kv(_) => return, // for a request forgotten here
+            PrefillReply::Failed { key, start, error } => return self.fail(key, format!("chunk at {start}: {}", error.message)),
+        };
+        let (key, start, n) = (p.key, p.start, p.n as usize);
+        let slot = (key, start);
+        if !self.assemblies.contains_key(&slot) {
+            let _ = self.arrivals.send(Arrival::Computed { key, start: start as usize });
+        }
+        let sent_at = std::time::UNIX_EPOCH + Duration::from_micros(p.sent_at_us);
+        match self.assemblies.entry(slot).or_default().add(p) {
+            Ok(None) => {}
+            Ok(Some(bytes)) => {
+                self.assemblies.remove(&slot);
+                let transfer = std::time::SystemTime::now().duration_since(sent_at).unwrap_or_default();
+                let _ = self.arrivals.send(Arrival::Kv { key, start: start as usize, n, bytes, transfer });
             }
+            Err(e) => {
+                self.assemblies.remove(&slot);
+                self.fail(key, e.to_string());
+            }
+        }
+    }
+
+    fn heard(&mut self, s: WorkerStatus) {
+        if s.role == WorkerRole::Prefill && s.model == self.model {
+            self.live.store(true, Ordering::Relaxed);
+        }
+        self.peers.update(s);
+    }
+
+    /// Whether a prefill worker is live; the requests of one gone silent fail over.
+    fn check(&mut self) {
+        let alive = self.prefill_workers();
+        self.live.store(!alive.is_empty(), Ordering::Relaxed);
+        let gone: Vec<ReqId> = self.targets.iter().filter(|(_, t)| !alive.iter().any(|w| &&w.worker_id == t)).map(|(k, _)| *k).collect();
+        for key in gone {
+            let target = self.targets.remove(&key).unwrap_or_default();
+            self.assemblies.retain(|(k, _), _| *k != key);
+            self.fail(key, format!("prefill worker {target} went silent"));
         }
     }
 }
