@@ -233,6 +233,11 @@ impl EngineOps for ActorEngine {
     }
 
     async fn admit(&mut self, id: ReqId) -> usize {
+        // A prompt completed moments ago may be what this one starts with.
+        if self.reports[DECODE].copies_pending > 0 {
+            let answer = self.decode.send(decode::FinishCopies).await;
+            self.take(DECODE, answer, |_| ());
+        }
         let answer = self.prefill.send(prefill::Admit(id)).await;
         let reused = self.take(PREFILL, answer, |_| 0);
         if let Some(remote) = self.remote.as_mut() {

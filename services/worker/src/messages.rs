@@ -27,6 +27,8 @@ pub struct Report {
     /// The decode actor's last step's chunk stage: layers run and the work (tokens' worth) it
     /// carried; (0, 0) without one.
     pub stage: (usize, usize),
+    /// The decode actor's completed prompts not yet copied whole for the prefix cache.
+    pub copies_pending: usize,
 }
 
 /// The decode actor's host time (ms) in the step queued ahead that it last delivered: joining

@@ -313,3 +313,26 @@ fn eviction_under_memory_pressure_while_requests_run() {
     assert!(st.hits > 0, "{st:?}");
     rig.check_memory_returns();
 }
+
+/// On a CPU a completed prompt is copied for the cache from its decode row over the steps that
+/// follow (a few layers a step), not in the tick that completed it: it is in the cache while
+/// its request still decodes, whole.
+#[test]
+fn a_completed_prompt_is_remembered_while_its_request_decodes() {
+    let model = tiny("tiny-llama");
+    let (a, want) = pick(&model, |s| prompt(s, 40));
+    let mut rig = Rig::new(model, 100_000, 64);
+    let id = rig.submit(&a, None);
+    while rig.tokens(id).is_empty() {
+        rig.tick();
+    }
+    for _ in 0..3 {
+        rig.tick();
+    }
+    assert!(!rig.s.is_idle(), "still decoding");
+    let st = rig.engine.prefix_stats();
+    assert_eq!((st.entries, st.held_bytes), (1, 40 * rig.engine.kv_bytes_per_token()), "{st:?}");
+    rig.run();
+    assert_eq!(rig.tokens(id), want);
+    rig.check_memory_returns();
+}

@@ -4,7 +4,8 @@
 //! sequence lent by the prefill actor rides in the same pass over the weights for its chunk
 //! (and, when nothing needs the host in between, in the step queued ahead). A sequence whose
 //! prompt completes joins its length group here, by `Join` or in a `Step`; its prompt's KV goes
-//! to the cache actor, as does a sequence's KV when it is released.
+//! to the cache actor (on a CPU copied from its row a few layers a step: `copies`), as does a
+//! sequence's KV when it is released.
 //!
 //! Invariants: a step feeds each row the token it sampled last; a join copies only the joining
 //! sequence's own KV (no other row is padded or copied); a step queued ahead is always
@@ -16,6 +17,7 @@
 
 mod ahead;
 mod chunk;
+mod copies;
 mod step;
 
 use std::collections::HashMap;
@@ -30,6 +32,7 @@ use mlx_rs::Array;
 
 use self::ahead::Ahead;
 use self::chunk::InFlight;
+use self::copies::Copies;
 pub use self::chunk::{chunk_stages, stages_for, Grant, Lent, Staging};
 use crate::cache::{CacheActor, Remember};
 use crate::messages::{InjectPanic, Release, Reply, Report, Reset, ResetCounters, StepTimes};
@@ -89,6 +92,8 @@ pub struct DecodeActor {
     staged: Option<InFlight>,
     /// Stages that left their chunk part-way (for tests and the tick log).
     stages_pending: u64,
+    /// On a CPU, completed prompts copied for the prefix cache a few layers a step.
+    copies: Option<Copies>,
 }
 
 /// One step of every decode row (`ids`: the scheduler's decode batch, each exactly once), with
@@ -140,6 +145,7 @@ impl DecodeActor {
     /// `staging`: how a chunk's layers are spread over steps while rows decode.
     pub fn new(shared: Shared, cache: Addr<CacheActor>, decode_ahead: bool, staging: Staging) -> Self {
         let batches = new_batches(&shared.model);
+        let shared_remembers = shared.remembers;
         DecodeActor {
             staging,
             sizer: staging.sizer(),
@@ -160,6 +166,19 @@ impl DecodeActor {
             launched: (0.0, 0.0),
             busy: Busy::default(),
             lost: HashMap::new(),
+            copies: (shared_remembers && !llmq_engine::on_gpu()).then(Copies::default),
+        }
+    }
+
+    /// The next layers of the oldest completed prompt waiting to be remembered (`copies`).
+    fn advance_copies(&mut self) {
+        let (Some(copies), seqs, batches) = (self.copies.as_mut(), &self.seqs, &self.batches) else { return };
+        let contents = |id: ReqId| {
+            let (g, row) = seqs.get(&id)?.row?;
+            batches.as_ref()?.get(g)?.row_contents(row)
+        };
+        if let Some(c) = copies.advance(contents) {
+            self.cache.do_send(Remember { salt: c.salt, tokens: c.tokens, kv: c.kv });
         }
     }
 
@@ -177,6 +196,7 @@ impl DecodeActor {
             chunks_ahead: self.chunks_ahead,
             stages_pending: self.stages_pending,
             stage: self.last_stage,
+            copies_pending: self.copies.as_ref().map_or(0, |c| c.len()),
             ..Default::default()
         };
         Reply { value, report }
@@ -201,6 +221,9 @@ impl DecodeActor {
         }
         self.staged = None;
         self.seqs.clear();
+        if let Some(copies) = self.copies.as_mut() {
+            copies.clear();
+        }
         self.batches = new_batches(&self.shared.model);
         self.rows = vec![vec![]; GROUP_BOUNDS.len()];
     }
@@ -228,7 +251,11 @@ impl DecodeActor {
     /// length group's decode batch (only its own KV is copied; its own cache goes).
     fn join(&mut self, id: ReqId, mut seq: Seq) -> Result<(), WireError> {
         let t0 = std::time::Instant::now();
-        self.remember(seq.salt.clone(), &seq.prompt, seq.layers(self.shared.model.config.num_layers));
+        // With decode batches on a CPU, the prompt is copied from its row over the next steps.
+        let later = self.batches.is_some() && self.copies.is_some();
+        if !later {
+            self.remember(seq.salt.clone(), &seq.prompt, seq.layers(self.shared.model.config.num_layers));
+        }
         let result = match self.batches.as_mut() {
             Some(batches) => {
                 let g = group_of(seq.cache.offset());
@@ -240,6 +267,9 @@ impl DecodeActor {
             }
             None => Ok(()),
         };
+        if let (true, Ok(()), Some(copies)) = (later, &result, self.copies.as_mut()) {
+            copies.push(id, seq.salt.clone(), seq.prompt.clone());
+        }
         let ms = t0.elapsed().as_secs_f64() * 1000.0;
         if ms > SLOW_MS {
             tracing::debug!(request = id, prompt = seq.prompt.len(), ms, "slow join");
@@ -344,7 +374,11 @@ impl Handler<Step> for DecodeActor {
             },
             None => (None, None),
         };
-        let mut stepped = self.work(true, |a| a.step(&live, chunk)).unwrap_or_else(|what| {
+        let mut stepped = self.work(true, |a| {
+            a.advance_copies();
+            a.step(&live, chunk)
+        })
+        .unwrap_or_else(|what| {
             let e = Self::fault(&what);
             Stepped { outs: live.iter().map(|_| Err(e.clone())).collect(), chunk: chunk_id.map(|_| (Err(e.clone()), None)) }
         });
@@ -379,8 +413,30 @@ impl Handler<Join> for DecodeActor {
 impl Handler<Release> for DecodeActor {
     type Result = MessageResult<Release>;
     fn handle(&mut self, Release(ids): Release, _: &mut Context<Self>) -> Self::Result {
+        // A sequence released is remembered whole (history and all): its prompt's copy stops.
+        if let Some(copies) = self.copies.as_mut() {
+            ids.iter().for_each(|&id| copies.forget(id));
+        }
         // A panic restarts the actor: nothing of it is left to release.
         let _ = self.work(false, |a| a.release(ids));
+        MessageResult(self.reply(()))
+    }
+}
+
+/// Copy every completed prompt still waiting to be remembered now (a request about to look its
+/// prompt up in the prefix cache may start from one).
+#[derive(Message)]
+#[rtype(result = "Reply<()>")]
+pub struct FinishCopies;
+
+impl Handler<FinishCopies> for DecodeActor {
+    type Result = MessageResult<FinishCopies>;
+    fn handle(&mut self, _: FinishCopies, _: &mut Context<Self>) -> Self::Result {
+        let _ = self.work(false, |a| {
+            while a.copies.as_ref().is_some_and(|c| !c.is_empty()) {
+                a.advance_copies();
+            }
+        });
         MessageResult(self.reply(()))
     }
 }
