@@ -85,14 +85,9 @@ const CACHE: usize = 2;
 impl ActorEngine {
     /// Starts the three actors on the current thread (the device thread) around `model`.
     pub fn start(model: Model, tokenizer: Option<Tokenizer>, opts: EngineOptions) -> Self {
-        let c = &model.config;
-        let elem = match model.dtype() {
-            mlx_rs::Dtype::Float32 => 4,
-            _ => 2,
-        };
-        let kv_bytes_per_token = 2 * (c.num_layers * c.num_kv_heads * c.head_dim * elem) as u64;
-        let context_tokens = c.max_position_embeddings;
         let kv_layout = model.kv_layout();
+        let kv_bytes_per_token = kv_layout.bytes(1) as u64;
+        let context_tokens = model.config.max_position_embeddings;
         // Hits in whole chunk-grid blocks, so that the chunks after one start on the grid (see
         // `Model::chunk_grid`).
         let cache = CacheActor::new(opts.prefix.map(|(block, max)| (block, model.chunk_grid(), max))).start();

@@ -140,6 +140,8 @@ impl RemotePrefill {
     /// Its first `reused` positions came from the prefix cache here.
     pub fn admitted(&mut self, key: ReqId, reused: usize) {
         if let Some(r) = self.reqs.get_mut(&key) {
+            // As the scheduler counts it: the last prompt token is always run.
+            let reused = reused.min(r.prompt.len() - 1);
             r.counted = reused;
             r.computed = reused;
             r.installed = reused;
