@@ -60,7 +60,6 @@ pub struct ActorEngine {
     pub prefill: Addr<PrefillActor>,
     pub decode: Addr<DecodeActor>,
     pub cache: Addr<CacheActor>,
-    kv_bytes_per_token: u64,
     context_tokens: usize,
     /// The last report of each actor: prefill, decode, cache.
     reports: [Report; 3],
@@ -86,7 +85,6 @@ impl ActorEngine {
     /// Starts the three actors on the current thread (the device thread) around `model`.
     pub fn start(model: Model, tokenizer: Option<Tokenizer>, opts: EngineOptions) -> Self {
         let kv_layout = model.kv_layout();
-        let kv_bytes_per_token = kv_layout.bytes(1) as u64;
         let context_tokens = model.config.max_position_embeddings;
         // Hits in whole chunk-grid blocks, so that the chunks after one start on the grid (see
         // `Model::chunk_grid`).
@@ -100,7 +98,6 @@ impl ActorEngine {
             prefill,
             decode,
             cache,
-            kv_bytes_per_token,
             context_tokens,
             reports: Default::default(),
             staged: None,
@@ -331,7 +328,7 @@ impl WorkerEngine for ActorEngine {
 
     /// KV bytes one token takes across all layers (keys and values).
     fn kv_bytes_per_token(&self) -> u64 {
-        self.kv_bytes_per_token
+        self.kv_layout.bytes(1) as u64
     }
 
     /// KV bytes the actors held at their last answers.

@@ -38,8 +38,6 @@ pub struct PrefillServer {
     cache: Addr<CacheActor>,
     sessions: HashMap<(String, u64), Session>,
     busy: Busy,
-    /// Positions computed that a grant did not ask for (a session brought to a grant's start).
-    pub recomputed: u64,
 }
 
 /// Counters a prefill worker's heartbeat reports.
@@ -49,12 +47,11 @@ pub struct ServerReport {
     pub kv_bytes: u64,
     pub calls: u64,
     pub ms: f64,
-    pub recomputed: u64,
 }
 
 impl PrefillServer {
     pub fn new(shared: Shared, cache: Addr<CacheActor>) -> Self {
-        PrefillServer { shared, cache, sessions: HashMap::new(), busy: Busy::default(), recomputed: 0 }
+        PrefillServer { shared, cache, sessions: HashMap::new(), busy: Busy::default() }
     }
 
     pub fn report(&self) -> ServerReport {
@@ -63,7 +60,6 @@ impl PrefillServer {
             kv_bytes: self.sessions.values().map(|s| s.cache.nbytes() as u64).sum(),
             calls: self.busy.calls,
             ms: self.busy.ms(),
-            recomputed: self.recomputed,
         }
     }
 
@@ -97,7 +93,6 @@ impl PrefillServer {
             session.cache = model.new_cache_for(session.prompt.len() + 1);
         }
         let from = session.cache.offset();
-        self.recomputed += (start - from) as u64;
         let ids: Vec<i32> = session.prompt[from..end].iter().map(|&t| t as i32).collect();
         let x = Array::from_slice(&ids, &[1, ids.len() as i32]);
         let logits = model.forward(&x, &mut [&mut session.cache], true).map_err(internal)?;
