@@ -12,6 +12,7 @@
 //! - `batch`     the decode batch: every running sequence as one row of shared KV buffers
 //! - `row_attention` the decode batch's attention by row lengths, a CUDA kernel (GPU only)
 //! - `qmv`       quantized matrix products of a few rows, a CUDA kernel (GPU only)
+//! - `qmm`       quantized matrix products of a decode step's many rows, on tensor cores (GPU only)
 //! - `kernel`    how llmq's CUDA kernels are compiled and launched through MLX
 //! - `mask`      logits restricted to the tokens a constraint allows (packed bit masks)
 //! - `kv_bytes`  a chunk's KV as bytes, to travel between workers (prefill workers)
@@ -32,6 +33,7 @@ pub mod kv_bytes;
 pub mod mask;
 pub mod model;
 pub mod prefix;
+pub mod qmm;
 pub mod qmv;
 pub mod quant;
 pub mod row_attention;

@@ -107,13 +107,14 @@ impl QTensor {
         Ok(dequantize(&self.w, &self.scales, &self.biases, self.spec.group_size, self.spec.bits)?)
     }
 
-    /// `x @ W^T`: x [..., cols] to [..., rows]. Few rows (a decode step of a few streams)
-    /// multiply reading only the packed weights: through llmq's kernel on a GPU (`qmv`), else
-    /// through MLX's quantized matmul; from `DENSE_FROM_ROWS` rows on, the weights are
-    /// dequantized into a temporary and multiplied densely, where MLX's quantized kernels for
-    /// many rows are far slower than its dense GEMM.
+    /// `x @ W^T`: x [..., cols] to [..., rows]. A decode step's rows multiply reading only the
+    /// packed weights: on a GPU through llmq's kernels (`qmv` for a few rows, `qmm` on tensor
+    /// cores for up to `qmm::MAX_ROWS`), elsewhere through MLX's quantized matmul; from
+    /// `DENSE_FROM_ROWS` rows on (prefill chunks, or what the kernels do not cover) the weights
+    /// are dequantized into a temporary and multiplied densely, where MLX's quantized kernels
+    /// for many rows are far slower than its dense GEMM.
     pub fn matmul_t(&self, x: &Array) -> Result<Array> {
-        if let Some(out) = crate::qmv::matmul_t(self, x) {
+        if let Some(out) = crate::qmv::matmul_t(self, x).or_else(|| crate::qmm::matmul_t(self, x)) {
             return Ok(out?);
         }
         let shape = x.shape();
