@@ -3,6 +3,7 @@
 //! kernel API. The kernels themselves live with their users (`row_attention`, `qmv`).
 
 use std::ffi::{c_char, CString};
+use std::sync::OnceLock;
 
 use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype, StreamOrDevice};
@@ -12,6 +13,19 @@ pub(crate) fn available() -> bool {
     let mut cuda = false;
     let status = unsafe { mlx_sys::mlx_cuda_is_available(&mut cuda) };
     status == 0 && cuda && crate::on_gpu()
+}
+
+/// Kernels made once per process where llmq's kernels can run (`available`): `make`'s result
+/// kept in `cell`; None without CUDA, or when making them failed (logged as `what` unavailable,
+/// so the callers take MLX's path).
+pub(crate) fn once<K>(cell: &'static OnceLock<Option<K>>, what: &str, make: impl FnOnce() -> Result<K, Exception>) -> Option<&'static K> {
+    cell.get_or_init(|| {
+        if !available() {
+            return None;
+        }
+        make().inspect_err(|e| tracing::warn!(error = %e, "{what} unavailable; using MLX's path")).ok()
+    })
+    .as_ref()
 }
 
 /// One custom kernel of MLX (compiled through NVRTC the first time it runs), freed on drop.

@@ -69,16 +69,7 @@ const ARGMAX_THREADS: i32 = 1024;
 /// The masked argmax kernel, made once per process; None without CUDA.
 fn argmax_kernel() -> Option<&'static Kernel> {
     static KERNEL: OnceLock<Option<Kernel>> = OnceLock::new();
-    KERNEL
-        .get_or_init(|| {
-            if !crate::kernel::available() {
-                return None;
-            }
-            Kernel::new("llmq_masked_argmax", &["logits", "masks"], &["out"], ARGMAX_SOURCE, "", 0)
-                .inspect_err(|e| tracing::warn!(error = %e, "masked argmax kernel unavailable; using MLX's ops"))
-                .ok()
-        })
-        .as_ref()
+    crate::kernel::once(&KERNEL, "the masked argmax kernel", || Kernel::new("llmq_masked_argmax", &["logits", "masks"], &["out"], ARGMAX_SOURCE, "", 0))
 }
 
 /// Where each token's bit sits: its word and its place value within it, for a vocabulary.

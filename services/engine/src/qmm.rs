@@ -253,26 +253,12 @@ struct Kernels {
 
 fn kernels() -> Option<&'static Kernels> {
     static KERNELS: OnceLock<Option<Kernels>> = OnceLock::new();
-    KERNELS
-        .get_or_init(|| {
-            if !crate::kernel::available() {
-                return None;
-            }
-            let made = (|| -> Result<Kernels, Exception> {
-                Ok(Kernels {
-                    qmm: Kernel::new("llmq_qmm", &["x", "w", "scales", "biases"], &["out"], SOURCE, "", 0)?,
-                    reduce: Kernel::new("llmq_qmm_reduce", &["part"], &["out"], REDUCE, "", 0)?,
-                })
-            })();
-            match made {
-                Ok(k) => Some(k),
-                Err(e) => {
-                    tracing::warn!(error = %e, "quantized tensor-core kernel unavailable; dequantizing instead");
-                    None
-                }
-            }
+    crate::kernel::once(&KERNELS, "the quantized tensor-core kernel", || {
+        Ok(Kernels {
+            qmm: Kernel::new("llmq_qmm", &["x", "w", "scales", "biases"], &["out"], SOURCE, "", 0)?,
+            reduce: Kernel::new("llmq_qmm_reduce", &["part"], &["out"], REDUCE, "", 0)?,
         })
-        .as_ref()
+    })
 }
 
 /// How many ways the k-range splits: enough blocks to fill the GPU, each split at least

@@ -166,27 +166,13 @@ struct Kernels {
 
 fn kernels() -> Option<&'static Kernels> {
     static KERNELS: OnceLock<Option<Kernels>> = OnceLock::new();
-    KERNELS
-        .get_or_init(|| {
-            if !crate::kernel::available() {
-                return None;
-            }
-            let header = format!("constexpr int MAX_ROWS = {MAX_ROWS};\n");
-            let made = (|| -> Result<Kernels, Exception> {
-                Ok(Kernels {
-                    qmv: Kernel::new("llmq_qmv", &["x", "w", "scales", "biases"], &["out"], SOURCE, &header, 0)?,
-                    dequantize: Kernel::new("llmq_dequantize", &["w", "scales", "biases"], &["out"], DEQUANTIZE, "", 0)?,
-                })
-            })();
-            match made {
-                Ok(k) => Some(k),
-                Err(e) => {
-                    tracing::warn!(error = %e, "quantized matrix kernels unavailable; using MLX's");
-                    None
-                }
-            }
+    crate::kernel::once(&KERNELS, "quantized matrix kernels", || {
+        let header = format!("constexpr int MAX_ROWS = {MAX_ROWS};\n");
+        Ok(Kernels {
+            qmv: Kernel::new("llmq_qmv", &["x", "w", "scales", "biases"], &["out"], SOURCE, &header, 0)?,
+            dequantize: Kernel::new("llmq_dequantize", &["w", "scales", "biases"], &["out"], DEQUANTIZE, "", 0)?,
         })
-        .as_ref()
+    })
 }
 
 /// Widths whose 16 values fill whole u32 words.
