@@ -1,6 +1,7 @@
 //! llmq's own CUDA kernels, compiled by MLX through NVRTC: a kernel's source, its inputs and
 //! outputs by name, and its launch (grid, block, template arguments) through mlx-c's custom
-//! kernel API. The kernels themselves live with their users (`row_attention`, `qmv`).
+//! kernel API. The kernels themselves live with their users (`row_attention`, `qmv`, `qmm`,
+//! `mask`).
 
 use std::ffi::{c_char, CString};
 use std::sync::OnceLock;
