@@ -16,9 +16,9 @@
 //! Used up to `MAX_ROWS` rows, where it was measured faster than dequantizing and multiplying
 //! densely (on an H200, the 8b shape's four products of a layer at 4 bits in groups of 64, each
 //! queued 50 times back to back: 0.39 against 0.77 ms at 16 rows, 0.385 against 0.385 at 32,
-//! 0.49 against 0.43 at 64). Its time barely moves with the rows: a block's chunks are latency-bound (32 bytes of
-//! each weight row per chunk, one chunk of loads in flight), which is where it has to get
-//! faster before it can take a batch of 64.
+//! 0.49 against 0.43 at 64). Its time barely moves with the rows: a block's chunks are
+//! latency-bound (32 bytes of each weight row per chunk, one chunk of loads in flight), which is
+//! where it has to get faster before it can take a batch of 64.
 //!
 //! Covers bf16 inputs, 4 and 8 bits, groups of 32, 64 and 128, a k-dimension that is a multiple
 //! of 64 and of the group, output columns a multiple of 8; the rest goes through
@@ -44,7 +44,10 @@ const BLOCK_COLUMNS: i32 = 128;
 /// Blocks worth launching at least (two per SM of an H200), reached by splitting the k-range.
 const TARGET_BLOCKS: i32 = 264;
 
-/// Chunks of 64 k-values a split keeps at least.
+/// k-values a chunk takes (the kernel's `CHUNK`).
+const CHUNK: i32 = 64;
+
+/// Chunks a split keeps at least.
 const MIN_CHUNKS_PER_SPLIT: i32 = 4;
 
 const SOURCE: &str = r#"
@@ -275,7 +278,7 @@ pub fn covers(q: &QTensor, rows: i32, dtype: Dtype) -> bool {
         return false;
     }
     let (n, k) = (q.w.shape()[0], q.w.shape()[1] * 32 / bits);
-    dtype == Dtype::Bfloat16 && q.scales.dtype() == Dtype::Bfloat16 && [32, 64, 128].contains(&group) && k % 64 == 0 && k % group == 0 && n % 8 == 0
+    dtype == Dtype::Bfloat16 && q.scales.dtype() == Dtype::Bfloat16 && [32, 64, 128].contains(&group) && k % CHUNK == 0 && k % group == 0 && n % 8 == 0
 }
 
 /// `x @ W^T` through the kernel for `x` of more than `qmv::MAX_ROWS` and at most `MAX_ROWS`
@@ -292,7 +295,7 @@ pub fn matmul_t(q: &QTensor, x: &Array) -> Option<Result<Array, Exception>> {
     let run = || -> Result<Array, Exception> {
         let x2 = x.reshape(&[rows, k])?;
         let blocks = ((n + BLOCK_COLUMNS - 1) / BLOCK_COLUMNS) * ((rows + BLOCK_ROWS - 1) / BLOCK_ROWS);
-        let split = splits(blocks, k / 64);
+        let split = splits(blocks, k / CHUNK);
         let ints = [("BITS", q.spec.bits), ("G", q.spec.group_size), ("SPLIT", split)];
         let inputs = [&x2, &q.w, &q.scales, &q.biases];
         let out = if split == 1 {
