@@ -13,12 +13,19 @@
 //! [kv_heads, cap, d] with positions `0..len` written; query `i` sees positions `0..=len-t+i`
 //! (the bottom-right causal mask of a chunk). Heads share kv heads in groups (GQA).
 
+use std::ops::Range;
+
 use rayon::prelude::*;
 
 /// Keys per block: the block's transposed keys and one row's scores stay in the L1 cache.
 const BLOCK: usize = 64;
 /// Queries per task (times the heads sharing a kv head).
 const QUERY_TILE: usize = 8;
+/// Fewest keys a task takes when a call's keys are split across tasks.
+const MIN_SPLIT_KEYS: usize = 8 * BLOCK;
+/// Tasks per core a call is cut into, where its keys allow: with as many tasks as cores, one
+/// slow task (or a core lent to another thread) leaves the rest idle.
+const TASKS_PER_CORE: usize = 4;
 
 /// The shapes of one call (see the module's layout).
 #[derive(Debug, Clone, Copy)]
@@ -46,17 +53,15 @@ pub fn causal_attention(q: &[f32], k: &[f32], v: &[f32], s: Shape, scale: f32) -
     assert!(k.len() == s.kv_heads * s.cap * s.d && v.len() == k.len(), "keys and values of {s:?}");
     let tiles = s.t.div_ceil(QUERY_TILE);
     let group = s.heads / s.kv_heads;
-    // Each task's output rows: (head in its group, query) for its kv head and query tile.
-    let parts: Vec<(usize, usize, Vec<f32>)> = (0..s.kv_heads * tiles)
-        .into_par_iter()
-        .map(|task| {
-            let (g, tile) = (task / tiles, task % tiles);
-            let queries = tile * QUERY_TILE..((tile + 1) * QUERY_TILE).min(s.t);
-            (g, queries.start, run_tile(q, k, v, s, scale, g, queries))
-        })
-        .collect();
+    let queries = |tile: usize| tile * QUERY_TILE..((tile + 1) * QUERY_TILE).min(s.t);
+    // A unit: a kv head's heads for a tile of queries, over keys up to its last query's.
+    let parts = split_over_keys(s.kv_heads * tiles, s.len, |unit| s.len - s.t + queries(unit % tiles).end, |unit, keys| {
+        run_tile(q, k, v, s, scale, unit / tiles, queries(unit % tiles), keys)
+    });
     let mut out = vec![0.0; q.len()];
-    for (g, first, rows) in parts {
+    for (unit, part) in parts.into_iter().enumerate() {
+        let (g, first) = (unit / tiles, queries(unit % tiles).start);
+        let rows = part.finish();
         let n = rows.len() / (group * s.d);
         for (r, row) in rows.chunks_exact(s.d).enumerate() {
             let (h, i) = (g * group + r / n, first + r % n);
@@ -74,39 +79,109 @@ pub fn rows_attention(q: &[f32], k: &[f32], v: &[f32], lens: &[usize], s: Shape,
     let slots = q.len() / (s.heads * s.d).max(1);
     let (row_q, row_kv) = (s.heads * s.d, s.kv_heads * s.cap * s.d);
     assert!(lens.len() <= slots && k.len() == slots * row_kv && v.len() == k.len(), "{s:?} for {} rows of {slots}", lens.len());
-    let parts: Vec<Vec<f32>> = (0..lens.len() * s.kv_heads)
-        .into_par_iter()
-        .map(|task| {
-            let (r, g) = (task / s.kv_heads, task % s.kv_heads);
-            let one = Shape { t: 1, len: lens[r], ..s };
-            let (q, k, v) = (&q[r * row_q..][..row_q], &k[r * row_kv..][..row_kv], &v[r * row_kv..][..row_kv]);
-            run_tile(q, k, v, one, scale, g, 0..1)
-        })
-        .collect();
+    let longest = lens.iter().copied().max().unwrap_or(0);
+    // A unit: a row's kv head.
+    let parts = split_over_keys(lens.len() * s.kv_heads, longest, |unit| lens[unit / s.kv_heads], |unit, keys| {
+        let (r, g) = (unit / s.kv_heads, unit % s.kv_heads);
+        let one = Shape { t: 1, len: lens[r], ..s };
+        let (q, k, v) = (&q[r * row_q..][..row_q], &k[r * row_kv..][..row_kv], &v[r * row_kv..][..row_kv]);
+        run_tile(q, k, v, one, scale, g, 0..1, keys)
+    });
     let mut out = vec![0.0; q.len()];
     let group = s.heads / s.kv_heads;
-    for (task, heads) in parts.into_iter().enumerate() {
-        let (r, g) = (task / s.kv_heads, task % s.kv_heads);
+    for (unit, part) in parts.into_iter().enumerate() {
+        let (r, g) = (unit / s.kv_heads, unit % s.kv_heads);
+        let heads = part.finish();
         out[r * row_q + g * group * s.d..][..heads.len()].copy_from_slice(&heads);
     }
     out
 }
 
-/// One task: the heads of kv head `g` for `queries`. Rows are (head in the group, query),
-/// query fastest.
-fn run_tile(q: &[f32], k: &[f32], v: &[f32], s: Shape, scale: f32, g: usize, queries: std::ops::Range<usize>) -> Vec<f32> {
+/// Runs `units` of attention on the host's cores, each unit's keys (`0..end(unit)`, at most
+/// `longest`) cut into as many ranges as balance the cores (whole blocks, at least
+/// `MIN_SPLIT_KEYS` each): `run(unit, keys)` gives a range's running softmax, and each unit's
+/// ranges are merged in order (the result does not depend on which core ran what).
+fn split_over_keys(units: usize, longest: usize, end: impl Fn(usize) -> usize + Sync, run: impl Fn(usize, Range<usize>) -> Partial + Sync) -> Vec<Partial> {
+    let wanted = (TASKS_PER_CORE * rayon::current_num_threads()).div_ceil(units.max(1));
+    let splits = wanted.min(longest / MIN_SPLIT_KEYS).max(1);
+    let parts: Vec<Partial> = (0..units * splits)
+        .into_par_iter()
+        .map(|task| {
+            let (unit, split) = (task / splits, task % splits);
+            let end = end(unit);
+            let step = end.div_ceil(splits).next_multiple_of(BLOCK);
+            run(unit, (split * step).min(end)..((split + 1) * step).min(end))
+        })
+        .collect();
+    let mut parts = parts.into_iter();
+    (0..units)
+        .map(|_| {
+            let mut unit = parts.next().expect("a task per split");
+            for other in parts.by_ref().take(splits - 1) {
+                unit.merge(other);
+            }
+            unit
+        })
+        .collect()
+}
+
+/// A running softmax over some of the keys, per row: the largest score, the sum of the
+/// scores' exponentials relative to it, and the values weighted by them (unnormalised, [rows,
+/// d]). A row that saw no key has max -inf and sums 0.
+struct Partial {
+    max: Vec<f32>,
+    sum: Vec<f32>,
+    acc: Vec<f32>,
+}
+
+impl Partial {
+    /// Adds the same rows' running softmax over other keys.
+    fn merge(&mut self, other: Partial) {
+        let d = self.acc.len() / self.max.len().max(1);
+        for r in 0..self.max.len() {
+            if other.sum[r] == 0.0 {
+                continue;
+            }
+            let m = self.max[r].max(other.max[r]);
+            let (a, b) = (exp_le0(self.max[r] - m), exp_le0(other.max[r] - m));
+            self.sum[r] = self.sum[r] * a + other.sum[r] * b;
+            self.max[r] = m;
+            for (x, &y) in self.acc[r * d..][..d].iter_mut().zip(&other.acc[r * d..][..d]) {
+                *x = *x * a + y * b;
+            }
+        }
+    }
+
+    /// The rows' attention: the weighted values over the sums ([rows, d]).
+    fn finish(mut self) -> Vec<f32> {
+        let d = self.acc.len() / self.max.len().max(1);
+        for (out, &sum) in self.acc.chunks_exact_mut(d.max(1)).zip(&self.sum) {
+            let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
+            for o in out {
+                *o *= inv;
+            }
+        }
+        self.acc
+    }
+}
+
+/// One task: the heads of kv head `g` for `queries` over the positions `keys`. Rows are (head
+/// in the group, query), query fastest.
+#[allow(clippy::too_many_arguments)]
+fn run_tile(q: &[f32], k: &[f32], v: &[f32], s: Shape, scale: f32, g: usize, queries: Range<usize>, keys: Range<usize>) -> Partial {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
         // SAFETY: the CPU has the features the function is compiled for.
-        return unsafe { tile_avx2(q, k, v, s, scale, g, queries) };
+        return unsafe { tile_avx2(q, k, v, s, scale, g, queries, keys) };
     }
-    tile::<false>(q, k, v, s, scale, g, queries)
+    tile::<false>(q, k, v, s, scale, g, queries, keys)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn tile_avx2(q: &[f32], k: &[f32], v: &[f32], s: Shape, scale: f32, g: usize, queries: std::ops::Range<usize>) -> Vec<f32> {
-    tile::<true>(q, k, v, s, scale, g, queries)
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile_avx2(q: &[f32], k: &[f32], v: &[f32], s: Shape, scale: f32, g: usize, queries: Range<usize>, keys: Range<usize>) -> Partial {
+    tile::<true>(q, k, v, s, scale, g, queries, keys)
 }
 
 /// `a * b + c`, fused where the caller is compiled with FMA (elsewhere `mul_add` would be a
@@ -120,9 +195,11 @@ fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
     }
 }
 
-/// A running softmax over blocks of keys for each row of the tile.
+/// A running softmax over blocks of `keys` for each row of the tile (positions past a row's
+/// last are masked).
 #[inline(always)]
-fn tile<const FMA: bool>(q: &[f32], k: &[f32], v: &[f32], s: Shape, scale: f32, g: usize, queries: std::ops::Range<usize>) -> Vec<f32> {
+#[allow(clippy::too_many_arguments)]
+fn tile<const FMA: bool>(q: &[f32], k: &[f32], v: &[f32], s: Shape, scale: f32, g: usize, queries: Range<usize>, keys: Range<usize>) -> Partial {
     let (d, n) = (s.d, queries.len());
     let group = s.heads / s.kv_heads;
     let rows = group * n;
@@ -136,18 +213,17 @@ fn tile<const FMA: bool>(q: &[f32], k: &[f32], v: &[f32], s: Shape, scale: f32, 
         }
         last[r] = s.len - s.t + i;
     }
-    let keys = &k[g * s.cap * d..][..s.len * d];
-    let values = &v[g * s.cap * d..][..s.len * d];
+    let (all_keys, values) = (&k[g * s.cap * d..][..s.len * d], &v[g * s.cap * d..][..s.len * d]);
     let mut max = vec![f32::NEG_INFINITY; rows];
     let mut sum = vec![0.0f32; rows];
     let mut acc = vec![0.0f32; rows * d];
     let mut kt = vec![0.0f32; d * BLOCK];
     let mut scores = vec![[0.0f32; BLOCK]; rows];
-    let end = last.iter().max().map_or(0, |&l| l + 1);
-    for j0 in (0..end).step_by(BLOCK) {
+    let end = last.iter().max().map_or(0, |&l| l + 1).min(keys.end);
+    for j0 in (keys.start..end).step_by(BLOCK) {
         let b = BLOCK.min(end - j0);
         // The block's keys transposed, [d][BLOCK]: a row's scores are then FMAs across keys.
-        for (jj, key) in keys[j0 * d..(j0 + b) * d].chunks_exact(d).enumerate() {
+        for (jj, key) in all_keys[j0 * d..(j0 + b) * d].chunks_exact(d).enumerate() {
             for (c, &x) in key.iter().enumerate() {
                 kt[c * BLOCK + jj] = x;
             }
@@ -167,13 +243,7 @@ fn tile<const FMA: bool>(q: &[f32], k: &[f32], v: &[f32], s: Shape, scale: f32, 
             accumulate::<FMA>(&mut acc[r * d..][..d], rescale, sc, &values[j0 * d..]);
         }
     }
-    for (r, out) in acc.chunks_exact_mut(d).enumerate() {
-        let inv = 1.0 / sum[r];
-        for o in out {
-            *o *= inv;
-        }
-    }
-    acc
+    Partial { max, sum, acc }
 }
 
 /// `xs` folded with `f` in 8 independent lanes, then across them: a fold the compiler can
@@ -314,10 +384,18 @@ mod tests {
         let mut seed = 11;
         let s = Shape { heads: 6, kv_heads: 2, t: 1, len: 0, cap: 40, d: 32 };
         let (slots, lens) = (4, [1usize, 40, 17]);
-        let q = random(slots * s.heads * s.d, &mut seed);
-        let k = random(slots * s.kv_heads * s.cap * s.d, &mut seed);
-        let v = random(slots * s.kv_heads * s.cap * s.d, &mut seed);
-        let got = rows_attention(&q, &k, &v, &lens, s, 0.3);
+        rows_match(s, slots, &lens, &mut seed);
+        // Rows long enough for their keys to be split across tasks, one of them not.
+        let s = Shape { heads: 9, kv_heads: 3, t: 1, len: 0, cap: 1700, d: 64 };
+        rows_match(s, 2, &[1700], &mut seed);
+        rows_match(s, 3, &[1033, 30], &mut seed);
+    }
+
+    fn rows_match(s: Shape, slots: usize, lens: &[usize], seed: &mut u64) {
+        let q = random(slots * s.heads * s.d, seed);
+        let k = random(slots * s.kv_heads * s.cap * s.d, seed);
+        let v = random(slots * s.kv_heads * s.cap * s.d, seed);
+        let got = rows_attention(&q, &k, &v, lens, s, 0.3);
         let (row_q, row_kv) = (s.heads * s.d, s.kv_heads * s.cap * s.d);
         for (r, &len) in lens.iter().enumerate() {
             let one = Shape { len, ..s };
@@ -325,7 +403,7 @@ mod tests {
             let worst = got[r * row_q..][..row_q].iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
             assert!(worst < 2e-5, "row {r}: {worst}");
         }
-        assert!(got[3 * row_q..].iter().all(|&x| x == 0.0), "a scratch row is zeros");
+        assert!(got[lens.len() * row_q..].iter().all(|&x| x == 0.0), "a scratch row is zeros");
     }
 
     #[test]
@@ -337,6 +415,9 @@ mod tests {
             Shape { heads: 4, kv_heads: 4, t: 37, len: 37, cap: 64, d: 32 },
             Shape { heads: 8, kv_heads: 2, t: 20, len: 200, cap: 256, d: 128 },
             Shape { heads: 2, kv_heads: 1, t: 65, len: 130, cap: 130, d: 16 },
+            // Keys split across tasks: ranges of whole blocks, some past a row's last key.
+            Shape { heads: 9, kv_heads: 3, t: 8, len: 2100, cap: 2200, d: 64 },
+            Shape { heads: 4, kv_heads: 1, t: 300, len: 1100, cap: 1100, d: 32 },
         ] {
             let q = random(s.heads * s.t * s.d, &mut seed);
             let k = random(s.kv_heads * s.cap * s.d, &mut seed);
