@@ -48,6 +48,11 @@ fn main() -> std::process::ExitCode {
         std::env::set_var("MLX_USE_CUDA_GRAPHS", "0");
     }
     let command = Cli::parse().command;
+    // A CPU worker's buffers come from the memory it faulted in at start, which only works
+    // when every thread allocates from the same heap (`host_memory`).
+    if matches!(command, Command::Worker(_) | Command::Generate(_)) && !llmq_engine::on_gpu() {
+        llmq_worker::host_memory::one_heap();
+    }
     let service = match command {
         Command::Worker(_) => "llmq-worker",
         Command::Intake(_) => "llmq-intake",

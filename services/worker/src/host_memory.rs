@@ -6,16 +6,20 @@
 //! so a new prompt length meets fresh memory again.
 //!
 //! So on a CPU the worker (1) keeps freed memory in the process: glibc serves buffers up to
-//! 32 MB from its heap and keeps up to 2 GB of freed heap instead of giving it back; (2) lets
-//! MLX free buffers at once (cache limit 0), so that glibc reuses them for any size; (3) faults
-//! its reserve in once at start, through MLX's own allocations, so that the first long prompt
-//! finds it.
+//! 32 MB from its heap and keeps up to 2 GB of freed heap instead of giving it back; (2) gives
+//! every thread that one heap: glibc otherwise gives threads that allocate at the same time
+//! heaps (arenas) of their own, and a buffer made on a thread whose heap is not the reserve's
+//! meets fresh memory (the decode batch's growth when rows join: 60,000 faults in a few ticks of
+//! a SmolLM2 burst, 0 with one heap); (3) lets MLX free buffers at once (cache limit 0), so that
+//! glibc reuses them for any size; (4) faults its reserve in once at start, through MLX's own
+//! allocations, so that the first long prompt finds it.
 
 /// glibc's `mallopt` parameters (malloc.h).
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 mod glibc {
     pub const M_TRIM_THRESHOLD: i32 = -1;
     pub const M_MMAP_THRESHOLD: i32 = -3;
+    pub const M_ARENA_MAX: i32 = -8;
     extern "C" {
         pub fn mallopt(param: i32, value: i32) -> i32;
     }
@@ -33,12 +37,25 @@ pub fn keep_freed(mlx_cache_limit: Option<u64>) -> Result<bool, mlx_rs::error::E
     }
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
-        // SAFETY: mallopt only sets allocator parameters; both values are in their ranges.
+        // SAFETY: mallopt only sets allocator parameters; the values are in their ranges.
         let ok = unsafe { glibc::mallopt(glibc::M_MMAP_THRESHOLD, LARGEST_HEAP_BUFFER as i32) == 1 && glibc::mallopt(glibc::M_TRIM_THRESHOLD, i32::MAX) == 1 };
         Ok(ok)
     }
     #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
     Ok(false)
+}
+
+/// Gives every thread of the process glibc's one main heap (see the module's doc): call it
+/// first thing in `main`, before other threads exist, since a thread keeps the heap it first
+/// allocated from. Whether glibc took the setting.
+pub fn one_heap() -> bool {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: mallopt only sets an allocator parameter; 1 is in its range.
+        unsafe { glibc::mallopt(glibc::M_ARENA_MAX, 1) == 1 }
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    false
 }
 
 /// Faults `bytes` of memory in through MLX's allocator (buffers just under the largest heap
