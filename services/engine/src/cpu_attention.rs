@@ -215,6 +215,7 @@ fn tile<const FMA: bool>(q: &[f32], k: &[f32], v: &[f32], s: Shape, scale: f32, 
     }
     let (all_keys, values) = (&k[g * s.cap * d..][..s.len * d], &v[g * s.cap * d..][..s.len * d]);
     let mut max = vec![f32::NEG_INFINITY; rows];
+    let mut rescale = vec![0.0f32; rows];
     let mut sum = vec![0.0f32; rows];
     let mut acc = vec![0.0f32; rows * d];
     let mut kt = vec![0.0f32; d * BLOCK];
@@ -232,15 +233,25 @@ fn tile<const FMA: bool>(q: &[f32], k: &[f32], v: &[f32], s: Shape, scale: f32, 
         block_scores::<FMA>(&qs, &kt, d, &live, &mut scores);
         for &r in &live {
             let seen = (last[r] + 1 - j0).min(b);
-            let sc = &mut scores[r][..seen];
+            let (sc, masked) = scores[r][..b].split_at_mut(seen);
             let new_max = max[r].max(lanes(sc, f32::NEG_INFINITY, f32::max));
-            let rescale = exp_le0(max[r] - new_max);
+            rescale[r] = exp_le0(max[r] - new_max);
             for x in sc.iter_mut() {
                 *x = exp_le0(*x - new_max);
             }
-            sum[r] = sum[r] * rescale + lanes(sc, 0.0, |a, b| a + b);
+            masked.fill(0.0);
+            sum[r] = sum[r] * rescale[r] + lanes(sc, 0.0, |a, b| a + b);
             max[r] = new_max;
-            accumulate::<FMA>(&mut acc[r * d..][..d], rescale, sc, &values[j0 * d..]);
+        }
+        let block = &values[j0 * d..][..b * d];
+        let mut groups = live.chunks_exact(3);
+        for g in &mut groups {
+            accumulate::<FMA, 3>(&mut acc, d, [g[0], g[1], g[2]], &rescale, &scores, block);
+        }
+        match *groups.remainder() {
+            [r0, r1] => accumulate::<FMA, 2>(&mut acc, d, [r0, r1], &rescale, &scores, block),
+            [r0] => accumulate::<FMA, 1>(&mut acc, d, [r0], &rescale, &scores, block),
+            _ => {}
         }
     }
     Partial { max, sum, acc }
@@ -284,27 +295,49 @@ fn block_scores<const FMA: bool>(qs: &[f32], kt: &[f32], d: usize, live: &[usize
     }
 }
 
-/// `out = out * rescale + sum_j p_j v_j` over the block's values (rows of `out.len()`), four
-/// keys at a time so that `out` is loaded and stored once per four.
+/// Columns of the values one pass of `accumulate` takes: `R` rows' accumulators of this width
+/// (three rows: 12 AVX registers) stay in registers across the block's keys.
+const WIDTH: usize = 32;
+
+/// For the rows `rows` of `acc` ([rows, d]): `acc[r] = acc[r] * rescale[r] + sum_j p[r][j] v_j`
+/// over the block's values (`block`, [keys, d]; `p` is `scores`, zero past a row's last key).
+/// Each value vector is loaded once for `R` rows, `WIDTH` columns (or, where `d` is not a
+/// multiple of it, all of them) at a time.
 #[inline(always)]
-fn accumulate<const FMA: bool>(out: &mut [f32], rescale: f32, p: &[f32], values: &[f32]) {
-    let d = out.len();
-    for o in out.iter_mut() {
-        *o *= rescale;
-    }
-    let mut j = 0;
-    while j + 4 <= p.len() {
-        let v = &values[j * d..(j + 4) * d];
-        let (v0, v1, v2, v3) = (&v[..d], &v[d..2 * d], &v[2 * d..3 * d], &v[3 * d..]);
-        for c in 0..d {
-            let x = madd::<FMA>(p[j], v0[c], madd::<FMA>(p[j + 1], v1[c], madd::<FMA>(p[j + 2], v2[c], madd::<FMA>(p[j + 3], v3[c], out[c]))));
-            out[c] = x;
+fn accumulate<const FMA: bool, const R: usize>(acc: &mut [f32], d: usize, rows: [usize; R], rescale: &[f32], scores: &[[f32; BLOCK]], block: &[f32]) {
+    let keys = block.len() / d;
+    if d % WIDTH != 0 {
+        for &r in &rows {
+            let out = &mut acc[r * d..][..d];
+            for o in out.iter_mut() {
+                *o *= rescale[r];
+            }
+            for (&p, v) in scores[r][..keys].iter().zip(block.chunks_exact(d)) {
+                for (o, &x) in out.iter_mut().zip(v) {
+                    *o = madd::<FMA>(p, x, *o);
+                }
+            }
         }
-        j += 4;
+        return;
     }
-    for (&pj, v) in p[j..].iter().zip(values[j * d..].chunks_exact(d)) {
-        for (o, &x) in out.iter_mut().zip(v) {
-            *o = madd::<FMA>(pj, x, *o);
+    for c in (0..d).step_by(WIDTH) {
+        let mut a = [[0.0f32; WIDTH]; R];
+        for (k, &r) in rows.iter().enumerate() {
+            for (x, &o) in a[k].iter_mut().zip(&acc[r * d + c..][..WIDTH]) {
+                *x = o * rescale[r];
+            }
+        }
+        for j in 0..keys {
+            let v: &[f32; WIDTH] = block[j * d + c..][..WIDTH].try_into().expect("a width of columns");
+            for k in 0..R {
+                let p = scores[rows[k]][j];
+                for l in 0..WIDTH {
+                    a[k][l] = madd::<FMA>(p, v[l], a[k][l]);
+                }
+            }
+        }
+        for (k, &r) in rows.iter().enumerate() {
+            acc[r * d + c..][..WIDTH].copy_from_slice(&a[k]);
         }
     }
 }
