@@ -7,7 +7,9 @@
 //! decoding streams costs more the further into its prompt it is. This kernel streams over
 //! the keys in blocks with a running softmax (no score matrix), with the 8-wide FMAs of AVX2
 //! where the CPU has them and an `exp` of plain arithmetic the compiler vectorizes, one task
-//! per kv head and tile of queries on the host's cores.
+//! per kv head and tile of queries on the host's cores, and per range of keys where those are
+//! too few to keep the cores busy (a chunk of 8 queries of SmolLM2 is 3 tasks for 2 cores
+//! otherwise), the ranges' running softmaxes merged in order.
 //!
 //! Layout: queries [heads, t, d] at the last `t` of `len` positions, keys and values
 //! [kv_heads, cap, d] with positions `0..len` written; query `i` sees positions `0..=len-t+i`

@@ -20,9 +20,9 @@
 //! than a larger one. So each size's time is measured, not derived from a per-token rate. A size
 //! not measured yet is estimated from a measured one in proportion to their tokens (from a
 //! smaller size upward, an upper bound when costs are partly fixed; downward, a guess to try).
-//! The sizer grants the largest size expected to fit the budget; when none is, the size with
-//! the shortest expected tick (it does not shrink chunks that cost as much as larger ones).
-//! While none fits, a smaller size whose time was last measured `REMEASURE_TICKS` chunk ticks
+//! The sizer grants the largest size expected to fit the budget; when none is, a share takes
+//! the size with the shortest expected tick (it does not shrink shares that cost as much as
+//! larger ones) and a whole chunk the smallest. While no share fits, a smaller size whose time was last measured `REMEASURE_TICKS` chunk ticks
 //! ago or more is granted once to measure it again (the largest such; the sizes below it count
 //! as measured then too), and that sample replaces its old time: a
 //! size abandoned after a few slow ticks (a host hiccup, a tick with an extra length group)
@@ -235,9 +235,9 @@ impl ChunkSizer {
     }
 
     /// Of the sizes at `candidates` (indices, ascending), for a chunk from position `at`: the
-    /// largest expected to fit the budget; when none is, the one with the shortest expected
-    /// tick; before both times are known, the smallest for a whole chunk, the largest for a
-    /// share.
+    /// largest expected to fit the budget; when none is, the smallest for a whole chunk, the one
+    /// with the shortest expected tick for a share; before both times are known, the smallest
+    /// for a whole chunk, the largest for a share.
     fn choose(&self, candidates: &[usize], at: usize, mode: Mode) -> usize {
         let expected: Vec<(usize, Option<f64>)> = candidates.iter().rev().map(|&i| (self.sizes[i], self.expected_ms(i, at, mode))).collect();
         let first = self.sizes.first().copied().unwrap_or(1);
@@ -250,7 +250,14 @@ impl ChunkSizer {
                 if fits.is_some() {
                     return pick;
                 }
-                // None fits: a smaller size measured long ago is tried again (the largest such).
+                // None fits. A whole chunk takes the smallest size: a larger one's time, measured
+                // at another offset and moved along the slope, is the less certain (at a
+                // CPU's position 2,800 a 16-token chunk judged that way took 276 ms beside a
+                // 70 ms decode tick).
+                if mode == Mode::Whole {
+                    return expected.last().map_or(first, |(s, _)| *s);
+                }
+                // A share: a smaller size measured long ago is tried again (the largest such).
                 candidates.iter().rev().find(|&&i| self.sizes[i] < pick && self.stale(i)).map_or(pick, |&i| self.sizes[i])
             }
             _ if mode == Mode::Whole => expected.last().map_or(first, |(s, _)| *s),
@@ -515,6 +522,29 @@ mod tests {
         let sizes = picks(&mut s, &mut t, 64, |n| if n < 256 { 9.0 } else { 6.0 });
         let smaller = sizes[3..].iter().filter(|&&w| w < 256).count();
         assert!((1..=64 / REMEASURE_TICKS as usize + 1).contains(&smaller), "{sizes:?}");
+    }
+
+    #[test]
+    fn a_whole_chunk_takes_the_smallest_size_when_none_fits() {
+        // 10 ms of room beside 10 ms decode ticks. 8 tokens cost 4 ms, then 16 cost 10.5 (too
+        // much: back to 8); then 8 cost 2 or 14 ms in turn: with its deviation nothing fits,
+        // and 16's one time looks cheaper than 8's, but it is 8 that is granted.
+        let mut s = ChunkSizer::new(2.0, 8, 16);
+        let mut t = Duration::ZERO;
+        for _ in 0..3 {
+            s.tick_ended(t, 16, 0, 0, true);
+            t += ms(10);
+            s.tick_started(t);
+        }
+        let mut at = 0;
+        let early = run(&mut s, &mut t, &mut at, 6, |n| if n == 8 { 4.0 } else { 10.5 });
+        assert!(early.contains(&16), "{early:?}");
+        let flip = std::cell::Cell::new(false);
+        let later = run(&mut s, &mut t, &mut at, 12, |n| {
+            flip.set(!flip.get());
+            if n == 8 { if flip.get() { 14.0 } else { 2.0 } } else { 22.0 }
+        });
+        assert!(later[4..].iter().all(|&n| n == 8), "{later:?} {:?}", s.estimates());
     }
 
     #[test]
