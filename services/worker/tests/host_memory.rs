@@ -2,20 +2,10 @@
 //! a size never allocated before costs (almost) no page faults. Its own test binary: the
 //! allocator settings are the process's.
 
-use llmq_worker::host_memory;
+mod faults;
 
-/// Minor page faults of the whole process so far.
-fn faults() -> i64 {
-    #[repr(C)]
-    struct Rusage([i64; 18]);
-    extern "C" {
-        fn getrusage(who: i32, usage: *mut Rusage) -> i32;
-    }
-    let mut r = Rusage([0; 18]);
-    // SAFETY: getrusage(RUSAGE_SELF) fills the struct it is given (18 longs on x86-64 and arm64).
-    assert_eq!(unsafe { getrusage(0, &mut r) }, 0);
-    r.0[8] // ru_minflt, after two timevals and four longs
-}
+use faults::faults;
+use llmq_worker::host_memory;
 
 /// Page faults while MLX writes a new buffer of `bytes` (its elements each set, as a KV
 /// cache's first chunk writes its buffer).
