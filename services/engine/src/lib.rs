@@ -26,6 +26,7 @@ pub mod arch;
 pub mod batch;
 pub mod cache;
 pub mod cpu_attention;
+pub mod cpu_matmul;
 pub mod error;
 pub mod generate;
 pub(crate) mod kernel;

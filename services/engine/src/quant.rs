@@ -241,7 +241,10 @@ impl Matrix {
     /// `x @ W^T`.
     pub fn matmul_t(&self, x: &Array) -> Result<Array> {
         match self {
-            Matrix::Dense(a) => Ok(x.matmul(a.t())?),
+            Matrix::Dense(a) => match crate::cpu_matmul::matmul_t(a, x) {
+                Some(out) => Ok(out?),
+                None => Ok(x.matmul(a.t())?),
+            },
             Matrix::Quantized(q) => q.matmul_t(x),
         }
     }
