@@ -8,6 +8,8 @@
 use mlx_rs::{Array, Dtype};
 use rayon::prelude::*;
 
+use crate::cpu_attention::madd;
+
 /// Most rows a product takes here; more go to the BLAS (at 8 rows this loop took twice the
 /// BLAS's time).
 pub const MAX_ROWS: usize = 4;
@@ -29,8 +31,7 @@ pub fn matmul_t(w: &Array, x: &Array) -> Option<mlx_rs::error::Result<Array>> {
     }
     Some((|| {
         let x = x.reshape(&[rows as i32, k as i32])?;
-        x.eval()?;
-        w.eval()?;
+        // (Taking the slices evaluates both.)
         let (Ok(xv), Ok(wv)) = (x.try_as_slice::<f32>(), w.try_as_slice::<f32>()) else {
             return Ok(x.matmul(w.t())?.reshape(&out_shape(xs, n))?);
         };
@@ -82,31 +83,23 @@ unsafe fn block_avx2(x: &[f32], w: &[f32], rows: usize, k: usize, cols: std::ops
     block_rows::<true>(x, w, rows, k, cols, out)
 }
 
-/// Each weight row of `cols` against the rows of `x` four at a time: a weight vector loaded
-/// once for four rows' accumulators.
+/// Each weight row of `cols` against every row of `x` (at most `MAX_ROWS`): a weight vector
+/// loaded once for all the rows' accumulators.
 #[inline(always)]
 fn block_rows<const FMA: bool>(x: &[f32], w: &[f32], rows: usize, k: usize, cols: std::ops::Range<usize>, out: &mut [f32]) {
     let width = cols.len();
     for (j, c) in cols.enumerate() {
-        let wr = &w[c * k..][..k];
-        let mut r0 = 0;
-        while r0 < rows {
-            let g = (rows - r0).min(4);
-            let mut acc = [[0.0f32; 8]; 4];
-            for (i, wv) in wr.chunks_exact(8).enumerate() {
-                for q in 0..4 {
-                    if q < g {
-                        let xv = &x[(r0 + q) * k + i * 8..][..8];
-                        for l in 0..8 {
-                            acc[q][l] = if FMA { xv[l].mul_add(wv[l], acc[q][l]) } else { xv[l] * wv[l] + acc[q][l] };
-                        }
-                    }
+        let mut acc = [[0.0f32; 8]; MAX_ROWS];
+        for (i, wv) in w[c * k..][..k].chunks_exact(8).enumerate() {
+            for (q, a) in acc.iter_mut().enumerate().take(rows) {
+                let xv = &x[q * k + i * 8..][..8];
+                for l in 0..8 {
+                    a[l] = madd::<FMA>(xv[l], wv[l], a[l]);
                 }
             }
-            for q in 0..g {
-                out[(r0 + q) * width + j] = acc[q].iter().sum();
-            }
-            r0 += g;
+        }
+        for (q, a) in acc.iter().enumerate().take(rows) {
+            out[q * width + j] = a.iter().sum();
         }
     }
 }
