@@ -9,7 +9,7 @@
 //! - `model`     the transformer: chunked prefill and batched decode over per-sequence caches
 //! - `cache`     the KV-cache trait, a growing cache and a sliding-window one
 //! - `cpu_attention` a sequence's attention over its cache on a CPU (MLX's is unfused there)
-//! - `cpu_matmul` products of a few rows with dense f32 weights on a CPU (the BLAS repacks them)
+//! - `cpu_matmul` products of up to 24 rows with dense f32 weights on a CPU (the BLAS repacks them)
 //! - `batch`     the decode batch: every running sequence as one row of shared KV buffers
 //! - `row_attention` the decode batch's attention by row lengths, a CUDA kernel (GPU only)
 //! - `qmv`       quantized matrix products of a few rows, a CUDA kernel (GPU only)

@@ -23,8 +23,9 @@ pub(super) struct Linear {
 }
 
 enum Weight {
-    /// W^T, a view of the checkpoint's [out, in].
-    DenseT(Array),
+    /// The checkpoint's [out, in] (row-contiguous: `cpu_matmul` reads it) and W^T, a view of
+    /// it, for MLX's matmul.
+    Dense { w: Array, t: Array },
     Quantized(QTensor),
 }
 
@@ -42,7 +43,10 @@ impl Linear {
             }
         }
         let weight = match Matrix::join(weights, false)? {
-            Matrix::Dense(a) => Weight::DenseT(a.t()),
+            Matrix::Dense(w) => {
+                let t = w.t();
+                Weight::Dense { w, t }
+            }
             Matrix::Quantized(q) => Weight::Quantized(q),
         };
         let bias = if bias { Some(if biases.len() == 1 { biases.remove(0) } else { concatenate(&biases, 0)? }) } else { None };
@@ -55,7 +59,10 @@ impl Linear {
 
     pub(super) fn forward(&self, x: &Array) -> Result<Array> {
         let y = match &self.weight {
-            Weight::DenseT(wt) => x.matmul(wt)?,
+            Weight::Dense { w, t } => match crate::cpu_matmul::matmul_t(w, x) {
+                Some(y) => y?,
+                None => x.matmul(t)?,
+            },
             Weight::Quantized(q) => q.matmul_t(x)?,
         };
         Ok(match &self.bias {
@@ -66,7 +73,7 @@ impl Linear {
 
     pub(super) fn parameters(&self) -> Vec<&Array> {
         let mut p = match &self.weight {
-            Weight::DenseT(a) => vec![a],
+            Weight::Dense { w, .. } => vec![w],
             Weight::Quantized(q) => q.parameters().to_vec(),
         };
         p.extend(self.bias.as_ref());
