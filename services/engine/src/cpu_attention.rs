@@ -189,7 +189,7 @@ unsafe fn tile_avx2(q: &[f32], k: &[f32], v: &[f32], s: Shape, scale: f32, g: us
 /// `a * b + c`, fused where the caller is compiled with FMA (elsewhere `mul_add` would be a
 /// libm call).
 #[inline(always)]
-pub(crate) fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
+fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
     if FMA {
         a.mul_add(b, c)
     } else {
