@@ -14,6 +14,7 @@
 //! - `row_attention` the decode batch's attention by row lengths, a CUDA kernel (GPU only)
 //! - `qmv`       quantized matrix products of a few rows, a CUDA kernel (GPU only)
 //! - `qmm`       quantized matrix products of a decode step's many rows, on tensor cores (GPU only)
+//! - `experts`   a mixture of experts' routing and products grouped by expert, CUDA kernels (GPU only)
 //! - `kernel`    how llmq's CUDA kernels are compiled and launched through MLX
 //! - `mask`      logits restricted to the tokens a constraint allows (packed bit masks)
 //! - `kv_bytes`  a chunk's KV as bytes, to travel between workers (prefill workers)
@@ -29,6 +30,7 @@ pub mod cache;
 pub mod cpu_attention;
 pub mod cpu_matmul;
 pub mod error;
+pub mod experts;
 pub mod generate;
 pub(crate) mod kernel;
 pub mod kv_bytes;

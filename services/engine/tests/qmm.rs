@@ -7,6 +7,8 @@
 //! These tests need CUDA: `cargo test -p llmq-engine --test qmm -- --ignored` on a GPU machine.
 //! On a CPU they are skipped by `#[ignore]`.
 
+mod common;
+
 use llmq_engine::quant::{QTensor, QuantSpec};
 use mlx_rs::{random, Array, Dtype};
 
@@ -85,17 +87,9 @@ fn times() {
         let q = QTensor::quantize(&dense_w, spec).unwrap();
         for rows in [16, 32] {
             let x = normal(&[rows, k], Dtype::Bfloat16, 2);
-            let time = |f: &dyn Fn() -> Array| {
-                f().eval().unwrap();
-                let reps = 50;
-                let t = std::time::Instant::now();
-                let outs: Vec<Array> = (0..reps).map(|_| f()).collect();
-                mlx_rs::transforms::eval(outs.iter()).unwrap();
-                t.elapsed().as_secs_f64() * 1000.0 / reps as f64
-            };
-            let kernel = time(&|| llmq_engine::qmm::matmul_t(&q, &x).unwrap().unwrap());
-            let dequant = time(&|| x.matmul(q.dequantize().unwrap().t()).unwrap());
-            let bf16 = time(&|| x.matmul(dense_w.t()).unwrap());
+            let kernel = common::time_ms(&|| llmq_engine::qmm::matmul_t(&q, &x).unwrap().unwrap());
+            let dequant = common::time_ms(&|| x.matmul(q.dequantize().unwrap().t()).unwrap());
+            let bf16 = common::time_ms(&|| x.matmul(dense_w.t()).unwrap());
             let gb = (n as f64 * k as f64 * (0.5 + 4.0 / 64.0)) / 1e9;
             println!(
                 "{name:8} {n:5}x{k:5} rows {rows:3}: kernel {kernel:.3} ms ({:.0} GB/s of packed weights), dequantize+matmul {dequant:.3} ms, bf16 {bf16:.3} ms",

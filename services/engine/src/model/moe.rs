@@ -5,7 +5,9 @@
 //! The experts' weights are stacked ([experts, in, out]) and every row's k experts run through
 //! MLX's gathered matmul: one kernel a projection for all rows and experts, no per-token loop.
 //! With many (row, expert) pairs (a prefill chunk, a large decode batch) the pairs are sorted by
-//! expert first, so rows that picked the same expert share one read of its weights.
+//! expert first, so rows that picked the same expert share one read of its weights. On an NVIDIA
+//! GPU a step of up to `experts::MAX_PAIRS` pairs with full-precision experts goes through llmq's
+//! own kernels instead (`crate::experts`: routing and products grouped by expert, four launches).
 
 use mlx_rs::ops::indexing::{take_along_axis, IndexOp};
 use mlx_rs::ops::{argpartition_axis, argsort_axis, gather_mm, gather_qmm, sigmoid, softmax_axis};
@@ -15,6 +17,7 @@ use llmq_text::config::MoeConfig;
 
 use super::layer::{geglu_or_swiglu, Linear, Mlp};
 use crate::error::Result;
+use crate::experts;
 use crate::quant::{Matrix, QTensor};
 use crate::weights::Weights;
 
@@ -38,31 +41,43 @@ pub(super) struct Experts {
 
 /// Every expert's weight of one projection, stacked.
 enum Stack {
-    /// Full precision, seen transposed ([experts, in, out]): the gathered matmul reads each
-    /// output's weights contiguously.
-    DenseT(Array),
+    /// Full precision as the checkpoint has it ([experts, out, in], row-contiguous: llmq's
+    /// kernels read it), and the same memory seen transposed ([experts, in, out]) for MLX's
+    /// gathered matmul, which then reads each output's weights contiguously.
+    Dense { w: Array, t: Array },
     Quantized(QTensor),
 }
 
 impl Stack {
     fn new(m: Matrix) -> Result<Self> {
         Ok(match m {
-            Matrix::Dense(a) => Stack::DenseT(a.swap_axes(-1, -2)?),
+            Matrix::Dense(w) => {
+                let t = w.swap_axes(-1, -2)?;
+                Stack::Dense { w, t }
+            }
             Matrix::Quantized(q) => Stack::Quantized(q),
         })
+    }
+
+    /// The weights llmq's kernels take for a step of `pairs` pairs, if they take it.
+    fn for_kernel(&self, pairs: i32, dtype: Dtype) -> Option<&Array> {
+        match self {
+            Stack::Dense { w, .. } if experts::applies(pairs, w, dtype) => Some(w),
+            _ => None,
+        }
     }
 
     /// `x` [..., 1, in] times the weights of `experts` (same leading shape): [..., 1, out].
     fn gather(&self, x: &Array, experts: &Array, sorted: bool) -> Result<Array> {
         Ok(match self {
-            Stack::DenseT(w) => gather_mm(x, w, None, experts, sorted)?,
+            Stack::Dense { t, .. } => gather_mm(x, t, None, experts, sorted)?,
             Stack::Quantized(q) => gather_qmm(x, &q.w, &q.scales, &q.biases, None, experts, true, q.spec.group_size, q.spec.bits, sorted)?,
         })
     }
 
     fn parameters(&self) -> Vec<&Array> {
         match self {
-            Stack::DenseT(a) => vec![a],
+            Stack::Dense { w, .. } => vec![w],
             Stack::Quantized(q) => q.parameters().to_vec(),
         }
     }
@@ -136,22 +151,36 @@ impl Experts {
         let n: i32 = shape[..shape.len() - 1].iter().product();
         let rows = x.reshape(&[n, hidden])?;
         let k = self.top_k;
-        // Router probabilities in f32, the k largest (in no particular order).
-        let probs = softmax_axis(&self.router.forward(&rows)?.as_dtype(Dtype::Float32)?, -1, None)?;
-        let experts = argpartition_axis(&probs.negative()?, k - 1, -1)?.index((.., ..k));
-        let mut weights = take_along_axis(&probs, &experts, -1)?;
-        if self.renormalize {
-            weights = weights.divide(&weights.sum_axis(-1, true)?)?;
-        }
-        let weights = weights.as_dtype(x.dtype())?;
-        let out = if n * k >= SORT_FROM { self.run_sorted(&rows, &experts, gelu)? } else { self.run(&rows, &experts, gelu)? };
-        // [n, k, hidden] weighted over the k.
-        let mut y = out.multiply(&weights.reshape(&[n, k, 1])?)?.sum_axis(1, false)?;
+        let mut y = match (self.gate_up.for_kernel(n * k, x.dtype()), self.down.for_kernel(n * k, x.dtype())) {
+            (Some(gate_up), Some(down)) => {
+                let (chosen, weights) = experts::route(&self.router.forward(&rows)?, k, self.renormalize)?;
+                let h = experts::gate_up(&rows, gate_up, &chosen, &weights, gelu)?;
+                experts::down(&h, down, &chosen, &weights)?.reshape(&[n, k, hidden])?.sum_axis(1, false)?
+            }
+            _ => self.mlx_path(&rows, gelu)?,
+        };
         if let Some((mlp, gate)) = &self.shared {
             let scale = sigmoid(&gate.forward(&rows)?)?;
             y = y.add(&mlp.forward(&rows.reshape(&[1, n, hidden])?)?.reshape(&[n, hidden])?.multiply(&scale)?)?;
         }
         Ok(y.reshape(&shape)?)
+    }
+
+    /// `rows` [n, hidden] through their experts by MLX's operations: [n, hidden].
+    fn mlx_path(&self, rows: &Array, gelu: bool) -> Result<Array> {
+        let n = rows.shape()[0];
+        let k = self.top_k;
+        // Router probabilities in f32, the k largest (in no particular order).
+        let probs = softmax_axis(&self.router.forward(rows)?.as_dtype(Dtype::Float32)?, -1, None)?;
+        let experts = argpartition_axis(&probs.negative()?, k - 1, -1)?.index((.., ..k));
+        let mut weights = take_along_axis(&probs, &experts, -1)?;
+        if self.renormalize {
+            weights = weights.divide(&weights.sum_axis(-1, true)?)?;
+        }
+        let weights = weights.as_dtype(rows.dtype())?;
+        let out = if n * k >= SORT_FROM { self.run_sorted(rows, &experts, gelu)? } else { self.run(rows, &experts, gelu)? };
+        // [n, k, hidden] weighted over the k.
+        Ok(out.multiply(&weights.reshape(&[n, k, 1])?)?.sum_axis(1, false)?)
     }
 
     /// Every row against its k experts in place: [n, k, hidden].

@@ -85,3 +85,14 @@ pub fn argmax(x: &[f32]) -> u32 {
     }
     best as u32
 }
+
+/// Milliseconds one call of `f` takes on average over 50, after one to warm up: the 50 results
+/// built first and evaluated together (as a decode step's operations are), launches included.
+pub fn time_ms(f: &dyn Fn() -> Array) -> f64 {
+    f().eval().unwrap();
+    let reps = 50;
+    let t = std::time::Instant::now();
+    let outs: Vec<Array> = (0..reps).map(|_| f()).collect();
+    mlx_rs::transforms::eval(outs.iter()).unwrap();
+    t.elapsed().as_secs_f64() * 1000.0 / reps as f64
+}
