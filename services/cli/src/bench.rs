@@ -47,15 +47,16 @@ pub struct Args {
     /// burst: short prompts (64 tokens) arriving half a second after the burst.
     #[arg(long, default_value_t = 0)]
     short: usize,
-    /// Prefill tokens granted per decode tick (`scheduler.prefill_chunk_tokens`).
-    #[arg(long, default_value_t = 256)]
-    chunk: usize,
+    /// Prefill tokens' worth of work per decode tick (`scheduler.prefill_chunk_tokens`; default:
+    /// the worker's, 256 on a GPU and 32 on a CPU).
+    #[arg(long)]
+    chunk: Option<usize>,
     /// Ticks a chunk's layers are spread over (`scheduler.prefill_chunk_stages`; default: the
-    /// worker's, 4 on a GPU and 1 on a CPU).
+    /// worker's, 4 on a GPU and 8 on a CPU).
     #[arg(long)]
     stages: Option<usize>,
     /// Tick budget (`scheduler.tick_budget`; 0: off; default: the worker's, 1.3 on a GPU with
-    /// stages).
+    /// stages, 2.0 on a CPU).
     #[arg(long)]
     tick_budget: Option<f64>,
     /// The synchronous baseline: prefill whole prompts at once, even while streams decode.

@@ -189,10 +189,12 @@ fn rmp_oversized() -> Vec<u8> {
 
 #[test]
 fn cancel_while_queued_mid_prefill_and_decoding() {
-    // One sequence at a time and tiny prefill chunks, so each stage lasts long enough to hit.
+    // One sequence at a time and tiny prefill chunks, whole (not in shares of layers), so each
+    // stage lasts long enough to hit.
     let stack = Stack::up(&[
         ("LLMQ__SCHEDULER__MAX_BATCH", "2"),
         ("LLMQ__SCHEDULER__PREFILL_CHUNK_TOKENS", "2"),
+        ("LLMQ__SCHEDULER__PREFILL_CHUNK_STAGES", "1"),
         ("LLMQ__SCHEDULER__IDLE_PREFILL_CHUNK_TOKENS", "2"),
     ]);
     rt().block_on(async {

@@ -17,8 +17,8 @@ use common::*;
 
 const LONG: &str = "Streams of tokens flow through queues, schedulers and caches. ";
 
-/// Small chunks: a prompt takes many grants.
-const CHUNKS: [(&str, &str); 2] = [("LLMQ__SCHEDULER__PREFILL_CHUNK_TOKENS", "16"), ("LLMQ__SCHEDULER__IDLE_PREFILL_CHUNK_TOKENS", "16")];
+/// Small whole chunks (not in shares of layers): a prompt takes many grants.
+const CHUNKS: [(&str, &str); 3] = [("LLMQ__SCHEDULER__PREFILL_CHUNK_TOKENS", "16"), ("LLMQ__SCHEDULER__IDLE_PREFILL_CHUNK_TOKENS", "16"), ("LLMQ__SCHEDULER__PREFILL_CHUNK_STAGES", "1")];
 
 /// The latest heartbeat of each worker, once every role in `roles` has been heard.
 async fn statuses(c: &Client, roles: &[WorkerRole]) -> HashMap<WorkerRole, WorkerStatus> {

@@ -146,6 +146,8 @@ pub struct ChunkSizer {
     /// The last tick's start, rows decoded, chunk tokens and the chunk's offset, while the next
     /// follows at once.
     last: Option<(Duration, usize, usize, usize)>,
+    /// Shares judged as whole chunks are (see `with_cautious_shares`).
+    cautious_shares: bool,
 }
 
 impl ChunkSizer {
@@ -166,6 +168,15 @@ impl ChunkSizer {
         }
         out.push(max);
         out
+    }
+
+    /// Shares judged as whole chunks are, at their chunk's offset: where a share's time is the
+    /// device's compute for its tokens' worth (a CPU's), it grows with the offset and varies
+    /// with the host, as a whole chunk's does; on a GPU it is mostly the host's time to launch
+    /// its layers, and the hopeful judgement keeps the shares large.
+    pub fn with_cautious_shares(mut self) -> Self {
+        self.cautious_shares = true;
+        self
     }
 
     pub fn enabled(&self) -> bool {
@@ -228,10 +239,15 @@ impl ChunkSizer {
     }
 
     /// The prefill work to give the next tick when any size may be chosen (a chunk's share
-    /// spread over ticks has no grid to keep): as `size`, without alignment, judged as a share.
-    pub fn pick(&self) -> usize {
+    /// spread over ticks has no grid to keep), for a chunk from position `at`: as `size`,
+    /// without alignment, judged as a share (or as a whole chunk, with `with_cautious_shares`).
+    pub fn pick(&self, at: usize) -> usize {
         let all: Vec<usize> = (0..self.sizes.len()).collect();
-        self.choose(&all, 0, Mode::Share)
+        if self.cautious_shares {
+            self.choose(&all, at, Mode::Whole)
+        } else {
+            self.choose(&all, 0, Mode::Share)
+        }
     }
 
     /// Of the sizes at `candidates` (indices, ascending), for a chunk from position `at`: the
@@ -343,7 +359,7 @@ mod tests {
         assert_eq!(s.size(128, 10_000), 64);
         assert_eq!(s.size(100, 10_000), 28, "back onto the grid first");
         assert_eq!(s.size(0, 30), 30, "the rest of a prompt");
-        assert_eq!(s.pick(), 256);
+        assert_eq!(s.pick(0), 256);
     }
 
     /// Times the sizer as a scheduler would: `extra(n)` ms beyond a 10 ms decode step for an
@@ -416,7 +432,7 @@ mod tests {
         let (mut s, mut t) = with_decode_ticks(1.5);
         let mut picked = vec![];
         for i in 0..8 {
-            let w = s.pick();
+            let w = s.pick(0);
             s.tick_ended(t, 16, w, 0, true);
             // 8 ms of extra device time for 256 tokens' work, in proportion below; cheaper from
             // the fifth tick (a slower host: the device has slack).
@@ -432,7 +448,37 @@ mod tests {
         // Idle time between two ticks is not a tick's time.
         s.tick_ended(t, 16, 256, 0, false);
         s.tick_started(t + ms(5000));
-        assert_eq!(s.pick(), 256);
+        assert_eq!(s.pick(0), 256);
+    }
+
+    #[test]
+    fn cautious_shares_start_small_and_shrink_as_the_offset_grows() {
+        // A CPU's share: its time is compute for its tokens' worth, 0.02 ms a token at offset 0
+        // and 0.02 ms more per 1,000 positions; 10 ms decode ticks, a budget of 2.0 (10 ms of
+        // room). Judged as whole chunks: the smallest first, larger once measured, and smaller
+        // again as the chunk's offset grows, with no tick over the budget.
+        let mut s = ChunkSizer::new(2.0, 64, 256).with_cautious_shares();
+        let mut t = ms(0);
+        for _ in 0..3 {
+            s.tick_ended(t, 16, 0, 0, true);
+            t += ms(10);
+            s.tick_started(t);
+        }
+        assert_eq!(s.pick(0), 64);
+        let (mut picked, mut worst) = (vec![], 0.0f64);
+        for tick in 0..120 {
+            let at = tick * 50;
+            let w = s.pick(at);
+            let extra = w as f64 * 0.02 * (1.0 + at as f64 / 1000.0);
+            worst = worst.max(extra);
+            s.tick_ended(t, 16, w, at, true);
+            t += Duration::from_secs_f64((10.0 + extra) / 1000.0);
+            s.tick_started(t);
+            picked.push(w);
+        }
+        assert!(worst <= 10.0, "{worst} ms over a 10 ms decode tick: {picked:?}");
+        assert!(picked[..40].contains(&256), "{picked:?}");
+        assert_eq!(*picked.last().unwrap(), 64, "{picked:?} {:?}", s.estimates());
     }
 
     #[test]
@@ -492,7 +538,7 @@ mod tests {
     fn picks(s: &mut ChunkSizer, t: &mut Duration, ticks: usize, extra: impl Fn(usize) -> f64) -> Vec<usize> {
         (0..ticks)
             .map(|_| {
-                let w = s.pick();
+                let w = s.pick(0);
                 s.tick_ended(*t, 16, w, 0, true);
                 *t += Duration::from_secs_f64((10.0 + extra(w)) / 1000.0);
                 s.tick_started(*t);

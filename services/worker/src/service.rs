@@ -69,10 +69,11 @@ pub(crate) fn nats_err(e: impl std::error::Error + Send + Sync + 'static) -> Wor
 /// The scheduler's settings for a worker whose chunks beside decoding streams run in `stages`
 /// stages: such a chunk spans them; with stages, the tick budget sizes each tick's share of a
 /// chunk in the decode actor, so here it sizes nothing; without, the budget (set, or the
-/// device's default: a CPU's) sizes whole chunks.
+/// device's default: a CPU's) sizes whole chunks. On a CPU a model that cannot stage its chunks
+/// (sliding windows) takes whole chunks up to a staged chunk's tokens, sized by the budget.
 pub fn scheduler_config(c: &SchedulerSettings, gpu: bool, stages: usize, kv_budget_bytes: u64) -> SchedulerConfig {
     SchedulerConfig {
-        prefill_chunk: c.prefill_chunk_tokens.saturating_mul(stages),
+        prefill_chunk: c.chunk_tokens(gpu).saturating_mul(if gpu { stages } else { c.chunk_stages(gpu) }),
         idle_prefill_chunk: c.idle_chunk(gpu),
         max_batch: c.max_batch,
         kv_budget_bytes,
@@ -218,7 +219,7 @@ async fn start_device(
     let sched = settings.scheduler.clone();
     let prefix = settings.prefix_cache.clone();
     let requested_stages = sched.chunk_stages(gpu);
-    let (stage_budget, stage_tokens, min_stage_tokens) = (sched.tick_budget(gpu), sched.prefill_chunk_tokens, sched.min_chunk(gpu));
+    let (stage_budget, stage_tokens, min_stage_tokens) = (sched.tick_budget(gpu), sched.chunk_tokens(gpu), sched.min_chunk(gpu));
     let w = settings.worker.clone();
     // On a CPU, memory faulted in once and reused (see `host_memory`).
     let reserve_host_memory = !gpu && w.host_memory_reserve_bytes != Some(0);
@@ -330,7 +331,7 @@ async fn warm_up(actor: &Scheduler, settings: &Settings) -> Result<(), WorkerErr
     let (default_tokens, rows) = if llmq_engine::on_gpu() {
         (GPU_WARM_UP_TOKENS, crate::actor::warm_up_rows(sched.max_batch))
     } else {
-        (sched.prefill_chunk_tokens.saturating_mul(sched.chunk_stages(false)) + 5, vec![1])
+        (sched.chunk_tokens(false).saturating_mul(sched.chunk_stages(false)) + 5, vec![1])
     };
     let tokens = settings.worker.warm_up_tokens.unwrap_or(default_tokens);
     if tokens == 0 {

@@ -163,7 +163,9 @@ impl Default for WorkerSettings {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct SchedulerSettings {
-    pub prefill_chunk_tokens: usize,
+    /// Prefill tokens' worth of work a tick carries beside decoding streams (a staged chunk is
+    /// this times `prefill_chunk_stages`). Default (None): 256 on a GPU, 32 on a CPU.
+    pub prefill_chunk_tokens: Option<usize>,
     /// Prefill tokens a tick takes when nothing decodes. Default (None): 4096 on a GPU, 512 on
     /// a CPU (where a prompt's chunk is seconds: shorter ones let a short prompt arriving
     /// meanwhile in soon).
@@ -184,13 +186,15 @@ pub struct SchedulerSettings {
     /// beside decoding streams is `prefill_chunk_tokens` times this many tokens, and each tick
     /// carries about `prefill_chunk_tokens` tokens' worth of its work (a share of its layers);
     /// a shorter chunk takes fewer ticks. Default (None): 4 on a GPU, where a chunk's per-layer
-    /// host costs are then paid for four times as many tokens, 1 on a CPU.
+    /// host costs are then paid for four times as many tokens; 8 on a CPU, where a chunk's
+    /// share is then as little as one layer's (a whole chunk's smallest, 8 tokens through every
+    /// layer, costs a full pass over the weights).
     pub prefill_chunk_stages: Option<usize>,
     /// Time a tick carrying prefill work may take, as a multiple of a decode-only tick
     /// (measured). With chunks in stages, each tick's share of a chunk is sized to it, between
     /// `min_prefill_chunk_tokens` and `prefill_chunk_tokens` tokens' worth; with chunks in one
     /// tick, the chunks themselves are. 0: off (every tick carries `prefill_chunk_tokens`'
-    /// worth). Default (None): 1.3 on a GPU with stages, 2.5 on a CPU, off otherwise.
+    /// worth). Default (None): 1.3 on a GPU with stages, 2.0 on a CPU, off otherwise.
     pub tick_budget: Option<f64>,
     /// The least prefill work (tokens' worth) the tick budget sizes a tick's down to. Default
     /// (None): 128 on a GPU, 8 on a CPU (where a token late in a long prompt costs
@@ -204,15 +208,27 @@ pub const GPU_PREFILL_CHUNK_STAGES: usize = 4;
 /// `scheduler.tick_budget` when not set, on a GPU whose chunks run in stages.
 pub const GPU_TICK_BUDGET: f64 = 1.3;
 
+/// `scheduler.prefill_chunk_tokens` when not set, on a GPU and on a CPU.
+pub const GPU_PREFILL_CHUNK_TOKENS: usize = 256;
+pub const CPU_PREFILL_CHUNK_TOKENS: usize = 32;
+
+/// `scheduler.prefill_chunk_stages` when not set, on a CPU.
+pub const CPU_PREFILL_CHUNK_STAGES: usize = 8;
+
 /// `scheduler.tick_budget` when not set, on a CPU.
-pub const CPU_TICK_BUDGET: f64 = 2.5;
+pub const CPU_TICK_BUDGET: f64 = 2.0;
 
 impl SchedulerSettings {
     /// Ticks a full prefill chunk is spread over: `prefill_chunk_stages`, or its device default
     /// (on a GPU no more than keeps the chunk within `idle_prefill_chunk_tokens`).
     pub fn chunk_stages(&self, gpu: bool) -> usize {
-        let fits = (self.idle_tokens(gpu) / self.prefill_chunk_tokens.max(1)).max(1);
-        self.prefill_chunk_stages.unwrap_or(if gpu { GPU_PREFILL_CHUNK_STAGES.min(fits) } else { 1 })
+        let fits = (self.idle_tokens(gpu) / self.chunk_tokens(gpu)).max(1);
+        self.prefill_chunk_stages.unwrap_or(if gpu { GPU_PREFILL_CHUNK_STAGES.min(fits) } else { CPU_PREFILL_CHUNK_STAGES })
+    }
+
+    /// `prefill_chunk_tokens` or its device default.
+    pub fn chunk_tokens(&self, gpu: bool) -> usize {
+        self.prefill_chunk_tokens.unwrap_or(if gpu { GPU_PREFILL_CHUNK_TOKENS } else { CPU_PREFILL_CHUNK_TOKENS }).max(1)
     }
 
     /// `idle_prefill_chunk_tokens` or its device default.
@@ -223,7 +239,7 @@ impl SchedulerSettings {
     /// Prefill tokens a tick takes when nothing decodes: `idle_prefill_chunk_tokens` or its
     /// device default, and at least a chunk's tokens over its stages.
     pub fn idle_chunk(&self, gpu: bool) -> usize {
-        self.idle_tokens(gpu).max(self.prefill_chunk_tokens.saturating_mul(self.chunk_stages(gpu)))
+        self.idle_tokens(gpu).max(self.chunk_tokens(gpu).saturating_mul(self.chunk_stages(gpu)))
     }
 
     /// The tick budget: `tick_budget`, or its device default (0: off).
@@ -248,7 +264,7 @@ impl SchedulerSettings {
 impl Default for SchedulerSettings {
     fn default() -> Self {
         SchedulerSettings {
-            prefill_chunk_tokens: 256,
+            prefill_chunk_tokens: None,
             idle_prefill_chunk_tokens: None,
             max_batch: 64,
             kv_budget_bytes: None,
@@ -307,7 +323,7 @@ impl Settings {
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |key, value: String, why| Err(ConfigError::Invalid { key, value, why });
         let s = &self.scheduler;
-        if s.prefill_chunk_tokens == 0 {
+        if s.prefill_chunk_tokens == Some(0) {
             return bad("scheduler.prefill_chunk_tokens", "0".into(), "must be at least 1");
         }
         if let Some(n) = s.prefill_chunk_stages.filter(|n| !(1..=64).contains(n)) {
@@ -319,7 +335,7 @@ impl Settings {
         if s.min_prefill_chunk_tokens == Some(0) {
             return bad("scheduler.min_prefill_chunk_tokens", "0".into(), "must be at least 1");
         }
-        if let Some(idle) = s.idle_prefill_chunk_tokens.filter(|&i| i < s.prefill_chunk_tokens.saturating_mul(s.prefill_chunk_stages.unwrap_or(1))) {
+        if let Some(idle) = s.idle_prefill_chunk_tokens.filter(|&i| i < s.prefill_chunk_tokens.unwrap_or(CPU_PREFILL_CHUNK_TOKENS).saturating_mul(s.prefill_chunk_stages.unwrap_or(1))) {
             return bad("scheduler.idle_prefill_chunk_tokens", idle.to_string(), "must be at least prefill_chunk_tokens (times prefill_chunk_stages)");
         }
         if s.max_batch == 0 {
@@ -403,7 +419,7 @@ mod tests {
     fn defaults_are_valid_and_layers_apply_in_order() {
         let d = Settings::default();
         d.validate().unwrap();
-        assert_eq!(d.scheduler.prefill_chunk_tokens, 256);
+        assert_eq!((d.scheduler.chunk_tokens(true), d.scheduler.chunk_tokens(false)), (256, 32));
 
         let dir = std::env::temp_dir().join(format!("llmq-config-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
@@ -413,7 +429,7 @@ mod tests {
         std::env::set_var("LLMQ__SCHEDULER__MAX_BATCH", "16");
         let s = load(Some(&f)).unwrap();
         std::env::remove_var("LLMQ__SCHEDULER__MAX_BATCH");
-        assert_eq!(s.scheduler.prefill_chunk_tokens, 128);
+        assert_eq!(s.scheduler.prefill_chunk_tokens, Some(128));
         assert_eq!(s.scheduler.max_batch, 16);
         assert!(!format!("{s:?}").contains("secret"), "credentials redacted in Debug");
 
@@ -423,8 +439,9 @@ mod tests {
         std::fs::write(&f, "[scheduler]\nprefill_chunk_stages = 0\n").unwrap();
         let err = load(Some(&f)).unwrap_err().to_string();
         assert!(err.contains("scheduler.prefill_chunk_stages"), "{err}");
-        // Stages: 4 on a GPU and 1 on a CPU unless set; a staged chunk fits the idle chunk.
-        assert_eq!((d.scheduler.chunk_stages(true), d.scheduler.chunk_stages(false)), (4, 1));
+        // Stages: 4 on a GPU and 8 on a CPU unless set (chunks of 1024 and 256 tokens); a staged
+        // chunk fits the idle chunk.
+        assert_eq!((d.scheduler.chunk_stages(true), d.scheduler.chunk_stages(false)), (4, 8));
         assert_eq!((d.scheduler.tick_budget(true), d.scheduler.tick_budget(false)), (GPU_TICK_BUDGET, CPU_TICK_BUDGET), "a budget by default on a GPU's stages and on a CPU");
         assert_eq!((d.scheduler.min_chunk(true), d.scheduler.min_chunk(false)), (128, 8));
         assert_eq!((d.scheduler.idle_chunk(true), d.scheduler.idle_chunk(false)), (4096, 512));
@@ -433,12 +450,14 @@ mod tests {
         std::fs::write(&f, "[scheduler]\nprefill_chunk_stages = 3\n").unwrap();
         let s = load(Some(&f)).unwrap();
         assert_eq!((s.scheduler.chunk_stages(true), s.scheduler.chunk_stages(false)), (3, 3), "an explicit setting holds on a CPU too");
-        assert_eq!(s.scheduler.idle_chunk(false), 768, "an idle chunk takes at least a staged chunk");
+        assert_eq!(s.scheduler.idle_chunk(false), 512, "three 32-token shares fit the CPU's idle chunk");
+        std::fs::write(&f, "[scheduler]\nprefill_chunk_tokens = 256\nprefill_chunk_stages = 3\n").unwrap();
+        assert_eq!(load(Some(&f)).unwrap().scheduler.idle_chunk(false), 768, "an idle chunk takes at least a staged chunk");
         std::fs::write(&f, "[scheduler]\nprefill_chunk_stages = 1\n").unwrap();
         assert_eq!(load(Some(&f)).unwrap().scheduler.tick_budget(true), 0.0, "no stages, no default budget");
         std::fs::write(&f, "[scheduler]\nprefill_chunk_stages = 32\n").unwrap();
         assert_eq!(load(Some(&f)).unwrap().scheduler.idle_chunk(true), 8192, "the default idle chunk grows to a staged chunk");
-        std::fs::write(&f, "[scheduler]\nprefill_chunk_stages = 32\nidle_prefill_chunk_tokens = 4096\n").unwrap();
+        std::fs::write(&f, "[scheduler]\nprefill_chunk_tokens = 256\nprefill_chunk_stages = 32\nidle_prefill_chunk_tokens = 4096\n").unwrap();
         let err = load(Some(&f)).unwrap_err().to_string();
         assert!(err.contains("scheduler.idle_prefill_chunk_tokens"), "{err}");
         for bad_budget in ["1.0", "-2.0", "nan"] {

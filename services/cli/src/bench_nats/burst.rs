@@ -140,7 +140,7 @@ impl BurstSeen {
         let worst = self.during.iter().copied().fold(0.0, f64::max);
         let mut v = json!({
             "scenario": "burst", "active_streams": k.active, "burst_prompts": k.burst,
-            "burst_tokens": k.burst_tokens, "prefill_step": k.chunk, "interleave": k.interleave,
+            "burst_tokens": k.burst_tokens, "prefill_step": k.chunk.map_or_else(|| "worker default".into(), Value::from), "interleave": k.interleave,
             "steady_gap_ms": round(steady, 2), "worst_gap_ms": round(worst, 2),
             "worst_over_steady": round(worst / steady, 1),
             "last_burst_first_token_s": round(self.first.values().copied().fold(0.0, f64::max), 3),

@@ -43,7 +43,7 @@ pub struct Knobs {
     pub burst: usize,
     pub burst_tokens: usize,
     pub short: usize,
-    pub chunk: usize,
+    pub chunk: Option<usize>,
     pub interleave: bool,
     pub streams: usize,
     pub prompt_tokens: usize,
@@ -213,7 +213,9 @@ fn kv_room(before: &WorkerStatus, k: &Knobs) -> Value {
 pub fn run(scenario: &str, k: &Knobs) -> Result<Value> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let mut env = k.worker_env.clone();
-    env.push(("LLMQ__SCHEDULER__PREFILL_CHUNK_TOKENS".into(), k.chunk.to_string()));
+    if let Some(chunk) = k.chunk {
+        env.push(("LLMQ__SCHEDULER__PREFILL_CHUNK_TOKENS".into(), chunk.to_string()));
+    }
     env.push(("LLMQ__SCHEDULER__INTERLEAVE".into(), k.interleave.to_string()));
     match scenario {
         "burst" => rt.block_on(with_stack(k, &env, |c| Box::pin(burst(c, k)))),

@@ -1,6 +1,6 @@
-//! A prefill chunk in the decode actor's hands: lent by the prefill actor for a step, and, on a
-//! GPU, spread over several steps (stages) that each run it through a share of the layers,
-//! sized by the tick budget; between two stages it stays here with its hidden state.
+//! A prefill chunk in the decode actor's hands: lent by the prefill actor for a step, and
+//! spread over several steps (stages) that each run it through a share of the layers, sized by
+//! the tick budget; between two stages it stays here with its hidden state.
 
 use llmq_engine::model::ChunkStage;
 use llmq_engine::Model;
@@ -40,13 +40,26 @@ pub struct Staging {
     pub min_tokens: usize,
     /// The most steps a chunk takes.
     pub most: usize,
+    /// Shares sized as the device computes them (see `cautious`).
+    pub cautious: bool,
 }
 
 impl Staging {
     /// The staging of `model` for the settings asked (see `chunk_stages`): a budget only with
     /// more than one stage; never more steps than layers.
     pub fn new(model: &Model, stages: usize, stage_tokens: usize, budget: f64, min_tokens: usize) -> Self {
-        Self::for_layers(model.num_layers(), chunk_stages(model, stages), stage_tokens, budget, min_tokens)
+        let s = Self::for_layers(model.num_layers(), chunk_stages(model, stages), stage_tokens, budget, min_tokens);
+        if llmq_engine::on_gpu() { s } else { s.cautious() }
+    }
+
+    /// Shares for a device whose time for a share is its compute for the share's tokens (a
+    /// CPU's): each share's layers carry the tokens' worth chosen (rounded down, at least one
+    /// layer), and the choice is judged as a whole chunk's (`ChunkSizer::with_cautious_shares`).
+    /// On a GPU a share's time is mostly the host's for its layers, and the layers are the
+    /// chunk's spread evenly over its steps.
+    pub fn cautious(mut self) -> Self {
+        self.cautious = true;
+        self
     }
 
     /// The staging of a model of `layers` layers whose chunks take `stages` steps at most at
@@ -57,7 +70,7 @@ impl Staging {
         let budget = if stages > 1 { budget } else { 0.0 };
         let min_tokens = if budget > 0.0 { min_tokens.clamp(1, stage_tokens) } else { stage_tokens };
         let most = (stages * stage_tokens.div_ceil(min_tokens)).clamp(stages, layers.max(stages));
-        Staging { stage_tokens, budget, min_tokens, most }
+        Staging { stage_tokens, budget, min_tokens, most, cautious: false }
     }
 
     /// The most steps a chunk of `n` tokens takes beside decoding rows.
@@ -68,12 +81,17 @@ impl Staging {
     /// Layers a step runs of a chunk of `n` tokens (of `layers`) when it carries `work` tokens'
     /// worth.
     pub fn stage_layers(&self, n: usize, work: usize, layers: usize) -> usize {
-        layers.div_ceil(stages_for(n, work, self.most))
+        if self.cautious {
+            (work * layers / n.max(1)).clamp(1, layers)
+        } else {
+            layers.div_ceil(stages_for(n, work, self.most))
+        }
     }
 
     /// The sizer of each step's work (off without a budget).
     pub(super) fn sizer(&self) -> ChunkSizer {
-        ChunkSizer::new(self.budget, self.min_tokens, self.stage_tokens)
+        let sizer = ChunkSizer::new(self.budget, self.min_tokens, self.stage_tokens);
+        if self.cautious { sizer.with_cautious_shares() } else { sizer }
     }
 }
 

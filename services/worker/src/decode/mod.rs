@@ -355,10 +355,16 @@ impl Handler<Step> for DecodeActor {
         // that at once (it is never idle while streams decode), so the interval is their gap.
         let started = self.clock.elapsed();
         self.last_stage = (0, 0);
+        // The offset of the chunk this step works on (its stages share it).
+        let at = match &chunk {
+            Some(Grant::New(l)) => l.seq.prefilled,
+            Some(Grant::Continue(id)) => self.staged.as_ref().filter(|c| c.lent.id == *id).map_or(0, |c| c.lent.seq.prefilled),
+            None => 0,
+        };
         if !live.is_empty() {
             self.sizer.tick_started(started);
             if self.sizer.enabled() {
-                self.stage_work = self.sizer.pick();
+                self.stage_work = self.sizer.pick(at);
             }
         }
         let chunk_id = chunk.as_ref().map(|g| match g {
@@ -395,9 +401,10 @@ impl Handler<Step> for DecodeActor {
         if let Some(e) = mismatch {
             stepped.chunk = Some((Err(e), None));
         }
-        // The work of the stage this step ran (0 without one); shares are sized without their
-        // chunk's offset (see `ChunkSizer::pick`).
-        self.sizer.tick_ended(started, live.len(), self.last_stage.1, 0, !live.is_empty());
+        // The work of the stage this step ran (0 without one), at its chunk's offset; hopeful
+        // shares are sized without it (see `ChunkSizer::pick`).
+        let at = if self.staging.cautious { at } else { 0 };
+        self.sizer.tick_ended(started, live.len(), self.last_stage.1, at, !live.is_empty());
         MessageResult(self.reply(stepped))
     }
 }
@@ -490,6 +497,21 @@ mod tests {
         // Never more steps than layers.
         let shallow = Staging::for_layers(6, 4, 256, 1.5, 16);
         assert_eq!((shallow.most, shallow.stage_layers(1024, 16, 6)), (6, 1));
+    }
+
+    #[test]
+    fn cautious_shares_carry_the_work_chosen_and_no_more() {
+        // SmolLM2 on a CPU: 30 layers, 256-token chunks in shares of 8 to 32 tokens' work.
+        let s = Staging::for_layers(30, 8, 32, 2.0, 8).cautious();
+        assert_eq!(s.stage_layers(256, 8, 30), 1, "8 tokens' work: one layer of 256 tokens");
+        assert_eq!(s.stage_layers(256, 32, 30), 3, "32: three layers (3.75 rounded down)");
+        assert_eq!(s.stage_layers(184, 8, 30), 1, "a prompt's shorter last chunk: still one layer");
+        assert_eq!(s.stage_layers(64, 32, 30), 15);
+        assert_eq!(s.stage_layers(8, 32, 30), 30, "a short chunk: every layer at once");
+        // Spread evenly instead (a GPU's), the shorter chunk's share would be twice the work.
+        let even = Staging::for_layers(30, 8, 32, 2.0, 8);
+        assert_eq!(even.stage_layers(184, 8, 30), 2);
+        assert!(s.sizer().enabled());
     }
 
     #[test]
