@@ -243,11 +243,7 @@ impl ChunkSizer {
     /// without alignment, judged as a share (or as a whole chunk, with `with_cautious_shares`).
     pub fn pick(&self, at: usize) -> usize {
         let all: Vec<usize> = (0..self.sizes.len()).collect();
-        if self.cautious_shares {
-            self.choose(&all, at, Mode::Whole)
-        } else {
-            self.choose(&all, 0, Mode::Share)
-        }
+        self.choose(&all, at, if self.cautious_shares { Mode::Whole } else { Mode::Share })
     }
 
     /// Of the sizes at `candidates` (indices, ascending), for a chunk from position `at`: the

@@ -355,18 +355,6 @@ impl Handler<Step> for DecodeActor {
         // that at once (it is never idle while streams decode), so the interval is their gap.
         let started = self.clock.elapsed();
         self.last_stage = (0, 0);
-        // The offset of the chunk this step works on (its stages share it).
-        let at = match &chunk {
-            Some(Grant::New(l)) => l.seq.prefilled,
-            Some(Grant::Continue(id)) => self.staged.as_ref().filter(|c| c.lent.id == *id).map_or(0, |c| c.lent.seq.prefilled),
-            None => 0,
-        };
-        if !live.is_empty() {
-            self.sizer.tick_started(started);
-            if self.sizer.enabled() {
-                self.stage_work = self.sizer.pick(at);
-            }
-        }
         let chunk_id = chunk.as_ref().map(|g| match g {
             Grant::New(l) => l.id,
             Grant::Continue(id) => *id,
@@ -380,6 +368,14 @@ impl Handler<Step> for DecodeActor {
             },
             None => (None, None),
         };
+        // The offset of the chunk this step works on (its stages share it).
+        let at = chunk.as_ref().map_or(0, |c| c.lent.seq.prefilled);
+        if !live.is_empty() {
+            self.sizer.tick_started(started);
+            if self.sizer.enabled() {
+                self.stage_work = self.sizer.pick(at);
+            }
+        }
         let mut stepped = self.work(true, |a| {
             a.advance_copies();
             a.step(&live, chunk)
@@ -401,9 +397,8 @@ impl Handler<Step> for DecodeActor {
         if let Some(e) = mismatch {
             stepped.chunk = Some((Err(e), None));
         }
-        // The work of the stage this step ran (0 without one), at its chunk's offset; hopeful
-        // shares are sized without it (see `ChunkSizer::pick`).
-        let at = if self.staging.cautious { at } else { 0 };
+        // The work of the stage this step ran (0 without one), at its chunk's offset (hopeful
+        // shares' times are not moved along it: see `ChunkSizer::pick`).
         self.sizer.tick_ended(started, live.len(), self.last_stage.1, at, !live.is_empty());
         MessageResult(self.reply(stepped))
     }
