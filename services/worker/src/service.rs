@@ -324,14 +324,16 @@ async fn follow_peers(
 /// Runs the warm-up before the worker takes jobs. On a GPU a long warm-up prompt pays for
 /// every cache size a burst of long prompts reaches (each new size's first chunk costs 100+ ms
 /// there), in one round for every size of the decode batch (a step's shapes follow it); on a
-/// CPU one round of a short one is enough (three long prompts: about 6 s of SmolLM2 at 261
-/// tokens on a 2-core CPU).
+/// CPU one round of a short one is enough, its long prompts one tick's prefill work and a few
+/// tokens (a chunk's shares take up to a tick a layer there, and the warm-up keeps the short
+/// one decoding through the most: 5.2-5.7 s of SmolLM2 on a 2-core CPU, against 10.6 s with
+/// prompts of a whole 256-token chunk).
 async fn warm_up(actor: &Scheduler, settings: &Settings) -> Result<(), WorkerError> {
     let sched = &settings.scheduler;
     let (default_tokens, rows) = if llmq_engine::on_gpu() {
         (GPU_WARM_UP_TOKENS, crate::actor::warm_up_rows(sched.max_batch))
     } else {
-        (sched.chunk_tokens(false).saturating_mul(sched.chunk_stages(false)) + 5, vec![1])
+        (sched.chunk_tokens(false) + 5, vec![1])
     };
     let tokens = settings.worker.warm_up_tokens.unwrap_or(default_tokens);
     if tokens == 0 {

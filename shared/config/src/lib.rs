@@ -124,8 +124,8 @@ pub struct WorkerSettings {
     /// running jobs are kept alive with progress acks six times per period.
     pub ack_wait_ms: u64,
     /// Prompt length of the warm-up's long dummy requests (run before taking jobs, so that MLX
-    /// has planned its kernels for the cache sizes up to this); default: 8192 on a GPU, one
-    /// prefill chunk and a few on a CPU; 0: no warm-up.
+    /// has planned its kernels for the cache sizes up to this); default: 8192 on a GPU,
+    /// `prefill_chunk_tokens` and a few on a CPU; 0: no warm-up.
     pub warm_up_tokens: Option<usize>,
     /// MLX's memory limit in bytes: past it (device memory in use plus MLX's cache of freed
     /// buffers), a new buffer first frees cached ones. Default: MLX's own (80% of the GPU's).
