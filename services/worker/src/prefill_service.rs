@@ -41,7 +41,10 @@ pub async fn run(settings: Settings, client: async_nats::Client, worker_id: Stri
         let mut orders = client.subscribe(subjects::prefill_orders(&worker_id)).await.map_err(nats_err)?;
         let mut beats = client.subscribe(subjects::WORKER_STATUS_ALL).await.map_err(nats_err)?;
         let (tx, rx) = mpsc::unbounded_channel::<Answer>();
-        actix::spawn(send_answers(client.clone(), rx, status.clone()));
+        // The KV leaves on a connection of its own: heartbeats queued behind a prompt's
+        // gigabyte of KV would make this worker look silent to its decoders.
+        let kv_client = llmq_protocol::connect(&settings.nats.url, settings.nats.ca_file.as_deref(), "llmq-prefill-kv").await.map_err(nats_err)?;
+        actix::spawn(send_answers(kv_client, rx, status.clone()));
         let heartbeat = Duration::from_millis(settings.worker.heartbeat_ms);
         actix::spawn(heartbeats(client.clone(), subjects::worker_status(&worker_id), status.clone(), heartbeat));
         tracing::info!(%worker_id, model = %settings.worker.model, "prefill worker ready");

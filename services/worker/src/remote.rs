@@ -277,9 +277,11 @@ impl RemotePrefill {
 }
 
 /// The NATS side of a decode worker's remote prefill: runs until the device end is dropped.
-pub async fn link(client: async_nats::Client, end: LinkEnd, decoder: String, model: String, heartbeat: Duration) -> Result<(), async_nats::SubscribeError> {
+/// The KV arrives on `kv_client`, a connection of its own, so that the worker's heartbeats,
+/// events and orders never wait behind it.
+pub async fn link(client: async_nats::Client, kv_client: async_nats::Client, end: LinkEnd, decoder: String, model: String, heartbeat: Duration) -> Result<(), async_nats::SubscribeError> {
     let LinkEnd { mut orders, arrivals, live } = end;
-    let mut kv = client.subscribe(subjects::prefill_kv(&decoder)).await?;
+    let mut kv = kv_client.subscribe(subjects::prefill_kv(&decoder)).await?;
     let mut beats = client.subscribe(subjects::WORKER_STATUS_ALL).await?;
     let mut check = tokio::time::interval(heartbeat);
     let mut link = Link { client, decoder, model, arrivals, live, peers: WorkerTable::new(3 * heartbeat), targets: HashMap::new(), assemblies: HashMap::new() };
@@ -360,6 +362,15 @@ impl Link {
     /// A piece of a chunk's KV (its first: the chunk is computed; its last: the chunk goes to
     /// the device thread, checked), or a failed grant.
     fn reply(&mut self, reply: PrefillReply) {
+        // A reply is the prefill worker's sign of life too: its heartbeats may wait behind
+        // its KV in the server's queue for this worker.
+        let key = match &reply {
+            PrefillReply::Kv(p) => p.key,
+            PrefillReply::Failed { key, .. } => *key,
+        };
+        if let Some(target) = self.targets.get(&key) {
+            self.peers.heard_from_at(target, Instant::now());
+        }
         let p = match reply {
             PrefillReply::Kv(p) if self.targets.contains_key(&p.key) => p,
             PrefillReply::Kv(_) => return, // for a request forgotten here

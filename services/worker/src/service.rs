@@ -151,7 +151,8 @@ pub async fn run(settings: Settings, stop: impl std::future::Future<Output = ()>
         // Prompts go to prefill workers only after the warm-up (which runs here).
         if let Some(end) = link {
             let beat = Duration::from_millis(settings.worker.heartbeat_ms);
-            let link = crate::remote::link(client.clone(), end, worker_id.clone(), model_name.clone(), beat);
+            let kv_client = llmq_protocol::connect(&settings.nats.url, settings.nats.ca_file.as_deref(), "llmq-worker-kv").await.map_err(nats_err)?;
+            let link = crate::remote::link(client.clone(), kv_client, end, worker_id.clone(), model_name.clone(), beat);
             actix::spawn(async move {
                 if let Err(e) = link.await {
                     tracing::error!(error = %e, "remote prefill stopped; prefilling here");

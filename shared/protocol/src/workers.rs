@@ -34,6 +34,14 @@ impl WorkerTable {
         self.seen.insert(status.worker_id.clone(), (status, at));
     }
 
+    /// A message from a known worker other than its heartbeat (a prefill worker's KV, say) shows
+    /// it alive as its heartbeat would; its last status stays. An unknown worker stays unknown.
+    pub fn heard_from_at(&mut self, worker_id: &str, at: Instant) {
+        if let Some((_, t)) = self.seen.get_mut(worker_id) {
+            *t = (*t).max(at);
+        }
+    }
+
     /// Whether some worker of `model` was heard from within `window` before `now`.
     pub fn model_heard_within(&self, model: &str, window: Duration, now: Instant) -> bool {
         self.model_heard.get(model).is_some_and(|t| now.saturating_duration_since(*t) <= window)
@@ -90,6 +98,18 @@ mod tests {
         assert!(t.model_heard_within("n", Duration::from_secs(60), later));
         assert!(!t.model_heard_within("n", Duration::from_secs(10), later));
         assert!(!t.model_heard_within("x", Duration::from_secs(60), later));
+    }
+
+    #[test]
+    fn other_messages_keep_a_known_worker_alive() {
+        let mut t = WorkerTable::new(Duration::from_secs(1));
+        let t0 = Instant::now();
+        t.update_at(status("a", "m"), t0);
+        t.heard_from_at("a", t0 + Duration::from_millis(900));
+        t.heard_from_at("stranger", t0 + Duration::from_millis(900));
+        let ids = |at| t.live_at(at).map(|s| s.worker_id.clone()).collect::<Vec<_>>();
+        assert_eq!(ids(t0 + Duration::from_millis(1800)), ["a"]);
+        assert!(ids(t0 + Duration::from_millis(2000)).is_empty());
     }
 
     #[test]
