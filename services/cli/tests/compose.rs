@@ -30,7 +30,9 @@ async fn chat(addr: &str, i: usize) -> (u16, String) {
 
 #[test]
 fn three_workers_share_requests_from_the_gateway_and_from_nats() {
-    let stack = Compose::up("scale", 3);
+    // A worker holds at most 16 requests while a peer has room: 64 at once reach all three
+    // (with 64, the first to pull could take them all, as placement allows).
+    let stack = Compose::up_full("scale", 3, &[], &[("LLMQ_WORKER_MAX_BATCH", "16")]);
     common::client::rt().block_on(async {
         let addr = stack.wait_workers(3).await;
         let nats = Client::connect(&stack.nats_url()).await;

@@ -19,6 +19,8 @@ pub struct Compose {
     root: PathBuf,
     /// Compose files over docker-compose.yml (deploy/docker/tls.yml, say).
     overlays: Vec<String>,
+    /// Variables for docker-compose.yml besides the addresses and passwords.
+    vars: Vec<(String, String)>,
     /// Where NATS and the gateway are published on the host.
     pub nats: String,
     pub gateway: String,
@@ -36,6 +38,11 @@ impl Compose {
 
     /// `up`, with compose files over docker-compose.yml.
     pub fn up_with(name: &str, workers: usize, overlays: &[&str]) -> Compose {
+        Compose::up_full(name, workers, overlays, &[])
+    }
+
+    /// `up`, with compose files over docker-compose.yml and its variables set (`LLMQ_WORKER_MAX_BATCH`, say).
+    pub fn up_full(name: &str, workers: usize, overlays: &[&str], vars: &[(&str, &str)]) -> Compose {
         let turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
         let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().unwrap();
         let ok = |c: &mut Command| c.stdout(Stdio::null()).stderr(Stdio::null()).status().map(|s| s.success()).unwrap_or(false);
@@ -48,7 +55,8 @@ impl Compose {
         let users = ["intake", "worker", "gateway", "client1", "client2"];
         let passwords = users.iter().enumerate().map(|(i, u)| (*u, password(i))).collect();
         let overlays = overlays.iter().map(|o| o.to_string()).collect();
-        let c = Compose { project, root, overlays, nats: free(), gateway: free(), passwords, _turn: turn };
+        let vars = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let c = Compose { project, root, overlays, vars, nats: free(), gateway: free(), passwords, _turn: turn };
         c.run(&["down", "-v", "-t", "1"]);
         c.ok(&["up", "-d", "--scale", &format!("worker={workers}")]);
         c
@@ -66,6 +74,9 @@ impl Compose {
             .env("LLMQ_GATEWAY_PUBLISH", &self.gateway)
             .env("LLMQ_MODELS", self.root.join(".cache/models"))
             .stdin(Stdio::null());
+        for (k, v) in &self.vars {
+            c.env(k, v);
+        }
         for (user, password) in &self.passwords {
             c.env(format!("LLMQ_NATS_{}_PASSWORD", user.to_uppercase()), password);
         }
