@@ -33,6 +33,15 @@ enum Command {
 }
 
 fn main() -> std::process::ExitCode {
+    // OpenBLAS chose its kernels when it loaded, before `main`: where it fell back to generic
+    // ones on a CPU it does not know, run again with better ones named (`llmq_engine::host_blas`).
+    if let Some(kernels) = llmq_engine::host_blas::kernels_to_ask() {
+        use std::os::unix::process::CommandExt;
+        std::env::set_var("OPENBLAS_CORETYPE", kernels);
+        let mut args = std::env::args_os();
+        let err = std::process::Command::new("/proc/self/exe").arg0(args.next().unwrap_or_default()).args(args).exec();
+        eprintln!("llmq: could not run again with OpenBLAS's {kernels} kernels ({err}); going on with its generic ones");
+    }
     // MLX's CUDA backend caches a CUDA graph per distinct step shape, and raises an error when
     // more than 400 shapes alternate. Serving steps vary in batch size and cache length, so
     // give it room (before MLX initialises; a user's own setting wins).

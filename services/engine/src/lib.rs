@@ -10,6 +10,7 @@
 //! - `cache`     the KV-cache trait, a growing cache and a sliding-window one
 //! - `cpu_attention` a sequence's attention over its cache on a CPU (MLX's is unfused there)
 //! - `cpu_matmul` products of up to 24 rows with dense f32 weights on a CPU (the BLAS repacks them)
+//! - `host_blas` which kernels OpenBLAS (MLX's BLAS on a CPU) runs on this CPU
 //! - `batch`     the decode batch: every running sequence as one row of shared KV buffers
 //! - `row_attention` the decode batch's attention by row lengths, a CUDA kernel (GPU only)
 //! - `qmv`       quantized matrix products of a few rows, a CUDA kernel (GPU only)
@@ -32,6 +33,7 @@ pub mod cpu_matmul;
 pub mod error;
 pub mod experts;
 pub mod generate;
+pub mod host_blas;
 pub(crate) mod kernel;
 pub mod kv_bytes;
 pub mod mask;
