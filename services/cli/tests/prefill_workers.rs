@@ -48,12 +48,33 @@ fn split_stack(extra: &[(&str, &str)]) -> (Stack, usize) {
 
 #[test]
 fn a_prompt_prefilled_by_a_prefill_worker_decodes_as_on_one_worker() {
+    prefilled_remotely_decodes_as_on_one_worker(&[], true);
+}
+
+#[test]
+fn the_kv_comes_over_nats_where_the_decoder_offers_no_direct_connection() {
+    prefilled_remotely_decodes_as_on_one_worker(&[("LLMQ__WORKER__KV_LISTEN", "off")], false);
+}
+
+/// Prompts prefilled by the prefill worker get the same greedy tokens as in one process; the
+/// KV comes on the direct connection (`direct`: no piece of it on NATS) or in NATS pieces.
+fn prefilled_remotely_decodes_as_on_one_worker(extra: &[(&str, &str)], direct: bool) {
     let prompts: Vec<String> = (1..=3).map(|i| format!("{i}: {}", LONG.repeat(3 + 2 * i))).collect();
     let want: Vec<Vec<u32>> = prompts.iter().map(|p| local_greedy(p, 12)).collect();
-    let (stack, _) = split_stack(&[]);
+    let (stack, _) = split_stack(extra);
     rt().block_on(async {
         let c = Client::connect(&stack.url).await;
-        statuses(&c, &[WorkerRole::Decode, WorkerRole::Prefill]).await;
+        let s = statuses(&c, &[WorkerRole::Decode, WorkerRole::Prefill]).await;
+        let mut pieces = c.nc.subscribe(subjects::prefill_kv(&s[&WorkerRole::Decode].worker_id)).await.unwrap();
+        let on_nats = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = on_nats.clone();
+        tokio::spawn(async move {
+            while let Some(m) = pieces.next().await {
+                if matches!(decode::<prefill::PrefillReply>(&m.payload), Ok(prefill::PrefillReply::Kv(_))) {
+                    counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            }
+        });
         // The decode worker hears the prefill worker's heartbeats (200 ms apart).
         tokio::time::sleep(Duration::from_millis(600)).await;
         let one = c.run(req(&prompts[0], 12)).await;
@@ -71,6 +92,12 @@ fn a_prompt_prefilled_by_a_prefill_worker_decodes_as_on_one_worker() {
         let s = statuses(&c, &[WorkerRole::Decode, WorkerRole::Prefill]).await;
         let (sent, received) = (s[&WorkerRole::Prefill].kv_bytes_sent, s[&WorkerRole::Decode].kv_bytes_received);
         assert!(received > 0 && received == sent, "KV sent {sent}, received {received}");
+        let on_nats = on_nats.load(std::sync::atomic::Ordering::Relaxed);
+        if direct {
+            assert_eq!(on_nats, 0, "the KV took the direct connection, not NATS");
+        } else {
+            assert!(on_nats > 0, "the KV came in NATS pieces");
+        }
     });
 }
 

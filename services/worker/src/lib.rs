@@ -10,6 +10,7 @@
 //!   ahead (`ahead`), a chunk lent to it and staged over steps (`chunk`)
 //! - `cache` the cache actor: the prefix cache
 //! - `remote` a decode worker's prompts prefilled by prefill workers: grants out, KV in
+//! - `direct_kv` prompt KV on a TCP connection beside NATS, from prefill worker to decoder
 //! - `prefill_server` a prefill worker's device side: sessions of prompts computed for decoders
 //! - `prefill_service` the prefill worker process: grants in, KV out in pieces, heartbeats
 //! - `messages` what the role actors share: the report every answer carries, common messages
@@ -26,6 +27,7 @@
 pub mod actor;
 pub mod cache;
 pub mod decode;
+pub mod direct_kv;
 pub mod engine;
 pub mod held;
 pub mod host_memory;

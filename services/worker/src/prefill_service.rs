@@ -2,7 +2,8 @@
 //! `LLMQ__WORKER__ROLE=prefill`): takes no jobs; serves the chunk grants of decode workers
 //! (`subjects::prefill_orders(<its id>)`) one at a time, in the order they come, on its device
 //! thread (`prefill_server`), and sends each chunk's KV to its decoder in pieces from a task of
-//! its own, so the next grant is computed while the last chunk's KV is on the way.
+//! its own, so the next grant is computed while the last chunk's KV is on the way: on the
+//! decoder's direct connection where its grant offers one (`crate::direct_kv`), else over NATS.
 //!
 //! It heartbeats like any worker (role `prefill`: sessions held, the grant's tokens in
 //! progress, KV bytes sent), so decode workers find it and see it go. When a decoder goes
@@ -15,12 +16,13 @@ use std::time::Duration;
 use actix::prelude::*;
 use futures::StreamExt;
 use llmq_config::Settings;
-use llmq_protocol::prefill::{kv_pieces, PrefillOrder, PrefillReply};
+use llmq_protocol::prefill::{kv_checksum, kv_pieces, DirectKv, KvFrame, PrefillOrder, PrefillReply};
 use llmq_protocol::workers::WorkerTable;
 use llmq_protocol::{subjects, WireError, WorkerRole, WorkerStatus};
 use tokio::sync::mpsc;
 
 use crate::cache::CacheActor;
+use crate::direct_kv::Connections;
 use crate::prefill_server::{Forget, GetReport, PrefillServer, Serve};
 use crate::seq::Shared;
 use crate::service::{load_on_device, nats_err, stop_device, unix_ms, WorkerError};
@@ -32,6 +34,8 @@ struct Answer {
     start: u32,
     n: u32,
     kv: Result<Vec<u8>, WireError>,
+    /// The decoder's direct connection, if its grant offered one.
+    direct: Option<DirectKv>,
 }
 
 /// Runs a prefill worker until `stop` completes.
@@ -58,12 +62,12 @@ pub async fn run(settings: Settings, client: async_nats::Client, worker_id: Stri
                 Some(m) = orders.next() => match llmq_protocol::decode::<PrefillOrder>(&m.payload) {
                     Ok(PrefillOrder::Grant(g)) => {
                         decoders.insert(g.decoder.clone());
-                        let (decoder, key, start, n) = (g.decoder.clone(), g.key, g.start, g.n);
+                        let (decoder, key, start, n, direct) = (g.decoder.clone(), g.key, g.start, g.n, g.direct.clone());
                         status.lock().unwrap().queued_prefill_tokens = n as u64;
                         let kv = server.send(Serve(g)).await.unwrap_or_else(|e| Err(crate::seq::internal(format!("prefill server lost: {e}"))));
                         status.lock().unwrap().queued_prefill_tokens = 0;
                         refresh(&server, &status).await;
-                        let _ = tx.send(Answer { decoder, key, start, n, kv });
+                        let _ = tx.send(Answer { decoder, key, start, n, kv, direct });
                     }
                     Ok(PrefillOrder::Drop { decoder, key }) => {
                         let _ = server.send(Forget { decoder, key: Some(key) }).await;
@@ -151,7 +155,15 @@ async fn start_server(settings: &Settings, worker_id: &str) -> Result<(Addr<Pref
 
 /// Sends each served grant's KV to its decoder in pieces (or the grant's failure), in order.
 async fn send_answers(client: async_nats::Client, mut answers: mpsc::UnboundedReceiver<Answer>, status: Arc<Mutex<WorkerStatus>>) {
+    let mut connections = Connections::default();
     while let Some(a) = answers.recv().await {
+        if let (Ok(bytes), Some(to)) = (&a.kv, &a.direct) {
+            let frame = KvFrame { token: to.token, key: a.key, start: a.start, n: a.n, total_bytes: bytes.len() as u64, checksum: kv_checksum(bytes), sent_at_us: unix_us() };
+            if connections.send(to, &frame, bytes).await {
+                status.lock().unwrap().kv_bytes_sent += bytes.len() as u64;
+                continue;
+            }
+        }
         let subject = subjects::prefill_kv(&a.decoder);
         let replies: Vec<PrefillReply> = match &a.kv {
             Ok(bytes) => kv_pieces(a.key, a.start, a.n, unix_us(), bytes).map(PrefillReply::Kv).collect(),

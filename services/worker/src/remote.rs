@@ -14,8 +14,10 @@
 //! longer than `worker.remote_prefill_timeout_ms`; the request then stays local.
 //!
 //! The NATS side is `link`: it picks a prefill worker per request (the least loaded live one
-//! by heartbeats, then the same one for every chunk), publishes orders, reassembles the KV
-//! pieces (checking sizes and the checksum), and tells the device thread what arrived.
+//! by heartbeats, then the same one for every chunk), publishes orders (offering the worker's
+//! direct KV connection, `crate::direct_kv`, where it listens), reassembles the KV pieces or
+//! takes the direct connections' chunks (checking sizes and the checksum), and tells the device
+//! thread what arrived.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -23,11 +25,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use llmq_protocol::prefill::{KvAssembly, PrefillGrant, PrefillOrder, PrefillReply};
+use llmq_protocol::prefill::{kv_checksum, DirectKv, KvAssembly, PrefillGrant, PrefillOrder, PrefillReply};
 use llmq_protocol::workers::WorkerTable;
 use llmq_protocol::{subjects, WorkerRole, WorkerStatus};
 use llmq_scheduler::ReqId;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+
+use crate::direct_kv::Received;
 
 /// From the device thread to the link.
 #[derive(Debug)]
@@ -255,6 +259,7 @@ impl RemotePrefill {
                     start: r.computed as u32,
                     n: (remote_end - r.computed) as u32,
                     kv_layout: self.kv_layout.clone(),
+                    direct: None, // the link offers its connection
                 };
                 r.granted = Some((r.computed, remote_end - r.computed, now));
                 let _ = self.orders.send(Order::Grant(grant));
@@ -278,13 +283,25 @@ impl RemotePrefill {
 
 /// The NATS side of a decode worker's remote prefill: runs until the device end is dropped.
 /// The KV arrives on `kv_client`, a connection of its own, so that the worker's heartbeats,
-/// events and orders never wait behind it.
-pub async fn link(client: async_nats::Client, kv_client: async_nats::Client, end: LinkEnd, decoder: String, model: String, heartbeat: Duration) -> Result<(), async_nats::SubscribeError> {
+/// events and orders never wait behind it, or, where `direct` offers it, on direct connections
+/// (`crate::direct_kv`: the offer grants carry, and what those connections deliver).
+pub async fn link(
+    client: async_nats::Client,
+    kv_client: async_nats::Client,
+    end: LinkEnd,
+    (decoder, model): (String, String),
+    heartbeat: Duration,
+    direct: Option<(DirectKv, UnboundedReceiver<Received>)>,
+) -> Result<(), async_nats::SubscribeError> {
     let LinkEnd { mut orders, arrivals, live } = end;
     let mut kv = kv_client.subscribe(subjects::prefill_kv(&decoder)).await?;
     let mut beats = client.subscribe(subjects::WORKER_STATUS_ALL).await?;
     let mut check = tokio::time::interval(heartbeat);
-    let mut link = Link { client, decoder, model, arrivals, live, peers: WorkerTable::new(3 * heartbeat), targets: HashMap::new(), assemblies: HashMap::new() };
+    let (offer, mut received) = match direct {
+        Some((offer, rx)) => (Some(offer), rx),
+        None => (None, unbounded_channel().1),
+    };
+    let mut link = Link { client, decoder, model, arrivals, live, peers: WorkerTable::new(3 * heartbeat), targets: HashMap::new(), assemblies: HashMap::new(), offer };
     loop {
         tokio::select! {
             order = orders.recv() => match order {
@@ -295,6 +312,7 @@ pub async fn link(client: async_nats::Client, kv_client: async_nats::Client, end
                 Ok(reply) => link.reply(reply),
                 Err(e) => tracing::warn!(error = %e, "an undecodable prefill reply"),
             },
+            Some(r) = received.recv() => link.direct(r),
             Some(m) = beats.next() => {
                 if let Ok(s) = llmq_protocol::decode::<WorkerStatus>(&m.payload) {
                     link.heard(s);
@@ -316,6 +334,8 @@ struct Link {
     peers: WorkerTable,
     targets: HashMap<ReqId, String>,
     assemblies: HashMap<(ReqId, u32), KvAssembly>,
+    /// The direct KV connection grants offer, if this worker listens.
+    offer: Option<DirectKv>,
 }
 
 impl Link {
@@ -331,7 +351,8 @@ impl Link {
     /// a drop to the worker that had it.
     async fn order(&mut self, order: Order) {
         match order {
-            Order::Grant(g) => {
+            Order::Grant(mut g) => {
+                g.direct = self.offer.clone();
                 let key = g.key;
                 if !self.targets.contains_key(&key) {
                     let Some(w) = self.prefill_workers().into_iter().min_by_key(|w| (w.queued_prefill_tokens, w.active_streams)) else {
@@ -355,6 +376,29 @@ impl Link {
                         let _ = self.client.publish(subjects::prefill_orders(&target), bytes.into()).await;
                     }
                 }
+            }
+        }
+    }
+
+    /// A chunk from a direct connection: its frame (the chunk is computed), then its bytes,
+    /// checked against the frame, for the device thread.
+    fn direct(&mut self, r: Received) {
+        let key = match &r {
+            Received::Frame(f) | Received::Bytes(f, _) => f.key,
+        };
+        let Some(target) = self.targets.get(&key) else { return }; // a request forgotten here
+        self.peers.heard_from_at(target, Instant::now());
+        match r {
+            Received::Frame(f) => {
+                let _ = self.arrivals.send(Arrival::Computed { key, start: f.start as usize });
+            }
+            Received::Bytes(f, bytes) => {
+                if bytes.len() as u64 != f.total_bytes || kv_checksum(&bytes) != f.checksum {
+                    return self.fail(key, format!("the KV of the chunk at {} failed its checksum", f.start));
+                }
+                let sent_at = std::time::UNIX_EPOCH + Duration::from_micros(f.sent_at_us);
+                let transfer = std::time::SystemTime::now().duration_since(sent_at).unwrap_or_default();
+                let _ = self.arrivals.send(Arrival::Kv { key, start: f.start as usize, n: f.n as usize, bytes, transfer });
             }
         }
     }

@@ -152,7 +152,23 @@ pub async fn run(settings: Settings, stop: impl std::future::Future<Output = ()>
         if let Some(end) = link {
             let beat = Duration::from_millis(settings.worker.heartbeat_ms);
             let kv_client = llmq_protocol::connect(&settings.nats.url, settings.nats.ca_file.as_deref(), "llmq-worker-kv").await.map_err(nats_err)?;
-            let link = crate::remote::link(client.clone(), kv_client, end, worker_id.clone(), model_name.clone(), beat);
+            let direct = match settings.worker.kv_listen.as_str() {
+                "" | "off" => None,
+                addr => {
+                    let (tx, rx) = mpsc::unbounded_channel();
+                    match crate::direct_kv::listen(addr, tx).await {
+                        Ok(offer) => {
+                            tracing::info!(addr = %offer.addr, "direct KV connections accepted");
+                            Some((offer, rx))
+                        }
+                        Err(e) => {
+                            tracing::warn!(addr, error = %e, "cannot listen for direct KV connections; the KV comes over NATS");
+                            None
+                        }
+                    }
+                }
+            };
+            let link = crate::remote::link(client.clone(), kv_client, end, (worker_id.clone(), model_name.clone()), beat, direct);
             actix::spawn(async move {
                 if let Err(e) = link.await {
                     tracing::error!(error = %e, "remote prefill stopped; prefilling here");

@@ -152,11 +152,16 @@ pub struct WorkerSettings {
     /// A decode worker prefills a prompt itself when a prefill worker has not computed a
     /// granted chunk, or its KV has not arrived, within this long.
     pub remote_prefill_timeout_ms: u64,
+    /// Where a decode worker takes prompt KV from prefill workers directly (TCP `host:port`,
+    /// port 0: any free one), beside NATS; `off`: over NATS only. The default listens on the
+    /// loopback only (prefill workers on the same host); the connection is not encrypted, and a
+    /// frame must carry the token the worker's grants give.
+    pub kv_listen: String,
 }
 
 impl Default for WorkerSettings {
     fn default() -> Self {
-        WorkerSettings { id: None, model: "smollm2".into(), dtype: None, quantize: None, quantize_group_size: 64, keep_quantized: None, device: None, heartbeat_ms: 1000, max_queued: 256, ack_wait_ms: 6_000, warm_up_tokens: None, mlx_memory_limit_bytes: None, mlx_cache_limit_bytes: None, host_memory_reserve_bytes: None, tick_log: None, drain_timeout_s: 30, role: "both".into(), remote_prefill_timeout_ms: 10_000 }
+        WorkerSettings { id: None, model: "smollm2".into(), dtype: None, quantize: None, quantize_group_size: 64, keep_quantized: None, device: None, heartbeat_ms: 1000, max_queued: 256, ack_wait_ms: 6_000, warm_up_tokens: None, mlx_memory_limit_bytes: None, mlx_cache_limit_bytes: None, host_memory_reserve_bytes: None, tick_log: None, drain_timeout_s: 30, role: "both".into(), remote_prefill_timeout_ms: 10_000, kv_listen: "127.0.0.1:0".into() }
     }
 }
 

@@ -7,6 +7,14 @@
 //! NATS, with a checksum of the whole chunk. Its first piece also says the chunk is computed,
 //! so the next grant can go out while the rest of its KV is still on the way.
 //!
+//! Where the grant offers it (`PrefillGrant::direct`), the prefill worker sends the chunk's KV on
+//! a TCP connection to the decode worker instead, with NATS still carrying the grants, drops,
+//! failures and heartbeats: NATS relays every byte through its server, a few hundred MB/s,
+//! where a prompt of 8,192 tokens at the 8b shape is a gigabyte of KV. On that connection each
+//! chunk is a `KvFrame` (its length, then the frame in MessagePack) followed by the chunk's
+//! bytes; the frame's arrival says the chunk is computed, and it carries the decoder's token,
+//! known only from its grants.
+//!
 //! Invariants: a grant names the whole prompt and the chunk `[start, start + n)`; the prefill
 //! worker holds a session per (decoder, key) and brings it to `start` first (from its prefix
 //! cache, or by computing the missing positions), so any grant can be served, in any state. A
@@ -42,6 +50,51 @@ pub struct PrefillGrant {
     /// The decoder's KV layout (layers, KV heads, head size, dtype): a prefill worker whose
     /// model's differs refuses the grant.
     pub kv_layout: String,
+    /// Where the decoder also takes the KV directly; absent: NATS pieces only (a prefill worker
+    /// that cannot reach it sends those too).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub direct: Option<DirectKv>,
+}
+
+/// A decode worker's direct KV connection: where it listens (`host:port`) and the token its
+/// frames must carry.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DirectKv {
+    pub addr: String,
+    pub token: u64,
+}
+
+/// A chunk's KV on a direct connection: this frame, then `total_bytes` bytes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct KvFrame {
+    pub token: u64,
+    pub key: u64,
+    pub start: u32,
+    pub n: u32,
+    pub total_bytes: u64,
+    pub checksum: u64,
+    /// As `KvPiece::sent_at_us`.
+    pub sent_at_us: u64,
+}
+
+/// The longest encoded `KvFrame` a reader accepts.
+pub const MAX_KV_FRAME: usize = 1024;
+
+impl KvFrame {
+    /// The frame as it goes on the connection: its length (4 bytes, little-endian), then its
+    /// MessagePack.
+    pub fn encode(&self) -> Result<Vec<u8>, crate::ProtocolError> {
+        let body = crate::encode(self)?;
+        let mut out = (body.len() as u32).to_le_bytes().to_vec();
+        out.extend(body);
+        Ok(out)
+    }
+
+    /// A frame's length from its 4 leading bytes, if a reader should accept it.
+    pub fn length(prefix: [u8; 4]) -> Option<usize> {
+        let n = u32::from_le_bytes(prefix) as usize;
+        (n > 0 && n <= MAX_KV_FRAME).then_some(n)
+    }
 }
 
 /// From a prefill worker to a decode worker.
@@ -178,6 +231,31 @@ impl KvAssembly {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_frame_goes_on_the_connection_with_its_length_and_a_grant_may_lack_the_direct_offer() {
+        let f = KvFrame { token: 7, key: 3, start: 256, n: 256, total_bytes: 1 << 27, checksum: 99, sent_at_us: 5 };
+        let wire = f.encode().unwrap();
+        let n = KvFrame::length(wire[..4].try_into().unwrap()).unwrap();
+        assert_eq!(n, wire.len() - 4);
+        assert_eq!(crate::decode::<KvFrame>(&wire[4..]).unwrap(), f);
+        assert_eq!(KvFrame::length((MAX_KV_FRAME as u32 + 1).to_le_bytes()), None, "a reader refuses a long frame");
+        assert_eq!(KvFrame::length([0; 4]), None);
+        // A grant from a decoder without the offer (an older one, or one that listens nowhere).
+        #[derive(Serialize)]
+        struct Older {
+            decoder: String,
+            key: u64,
+            salt: Option<String>,
+            prompt: Vec<u32>,
+            start: u32,
+            n: u32,
+            kv_layout: String,
+        }
+        let old = Older { decoder: "d".into(), key: 1, salt: None, prompt: vec![1, 2], start: 0, n: 1, kv_layout: "l".into() };
+        let g: PrefillGrant = crate::decode(&crate::encode(&old).unwrap()).unwrap();
+        assert_eq!(g.direct, None);
+    }
 
     #[test]
     fn pieces_round_trip_in_any_order_and_through_messagepack() {

@@ -1,0 +1,163 @@
+//! Prompt KV on a direct TCP connection from a prefill worker to a decode worker, beside NATS
+//! (which keeps the grants, drops, failures and heartbeats; see `llmq_protocol::prefill`).
+//!
+//! The decode worker listens (`worker.kv_listen`, loopback by default: the prefill workers of
+//! `llmq up` on the same host) and offers the address and a token of its own in every grant.
+//! A prefill worker connects once per decoder and writes each chunk as a `KvFrame` and its
+//! bytes; where it cannot connect or write, it sends that chunk as NATS pieces, and tries the
+//! connection again after `RETRY_AFTER`. The decoder drops a connection whose frame is
+//! malformed or carries another token.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use llmq_protocol::prefill::{DirectKv, KvFrame};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc::UnboundedSender;
+
+/// A connection that failed is not tried again for this long (its chunks go as NATS pieces).
+const RETRY_AFTER: Duration = Duration::from_secs(10);
+
+/// How long a prefill worker waits for a decoder's connection to open.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// What a decode worker's connections deliver, in order for each chunk.
+#[derive(Debug)]
+pub enum Received {
+    /// A chunk's frame: the chunk is computed, its bytes follow.
+    Frame(KvFrame),
+    /// The chunk's bytes (not yet checked against the frame's checksum).
+    Bytes(KvFrame, Vec<u8>),
+}
+
+/// Listens on `addr` (`host:port`, port 0: any) and delivers every connection's frames to
+/// `to`; returns the offer grants carry. Must run inside the worker's runtime.
+pub async fn listen(addr: &str, to: UnboundedSender<Received>) -> std::io::Result<DirectKv> {
+    let listener = TcpListener::bind(addr).await?;
+    let local = listener.local_addr()?;
+    // A secret of this process (std's hasher keys are random per process).
+    let token = std::hash::BuildHasher::hash_one(&std::collections::hash_map::RandomState::new(), (local, std::process::id()));
+    actix::spawn(async move {
+        loop {
+            match listener.accept().await {
+                Ok((stream, peer)) => {
+                    let to = to.clone();
+                    actix::spawn(async move {
+                        if let Err(e) = read_frames(stream, token, &to).await {
+                            tracing::warn!(%peer, error = %e, "a direct KV connection ended");
+                        }
+                    });
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "accepting a direct KV connection");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        }
+    });
+    Ok(DirectKv { addr: local.to_string(), token })
+}
+
+/// Reads frames and their bytes until the connection closes (Ok) or misbehaves (Err).
+async fn read_frames(mut stream: TcpStream, token: u64, to: &UnboundedSender<Received>) -> std::io::Result<()> {
+    let bad = |what: String| std::io::Error::new(std::io::ErrorKind::InvalidData, what);
+    stream.set_nodelay(true)?;
+    loop {
+        let mut prefix = [0u8; 4];
+        match stream.read_exact(&mut prefix).await {
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) => return Err(e),
+        }
+        let n = KvFrame::length(prefix).ok_or_else(|| bad("a frame of a length no frame has".into()))?;
+        let mut body = vec![0u8; n];
+        stream.read_exact(&mut body).await?;
+        let frame: KvFrame = llmq_protocol::decode(&body).map_err(|e| bad(format!("an undecodable frame: {e}")))?;
+        if frame.token != token {
+            return Err(bad("a frame with another token".into()));
+        }
+        let _ = to.send(Received::Frame(frame.clone()));
+        let mut bytes = vec![0u8; frame.total_bytes as usize];
+        stream.read_exact(&mut bytes).await?;
+        let _ = to.send(Received::Bytes(frame, bytes));
+    }
+}
+
+/// A prefill worker's connections to its decoders, by address.
+#[derive(Default)]
+pub struct Connections {
+    open: HashMap<String, TcpStream>,
+    failed: HashMap<String, Instant>,
+}
+
+impl Connections {
+    /// Sends a chunk to `to` as `frame` and `bytes`; false where the connection could not be
+    /// opened or written (the caller sends NATS pieces instead).
+    pub async fn send(&mut self, to: &DirectKv, frame: &KvFrame, bytes: &[u8]) -> bool {
+        if self.failed.get(&to.addr).is_some_and(|t| t.elapsed() < RETRY_AFTER) {
+            return false;
+        }
+        let result = async {
+            if !self.open.contains_key(&to.addr) {
+                let stream = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(&to.addr))
+                    .await
+                    .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "connecting"))??;
+                stream.set_nodelay(true)?;
+                self.open.insert(to.addr.clone(), stream);
+            }
+            let stream = self.open.get_mut(&to.addr).expect("opened above");
+            let head = frame.encode().map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
+            stream.write_all(&head).await?;
+            stream.flush().await?;
+            stream.write_all(bytes).await?;
+            stream.flush().await
+        }
+        .await;
+        match result {
+            Ok(()) => {
+                self.failed.remove(&to.addr);
+                true
+            }
+            Err(e) => {
+                tracing::warn!(decoder = %to.addr, error = %e, "direct KV connection failed; sending over NATS");
+                self.open.remove(&to.addr);
+                self.failed.insert(to.addr.clone(), Instant::now());
+                false
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::sync::mpsc::unbounded_channel;
+
+    #[test]
+    fn chunks_arrive_frame_then_bytes_and_a_foreign_token_is_turned_away() {
+        actix::System::new().block_on(async {
+            let (tx, mut rx) = unbounded_channel();
+            let offer = listen("127.0.0.1:0", tx).await.unwrap();
+            let bytes: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
+            let frame = KvFrame { token: offer.token, key: 4, start: 32, n: 16, total_bytes: bytes.len() as u64, checksum: 1, sent_at_us: 2 };
+            let mut conns = Connections::default();
+            assert!(conns.send(&offer, &frame, &bytes).await);
+            assert!(conns.send(&offer, &KvFrame { start: 48, ..frame.clone() }, &bytes).await, "the connection is kept");
+            for start in [32, 48] {
+                assert!(matches!(rx.recv().await, Some(Received::Frame(f)) if f.start == start));
+                assert!(matches!(rx.recv().await, Some(Received::Bytes(f, b)) if f.start == start && b == bytes));
+            }
+            // Another token: the decoder drops the connection and delivers nothing.
+            let stranger = DirectKv { token: offer.token ^ 1, ..offer.clone() };
+            let mut other = Connections::default();
+            other.send(&stranger, &KvFrame { token: stranger.token, ..frame.clone() }, &bytes).await;
+            let nothing = tokio::time::timeout(Duration::from_millis(300), rx.recv()).await;
+            assert!(nothing.is_err(), "nothing delivered: {nothing:?}");
+            // Nobody listening: the sender says so (its caller sends over NATS) and waits before trying again.
+            let gone = DirectKv { addr: "127.0.0.1:1".into(), token: 0 };
+            assert!(!other.send(&gone, &frame, &bytes).await);
+            assert!(other.failed.contains_key(&gone.addr));
+        });
+    }
+}
