@@ -19,6 +19,9 @@ use tokio::sync::mpsc::UnboundedSender;
 /// A connection that failed is not tried again for this long (its chunks go as NATS pieces).
 const RETRY_AFTER: Duration = Duration::from_secs(10);
 
+/// The largest chunk a decoder takes (a 4,096-token chunk of a 70B model in bf16 is 1.3 GB).
+const MAX_CHUNK_BYTES: u64 = 8 << 30;
+
 /// How long a prefill worker waits for a decoder's connection to open.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -76,6 +79,9 @@ async fn read_frames(mut stream: TcpStream, token: u64, to: &UnboundedSender<Rec
         let frame: KvFrame = llmq_protocol::decode(&body).map_err(|e| bad(format!("an undecodable frame: {e}")))?;
         if frame.token != token {
             return Err(bad("a frame with another token".into()));
+        }
+        if frame.total_bytes > MAX_CHUNK_BYTES {
+            return Err(bad(format!("a chunk of {} bytes", frame.total_bytes)));
         }
         let _ = to.send(Received::Frame(frame.clone()));
         let mut bytes = vec![0u8; frame.total_bytes as usize];

@@ -289,7 +289,8 @@ pub async fn link(
     client: async_nats::Client,
     kv_client: async_nats::Client,
     end: LinkEnd,
-    (decoder, model): (String, String),
+    decoder: String,
+    model: String,
     heartbeat: Duration,
     direct: Option<(DirectKv, UnboundedReceiver<Received>)>,
 ) -> Result<(), async_nats::SubscribeError> {

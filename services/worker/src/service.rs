@@ -168,7 +168,7 @@ pub async fn run(settings: Settings, stop: impl std::future::Future<Output = ()>
                     }
                 }
             };
-            let link = crate::remote::link(client.clone(), kv_client, end, (worker_id.clone(), model_name.clone()), beat, direct);
+            let link = crate::remote::link(client.clone(), kv_client, end, worker_id.clone(), model_name.clone(), beat, direct);
             actix::spawn(async move {
                 if let Err(e) = link.await {
                     tracing::error!(error = %e, "remote prefill stopped; prefilling here");
