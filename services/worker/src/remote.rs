@@ -25,7 +25,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use llmq_protocol::prefill::{kv_checksum, DirectKv, KvAssembly, PrefillGrant, PrefillOrder, PrefillReply};
+use llmq_protocol::prefill::{check_kv, DirectKv, KvAssembly, PrefillGrant, PrefillOrder, PrefillReply};
 use llmq_protocol::workers::WorkerTable;
 use llmq_protocol::{subjects, WorkerRole, WorkerStatus};
 use llmq_scheduler::ReqId;
@@ -324,6 +324,12 @@ pub async fn link(
     }
 }
 
+/// The time since `sent_at_us` (UNIX microseconds, the sender's clock): a chunk's transfer.
+fn since(sent_at_us: u64) -> Duration {
+    let sent_at = std::time::UNIX_EPOCH + Duration::from_micros(sent_at_us);
+    std::time::SystemTime::now().duration_since(sent_at).unwrap_or_default()
+}
+
 /// The link's state: the prefill workers heard, which one serves each request, the chunks
 /// whose pieces are arriving.
 struct Link {
@@ -387,37 +393,46 @@ impl Link {
         let key = match &r {
             Received::Frame(f) | Received::Bytes(f, _) => f.key,
         };
-        let Some(target) = self.targets.get(&key) else { return }; // a request forgotten here
-        self.peers.heard_from_at(target, Instant::now());
+        if !self.sign_of_life(key) {
+            return; // a request forgotten here
+        }
         match r {
             Received::Frame(f) => {
                 let _ = self.arrivals.send(Arrival::Computed { key, start: f.start as usize });
             }
-            Received::Bytes(f, bytes) => {
-                if bytes.len() as u64 != f.total_bytes || kv_checksum(&bytes) != f.checksum {
-                    return self.fail(key, format!("the KV of the chunk at {} failed its checksum", f.start));
+            Received::Bytes(f, bytes) => match check_kv(&bytes, f.total_bytes, f.checksum) {
+                Ok(()) => {
+                    let transfer = since(f.sent_at_us);
+                    let _ = self.arrivals.send(Arrival::Kv { key, start: f.start as usize, n: f.n as usize, bytes, transfer });
                 }
-                let sent_at = std::time::UNIX_EPOCH + Duration::from_micros(f.sent_at_us);
-                let transfer = std::time::SystemTime::now().duration_since(sent_at).unwrap_or_default();
-                let _ = self.arrivals.send(Arrival::Kv { key, start: f.start as usize, n: f.n as usize, bytes, transfer });
+                Err(e) => self.fail(key, format!("chunk at {}: {e}", f.start)),
+            },
+        }
+    }
+
+    /// A message about `key` from its prefill worker shows that worker alive, as a heartbeat
+    /// would (its heartbeats may wait behind its KV in the server's queue for this worker).
+    /// Whether `key` is still a remote request here.
+    fn sign_of_life(&mut self, key: ReqId) -> bool {
+        match self.targets.get(&key) {
+            Some(target) => {
+                self.peers.heard_from_at(target, Instant::now());
+                true
             }
+            None => false,
         }
     }
 
     /// A piece of a chunk's KV (its first: the chunk is computed; its last: the chunk goes to
     /// the device thread, checked), or a failed grant.
     fn reply(&mut self, reply: PrefillReply) {
-        // A reply is the prefill worker's sign of life too: its heartbeats may wait behind
-        // its KV in the server's queue for this worker.
         let key = match &reply {
             PrefillReply::Kv(p) => p.key,
             PrefillReply::Failed { key, .. } => *key,
         };
-        if let Some(target) = self.targets.get(&key) {
-            self.peers.heard_from_at(target, Instant::now());
-        }
+        let known = self.sign_of_life(key);
         let p = match reply {
-            PrefillReply::Kv(p) if self.targets.contains_key(&p.key) => p,
+            PrefillReply::Kv(p) if known => p,
             PrefillReply::Kv(_) => return, // for a request forgotten here
             PrefillReply::Failed { key, start, error } => return self.fail(key, format!("chunk at {start}: {}", error.message)),
         };
@@ -426,13 +441,12 @@ impl Link {
         if !self.assemblies.contains_key(&slot) {
             let _ = self.arrivals.send(Arrival::Computed { key, start: start as usize });
         }
-        let sent_at = std::time::UNIX_EPOCH + Duration::from_micros(p.sent_at_us);
+        let sent_at_us = p.sent_at_us;
         match self.assemblies.entry(slot).or_default().add(p) {
             Ok(None) => {}
             Ok(Some(bytes)) => {
                 self.assemblies.remove(&slot);
-                let transfer = std::time::SystemTime::now().duration_since(sent_at).unwrap_or_default();
-                let _ = self.arrivals.send(Arrival::Kv { key, start: start as usize, n, bytes, transfer });
+                let _ = self.arrivals.send(Arrival::Kv { key, start: start as usize, n, bytes, transfer: since(sent_at_us) });
             }
             Err(e) => {
                 self.assemblies.remove(&slot);

@@ -218,14 +218,20 @@ impl KvAssembly {
             return Ok(None);
         }
         let bytes: Vec<u8> = self.got.drain(..).flatten().flatten().collect();
-        if bytes.len() as u64 != self.total {
-            return Err(KvError::Size { got: bytes.len() as u64, want: self.total });
-        }
-        if kv_checksum(&bytes) != self.checksum {
-            return Err(KvError::Checksum);
-        }
+        check_kv(&bytes, self.total, self.checksum)?;
         Ok(Some(bytes))
     }
+}
+
+/// Whether a chunk's bytes are the `total` bytes of `checksum` its sender announced.
+pub fn check_kv(bytes: &[u8], total: u64, checksum: u64) -> Result<(), KvError> {
+    if bytes.len() as u64 != total {
+        return Err(KvError::Size { got: bytes.len() as u64, want: total });
+    }
+    if kv_checksum(bytes) != checksum {
+        return Err(KvError::Checksum);
+    }
+    Ok(())
 }
 
 #[cfg(test)]
