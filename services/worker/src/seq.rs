@@ -39,16 +39,20 @@ pub struct Shared {
     pub remembers: bool,
 }
 
-/// Steps with constrained rows, those rows, the host's wall time computing their masks, and
-/// the time it then still waited for the step's logits (the device's share left after the
-/// masks: masks are hidden behind the step as long as this stays above zero).
+/// Steps with constrained rows, those rows, the host's wall time computing their masks
+/// (wherever it ran), the device thread's time waiting for masks computed beside it
+/// (`MasksAhead`), and the time it then still waited for the step's tokens (the device's share
+/// left after the masks: masks are hidden behind the step as long as this stays above zero).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct MaskTimes {
     pub steps: u64,
     /// Of those steps, the ones queued ahead (their masks computed while they ran).
     pub ahead: u64,
     pub rows: u64,
+    /// Of those rows' masks, the ones computed beside the device's thread.
+    pub beside: u64,
     pub mask_ms: f64,
+    pub blocked_ms: f64,
     pub wait_ms: f64,
 }
 
@@ -129,6 +133,9 @@ pub struct Seq {
     /// The token taken last, which its matcher follows when the next mask is computed: the
     /// rows' matchers follow their tokens in parallel there, not one by one as tokens are taken.
     pub unfollowed: Option<u32>,
+    /// Its next token's mask, computed ahead (`MasksAhead`): its matcher has followed every
+    /// token taken.
+    pub mask: Option<Vec<u32>>,
     /// Why its constraint allows no next token (found while masking): its step fails with it.
     pub stuck: Option<String>,
 }
@@ -166,6 +173,7 @@ impl Seq {
             row: None,
             matcher,
             unfollowed: None,
+            mask: None,
             stuck: None,
         })
     }
@@ -194,11 +202,13 @@ impl Seq {
     }
 
     /// Takes `id` as the sequence's next token and runs the stop checks.
+    /// A constrained sequence's matcher follows the token later (or is following it already,
+    /// away in `MasksAhead`).
     pub fn take_token(&mut self, tok: Option<&Tokenizer>, id: u32, lp: Option<TokenLogprob>) -> Result<StepOut, WireError> {
+        if let Some(why) = self.stuck.take() {
+            return Err(WireError::new(ErrorClass::ConstraintFailed, why));
+        }
         if self.matcher.is_some() {
-            if let Some(why) = self.stuck.take() {
-                return Err(WireError::new(ErrorClass::ConstraintFailed, why));
-            }
             self.unfollowed = Some(id);
         }
         self.history.push(id);
@@ -246,24 +256,26 @@ fn with_texts(mut lp: TokenLogprob, tok: Option<&Tokenizer>) -> TokenLogprob {
 }
 
 /// Each row's token mask (`words` words; every token for an unconstrained row or a row without
-/// a sequence), the constrained rows' computed in parallel on the host's cores. A row whose
-/// constraint allows nothing is marked stuck (its mask then allows everything; its step fails).
+/// a sequence): a mask computed ahead where the row has one, the other constrained rows'
+/// computed here, in parallel on the host's cores. A row whose constraint allows nothing is
+/// marked stuck (its mask then allows everything; its step fails).
 fn token_masks<'a>(rows: impl IntoIterator<Item = Option<&'a mut Seq>>, words: usize) -> Vec<u32> {
     use rayon::prelude::*;
     let rows: Vec<Option<&mut Seq>> = rows.into_iter().collect();
     let mut masks = vec![u32::MAX; rows.len() * words];
     type Row<'r> = (&'r mut Matcher, Option<u32>, &'r mut Option<String>, &'r mut [u32]);
-    let mut work: Vec<Row> = rows
-        .into_iter()
-        .zip(masks.chunks_mut(words))
-        .filter_map(|(s, mask)| {
-            let Seq { matcher, unfollowed, stuck, .. } = s?;
-            matcher.as_mut().map(|m| (m, unfollowed.take(), stuck, mask))
-        })
-        .collect();
+    let mut work: Vec<Row> = vec![];
+    for (s, mask) in rows.into_iter().zip(masks.chunks_mut(words)) {
+        let Some(Seq { matcher: Some(m), unfollowed, stuck, mask: ready, .. }) = s else { continue };
+        match ready.take() {
+            _ if stuck.is_some() => {}
+            Some(ready) if ready.len() == words && unfollowed.is_none() => mask.copy_from_slice(&ready),
+            _ => work.push((m, unfollowed.take(), stuck, mask)),
+        }
+    }
     // Each row's matcher follows its last token, then writes what may come next.
     let one = |(m, last, stuck, mask): &mut Row| {
-        if let Err(why) = last.take().map_or(Ok(()), |t| m.accept(t)).and_then(|()| m.allowed(mask)) {
+        if let Err(why) = follow(m, *last, mask) {
             **stuck = Some(why);
             mask.fill(u32::MAX);
         }
@@ -274,6 +286,101 @@ fn token_masks<'a>(rows: impl IntoIterator<Item = Option<&'a mut Seq>>, words: u
         work.par_iter_mut().for_each(one);
     }
     masks
+}
+
+/// A matcher follows `last` (when given), then writes into `mask` what may come next.
+fn follow(m: &mut Matcher, last: Option<u32>, mask: &mut [u32]) -> Result<(), String> {
+    last.map_or(Ok(()), |t| m.accept(t)).and_then(|()| m.allowed(mask))
+}
+
+/// What computing masks ahead gave back: each row's matcher and its next mask (or why its
+/// constraint allows nothing), and the work's wall time (ms).
+type Followed = (Vec<(Matcher, Result<Vec<u32>, String>)>, f64);
+
+/// Constrained rows' next masks, computed on the host's other cores while the device's thread
+/// goes on (launches the next step, hands out tokens): each row's matcher, moved out of its
+/// sequence, follows the token just read and writes what may come next. `finish` puts
+/// matchers and masks back before anything else needs them.
+pub struct MasksAhead {
+    ids: Vec<ReqId>,
+    done: std::sync::mpsc::Receiver<Followed>,
+}
+
+impl MasksAhead {
+    /// Starts the masks of `rows` (a sequence and the token just read for it; rows without a
+    /// constraint, or already stuck, are left out); None when no row is left.
+    pub fn start<'a>(rows: impl IntoIterator<Item = (ReqId, &'a mut Seq, u32)>, words: usize) -> Option<MasksAhead> {
+        use rayon::prelude::*;
+        let mut ids = vec![];
+        let mut work = vec![];
+        for (id, s, token) in rows {
+            if s.stuck.is_some() {
+                continue;
+            }
+            let Some(m) = s.matcher.take() else { continue };
+            // A token taken before without a mask after it (none is, as steps go) comes first.
+            if let Some(t) = s.unfollowed.take() {
+                work.push((m, vec![t, token]));
+            } else {
+                work.push((m, vec![token]));
+            }
+            s.mask = None;
+            ids.push(id);
+        }
+        if ids.is_empty() {
+            return None;
+        }
+        let (tx, done) = std::sync::mpsc::sync_channel(1);
+        rayon::spawn(move || {
+            let t0 = std::time::Instant::now();
+            // A panic here loses the matchers (nothing is sent): `finish` marks their rows stuck.
+            let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                work.into_par_iter()
+                    .map(|(mut m, tokens)| {
+                        let mut mask = vec![0u32; words];
+                        let (last, before) = tokens.split_last().expect("one token at least");
+                        let r = before.iter().try_for_each(|&t| m.accept(t)).and_then(|()| follow(&mut m, Some(*last), &mut mask)).map(|()| mask);
+                        (m, r)
+                    })
+                    .collect::<Vec<_>>()
+            }));
+            if let Ok(out) = out {
+                let _ = tx.send((out, t0.elapsed().as_secs_f64() * 1000.0));
+            }
+        });
+        Some(MasksAhead { ids, done })
+    }
+
+    /// Waits for the masks and puts them, with their matchers, back into the sequences still
+    /// held in `seqs` (the others' are dropped); counts the work and the wait in `times`.
+    pub fn finish(self, seqs: &mut std::collections::HashMap<ReqId, Seq>, times: &Cell<MaskTimes>) {
+        let t0 = std::time::Instant::now();
+        let got = self.done.recv();
+        let mut m = times.get();
+        m.blocked_ms += t0.elapsed().as_secs_f64() * 1000.0;
+        match got {
+            Ok((rows, ms)) => {
+                m.mask_ms += ms;
+                m.beside += rows.len() as u64;
+                for (id, (matcher, mask)) in self.ids.into_iter().zip(rows) {
+                    let Some(s) = seqs.get_mut(&id) else { continue };
+                    s.matcher = Some(matcher);
+                    match mask {
+                        Ok(mask) => s.mask = Some(mask),
+                        Err(why) => s.stuck = Some(why),
+                    }
+                }
+            }
+            Err(_) => {
+                for id in self.ids {
+                    if let Some(s) = seqs.get_mut(&id) {
+                        s.stuck = Some("computing the constraint's next tokens failed".into());
+                    }
+                }
+            }
+        }
+        times.set(m);
+    }
 }
 
 /// `logits` [rows, ..] restricted, row by row, to what each row's constraint allows (`rows`: the

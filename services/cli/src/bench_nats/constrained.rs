@@ -30,10 +30,11 @@ fn bench_constraint(kind: &str, output_tokens: usize) -> Result<Constraint> {
 /// The batch twice in one stack: every stream free, then every stream constrained; their
 /// steady output rates side by side, and what the masks cost the worker.
 pub(super) async fn constrained_batch((mut c, mut rx): (Client, mpsc::UnboundedReceiver<Seen>), k: &Knobs, kind: &str) -> Result<Value> {
-    let free = batch(&mut c, &mut rx, k).await?;
+    let free = batch(&mut c, &mut rx, k, 7).await?;
     c.constraint = Some(bench_constraint(kind, k.output_tokens)?);
     let s0 = c.status().await?;
-    let held = batch(&mut c, &mut rx, k).await?;
+    // Prompts of their own: the free batch's would be prefix-cache hits, and start together.
+    let held = batch(&mut c, &mut rx, k, 7 + k.streams as u64).await?;
     let s1 = c.status().await?;
     let rate = |v: &Value| v["steady_output_tokens_per_s"].as_f64().unwrap_or(f64::NAN);
     let steps = (s1.constrained_steps - s0.constrained_steps).max(1) as f64;
@@ -48,6 +49,7 @@ pub(super) async fn constrained_batch((mut c, mut rx): (Client, mpsc::UnboundedR
         "constrained_steps": s1.constrained_steps - s0.constrained_steps,
         "mask_ms_per_step": round((s1.mask_ms - s0.mask_ms) / steps, 3),
         "mask_ms_per_row": round((s1.mask_ms - s0.mask_ms) / rows, 4),
+        "mask_blocked_ms_per_step": round((s1.mask_blocked_ms - s0.mask_blocked_ms) / steps, 3),
         "logits_wait_after_masks_ms_per_step": round((s1.mask_wait_ms - s0.mask_wait_ms) / steps, 3),
     }))
 }

@@ -220,7 +220,7 @@ pub fn run(scenario: &str, k: &Knobs) -> Result<Value> {
     match scenario {
         "burst" => rt.block_on(with_stack(k, &env, |c| Box::pin(burst(c, k)))),
         "batch" => match &k.constrained {
-            None => rt.block_on(with_stack(k, &env, |(mut c, mut rx)| Box::pin(async move { batch(&mut c, &mut rx, k).await }))),
+            None => rt.block_on(with_stack(k, &env, |(mut c, mut rx)| Box::pin(async move { batch(&mut c, &mut rx, k, 7).await }))),
             Some(kind) => rt.block_on(with_stack(k, &env, |c| Box::pin(constrained_batch(c, k, kind)))),
         },
         "static" => {
@@ -297,11 +297,13 @@ async fn with_stack<'a>(k: &'a Knobs, env: &[(String, String)], f: impl FnOnce((
     r
 }
 
-async fn batch(c: &mut Client, rx: &mut mpsc::UnboundedReceiver<Seen>, k: &Knobs) -> Result<Value> {
+/// `seed`: the first stream's prompt seed (the others follow it), so that a second batch in the
+/// same stack can have prompts of its own (none of them found in the prefix cache).
+async fn batch(c: &mut Client, rx: &mut mpsc::UnboundedReceiver<Seen>, k: &Knobs, seed: u64) -> Result<Value> {
     let t0 = Instant::now();
     let status0 = c.status().await?;
     for i in 0..k.streams {
-        c.submit(&k.model, prompt(k.prompt_tokens, 7 + i as u64), k.output_tokens).await?;
+        c.submit(&k.model, prompt(k.prompt_tokens, seed + i as u64), k.output_tokens).await?;
     }
     let (mut produced, mut ended) = (0usize, 0usize);
     let mut started: HashMap<usize, Instant> = HashMap::new();

@@ -244,6 +244,7 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
             constrained_steps: masks.steps,
             constrained_rows: masks.rows,
             mask_ms: masks.mask_ms,
+            mask_blocked_ms: masks.blocked_ms,
             mask_wait_ms: masks.wait_ms,
             ..Default::default()
         }

@@ -1,8 +1,10 @@
 //! The decode step queued ahead: launched from the previous step's greedy tokens while they
 //! are still on the device, delivered at the next `Step` (a completed prompt joining, the next
 //! step queued, then this one's tokens read). With constrained rows, the step is queued without
-//! its tokens: its logits wait for the rows' masks, which the host computes at delivery while
-//! the device runs the step (the masks need the tokens before, read as the step was queued).
+//! its tokens: its logits wait for the rows' masks. Those are computed beside the device's
+//! thread (`MasksAhead`), from the tokens read just before the next step's launch (its graph
+//! built meanwhile), so they are ready at the next delivery and only their copy to the device
+//! stands between the step's logits and its tokens.
 
 use std::collections::HashMap;
 
@@ -16,7 +18,7 @@ use mlx_rs::Array;
 use super::chunk::InFlight;
 use super::{ChunkOutcome, DecodeActor, Stepped};
 use crate::messages::StepTimes;
-use crate::seq::{argmax_rows, host_ids, internal, restricted_argmax, unknown, waited_after_masks, Seq};
+use crate::seq::{argmax_rows, host_ids, internal, restricted_argmax, unknown, waited_after_masks, MasksAhead, Seq};
 
 /// A decode step queued ahead: built from the previous step's greedy tokens while they were
 /// still on the device, so the device starts it before the host has read those tokens, handled
@@ -38,11 +40,41 @@ pub(super) struct Ahead {
     pub(super) completing: Option<(ReqId, Seq)>,
 }
 
+/// The graph of a decode step, built and not yet launched: its greedy tokens, one a row, then
+/// the greedy token after the chunk (its logits instead when masked), the chunk's hidden state
+/// when its stage stops short of the last layer, and the host's ms building it.
+pub(super) struct Built {
+    next: Array,
+    hidden: Option<Array>,
+    build_ms: f64,
+}
+
+/// Builds the decode step that follows one whose greedy tokens are `tokens` (on the device,
+/// one a row), with a prefill chunk in the same pass when given.
+pub(super) fn build_step(model: &Model, rows: &[Vec<ReqId>], batches: &mut [DecodeBatch], tokens: &Array, chunk: Option<ChunkStage>, masked: bool) -> Result<Built, WireError> {
+    let t0 = std::time::Instant::now();
+    let counts: Vec<Vec<u32>> = rows.iter().map(|g| vec![0; g.len()]).collect();
+    let mut groups: Vec<(&[u32], &mut DecodeBatch)> = counts.iter().map(|t| &t[..]).zip(batches.iter_mut()).collect();
+    let (logits, hidden) = model.step_staged(&mut groups, Some(tokens), chunk).map_err(internal)?;
+    let next = if masked { logits } else { argmax_rows(&logits, logits.shape()[0])? };
+    Ok(Built { next, hidden, build_ms: t0.elapsed().as_secs_f64() * 1000.0 })
+}
+
+impl Built {
+    /// Launches the step without waiting for it; returns what it computes (being evaluated).
+    /// `took`: the host's ms building the step's graph and launching it.
+    pub(super) fn launch(self, took: &mut (f64, f64)) -> Result<(Array, Option<Array>), WireError> {
+        let t1 = std::time::Instant::now();
+        let mut pending = vec![&self.next];
+        pending.extend(self.hidden.as_ref());
+        mlx_rs::transforms::async_eval(pending).map_err(internal)?;
+        *took = (self.build_ms, t1.elapsed().as_secs_f64() * 1000.0);
+        Ok((self.next, self.hidden))
+    }
+}
+
 /// Builds and launches, without waiting for it, the decode step that follows one whose greedy
-/// tokens are `tokens` (on the device, one a row), with a prefill chunk in the same pass when
-/// given; returns that step's greedy tokens (being evaluated): one a row, then the greedy token
-/// after the chunk (its logits instead when `masked`). `took`: the host's ms building the
-/// step's graph and launching it.
+/// tokens are `tokens` (see `build_step`, `Built::launch`).
 pub(super) fn launch_step(
     model: &Model,
     rows: &[Vec<ReqId>],
@@ -52,17 +84,7 @@ pub(super) fn launch_step(
     masked: bool,
     took: &mut (f64, f64),
 ) -> Result<(Array, Option<Array>), WireError> {
-    let t0 = std::time::Instant::now();
-    let counts: Vec<Vec<u32>> = rows.iter().map(|g| vec![0; g.len()]).collect();
-    let mut groups: Vec<(&[u32], &mut DecodeBatch)> = counts.iter().map(|t| &t[..]).zip(batches.iter_mut()).collect();
-    let (logits, hidden) = model.step_staged(&mut groups, Some(tokens), chunk).map_err(internal)?;
-    let next = if masked { logits } else { argmax_rows(&logits, logits.shape()[0])? };
-    let mut pending = vec![&next];
-    pending.extend(hidden.as_ref());
-    let t1 = std::time::Instant::now();
-    mlx_rs::transforms::async_eval(pending).map_err(internal)?;
-    *took = ((t1 - t0).as_secs_f64() * 1000.0, t1.elapsed().as_secs_f64() * 1000.0);
-    Ok((next, hidden))
+    build_step(model, rows, batches, tokens, chunk, masked)?.launch(took)
 }
 
 impl DecodeActor {
@@ -83,16 +105,27 @@ impl DecodeActor {
 
     /// Queues the decode step that follows one whose greedy tokens are `tokens` (on the
     /// device), for the rows `order`, with the granted chunk's next stage (see
-    /// `chunk_can_queue`) in the same pass; the stage then counts as done. On failure nothing
-    /// is queued (the next step is built as usual) and the chunk comes back with the error.
-    pub(super) fn queue_ahead(&mut self, order: Vec<ReqId>, tokens: &Array, mut chunk: Option<InFlight>) -> Result<Option<ChunkOutcome>, (WireError, Option<InFlight>)> {
+    /// `chunk_can_queue`) in the same pass; the stage then counts as done. `before_launch` runs
+    /// between the step's graph being built and its launch. On failure nothing is queued (the
+    /// next step is built as usual) and the chunk comes back with the error.
+    pub(super) fn queue_ahead(
+        &mut self,
+        order: Vec<ReqId>,
+        tokens: &Array,
+        mut chunk: Option<InFlight>,
+        before_launch: impl FnOnce(&mut Self),
+    ) -> Result<Option<ChunkOutcome>, (WireError, Option<InFlight>)> {
         let Some(mut batches) = self.batches.take() else { return Err((internal("no decode batches"), chunk)) };
         let end = chunk.as_ref().map_or(0, |c| self.stage_end(c, true));
         let toks: Option<Vec<u32>> = chunk.as_ref().map(|c| c.lent.seq.chunk(c.lent.n));
         let part = chunk.as_mut().zip(toks.as_ref()).map(|(c, t)| c.stage(t, end));
         let masked = order.iter().any(|id| self.seqs.get(id).is_some_and(|s| s.matcher.is_some()));
-        let queued = launch_step(&self.shared.model, &self.rows, &mut batches, tokens, part, masked, &mut self.launched);
+        let built = build_step(&self.shared.model, &self.rows, &mut batches, tokens, part, masked);
         self.batches = Some(batches);
+        let queued = built.and_then(|b| {
+            before_launch(self);
+            b.launch(&mut self.launched)
+        });
         match queued {
             Ok((tokens, hidden)) => {
                 self.ahead = Some(Ahead { order, tokens, masked, completing: None });
@@ -108,15 +141,36 @@ impl DecodeActor {
     /// The tokens of a masked step queued ahead for the rows `order` (then any row of a chunk
     /// sharing the step, unconstrained): the argmax of its `logits` restricted by the rows'
     /// constraints (rows that left since are not masked; their tokens are ignored).
+    /// The tokens are launched at once, so that they can be read as soon as the step is done.
     fn masked_tokens(&mut self, order: &[ReqId], logits: &Array) -> Result<Array, WireError> {
         let rows = logits.shape()[0];
         let mut by_id: HashMap<ReqId, &mut Seq> = self.seqs.iter_mut().map(|(id, s)| (*id, s)).collect();
         let seqs: Vec<Option<&mut Seq>> = order.iter().map(|id| by_id.remove(id)).chain(std::iter::repeat_with(|| None)).take(rows as usize).collect();
         let tokens = restricted_argmax(&self.shared, logits, seqs)?;
+        mlx_rs::transforms::async_eval([&tokens]).map_err(internal)?;
         let mut m = self.shared.mask_times.get();
         m.ahead += 1;
         self.shared.mask_times.set(m);
         Ok(tokens)
+    }
+
+    /// The step's tokens `tokens` read on the host (the device's work before them waited for),
+    /// and the masks after them started beside this thread for the constrained rows among
+    /// `pos` (a request and its row in `tokens`).
+    pub(super) fn read_tokens(&mut self, tokens: &Array, pos: &HashMap<ReqId, usize>) -> Result<Vec<u32>, WireError> {
+        let host = host_ids(tokens)?;
+        self.finish_masks();
+        let Ok(cs) = self.shared.constraints.as_ref() else { return Ok(host) };
+        let rows = self.seqs.iter_mut().filter_map(|(id, s)| Some((*id, s, *host.get(*pos.get(id)?)?)));
+        self.masks_ahead = MasksAhead::start(rows, cs.layout.words());
+        Ok(host)
+    }
+
+    /// Masks computed ahead are back in their sequences (waited for if still running).
+    pub(super) fn finish_masks(&mut self) {
+        if let Some(m) = self.masks_ahead.take() {
+            m.finish(&mut self.seqs, &self.shared.mask_times);
+        }
     }
 
     /// Whether the chunk's next stage can share a step queued ahead: either it does not
@@ -166,13 +220,23 @@ impl DecodeActor {
         let t1 = std::time::Instant::now();
         // This delivery's own launch only (a step launched synchronously earlier set it too).
         self.launched = (0.0, 0.0);
-        let (folded, alone) = self.queue_next(order, &pos, &tokens, chunk);
+        // With constrained rows the tokens are read before the next step's launch (its graph
+        // built), so that their next masks are computed while it launches; a plain step's
+        // tokens are read after it (they were computed by the step before: nothing waits).
+        let mut read: Option<(Result<Vec<u32>, WireError>, std::time::Duration)> = None;
+        let (folded, alone) = self.queue_next(order, &pos, &tokens, chunk, |a: &mut Self| {
+            if masked {
+                let t = std::time::Instant::now();
+                read = Some((a.read_tokens(&tokens, &pos), t.elapsed()));
+                waited_after_masks(&a.shared, t);
+            }
+        });
         let t2 = std::time::Instant::now();
-        let host = host_ids(&tokens);
+        let (host, early) = match read {
+            Some((host, took)) => (host, took),
+            None => (self.read_tokens(&tokens, &pos), std::time::Duration::ZERO),
+        };
         let t3 = std::time::Instant::now();
-        if masked {
-            waited_after_masks(&self.shared, t2);
-        }
         let tok = self.shared.tokenizer.clone();
         let outs = ids
             .iter()
@@ -190,10 +254,10 @@ impl DecodeActor {
         let (build, launch) = self.launched;
         self.times = StepTimes {
             join: ms(t1 - t0),
-            queue: ms(t2 - t1),
+            queue: ms(t2 - t1) - ms(early),
             build,
             launch,
-            wait: ms(t3 - t2),
+            wait: ms(t3 - t2) + ms(early),
             rest: ms(t3.elapsed()),
             ..StepTimes::default()
         };
@@ -203,13 +267,20 @@ impl DecodeActor {
     /// Queues the next step ahead (the current rows, their tokens just sampled, picked out of
     /// `tokens` by `pos`), with the chunk's stage where it can ride in it. The chunk's outcome
     /// when it rode (first), or the chunk still to run alone (second).
-    fn queue_next(&mut self, order: Vec<ReqId>, pos: &HashMap<ReqId, usize>, tokens: &Array, chunk: Option<InFlight>) -> (Option<ChunkOutcome>, Option<InFlight>) {
+    fn queue_next(
+        &mut self,
+        order: Vec<ReqId>,
+        pos: &HashMap<ReqId, usize>,
+        tokens: &Array,
+        chunk: Option<InFlight>,
+        before_launch: impl FnOnce(&mut Self),
+    ) -> (Option<ChunkOutcome>, Option<InFlight>) {
         if chunk.as_ref().is_some_and(|c| !self.chunk_can_queue(c)) {
             return (None, chunk);
         }
         let idx: Vec<i32> = order.iter().map(|id| pos[id] as i32).collect();
         match tokens.take_axis(Array::from_slice(&idx, &[idx.len() as i32]), 0) {
-            Ok(current) => match self.queue_ahead(order, &current, chunk) {
+            Ok(current) => match self.queue_ahead(order, &current, chunk, before_launch) {
                 Ok(outcome) => (outcome, None),
                 Err((e, c)) => {
                     tracing::warn!(error = %e, "could not queue the next decode step");

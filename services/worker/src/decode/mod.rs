@@ -36,7 +36,7 @@ use self::copies::Copies;
 pub use self::chunk::{chunk_stages, stages_for, Grant, Lent, Staging};
 use crate::cache::{CacheActor, Remember};
 use crate::messages::{InjectPanic, Release, Reply, Report, Reset, ResetCounters, StepTimes};
-use crate::seq::{guarded, internal, unknown, Busy, Seq, Shared};
+use crate::seq::{guarded, internal, unknown, Busy, MasksAhead, Seq, Shared};
 
 /// Length groups of the decode batches: a sequence joins the first group whose bound exceeds
 /// its length (it stays there as it grows).
@@ -66,6 +66,9 @@ pub struct DecodeActor {
     rows: Vec<Vec<ReqId>>,
     /// The next decode step, already queued on the device.
     ahead: Option<Ahead>,
+    /// Constrained rows' next masks, being computed beside this thread: their matchers are
+    /// away until `finish_masks` (the first thing a step does).
+    masks_ahead: Option<MasksAhead>,
     /// Whether decode steps are queued ahead at all.
     decode_ahead: bool,
     chunks_ahead: (u64, u64),
@@ -160,6 +163,7 @@ impl DecodeActor {
             cache,
             seqs: HashMap::new(),
             ahead: None,
+            masks_ahead: None,
             decode_ahead,
             chunks_ahead: (0, 0),
             times: StepTimes::default(),
@@ -219,6 +223,7 @@ impl DecodeActor {
         if let Some(a) = self.ahead.take() {
             let _ = guarded(|| a.tokens.eval());
         }
+        self.masks_ahead = None;
         self.staged = None;
         self.seqs.clear();
         if let Some(copies) = self.copies.as_mut() {

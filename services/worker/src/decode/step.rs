@@ -13,7 +13,7 @@ use super::ahead::{launch_step, Ahead};
 use super::chunk::InFlight;
 use super::{DecodeActor, Stepped, SLOW_MS};
 use crate::messages::StepTimes;
-use crate::seq::{argmax_rows, choose, host_ids, internal, restricted_argmax, waited_after_masks, Seq};
+use crate::seq::{argmax_rows, choose, host_ids, internal, restricted_argmax, waited_after_masks, MasksAhead, Seq};
 
 /// What a synchronous step of the decode batches gave: each row's outcome, the chunk's last
 /// logits when its stage completed the prompt, the chunk's hidden state when it did not reach
@@ -27,6 +27,7 @@ struct BatchStep {
 
 impl DecodeActor {
     pub(super) fn step(&mut self, ids: &[ReqId], chunk: Option<InFlight>) -> Stepped {
+        self.finish_masks();
         if ids.is_empty() {
             // No row to step (none left, or the rest were lost): the chunk runs on its own.
             return Stepped { outs: vec![], chunk: chunk.map(|c| self.chunk_alone(c)) };
@@ -107,8 +108,11 @@ impl DecodeActor {
                 }
                 let masks_done = std::time::Instant::now();
                 let host = host_ids(&dev)?;
-                if masked {
+                if let (true, Ok(cs)) = (masked, self.shared.constraints.as_ref()) {
                     waited_after_masks(&self.shared, masks_done);
+                    // The next step's masks, beside this thread (see `Ahead`).
+                    let rows = taken.iter_mut().zip(&host).map(|((id, s), &t)| (*id, s, t));
+                    self.masks_ahead = MasksAhead::start(rows, cs.layout.words());
                 }
                 Ok(host.into_iter().map(|t| (t, None)).collect::<Vec<_>>())
             })
