@@ -275,6 +275,11 @@ impl SequenceCache {
         for (cache, (k, v)) in self.layers.iter_mut().zip(layers) {
             cache.update(k, v)?;
         }
+        // Written now, on the device: left lazy, every chunk appended so far would be read
+        // from the host's memory by the step that completes the prompt (on an H100, 0.75 s for
+        // the 1 GB of an 8,192-token prompt at 8b, stalling that step's streams).
+        let written: Vec<Array> = self.layers.iter().filter_map(|l| l.buffers().map(|(k, v)| [k.clone(), v.clone()]).or_else(|| l.contents().map(|(k, v)| [k, v]))).flatten().collect();
+        mlx_rs::transforms::async_eval(written.iter())?;
         Ok(())
     }
     /// Layer `l`'s keys and values for every position, if this cache keeps them all.
