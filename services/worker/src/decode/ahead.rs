@@ -140,8 +140,8 @@ impl DecodeActor {
 
     /// The tokens of a masked step queued ahead for the rows `order` (then any row of a chunk
     /// sharing the step, unconstrained): the argmax of its `logits` restricted by the rows'
-    /// constraints (rows that left since are not masked; their tokens are ignored).
-    /// The tokens are launched at once, so that they can be read as soon as the step is done.
+    /// constraints (rows that left since are not masked; their tokens are ignored), launched
+    /// at once so that they can be read as soon as the step is done.
     fn masked_tokens(&mut self, order: &[ReqId], logits: &Array) -> Result<Array, WireError> {
         let rows = logits.shape()[0];
         let mut by_id: HashMap<ReqId, &mut Seq> = self.seqs.iter_mut().map(|(id, s)| (*id, s)).collect();
@@ -234,7 +234,13 @@ impl DecodeActor {
         let t2 = std::time::Instant::now();
         let (host, early) = match read {
             Some((host, took)) => (host, took),
-            None => (self.read_tokens(&tokens, &pos), std::time::Duration::ZERO),
+            None => {
+                let host = self.read_tokens(&tokens, &pos);
+                if masked {
+                    waited_after_masks(&self.shared, t2);
+                }
+                (host, std::time::Duration::ZERO)
+            }
         };
         let t3 = std::time::Instant::now();
         let tok = self.shared.tokenizer.clone();
