@@ -25,7 +25,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use llmq_protocol::prefill::{check_kv, DirectKv, KvAssembly, PrefillGrant, PrefillOrder, PrefillReply};
+use llmq_protocol::prefill::{DirectKv, KvAssembly, PrefillGrant, PrefillOrder, PrefillReply};
 use llmq_protocol::workers::WorkerTable;
 use llmq_protocol::{subjects, WorkerRole, WorkerStatus};
 use llmq_scheduler::ReqId;
@@ -388,10 +388,10 @@ impl Link {
     }
 
     /// A chunk from a direct connection: its frame (the chunk is computed), then its bytes,
-    /// checked against the frame, for the device thread.
+    /// checked against the frame by the connection, for the device thread.
     fn direct(&mut self, r: Received) {
         let key = match &r {
-            Received::Frame(f) | Received::Bytes(f, _) => f.key,
+            Received::Frame(f) | Received::Bytes(f, ..) => f.key,
         };
         if !self.sign_of_life(key) {
             return; // a request forgotten here
@@ -400,7 +400,7 @@ impl Link {
             Received::Frame(f) => {
                 let _ = self.arrivals.send(Arrival::Computed { key, start: f.start as usize });
             }
-            Received::Bytes(f, bytes) => match check_kv(&bytes, f.total_bytes, f.checksum) {
+            Received::Bytes(f, bytes, checked) => match checked {
                 Ok(()) => {
                     let transfer = since(f.sent_at_us);
                     let _ = self.arrivals.send(Arrival::Kv { key, start: f.start as usize, n: f.n as usize, bytes, transfer });
