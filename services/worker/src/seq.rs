@@ -308,9 +308,11 @@ pub struct MasksAhead {
 
 impl MasksAhead {
     /// Starts the masks of `rows` (a sequence and the token just read for it; rows without a
-    /// constraint, or already stuck, are left out); None when no row is left.
-    pub fn start<'a>(rows: impl IntoIterator<Item = (ReqId, &'a mut Seq, u32)>, words: usize) -> Option<MasksAhead> {
+    /// constraint, or already stuck, are left out); None when no row is left (or the model
+    /// takes no constraints).
+    pub fn start<'a>(shared: &Shared, rows: impl IntoIterator<Item = (ReqId, &'a mut Seq, u32)>) -> Option<MasksAhead> {
         use rayon::prelude::*;
+        let words = shared.constraints.as_ref().as_ref().ok()?.layout.words();
         let mut ids = vec![];
         let mut work = vec![];
         for (id, s, token) in rows {

@@ -160,9 +160,8 @@ impl DecodeActor {
     pub(super) fn read_tokens(&mut self, tokens: &Array, pos: &HashMap<ReqId, usize>) -> Result<Vec<u32>, WireError> {
         let host = host_ids(tokens)?;
         self.finish_masks();
-        let Ok(cs) = self.shared.constraints.as_ref() else { return Ok(host) };
         let rows = self.seqs.iter_mut().filter_map(|(id, s)| Some((*id, s, *host.get(*pos.get(id)?)?)));
-        self.masks_ahead = MasksAhead::start(rows, cs.layout.words());
+        self.masks_ahead = MasksAhead::start(&self.shared, rows);
         Ok(host)
     }
 

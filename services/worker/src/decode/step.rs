@@ -108,11 +108,11 @@ impl DecodeActor {
                 }
                 let masks_done = std::time::Instant::now();
                 let host = host_ids(&dev)?;
-                if let (true, Ok(cs)) = (masked, self.shared.constraints.as_ref()) {
+                if masked {
                     waited_after_masks(&self.shared, masks_done);
                     // The next step's masks, beside this thread (see `Ahead`).
                     let rows = taken.iter_mut().zip(&host).map(|((id, s), &t)| (*id, s, t));
-                    self.masks_ahead = MasksAhead::start(rows, cs.layout.words());
+                    self.masks_ahead = MasksAhead::start(&self.shared, rows);
                 }
                 Ok(host.into_iter().map(|t| (t, None)).collect::<Vec<_>>())
             })
