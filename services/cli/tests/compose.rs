@@ -164,50 +164,59 @@ fn a_rolling_restart_of_the_workers_under_load_fails_no_request() {
         let nats = Client::connect(&stack.nats_url()).await;
         let stop = std::cell::Cell::new(false);
         // Steady load: three HTTP clients and one NATS client, each sending one request after
-        // another (noting when it was sent), from before the restart until after it.
+        // another, from before the restart until after it; each returns how many it sent.
         let http = |c: usize| {
             let (addr, stop) = (&addr, &stop);
             async move {
-                let mut sent = vec![];
-                for i in 0.. {
-                    if stop.get() {
-                        break;
-                    }
-                    let at = Instant::now();
-                    let (status, text) = chat(addr, c * 1000 + i).await;
+                let mut sent = 0;
+                while !stop.get() {
+                    let (status, text) = chat(addr, c * 1000 + sent).await;
                     assert_eq!(status, 200, "{text}");
-                    sent.push(at);
+                    sent += 1;
                 }
                 sent
             }
         };
         let direct = async {
-            let mut sent = vec![];
-            for i in 0.. {
-                if stop.get() {
-                    break;
-                }
-                let at = Instant::now();
-                let run = nats.run(request(&format!("Steady {i}:"), 12)).await;
+            let mut sent = 0;
+            while !stop.get() {
+                let run = nats.run(request(&format!("Steady {sent}:"), 12)).await;
                 assert!(matches!(run.last(), Event::Done { .. }), "{:?}", run.last());
-                sent.push(at);
+                sent += 1;
             }
             sent
         };
+        // While `docker-compose restart worker` runs, a request every 250 ms, each on its own
+        // task: they reach the stack while the workers stop, are gone, and start again.
         let restart = async {
             tokio::time::sleep(Duration::from_secs(3)).await;
             let began = Instant::now();
-            stack.ok_async(&["restart", "worker"]).await;
+            let command = stack.ok_async(&["restart", "worker"]);
+            futures::pin_mut!(command);
+            let mut during = vec![];
+            loop {
+                let addr = addr.clone();
+                let i = 9000 + during.len();
+                during.push(tokio::spawn(async move { chat(&addr, i).await }));
+                let tick = tokio::time::sleep(Duration::from_millis(250));
+                if let futures::future::Either::Left(_) = futures::future::select(command.as_mut(), Box::pin(tick)).await {
+                    break;
+                }
+            }
             let ended = Instant::now();
             tokio::time::sleep(Duration::from_secs(3)).await;
             stop.set(true);
-            (began, ended)
+            (during, ended - began)
         };
-        let (a, b, c, d, (began, ended)) = futures::join!(http(0), http(1), http(2), direct, restart);
-        let sent: Vec<Instant> = a.into_iter().chain(b).chain(c).chain(d).collect();
-        let during = sent.iter().filter(|t| **t >= began && **t < ended).count();
-        eprintln!("{} requests, {during} of them sent during the {:?} restart", sent.len(), ended - began);
-        assert!(during > 0, "no request was sent while the workers restarted");
+        let (a, b, c, d, (during, took)) = futures::join!(http(0), http(1), http(2), direct, restart);
+        let steady = a + b + c + d;
+        eprintln!("{steady} steady requests; {} sent during the {took:?} restart", during.len());
+        assert!(during.len() >= 2, "the restart took {took:?}: too short to send requests during it");
+        for task in during {
+            let (status, text) = task.await.unwrap();
+            assert_eq!(status, 200, "{text}");
+            assert!(!text.is_empty());
+        }
     });
 }
 
