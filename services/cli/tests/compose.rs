@@ -429,7 +429,10 @@ fn a_prefill_worker_container_prefills_for_the_decode_worker() {
         let sent = metric(&page, "llmq_worker_kv_bytes_sent_total");
         let received = metric(&page, "llmq_worker_kv_bytes_received_total");
         let of = |m: &[(String, f64)], role: &str| m.iter().filter(|(l, _)| l.contains(&format!("role=\"{role}\""))).map(|(_, v)| *v).sum::<f64>();
+        let direct = metric(&page, "llmq_worker_kv_bytes_sent_direct_total");
         assert!(of(&sent, "prefill") > 0.0, "{page}");
         assert_eq!(of(&sent, "prefill"), of(&received, "decode"), "{page}");
+        // Across containers on the direct connection the decode worker's grants offer.
+        assert_eq!(of(&direct, "prefill"), of(&sent, "prefill"), "{page}");
     });
 }

@@ -160,7 +160,9 @@ async fn send_answers(client: async_nats::Client, mut answers: mpsc::UnboundedRe
         if let (Ok(bytes), Some(to)) = (&a.kv, &a.direct) {
             let frame = KvFrame { token: to.token, key: a.key, start: a.start, n: a.n, total_bytes: bytes.len() as u64, checksum: kv_checksum(bytes), sent_at_us: unix_us() };
             if connections.send(to, &frame, bytes).await {
-                status.lock().unwrap().kv_bytes_sent += bytes.len() as u64;
+                let mut s = status.lock().unwrap();
+                s.kv_bytes_sent += bytes.len() as u64;
+                s.kv_bytes_sent_direct += bytes.len() as u64;
                 continue;
             }
         }

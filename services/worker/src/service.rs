@@ -156,7 +156,9 @@ pub async fn run(settings: Settings, stop: impl std::future::Future<Output = ()>
                 "" | "off" => None,
                 addr => {
                     let (tx, rx) = mpsc::unbounded_channel();
-                    match crate::direct_kv::listen(addr, tx).await {
+                    let tls = settings.nats.ca_file.is_some() || settings.nats.url.starts_with("tls://");
+                    let at = crate::direct_kv::Listen { addr, advertise: settings.worker.kv_advertise.as_deref(), nats_url: &settings.nats.url, loopback_only: tls };
+                    match crate::direct_kv::listen(at, tx).await {
                         Ok(offer) => {
                             tracing::info!(addr = %offer.addr, "direct KV connections accepted");
                             Some((offer, rx))

@@ -157,11 +157,15 @@ pub struct WorkerSettings {
     /// loopback only (prefill workers on the same host); the connection is not encrypted, and a
     /// frame must carry the token the worker's grants give.
     pub kv_listen: String,
+    /// The host (name or address) prefill workers connect to for `kv_listen`'s port, as grants
+    /// offer it. Default (None): the address `kv_listen` binds; where that is a wildcard
+    /// (`0.0.0.0`, `[::]`), this host's own address on its route to the NATS server.
+    pub kv_advertise: Option<String>,
 }
 
 impl Default for WorkerSettings {
     fn default() -> Self {
-        WorkerSettings { id: None, model: "smollm2".into(), dtype: None, quantize: None, quantize_group_size: 64, keep_quantized: None, device: None, heartbeat_ms: 1000, max_queued: 256, ack_wait_ms: 6_000, warm_up_tokens: None, mlx_memory_limit_bytes: None, mlx_cache_limit_bytes: None, host_memory_reserve_bytes: None, tick_log: None, drain_timeout_s: 30, role: "both".into(), remote_prefill_timeout_ms: 10_000, kv_listen: "127.0.0.1:0".into() }
+        WorkerSettings { id: None, model: "smollm2".into(), dtype: None, quantize: None, quantize_group_size: 64, keep_quantized: None, device: None, heartbeat_ms: 1000, max_queued: 256, ack_wait_ms: 6_000, warm_up_tokens: None, mlx_memory_limit_bytes: None, mlx_cache_limit_bytes: None, host_memory_reserve_bytes: None, tick_log: None, drain_timeout_s: 30, role: "both".into(), remote_prefill_timeout_ms: 10_000, kv_listen: "127.0.0.1:0".into(), kv_advertise: None }
     }
 }
 

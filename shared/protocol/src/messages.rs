@@ -446,6 +446,8 @@ pub struct WorkerStatus {
     /// workers (a decode worker), since start.
     pub kv_bytes_sent: u64,
     pub kv_bytes_received: u64,
+    /// Of `kv_bytes_sent`, those sent on direct connections (`worker.kv_listen`), not NATS.
+    pub kv_bytes_sent_direct: u64,
     /// A decode worker's time from each chunk's KV leaving its prefill worker to its last piece
     /// arriving here, summed since start.
     pub kv_transfer_ms: f64,
