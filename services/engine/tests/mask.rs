@@ -1,5 +1,5 @@
-//! The greedy token under a token mask (`MaskLayout::argmax`: llmq's kernel on a GPU, the argmax
-//! of the restricted logits elsewhere) against a scan on the host: random logits in bf16 and f32,
+//! The greedy token under a token mask (`MaskLayout::argmax`: llmq's kernel on a GPU, a scan of
+//! the mask's words on the host elsewhere) against a scan on the host: random logits in bf16 and f32,
 //! masks from dense to a single allowed token, ties, vocabularies not a multiple of 32. Runs on
 //! whichever device MLX defaults to (on an NVIDIA GPU, `cargo test -p llmq-engine --test mask`
 //! checks the kernel).

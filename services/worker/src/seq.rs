@@ -398,7 +398,8 @@ pub fn restricted_argmax<'a>(shared: &Shared, logits: &Array, rows: impl IntoIte
     masked(shared, logits, rows, |layout, masks| layout.argmax(logits, masks))
 }
 
-/// The rows' masks, computed while the device computes `logits` and counted, then `apply`.
+/// The rows' masks, computed while the device computes `logits` and counted, then `apply`
+/// (its time counted as waited after the masks).
 fn masked<'a>(
     shared: &Shared,
     logits: &Array,
@@ -411,12 +412,15 @@ fn masked<'a>(
     let rows: Vec<Option<&mut Seq>> = rows.into_iter().collect();
     let constrained = rows.iter().filter(|s| s.as_ref().is_some_and(|s| s.matcher.is_some())).count();
     let masks = token_masks(rows, cs.layout.words());
-    let out = apply(&cs.layout, &masks).map_err(internal)?;
     let mut m = shared.mask_times.get();
     m.steps += 1;
     m.rows += constrained as u64;
     m.mask_ms += t0.elapsed().as_secs_f64() * 1000.0;
     shared.mask_times.set(m);
+    // On a CPU the argmax waits for the logits (it runs on the host): a wait after the masks.
+    let t1 = std::time::Instant::now();
+    let out = apply(&cs.layout, &masks).map_err(internal)?;
+    waited_after_masks(shared, t1);
     Ok(out)
 }
 
