@@ -19,6 +19,8 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
+use crate::cpu_elementwise::exp_le0;
+
 /// Keys per block: the block's transposed keys and one row's scores stay in the L1 cache.
 const BLOCK: usize = 64;
 /// Queries per task (times the heads sharing a kv head).
@@ -344,44 +346,9 @@ fn accumulate<const FMA: bool, const R: usize>(acc: &mut [f32], d: usize, rows: 
     }
 }
 
-/// `e^x` for `x <= 0` (and -inf: 0) in arithmetic the compiler vectorizes: `2^(x log2 e)`
-/// split into a whole power, set in the float's exponent bits, and a fraction in
-/// [-0.5, 0.5], a degree-6 polynomial. Relative error: below 1e-6 (a few ulps) down to -10,
-/// growing with `|x|` (f32's rounding of `x log2 e`) to 1e-5 at -87; 0 below `2^-126`.
-#[inline(always)]
-fn exp_le0(x: f32) -> f32 {
-    const C: [f32; 7] = [1.0, 0.693_147_2, 0.240_226_5, 0.055_504_11, 0.009_618_129, 0.001_333_355_8, 0.000_154_035_3];
-    let t = (x * std::f32::consts::LOG2_E).max(-127.0);
-    let whole = (t + 0.5).floor();
-    let f = t - whole;
-    let p = C[0] + f * (C[1] + f * (C[2] + f * (C[3] + f * (C[4] + f * (C[5] + f * C[6])))));
-    // whole is in [-127, 0]: -127 gives the bits of 0.
-    let bits = ((whole as i32 + 127).max(0) as u32) << 23;
-    p * f32::from_bits(bits)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn exp_matches_the_standard_library() {
-        let (mut near, mut far): (f32, f32) = (0.0, 0.0);
-        for i in 0..=200_000 {
-            let x = -(i as f32) * 0.0005;
-            let (a, b) = (exp_le0(x), x.exp());
-            let rel = ((a - b) / b).abs();
-            if x >= -10.0 {
-                near = near.max(rel);
-            } else if b > 1e-30 {
-                far = far.max(rel);
-            }
-        }
-        assert!(near < 1e-6 && far < 1e-5, "relative error {near}, {far}");
-        assert_eq!(exp_le0(f32::NEG_INFINITY), 0.0);
-        assert_eq!(exp_le0(-200.0), 0.0);
-        assert_eq!(exp_le0(0.0), 1.0);
-    }
 
     /// The plain definition: scores, a causal mask, a softmax in f64, the weighted values.
     fn reference(q: &[f32], k: &[f32], v: &[f32], s: Shape, scale: f32) -> Vec<f32> {

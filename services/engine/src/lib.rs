@@ -9,6 +9,7 @@
 //! - `model`     the transformer: chunked prefill and batched decode over per-sequence caches
 //! - `cache`     the KV-cache trait, a growing cache and a sliding-window one
 //! - `cpu_attention` a sequence's attention over its cache on a CPU (MLX's is unfused there)
+//! - `cpu_elementwise` an MLP's gated activation (SiLU, GELU) on a CPU, and the `exp` it shares
 //! - `cpu_matmul` products of up to 24 rows with dense f32 weights on a CPU (the BLAS repacks them)
 //! - `host_blas` which kernels OpenBLAS (MLX's BLAS on a CPU) runs on this CPU
 //! - `batch`     the decode batch: every running sequence as one row of shared KV buffers
@@ -29,6 +30,7 @@ pub mod arch;
 pub mod batch;
 pub mod cache;
 pub mod cpu_attention;
+pub mod cpu_elementwise;
 pub mod cpu_matmul;
 pub mod error;
 pub mod experts;

@@ -3,7 +3,7 @@
 //! from a checkpoint's names.
 
 use mlx_rs::fast::rms_norm;
-use mlx_rs::ops::indexing::IndexOp;
+use mlx_rs::ops::indexing::{Ellipsis, IndexOp};
 use mlx_rs::ops::{concatenate, sigmoid};
 use mlx_rs::{Array, Dtype};
 
@@ -206,9 +206,7 @@ impl Mlp {
 
     pub(super) fn forward(&self, x: &Array) -> Result<Array> {
         let gu = self.gate_up.forward(x)?;
-        let g = gu.index((.., .., ..self.intermediate));
-        let u = gu.index((.., .., self.intermediate..));
-        self.down.forward(&geglu_or_swiglu(&g, &u, self.gelu)?)
+        self.down.forward(&gated(&gu, self.intermediate, self.gelu)?)
     }
 }
 
@@ -221,11 +219,17 @@ fn swiglu(g: &Array, u: &Array) -> Result<Array> {
     Ok(compiled((g, u))?)
 }
 
-pub(super) fn geglu_or_swiglu(g: &Array, u: &Array, gelu: bool) -> Result<Array> {
+/// `act(gate) * up` of a fused gate-and-up product `gu` [..., 2 size] (gate first): GELU's
+/// tanh form or SiLU. On a CPU in f32 through llmq's own loop (`crate::cpu_elementwise`).
+pub(super) fn gated(gu: &Array, size: i32, gelu: bool) -> Result<Array> {
+    if let Some(y) = crate::cpu_elementwise::gated(gu, size as usize, gelu) {
+        return Ok(y?);
+    }
+    let (g, u) = (gu.index((Ellipsis, ..size)), gu.index((Ellipsis, size..)));
     if gelu {
-        geglu(g, u)
+        geglu(&g, &u)
     } else {
-        swiglu(g, u)
+        swiglu(&g, &u)
     }
 }
 
@@ -256,4 +260,3 @@ pub(super) fn norm_weight(w: &mut Weights, name: &str, size: usize, plus_one: bo
     let dtype = a.dtype();
     Ok(a.as_dtype(Dtype::Float32)?.add(Array::from_f32(1.0))?.as_dtype(dtype)?)
 }
-

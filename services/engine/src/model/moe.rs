@@ -15,7 +15,7 @@ use mlx_rs::{Array, Dtype};
 
 use llmq_text::config::MoeConfig;
 
-use super::layer::{geglu_or_swiglu, Linear, Mlp};
+use super::layer::{gated, Linear, Mlp};
 use crate::error::Result;
 use crate::experts;
 use crate::quant::{Matrix, QTensor};
@@ -188,7 +188,7 @@ impl Experts {
         let (n, hidden) = (rows.shape()[0], rows.shape()[1]);
         let x = rows.reshape(&[n, 1, 1, hidden])?;
         let h = self.gate_up.gather(&x, experts, false)?;
-        let h = geglu_or_swiglu(&h.index((.., .., .., ..self.size)), &h.index((.., .., .., self.size..)), gelu)?;
+        let h = gated(&h, self.size, gelu)?;
         Ok(self.down.gather(&h, experts, false)?.reshape(&[n, self.top_k, hidden])?)
     }
 
@@ -201,7 +201,7 @@ impl Experts {
         // Pair i is row i / k's.
         let x = rows.take_axis(&order.floor_divide(Array::from_int(k))?, 0)?.reshape(&[n * k, 1, hidden])?;
         let h = self.gate_up.gather(&x, &sorted_experts, true)?;
-        let h = geglu_or_swiglu(&h.index((.., .., ..self.size)), &h.index((.., .., self.size..)), gelu)?;
+        let h = gated(&h, self.size, gelu)?;
         let y = self.down.gather(&h, &sorted_experts, true)?.reshape(&[n * k, hidden])?;
         let back = argsort_axis(&order, 0)?;
         Ok(y.take_axis(&back, 0)?.reshape(&[n, k, hidden])?)
