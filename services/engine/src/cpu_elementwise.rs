@@ -9,8 +9,6 @@
 //! and FMA where the CPU has them), for `x <= 0` only, which is all a sigmoid or a tanh needs:
 //! each is written over `e^-|x|`.
 
-use std::sync::OnceLock;
-
 use mlx_rs::{Array, Dtype};
 use rayon::prelude::*;
 
@@ -20,9 +18,8 @@ const PER_TASK: usize = 16 * 1024;
 /// `act(gu[.., :size]) * gu[.., size:]` for `gu` [..., 2 size] in f32, on the host, where MLX
 /// computes on the CPU; None elsewhere (the caller's MLX graph).
 pub fn gated(gu: &Array, size: usize, gelu: bool) -> Option<mlx_rs::error::Result<Array>> {
-    static ON_CPU: OnceLock<bool> = OnceLock::new();
     let shape = gu.shape();
-    if !*ON_CPU.get_or_init(|| !crate::on_gpu()) || gu.dtype() != Dtype::Float32 || size == 0 || shape.last().map(|&d| d as usize) != Some(2 * size) {
+    if !crate::on_cpu_cached() || gu.dtype() != Dtype::Float32 || size == 0 || shape.last().map(|&d| d as usize) != Some(2 * size) {
         return None;
     }
     Some((|| {

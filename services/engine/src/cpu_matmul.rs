@@ -18,9 +18,8 @@ const COLS_PER_TASK: usize = 64;
 /// `x @ w^T` for `x` [..., k] f32 of at most `MAX_ROWS` rows and `w` [n, k] f32, on the host;
 /// None where this does not apply (then the caller's own product).
 pub fn matmul_t(w: &Array, x: &Array) -> Option<mlx_rs::error::Result<Array>> {
-    static ON_CPU: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let (ws, xs) = (w.shape(), x.shape());
-    if !*ON_CPU.get_or_init(|| !crate::on_gpu()) || w.dtype() != Dtype::Float32 || x.dtype() != Dtype::Float32 || ws.len() != 2 || xs.is_empty() {
+    if !crate::on_cpu_cached() || w.dtype() != Dtype::Float32 || x.dtype() != Dtype::Float32 || ws.len() != 2 || xs.is_empty() {
         return None;
     }
     let (n, k) = (ws[0] as usize, ws[1] as usize);

@@ -71,6 +71,13 @@ pub fn on_gpu() -> bool {
     Device::try_default().ok().and_then(|d| d.get_type().ok()).is_some_and(|t| matches!(t, DeviceType::Gpu))
 }
 
+/// `!on_gpu()`, asked once per process: the CPU's own kernels (`cpu_matmul`,
+/// `cpu_elementwise`) ask it on every product.
+pub(crate) fn on_cpu_cached() -> bool {
+    static ON_CPU: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON_CPU.get_or_init(|| !on_gpu())
+}
+
 /// f32 on CPU (dense f32 is the fastest there), bf16 on GPU.
 pub fn default_dtype() -> Dtype {
     if on_gpu() {

@@ -76,8 +76,7 @@ fn argmax_kernel() -> Option<&'static Kernel> {
 /// in host memory this beats unpacking the masks through MLX's CPU operations (about 5 ms
 /// for 8 rows of SmolLM2's 49,152 tokens, on every step's path, against well under one), and
 /// it skips the words that allow nothing, most of a constraint's.
-fn host_argmax(logits: &[f32], masks: &[u32], words: usize) -> Vec<i32> {
-    let vocab = logits.len() / (masks.len() / words).max(1);
+fn host_argmax(logits: &[f32], masks: &[u32], vocab: usize, words: usize) -> Vec<i32> {
     logits
         .chunks(vocab)
         .zip(masks.chunks(words))
@@ -136,8 +135,8 @@ impl MaskLayout {
     pub fn argmax(&self, logits: &Array, masks: &[u32]) -> Result<Array> {
         let rows = logits.shape()[0];
         let Some(kernel) = argmax_kernel() else {
-            self.packed(logits, masks)?;
-            let tokens = host_argmax(&crate::model::host_f32(logits)?, masks, self.words());
+            self.check(logits, masks)?;
+            let tokens = host_argmax(&crate::model::host_f32(logits)?, masks, self.vocab, self.words());
             return Ok(Array::from_slice(&tokens, &[rows]));
         };
         let packed = self.packed(logits, masks)?;
@@ -148,6 +147,13 @@ impl MaskLayout {
 
     /// The masks as an array [rows, words], checked against the layout and the logits' rows.
     fn packed(&self, logits: &Array, masks: &[u32]) -> Result<Array> {
+        self.check(logits, masks)?;
+        Ok(Array::from_slice(masks, &[logits.shape()[0], self.words() as i32]))
+    }
+
+    /// Whether `masks` has `words()` words for each row of `logits` and the logits this layout's
+    /// vocabulary.
+    fn check(&self, logits: &Array, masks: &[u32]) -> Result<()> {
         let shape = logits.shape();
         let rows = shape[0];
         let vocab = *shape.last().unwrap_or(&0) as usize;
@@ -159,7 +165,7 @@ impl MaskLayout {
                 self.vocab
             )));
         }
-        Ok(Array::from_slice(masks, &[rows, self.words() as i32]))
+        Ok(())
     }
 }
 
