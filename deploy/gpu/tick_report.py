@@ -51,7 +51,7 @@ for path in args:
     for d, r in top:
         p = parts[idx[id(r)]]
         print(f"  top {d:6.1f}ms rows={r[2]} chunk={r[3]} done={r[4]} "
-              + " ".join(f"{n}={p[n]:.1f}" for n in ("join", "queue", "build", "launch", "wait", "rest") if n in p))
+              + " ".join(f"{n}={p[n]:.1f}" for n in ("masks", "join", "queue", "build", "launch", "wait", "rest") if n in p))
     # chunk tick by done offset bucket (size 256/128 both)
     buck = {}
     for d, r in burst:

@@ -1,9 +1,11 @@
 //! Token masks: rows of logits restricted to the tokens a constraint allows. Masks come from
-//! the host packed 32 tokens to a word (bit `i % 32` of word `i / 32` allows token `i`), so a
-//! step uploads a few kilobytes a row. `restrict` unpacks them on the device beside the logits
-//! and sets every disallowed token's logit to -inf (rows that sample). For greedy rows `argmax`
-//! picks each row's best allowed token directly: on a GPU in one kernel of llmq's (one read of
-//! the logits and the masks), on a CPU on the host, where the logits already are.
+//! the host packed 32 tokens to a word (bit `i % 32` of word `i / 32` allows token `i`), and
+//! cross to the device as the words that differ from their row's default where that is
+//! smaller (`Sparse`): a step uploads a few kilobytes a row, often far less. `restrict` unpacks them
+//! on the device beside the logits and sets every disallowed token's logit to -inf (rows that
+//! sample). For greedy rows `argmax` picks each row's best allowed token directly: on a GPU in
+//! one kernel of llmq's (one read of the logits and the masks), on a CPU on the host, where the
+//! logits already are.
 
 use std::sync::OnceLock;
 
@@ -99,6 +101,40 @@ fn host_argmax(logits: &[f32], masks: &[u32], vocab: usize, words: usize) -> Vec
         .collect()
 }
 
+/// Masks as the words that differ from their row's default (0, every token refused, or all
+/// ones, every token allowed: whichever fewer of the row's words differ from), each with its
+/// place among all rows' words.
+#[derive(Debug, PartialEq)]
+struct Sparse {
+    defaults: Vec<u32>,
+    places: Vec<i32>,
+    values: Vec<u32>,
+}
+
+impl Sparse {
+    /// The sparse form of `masks` (`words` a row), or None where it is not at most half the
+    /// bytes of the masks themselves (a place and a value are two words).
+    fn of(masks: &[u32], words: usize) -> Option<Sparse> {
+        let rows = masks.len() / words.max(1);
+        let mut out = Sparse { defaults: Vec::with_capacity(rows), places: vec![], values: vec![] };
+        let budget = masks.len() / 4;
+        for (r, row) in masks.chunks(words.max(1)).enumerate() {
+            let allowing_some = row.iter().filter(|&&w| w != 0).count();
+            let refusing_some = row.iter().filter(|&&w| w != u32::MAX).count();
+            let default = if allowing_some <= refusing_some { 0 } else { u32::MAX };
+            if out.places.len() + allowing_some.min(refusing_some) > budget {
+                return None;
+            }
+            out.defaults.push(default);
+            for (i, &w) in row.iter().enumerate().filter(|(_, &w)| w != default) {
+                out.places.push((r * words + i) as i32);
+                out.values.push(w);
+            }
+        }
+        Some(out)
+    }
+}
+
 /// Where each token's bit sits: its word and its place value within it, for a vocabulary.
 pub struct MaskLayout {
     vocab: usize,
@@ -146,9 +182,22 @@ impl MaskLayout {
     }
 
     /// The masks as an array [rows, words], checked against the layout and the logits' rows.
+    /// Host memory reaches a GPU at a cost by the byte (64 rows of Llama 3's 128k tokens, 1 MB,
+    /// took 1.6-1.8 ms a step on an H100, where the kernel reading them took 0.12-0.16), and
+    /// most of a constraint's words are alike (every token refused, or every one allowed): where
+    /// it is fewer bytes, only the words that differ from their row's commoner kind cross, with
+    /// their places, and the device writes them over the rows' defaults (`Sparse`).
     fn packed(&self, logits: &Array, masks: &[u32]) -> Result<Array> {
         self.check(logits, masks)?;
-        Ok(Array::from_slice(masks, &[logits.shape()[0], self.words() as i32]))
+        let (rows, words) = (logits.shape()[0], self.words() as i32);
+        let Some(sparse) = Sparse::of(masks, self.words()) else { return Ok(Array::from_slice(masks, &[rows, words])) };
+        let defaults = Array::from_slice(&sparse.defaults, &[rows, 1]);
+        let base = mlx_rs::ops::broadcast_to(&defaults, &[rows, words])?;
+        if sparse.places.is_empty() {
+            return Ok(base);
+        }
+        let n = sparse.places.len() as i32;
+        Ok(base.put_along_axis(Array::from_slice(&sparse.places, &[n]), Array::from_slice(&sparse.values, &[n]), None)?)
     }
 
     /// Whether `masks` has `words()` words for each row of `logits` and the logits this layout's
@@ -192,5 +241,40 @@ mod tests {
             }
         }
         assert!(layout.restrict(&logits, &masks[..3]).is_err(), "too few words");
+    }
+
+    /// The masks as the device sees them, read back.
+    fn uploaded(layout: &MaskLayout, rows: usize, masks: &[u32]) -> Vec<u32> {
+        let logits = Array::zeros::<f32>(&[rows as i32, 1, layout.vocab as i32]).unwrap();
+        let packed = layout.packed(&logits, masks).unwrap();
+        assert_eq!(packed.shape(), &[rows as i32, layout.words() as i32]);
+        // A row-major copy (the kernel takes its inputs so; a broadcast default is a view).
+        let flat = packed.reshape(&[-1]).unwrap();
+        flat.eval().unwrap();
+        flat.as_slice::<u32>().to_vec()
+    }
+
+    #[test]
+    fn masks_cross_as_the_words_that_differ_from_their_rows_default() {
+        let (vocab, words) = (32 * 16, 16);
+        let layout = MaskLayout::new(vocab);
+        // Row 0 allows a few tokens (two words), row 1 all but a few (one word), row 2 all.
+        let mut masks = vec![0u32; 3 * words];
+        masks[3] = 1 << 7;
+        masks[9] = u32::MAX;
+        masks[words..2 * words].fill(u32::MAX);
+        masks[words + 5] = !(1 << 2);
+        masks[2 * words..].fill(u32::MAX);
+        let sparse = Sparse::of(&masks, words).expect("sparse");
+        assert_eq!(sparse, Sparse { defaults: vec![0, u32::MAX, u32::MAX], places: vec![3, 9, 21], values: vec![1 << 7, u32::MAX, !(1 << 2)] });
+        assert_eq!(uploaded(&layout, 3, &masks), masks);
+        // Every row at its default: nothing but the defaults crosses.
+        let plain: Vec<u32> = (0..2 * words).map(|i| if i < words { 0 } else { u32::MAX }).collect();
+        assert_eq!(Sparse::of(&plain, words).expect("sparse").places, Vec::<i32>::new());
+        assert_eq!(uploaded(&layout, 2, &plain), plain);
+        // Words that all differ: the masks cross whole.
+        let mixed: Vec<u32> = (0..2 * words as u32).map(|i| i.wrapping_mul(2654435761) | 1).collect();
+        assert!(Sparse::of(&mixed, words).is_none());
+        assert_eq!(uploaded(&layout, 2, &mixed), mixed);
     }
 }

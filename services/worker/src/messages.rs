@@ -31,13 +31,15 @@ pub struct Report {
     pub copies_pending: usize,
 }
 
-/// The decode actor's host time (ms) in the step queued ahead that it last delivered: joining
-/// a completed prompt (`join`), queuing the next step (`queue`, of which `build`: making its MLX
+/// The decode actor's host time (ms) in the step queued ahead that it last delivered: picking
+/// its constrained rows' tokens (`masks`: the masks copied out, the argmax under them
+/// launched), joining a completed prompt (`join`), queuing the next step (`queue`, of which `build`: making its MLX
 /// graph, `launch`: MLX evaluating it), waiting for this step's tokens (`wait`), handling them
 /// and any chunk run on its own (`rest`); zeros for a step run synchronously. And the chunk
 /// stage that step launched: its layers and the tokens' worth of work it carried.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct StepTimes {
+    pub masks: f64,
     pub join: f64,
     pub queue: f64,
     pub build: f64,

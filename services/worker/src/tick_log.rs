@@ -36,7 +36,7 @@ impl TickLog {
         let at = started.saturating_duration_since(self.opened).as_secs_f64() * 1000.0;
         let mut line = format!("{at:.3} {ms:.3} {} {} {}", report.decoded, report.prefill_tokens, report.prefill_done);
         if let Some(s) = step {
-            let fields = [("join", s.join), ("queue", s.queue), ("build", s.build), ("launch", s.launch), ("wait", s.wait), ("rest", s.rest)];
+            let fields = [("masks", s.masks), ("join", s.join), ("queue", s.queue), ("build", s.build), ("launch", s.launch), ("wait", s.wait), ("rest", s.rest)];
             for (name, v) in fields {
                 line.push_str(&format!(" {name}={v:.3}"));
             }
