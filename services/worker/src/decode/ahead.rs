@@ -2,8 +2,8 @@
 //! are still on the device, delivered at the next `Step` (a completed prompt joining, the next
 //! step queued, then this one's tokens read). With constrained rows, the step is queued without
 //! its tokens: its logits wait for the rows' masks. Those are computed beside the device's
-//! thread (`MasksAhead`), from the tokens read just after the next step's launch, while the
-//! device runs that step, so they are ready at its delivery and only their copy to the device
+//! thread (`MasksAhead`), from the tokens read just before the next step's launch (its graph
+//! built meanwhile), so they are ready at the next delivery and only their copy to the device
 //! stands between the step's logits and its tokens.
 
 use std::collections::HashMap;
@@ -105,13 +105,15 @@ impl DecodeActor {
 
     /// Queues the decode step that follows one whose greedy tokens are `tokens` (on the
     /// device), for the rows `order`, with the granted chunk's next stage (see
-    /// `chunk_can_queue`) in the same pass; the stage then counts as done. On failure nothing
-    /// is queued (the next step is built as usual) and the chunk comes back with the error.
+    /// `chunk_can_queue`) in the same pass; the stage then counts as done. `before_launch` runs
+    /// between the step's graph being built and its launch. On failure nothing is queued (the
+    /// next step is built as usual) and the chunk comes back with the error.
     pub(super) fn queue_ahead(
         &mut self,
         order: Vec<ReqId>,
         tokens: &Array,
         mut chunk: Option<InFlight>,
+        before_launch: impl FnOnce(&mut Self),
     ) -> Result<Option<ChunkOutcome>, (WireError, Option<InFlight>)> {
         let Some(mut batches) = self.batches.take() else { return Err((internal("no decode batches"), chunk)) };
         let end = chunk.as_ref().map_or(0, |c| self.stage_end(c, true));
@@ -120,7 +122,10 @@ impl DecodeActor {
         let masked = order.iter().any(|id| self.seqs.get(id).is_some_and(|s| s.matcher.is_some()));
         let built = build_step(&self.shared.model, &self.rows, &mut batches, tokens, part, masked);
         self.batches = Some(batches);
-        let queued = built.and_then(|b| b.launch(&mut self.launched));
+        let queued = built.and_then(|b| {
+            before_launch(self);
+            b.launch(&mut self.launched)
+        });
         match queued {
             Ok((tokens, hidden)) => {
                 self.ahead = Some(Ahead { order, tokens, masked, completing: None });
@@ -215,15 +220,28 @@ impl DecodeActor {
         let t1 = std::time::Instant::now();
         // This delivery's own launch only (a step launched synchronously earlier set it too).
         self.launched = (0.0, 0.0);
-        // The next step is launched first (from this one's tokens, still on the device), then
-        // this one's tokens are read: the device goes from one step to the next without waiting
-        // for the host, and the masks after these tokens are computed while the next step runs.
-        let (folded, alone) = self.queue_next(order, &pos, &tokens, chunk);
+        // With constrained rows the tokens are read before the next step's launch (its graph
+        // built), so that their next masks are computed while it launches; a plain step's
+        // tokens are read after it (they were computed by the step before: nothing waits).
+        let mut read: Option<(Result<Vec<u32>, WireError>, std::time::Duration)> = None;
+        let (folded, alone) = self.queue_next(order, &pos, &tokens, chunk, |a: &mut Self| {
+            if masked {
+                let t = std::time::Instant::now();
+                read = Some((a.read_tokens(&tokens, &pos), t.elapsed()));
+                waited_after_masks(&a.shared, t);
+            }
+        });
         let t2 = std::time::Instant::now();
-        let host = self.read_tokens(&tokens, &pos);
-        if masked {
-            waited_after_masks(&self.shared, t2);
-        }
+        let (host, early) = match read {
+            Some((host, took)) => (host, took),
+            None => {
+                let host = self.read_tokens(&tokens, &pos);
+                if masked {
+                    waited_after_masks(&self.shared, t2);
+                }
+                (host, std::time::Duration::ZERO)
+            }
+        };
         let t3 = std::time::Instant::now();
         let tok = self.shared.tokenizer.clone();
         let outs = ids
@@ -243,10 +261,10 @@ impl DecodeActor {
         self.times = StepTimes {
             masks: ms(tm - t0),
             join: ms(t1 - tm),
-            queue: ms(t2 - t1),
+            queue: ms(t2 - t1) - ms(early),
             build,
             launch,
-            wait: ms(t3 - t2),
+            wait: ms(t3 - t2) + ms(early),
             rest: ms(t3.elapsed()),
             ..StepTimes::default()
         };
@@ -262,13 +280,14 @@ impl DecodeActor {
         pos: &HashMap<ReqId, usize>,
         tokens: &Array,
         chunk: Option<InFlight>,
+        before_launch: impl FnOnce(&mut Self),
     ) -> (Option<ChunkOutcome>, Option<InFlight>) {
         if chunk.as_ref().is_some_and(|c| !self.chunk_can_queue(c)) {
             return (None, chunk);
         }
         let idx: Vec<i32> = order.iter().map(|id| pos[id] as i32).collect();
         match tokens.take_axis(Array::from_slice(&idx, &[idx.len() as i32]), 0) {
-            Ok(current) => match self.queue_ahead(order, &current, chunk) {
+            Ok(current) => match self.queue_ahead(order, &current, chunk, before_launch) {
                 Ok(outcome) => (outcome, None),
                 Err((e, c)) => {
                     tracing::warn!(error = %e, "could not queue the next decode step");
