@@ -1,11 +1,11 @@
 //! Token masks: rows of logits restricted to the tokens a constraint allows. Masks come from
 //! the host packed 32 tokens to a word (bit `i % 32` of word `i / 32` allows token `i`), and
 //! cross to the device as the words that differ from their row's default where that is
-//! smaller (`Sparse`): a step uploads a few kilobytes a row, often far less. `restrict` unpacks them
-//! on the device beside the logits and sets every disallowed token's logit to -inf (rows that
-//! sample). For greedy rows `argmax` picks each row's best allowed token directly: on a GPU in
-//! one kernel of llmq's (one read of the logits and the masks), on a CPU on the host, where the
-//! logits already are.
+//! smaller (`Sparse`): a step uploads a few kilobytes a row, often far less. `restrict`
+//! unpacks them on the device beside the logits and sets every disallowed token's logit to
+//! -inf (rows that sample). For greedy rows `argmax` picks each row's best allowed token
+//! directly: on a GPU in one kernel of llmq's (one read of the logits and the masks), on a CPU
+//! on the host, where the logits already are.
 
 use std::sync::OnceLock;
 

@@ -33,10 +33,11 @@ pub struct Report {
 
 /// The decode actor's host time (ms) in the step queued ahead that it last delivered: picking
 /// its constrained rows' tokens (`masks`: the masks copied out, the argmax under them
-/// launched), joining a completed prompt (`join`), queuing the next step (`queue`, of which `build`: making its MLX
-/// graph, `launch`: MLX evaluating it), waiting for this step's tokens (`wait`), handling them
-/// and any chunk run on its own (`rest`); zeros for a step run synchronously. And the chunk
-/// stage that step launched: its layers and the tokens' worth of work it carried.
+/// launched), joining a completed prompt (`join`), queuing the next step (`queue`, of which
+/// `build`: making its MLX graph, `launch`: MLX evaluating it), waiting for this step's tokens
+/// (`wait`), handling them and any chunk run on its own (`rest`); zeros for a step run
+/// synchronously. And the chunk stage that step launched: its layers and the tokens' worth of
+/// work it carried.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct StepTimes {
     pub masks: f64,
