@@ -362,7 +362,8 @@ impl MasksAhead {
                         (m, r)
                     })
                     .collect::<Vec<_>>();
-                let ready = order.map(|order| {
+                // Optional: where making them fails, the step's masks are made as it is delivered.
+                let ready = order.and_then(|order| {
                     let by_id: std::collections::HashMap<ReqId, &Vec<u32>> =
                         row_ids.iter().zip(&rows).filter_map(|(id, (_, r))| Some((*id, r.as_ref().ok()?))).collect();
                     let mut masks = vec![u32::MAX; order.len() * words];
@@ -371,9 +372,10 @@ impl MasksAhead {
                             mask.copy_from_slice(m);
                         }
                     }
-                    StepMasks::new(masks, words, device)
+                    let made = std::panic::catch_unwind(|| StepMasks::new(masks, words, device));
+                    made.ok().and_then(Result::ok)
                 });
-                (rows, ready.and_then(Result::ok))
+                (rows, ready)
             }));
             if let Ok((rows, ready)) = out {
                 let _ = tx.send((rows, ready, t0.elapsed().as_secs_f64() * 1000.0));
