@@ -203,9 +203,10 @@ impl MaskLayout {
     /// `logits` [rows, .., vocab] with every token not allowed by its row's mask at -inf;
     /// `masks`: `words()` words a row, row after row.
     pub fn restrict(&self, logits: &Array, masks: Vec<u32>) -> Result<Array> {
-        self.check_rows(logits, masks.len())?;
+        let masks = StepMasks::new(masks, self.words(), true)?;
+        self.check(logits, &masks, true)?;
         let shape = logits.shape().to_vec();
-        let packed = self.packed(logits, &StepMasks::new(masks, self.words(), true)?)?;
+        let packed = self.packed(logits, &masks)?;
         let per_token = packed.take_axis(&self.word, 1)?;
         let bit = remainder(floor_divide(&per_token, &self.place)?, Array::from_int(2).as_dtype(Dtype::Uint32)?)?;
         let allowed = bit.eq(Array::from_int(1).as_dtype(Dtype::Uint32)?)?.reshape(&shape)?;
@@ -216,19 +217,22 @@ impl MaskLayout {
     /// Each row's greedy token among those its mask allows (int32 [rows]), `masks` as in
     /// `restrict` (see `argmax_of`).
     pub fn argmax(&self, logits: &Array, masks: Vec<u32>) -> Result<Array> {
-        self.check_rows(logits, masks.len())?;
-        self.argmax_of(logits, &StepMasks::new(masks, self.words(), self.on_device())?)
+        let masks = StepMasks::new(masks, self.words(), self.on_device())?;
+        self.check(logits, &masks, true)?;
+        self.argmax_of(logits, &masks)
     }
 
     /// Each row's greedy token among those its mask allows (int32 [rows]): on a GPU in llmq's
     /// kernel (lazy), elsewhere on the host once the logits are computed (see `host_argmax`).
     /// Rows of `logits` past the masks' allow every token.
     pub fn argmax_of(&self, logits: &Array, masks: &StepMasks) -> Result<Array> {
-        self.check(logits, masks)?;
+        self.check(logits, masks, false)?;
         let rows = logits.shape()[0];
         if let Form::Host(words) = &masks.form {
             let mut words = std::borrow::Cow::Borrowed(words);
-            words.to_mut().resize(rows as usize * self.words(), u32::MAX);
+            if rows as usize > masks.rows {
+                words.to_mut().resize(rows as usize * self.words(), u32::MAX);
+            }
             let tokens = host_argmax(&crate::model::host_f32(logits)?, &words, self.vocab, self.words());
             return Ok(Array::from_slice(&tokens, &[rows]));
         }
@@ -268,28 +272,20 @@ impl MaskLayout {
         }
     }
 
-    /// Whether `masks` are for this layout's vocabulary and `logits` have at least their rows.
-    fn check(&self, logits: &Array, masks: &StepMasks) -> Result<()> {
+    /// Whether `masks` are for this layout's vocabulary and `logits` have their rows (`exact`)
+    /// or at least as many.
+    fn check(&self, logits: &Array, masks: &StepMasks, exact: bool) -> Result<()> {
         let shape = logits.shape();
-        let vocab = *shape.last().unwrap_or(&0) as usize;
-        if vocab != self.vocab || masks.words != self.words() || masks.rows > shape[0] as usize {
+        let (rows, vocab) = (shape[0] as usize, *shape.last().unwrap_or(&0) as usize);
+        let fits = if exact { masks.rows == rows } else { masks.rows <= rows };
+        if vocab != self.vocab || masks.words != self.words() || !fits {
             return Err(EngineError::Host(format!(
-                "token masks of {} rows of {} words for {} rows of {vocab} logits (expected {} words a row of {})",
+                "token masks of {} rows of {} words for {rows} rows of {vocab} logits (expected {} words a row of {})",
                 masks.rows,
                 masks.words,
-                shape[0],
                 self.words(),
                 self.vocab
             )));
-        }
-        Ok(())
-    }
-
-    /// Whether `words` words of masks are one row for each row of `logits`.
-    fn check_rows(&self, logits: &Array, words: usize) -> Result<()> {
-        let rows = logits.shape()[0] as usize;
-        if words != rows * self.words() {
-            return Err(EngineError::Host(format!("token masks of {words} words for {rows} rows (expected {} words a row)", self.words())));
         }
         Ok(())
     }

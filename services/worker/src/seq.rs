@@ -296,19 +296,19 @@ fn follow(m: &mut Matcher, last: Option<u32>, mask: &mut [u32]) -> Result<(), St
 }
 
 /// What computing masks ahead gave back: each row's matcher and its next mask (or why its
-/// constraint allows nothing), the next step's masks made ready (`StepMasks`) when asked for,
-/// and the work's wall time (ms).
+/// constraint allows nothing), the next step's masks made ready (`StepMasks`) unless making
+/// them failed, and the work's wall time (ms).
 type Followed = (Vec<(Matcher, Result<Vec<u32>, String>)>, Option<StepMasks>, f64);
 
 /// Constrained rows' next masks, computed on the host's other cores while the device's thread
 /// goes on (launches the next step, hands out tokens): each row's matcher, moved out of its
-/// sequence, follows the token just read and writes what may come next. Given the rows of the
-/// step those masks are for, they are also made ready for its argmax there (`Prepared`): on a
+/// sequence, follows the token just read and writes what may come next. The masks are also
+/// made ready there for the argmax of the step they are for (`Prepared`): on a
 /// GPU copied to the device, which otherwise costs the device's thread a millisecond or two a
 /// step. `finish` puts matchers and masks back before anything else needs them.
 pub struct MasksAhead {
     ids: Vec<ReqId>,
-    step: Option<Vec<ReqId>>,
+    step: Vec<ReqId>,
     done: std::sync::mpsc::Receiver<Followed>,
 }
 
@@ -323,8 +323,8 @@ pub struct Prepared {
 impl MasksAhead {
     /// Starts the masks of `rows` (a sequence and the token just read for it; rows without a
     /// constraint, or already stuck, are left out), made ready for the step whose rows are
-    /// `step` when given; None when no row is left (or the model takes no constraints).
-    pub fn start<'a>(shared: &Shared, rows: impl IntoIterator<Item = (ReqId, &'a mut Seq, u32)>, step: Option<Vec<ReqId>>) -> Option<MasksAhead> {
+    /// `step`; None when no row is left (or the model takes no constraints).
+    pub fn start<'a>(shared: &Shared, rows: impl IntoIterator<Item = (ReqId, &'a mut Seq, u32)>, step: &[ReqId]) -> Option<MasksAhead> {
         use rayon::prelude::*;
         let layout = &shared.constraints.as_ref().as_ref().ok()?.layout;
         let (words, device) = (layout.words(), layout.on_device());
@@ -348,7 +348,7 @@ impl MasksAhead {
             return None;
         }
         let (tx, done) = std::sync::mpsc::sync_channel(1);
-        let (row_ids, order) = (ids.clone(), step.clone());
+        let (row_ids, order) = (ids.clone(), step.to_vec());
         rayon::spawn(move || {
             let t0 = std::time::Instant::now();
             // A panic here loses the matchers (nothing is sent): `finish` marks their rows stuck.
@@ -363,30 +363,27 @@ impl MasksAhead {
                     })
                     .collect::<Vec<_>>();
                 // Optional: where making them fails, the step's masks are made as it is delivered.
-                let ready = order.and_then(|order| {
-                    let by_id: std::collections::HashMap<ReqId, &Vec<u32>> =
-                        row_ids.iter().zip(&rows).filter_map(|(id, (_, r))| Some((*id, r.as_ref().ok()?))).collect();
-                    let mut masks = vec![u32::MAX; order.len() * words];
-                    for (id, mask) in order.iter().zip(masks.chunks_mut(words)) {
-                        if let Some(m) = by_id.get(id) {
-                            mask.copy_from_slice(m);
-                        }
+                let by_id: std::collections::HashMap<ReqId, &Vec<u32>> =
+                    row_ids.iter().zip(&rows).filter_map(|(id, (_, r))| Some((*id, r.as_ref().ok()?))).collect();
+                let mut masks = vec![u32::MAX; order.len() * words];
+                for (id, mask) in order.iter().zip(masks.chunks_mut(words)) {
+                    if let Some(m) = by_id.get(id) {
+                        mask.copy_from_slice(m);
                     }
-                    let made = std::panic::catch_unwind(|| StepMasks::new(masks, words, device));
-                    made.ok().and_then(Result::ok)
-                });
+                }
+                let ready = std::panic::catch_unwind(|| StepMasks::new(masks, words, device)).ok().and_then(Result::ok);
                 (rows, ready)
             }));
             if let Ok((rows, ready)) = out {
                 let _ = tx.send((rows, ready, t0.elapsed().as_secs_f64() * 1000.0));
             }
         });
-        Some(MasksAhead { ids, step, done })
+        Some(MasksAhead { ids, step: step.to_vec(), done })
     }
 
     /// Waits for the masks and puts them, with their matchers, back into the sequences still
     /// held in `seqs` (the others' are dropped); counts the work and the wait in `times`.
-    /// Returns the step's masks made ready, when asked for and made.
+    /// Returns the step's masks made ready, unless making them failed.
     pub fn finish(self, seqs: &mut std::collections::HashMap<ReqId, Seq>, times: &Cell<MaskTimes>) -> Option<Prepared> {
         let t0 = std::time::Instant::now();
         let got = self.done.recv();
@@ -409,7 +406,7 @@ impl MasksAhead {
                         Err(why) => s.stuck = Some(why),
                     }
                 }
-                prepared = self.step.zip(ready).map(|(order, masks)| Prepared { order, masked, masks });
+                prepared = ready.map(|masks| Prepared { order: self.step, masked, masks });
             }
             Err(_) => {
                 for id in self.ids {

@@ -169,11 +169,11 @@ impl DecodeActor {
     /// and the masks after them started beside this thread for the constrained rows among
     /// `pos` (a request and its row in `tokens`), made ready for the next step, whose rows are
     /// `next`.
-    pub(super) fn read_tokens(&mut self, tokens: &Array, pos: &HashMap<ReqId, usize>, next: Vec<ReqId>) -> Result<Vec<u32>, WireError> {
+    pub(super) fn read_tokens(&mut self, tokens: &Array, pos: &HashMap<ReqId, usize>, next: &[ReqId]) -> Result<Vec<u32>, WireError> {
         let host = host_ids(tokens)?;
         self.finish_masks();
         let rows = self.seqs.iter_mut().filter_map(|(id, s)| Some((*id, s, *host.get(*pos.get(id)?)?)));
-        self.masks_ahead = MasksAhead::start(&self.shared, rows, Some(next));
+        self.masks_ahead = MasksAhead::start(&self.shared, rows, next);
         Ok(host)
     }
 
@@ -241,7 +241,7 @@ impl DecodeActor {
         let (folded, alone) = self.queue_next(order, &pos, &tokens, chunk, |a: &mut Self| {
             if masked {
                 let t = std::time::Instant::now();
-                read = Some((a.read_tokens(&tokens, &pos, next.clone()), t.elapsed()));
+                read = Some((a.read_tokens(&tokens, &pos, &next), t.elapsed()));
                 waited_after_masks(&a.shared, t);
             }
         });
@@ -249,7 +249,7 @@ impl DecodeActor {
         let (host, early) = match read {
             Some((host, took)) => (host, took),
             None => {
-                let host = self.read_tokens(&tokens, &pos, next);
+                let host = self.read_tokens(&tokens, &pos, &next);
                 if masked {
                     waited_after_masks(&self.shared, t2);
                 }
