@@ -1,8 +1,7 @@
 //! Token masks: rows of logits restricted to the tokens a constraint allows. Masks come from
 //! the host packed 32 tokens to a word (bit `i % 32` of word `i / 32` allows token `i`), and
 //! cross to the device as the words that differ from their row's default where that is
-//! smaller (`Sparse`): a step uploads a few kilobytes a row, often far less, and can do so on
-//! another thread than the one launching the steps (`StepMasks`). `restrict`
+//! smaller (`Sparse`): a step uploads a few kilobytes a row, often far less. `restrict`
 //! unpacks them on the device beside the logits and sets every disallowed token's logit to
 //! -inf (rows that sample). For greedy rows `argmax` picks each row's best allowed token
 //! directly: on a GPU in one kernel of llmq's (one read of the logits and the masks), on a CPU
@@ -136,45 +135,6 @@ impl Sparse {
     }
 }
 
-/// A step's masks made ready for its argmax (`MaskLayout::argmax_of`) on whichever thread makes
-/// them: for a GPU already copied into MLX arrays (host memory reaches the device at a cost by
-/// the byte, paid then by that thread rather than by the one launching the steps), for the
-/// host's argmax as they are.
-pub struct StepMasks {
-    rows: usize,
-    words: usize,
-    form: Form,
-}
-
-enum Form {
-    Host(Vec<u32>),
-    Whole(Array),
-    /// Each row's default (see `Sparse`), and the words that differ from it with their places
-    /// (None when no word does).
-    Sparse(Vec<u32>, Option<(Array, Array)>),
-}
-
-impl StepMasks {
-    /// `masks`: `words` words a row, row after row; `device`: whether they are for the GPU's
-    /// kernel (`MaskLayout::on_device`) rather than the host's argmax.
-    pub fn new(masks: Vec<u32>, words: usize, device: bool) -> Result<Self> {
-        if words == 0 || masks.len() % words != 0 {
-            return Err(EngineError::Host(format!("token masks of {} words are not rows of {words}", masks.len())));
-        }
-        let rows = masks.len() / words;
-        let form = match device.then(|| Sparse::of(&masks, words)) {
-            None => Form::Host(masks),
-            Some(None) => Form::Whole(Array::from_slice(&masks, &[rows as i32, words as i32])),
-            Some(Some(s)) => {
-                let n = s.places.len() as i32;
-                let differing = (n > 0).then(|| (Array::from_slice(&s.places, &[n]), Array::from_slice(&s.values, &[n])));
-                Form::Sparse(s.defaults, differing)
-            }
-        };
-        Ok(StepMasks { rows, words, form })
-    }
-}
-
 /// Where each token's bit sits: its word and its place value within it, for a vocabulary.
 pub struct MaskLayout {
     vocab: usize,
@@ -194,19 +154,11 @@ impl MaskLayout {
         self.vocab.div_ceil(32)
     }
 
-    /// Whether `argmax` runs on a GPU (in llmq's kernel) rather than on the host: the form
-    /// `StepMasks` for it take.
-    pub fn on_device(&self) -> bool {
-        argmax_kernel().is_some()
-    }
-
     /// `logits` [rows, .., vocab] with every token not allowed by its row's mask at -inf;
     /// `masks`: `words()` words a row, row after row.
-    pub fn restrict(&self, logits: &Array, masks: Vec<u32>) -> Result<Array> {
-        let masks = StepMasks::new(masks, self.words(), true)?;
-        self.check(logits, &masks, true)?;
+    pub fn restrict(&self, logits: &Array, masks: &[u32]) -> Result<Array> {
         let shape = logits.shape().to_vec();
-        let packed = self.packed(logits, &masks)?;
+        let packed = self.packed(logits, masks)?;
         let per_token = packed.take_axis(&self.word, 1)?;
         let bit = remainder(floor_divide(&per_token, &self.place)?, Array::from_int(2).as_dtype(Dtype::Uint32)?)?;
         let allowed = bit.eq(Array::from_int(1).as_dtype(Dtype::Uint32)?)?.reshape(&shape)?;
@@ -214,75 +166,50 @@ impl MaskLayout {
         Ok(select(&allowed, logits, &floor)?)
     }
 
-    /// Each row's greedy token among those its mask allows (int32 [rows]), `masks` as in
-    /// `restrict` (see `argmax_of`).
-    pub fn argmax(&self, logits: &Array, masks: Vec<u32>) -> Result<Array> {
-        let masks = StepMasks::new(masks, self.words(), self.on_device())?;
-        self.check(logits, &masks, true)?;
-        self.argmax_of(logits, &masks)
-    }
-
     /// Each row's greedy token among those its mask allows (int32 [rows]): on a GPU in llmq's
     /// kernel (lazy), elsewhere on the host once the logits are computed (see `host_argmax`).
-    /// Rows of `logits` past the masks' allow every token.
-    pub fn argmax_of(&self, logits: &Array, masks: &StepMasks) -> Result<Array> {
-        self.check(logits, masks, false)?;
+    pub fn argmax(&self, logits: &Array, masks: &[u32]) -> Result<Array> {
         let rows = logits.shape()[0];
-        if let Form::Host(words) = &masks.form {
-            let mut words = std::borrow::Cow::Borrowed(words);
-            if rows as usize > masks.rows {
-                words.to_mut().resize(rows as usize * self.words(), u32::MAX);
-            }
-            let tokens = host_argmax(&crate::model::host_f32(logits)?, &words, self.vocab, self.words());
+        let Some(kernel) = argmax_kernel() else {
+            self.check(logits, masks)?;
+            let tokens = host_argmax(&crate::model::host_f32(logits)?, masks, self.vocab, self.words());
             return Ok(Array::from_slice(&tokens, &[rows]));
-        }
-        let Some(kernel) = argmax_kernel() else { return Err(EngineError::Host("token masks made for a GPU without one".into())) };
+        };
         let packed = self.packed(logits, masks)?;
         let ints = [("VOCAB", self.vocab as i32), ("WORDS", self.words() as i32)];
         let out = kernel.apply(&[logits, &packed], &[(&[rows], Dtype::Int32)], rows, ARGMAX_THREADS, logits.dtype(), &ints)?;
         Ok(out.into_iter().next().expect("one output"))
     }
 
-    /// The masks as an array [rows, words] for the rows of `logits` (those past the masks'
-    /// allow every token). Host memory reaches a GPU at a cost by the byte (64 rows of Llama 3's
-    /// 128k tokens, 1 MB, took 1.6-1.8 ms a step on an H100, where the kernel reading them took
-    /// 0.12-0.16), and most of a constraint's words are alike (every token refused, or every
-    /// one allowed): where it is fewer bytes, only the words that differ from their row's
-    /// commoner kind cross, with their places, and the device writes them over the rows'
-    /// defaults (`Sparse`).
-    fn packed(&self, logits: &Array, masks: &StepMasks) -> Result<Array> {
+    /// The masks as an array [rows, words], checked against the layout and the logits' rows.
+    /// Host memory reaches a GPU at a cost by the byte (64 rows of Llama 3's 128k tokens, 1 MB,
+    /// took 1.6-1.8 ms a step on an H100, where the kernel reading them took 0.12-0.16), and
+    /// most of a constraint's words are alike (every token refused, or every one allowed): where
+    /// it is fewer bytes, only the words that differ from their row's commoner kind cross, with
+    /// their places, and the device writes them over the rows' defaults (`Sparse`).
+    fn packed(&self, logits: &Array, masks: &[u32]) -> Result<Array> {
+        self.check(logits, masks)?;
         let (rows, words) = (logits.shape()[0], self.words() as i32);
-        let extra = rows - masks.rows as i32;
-        let allow_all = |n: i32| mlx_rs::ops::broadcast_to(Array::from_slice(&[u32::MAX], &[1, 1]), &[n, words]);
-        let whole = |a: &Array| -> Result<Array> {
-            Ok(if extra == 0 { a.clone() } else { mlx_rs::ops::concatenate(&[a.clone(), allow_all(extra)?], 0)? })
-        };
-        match &masks.form {
-            Form::Host(m) => whole(&Array::from_slice(m, &[masks.rows as i32, words])),
-            Form::Whole(a) => whole(a),
-            Form::Sparse(defaults, differing) => {
-                let mut defaults = defaults.clone();
-                defaults.resize(rows as usize, u32::MAX);
-                let base = mlx_rs::ops::broadcast_to(Array::from_slice(&defaults, &[rows, 1]), &[rows, words])?;
-                match differing {
-                    None => Ok(base),
-                    Some((places, values)) => Ok(base.put_along_axis(places, values, None)?),
-                }
-            }
+        let Some(sparse) = Sparse::of(masks, self.words()) else { return Ok(Array::from_slice(masks, &[rows, words])) };
+        let defaults = Array::from_slice(&sparse.defaults, &[rows, 1]);
+        let base = mlx_rs::ops::broadcast_to(&defaults, &[rows, words])?;
+        if sparse.places.is_empty() {
+            return Ok(base);
         }
+        let n = sparse.places.len() as i32;
+        Ok(base.put_along_axis(Array::from_slice(&sparse.places, &[n]), Array::from_slice(&sparse.values, &[n]), None)?)
     }
 
-    /// Whether `masks` are for this layout's vocabulary and `logits` have their rows (`exact`)
-    /// or at least as many.
-    fn check(&self, logits: &Array, masks: &StepMasks, exact: bool) -> Result<()> {
+    /// Whether `masks` has `words()` words for each row of `logits` and the logits this layout's
+    /// vocabulary.
+    fn check(&self, logits: &Array, masks: &[u32]) -> Result<()> {
         let shape = logits.shape();
-        let (rows, vocab) = (shape[0] as usize, *shape.last().unwrap_or(&0) as usize);
-        let fits = if exact { masks.rows == rows } else { masks.rows <= rows };
-        if vocab != self.vocab || masks.words != self.words() || !fits {
+        let rows = shape[0];
+        let vocab = *shape.last().unwrap_or(&0) as usize;
+        if vocab != self.vocab || masks.len() != rows as usize * self.words() {
             return Err(EngineError::Host(format!(
-                "token masks of {} rows of {} words for {rows} rows of {vocab} logits (expected {} words a row of {})",
-                masks.rows,
-                masks.words,
+                "token masks of {} words for {rows} rows of {vocab} logits (expected {} words a row of {})",
+                masks.len(),
                 self.words(),
                 self.vocab
             )));
@@ -295,7 +222,6 @@ impl MaskLayout {
 mod tests {
     use super::*;
     use crate::model::host_f32;
-    use mlx_rs::ops::indexing::IndexOp;
 
     #[test]
     fn only_the_allowed_tokens_keep_their_logits() {
@@ -305,7 +231,7 @@ mod tests {
         let logits = Array::from_iter((0..2 * vocab).map(|i| i as f32), &[2, 1, vocab as i32]);
         // Row 0 allows tokens 0, 31, 32 and 69; row 1 allows everything.
         let masks = [1 | 1 << 31, 1, 1 << 5, u32::MAX, u32::MAX, u32::MAX];
-        let out = host_f32(&layout.restrict(&logits, masks.to_vec()).unwrap()).unwrap();
+        let out = host_f32(&layout.restrict(&logits, &masks).unwrap()).unwrap();
         for (i, v) in out.iter().enumerate() {
             let (row, tok) = (i / vocab, i % vocab);
             let allowed = row == 1 || [0, 31, 32, 69].contains(&tok);
@@ -314,13 +240,13 @@ mod tests {
                 assert_eq!(*v, i as f32);
             }
         }
-        assert!(layout.restrict(&logits, masks[..3].to_vec()).is_err(), "too few words");
+        assert!(layout.restrict(&logits, &masks[..3]).is_err(), "too few words");
     }
 
-    /// The masks as the device sees them for `rows` rows of logits, read back.
+    /// The masks as the device sees them, read back.
     fn uploaded(layout: &MaskLayout, rows: usize, masks: &[u32]) -> Vec<u32> {
         let logits = Array::zeros::<f32>(&[rows as i32, 1, layout.vocab as i32]).unwrap();
-        let packed = layout.packed(&logits, &StepMasks::new(masks.to_vec(), layout.words(), true).unwrap()).unwrap();
+        let packed = layout.packed(&logits, masks).unwrap();
         assert_eq!(packed.shape(), &[rows as i32, layout.words() as i32]);
         // A row-major copy (the kernel takes its inputs so; a broadcast default is a view).
         let flat = packed.reshape(&[-1]).unwrap();
@@ -350,26 +276,5 @@ mod tests {
         let mixed: Vec<u32> = (0..2 * words as u32).map(|i| i.wrapping_mul(2654435761) | 1).collect();
         assert!(Sparse::of(&mixed, words).is_none());
         assert_eq!(uploaded(&layout, 2, &mixed), mixed);
-    }
-
-    #[test]
-    fn rows_past_the_masks_allow_every_token() {
-        let (vocab, words) = (32 * 4, 4);
-        let layout = MaskLayout::new(vocab);
-        // Row 0 allows token 35 only; row 1 all but tokens 64-95.
-        let mut masks = vec![0u32; 2 * words];
-        masks[1] = 1 << 3;
-        masks[words..].fill(u32::MAX);
-        masks[words + 2] = 0;
-        let all = vec![u32::MAX; words];
-        assert_eq!(uploaded(&layout, 3, &masks), [&masks[..], &all].concat());
-        let mixed: Vec<u32> = (0..2 * words as u32).map(|i| i.wrapping_mul(2654435761) | 1).collect();
-        assert_eq!(uploaded(&layout, 4, &mixed), [&mixed[..], &all, &all].concat());
-        // On the host: each row's highest logit is its last token's.
-        let logits = Array::from_iter((0..3 * vocab).map(|i| (i % vocab) as f32), &[3, 1, vocab as i32]);
-        let host = StepMasks::new(masks, words, false).unwrap();
-        let got: Vec<i32> = layout.argmax_of(&logits, &host).unwrap().as_slice::<i32>().to_vec();
-        assert_eq!(got, vec![35, 127, 127]);
-        assert!(layout.argmax_of(&logits.index(..1), &host).is_err(), "more masks than rows");
     }
 }

@@ -47,7 +47,7 @@ fn masked_argmax_picks_the_best_allowed_token_of_each_row() {
                     row[words - 1] |= !0u32 << (vocab % 32);
                 }
             }
-            let got: Vec<i32> = layout.argmax(&logits, masks.to_vec()).unwrap().to_vec_exact::<i32>().unwrap();
+            let got: Vec<i32> = layout.argmax(&logits, &masks).unwrap().to_vec_exact::<i32>().unwrap();
             for r in 0..rows as usize {
                 let allowed = |t: usize| masks[r * words + t / 32] >> (t % 32) & 1 == 1;
                 let row = &values[r * vocab..(r + 1) * vocab];
@@ -63,6 +63,6 @@ fn masked_argmax_picks_the_best_allowed_token_of_each_row() {
     let layout = MaskLayout::new(100);
     let logits = Array::from_slice(&[1.0f32; 200], &[2, 1, 100]);
     let masks = [0, 1 << 7, 1 << 1, 0, 0, 0, 0, 1 << 3];
-    let got: Vec<i32> = layout.argmax(&logits, masks.to_vec()).unwrap().to_vec_exact::<i32>().unwrap();
+    let got: Vec<i32> = layout.argmax(&logits, &masks).unwrap().to_vec_exact::<i32>().unwrap();
     assert_eq!(got, vec![39, 99]);
 }

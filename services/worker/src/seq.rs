@@ -14,7 +14,7 @@ use llmq_engine::cache::SequenceCache;
 use llmq_engine::generate::Finisher;
 use llmq_engine::model::host_f32;
 use llmq_engine::prefix::KvPrefix;
-use llmq_engine::mask::{MaskLayout, StepMasks};
+use llmq_engine::mask::MaskLayout;
 use llmq_engine::Model;
 use llmq_protocol::{Constraint, ErrorClass, Job, TokenLogprob, WireError};
 use llmq_text::constraint::{Grammars, Matcher};
@@ -51,8 +51,6 @@ pub struct MaskTimes {
     pub rows: u64,
     /// Of those rows' masks, the ones computed beside the device's thread.
     pub beside: u64,
-    /// Of the steps, the ones whose masks were also made ready for them there (`Prepared`).
-    pub prepared: u64,
     pub mask_ms: f64,
     pub blocked_ms: f64,
     pub wait_ms: f64,
@@ -296,38 +294,25 @@ fn follow(m: &mut Matcher, last: Option<u32>, mask: &mut [u32]) -> Result<(), St
 }
 
 /// What computing masks ahead gave back: each row's matcher and its next mask (or why its
-/// constraint allows nothing), the next step's masks made ready (`StepMasks`) unless making
-/// them failed, and the work's wall time (ms).
-type Followed = (Vec<(Matcher, Result<Vec<u32>, String>)>, Option<StepMasks>, f64);
+/// constraint allows nothing), and the work's wall time (ms).
+type Followed = (Vec<(Matcher, Result<Vec<u32>, String>)>, f64);
 
 /// Constrained rows' next masks, computed on the host's other cores while the device's thread
 /// goes on (launches the next step, hands out tokens): each row's matcher, moved out of its
-/// sequence, follows the token just read and writes what may come next. The masks are also
-/// made ready there for the argmax of the step they are for (`Prepared`): on a
-/// GPU copied to the device, which otherwise costs the device's thread a millisecond or two a
-/// step. `finish` puts matchers and masks back before anything else needs them.
+/// sequence, follows the token just read and writes what may come next. `finish` puts
+/// matchers and masks back before anything else needs them.
 pub struct MasksAhead {
     ids: Vec<ReqId>,
-    step: Vec<ReqId>,
     done: std::sync::mpsc::Receiver<Followed>,
-}
-
-/// A step's masks made ready beside the device's thread: the step's rows, those whose masks
-/// they hold (the others allow every token), and the masks.
-pub struct Prepared {
-    pub order: Vec<ReqId>,
-    pub masked: std::collections::HashSet<ReqId>,
-    pub masks: StepMasks,
 }
 
 impl MasksAhead {
     /// Starts the masks of `rows` (a sequence and the token just read for it; rows without a
-    /// constraint, or already stuck, are left out), made ready for the step whose rows are
-    /// `step`; None when no row is left (or the model takes no constraints).
-    pub fn start<'a>(shared: &Shared, rows: impl IntoIterator<Item = (ReqId, &'a mut Seq, u32)>, step: &[ReqId]) -> Option<MasksAhead> {
+    /// constraint, or already stuck, are left out); None when no row is left (or the model
+    /// takes no constraints).
+    pub fn start<'a>(shared: &Shared, rows: impl IntoIterator<Item = (ReqId, &'a mut Seq, u32)>) -> Option<MasksAhead> {
         use rayon::prelude::*;
-        let layout = &shared.constraints.as_ref().as_ref().ok()?.layout;
-        let (words, device) = (layout.words(), layout.on_device());
+        let words = shared.constraints.as_ref().as_ref().ok()?.layout.words();
         let mut ids = vec![];
         let mut work = vec![];
         for (id, s, token) in rows {
@@ -348,65 +333,45 @@ impl MasksAhead {
             return None;
         }
         let (tx, done) = std::sync::mpsc::sync_channel(1);
-        let (row_ids, order) = (ids.clone(), step.to_vec());
         rayon::spawn(move || {
             let t0 = std::time::Instant::now();
             // A panic here loses the matchers (nothing is sent): `finish` marks their rows stuck.
             let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                let rows = work
-                    .into_par_iter()
+                work.into_par_iter()
                     .map(|(mut m, tokens)| {
                         let mut mask = vec![0u32; words];
                         let (last, before) = tokens.split_last().expect("one token at least");
                         let r = before.iter().try_for_each(|&t| m.accept(t)).and_then(|()| follow(&mut m, Some(*last), &mut mask)).map(|()| mask);
                         (m, r)
                     })
-                    .collect::<Vec<_>>();
-                // Optional: where making them fails, the step's masks are made as it is delivered.
-                let by_id: std::collections::HashMap<ReqId, &Vec<u32>> =
-                    row_ids.iter().zip(&rows).filter_map(|(id, (_, r))| Some((*id, r.as_ref().ok()?))).collect();
-                let mut masks = vec![u32::MAX; order.len() * words];
-                for (id, mask) in order.iter().zip(masks.chunks_mut(words)) {
-                    if let Some(m) = by_id.get(id) {
-                        mask.copy_from_slice(m);
-                    }
-                }
-                let ready = std::panic::catch_unwind(|| StepMasks::new(masks, words, device)).ok().and_then(Result::ok);
-                (rows, ready)
+                    .collect::<Vec<_>>()
             }));
-            if let Ok((rows, ready)) = out {
-                let _ = tx.send((rows, ready, t0.elapsed().as_secs_f64() * 1000.0));
+            if let Ok(out) = out {
+                let _ = tx.send((out, t0.elapsed().as_secs_f64() * 1000.0));
             }
         });
-        Some(MasksAhead { ids, step: step.to_vec(), done })
+        Some(MasksAhead { ids, done })
     }
 
     /// Waits for the masks and puts them, with their matchers, back into the sequences still
     /// held in `seqs` (the others' are dropped); counts the work and the wait in `times`.
-    /// Returns the step's masks made ready, unless making them failed.
-    pub fn finish(self, seqs: &mut std::collections::HashMap<ReqId, Seq>, times: &Cell<MaskTimes>) -> Option<Prepared> {
+    pub fn finish(self, seqs: &mut std::collections::HashMap<ReqId, Seq>, times: &Cell<MaskTimes>) {
         let t0 = std::time::Instant::now();
         let got = self.done.recv();
         let mut m = times.get();
         m.blocked_ms += t0.elapsed().as_secs_f64() * 1000.0;
-        let mut prepared = None;
         match got {
-            Ok((rows, ready, ms)) => {
+            Ok((rows, ms)) => {
                 m.mask_ms += ms;
                 m.beside += rows.len() as u64;
-                let mut masked = std::collections::HashSet::new();
                 for (id, (matcher, mask)) in self.ids.into_iter().zip(rows) {
                     let Some(s) = seqs.get_mut(&id) else { continue };
                     s.matcher = Some(matcher);
                     match mask {
-                        Ok(mask) => {
-                            s.mask = Some(mask);
-                            masked.insert(id);
-                        }
+                        Ok(mask) => s.mask = Some(mask),
                         Err(why) => s.stuck = Some(why),
                     }
                 }
-                prepared = ready.map(|masks| Prepared { order: self.step, masked, masks });
             }
             Err(_) => {
                 for id in self.ids {
@@ -417,43 +382,7 @@ impl MasksAhead {
             }
         }
         times.set(m);
-        prepared
     }
-}
-
-/// The greedy tokens of `logits` under masks made ready beside the device's thread, for the
-/// step whose rows are `order` (then any row of a chunk sharing the step, unconstrained;
-/// `seqs`: the sequences held): None, with nothing consumed, unless every constrained row of
-/// the step holds the mask they were made from. Counted as `restricted_argmax` counts.
-pub fn prepared_argmax(
-    shared: &Shared,
-    logits: &Array,
-    order: &[ReqId],
-    seqs: &mut std::collections::HashMap<ReqId, Seq>,
-    prepared: Prepared,
-) -> Result<Option<Array>, WireError> {
-    let cs = shared.constraints.as_ref().as_ref().map_err(internal)?;
-    let constrained = |s: &Seq| s.matcher.is_some() && s.stuck.is_none();
-    let fresh = |id: &ReqId, s: &Seq| prepared.masked.contains(id) && s.mask.is_some() && s.unfollowed.is_none();
-    if prepared.order != order || !order.iter().all(|id| seqs.get(id).is_none_or(|s| !constrained(s) || fresh(id, s))) {
-        return Ok(None);
-    }
-    let mut rows = 0;
-    for id in order {
-        if let Some(s) = seqs.get_mut(id).filter(|s| constrained(s)) {
-            s.mask = None;
-            rows += 1;
-        }
-    }
-    let mut m = shared.mask_times.get();
-    m.steps += 1;
-    m.prepared += 1;
-    m.rows += rows;
-    shared.mask_times.set(m);
-    let t = std::time::Instant::now();
-    let tokens = cs.layout.argmax_of(logits, &prepared.masks).map_err(internal)?;
-    waited_after_masks(shared, t);
-    Ok(Some(tokens))
 }
 
 /// `logits` [rows, ..] restricted, row by row, to what each row's constraint allows (`rows`: the
@@ -475,7 +404,7 @@ fn masked<'a>(
     shared: &Shared,
     logits: &Array,
     rows: impl IntoIterator<Item = Option<&'a mut Seq>>,
-    apply: impl FnOnce(&MaskLayout, Vec<u32>) -> llmq_engine::Result<Array>,
+    apply: impl FnOnce(&MaskLayout, &[u32]) -> llmq_engine::Result<Array>,
 ) -> Result<Array, WireError> {
     let cs = shared.constraints.as_ref().as_ref().map_err(internal)?;
     mlx_rs::transforms::async_eval([logits]).map_err(internal)?;
@@ -490,7 +419,7 @@ fn masked<'a>(
     shared.mask_times.set(m);
     // On a CPU the argmax waits for the logits (it runs on the host): a wait after the masks.
     let t1 = std::time::Instant::now();
-    let out = apply(&cs.layout, masks).map_err(internal)?;
+    let out = apply(&cs.layout, &masks).map_err(internal)?;
     waited_after_masks(shared, t1);
     Ok(out)
 }

@@ -484,14 +484,12 @@ pub struct WorkerStatus {
     pub prefill_ms: f64,
     pub decode_calls: u64,
     pub decode_ms: f64,
-    /// Steps with constrained rows and those rows, since start (of the steps, those whose masks
-    /// were made ready for the device beside its thread); the host's wall time computing their
-    /// token masks (mostly on threads beside the device's), how long the device's thread
+    /// Steps with constrained rows and those rows, since start; the host's wall time computing
+    /// their token masks (mostly on threads beside the device's), how long the device's thread
     /// waited for masks computed beside it, and the time it then still waited for the steps'
     /// tokens (masks are hidden behind the device's work while this stays above zero).
     pub constrained_steps: u64,
     pub constrained_rows: u64,
-    pub prepared_mask_steps: u64,
     pub mask_ms: f64,
     pub mask_blocked_ms: f64,
     pub mask_wait_ms: f64,

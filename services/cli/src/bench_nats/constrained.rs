@@ -47,7 +47,6 @@ pub(super) async fn constrained_batch((mut c, mut rx): (Client, mpsc::UnboundedR
         "constrained_over_free": round(rate(&held) / rate(&free), 3),
         "free_decode_step_ms": free["decode_step_ms"], "constrained_decode_step_ms": held["decode_step_ms"],
         "constrained_steps": s1.constrained_steps - s0.constrained_steps,
-        "prepared_mask_steps": s1.prepared_mask_steps - s0.prepared_mask_steps,
         "mask_ms_per_step": round((s1.mask_ms - s0.mask_ms) / steps, 3),
         "mask_ms_per_row": round((s1.mask_ms - s0.mask_ms) / rows, 4),
         "mask_blocked_ms_per_step": round((s1.mask_blocked_ms - s0.mask_blocked_ms) / steps, 3),

@@ -243,7 +243,6 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
             decode_ms,
             constrained_steps: masks.steps,
             constrained_rows: masks.rows,
-            prepared_mask_steps: masks.prepared,
             mask_ms: masks.mask_ms,
             mask_blocked_ms: masks.blocked_ms,
             mask_wait_ms: masks.wait_ms,

@@ -3,9 +3,8 @@
 //! step queued, then this one's tokens read). With constrained rows, the step is queued without
 //! its tokens: its logits wait for the rows' masks. Those are computed beside the device's
 //! thread (`MasksAhead`), from the tokens read just before the next step's launch (its graph
-//! built meanwhile), and made ready for that step there (assembled in its row order and, on a
-//! GPU, copied to the device), so that at the next delivery only the argmax under them is left
-//! to launch between the step's logits and its tokens.
+//! built meanwhile), so they are ready at the next delivery and only their copy to the device
+//! stands between the step's logits and its tokens.
 
 use std::collections::HashMap;
 
@@ -19,7 +18,7 @@ use mlx_rs::Array;
 use super::chunk::InFlight;
 use super::{ChunkOutcome, DecodeActor, Stepped};
 use crate::messages::StepTimes;
-use crate::seq::{argmax_rows, host_ids, internal, prepared_argmax, restricted_argmax, unknown, waited_after_masks, MasksAhead, Seq};
+use crate::seq::{argmax_rows, host_ids, internal, restricted_argmax, unknown, waited_after_masks, MasksAhead, Seq};
 
 /// A decode step queued ahead: built from the previous step's greedy tokens while they were
 /// still on the device, so the device starts it before the host has read those tokens, handled
@@ -141,23 +140,13 @@ impl DecodeActor {
 
     /// The tokens of a masked step queued ahead for the rows `order` (then any row of a chunk
     /// sharing the step, unconstrained): the argmax of its `logits` restricted by the rows'
-    /// constraints (rows that left since are not masked; their tokens are ignored), under the
-    /// masks made ready beside this thread where they are still the rows' (else made here),
-    /// launched at once so that they can be read as soon as the step is done.
+    /// constraints (rows that left since are not masked; their tokens are ignored), launched
+    /// at once so that they can be read as soon as the step is done.
     fn masked_tokens(&mut self, order: &[ReqId], logits: &Array) -> Result<Array, WireError> {
-        let prepared = match self.prepared.take() {
-            Some(p) => prepared_argmax(&self.shared, logits, order, &mut self.seqs, p)?,
-            None => None,
-        };
-        let tokens = match prepared {
-            Some(tokens) => tokens,
-            None => {
-                let rows = logits.shape()[0];
-                let mut by_id: HashMap<ReqId, &mut Seq> = self.seqs.iter_mut().map(|(id, s)| (*id, s)).collect();
-                let seqs: Vec<Option<&mut Seq>> = order.iter().map(|id| by_id.remove(id)).chain(std::iter::repeat_with(|| None)).take(rows as usize).collect();
-                restricted_argmax(&self.shared, logits, seqs)?
-            }
-        };
+        let rows = logits.shape()[0];
+        let mut by_id: HashMap<ReqId, &mut Seq> = self.seqs.iter_mut().map(|(id, s)| (*id, s)).collect();
+        let seqs: Vec<Option<&mut Seq>> = order.iter().map(|id| by_id.remove(id)).chain(std::iter::repeat_with(|| None)).take(rows as usize).collect();
+        let tokens = restricted_argmax(&self.shared, logits, seqs)?;
         mlx_rs::transforms::async_eval([&tokens]).map_err(internal)?;
         let mut m = self.shared.mask_times.get();
         m.ahead += 1;
@@ -167,21 +156,19 @@ impl DecodeActor {
 
     /// The step's tokens `tokens` read on the host (the device's work before them waited for),
     /// and the masks after them started beside this thread for the constrained rows among
-    /// `pos` (a request and its row in `tokens`), made ready for the next step, whose rows are
-    /// `next`.
-    pub(super) fn read_tokens(&mut self, tokens: &Array, pos: &HashMap<ReqId, usize>, next: &[ReqId]) -> Result<Vec<u32>, WireError> {
+    /// `pos` (a request and its row in `tokens`).
+    pub(super) fn read_tokens(&mut self, tokens: &Array, pos: &HashMap<ReqId, usize>) -> Result<Vec<u32>, WireError> {
         let host = host_ids(tokens)?;
         self.finish_masks();
         let rows = self.seqs.iter_mut().filter_map(|(id, s)| Some((*id, s, *host.get(*pos.get(id)?)?)));
-        self.masks_ahead = MasksAhead::start(&self.shared, rows, next);
+        self.masks_ahead = MasksAhead::start(&self.shared, rows);
         Ok(host)
     }
 
-    /// Masks computed ahead are back in their sequences (waited for if still running), and the
-    /// next step's, made ready beside this thread, kept for it.
+    /// Masks computed ahead are back in their sequences (waited for if still running).
     pub(super) fn finish_masks(&mut self) {
         if let Some(m) = self.masks_ahead.take() {
-            self.prepared = m.finish(&mut self.seqs, &self.shared.mask_times);
+            m.finish(&mut self.seqs, &self.shared.mask_times);
         }
     }
 
@@ -237,11 +224,10 @@ impl DecodeActor {
         // built), so that their next masks are computed while it launches; a plain step's
         // tokens are read after it (they were computed by the step before: nothing waits).
         let mut read: Option<(Result<Vec<u32>, WireError>, std::time::Duration)> = None;
-        let next = order.clone();
         let (folded, alone) = self.queue_next(order, &pos, &tokens, chunk, |a: &mut Self| {
             if masked {
                 let t = std::time::Instant::now();
-                read = Some((a.read_tokens(&tokens, &pos, &next), t.elapsed()));
+                read = Some((a.read_tokens(&tokens, &pos), t.elapsed()));
                 waited_after_masks(&a.shared, t);
             }
         });
@@ -249,7 +235,7 @@ impl DecodeActor {
         let (host, early) = match read {
             Some((host, took)) => (host, took),
             None => {
-                let host = self.read_tokens(&tokens, &pos, &next);
+                let host = self.read_tokens(&tokens, &pos);
                 if masked {
                     waited_after_masks(&self.shared, t2);
                 }

@@ -36,7 +36,7 @@ use self::copies::Copies;
 pub use self::chunk::{chunk_stages, stages_for, Grant, Lent, Staging};
 use crate::cache::{CacheActor, Remember};
 use crate::messages::{InjectPanic, Release, Reply, Report, Reset, ResetCounters, StepTimes};
-use crate::seq::{guarded, internal, unknown, Busy, MasksAhead, Prepared, Seq, Shared};
+use crate::seq::{guarded, internal, unknown, Busy, MasksAhead, Seq, Shared};
 
 /// Length groups of the decode batches: a sequence joins the first group whose bound exceeds
 /// its length (it stays there as it grows).
@@ -69,8 +69,6 @@ pub struct DecodeActor {
     /// Constrained rows' next masks, being computed beside this thread: their matchers are
     /// away until `finish_masks` (the first thing a step does).
     masks_ahead: Option<MasksAhead>,
-    /// The next step's masks, made ready beside this thread (see `MasksAhead`).
-    prepared: Option<Prepared>,
     /// Whether decode steps are queued ahead at all.
     decode_ahead: bool,
     chunks_ahead: (u64, u64),
@@ -166,7 +164,6 @@ impl DecodeActor {
             seqs: HashMap::new(),
             ahead: None,
             masks_ahead: None,
-            prepared: None,
             decode_ahead,
             chunks_ahead: (0, 0),
             times: StepTimes::default(),
@@ -227,7 +224,6 @@ impl DecodeActor {
             let _ = guarded(|| a.tokens.eval());
         }
         self.masks_ahead = None;
-        self.prepared = None;
         self.staged = None;
         self.seqs.clear();
         if let Some(copies) = self.copies.as_mut() {

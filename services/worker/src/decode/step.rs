@@ -112,7 +112,7 @@ impl DecodeActor {
                     waited_after_masks(&self.shared, masks_done);
                     // The next step's masks, beside this thread (see `Ahead`).
                     let rows = taken.iter_mut().zip(&host).map(|((id, s), &t)| (*id, s, t));
-                    self.masks_ahead = MasksAhead::start(&self.shared, rows, &order);
+                    self.masks_ahead = MasksAhead::start(&self.shared, rows);
                 }
                 Ok(host.into_iter().map(|t| (t, None)).collect::<Vec<_>>())
             })
