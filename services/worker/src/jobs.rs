@@ -50,6 +50,7 @@ impl Jobs<'_> {
             tokio::time::sleep(Duration::from_millis(10)).await;
             return;
         }
+        let fetched = std::time::Instant::now();
         let mut batch = match self.consumer.fetch().max_messages(1).expires(FETCH_WAIT).messages().await {
             Ok(b) => b,
             Err(e) => {
@@ -60,12 +61,13 @@ impl Jobs<'_> {
         };
         while let Some(msg) = batch.next().await {
             if let Ok(msg) = msg {
-                self.take(msg).await;
+                self.take(msg, fetched).await;
             }
         }
     }
 
-    async fn take(&self, msg: jetstream::Message) {
+    /// Runs a job that came in answer to a fetch sent at `fetched`.
+    async fn take(&self, msg: jetstream::Message, fetched: std::time::Instant) {
         let job = match llmq_protocol::decode::<Job>(&msg.payload) {
             Ok(j) => j,
             Err(e) => {
@@ -97,7 +99,7 @@ impl Jobs<'_> {
             error = tracing::field::Empty
         );
         llmq_telemetry::extract(&span, msg.headers.as_ref());
-        self.inflight.insert(job.request_id.clone(), msg, span);
+        self.inflight.insert(job.request_id.clone(), msg, span, fetched);
         self.actor.do_send(Submit(job, first_seq));
     }
 

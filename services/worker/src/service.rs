@@ -145,7 +145,7 @@ pub async fn run(settings: Settings, stop: impl std::future::Future<Output = ()>
     // process may exit.
     let served: Result<(), WorkerError> = async {
         let inflight = Arc::new(Held::new(Duration::from_millis(settings.worker.ack_wait_ms)));
-        let placement = follow_peers(&client, &settings, &worker_id, inflight.clone()).await?;
+        let placement = follow_peers(&client, &settings, &worker_id).await?;
         warm_up(&actor, &settings).await?;
         tracing::info!(%worker_id, model = %model_name, ?role, "worker ready");
         // Prompts go to prefill workers only after the warm-up (which runs here).
@@ -197,8 +197,6 @@ pub async fn run(settings: Settings, stop: impl std::future::Future<Output = ()>
             stop.await;
             flag.store(true, std::sync::atomic::Ordering::SeqCst);
         });
-        // Nothing was held before: the server's silence counts from the first fetch.
-        inflight.confirmed(std::time::Instant::now());
         let jobs = Jobs { client: &client, consumer: &consumer, placement: &placement, inflight: &inflight, actor: &actor, handed_back: &handed_back };
         while !stopping.load(std::sync::atomic::Ordering::SeqCst) {
             jobs.fetch_one().await;
@@ -308,14 +306,8 @@ pub(crate) fn load_on_device(w: &WorkerSettings, reserve_host_memory: bool) -> R
 }
 
 /// Follows the peers' heartbeats, from before the warm-up so that the peer set is known when
-/// jobs are first fetched (see `placement`). Its own heartbeat coming back through the server
-/// tells `held` that the server heard everything sent before it (the progress acks).
-async fn follow_peers(
-    client: &async_nats::Client,
-    settings: &Settings,
-    worker_id: &str,
-    held: Inflight,
-) -> Result<Arc<Mutex<Placement>>, WorkerError> {
+/// jobs are first fetched (see `placement`).
+async fn follow_peers(client: &async_nats::Client, settings: &Settings, worker_id: &str) -> Result<Arc<Mutex<Placement>>, WorkerError> {
     let placement = Arc::new(Mutex::new(Placement::new(
         worker_id,
         &settings.worker.model,
@@ -325,14 +317,9 @@ async fn follow_peers(
     )));
     let mut beats = client.subscribe(subjects::WORKER_STATUS_ALL).await.map_err(nats_err)?;
     let heard = placement.clone();
-    let own = worker_id.to_string();
     actix::spawn(async move {
         while let Some(m) = beats.next().await {
             if let Ok(s) = llmq_protocol::decode::<WorkerStatus>(&m.payload) {
-                if s.worker_id == own {
-                    let age = unix_ms().saturating_sub(s.sent_at_ms);
-                    held.confirmed(std::time::Instant::now() - Duration::from_millis(age));
-                }
                 heard.lock().unwrap().heard_at(s, std::time::Instant::now());
             }
         }
@@ -428,9 +415,9 @@ async fn clear_caches(mut clears: async_nats::Subscriber, actor: Scheduler, clie
 }
 
 /// Heartbeats every `worker.heartbeat_ms`, and progress acks for the jobs held six times per
-/// ack wait (before the heartbeat, which confirms them when it comes back). A heartbeat is the actor's latest snapshot, not a message to it: a worker in a long
-/// tick (a big prefill on a CPU takes seconds) must not look gone to intake, the gateway or its
-/// peers.
+/// ack wait, each asking the server for the reply that keeps its job this worker's (`held`). A
+/// heartbeat is the actor's latest snapshot, not a message to it: a worker in a long tick (a big
+/// prefill on a CPU takes seconds) must not look gone to intake, the gateway or its peers.
 fn heartbeats(
     client: async_nats::Client,
     settings: &Settings,
@@ -440,7 +427,8 @@ fn heartbeats(
     inflight: Inflight,
 ) -> impl std::future::Future<Output = ()> {
     let beat_every = Duration::from_millis(settings.worker.heartbeat_ms);
-    let progress_every = Duration::from_millis(settings.worker.ack_wait_ms / 6);
+    let ack_wait = Duration::from_millis(settings.worker.ack_wait_ms);
+    let progress_every = ack_wait / 6;
     let subject = subjects::worker_status(worker_id);
     async move {
         let mut last_progress = tokio::time::Instant::now();
@@ -448,8 +436,18 @@ fn heartbeats(
         loop {
             if last_progress.elapsed() >= progress_every {
                 last_progress = tokio::time::Instant::now();
-                for m in inflight.messages() {
-                    let _ = m.ack_with(AckKind::Progress).await;
+                let sent = std::time::Instant::now();
+                for (request_id, m) in inflight.messages() {
+                    let Some(reply) = m.reply.clone() else { continue };
+                    let (client, held) = (client.clone(), inflight.clone());
+                    // Replies later than a third of the ack wait do not count: waiting longer is
+                    // pointless.
+                    actix::spawn(async move {
+                        let ack = client.request(reply, AckKind::Progress.into());
+                        if let Ok(Ok(_)) = tokio::time::timeout(ack_wait / 3, ack).await {
+                            held.confirmed(&request_id, sent, std::time::Instant::now());
+                        }
+                    });
                 }
             }
             if last_beat.is_none_or(|t| t.elapsed() >= beat_every) {

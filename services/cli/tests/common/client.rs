@@ -79,7 +79,11 @@ impl Client {
             events.push(ev);
         }
         // Nothing may follow the terminal event.
-        assert!(tokio::time::timeout(Duration::from_millis(300), sub.next()).await.is_err(), "event after the terminal one");
+        if let Ok(Some(m)) = tokio::time::timeout(Duration::from_millis(300), sub.next()).await {
+            let after: Result<StreamEvent, _> = decode(&m.payload);
+            let ends: Vec<_> = events.iter().filter(|e| e.event.is_terminal()).map(|e| (e.seq, &e.event)).collect();
+            panic!("{id}: event after the terminal one(s) {ends:?} ({} events): {after:?}", events.len());
+        }
         Run { id, events }
     }
 
