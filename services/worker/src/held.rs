@@ -48,6 +48,11 @@ impl<M: Clone> Held<M> {
         self.jobs.lock().unwrap().insert(request_id, Job { msg, span, ours_until: fetched + self.ours_for });
     }
 
+    /// How long a reply to a progress ack may take and still count.
+    pub fn reply_within(&self) -> Duration {
+        self.reply_within
+    }
+
     pub fn len(&self) -> usize {
         self.jobs.lock().unwrap().len()
     }

@@ -427,8 +427,7 @@ fn heartbeats(
     inflight: Inflight,
 ) -> impl std::future::Future<Output = ()> {
     let beat_every = Duration::from_millis(settings.worker.heartbeat_ms);
-    let ack_wait = Duration::from_millis(settings.worker.ack_wait_ms);
-    let progress_every = ack_wait / 6;
+    let progress_every = Duration::from_millis(settings.worker.ack_wait_ms / 6);
     let subject = subjects::worker_status(worker_id);
     async move {
         let mut last_progress = tokio::time::Instant::now();
@@ -437,14 +436,14 @@ fn heartbeats(
             if last_progress.elapsed() >= progress_every {
                 last_progress = tokio::time::Instant::now();
                 let sent = std::time::Instant::now();
+                let within = inflight.reply_within();
                 for (request_id, m) in inflight.messages() {
                     let Some(reply) = m.reply.clone() else { continue };
                     let (client, held) = (client.clone(), inflight.clone());
-                    // Replies later than a third of the ack wait do not count: waiting longer is
-                    // pointless.
+                    // A later reply would not count: waiting longer is pointless.
                     actix::spawn(async move {
                         let ack = client.request(reply, AckKind::Progress.into());
-                        if let Ok(Ok(_)) = tokio::time::timeout(ack_wait / 3, ack).await {
+                        if let Ok(Ok(_)) = tokio::time::timeout(within, ack).await {
                             held.confirmed(&request_id, sent, std::time::Instant::now());
                         }
                     });
