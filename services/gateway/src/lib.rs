@@ -252,7 +252,7 @@ async fn collect(state: &State, shape: &Shape, mut acc: Accepted) -> Result<Valu
                         let mut called = false;
                         if let Some(p) = parsers[i].as_mut() {
                             let mut parsed = p.push(&text);
-                            let rest = p.finish();
+                            let rest = p.finish(ended[i] == Some(FinishReason::Length));
                             parsed.content.push_str(&rest.content);
                             parsed.calls.extend(rest.calls);
                             text = parsed.content;

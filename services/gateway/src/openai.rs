@@ -82,7 +82,9 @@ pub struct Common {
 }
 
 /// `response_format`: plain text, any JSON object, or JSON valid against a schema. llmq holds
-/// the output to the schema whether `strict` is set or not (it decodes under the constraint).
+/// the output to the schema whether `strict` is set or not (it decodes under the constraint);
+/// `strict: true` also closes the schema's objects, as OpenAI's strict mode reads them (without
+/// it, intake's `schema_objects` setting decides).
 #[derive(Debug, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ResponseFormat {
@@ -112,9 +114,12 @@ impl ResponseFormat {
                 if json_schema.name.is_empty() || json_schema.name.len() > 64 {
                     return Err(ApiError::invalid("response_format.json_schema.name must be 1 to 64 characters"));
                 }
-                let schema = json_schema.schema.clone().unwrap_or_else(|| json!({}));
+                let mut schema = json_schema.schema.clone().unwrap_or_else(|| json!({}));
                 if !(schema.is_object() || schema.is_boolean()) {
                     return Err(ApiError::invalid("response_format.json_schema.schema must be a JSON Schema object"));
+                }
+                if json_schema.strict == Some(true) {
+                    llmq_text::schema::close_objects(&mut schema);
                 }
                 Some(Constraint::JsonSchema { schema: schema.to_string() })
             }

@@ -138,7 +138,7 @@ impl<'a> SseWriter<'a> {
     fn choice_done(&mut self, choice: u32, reason: FinishReason, usage: Usage, out: &mut Vec<Bytes>) -> bool {
         let mut called = false;
         if let Some(p) = self.parser(choice) {
-            let rest = p.finish();
+            let rest = p.finish(reason == FinishReason::Length);
             called = p.called();
             if !rest.content.is_empty() {
                 out.push(self.chunk(choice, Some(&rest.content), false, &[], None));

@@ -4,8 +4,9 @@
 //!
 //! Invariants: text that may still turn out to be a call's marker is held back until it can
 //! be told apart; content plus the calls' source text accounts for all the output (a block that
-//! does not parse as a call is given back as content, never dropped); whitespace around calls
-//! is not content.
+//! does not parse as a call is given back as content, never dropped), except that an output cut
+//! by `max_tokens` drops the call it was writing (and a marker's beginning): a cut call is no
+//! call, and its syntax is not the answer's text; whitespace around calls is not content.
 
 use llmq_protocol::ToolSyntax;
 use serde_json::Value;
@@ -46,6 +47,8 @@ pub struct ToolCallParser {
     calls: usize,
     /// No content since the last call: whitespace is dropped.
     after_call: bool,
+    /// The output was cut (`max_tokens`): what was held back as a possible call is dropped.
+    cut: bool,
     ids: std::collections::hash_map::RandomState,
 }
 
@@ -74,7 +77,7 @@ fn json_prefix(text: &str) -> Result<Option<(Value, usize)>, ()> {
 impl ToolCallParser {
     pub fn new(syntax: ToolSyntax) -> Self {
         let state = if syntax == ToolSyntax::Llama3Json { State::Start } else { State::Content };
-        ToolCallParser { syntax, state, pending: String::new(), calls: 0, after_call: false, ids: Default::default() }
+        ToolCallParser { syntax, state, pending: String::new(), calls: 0, after_call: false, cut: false, ids: Default::default() }
     }
 
     /// Whether any call has been parsed.
@@ -90,14 +93,23 @@ impl ToolCallParser {
         out
     }
 
-    /// The output ended: releases what was held back (an unfinished call as content, unless
-    /// its JSON is complete).
-    pub fn finish(&mut self) -> Parsed {
+    /// The output ended: releases what was held back. An unfinished call whose JSON is complete
+    /// is a call; otherwise it is content, or, where the output was `cut` short by `max_tokens`,
+    /// dropped.
+    pub fn finish(&mut self, cut: bool) -> Parsed {
+        self.cut = cut;
         let mut out = Parsed::default();
         self.advance(&mut out, true);
         let rest = std::mem::take(&mut self.pending);
         self.content(&mut out, &rest);
         out
+    }
+
+    /// Text of a call left unfinished at the output's end: content, unless the output was cut.
+    fn unfinished(&mut self, out: &mut Parsed, raw: &str) {
+        if !self.cut {
+            self.content(out, raw);
+        }
     }
 
     /// A call id: 9 letters and digits (what Mistral's template demands; any template takes it).
@@ -161,6 +173,11 @@ impl ToolCallParser {
     fn start(&mut self, ended: bool) -> bool {
         let trimmed = self.pending.trim_start();
         let trimmed = trimmed.strip_prefix(PYTHON_TAG).unwrap_or(trimmed).trim_start();
+        if ended && self.cut && PYTHON_TAG.starts_with(trimmed) {
+            self.pending.clear();
+            self.state = State::Content;
+            return true;
+        }
         if trimmed.is_empty() || (PYTHON_TAG.starts_with(trimmed) && !ended) {
             if ended {
                 self.state = State::Content;
@@ -186,9 +203,12 @@ impl ToolCallParser {
             self.state = State::Call;
             return true;
         }
-        let keep = if ended { 0 } else { partial_marker(&self.pending, marker) };
+        let keep = if ended && !self.cut { 0 } else { partial_marker(&self.pending, marker) };
         let release: String = self.pending.drain(..self.pending.len() - keep).collect();
         self.content(out, &release);
+        if ended {
+            self.pending.clear();
+        }
         false
     }
 
@@ -200,13 +220,12 @@ impl ToolCallParser {
             None => return false,
         };
         let body = self.pending[..end].to_string();
+        let closed = end < self.pending.len();
         let parsed = serde_json::from_str::<Value>(body.trim()).ok().and_then(|v| self.call(&v));
         match parsed {
             Some(c) => out.calls.push(c),
-            None => {
-                let raw = format!("{HERMES_OPEN}{body}{}", if end < self.pending.len() { HERMES_CLOSE } else { "" });
-                self.content(out, &raw);
-            }
+            None if closed => self.content(out, &format!("{HERMES_OPEN}{body}{HERMES_CLOSE}")),
+            None => self.unfinished(out, &format!("{HERMES_OPEN}{body}")),
         }
         self.pending.drain(..(end + HERMES_CLOSE.len()).min(self.pending.len()));
         self.state = State::Content;
@@ -241,7 +260,13 @@ impl ToolCallParser {
                 !self.pending.is_empty() || self.state == State::Content
             }
             Ok(None) if !ended => false,
-            Ok(None) | Err(()) => {
+            Ok(None) => {
+                let raw = format!("{}{}", restore(self), std::mem::take(&mut self.pending));
+                self.unfinished(out, &raw);
+                self.state = State::Content;
+                true
+            }
+            Err(()) => {
                 let raw = format!("{}{}", restore(self), std::mem::take(&mut self.pending));
                 self.content(out, &raw);
                 self.state = State::Content;
@@ -270,7 +295,7 @@ mod tests {
             all.calls.extend(got.calls);
             rest = &rest[cut..];
         }
-        let got = p.finish();
+        let got = p.finish(false);
         all.content.push_str(&got.content);
         all.calls.extend(got.calls);
         all
@@ -306,6 +331,38 @@ mod tests {
         assert_eq!((p.content.as_str(), p.calls.len()), ("<tool_call>\n{\"name\": \"f\", \"argu", 0));
         let p = parse(ToolSyntax::Hermes, "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1}}\n", 3);
         assert_eq!(names_args(&p), vec![("f".into(), serde_json::json!({"a": 1}))]);
+    }
+
+    /// Feeds `text` whole, then finishes it as cut by `max_tokens`.
+    fn parse_cut(syntax: ToolSyntax, text: &str) -> Parsed {
+        let mut p = ToolCallParser::new(syntax);
+        let mut all = p.push(text);
+        let got = p.finish(true);
+        all.content.push_str(&got.content);
+        all.calls.extend(got.calls);
+        all
+    }
+
+    /// A call that `max_tokens` cut short is dropped with its syntax; the calls before it, and
+    /// one whose JSON was whole, stay calls.
+    #[test]
+    fn a_cut_call_never_becomes_content() {
+        let whole = "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1}}\n</tool_call>\n";
+        let p = parse_cut(ToolSyntax::Hermes, &format!("Hi {whole}<tool_call>\n{{\"name\": \"f\", \"arguments\": {{\"a\""));
+        assert_eq!((p.content.as_str(), names_args(&p)), ("Hi ", vec![("f".into(), serde_json::json!({"a": 1}))]));
+        let p = parse_cut(ToolSyntax::Hermes, &format!("{whole}<tool_c"));
+        assert_eq!((p.content.as_str(), p.calls.len()), ("", 1));
+        let p = parse_cut(ToolSyntax::Hermes, "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n");
+        assert_eq!((p.content.as_str(), p.calls.len()), ("", 1));
+        let p = parse_cut(ToolSyntax::Mistral, "[TOOL_CALLS][{\"name\": \"a\", \"arguments\": {\"x\"");
+        assert_eq!((p.content.as_str(), p.calls.len()), ("", 0));
+        let p = parse_cut(ToolSyntax::Llama3Json, "<|python_tag|>{\"name\": \"a\", \"param");
+        assert_eq!((p.content.as_str(), p.calls.len()), ("", 0));
+        let p = parse_cut(ToolSyntax::Llama3Json, "<|python_t");
+        assert_eq!((p.content.as_str(), p.calls.len()), ("", 0));
+        // Plain text cut short is still the answer's text.
+        let p = parse_cut(ToolSyntax::Hermes, "The weather in Par");
+        assert_eq!((p.content.as_str(), p.calls.len()), ("The weather in Par", 0));
     }
 
     #[test]

@@ -41,7 +41,8 @@ pub struct InFunction {
     pub name: String,
     pub description: Option<String>,
     pub parameters: Option<Value>,
-    /// llmq holds a required call's arguments to the schema whether `strict` is set or not.
+    /// llmq holds a required call's arguments to the schema whether `strict` is set or not;
+    /// `strict: true` also closes its objects (see `ResponseFormat`).
     #[serde(default)]
     pub strict: Option<bool>,
 }
@@ -79,7 +80,12 @@ pub fn apply(g: &mut GenerateRequest, tools: Vec<InTool>, choice: Option<InToolC
         }
         let parameters = match t.function.parameters {
             None => None,
-            Some(p @ Value::Object(_)) => Some(p.to_string()),
+            Some(mut p @ Value::Object(_)) => {
+                if t.function.strict == Some(true) {
+                    llmq_text::schema::close_objects(&mut p);
+                }
+                Some(p.to_string())
+            }
             Some(_) => return Err(ApiError::invalid(format!("tool {:?}: parameters must be a JSON Schema object", t.function.name))),
         };
         g.tools.push(Tool { name: t.function.name, description: t.function.description, parameters });
@@ -133,7 +139,9 @@ mod tests {
             "parallel_tool_calls": false,
         }))
         .unwrap();
-        assert_eq!(g.tools, vec![Tool { name: "weather".into(), description: Some("d".into()), parameters: Some("{\"type\":\"object\"}".into()) }]);
+        // `strict` closes the parameters' objects.
+        let closed = "{\"type\":\"object\",\"additionalProperties\":false}";
+        assert_eq!(g.tools, vec![Tool { name: "weather".into(), description: Some("d".into()), parameters: Some(closed.into()) }]);
         assert_eq!(g.tool_choice, Some(ToolChoice::Function { name: "weather".into() }));
         assert_eq!(g.parallel_tool_calls, Some(false));
         assert_eq!(g.requires, vec!["tools", "tool_choice", "parallel_tool_calls"]);

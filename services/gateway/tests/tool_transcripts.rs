@@ -82,7 +82,7 @@ fn stream_ids(tok: &Tokenizer, syntax: ToolSyntax, ids: &[u32]) -> Parsed {
         take(parser.push(&piece));
     }
     take(parser.push(&detok.flush(tok).unwrap()));
-    take(parser.finish());
+    take(parser.finish(false));
     all
 }
 

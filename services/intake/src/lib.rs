@@ -220,7 +220,7 @@ pub async fn run(settings: Settings, stop: impl std::future::Future<Output = ()>
         let info = ModelInfo::load(name).map_err(|source| IntakeError::Model { model: name.clone(), source })?;
         models.insert(name.clone(), info);
     }
-    let validator = Arc::new(Validator::new(models, settings.intake.default_max_tokens));
+    let validator = Arc::new(Validator::new(models, settings.intake.default_max_tokens, settings.intake.schema_objects));
     let client = llmq_protocol::connect(&settings.nats.url, settings.nats.ca_file.as_deref(), "llmq-intake").await.map_err(nats)?;
     let js = jetstream::new(client.clone());
     let stream = subjects::jobs_stream(&js).await.map_err(nats)?;

@@ -3,6 +3,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use llmq_config::SchemaObjects;
 use llmq_text::constraint::Grammars;
 use llmq_text::sampling;
 use llmq_text::{load_tokenizer, resolve_model, Tokenizer};
@@ -37,6 +38,7 @@ impl ModelInfo {
 pub struct Validator {
     models: HashMap<String, ModelInfo>,
     default_max_tokens: u32,
+    schema_objects: SchemaObjects,
     counter: AtomicU64,
     salt: u64,
 }
@@ -62,10 +64,35 @@ fn f32_param(name: &str, v: Option<f64>, default: f32) -> Result<f32, WireError>
 }
 
 impl Validator {
-    pub fn new(models: HashMap<String, ModelInfo>, default_max_tokens: u32) -> Self {
+    pub fn new(models: HashMap<String, ModelInfo>, default_max_tokens: u32, schema_objects: SchemaObjects) -> Self {
         let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
         let salt = (t.as_nanos() as u64) ^ ((std::process::id() as u64) << 40);
-        Validator { models, default_max_tokens, counter: AtomicU64::new(0), salt }
+        Validator { models, default_max_tokens, schema_objects, counter: AtomicU64::new(0), salt }
+    }
+
+    /// The request with its schemas' objects closed where `intake.schema_objects` says so (a
+    /// client asking for strict mode closes them itself).
+    fn read_schemas(&self, mut r: GenerateRequest) -> GenerateRequest {
+        if self.schema_objects == SchemaObjects::Open {
+            return r;
+        }
+        let closed = |text: &str| -> Option<String> {
+            let mut v: serde_json::Value = serde_json::from_str(text).ok()?;
+            llmq_text::schema::close_objects(&mut v);
+            Some(v.to_string())
+        };
+        // A schema that is not JSON is left as it came, for the checks below to refuse.
+        if let Some(Constraint::JsonSchema { schema }) = &mut r.constraint {
+            if let Some(c) = closed(schema) {
+                *schema = c;
+            }
+        }
+        for t in &mut r.tools {
+            if let Some(c) = t.parameters.as_deref().and_then(closed) {
+                t.parameters = Some(c);
+            }
+        }
+        r
     }
 
     /// A new request id: unique per intake process and start, 16 hex digits.
@@ -87,6 +114,7 @@ impl Validator {
             known.sort();
             WireError::new(ErrorClass::UnknownModel, format!("unknown model {:?} (served: {known:?})", r.model))
         })?;
+        let r = self.read_schemas(r);
         let max_tokens = match r.max_tokens {
             None => self.default_max_tokens as i64,
             Some(n) if n <= 0 => return Err(invalid(format!("max_tokens must be at least 1, got {n}"))),
@@ -150,7 +178,9 @@ fn constraint_of(
 ) -> Result<Option<Constraint>, WireError> {
     let (Some(syntax), Some(tok)) = (syntax, &model.tokenizer) else { return Ok(r.constraint.clone()) };
     stop.special_text = llmq_text::tools::markers(syntax).iter().any(|m| tok.special_token_id(m).is_some());
-    let parallel = r.parallel_tool_calls.unwrap_or(true);
+    // A named function is called once (OpenAI's meaning of naming it); `required` makes one
+    // call, or several where parallel calls are allowed (the default).
+    let parallel = r.parallel_tool_calls.unwrap_or(true) && !matches!(tool_choice, ToolChoice::Function { .. });
     match llmq_text::tools::call_grammar(syntax, tools, tool_choice, parallel, |m| tok.special_token_id(m)) {
         Some(_) if r.constraint.is_some() => {
             Err(invalid("a constraint cannot go with tool_choice \"required\" or a named function, which constrain the output to the calls"))

@@ -303,11 +303,32 @@ pub struct IntakeSettings {
     /// Requests waiting in the live workers of a model (their heartbeats' queued requests)
     /// beyond which new ones are refused with `queue_full`.
     pub max_queued_requests: u64,
+    /// How a JSON schema's (or a tool's parameters') objects that do not give
+    /// `additionalProperties` are read, where the request does not ask for strict mode.
+    pub schema_objects: SchemaObjects,
+}
+
+/// Objects of a JSON schema that do not say whether other properties may follow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SchemaObjects {
+    /// Only the properties the schema names (as OpenAI's strict mode, and xgrammar's default).
+    #[default]
+    Closed,
+    /// Any other property may follow the named ones (JSON Schema's own reading).
+    Open,
 }
 
 impl Default for IntakeSettings {
     fn default() -> Self {
-        IntakeSettings { models: vec!["smollm2".into()], worker_timeout_ms: 3000, no_worker_grace_ms: 60_000, default_max_tokens: 256, max_queued_requests: 4096 }
+        IntakeSettings {
+            models: vec!["smollm2".into()],
+            worker_timeout_ms: 3000,
+            no_worker_grace_ms: 60_000,
+            default_max_tokens: 256,
+            max_queued_requests: 4096,
+            schema_objects: SchemaObjects::Closed,
+        }
     }
 }
 

@@ -5,7 +5,9 @@
 //!
 //! Invariants: one `Grammars` per model (its token trie is built once, then shared by every
 //! request's matcher); a mask never allows a token that would make the output invalid; the
-//! model's end-of-sequence tokens are allowed exactly where the output is complete.
+//! model's end-of-sequence tokens are allowed exactly where the output is complete; in JSON
+//! (a JSON constraint, or the `%json` parts of a grammar, as in tool calls) no object repeats a
+//! key, which no grammar can say of keys it does not name (`json_keys`).
 
 use std::sync::Arc;
 
@@ -16,6 +18,7 @@ use llguidance::ParserFactory;
 pub use llmq_protocol::Constraint;
 
 use crate::error::{Error, Result};
+use crate::json_keys::{quote_tokens, KeyGuard, QuoteTokens};
 use crate::Tokenizer;
 
 /// The most bytes of a constraint's text (schema, pattern or grammar) accepted.
@@ -46,6 +49,8 @@ pub struct Grammars {
     factory: ParserFactory,
     /// Mask words per row: the model's vocabulary (its logits' width) in 32-token words.
     words: usize,
+    /// The tokens holding a quote, for the key guard.
+    quotes: QuoteTokens,
 }
 
 impl Grammars {
@@ -70,11 +75,12 @@ impl Grammars {
             words.push([&[TokTrie::SPECIAL_TOKEN_MARKER][..], format!("<[{}]>", words.len()).as_bytes()].concat());
         }
         let info = TokRxInfo::new(vocab_size as u32, first_eos);
+        let quotes = quote_tokens(words.len(), |id| &words[id as usize]);
         let trie = TokTrie::from(&info, &words).with_eos_tokens(eos);
         let env: TokEnv = Arc::new(Vocabulary { trie });
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| Error::InvalidRequest(format!("constrained decoding: {e}")))?;
         factory.quiet();
-        Ok(Grammars { factory, words: vocab_size.div_ceil(32) })
+        Ok(Grammars { factory, words: vocab_size.div_ceil(32), quotes })
     }
 
     /// Mask words per row (32 tokens each).
@@ -112,7 +118,15 @@ impl Grammars {
         if let Some(e) = inner.get_error() {
             return Err(bad(format!("the {} was rejected: {e}", kind(c))));
         }
-        Ok(Matcher { inner, words: self.words })
+        // JSON is held to distinct keys; so are the JSON parts of a grammar (`%json`), which
+        // is how llmq writes tool calls.
+        let json = match c {
+            Constraint::JsonObject | Constraint::JsonSchema { .. } => true,
+            Constraint::Lark { grammar } => grammar.contains("%json"),
+            Constraint::Regex { .. } => false,
+        };
+        let guard = json.then(|| (KeyGuard::default(), self.quotes.clone(), self.factory.tok_env().clone()));
+        Ok(Matcher { inner, words: self.words, guard })
     }
 }
 
@@ -128,6 +142,8 @@ fn kind(c: &Constraint) -> &'static str {
 pub struct Matcher {
     inner: llguidance::Matcher,
     words: usize,
+    /// For JSON: the output's keys so far, the tokens that may close a key, the vocabulary.
+    guard: Option<(KeyGuard, QuoteTokens, TokEnv)>,
 }
 
 impl Matcher {
@@ -146,6 +162,9 @@ impl Matcher {
         let n = self.words.min(mask.len());
         mask[..n].iter_mut().zip(bits.iter().chain(std::iter::repeat(&0))).for_each(|(m, b)| *m = *b);
         mask[n..].iter_mut().for_each(|m| *m = 0);
+        if let Some((keys, quotes, _)) = &self.guard {
+            keys.restrict(mask, quotes);
+        }
         if mask.iter().all(|&w| w == 0) {
             return Err("no token can continue the output within its constraint".into());
         }
@@ -157,6 +176,9 @@ impl Matcher {
         if self.inner.is_stopped() {
             // Complete: only an end of sequence was allowed, and it ends the request.
             return Ok(());
+        }
+        if let Some((keys, _, env)) = &mut self.guard {
+            keys.accept(env.tok_trie().token(token));
         }
         self.inner.consume_token(token).map_err(|e| e.to_string())
     }

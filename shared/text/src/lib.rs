@@ -13,6 +13,8 @@
 //! - `sampling`      sampling and stop parameters, their validation, the sampler
 //! - `constraint`    constrained decoding: JSON schemas, regular expressions and grammars as
 //!                   token masks (llguidance)
+//!                   (`json_keys`: no JSON object of such an output repeats a key)
+//! - `schema`        JSON Schemas closed as OpenAI's strict mode reads them
 //! - `tools`         tools in chat templates, and the grammar of a required call
 //!
 //! And where named models live (`resolve_model`), and a model's tokenizer and context without
@@ -24,9 +26,11 @@ pub mod constraint;
 pub mod detok;
 pub mod error;
 pub mod gguf;
+pub mod json_keys;
 pub mod quants;
 pub mod rope;
 pub mod sampling;
+pub mod schema;
 pub mod sentencepiece;
 pub mod shapes;
 pub mod tokenizer;

@@ -170,3 +170,42 @@ fn constraints_the_library_rejects_are_invalid_requests() {
         }
     }
 }
+
+/// No object repeats a key: inside a key of an open object (any JSON object, an open schema's
+/// additional properties, a tool call's arguments), every token that would close a key already
+/// used in that object is refused, and the keys of other objects do not count.
+#[test]
+fn no_object_repeats_a_key() {
+    let open_schema = json!({"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]});
+    let call = Constraint::Lark { grammar: format!("start: \"<tool_call>\" %json {}", json!({"type": "object"})) };
+    for (fam, tok) in vocabularies().into_iter().filter(|(f, _)| *f != "mistral") {
+        let eos = eos_of(&tok);
+        let g = Grammars::new(&tok, tok.max_id_bound(), &eos).unwrap();
+        let bytes = tok.token_bytes().unwrap();
+        let quote_first: Vec<u32> = (0..bytes.len() as u32).filter(|&t| bytes[t as usize].0.first() == Some(&b'"')).collect();
+        let after = |c: &Constraint, text: &str| {
+            let mut m = g.matcher(c).unwrap();
+            follow(&mut m, &tok, g.mask_words(), text)
+        };
+        for (c, written) in [
+            (Constraint::JsonObject, r#"{"id": 1, "a": {"b": 2}, ""#),
+            (Constraint::JsonSchema { schema: open_schema.to_string() }, r#"{"name": "x", "id": 1, "a": {"b": 2}, ""#),
+            (call.clone(), r#"<tool_call>{"id": 1, "a": {"b": 2}, ""#),
+        ] {
+            // A key written up to an old one's name: no token may close it there.
+            for key in ["id", "a"] {
+                let mask = after(&c, &format!("{written}{key}"));
+                assert!(quote_first.iter().all(|&t| !allowed(&mask, t)), "{fam} {c:?}: the key {key:?} may close again");
+                assert!(!set(&mask).is_empty(), "{fam} {c:?}: the key {key:?} may go on");
+            }
+            // A new key, and one used only in the inner object, may close.
+            for key in ["ida", "b"] {
+                let mask = after(&c, &format!("{written}{key}"));
+                assert!(quote_first.iter().any(|&t| allowed(&mask, t)), "{fam} {c:?}: the new key {key:?} cannot close");
+            }
+        }
+        // The outer object's keys do not bind a new inner object.
+        let mask = after(&Constraint::JsonObject, r#"{"id": 1, "b": {"id"#);
+        assert!(quote_first.iter().any(|&t| allowed(&mask, t)), "{fam}");
+    }
+}

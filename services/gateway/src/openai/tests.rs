@@ -80,7 +80,8 @@ fn unimplemented_fields_are_refused_by_name_never_dropped() {
 }
 
 /// `response_format` becomes the protocol's constraint, which the request then requires
-/// (an intake that does not know it refuses the request).
+/// (an intake that does not know it refuses the request); `strict: true` closes the schema's
+/// objects, and without it the schema goes as it came (intake's setting reads it).
 #[test]
 fn response_formats_become_required_constraints() {
     let with = |format: Value| chat(json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": format}));
@@ -89,11 +90,15 @@ fn response_formats_become_required_constraints() {
     let (g, _) = with(json!({"type": "json_object"})).unwrap();
     assert_eq!((g.constraint, g.requires), (Some(Constraint::JsonObject), vec!["constraint".to_string()]));
     let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]});
-    let (g, _) = with(json!({"type": "json_schema", "json_schema": {"name": "thing", "schema": schema, "strict": true}})).unwrap();
-    match g.constraint {
-        Some(Constraint::JsonSchema { schema: text }) => assert_eq!(serde_json::from_str::<Value>(&text).unwrap(), schema),
+    let sent = |strict: Value| match with(json!({"type": "json_schema", "json_schema": {"name": "thing", "schema": schema, "strict": strict}})).unwrap().0.constraint {
+        Some(Constraint::JsonSchema { schema: text }) => serde_json::from_str::<Value>(&text).unwrap(),
         other => panic!("{other:?}"),
-    }
+    };
+    let mut closed = schema.clone();
+    closed["additionalProperties"] = json!(false);
+    assert_eq!(sent(json!(true)), closed);
+    assert_eq!(sent(json!(false)), schema);
+    assert_eq!(sent(Value::Null), schema);
     assert_eq!(with(json!({"type": "json_schema", "json_schema": {"name": "", "schema": {}}})).unwrap_err().status, StatusCode::BAD_REQUEST);
     assert_eq!(with(json!({"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}})).unwrap_err().status, StatusCode::BAD_REQUEST);
 }
