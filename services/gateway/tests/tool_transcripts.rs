@@ -41,7 +41,13 @@ fn tools() -> Vec<Tool> {
             description: Some("The weather in a city".into()),
             parameters: Some(json!({"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}).to_string()),
         },
-        Tool { name: "get_time".into(), description: Some("The time in a zone".into()), parameters: Some(json!({"type": "object", "properties": {"zone": {"type": "string"}}}).to_string()) },
+        // A reference to a definition, as pydantic writes nested models and enums: it must
+        // resolve inside the call's grammar too.
+        Tool {
+            name: "get_time".into(),
+            description: Some("The time in a zone".into()),
+            parameters: Some(json!({"type": "object", "properties": {"zone": {"$ref": "#/$defs/Zone"}}, "$defs": {"Zone": {"type": "string", "maxLength": 12}}}).to_string()),
+        },
     ]
 }
 

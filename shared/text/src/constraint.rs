@@ -102,9 +102,12 @@ impl Grammars {
             return Err(bad(format!("the constraint is {size} bytes; at most {MAX_CONSTRAINT_BYTES} are accepted")));
         }
         let grammar = match c {
-            Constraint::JsonObject => TopLevelGrammar::from_json_schema(serde_json::json!({"type": "object"})),
-            Constraint::JsonSchema { schema } => {
-                let v: serde_json::Value = serde_json::from_str(schema).map_err(|e| bad(format!("the JSON schema is not JSON: {e}")))?;
+            Constraint::JsonObject | Constraint::JsonSchema { .. } => {
+                let mut v = match c {
+                    Constraint::JsonSchema { schema } => serde_json::from_str(schema).map_err(|e| bad(format!("the JSON schema is not JSON: {e}")))?,
+                    _ => serde_json::json!({"type": "object"}),
+                };
+                crate::schema::with_layout(&mut v);
                 TopLevelGrammar::from_json_schema(v)
             }
             Constraint::Regex { pattern } => TopLevelGrammar::from_regex(pattern),

@@ -14,7 +14,7 @@
 //! - `constraint`    constrained decoding: JSON schemas, regular expressions and grammars as
 //!                   token masks (llguidance)
 //!                   (`json_keys`: no JSON object of such an output repeats a key)
-//! - `schema`        JSON Schemas closed as OpenAI's strict mode reads them
+//! - `schema`        JSON Schemas closed as OpenAI's strict mode reads them, and their layout
 //! - `tools`         tools in chat templates, and the grammar of a required call
 //!
 //! And where named models live (`resolve_model`), and a model's tokenizer and context without

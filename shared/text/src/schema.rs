@@ -1,4 +1,5 @@
-//! JSON Schemas closed the way OpenAI's strict structured outputs read them.
+//! JSON Schemas as llmq compiles them: closed the way OpenAI's strict structured outputs read
+//! them, and laid out in one way.
 //!
 //! JSON Schema leaves an object open when it does not give `additionalProperties`: any other
 //! property may follow the named ones. Held to such a schema, a small model fills the room with
@@ -14,7 +15,20 @@
 //! of draft 2020-12 and of draft 7 is followed. Objects left open still never repeat a key: the
 //! matcher's key guard (`json_keys`) sees to that.
 
-use serde_json::{Map, Value};
+use serde_json::{json, Map, Value};
+
+/// llguidance's compile options, read from a schema's root.
+const OPTIONS: &str = "x-guidance";
+
+/// Gives a schema llmq's JSON layout unless it names its own options: one space after `:` and
+/// `,`, no other whitespace. Left free, the whitespace between tokens is the model's to choose
+/// at every step, and small models wander into newlines and indentation that cost tokens and
+/// lead their values astray; this is the layout most JSON they were trained on has.
+pub fn with_layout(schema: &mut Value) {
+    if let Value::Object(s) = schema {
+        s.entry(OPTIONS).or_insert_with(|| json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}));
+    }
+}
 
 /// Keywords whose value is one subschema.
 const ONE: &[&str] = &["additionalProperties", "items", "contains", "not", "if", "then", "else", "unevaluatedItems", "propertyNames", "additionalItems"];

@@ -204,6 +204,22 @@ pub fn instructed_messages(messages: &[ChatMessage], tools: &[Tool]) -> Vec<Chat
     out
 }
 
+/// Rewrites every local `$ref` (`#`, `#/...`) in `schema` to point below the JSON pointer `at`.
+fn rebase_refs(schema: &mut Value, at: &str) {
+    match schema {
+        Value::Object(m) => {
+            for (k, v) in m.iter_mut() {
+                match v {
+                    Value::String(r) if k == "$ref" && (r == "#" || r.starts_with("#/")) => *r = format!("#{at}{}", &r[1..]),
+                    _ => rebase_refs(v, at),
+                }
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(|v| rebase_refs(v, at)),
+        _ => {}
+    }
+}
+
 /// The Lark grammar that a `required` or named-function answer must match in `syntax`: one
 /// call (or, with `parallel`, one or more where the syntax allows several) whose `name` is a
 /// tool's and whose arguments match that tool's schema. None for `auto` and `none`.
@@ -222,33 +238,45 @@ pub fn call_grammar(
         ToolChoice::Function { name } => tools.iter().filter(|t| &t.name == name).collect(),
     };
     let args_key = if syntax == ToolSyntax::Llama3Json { "parameters" } else { "arguments" };
+    // Each tool's parameters stand whole under the grammar's root `$defs`, named after the
+    // tool, and the call refers to them there: their own local references (`#/$defs/..`, `#`),
+    // which resolve against the document's root, are rebased onto that place.
+    let mut defs = serde_json::Map::new();
     let variants: Vec<Value> = chosen
         .iter()
         .map(|t| {
+            let mut params = parameters(t);
+            rebase_refs(&mut params, &format!("/$defs/{}", t.name));
+            defs.insert(t.name.clone(), params);
             json!({
                 "type": "object",
-                "properties": {"name": {"const": t.name}, args_key: parameters(t)},
+                "properties": {"name": {"const": t.name}, args_key: {"$ref": format!("#/$defs/{}", t.name)}},
                 "required": ["name", args_key],
                 "additionalProperties": false,
             })
         })
         .collect();
+    let with_defs = move |mut root: Value| {
+        root["$defs"] = Value::Object(defs);
+        crate::schema::with_layout(&mut root);
+        root
+    };
     let one_call = if variants.len() == 1 { variants[0].clone() } else { json!({"anyOf": variants}) };
     // A marker as the vocabulary's special token, or as text.
     let marker = |m: &str| special(m).map(|id| format!("<[{id}]>")).unwrap_or_else(|| json!(m).to_string());
     Some(match syntax {
         ToolSyntax::Hermes => {
             let repeat = if parallel { " (\"\\n\" call)*" } else { "" };
-            format!("start: call{repeat}\ncall: {} \"\\n\" %json {one_call} \"\\n\" {}\n", marker("<tool_call>"), marker("</tool_call>"))
+            format!("start: call{repeat}\ncall: {} \"\\n\" %json {} \"\\n\" {}\n", marker("<tool_call>"), with_defs(one_call), marker("</tool_call>"))
         }
         ToolSyntax::Mistral => {
             let mut list = json!({"type": "array", "items": one_call, "minItems": 1});
             if !parallel {
                 list["maxItems"] = json!(1);
             }
-            format!("start: {} %json {list}\n", marker("[TOOL_CALLS]"))
+            format!("start: {} %json {}\n", marker("[TOOL_CALLS]"), with_defs(list))
         }
         // Llama 3.1's template takes one call per turn.
-        ToolSyntax::Llama3Json => format!("start: %json {one_call}\n"),
+        ToolSyntax::Llama3Json => format!("start: %json {}\n", with_defs(one_call)),
     })
 }

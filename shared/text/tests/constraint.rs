@@ -121,7 +121,7 @@ fn random_walks_end_in_documents_the_schema_accepts() {
     let schemas = [
         json!({"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999}, "ok": {"type": "boolean"}}, "required": ["id", "ok"], "additionalProperties": false}),
         json!({"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}, "score": {"type": "number"}}, "required": ["colour"]}),
-        json!({"type": "array", "items": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"], "additionalProperties": false}, "minItems": 1, "maxItems": 3}),
+        json!({"type": "array", "items": {"type": "object", "properties": {"x": {"type": "integer", "minimum": -9999, "maximum": 9999}}, "required": ["x"], "additionalProperties": false}, "minItems": 1, "maxItems": 3}),
         json!({"type": "object", "properties": {"inner": {"type": "object", "properties": {"list": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 2}}, "required": ["list"], "additionalProperties": false}}, "required": ["inner"], "additionalProperties": false}),
     ];
     for (fam, tok) in vocabularies() {
