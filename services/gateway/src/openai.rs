@@ -22,9 +22,14 @@ pub enum Stop {
 }
 
 #[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
 pub struct StreamOptions {
     #[serde(default)]
     pub include_usage: bool,
+    /// Accepted: OpenAI pads its chunks against length side channels; llmq's chunks carry no
+    /// padding, which changes nothing a client reads.
+    #[serde(default)]
+    pub include_obfuscation: Option<bool>,
 }
 
 /// A chat message's content: a string, or parts of which only text is supported.
@@ -67,7 +72,12 @@ pub struct Common {
     #[serde(default)]
     pub stream: bool,
     pub stream_options: Option<StreamOptions>,
+    /// Accepted and not used: they identify the caller to OpenAI (abuse monitoring, cache
+    /// routing) and change nothing generated; llmq's prefix cache finds shared prefixes by
+    /// their content.
     pub user: Option<String>,
+    pub safety_identifier: Option<String>,
+    pub prompt_cache_key: Option<String>,
     pub n: Option<i64>,
     /// Extension (as in vLLM): keep generating past end-of-sequence, up to max_tokens.
     #[serde(default)]
@@ -140,6 +150,7 @@ fn neutral(field: &str, v: &Value) -> bool {
         "best_of" => v.as_i64() == Some(1),
         "suffix" => v.as_str() == Some(""),
         "modalities" => v.as_array().is_some_and(|a| a.iter().all(|m| m.as_str() == Some("text"))),
+        "service_tier" => v.as_str() == Some("auto") || v.as_str() == Some("default"),
         _ => false,
     }
 }
@@ -398,7 +409,9 @@ pub fn chat_request(r: ChatRequest) -> Result<(GenerateRequest, Shape), ApiError
             }
         };
         let tool_calls = tool_request::message_calls(m.tool_calls)?;
-        messages.push(ChatMessage { role: m.role, content, tool_calls, tool_call_id: m.tool_call_id, name: m.name });
+        // OpenAI's newer name for the system turn; chat templates know only "system".
+        let role = if m.role == "developer" { "system".to_string() } else { m.role };
+        messages.push(ChatMessage { role, content, tool_calls, tool_call_id: m.tool_call_id, name: m.name });
     }
     g.messages = Some(messages);
     tool_request::apply(&mut g, r.tools, r.tool_choice, r.parallel_tool_calls)?;

@@ -114,3 +114,78 @@ fn wire_errors_get_openai_statuses() {
     assert_eq!(b["error"]["type"], "invalid_request_error");
     assert_eq!(b["error"]["code"], "model_not_found");
 }
+
+/// docs/openai-api.md's table of chat-completion fields, as (field, status) rows.
+fn documented_fields() -> Vec<(String, String)> {
+    let doc = include_str!("../../../../docs/openai-api.md");
+    let mut rows = vec![];
+    for line in doc.lines().skip_while(|l| !l.starts_with("| field |")).skip(2).take_while(|l| l.starts_with('|')) {
+        let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+        let (names, status) = (cells[1], cells[2]);
+        for name in names.split(',').map(str::trim).filter(|n| n.starts_with('`')) {
+            rows.push((name.trim_matches('`').to_string(), status.to_string()));
+        }
+    }
+    rows
+}
+
+/// Every field in the documented table does what the table says: a field the gateway reads is
+/// one its request shape knows (it never reaches the refused rest), one that is accepted and
+/// not used passes with any value, and a refused one is a 400 naming it when its value is not
+/// neutral, and passes when it is.
+#[test]
+fn the_documented_field_table_is_true() {
+    let rows = documented_fields();
+    assert!(rows.len() >= 30, "{rows:?}");
+    let request = |field: &str, value: Value| {
+        let mut v = json!({"model": "m", "messages": [{"role": "user", "content": "x"}]});
+        v[field] = value;
+        serde_json::from_value::<ChatRequest>(v).map_err(|e| ApiError::invalid(e.to_string())).and_then(chat_request)
+    };
+    // A value each refused field can take that changes something, and its neutral value.
+    let values = |field: &str| -> (Value, Option<Value>) {
+        match field {
+            "service_tier" => (json!("priority"), Some(json!("auto"))),
+            "store" => (json!(true), Some(json!(false))),
+            "metadata" | "logit_bias" => (json!({"a": "1"}), Some(json!({}))),
+            "modalities" => (json!(["text", "audio"]), Some(json!(["text"]))),
+            "frequency_penalty" | "presence_penalty" => (json!(0.5), Some(json!(0))),
+            "functions" => (json!([{"name": "f"}]), Some(json!([]))),
+            "function_call" => (json!({"name": "f"}), Some(json!("auto"))),
+            _ => (json!("x"), None),
+        }
+    };
+    for (field, status) in rows {
+        if field == "any other name" {
+            continue;
+        }
+        let known = {
+            let mut v = json!({"model": "m", "messages": []});
+            v[&field] = Value::Null;
+            serde_json::from_value::<ChatRequest>(v).map(|r| !r.rest.contains_key(&field)).unwrap_or(true)
+        };
+        match status.as_str() {
+            "implemented" => assert!(known, "{field} is documented as implemented but the gateway does not read it"),
+            "accepted, not used" => {
+                assert!(known, "{field}");
+                assert!(request(&field, json!("anything")).is_ok(), "{field}");
+            }
+            s if s.starts_with("refused") => {
+                assert!(!known, "{field} is documented as refused but the gateway reads it");
+                let (bad, neutral) = values(&field);
+                let e = request(&field, bad).expect_err(&field);
+                assert!(e.status == StatusCode::BAD_REQUEST && e.message.contains(&format!("`{field}`")), "{field}: {}", e.message);
+                if let Some(n) = neutral {
+                    assert!(request(&field, n).is_ok(), "{field}'s neutral value refused");
+                }
+                assert!(request(&field, Value::Null).is_ok(), "{field}: null refused");
+            }
+            other => panic!("{field}: unknown status {other:?}"),
+        }
+    }
+    // OpenAI's newer name for the system turn.
+    let mut v = json!({"model": "m", "messages": [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "x"}]});
+    v["stream_options"] = json!({"include_usage": true, "include_obfuscation": true});
+    let (g, _) = chat(v).unwrap();
+    assert_eq!(g.messages.unwrap()[0].role, "system");
+}
