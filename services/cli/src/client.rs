@@ -1,15 +1,22 @@
 //! `llmq generate` through NATS: subscribes to its own inbox first (so no event is missed),
 //! submits the job naming that inbox, streams the text; Ctrl-C sends a cancel. On a terminal,
-//! prefill progress shows as a bar on stderr.
+//! prefill progress shows as a bar on stderr. A `Watch` makes sure it ends: events lost on the
+//! way, or a job gone without its terminal event, end it with `worker_lost` (and a cancel).
 
 use std::io::{IsTerminal, Write};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use futures::StreamExt;
+use llmq_protocol::watch::Watch;
 use llmq_protocol::{subjects, Cancel, ChatMessage, Event, GenerateReply, GenerateRequest, StreamEvent};
 
 use crate::generate::Args;
+
+/// A stream silent this long is asked about (`Watch::silent`).
+const SILENCE: Duration = Duration::from_secs(5);
+/// A stream that nothing showed alive for this long ends (the gateway's default).
+const SILENT_STREAM_TIMEOUT: Duration = Duration::from_secs(30);
 
 pub fn generate(a: &Args) -> Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
@@ -51,14 +58,18 @@ async fn run(a: &Args) -> Result<()> {
         .await
         .context("no reply from intake within 30 s")?
         .context("submitting (is `llmq up` or an intake running?)")?;
-    let request_id = match llmq_protocol::decode::<GenerateReply>(&reply.payload)? {
-        GenerateReply::Accepted { request_id, .. } => request_id,
+    let (request_id, mut watch) = match llmq_protocol::decode::<GenerateReply>(&reply.payload)? {
+        GenerateReply::Accepted { request_id, job_seq, .. } => {
+            let watch = Watch::new(&request_id, job_seq, SILENT_STREAM_TIMEOUT);
+            (request_id, watch)
+        }
         GenerateReply::Rejected { error } => bail!("rejected: {error}"),
     };
     let bar = std::io::stderr().is_terminal() && !a.json;
     let mut stdout = std::io::stdout().lock();
     let (mut text, mut ids, mut first_at) = (String::new(), Vec::<u32>::new(), None);
     let mut cancel_sent = false;
+    let cancel = || async { client.publish(subjects::CANCEL, llmq_protocol::encode(&Cancel { request_id: request_id.clone() })?.into()).await.map_err(anyhow::Error::from) };
     loop {
         let ev = tokio::select! {
             m = events.next() => match m {
@@ -67,10 +78,21 @@ async fn run(a: &Args) -> Result<()> {
             },
             _ = tokio::signal::ctrl_c(), if !cancel_sent => {
                 cancel_sent = true;
-                client.publish(subjects::CANCEL, llmq_protocol::encode(&Cancel { request_id: request_id.clone() })?.into()).await?;
+                cancel().await?;
                 continue;
             }
+            _ = tokio::time::sleep(SILENCE) => match watch.silent(&client).await {
+                Ok(_) => continue,
+                Err(error) => {
+                    cancel().await?;
+                    bail!("request {request_id} ended: {error}");
+                }
+            },
         };
+        if let Err(error) = watch.event(&ev) {
+            cancel().await?;
+            bail!("request {request_id} ended: {error}");
+        }
         match ev.event {
             Event::Queued { position } if bar => eprint!("\r\x1b[Kqueued (position {position})"),
             Event::PrefillProgress { done, total } if bar => {

@@ -218,3 +218,89 @@ fn with_api_keys_set_only_a_valid_bearer_key_gets_in() {
         assert_eq!(get(&closed, "/metrics", Some("key-one")).await.status, 200);
     });
 }
+
+/// A job that disappears without its terminal event (its record lost, as a NATS restart or a
+/// missed `Done` leaves it) does not leave its stream hanging, for the gateway's clients and for
+/// `llmq generate --nats` alike: while the job waits in the jobs stream the gateway keeps the
+/// stream alive (`: alive`), and once intake no longer finds it the stream ends with
+/// `worker_lost` and `[DONE]` within the silence check's period (5 s) and the query's.
+#[test]
+fn a_job_lost_without_its_terminal_event_ends_its_stream() {
+    let mut stack = Stack::nats_for("smollm2");
+    let grace = [("LLMQ__INTAKE__NO_WORKER_GRACE_MS", "600000")];
+    stack.spawn("intake", &grace);
+    let addr = stack.spawn_gateway(&[grace[0], ("LLMQ__GATEWAY__WORKER_TIMEOUT_MS", "1000")]).1;
+    rt().block_on(async {
+        let nc = async_nats::connect(&stack.url).await.unwrap();
+        // A worker of the model, as intake and the gateway see it: heartbeats, and no job taken.
+        let beat = nc.clone();
+        let beats = tokio::spawn(async move {
+            let status = llmq_protocol::WorkerStatus { worker_id: "absent".into(), model: "smollm2".into(), ..Default::default() };
+            loop {
+                let _ = beat.publish(subjects::worker_status("absent"), llmq_protocol::encode(&status).unwrap().into()).await;
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        });
+        wait_health(&addr, 200).await;
+        let jobs = subjects::jobs_stream(&async_nats::jetstream::new(nc.clone())).await.unwrap();
+        // Once the stream has shown the job alive, the job's record goes.
+        let (alive_tx, mut alive_rx) = tokio::sync::mpsc::unbounded_channel::<()>();
+        let purged_at = tokio::spawn(async move {
+            alive_rx.recv().await;
+            jobs.purge().await.unwrap();
+            Instant::now()
+        });
+        let body = serde_json::json!({"model": "smollm2", "stream": true, "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]});
+        let mut lines: Vec<(Instant, String)> = vec![];
+        // Refused (503) until intake is up and has heard the worker.
+        let t = Instant::now();
+        loop {
+            lines.clear();
+            let status = tokio::time::timeout(
+                Duration::from_secs(60),
+                client::stream(&addr, "/v1/chat/completions", &body.to_string(), |at, l| {
+                    if l == ": alive" {
+                        let _ = alive_tx.send(());
+                    }
+                    lines.push((at, l.to_string()));
+                }),
+            )
+            .await
+            .expect("the stream ended within 60 s")
+            .unwrap();
+            if status == 200 {
+                break;
+            }
+            assert!(status == 503 && t.elapsed() < Duration::from_secs(60), "{status}: {lines:?}");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        let purged_at = purged_at.await.unwrap();
+        let texts: Vec<&str> = lines.iter().map(|(_, l)| l.as_str()).collect();
+        assert!(texts.contains(&": alive"), "{texts:?}");
+        let errors: Vec<&(Instant, String)> = lines.iter().filter(|(_, l)| l.contains("\"error\"")).collect();
+        assert_eq!(errors.len(), 1, "{texts:?}");
+        assert!(errors[0].1.contains("worker_lost"), "{}", errors[0].1);
+        assert!(errors[0].0.duration_since(purged_at) < Duration::from_secs(9), "ended {:?} after the job went", errors[0].0.duration_since(purged_at));
+        assert_eq!(texts.last(), Some(&"data: [DONE]"), "{texts:?}");
+        assert_eq!(texts.iter().filter(|l| **l == "data: [DONE]").count(), 1);
+
+        // llmq's NATS client: the same job lost, the same end.
+        let mut generate = tokio::process::Command::new(env!("CARGO_BIN_EXE_llmq"))
+            .args(["generate", "--nats", &stack.url, "--model", "smollm2", "--prompt", "Hi", "--max-tokens", "8"])
+            .env("LLMQ_LOG", "warn")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        tokio::time::sleep(Duration::from_secs(7)).await;
+        let jobs = subjects::jobs_stream(&async_nats::jetstream::new(nc.clone())).await.unwrap();
+        jobs.purge().await.unwrap();
+        let purged = Instant::now();
+        let status = tokio::time::timeout(Duration::from_secs(20), generate.wait()).await.expect("llmq generate ended").unwrap();
+        let mut err = String::new();
+        tokio::io::AsyncReadExt::read_to_string(generate.stderr.as_mut().unwrap(), &mut err).await.unwrap();
+        assert!(!status.success() && err.contains("WorkerLost"), "{status}: {err}");
+        assert!(purged.elapsed() < Duration::from_secs(12), "{:?}", purged.elapsed());
+        beats.abort();
+    });
+}

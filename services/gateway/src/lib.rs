@@ -30,6 +30,7 @@ use actix_web::web::{self, Bytes};
 use actix_web::{App, HttpResponse, HttpServer};
 use futures::StreamExt;
 use llmq_config::Settings;
+use llmq_protocol::watch::{Silence, Watch};
 use llmq_protocol::workers::WorkerTable;
 use llmq_protocol::{subjects, Cancel, Event, FinishReason, GenerateReply, GenerateRequest, StreamEvent, ToolSyntax, Usage, WorkerStatus};
 use serde_json::{json, Value};
@@ -64,6 +65,8 @@ pub struct State {
     /// `intake.no_worker_grace_ms`: how long a model's workers may all be silent (restarting)
     /// before a waiting request is ended.
     no_worker_grace: Duration,
+    /// `gateway.silent_stream_timeout_ms`: how long a stream may go without any sign of life.
+    silent_stream_timeout: Duration,
     /// `gateway.api_keys` (none: every request is let in), and whether /health and /metrics
     /// need one too.
     api_keys: Vec<String>,
@@ -77,7 +80,7 @@ const MAX_BODY_BYTES: usize = 4 << 20;
 const INTAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// A request with no event for this long is checked: if no worker of its model has been heard
 /// from for the grace period, it ends with `worker_lost` instead of waiting for a worker that
-/// may never come.
+/// may never come; else its `Watch` asks where its job is (and a stream then gets a keep-alive).
 const SILENCE: Duration = Duration::from_secs(5);
 
 /// The end of a request whose model has lost every worker while it waited.
@@ -129,6 +132,8 @@ struct Accepted {
     /// How the output writes tool calls, for a request with tools.
     tool_syntax: Option<ToolSyntax>,
     events: async_nats::Subscriber,
+    /// Makes sure the request ends: lost events, a job that is gone.
+    watch: Watch,
     started: Instant,
     _span: tracing::Span,
 }
@@ -151,9 +156,10 @@ async fn submit(state: &State, mut g: GenerateRequest) -> Result<Accepted, ApiEr
         Err(_) => return Err(ApiError::unavailable("intake did not answer in time")),
     };
     match llmq_protocol::decode::<GenerateReply>(&reply.payload) {
-        Ok(GenerateReply::Accepted { request_id, tool_syntax, .. }) => {
+        Ok(GenerateReply::Accepted { request_id, tool_syntax, job_seq, .. }) => {
             span.record("request_id", request_id.as_str());
-            Ok(Accepted { request_id, tool_syntax, events, started, _span: span })
+            let watch = Watch::new(&request_id, job_seq, state.silent_stream_timeout);
+            Ok(Accepted { request_id, tool_syntax, events, watch, started, _span: span })
         }
         Ok(GenerateReply::Rejected { error }) => {
             span.record("error", tracing::field::debug(error.class));
@@ -178,17 +184,35 @@ async fn stream_events(state: Arc<State>, shape: Shape, mut acc: Accepted, tx: m
             let msg = tokio::select! {
                 _ = tx.closed() => break 'run "cancelled",
                 m = acc.events.next() => m,
-                _ = tokio::time::sleep(SILENCE) => match orphaned(&state, &shape.model) {
-                    Some(e) => {
-                        let _ = tx.send(sse(&e.body())).await;
-                        let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
-                        break 'run e.code;
+                _ = tokio::time::sleep(SILENCE) => {
+                    let ended = match orphaned(&state, &shape.model) {
+                        Some(e) => Err(e),
+                        None => acc.watch.silent(&state.nc).await.map_err(|e| ApiError::from_wire(&e)),
+                    };
+                    match ended {
+                        Ok(Silence::Alive) => {
+                            if tx.send(Bytes::from_static(b": alive\n\n")).await.is_err() {
+                                break 'run "cancelled";
+                            }
+                            continue;
+                        }
+                        Ok(Silence::Unknown) => continue,
+                        Err(e) => {
+                            let _ = tx.send(sse(&e.body())).await;
+                            let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+                            break 'run e.code;
+                        }
                     }
-                    None => continue,
-                },
+                }
             };
             let Some(msg) = msg else { break 'run "internal_error" };
             let Ok(ev) = llmq_protocol::decode::<StreamEvent>(&msg.payload) else { continue };
+            if let Err(e) = acc.watch.event(&ev) {
+                let e = ApiError::from_wire(&e);
+                let _ = tx.send(sse(&e.body())).await;
+                let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+                break 'run e.code;
+            }
             if matches!(ev.event, Event::Tokens { .. }) {
                 clock.tokens(&state.metrics);
             }
@@ -225,10 +249,14 @@ async fn collect(state: &State, shape: &Shape, mut acc: Accepted) -> Result<Valu
             Ok(None) => break,
             Err(_) => match orphaned(state, &shape.model) {
                 Some(e) => return Err(e),
-                None => continue,
+                None => {
+                    acc.watch.silent(&state.nc).await.map_err(|e| ApiError::from_wire(&e))?;
+                    continue;
+                }
             },
         };
         let Ok(ev) = llmq_protocol::decode::<StreamEvent>(&msg.payload) else { continue };
+        acc.watch.event(&ev).map_err(|e| ApiError::from_wire(&e))?;
         let c = (ev.choice as usize).min(n - 1);
         match ev.event {
             Event::Tokens { text: t, logprobs, .. } => {
@@ -396,6 +424,7 @@ pub async fn run(settings: Settings) -> Result<(), GatewayError> {
         nc,
         workers: Mutex::new(WorkerTable::new(Duration::from_millis(settings.gateway.worker_timeout_ms))),
         no_worker_grace: Duration::from_millis(settings.intake.no_worker_grace_ms),
+        silent_stream_timeout: Duration::from_millis(settings.gateway.silent_stream_timeout_ms),
         // An empty key (an unset variable in a list) lets nobody in by itself.
         api_keys: settings.gateway.api_keys.iter().map(|k| k.trim().to_string()).filter(|k| !k.is_empty()).collect(),
         keys_for_health_and_metrics: settings.gateway.keys_for_health_and_metrics,

@@ -24,7 +24,7 @@ use async_nats::jetstream;
 use futures::StreamExt;
 use llmq_config::Settings;
 use llmq_protocol::workers::WorkerTable;
-use llmq_protocol::{subjects, ErrorClass, GenerateReply, GenerateRequest, Job, ToolSyntax, WireError, WorkerStatus};
+use llmq_protocol::{subjects, ErrorClass, GenerateReply, GenerateRequest, Job, JobQuery, JobState, ToolSyntax, WireError, WorkerStatus};
 
 pub use validate::{ModelInfo, Validator};
 
@@ -189,13 +189,18 @@ impl Handler<Incoming> for IntakeActor {
                         let headers = llmq_telemetry::headers_for(&span);
                         let stored = match llmq_protocol::encode(&job) {
                             Ok(bytes) => match js.publish_with_headers(subject, headers, bytes.into()).await {
-                                Ok(ack) => ack.await.map(|_| ()).map_err(|e| e.to_string()),
+                                Ok(ack) => ack.await.map(|a| a.sequence).map_err(|e| e.to_string()),
                                 Err(e) => Err(e.to_string()),
                             },
                             Err(e) => Err(e.to_string()),
                         };
                         match stored {
-                            Ok(()) => GenerateReply::Accepted { request_id: job.request_id, stream_subject: job.stream_subject, tool_syntax },
+                            Ok(seq) => GenerateReply::Accepted {
+                                request_id: job.request_id,
+                                stream_subject: job.stream_subject,
+                                tool_syntax,
+                                job_seq: Some(seq),
+                            },
                             Err(e) => GenerateReply::Rejected {
                                 error: WireError::new(ErrorClass::Internal, format!("storing the job: {e}")),
                             },
@@ -232,6 +237,7 @@ pub async fn run(settings: Settings, stop: impl std::future::Future<Output = ()>
         .await
         .map_err(nats)?;
     let mut beats = client.subscribe(subjects::WORKER_STATUS_ALL).await.map_err(nats)?;
+    let mut queries = client.queue_subscribe(subjects::JOB_STATE, subjects::INTAKE_QUEUE.into()).await.map_err(nats)?;
     let addr = IntakeActor {
         validator,
         client: client.clone(),
@@ -243,6 +249,7 @@ pub async fn run(settings: Settings, stop: impl std::future::Future<Output = ()>
         pending: 0,
     }
     .start();
+    let (query_client, query_stream) = (client.clone(), stream.clone());
     let (poll_addr, poll_models) = (addr.clone(), settings.intake.models.clone());
     actix::spawn(async move {
         loop {
@@ -260,6 +267,12 @@ pub async fn run(settings: Settings, stop: impl std::future::Future<Output = ()>
             if let Ok(s) = llmq_protocol::decode::<WorkerStatus>(&m.payload) {
                 beat_addr.do_send(Heartbeat(s));
             }
+        }
+    });
+    actix::spawn(async move {
+        while let Some(m) = queries.next().await {
+            let (client, stream) = (query_client.clone(), query_stream.clone());
+            actix::spawn(async move { answer_job_query(&client, &stream, m).await });
         }
     });
     tracing::info!(models = ?settings.intake.models, "intake ready");
@@ -285,4 +298,27 @@ pub async fn run(settings: Settings, stop: impl std::future::Future<Output = ()>
     let _ = client.flush().await;
     tracing::info!("intake stopped");
     Ok(())
+}
+
+/// Answers a `JobQuery`: `Pending` while the job's message is in the jobs stream (a worker
+/// acknowledges it only once its terminal event is out), `Gone` once it is not. A stream that
+/// cannot be read gets no answer: the client cannot tell, and asks again.
+async fn answer_job_query(client: &async_nats::Client, stream: &jetstream::stream::Stream, m: async_nats::Message) {
+    let Some(reply_to) = m.reply.clone() else { return };
+    let Ok(q) = llmq_protocol::decode::<JobQuery>(&m.payload) else { return };
+    let state = match stream.get_raw_message(q.job_seq).await {
+        // The sequence must still be this job's (a stream made anew counts from 1 again).
+        Ok(raw) => match llmq_protocol::decode::<Job>(&raw.payload) {
+            Ok(job) if job.request_id == q.request_id => JobState::Pending,
+            _ => JobState::Gone,
+        },
+        Err(e) if e.kind() == jetstream::stream::LastRawMessageErrorKind::NoMessageFound => JobState::Gone,
+        Err(e) => {
+            tracing::debug!(error = %e, "job query: the jobs stream could not be read");
+            return;
+        }
+    };
+    if let Ok(bytes) = llmq_protocol::encode(&state) {
+        let _ = client.publish(reply_to, bytes.into()).await;
+    }
 }

@@ -42,6 +42,9 @@ pub struct GatewaySettings {
     pub api_keys: Vec<String>,
     /// Whether /health and /metrics need a key too (when keys are set).
     pub keys_for_health_and_metrics: bool,
+    /// A request's stream that nothing has shown alive for this long (no event, and intake
+    /// could not say its job is still waiting or running) ends with `worker_lost`.
+    pub silent_stream_timeout_ms: u64,
 }
 
 impl std::fmt::Debug for GatewaySettings {
@@ -52,6 +55,7 @@ impl std::fmt::Debug for GatewaySettings {
             .field("address_file", &self.address_file)
             .field("api_keys", &format_args!("{} keys", self.api_keys.len()))
             .field("keys_for_health_and_metrics", &self.keys_for_health_and_metrics)
+            .field("silent_stream_timeout_ms", &self.silent_stream_timeout_ms)
             .finish()
     }
 }
@@ -64,6 +68,7 @@ impl Default for GatewaySettings {
             address_file: None,
             api_keys: vec![],
             keys_for_health_and_metrics: false,
+            silent_stream_timeout_ms: 30_000,
         }
     }
 }
@@ -403,6 +408,9 @@ impl Settings {
         }
         if self.gateway.listen.parse::<std::net::SocketAddr>().is_err() {
             return bad("gateway.listen", self.gateway.listen.clone(), "must be an address like 127.0.0.1:8000");
+        }
+        if self.gateway.silent_stream_timeout_ms < 1000 {
+            return bad("gateway.silent_stream_timeout_ms", self.gateway.silent_stream_timeout_ms.to_string(), "must be at least 1000");
         }
         if self.gateway.worker_timeout_ms <= self.worker.heartbeat_ms {
             return bad("gateway.worker_timeout_ms", self.gateway.worker_timeout_ms.to_string(), "must exceed worker.heartbeat_ms");

@@ -7,12 +7,15 @@
 //! are different types: only intake turns one into the other. `workers` keeps the live
 //! workers a service has heard from (their heartbeats), for intake and the gateway. `connect`
 //! (feature `nats`) is how every llmq program connects: credentials, its own inboxes, TLS.
+//! `watch` is how a client makes sure every request it follows ends, events lost or not.
 
 #[cfg(feature = "nats")]
 pub mod connect;
 pub mod messages;
 pub mod prefill;
 pub mod subjects;
+#[cfg(feature = "nats")]
+pub mod watch;
 pub mod workers;
 
 pub use messages::*;

@@ -172,8 +172,30 @@ pub enum GenerateReply {
         /// How the output writes tool calls, for a request with tools (absent otherwise).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         tool_syntax: Option<ToolSyntax>,
+        /// The job's sequence in the jobs stream, to ask `subjects::JOB_STATE` about (absent
+        /// from an intake that does not answer that).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        job_seq: Option<u64>,
     },
     Rejected { error: WireError },
+}
+
+/// Asks intake whether an accepted job is still in the jobs stream (`subjects::JOB_STATE`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JobQuery {
+    pub request_id: String,
+    /// `Accepted.job_seq`.
+    pub job_seq: u64,
+}
+
+/// Intake's answer to a `JobQuery`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum JobState {
+    /// In the jobs stream: waiting for a worker, or held by one that has not finished it.
+    Pending,
+    /// Not there: finished (its terminal event was published) or lost.
+    Gone,
 }
 
 /// An error as it crosses the wire: classified once, near its cause.

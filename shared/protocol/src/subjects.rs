@@ -14,6 +14,11 @@ pub const CANCELS_STREAM: &str = "LLMQ_CANCELS_V1";
 pub const CACHE_CLEAR: &str = "llm.v1.cache.clear";
 /// Workers' `WorkerStatus` heartbeats: `llm.v1.worker.<id>.status`.
 pub const WORKER_STATUS_ALL: &str = "llm.v1.worker.*.status";
+/// Request/reply (queue group `INTAKE_QUEUE`): `JobQuery` in, `JobState` out. Whether an
+/// accepted job is still in the jobs stream (waiting, or held by a worker that has not finished
+/// it), for a client whose stream has gone silent: a job that is not there has ended or been
+/// lost, and a client that has not seen its terminal event ends it (`watch`).
+pub const JOB_STATE: &str = "llm.v1.job.state";
 /// JetStream stream holding accepted jobs until a worker has finished them, and its subjects.
 pub const JOBS_STREAM: &str = "LLMQ_JOBS_V1";
 pub const JOBS_ALL: &str = "llm.v1.jobs.>";

@@ -53,7 +53,10 @@ fn every_message_round_trips() {
         requires: vec!["tools".into(), "tool_choice".into(), "parallel_tool_calls".into()],
         ..Default::default()
     });
-    roundtrip(GenerateReply::Accepted { request_id: "r1".into(), stream_subject: "llm.v1.stream.r1".into(), tool_syntax: Some(ToolSyntax::Mistral) });
+    roundtrip(GenerateReply::Accepted { request_id: "r1".into(), stream_subject: "llm.v1.stream.r1".into(), tool_syntax: Some(ToolSyntax::Mistral), job_seq: Some(7) });
+    roundtrip(JobQuery { request_id: "r1".into(), job_seq: 7 });
+    roundtrip(JobState::Pending);
+    roundtrip(JobState::Gone);
     roundtrip(GenerateReply::Rejected { error: WireError::new(ErrorClass::PromptTooLong, "4097 > 4096") });
     roundtrip(job());
     for event in [
@@ -81,7 +84,7 @@ fn hex(b: &[u8]) -> String {
 /// The bytes on the wire are part of the contract: a change here breaks deployed clients.
 #[test]
 fn golden_bytes() {
-    let reply = GenerateReply::Accepted { request_id: "r1".into(), stream_subject: "s".into(), tool_syntax: None };
+    let reply = GenerateReply::Accepted { request_id: "r1".into(), stream_subject: "s".into(), tool_syntax: None, job_seq: None };
     assert_eq!(
         hex(&encode(&reply).unwrap()),
         "83a474797065a86163636570746564aa726571756573745f6964a27231ae73747265616d5f7375626a656374a173"
