@@ -436,3 +436,126 @@ fn a_prefill_worker_container_prefills_for_the_decode_worker() {
         assert_eq!(of(&direct, "prefill"), of(&sent, "prefill"), "{page}");
     });
 }
+
+/// What one streamed chat completion through the gateway came to.
+#[derive(Debug)]
+enum Outcome {
+    /// Its finish reason, then `[DONE]`.
+    Finished,
+    /// An error chunk (its code), then `[DONE]`; or a refusal before the stream began.
+    Error(String),
+    /// Neither within the client's 120 s.
+    Hung(Vec<String>),
+}
+
+/// One streamed chat through the gateway, read line by line: how it ended, and the longest
+/// silence between its lines.
+async fn streamed_chat(addr: &str, i: usize) -> (Outcome, Duration) {
+    let body = serde_json::json!({
+        "model": "smollm2", "stream": true, "max_tokens": 8 + (i % 4) * 24,
+        "messages": [{"role": "user", "content": format!("Tell me about the number {i}.")}],
+    });
+    let body = body.to_string();
+    let mut lines: Vec<String> = vec![];
+    let mut last = Instant::now();
+    let mut gap = Duration::ZERO;
+    let read = client::stream(addr, "/v1/chat/completions", &body, |at, l| {
+        gap = gap.max(at.duration_since(last));
+        last = at;
+        lines.push(l.to_string());
+    });
+    let status = match tokio::time::timeout(Duration::from_secs(120), read).await {
+        Ok(Ok(status)) => status,
+        Ok(Err(e)) => return (Outcome::Error(format!("connection: {e}")), gap),
+        Err(_) => return (Outcome::Hung(lines), gap),
+    };
+    if status != 200 {
+        return (Outcome::Error(format!("status {status}")), gap);
+    }
+    let done = lines.iter().filter(|l| *l == "data: [DONE]").count();
+    let finished = lines.iter().filter(|l| l.contains("\"finish_reason\":\"")).count();
+    let errors: Vec<&String> = lines.iter().filter(|l| l.starts_with("data: {\"error\"")).collect();
+    assert_eq!(done, 1, "one [DONE] per stream: {lines:?}");
+    assert_eq!(lines.last().map(String::as_str), Some("data: [DONE]"), "{lines:?}");
+    match (finished, errors.as_slice()) {
+        (1, []) => (Outcome::Finished, gap),
+        (0, [e]) => {
+            let v: serde_json::Value = serde_json::from_str(e.trim_start_matches("data: ")).unwrap();
+            let (code, message) = (v["error"]["code"].as_str().unwrap_or("?"), v["error"]["message"].as_str().unwrap_or(""));
+            (Outcome::Error(format!("{code}: {message}")), gap)
+        }
+        _ => panic!("not exactly one terminal event: {lines:?}"),
+    }
+}
+
+/// Faults one after another under streaming load: `faults` run at the given seconds from the
+/// start while 12 clients stream chat completions through the gateway, one after another. Every
+/// request ends with exactly one terminal event (a finish or a typed error), none is left
+/// silent past the gateway's bound (`gateway.silent_stream_timeout_ms`, 30 s, plus the silence
+/// check's period and the query's), and the stack serves again afterwards.
+fn faults_in_sequence(name: &str, faults: &[(u64, &[&str])]) {
+    let stack = Compose::up(name, 2);
+    common::client::rt().block_on(async {
+        let addr = stack.wait_workers(2).await;
+        let stop = std::cell::Cell::new(false);
+        let outcomes = std::cell::RefCell::new(vec![]);
+        let load = |c: usize| {
+            let (addr, stop, outcomes) = (&addr, &stop, &outcomes);
+            async move {
+                let mut i = c * 1000;
+                while !stop.get() {
+                    let got = streamed_chat(addr, i).await;
+                    outcomes.borrow_mut().push(got);
+                    i += 1;
+                }
+            }
+        };
+        let script = async {
+            let began = Instant::now();
+            for (at, args) in faults {
+                tokio::time::sleep_until((began + Duration::from_secs(*at)).into()).await;
+                eprintln!("{:?}: docker-compose {args:?}", began.elapsed());
+                if args[0] == "kill" {
+                    let victim = stack.containers("worker")[0].clone();
+                    docker(&["kill", &victim]);
+                } else {
+                    stack.ok_async(args).await;
+                }
+            }
+            tokio::time::sleep(Duration::from_secs(20)).await;
+            stop.set(true);
+        };
+        futures::join!(join_all((0..12).map(load)), script);
+        let outcomes = outcomes.into_inner();
+        let finished = outcomes.iter().filter(|(o, _)| matches!(o, Outcome::Finished)).count();
+        let hung: Vec<&Outcome> = outcomes.iter().map(|(o, _)| o).filter(|o| matches!(o, Outcome::Hung(_))).collect();
+        let mut errors: Vec<&str> = outcomes.iter().filter_map(|(o, _)| if let Outcome::Error(c) = o { Some(c.as_str()) } else { None }).collect();
+        errors.sort_unstable();
+        errors.dedup_by(|a, b| a == b);
+        let gap = outcomes.iter().map(|(_, g)| *g).max().unwrap_or_default();
+        let failed = outcomes.len() - finished - hung.len();
+        eprintln!("{name}: {} requests, {finished} finished, {failed} typed errors (kinds: {errors:?}), {} hung, longest silence {gap:?}", outcomes.len(), hung.len());
+        assert!(hung.is_empty(), "streams left without a terminal event: {hung:?}");
+        assert!(gap < Duration::from_secs(45), "a stream was silent for {gap:?}");
+        assert!(finished > outcomes.len() / 2, "{finished} of {} finished", outcomes.len());
+        // Afterwards the stack serves again.
+        let t = Instant::now();
+        loop {
+            if let (Outcome::Finished, _) = streamed_chat(&addr, 99_999).await {
+                break;
+            }
+            assert!(t.elapsed() < Duration::from_secs(90), "the stack does not serve again");
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    });
+}
+
+#[test]
+fn a_killed_worker_then_its_return_then_a_nats_restart_leave_no_stream_hanging() {
+    faults_in_sequence("seqwn", &[(5, &["kill"]), (25, &["up", "-d", "--scale", "worker=2"]), (50, &["restart", "nats"])]);
+}
+
+#[test]
+fn a_nats_restart_then_a_killed_worker_and_its_return_leave_no_stream_hanging() {
+    faults_in_sequence("seqnw", &[(5, &["restart", "nats"]), (30, &["kill"]), (50, &["up", "-d", "--scale", "worker=2"])]);
+}

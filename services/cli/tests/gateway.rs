@@ -41,29 +41,42 @@ async fn post(addr: &str, path: &str, body: serde_json::Value) -> (u16, serde_js
     (r.status, serde_json::from_str(&r.body).unwrap_or(serde_json::Value::String(r.body)))
 }
 
-#[test]
-fn the_openai_package_works_unchanged_and_an_early_close_cancels() {
-    let python = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.cache/pyclient/bin/python");
-    assert!(python.exists(), "{} missing: run `make setup` (it installs the openai package)", python.display());
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/gateway/openai_client.py");
+/// nats-server, intake, one worker and the gateway, for SmolLM2; the gateway's address.
+fn smollm2_stack() -> (Stack, String) {
     let mut stack = Stack::nats_for("smollm2");
     stack.spawn("intake", &[]);
     stack.spawn("worker", &[]);
     let addr = spawn_gateway(&mut stack);
+    (stack, addr)
+}
+
+/// Runs tests/gateway/`script` with the Python of set-up's venv `.cache/<venv>` against the
+/// gateway at `addr` (model smollm2); its standard output, or a failure with both outputs.
+async fn run_script(venv: &str, script: &str, addr: &str) -> String {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let python = root.join(".cache").join(venv).join("bin/python");
+    assert!(python.exists(), "{} missing: run `make setup`", python.display());
+    let out = tokio::process::Command::new(&python)
+        .arg(root.join("tests/gateway").join(script))
+        .arg(format!("http://{addr}"))
+        .arg("smollm2")
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "{script} failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    stdout
+}
+
+#[test]
+fn the_openai_package_works_unchanged_and_an_early_close_cancels() {
+    let (stack, addr) = smollm2_stack();
     rt().block_on(async {
         wait_health(&addr, 200).await;
         let nc = async_nats::connect(&stack.url).await.unwrap();
         let mut cancels = nc.subscribe(subjects::CANCEL).await.unwrap();
         nc.flush().await.unwrap();
-        let out = tokio::process::Command::new(&python)
-            .arg(&script)
-            .arg(format!("http://{addr}"))
-            .arg("smollm2")
-            .output()
-            .await
-            .unwrap();
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(out.status.success(), "openai client checks failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+        let stdout = run_script("pyclient", "openai_client.py", &addr).await;
         let closed = stdout.lines().find_map(|l| l.strip_prefix("CLOSED_EARLY=")).expect("the script names the stream it closed").to_string();
         // The gateway notices the closed connection at the stream's next event and cancels.
         let m = tokio::time::timeout(Duration::from_secs(5), cancels.next()).await.expect("a cancel within 5 s").unwrap();
@@ -87,18 +100,11 @@ fn the_openai_package_works_unchanged_and_an_early_close_cancels() {
 /// and the tool choices end as OpenAI's do (tests/gateway/agent_frameworks.py says what).
 #[test]
 fn agent_frameworks_get_valid_models_and_tool_calls() {
-    let python = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.cache/pyagents/bin/python");
-    assert!(python.exists(), "{} missing: run `make setup` (it installs the agent frameworks)", python.display());
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/gateway/agent_frameworks.py");
-    let mut stack = Stack::nats_for("smollm2");
-    stack.spawn("intake", &[]);
-    stack.spawn("worker", &[]);
-    let addr = spawn_gateway(&mut stack);
+    let (_stack, addr) = smollm2_stack();
     rt().block_on(async {
         wait_health(&addr, 200).await;
-        let out = tokio::process::Command::new(&python).arg(&script).arg(format!("http://{addr}")).arg("smollm2").output().await.unwrap();
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(out.status.success() && stdout.contains("AGENT FRAMEWORKS OK"), "agent framework checks failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+        let stdout = run_script("pyagents", "agent_frameworks.py", &addr).await;
+        assert!(stdout.contains("AGENT FRAMEWORKS OK"), "{stdout}");
         eprintln!("{stdout}");
     });
 }

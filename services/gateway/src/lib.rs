@@ -14,7 +14,10 @@
 //! errors leave as OpenAI error bodies with the status of their class; a request whose model
 //! has had no worker for `intake.no_worker_grace_ms` while the request waits ends with
 //! `worker_lost` (503) within `SILENCE` of that, instead of hanging (a restart of every worker
-//! is shorter than the grace: its requests wait for the workers to come back).
+//! is shorter than the grace: its requests wait for the workers to come back); and each request's
+//! `Watch` ends it with `worker_lost` when NATS lost its events or its job (a gap in the events,
+//! a job gone without its terminal event, nothing alive for `gateway.silent_stream_timeout_ms`),
+//! while a silent stream whose job is still waiting or running gets `: alive` comments.
 
 pub mod client;
 pub mod metrics;
