@@ -97,6 +97,12 @@ fn orphaned(state: &State, model: &str) -> Option<ApiError> {
     })
 }
 
+/// A request its `Watch` ended (events or its job lost on the way): logged, for the client.
+fn watch_ended(request_id: &str, e: &llmq_protocol::WireError) -> ApiError {
+    tracing::warn!(request_id, reason = %e.message, "request ended by its watch");
+    ApiError::from_wire(e)
+}
+
 fn unix_secs() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_secs()
 }
@@ -190,7 +196,7 @@ async fn stream_events(state: Arc<State>, shape: Shape, mut acc: Accepted, tx: m
                 _ = tokio::time::sleep(SILENCE) => {
                     let ended = match orphaned(&state, &shape.model) {
                         Some(e) => Err(e),
-                        None => acc.watch.silent(&state.nc).await.map_err(|e| ApiError::from_wire(&e)),
+                        None => acc.watch.silent(&state.nc).await.map_err(|e| watch_ended(&acc.request_id, &e)),
                     };
                     match ended {
                         Ok(Silence::Alive) => {
@@ -211,7 +217,7 @@ async fn stream_events(state: Arc<State>, shape: Shape, mut acc: Accepted, tx: m
             let Some(msg) = msg else { break 'run "internal_error" };
             let Ok(ev) = llmq_protocol::decode::<StreamEvent>(&msg.payload) else { continue };
             if let Err(e) = acc.watch.event(&ev) {
-                let e = ApiError::from_wire(&e);
+                let e = watch_ended(&acc.request_id, &e);
                 let _ = tx.send(sse(&e.body())).await;
                 let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
                 break 'run e.code;
@@ -253,13 +259,13 @@ async fn collect(state: &State, shape: &Shape, mut acc: Accepted) -> Result<Valu
             Err(_) => match orphaned(state, &shape.model) {
                 Some(e) => return Err(e),
                 None => {
-                    acc.watch.silent(&state.nc).await.map_err(|e| ApiError::from_wire(&e))?;
+                    acc.watch.silent(&state.nc).await.map_err(|e| watch_ended(&acc.request_id, &e))?;
                     continue;
                 }
             },
         };
         let Ok(ev) = llmq_protocol::decode::<StreamEvent>(&msg.payload) else { continue };
-        acc.watch.event(&ev).map_err(|e| ApiError::from_wire(&e))?;
+        acc.watch.event(&ev).map_err(|e| watch_ended(&acc.request_id, &e))?;
         let c = (ev.choice as usize).min(n - 1);
         match ev.event {
             Event::Tokens { text: t, logprobs, .. } => {
