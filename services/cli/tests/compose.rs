@@ -528,14 +528,14 @@ fn faults_in_sequence(name: &str, faults: &[(u64, &[&str])]) {
         futures::join!(join_all((0..12).map(load)), script);
         let outcomes = outcomes.into_inner();
         let finished = outcomes.iter().filter(|(o, _)| matches!(o, Outcome::Finished)).count();
-        let hung: Vec<&Outcome> = outcomes.iter().map(|(o, _)| o).filter(|o| matches!(o, Outcome::Hung(_))).collect();
+        let hung: Vec<&Vec<String>> = outcomes.iter().filter_map(|(o, _)| if let Outcome::Hung(lines) = o { Some(lines) } else { None }).collect();
         let mut errors: Vec<&str> = outcomes.iter().filter_map(|(o, _)| if let Outcome::Error(c) = o { Some(c.as_str()) } else { None }).collect();
         errors.sort_unstable();
         errors.dedup_by(|a, b| a == b);
         let gap = outcomes.iter().map(|(_, g)| *g).max().unwrap_or_default();
         let failed = outcomes.len() - finished - hung.len();
         eprintln!("{name}: {} requests, {finished} finished, {failed} typed errors (kinds: {errors:?}), {} hung, longest silence {gap:?}", outcomes.len(), hung.len());
-        assert!(hung.is_empty(), "streams left without a terminal event: {hung:?}");
+        assert!(hung.is_empty(), "streams left without a terminal event, their lines so far: {hung:?}");
         assert!(gap < Duration::from_secs(45), "a stream was silent for {gap:?}");
         assert!(finished > outcomes.len() / 2, "{finished} of {} finished", outcomes.len());
         // Afterwards the stack serves again.
