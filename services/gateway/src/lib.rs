@@ -41,7 +41,7 @@ use tokio::sync::mpsc;
 
 use metrics::{Clock, Metrics};
 use openai::{ApiError, Kind, Shape};
-use response::{finish_reason, parsers, sse, tool_call, SseWriter};
+use response::{failed, finish_reason, parsers, tool_call, SseWriter};
 
 #[derive(Debug, thiserror::Error)]
 pub enum GatewayError {
@@ -206,21 +206,14 @@ async fn stream_events(state: Arc<State>, shape: Shape, mut acc: Accepted, tx: m
                             continue;
                         }
                         Ok(Silence::Unknown) => continue,
-                        Err(e) => {
-                            let _ = tx.send(sse(&e.body())).await;
-                            let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
-                            break 'run e.code;
-                        }
+                        Err(e) => break 'run end_failed(&tx, e).await,
                     }
                 }
             };
             let Some(msg) = msg else { break 'run "internal_error" };
             let Ok(ev) = llmq_protocol::decode::<StreamEvent>(&msg.payload) else { continue };
             if let Err(e) = acc.watch.event(&ev) {
-                let e = watch_ended(&acc.request_id, &e);
-                let _ = tx.send(sse(&e.body())).await;
-                let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
-                break 'run e.code;
+                break 'run end_failed(&tx, watch_ended(&acc.request_id, &e)).await;
             }
             if matches!(ev.event, Event::Tokens { .. }) {
                 clock.tokens(&state.metrics);
@@ -241,6 +234,15 @@ async fn stream_events(state: Arc<State>, shape: Shape, mut acc: Accepted, tx: m
         cancel(&state.nc, &acc.request_id);
     }
     state.metrics.request(shape.kind.endpoint(), outcome);
+}
+
+/// Ends a stream on `e` (its error chunk, then `[DONE]`, sent as far as the client is still
+/// there); the request's outcome.
+async fn end_failed(tx: &mpsc::Sender<Bytes>, e: ApiError) -> &'static str {
+    for b in failed(&e) {
+        let _ = tx.send(b).await;
+    }
+    e.code
 }
 
 /// Collects a request's events into one OpenAI response body.

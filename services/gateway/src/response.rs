@@ -71,6 +71,14 @@ pub fn sse(v: &Value) -> Bytes {
     Bytes::from(format!("data: {v}\n\n"))
 }
 
+/// The end of every stream.
+const DONE: &[u8] = b"data: [DONE]\n\n";
+
+/// How a stream ends on an error: the error chunk, then `[DONE]`.
+pub fn failed(e: &ApiError) -> [Bytes; 2] {
+    [sse(&e.body()), Bytes::from_static(DONE)]
+}
+
 /// A stream's events turned into server-sent events: the choices' chunks, their tool calls,
 /// the usage chunk once every choice has ended, and `[DONE]` after the last one or an error.
 pub struct SseWriter<'a> {
@@ -123,12 +131,12 @@ impl<'a> SseWriter<'a> {
             }
             Event::Error { error } => {
                 let e = ApiError::from_wire(&error);
-                out.push(sse(&e.body()));
-                end = Some(e.code);
+                out.extend(failed(&e));
+                return (out, Some(e.code));
             }
         }
         if end.is_some() {
-            out.push(Bytes::from_static(b"data: [DONE]\n\n"));
+            out.push(Bytes::from_static(DONE));
         }
         (out, end)
     }

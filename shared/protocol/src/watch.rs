@@ -15,7 +15,10 @@
 
 use std::time::{Duration, Instant};
 
-use crate::{decode, encode, subjects, ErrorClass, JobQuery, JobState, StreamEvent, WireError, SEQ_FROM_ANOTHER_WORKER};
+use crate::{
+    decode, encode, subjects, ErrorClass, JobQuery, JobState, StreamEvent, WireError,
+    SEQ_FROM_ANOTHER_WORKER,
+};
 
 /// How long intake may take to answer a job query.
 const QUERY_TIMEOUT: Duration = Duration::from_secs(2);
@@ -46,7 +49,13 @@ fn lost(message: String) -> WireError {
 
 impl Watch {
     pub fn new(request_id: &str, job_seq: Option<u64>, bound: Duration) -> Self {
-        Watch { request_id: request_id.to_string(), job_seq, next_seq: 0, last_alive: Instant::now(), bound }
+        Watch {
+            request_id: request_id.to_string(),
+            job_seq,
+            next_seq: 0,
+            last_alive: Instant::now(),
+            bound,
+        }
     }
 
     /// An event came: an error if events were lost before it.
@@ -56,7 +65,11 @@ impl Watch {
             return Ok(());
         }
         if ev.seq != self.next_seq {
-            return Err(lost(format!("events {} to {} of this stream were lost on the way (a NATS reconnect?)", self.next_seq, ev.seq.saturating_sub(1))));
+            return Err(lost(format!(
+                "events {} to {} of this stream were lost on the way (a NATS reconnect?)",
+                self.next_seq,
+                ev.seq.saturating_sub(1)
+            )));
         }
         self.next_seq += 1;
         Ok(())
@@ -78,10 +91,14 @@ impl Watch {
                 self.last_alive = now;
                 Ok(Silence::Alive)
             }
-            Some(JobState::Gone) => Err(lost("the job ended or was lost, and its terminal event never reached this client".into())),
-            None if now.duration_since(self.last_alive) > self.bound => {
-                Err(lost(format!("nothing showed this request alive for {} s", self.bound.as_secs())))
-            }
+            Some(JobState::Gone) => Err(lost(
+                "the job ended or was lost, and its terminal event never reached this client"
+                    .into(),
+            )),
+            None if now.duration_since(self.last_alive) > self.bound => Err(lost(format!(
+                "nothing showed this request alive for {} s",
+                self.bound.as_secs()
+            ))),
             None => Ok(Silence::Unknown),
         }
     }
@@ -89,8 +106,15 @@ impl Watch {
 
 /// Intake's answer about a job, if one came in time.
 async fn ask(nc: &async_nats::Client, request_id: &str, job_seq: u64) -> Option<JobState> {
-    let q = encode(&JobQuery { request_id: request_id.to_string(), job_seq }).ok()?;
-    let reply = tokio::time::timeout(QUERY_TIMEOUT, nc.request(subjects::JOB_STATE, q.into())).await.ok()?.ok()?;
+    let q = encode(&JobQuery {
+        request_id: request_id.to_string(),
+        job_seq,
+    })
+    .ok()?;
+    let reply = tokio::time::timeout(QUERY_TIMEOUT, nc.request(subjects::JOB_STATE, q.into()))
+        .await
+        .ok()?
+        .ok()?;
     decode(&reply.payload).ok()
 }
 
@@ -100,28 +124,46 @@ mod tests {
     use crate::Event;
 
     fn ev(seq: u64) -> StreamEvent {
-        StreamEvent { request_id: "r".into(), seq, event: Event::Queued { position: 0 }, choice: 0 }
+        StreamEvent {
+            request_id: "r".into(),
+            seq,
+            event: Event::Queued { position: 0 },
+            choice: 0,
+        }
     }
 
     #[test]
     fn a_gap_in_the_events_ends_the_request() {
         let mut w = Watch::new("r", Some(1), Duration::from_secs(30));
         assert!(w.event(&ev(0)).is_ok() && w.event(&ev(1)).is_ok());
-        assert!(w.event(&ev(SEQ_FROM_ANOTHER_WORKER)).is_ok(), "another worker's worker_lost has no place in the sequence");
+        assert!(
+            w.event(&ev(SEQ_FROM_ANOTHER_WORKER)).is_ok(),
+            "another worker's worker_lost has no place in the sequence"
+        );
         let e = w.event(&ev(4)).unwrap_err();
         assert_eq!(e.class, ErrorClass::WorkerLost);
         assert!(e.message.contains("2 to 3"), "{}", e.message);
     }
 
     #[test]
-    fn a_silent_stream_lives_while_its_job_is_pending_and_ends_when_it_is_gone_or_unknown_too_long() {
+    fn a_silent_stream_lives_while_its_job_is_pending_and_ends_when_it_is_gone_or_unknown_too_long()
+    {
         let t0 = Instant::now();
         let mut w = Watch::new("r", Some(1), Duration::from_secs(30));
-        assert_eq!(w.judge(Some(JobState::Pending), t0 + Duration::from_secs(50)), Ok(Silence::Alive));
+        assert_eq!(
+            w.judge(Some(JobState::Pending), t0 + Duration::from_secs(50)),
+            Ok(Silence::Alive)
+        );
         // No answer: alive as long as the last sign of life is within the bound.
-        assert_eq!(w.judge(None, t0 + Duration::from_secs(70)), Ok(Silence::Unknown));
+        assert_eq!(
+            w.judge(None, t0 + Duration::from_secs(70)),
+            Ok(Silence::Unknown)
+        );
         assert!(w.judge(None, t0 + Duration::from_secs(81)).is_err());
         let mut w = Watch::new("r", Some(1), Duration::from_secs(30));
-        assert_eq!(w.judge(Some(JobState::Gone), t0).unwrap_err().class, ErrorClass::WorkerLost);
+        assert_eq!(
+            w.judge(Some(JobState::Gone), t0).unwrap_err().class,
+            ErrorClass::WorkerLost
+        );
     }
 }

@@ -102,13 +102,9 @@ impl Grammars {
             return Err(bad(format!("the constraint is {size} bytes; at most {MAX_CONSTRAINT_BYTES} are accepted")));
         }
         let grammar = match c {
-            Constraint::JsonObject | Constraint::JsonSchema { .. } => {
-                let mut v = match c {
-                    Constraint::JsonSchema { schema } => serde_json::from_str(schema).map_err(|e| bad(format!("the JSON schema is not JSON: {e}")))?,
-                    _ => serde_json::json!({"type": "object"}),
-                };
-                crate::schema::with_layout(&mut v);
-                TopLevelGrammar::from_json_schema(v)
+            Constraint::JsonObject => json_grammar(serde_json::json!({"type": "object"})),
+            Constraint::JsonSchema { schema } => {
+                json_grammar(serde_json::from_str(schema).map_err(|e| bad(format!("the JSON schema is not JSON: {e}")))?)
             }
             Constraint::Regex { pattern } => TopLevelGrammar::from_regex(pattern),
             Constraint::Lark { grammar } => TopLevelGrammar::from_lark(grammar.clone()),
@@ -131,6 +127,12 @@ impl Grammars {
         let guard = json.then(|| (KeyGuard::default(), self.quotes.clone(), self.factory.tok_env().clone()));
         Ok(Matcher { inner, words: self.words, guard })
     }
+}
+
+/// A JSON schema's grammar, in llmq's JSON layout.
+fn json_grammar(mut schema: serde_json::Value) -> TopLevelGrammar {
+    crate::schema::with_layout(&mut schema);
+    TopLevelGrammar::from_json_schema(schema)
 }
 
 fn kind(c: &Constraint) -> &'static str {

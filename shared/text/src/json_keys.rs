@@ -52,7 +52,8 @@ fn key_text(raw: &[u8]) -> String {
         return String::from_utf8_lossy(raw).into_owned();
     }
     let quoted = [&b"\""[..], raw, b"\""].concat();
-    serde_json::from_slice::<String>(&quoted).unwrap_or_else(|_| String::from_utf8_lossy(raw).into_owned())
+    serde_json::from_slice::<String>(&quoted)
+        .unwrap_or_else(|_| String::from_utf8_lossy(raw).into_owned())
 }
 
 /// Runs `bytes` through the lexer; false if a key repeated in its object (the bytes are
@@ -61,13 +62,22 @@ fn feed(bytes: &[u8], frames: &mut impl Frames, lex: &mut Lex, key: &mut Vec<u8>
     let mut distinct = true;
     for &b in bytes {
         match *lex {
-            Lex::Str { key: in_key, escape: true } => {
-                *lex = Lex::Str { key: in_key, escape: false };
+            Lex::Str {
+                key: in_key,
+                escape: true,
+            } => {
+                *lex = Lex::Str {
+                    key: in_key,
+                    escape: false,
+                };
                 if in_key {
                     key.push(b);
                 }
             }
-            Lex::Str { key: in_key, escape: false } => match b {
+            Lex::Str {
+                key: in_key,
+                escape: false,
+            } => match b {
                 b'"' => {
                     *lex = Lex::Text;
                     if in_key {
@@ -77,7 +87,10 @@ fn feed(bytes: &[u8], frames: &mut impl Frames, lex: &mut Lex, key: &mut Vec<u8>
                 }
                 _ => {
                     if b == b'\\' {
-                        *lex = Lex::Str { key: in_key, escape: true };
+                        *lex = Lex::Str {
+                            key: in_key,
+                            escape: true,
+                        };
                     }
                     if in_key {
                         key.push(b);
@@ -87,7 +100,10 @@ fn feed(bytes: &[u8], frames: &mut impl Frames, lex: &mut Lex, key: &mut Vec<u8>
             Lex::Text => match b {
                 b'"' => {
                     let in_key = frames.depth() > 0 && frames.top_object() && frames.expect_key();
-                    *lex = Lex::Str { key: in_key, escape: false };
+                    *lex = Lex::Str {
+                        key: in_key,
+                        escape: false,
+                    };
                     key.clear();
                 }
                 b'{' => frames.push(true),
@@ -104,7 +120,14 @@ fn feed(bytes: &[u8], frames: &mut impl Frames, lex: &mut Lex, key: &mut Vec<u8>
 
 impl Frames for Vec<Frame> {
     fn push(&mut self, object: bool) {
-        Vec::push(self, Frame { object, expect_key: object, keys: HashSet::new() });
+        Vec::push(
+            self,
+            Frame {
+                object,
+                expect_key: object,
+                keys: HashSet::new(),
+            },
+        );
     }
     fn pop(&mut self) {
         Vec::pop(self);
@@ -163,7 +186,12 @@ impl Frames for Trial<'_> {
     fn expect_key(&self) -> bool {
         match self.own.last() {
             Some(f) => f.expect_key,
-            None => self.open > 0 && self.top_expect.unwrap_or(self.base[self.open - 1].expect_key),
+            None => {
+                self.open > 0
+                    && self
+                        .top_expect
+                        .unwrap_or(self.base[self.open - 1].expect_key)
+            }
         }
     }
     fn set_expect_key(&mut self, v: bool) {
@@ -176,8 +204,12 @@ impl Frames for Trial<'_> {
         if !self.own.is_empty() {
             return self.own.insert_key(key);
         }
-        let Some(at) = self.open.checked_sub(1) else { return true };
-        if self.base[at].keys.contains(&key) || self.added.iter().any(|(i, k)| *i == at && *k == key) {
+        let Some(at) = self.open.checked_sub(1) else {
+            return true;
+        };
+        if self.base[at].keys.contains(&key)
+            || self.added.iter().any(|(i, k)| *i == at && *k == key)
+        {
             return false;
         }
         self.added.push((at, key));
@@ -190,7 +222,11 @@ pub type QuoteTokens = Arc<Vec<(u32, Box<[u8]>)>>;
 
 /// The tokens of a vocabulary (`bytes(id)` for every id below `n`) that hold a quote.
 pub fn quote_tokens<'a>(n: usize, bytes: impl Fn(u32) -> &'a [u8]) -> QuoteTokens {
-    Arc::new((0..n as u32).filter_map(|id| bytes(id).contains(&b'"').then(|| (id, bytes(id).into()))).collect())
+    Arc::new(
+        (0..n as u32)
+            .filter_map(|id| bytes(id).contains(&b'"').then(|| (id, bytes(id).into())))
+            .collect(),
+    )
 }
 
 /// One output's JSON as far as it is written, and the keys of its open objects.
@@ -211,7 +247,13 @@ impl KeyGuard {
 
     /// Whether `bytes` next would repeat a key.
     pub fn repeats(&self, bytes: &[u8]) -> bool {
-        let mut trial = Trial { base: &self.frames, open: self.frames.len(), top_expect: None, own: vec![], added: vec![] };
+        let mut trial = Trial {
+            base: &self.frames,
+            open: self.frames.len(),
+            top_expect: None,
+            own: vec![],
+            added: vec![],
+        };
         let (mut lex, mut key) = (self.lex, self.key.clone());
         !feed(bytes, &mut trial, &mut lex, &mut key)
     }
@@ -262,7 +304,9 @@ mod tests {
 
     #[test]
     fn text_around_json_and_arrays_pass() {
-        let g = written("<tool_call>\n{\"name\": \"f\", \"arguments\": {\"q\": 1}}\n</tool_call>\n<tool_call>\n{\"");
+        let g = written(
+            "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"q\": 1}}\n</tool_call>\n<tool_call>\n{\"",
+        );
         assert!(!g.repeats(br#"name""#), "a new call is a new object");
         let g = written(r#"[{"a": 1}, {""#);
         assert!(!g.repeats(br#"a""#));
@@ -273,7 +317,10 @@ mod tests {
     #[test]
     fn restrict_clears_only_repeating_tokens() {
         let quotes = quote_tokens(4, |id| [&b"a\""[..], b"b\"", b"c", b"a\":"][id as usize]);
-        assert_eq!(quotes.iter().map(|(id, _)| *id).collect::<Vec<_>>(), vec![0, 1, 3]);
+        assert_eq!(
+            quotes.iter().map(|(id, _)| *id).collect::<Vec<_>>(),
+            vec![0, 1, 3]
+        );
         let g = written(r#"{"a": 1, ""#);
         let mut mask = [0b1111u32];
         g.restrict(&mut mask, &quotes);

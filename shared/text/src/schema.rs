@@ -26,16 +26,35 @@ const OPTIONS: &str = "x-guidance";
 /// lead their values astray; this is the layout most JSON they were trained on has.
 pub fn with_layout(schema: &mut Value) {
     if let Value::Object(s) = schema {
-        s.entry(OPTIONS).or_insert_with(|| json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}));
+        s.entry(OPTIONS).or_insert_with(
+            || json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}),
+        );
     }
 }
 
 /// Keywords whose value is one subschema.
-const ONE: &[&str] = &["additionalProperties", "items", "contains", "not", "if", "then", "else", "unevaluatedItems", "propertyNames", "additionalItems"];
+const ONE: &[&str] = &[
+    "additionalProperties",
+    "items",
+    "contains",
+    "not",
+    "if",
+    "then",
+    "else",
+    "unevaluatedItems",
+    "propertyNames",
+    "additionalItems",
+];
 /// Keywords whose value is a list of subschemas.
 const LIST: &[&str] = &["prefixItems", "anyOf", "oneOf", "items"];
 /// Keywords whose value maps names to subschemas.
-const MAP: &[&str] = &["properties", "patternProperties", "$defs", "definitions", "dependentSchemas"];
+const MAP: &[&str] = &[
+    "properties",
+    "patternProperties",
+    "$defs",
+    "definitions",
+    "dependentSchemas",
+];
 
 /// Whether `s` describes objects: its `type` says so, or it names properties.
 fn is_object_schema(s: &Map<String, Value>) -> bool {
@@ -44,7 +63,10 @@ fn is_object_schema(s: &Map<String, Value>) -> bool {
         Some(Value::Array(ts)) => ts.iter().any(|t| t == "object"),
         _ => false,
     };
-    typed || s.contains_key("properties") || s.contains_key("patternProperties") || s.contains_key("required")
+    typed
+        || s.contains_key("properties")
+        || s.contains_key("patternProperties")
+        || s.contains_key("required")
 }
 
 /// Closes every object schema in `schema` that does not say whether other properties may
@@ -56,7 +78,12 @@ pub fn close_objects(schema: &mut Value) {
 fn close(schema: &mut Value, closable: bool) {
     let Value::Object(s) = schema else { return };
     let intersection = matches!(s.get("allOf"), Some(Value::Array(parts)) if parts.len() > 1);
-    if closable && !intersection && is_object_schema(s) && !s.contains_key("additionalProperties") && !s.contains_key("unevaluatedProperties") {
+    if closable
+        && !intersection
+        && is_object_schema(s)
+        && !s.contains_key("additionalProperties")
+        && !s.contains_key("unevaluatedProperties")
+    {
         s.insert("additionalProperties".into(), Value::Bool(false));
     }
     for key in ONE {
@@ -104,12 +131,26 @@ mod tests {
         close_objects(&mut s);
         assert_eq!(s["additionalProperties"], json!(false));
         assert_eq!(s["$defs"]["Person"]["additionalProperties"], json!(false));
-        assert_eq!(s["properties"]["labels"]["additionalProperties"], json!({"type": "string"}));
-        assert_eq!(s["properties"]["extra"]["additionalProperties"], json!(true));
-        assert_eq!(s["properties"]["tuple"]["prefixItems"][0]["additionalProperties"], json!(false));
+        assert_eq!(
+            s["properties"]["labels"]["additionalProperties"],
+            json!({"type": "string"})
+        );
+        assert_eq!(
+            s["properties"]["extra"]["additionalProperties"],
+            json!(true)
+        );
+        assert_eq!(
+            s["properties"]["tuple"]["prefixItems"][0]["additionalProperties"],
+            json!(false)
+        );
         // Not object schemas: untouched.
-        assert!(s["properties"]["people"].get("additionalProperties").is_none());
-        assert_eq!(s["properties"]["backup"]["anyOf"][1], json!({"type": "null"}));
+        assert!(s["properties"]["people"]
+            .get("additionalProperties")
+            .is_none());
+        assert_eq!(
+            s["properties"]["backup"]["anyOf"][1],
+            json!({"type": "null"})
+        );
     }
 
     #[test]
@@ -117,9 +158,13 @@ mod tests {
         let mut s = json!({"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}], "type": "object"});
         close_objects(&mut s);
         assert!(s.get("additionalProperties").is_none());
-        assert!(s["allOf"][0].get("additionalProperties").is_none() && s["allOf"][1].get("additionalProperties").is_none());
+        assert!(
+            s["allOf"][0].get("additionalProperties").is_none()
+                && s["allOf"][1].get("additionalProperties").is_none()
+        );
         // pydantic's wrapper of one reference (a description beside a `$ref`) is closed.
-        let mut s = json!({"allOf": [{"type": "object", "properties": {"a": {}}}], "description": "d"});
+        let mut s =
+            json!({"allOf": [{"type": "object", "properties": {"a": {}}}], "description": "d"});
         close_objects(&mut s);
         assert_eq!(s["allOf"][0]["additionalProperties"], json!(false));
         let mut b = json!(true);
