@@ -5,9 +5,9 @@ use std::time::Instant;
 
 use anyhow::{bail, Result};
 use llmq_engine::generate::{generate, GenerateRequest};
-use llmq_text::sampling::{Sampling, StopConditions};
 use llmq_engine::{load_model, on_gpu, shapes, Model};
 use llmq_text::resolve_model;
+use llmq_text::sampling::{Sampling, StopConditions};
 
 use crate::bench_nats::{median, round};
 
@@ -91,10 +91,14 @@ pub struct Args {
 
 /// The peer's prompt: token ids drawn from [10, 4000), fixed seed.
 pub(crate) fn random_prompt(n: usize, seed: u64) -> Vec<u32> {
-    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut x = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
     (0..n)
         .map(|_| {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             10 + ((x >> 33) % 3990) as u32
         })
         .collect()
@@ -104,14 +108,33 @@ fn single(model: &Model, a: &Args) -> Result<serde_json::Value> {
     let req = GenerateRequest {
         prompt_ids: random_prompt(a.prompt_tokens, 1),
         sampling: Sampling::default(),
-        stop: StopConditions { max_tokens: a.output_tokens as u32, ignore_eos: true, ..Default::default() },
+        stop: StopConditions {
+            max_tokens: a.output_tokens as u32,
+            ignore_eos: true,
+            ..Default::default()
+        },
         prefill_chunk: 4096,
     };
     // Warm-up: the first run compiles kernels and allocates.
-    generate(model, None, &GenerateRequest { stop: StopConditions { max_tokens: 16, ..req.stop.clone() }, ..req.clone() }, |_, _| {})?;
+    generate(
+        model,
+        None,
+        &GenerateRequest {
+            stop: StopConditions {
+                max_tokens: 16,
+                ..req.stop.clone()
+            },
+            ..req.clone()
+        },
+        |_, _| {},
+    )?;
     let mut times = Vec::with_capacity(a.output_tokens);
     generate(model, None, &req, |_, _| times.push(Instant::now()))?;
-    let gaps: Vec<f64> = times.windows(2).skip(10).map(|w| (w[1] - w[0]).as_secs_f64() * 1000.0).collect();
+    let gaps: Vec<f64> = times
+        .windows(2)
+        .skip(10)
+        .map(|w| (w[1] - w[0]).as_secs_f64() * 1000.0)
+        .collect();
     if gaps.is_empty() {
         bail!("--output-tokens must be above 12 to measure steady gaps");
     }
@@ -137,23 +160,35 @@ fn through_nats(a: &Args) -> Result<serde_json::Value> {
     }
     if let Some(bits) = w.quantize {
         worker_env.push(("LLMQ__WORKER__QUANTIZE".to_string(), bits.to_string()));
-        worker_env.push(("LLMQ__WORKER__QUANTIZE_GROUP_SIZE".to_string(), w.group_size.to_string()));
+        worker_env.push((
+            "LLMQ__WORKER__QUANTIZE_GROUP_SIZE".to_string(),
+            w.group_size.to_string(),
+        ));
     }
     if let Some(k) = w.keep_quantized {
         worker_env.push(("LLMQ__WORKER__KEEP_QUANTIZED".to_string(), k.to_string()));
     }
     if let Some(b) = a.kv_budget_bytes {
-        worker_env.push(("LLMQ__SCHEDULER__KV_BUDGET_BYTES".to_string(), b.to_string()));
+        worker_env.push((
+            "LLMQ__SCHEDULER__KV_BUDGET_BYTES".to_string(),
+            b.to_string(),
+        ));
     }
     if let Some(n) = a.stages {
-        worker_env.push(("LLMQ__SCHEDULER__PREFILL_CHUNK_STAGES".to_string(), n.to_string()));
+        worker_env.push((
+            "LLMQ__SCHEDULER__PREFILL_CHUNK_STAGES".to_string(),
+            n.to_string(),
+        ));
     }
     if let Some(b) = a.tick_budget {
         worker_env.push(("LLMQ__SCHEDULER__TICK_BUDGET".to_string(), b.to_string()));
     }
     let most = a.streams.max(a.active + a.burst + a.short);
     worker_env.push(("LLMQ__SCHEDULER__MAX_BATCH".to_string(), most.to_string()));
-    worker_env.push(("LLMQ__WORKER__MAX_QUEUED".to_string(), (2 * most).to_string()));
+    worker_env.push((
+        "LLMQ__WORKER__MAX_QUEUED".to_string(),
+        (2 * most).to_string(),
+    ));
     let knobs = crate::bench_nats::Knobs {
         model: model.clone(),
         active: a.active,
@@ -176,11 +211,26 @@ fn through_nats(a: &Args) -> Result<serde_json::Value> {
     };
     let mut v = crate::bench_nats::run(&a.scenario, &knobs)?;
     let obj = v.as_object_mut().expect("object");
-    let key = if a.random_weights.is_some() { "shape" } else { "model" };
-    obj.insert(key.into(), a.random_weights.clone().or(a.model.clone()).into());
+    let key = if a.random_weights.is_some() {
+        "shape"
+    } else {
+        "model"
+    };
+    obj.insert(
+        key.into(),
+        a.random_weights.clone().or(a.model.clone()).into(),
+    );
     obj.insert("engine".into(), "llmq".into());
-    obj.insert("prefill_stages".into(), a.stages.map_or_else(|| "worker default".into(), serde_json::Value::from));
-    obj.insert("tick_budget".into(), a.tick_budget.map_or_else(|| "worker default".into(), serde_json::Value::from));
+    obj.insert(
+        "prefill_stages".into(),
+        a.stages
+            .map_or_else(|| "worker default".into(), serde_json::Value::from),
+    );
+    obj.insert(
+        "tick_budget".into(),
+        a.tick_budget
+            .map_or_else(|| "worker default".into(), serde_json::Value::from),
+    );
     Ok(v)
 }
 
@@ -195,14 +245,21 @@ pub fn run(a: Args) -> Result<()> {
         return Ok(());
     }
     if !a.local {
-        bail!("the {} scenario runs the engine in process: add --local", a.scenario);
+        bail!(
+            "the {} scenario runs the engine in process: add --local",
+            a.scenario
+        );
     }
     let opts = a.weights.options()?;
     let dtype = opts.dtype;
     let t0 = Instant::now();
     let (model, label, random) = match (&a.model, &a.random_weights) {
         (_, Some(shape)) => (shapes::random_model(shape, opts, 0)?, shape.clone(), true),
-        (Some(name), None) => (load_model(&resolve_model(name)?, opts)?.model, name.clone(), false),
+        (Some(name), None) => (
+            load_model(&resolve_model(name)?, opts)?.model,
+            name.clone(),
+            false,
+        ),
         (None, None) => bail!("give --model NAME or --random-weights SHAPE"),
     };
     let load_s = t0.elapsed().as_secs_f64();
@@ -225,7 +282,10 @@ pub fn run(a: Args) -> Result<()> {
         let roof = read_per_token as f64 / HBM_BYTES_PER_S * 1000.0;
         obj.insert("hbm_roofline_ms".into(), round(roof, 3).into());
         // Six decimals: tiny shapes on a CPU are far below the H200 roofline, and still above 0.
-        obj.insert("fraction_of_roofline".into(), ((roof / ms * 1e6).round() / 1e6).into());
+        obj.insert(
+            "fraction_of_roofline".into(),
+            ((roof / ms * 1e6).round() / 1e6).into(),
+        );
     }
     if a.json {
         println!("{res}");

@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use futures::StreamExt;
 use llmq_protocol::watch::Watch;
-use llmq_protocol::{subjects, Cancel, ChatMessage, Event, GenerateReply, GenerateRequest, StreamEvent};
+use llmq_protocol::{
+    subjects, Cancel, ChatMessage, Event, GenerateReply, GenerateRequest, StreamEvent,
+};
 
 use crate::generate::Args;
 
@@ -19,7 +21,9 @@ const SILENCE: Duration = Duration::from_secs(5);
 const SILENT_STREAM_TIMEOUT: Duration = Duration::from_secs(30);
 
 pub fn generate(a: &Args) -> Result<()> {
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
     rt.block_on(run(a))
 }
 
@@ -49,17 +53,26 @@ fn request(a: &Args, inbox: String) -> GenerateRequest {
 }
 
 async fn run(a: &Args) -> Result<()> {
-    let client = llmq_protocol::connect(&a.nats, None, "llmq-client").await.with_context(|| format!("connecting to NATS at {}", a.nats))?;
+    let client = llmq_protocol::connect(&a.nats, None, "llmq-client")
+        .await
+        .with_context(|| format!("connecting to NATS at {}", a.nats))?;
     let inbox = client.new_inbox();
     let mut events = client.subscribe(inbox.clone()).await?;
     let payload = llmq_protocol::encode(&request(a, inbox))?;
     let started = Instant::now();
-    let reply = tokio::time::timeout(Duration::from_secs(30), client.request(subjects::GENERATE, payload.into()))
-        .await
-        .context("no reply from intake within 30 s")?
-        .context("submitting (is `llmq up` or an intake running?)")?;
+    let reply = tokio::time::timeout(
+        Duration::from_secs(30),
+        client.request(subjects::GENERATE, payload.into()),
+    )
+    .await
+    .context("no reply from intake within 30 s")?
+    .context("submitting (is `llmq up` or an intake running?)")?;
     let (request_id, mut watch) = match llmq_protocol::decode::<GenerateReply>(&reply.payload)? {
-        GenerateReply::Accepted { request_id, job_seq, .. } => {
+        GenerateReply::Accepted {
+            request_id,
+            job_seq,
+            ..
+        } => {
             let watch = Watch::new(&request_id, job_seq, SILENT_STREAM_TIMEOUT);
             (request_id, watch)
         }
@@ -69,7 +82,18 @@ async fn run(a: &Args) -> Result<()> {
     let mut stdout = std::io::stdout().lock();
     let (mut text, mut ids, mut first_at) = (String::new(), Vec::<u32>::new(), None);
     let mut cancel_sent = false;
-    let cancel = || async { client.publish(subjects::CANCEL, llmq_protocol::encode(&Cancel { request_id: request_id.clone() })?.into()).await.map_err(anyhow::Error::from) };
+    let cancel = || async {
+        client
+            .publish(
+                subjects::CANCEL,
+                llmq_protocol::encode(&Cancel {
+                    request_id: request_id.clone(),
+                })?
+                .into(),
+            )
+            .await
+            .map_err(anyhow::Error::from)
+    };
     loop {
         let ev = tokio::select! {
             m = events.next() => match m {
@@ -97,12 +121,20 @@ async fn run(a: &Args) -> Result<()> {
             Event::Queued { position } if bar => eprint!("\r\x1b[Kqueued (position {position})"),
             Event::PrefillProgress { done, total } if bar => {
                 let w = 30 * done as usize / total.max(1) as usize;
-                eprint!("\r\x1b[Kprefill [{}{}] {done}/{total}", "#".repeat(w), " ".repeat(30 - w));
+                eprint!(
+                    "\r\x1b[Kprefill [{}{}] {done}/{total}",
+                    "#".repeat(w),
+                    " ".repeat(30 - w)
+                );
                 if done == total {
                     eprint!("\r\x1b[K");
                 }
             }
-            Event::Tokens { ids: new, text: piece, .. } => {
+            Event::Tokens {
+                ids: new,
+                text: piece,
+                ..
+            } => {
                 first_at.get_or_insert_with(Instant::now);
                 ids.extend(new);
                 text.push_str(&piece);
@@ -111,7 +143,11 @@ async fn run(a: &Args) -> Result<()> {
                     stdout.flush()?;
                 }
             }
-            Event::Done { finish_reason, usage, timings } => {
+            Event::Done {
+                finish_reason,
+                usage,
+                timings,
+            } => {
                 if a.json {
                     let v = serde_json::json!({
                         "request_id": request_id, "text": text, "token_ids": ids,

@@ -4,9 +4,9 @@ use std::io::Write;
 
 use anyhow::{Context, Result};
 use llmq_engine::generate::{generate, GenerateRequest};
-use llmq_text::sampling::{self, Sampling, StopConditions};
 use llmq_engine::{load_model, LoadOptions};
 use llmq_text::resolve_model;
+use llmq_text::sampling::{self, Sampling, StopConditions};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -75,7 +75,12 @@ pub struct WeightArgs {
 
 impl WeightArgs {
     pub fn options(&self) -> Result<LoadOptions> {
-        Ok(LoadOptions::from_settings(self.dtype.as_deref(), self.quantize, self.group_size, self.keep_quantized)?)
+        Ok(LoadOptions::from_settings(
+            self.dtype.as_deref(),
+            self.quantize,
+            self.group_size,
+            self.keep_quantized,
+        )?)
     }
 }
 
@@ -84,9 +89,13 @@ pub fn run(a: Args) -> Result<()> {
         return crate::client::generate(&a);
     }
     let path = resolve_model(&a.model)?;
-    let loaded = load_model(&path, a.weights.options()?).with_context(|| format!("loading {}", path.display()))?;
+    let loaded = load_model(&path, a.weights.options()?)
+        .with_context(|| format!("loading {}", path.display()))?;
     eprintln!("weights: {}", loaded.model.weights_summary());
-    let tok = loaded.tokenizer.as_ref().context("this model has no tokenizer")?;
+    let tok = loaded
+        .tokenizer
+        .as_ref()
+        .context("this model has no tokenizer")?;
     let prompt_ids = tok.prompt_ids(&a.prompt, a.chat)?;
     let req = GenerateRequest {
         prompt_ids: prompt_ids.clone(),
@@ -100,7 +109,11 @@ pub fn run(a: Args) -> Result<()> {
             top_logprobs: a.top_logprobs,
             logprobs: a.top_logprobs > 0,
         },
-        stop: StopConditions { max_tokens: a.max_tokens, stop: a.stop.clone(), ..Default::default() },
+        stop: StopConditions {
+            max_tokens: a.max_tokens,
+            stop: a.stop.clone(),
+            ..Default::default()
+        },
         prefill_chunk: a.prefill_chunk,
     };
     sampling::validate(&req.sampling)?;

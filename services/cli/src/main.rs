@@ -39,7 +39,10 @@ fn main() -> std::process::ExitCode {
         use std::os::unix::process::CommandExt;
         std::env::set_var("OPENBLAS_CORETYPE", kernels);
         let mut args = std::env::args_os();
-        let err = std::process::Command::new("/proc/self/exe").arg0(args.next().unwrap_or_default()).args(args).exec();
+        let err = std::process::Command::new("/proc/self/exe")
+            .arg0(args.next().unwrap_or_default())
+            .args(args)
+            .exec();
         eprintln!("llmq: could not run again with OpenBLAS's {kernels} kernels ({err}); going on with its generic ones");
     }
     // MLX's CUDA backend caches a CUDA graph per distinct step shape, and raises an error when
@@ -68,7 +71,10 @@ fn main() -> std::process::ExitCode {
         Command::Gateway(_) => "llmq-gateway",
         _ => "llmq",
     };
-    let _traces = llmq_telemetry::init("warn,llmq_worker=info,llmq_intake=info,llmq_gateway=info", service);
+    let _traces = llmq_telemetry::init(
+        "warn,llmq_worker=info,llmq_intake=info,llmq_gateway=info",
+        service,
+    );
     let result = match command {
         Command::Generate(a) => generate::run(a),
         Command::Bench(a) => bench::run(a),

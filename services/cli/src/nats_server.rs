@@ -31,7 +31,9 @@ pub fn start(port: Option<u16>, dir: &Path) -> Result<(Child, String)> {
         .spawn()
         .context("starting nats-server (Debian package nats-server; `make setup` installs it)")?;
     let pid = child.id();
-    match wait_listening(&mut child, Duration::from_secs(10), || url_from_ports_file(dir, pid))? {
+    match wait_listening(&mut child, Duration::from_secs(10), || {
+        url_from_ports_file(dir, pid)
+    })? {
         Listening::At(url) => Ok((child, url)),
         Listening::Exited(status) => {
             bail!("nats-server exited ({status}) before listening on port {port} (-1: one of its choosing); is the port in use?")
@@ -54,7 +56,11 @@ pub enum Listening {
 
 /// Polls `address` (every 20 ms, for up to `limit`) until it gives the address `child` listens
 /// on, which a server writes to a file once listening; stops early if `child` exits.
-pub fn wait_listening(child: &mut Child, limit: Duration, address: impl Fn() -> Option<String>) -> Result<Listening> {
+pub fn wait_listening(
+    child: &mut Child,
+    limit: Duration,
+    address: impl Fn() -> Option<String>,
+) -> Result<Listening> {
     let deadline = Instant::now() + limit;
     loop {
         if let Some(a) = address() {

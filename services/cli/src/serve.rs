@@ -111,7 +111,9 @@ impl Children {
     }
     /// The first child that has exited, if any.
     pub fn exited(&mut self) -> Option<String> {
-        self.0.iter_mut().find_map(|(n, c)| matches!(c.try_wait(), Ok(Some(_))).then(|| n.clone()))
+        self.0
+            .iter_mut()
+            .find_map(|(n, c)| matches!(c.try_wait(), Ok(Some(_))).then(|| n.clone()))
     }
 }
 
@@ -174,17 +176,34 @@ pub struct StackSpec<'a> {
 
 /// Starts nats-server, intake, the workers and optionally the gateway.
 pub fn start_stack(spec: StackSpec) -> Result<Stack> {
-    let StackSpec { model, workers, prefill_workers, port, config, worker_env, gateway, gpus } = spec;
+    let StackSpec {
+        model,
+        workers,
+        prefill_workers,
+        port,
+        config,
+        worker_env,
+        gateway,
+        gpus,
+    } = spec;
     static STACKS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let n = STACKS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let dir = std::env::temp_dir().join(format!("llmq-stack-{}-{n}", std::process::id()));
     let (nats, url) = crate::nats_server::start(port, &dir)?;
-    let mut stack = Stack { url: url.clone(), gateway: None, children: Children::default(), dir: dir.clone() };
+    let mut stack = Stack {
+        url: url.clone(),
+        gateway: None,
+        children: Children::default(),
+        dir: dir.clone(),
+    };
     stack.children.push("nats-server", nats);
     let exe = std::env::current_exe()?;
     let spawn = |what: &str, env: &[(String, String)]| -> Result<Child> {
         let mut c = Command::new(&exe);
-        c.arg(what).env("LLMQ__NATS__URL", &url).env("LLMQ__WORKER__MODEL", model).env("LLMQ__INTAKE__MODELS", model);
+        c.arg(what)
+            .env("LLMQ__NATS__URL", &url)
+            .env("LLMQ__WORKER__MODEL", model)
+            .env("LLMQ__INTAKE__MODELS", model);
         for (k, v) in env {
             c.env(k, v);
         }
@@ -197,33 +216,57 @@ pub fn start_stack(spec: StackSpec) -> Result<Stack> {
     for i in 0..workers + prefill_workers {
         let mut env = worker_env.to_vec();
         if !gpus.is_empty() {
-            env.push(("LLMQ__WORKER__DEVICE".into(), gpus[i % gpus.len()].to_string()));
+            env.push((
+                "LLMQ__WORKER__DEVICE".into(),
+                gpus[i % gpus.len()].to_string(),
+            ));
         }
         if prefill_workers > 0 {
             let role = if i < workers { "decode" } else { "prefill" };
             env.push(("LLMQ__WORKER__ROLE".into(), role.into()));
         }
-        stack.children.push(&format!("worker {i}"), spawn("worker", &env)?);
+        stack
+            .children
+            .push(&format!("worker {i}"), spawn("worker", &env)?);
     }
     if let Some(listen) = gateway {
         // The address it listens on comes back in a file (with port 0, the port it was given).
         let file = dir.join("gateway.addr");
-        let env = [("LLMQ__GATEWAY__LISTEN".into(), listen.into()), ("LLMQ__GATEWAY__ADDRESS_FILE".into(), file.display().to_string())];
+        let env = [
+            ("LLMQ__GATEWAY__LISTEN".into(), listen.into()),
+            (
+                "LLMQ__GATEWAY__ADDRESS_FILE".into(),
+                file.display().to_string(),
+            ),
+        ];
         let mut child = spawn("gateway", &env)?;
-        let listening = crate::nats_server::wait_listening(&mut child, Duration::from_secs(120), || std::fs::read_to_string(&file).ok());
+        let listening =
+            crate::nats_server::wait_listening(&mut child, Duration::from_secs(120), || {
+                std::fs::read_to_string(&file).ok()
+            });
         stack.children.push("gateway", child);
         match listening? {
             crate::nats_server::Listening::At(addr) => stack.gateway = Some(addr),
-            crate::nats_server::Listening::Exited(status) => bail!("the gateway exited ({status}) before listening"),
-            crate::nats_server::Listening::TimedOut => bail!("the gateway did not listen within 120 s"),
+            crate::nats_server::Listening::Exited(status) => {
+                bail!("the gateway exited ({status}) before listening")
+            }
+            crate::nats_server::Listening::TimedOut => {
+                bail!("the gateway did not listen within 120 s")
+            }
         }
     }
     Ok(stack)
 }
 
 /// Waits until `workers` distinct workers have sent a heartbeat.
-pub async fn wait_for_workers(client: &async_nats::Client, workers: usize, children: &mut Children) -> Result<()> {
-    let mut hb = client.subscribe(llmq_protocol::subjects::WORKER_STATUS_ALL).await?;
+pub async fn wait_for_workers(
+    client: &async_nats::Client,
+    workers: usize,
+    children: &mut Children,
+) -> Result<()> {
+    let mut hb = client
+        .subscribe(llmq_protocol::subjects::WORKER_STATUS_ALL)
+        .await?;
     let mut seen = std::collections::HashSet::new();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(600);
     while seen.len() < workers {
@@ -258,7 +301,9 @@ pub fn up(a: UpArgs) -> Result<()> {
     let mut stack = start_stack(spec)?;
     let (url, gateway) = (stack.url.clone(), stack.gateway.clone());
     let children = &mut stack.children;
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
     let result = rt.block_on(async {
         let client = async_nats::connect(&url).await?;
         wait_for_workers(&client, a.workers + a.prefill_workers, children).await?;
@@ -266,8 +311,15 @@ pub fn up(a: UpArgs) -> Result<()> {
         if let Some(g) = &gateway {
             println!("LLMQ_GATEWAY_URL=http://{g}");
         }
-        let prefill = if a.prefill_workers > 0 { format!(" and {} prefill worker(s)", a.prefill_workers) } else { String::new() };
-        eprintln!("llmq: up: nats-server, intake and {} worker(s){prefill} for {}; Ctrl-C stops them", a.workers, a.model);
+        let prefill = if a.prefill_workers > 0 {
+            format!(" and {} prefill worker(s)", a.prefill_workers)
+        } else {
+            String::new()
+        };
+        eprintln!(
+            "llmq: up: nats-server, intake and {} worker(s){prefill} for {}; Ctrl-C stops them",
+            a.workers, a.model
+        );
         let stop = stop_signal();
         tokio::pin!(stop);
         loop {

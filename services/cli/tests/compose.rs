@@ -13,7 +13,12 @@ use llmq_gateway::client;
 use llmq_protocol::{ErrorClass, Event, FinishReason, GenerateRequest};
 
 fn request(prompt: &str, max_tokens: i64) -> GenerateRequest {
-    GenerateRequest { model: "smollm2".into(), prompt: Some(prompt.into()), max_tokens: Some(max_tokens), ..Default::default() }
+    GenerateRequest {
+        model: "smollm2".into(),
+        prompt: Some(prompt.into()),
+        max_tokens: Some(max_tokens),
+        ..Default::default()
+    }
 }
 
 /// One chat completion through the gateway: its status and the answer's text.
@@ -23,9 +28,22 @@ async fn chat(addr: &str, i: usize) -> (u16, String) {
         "messages": [{"role": "user", "content": format!("Count from {i} to {}.", i + 5)}],
         "max_tokens": 12,
     });
-    let r = client::request(addr, "POST", "/v1/chat/completions", Some(&body.to_string())).await.unwrap();
+    let r = client::request(
+        addr,
+        "POST",
+        "/v1/chat/completions",
+        Some(&body.to_string()),
+    )
+    .await
+    .unwrap();
     let v: serde_json::Value = serde_json::from_str(&r.body).unwrap_or_default();
-    (r.status, v["choices"][0]["message"]["content"].as_str().unwrap_or_default().to_string())
+    (
+        r.status,
+        v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string(),
+    )
 }
 
 #[test]
@@ -37,7 +55,8 @@ fn three_workers_share_requests_from_the_gateway_and_from_nats() {
         let addr = stack.wait_workers(3).await;
         let nats = Client::connect(&stack.nats_url()).await;
         let http = join_all((0..48).map(|i| chat(&addr, i)));
-        let direct = join_all((0..16).map(|i| nats.run(request(&format!("Story number {i}:"), 12))));
+        let direct =
+            join_all((0..16).map(|i| nats.run(request(&format!("Story number {i}:"), 12))));
         let (http, direct) = futures::join!(http, direct);
         for (status, text) in &http {
             assert_eq!(*status, 200, "{text}");
@@ -50,15 +69,24 @@ fn three_workers_share_requests_from_the_gateway_and_from_nats() {
         // Every worker ended some of the 64 requests (heartbeats report them within a second).
         let t = Instant::now();
         loop {
-            let page = client::request(&addr, "GET", "/metrics", None).await.unwrap().body;
+            let page = client::request(&addr, "GET", "/metrics", None)
+                .await
+                .unwrap()
+                .body;
             let ended = metric(&page, "llmq_worker_requests_ended_total");
             let total: f64 = ended.iter().map(|(_, n)| n).sum();
             if total >= 64.0 {
                 assert_eq!(ended.len(), 3, "{page}");
-                assert!(ended.iter().all(|(_, n)| *n > 0.0), "a worker took no request: {ended:?}");
+                assert!(
+                    ended.iter().all(|(_, n)| *n > 0.0),
+                    "a worker took no request: {ended:?}"
+                );
                 break;
             }
-            assert!(t.elapsed() < Duration::from_secs(10), "/metrics counts {total} ended requests of 64: {ended:?}");
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "/metrics counts {total} ended requests of 64: {ended:?}"
+            );
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     });
@@ -70,7 +98,10 @@ fn a_killed_worker_ends_its_streams_with_worker_lost_and_the_survivor_takes_new_
     common::client::rt().block_on(async {
         stack.wait_workers(2).await;
         let nats = Client::connect(&stack.nats_url()).await;
-        let long = |i: usize| GenerateRequest { ignore_eos: true, ..request(&format!("Essay {i}:"), 400) };
+        let long = |i: usize| GenerateRequest {
+            ignore_eos: true,
+            ..request(&format!("Essay {i}:"), 400)
+        };
         let mut started = vec![];
         for i in 0..6 {
             started.push(nats.start(long(i)).await);
@@ -96,17 +127,28 @@ fn a_killed_worker_ends_its_streams_with_worker_lost_and_the_survivor_takes_new_
             match run.last() {
                 Event::Error { error } => {
                     assert_eq!(error.class, ErrorClass::WorkerLost, "{error:?}");
-                    assert!(*at - killed < Duration::from_secs(10), "worker_lost after {:?}", *at - killed);
+                    assert!(
+                        *at - killed < Duration::from_secs(10),
+                        "worker_lost after {:?}",
+                        *at - killed
+                    );
                     lost += 1;
                 }
                 Event::Done { finish_reason, .. } => {
                     assert_eq!(*finish_reason, FinishReason::Length);
-                    assert_eq!(first.len() + run.tokens().len(), 400, "a surviving stream lost tokens");
+                    assert_eq!(
+                        first.len() + run.tokens().len(),
+                        400,
+                        "a surviving stream lost tokens"
+                    );
                 }
                 other => panic!("{other:?}"),
             }
         }
-        assert!(lost > 0 && lost < 6, "{lost} of 6 streams lost: both workers should have held some");
+        assert!(
+            lost > 0 && lost < 6,
+            "{lost} of 6 streams lost: both workers should have held some"
+        );
         // New requests go to the survivor.
         for run in join_all((0..4).map(|i| nats.run(request(&format!("After {i}:"), 8)))).await {
             assert!(matches!(run.last(), Event::Done { .. }), "{:?}", run.last());
@@ -117,7 +159,10 @@ fn a_killed_worker_ends_its_streams_with_worker_lost_and_the_survivor_takes_new_
 /// Each event of a run once, in order: its worker's `seq`s strictly increase.
 fn assert_once(run: &common::client::Run) {
     let seqs: Vec<u64> = run.events.iter().map(|e| e.seq).collect();
-    assert!(seqs.windows(2).all(|w| w[0] < w[1]), "events repeated or out of order: {seqs:?}");
+    assert!(
+        seqs.windows(2).all(|w| w[0] < w[1]),
+        "events repeated or out of order: {seqs:?}"
+    );
 }
 
 #[test]
@@ -145,12 +190,21 @@ fn jobs_accepted_before_a_nats_restart_run_after_it_once_each() {
         // None ran twice: the one worker ended five requests.
         let t = Instant::now();
         loop {
-            let page = client::request(&addr, "GET", "/metrics", None).await.unwrap().body;
-            let ended: f64 = metric(&page, "llmq_worker_requests_ended_total").iter().map(|(_, n)| n).sum();
+            let page = client::request(&addr, "GET", "/metrics", None)
+                .await
+                .unwrap()
+                .body;
+            let ended: f64 = metric(&page, "llmq_worker_requests_ended_total")
+                .iter()
+                .map(|(_, n)| n)
+                .sum();
             if ended == 5.0 {
                 break;
             }
-            assert!(ended < 5.0 && t.elapsed() < Duration::from_secs(10), "{ended} requests ended, not 5");
+            assert!(
+                ended < 5.0 && t.elapsed() < Duration::from_secs(10),
+                "{ended} requests ended, not 5"
+            );
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     });
@@ -199,7 +253,9 @@ fn a_rolling_restart_of_the_workers_under_load_fails_no_request() {
                 let i = 9000 + during.len();
                 during.push(tokio::spawn(async move { chat(&addr, i).await }));
                 let tick = tokio::time::sleep(Duration::from_millis(250));
-                if let futures::future::Either::Left(_) = futures::future::select(command.as_mut(), Box::pin(tick)).await {
+                if let futures::future::Either::Left(_) =
+                    futures::future::select(command.as_mut(), Box::pin(tick)).await
+                {
                     break;
                 }
             }
@@ -208,10 +264,17 @@ fn a_rolling_restart_of_the_workers_under_load_fails_no_request() {
             stop.set(true);
             (during, ended - began)
         };
-        let (a, b, c, d, (during, took)) = futures::join!(http(0), http(1), http(2), direct, restart);
+        let (a, b, c, d, (during, took)) =
+            futures::join!(http(0), http(1), http(2), direct, restart);
         let steady = a + b + c + d;
-        eprintln!("{steady} steady requests; {} sent during the {took:?} restart", during.len());
-        assert!(during.len() >= 2, "the restart took {took:?}: too short to send requests during it");
+        eprintln!(
+            "{steady} steady requests; {} sent during the {took:?} restart",
+            during.len()
+        );
+        assert!(
+            during.len() >= 2,
+            "the restart took {took:?}: too short to send requests during it"
+        );
         for task in during {
             let (status, text) = task.await.unwrap();
             assert_eq!(status, 200, "{text}");
@@ -229,7 +292,12 @@ fn a_worker_cut_off_for_20_s_neither_repeats_nor_drops_tokens() {
         let n = 200;
         let mut runs = vec![];
         for i in 0..6 {
-            let (_, mut sub) = nats.start(GenerateRequest { ignore_eos: true, ..request(&format!("Essay {i}:"), n) }).await;
+            let (_, mut sub) = nats
+                .start(GenerateRequest {
+                    ignore_eos: true,
+                    ..request(&format!("Essay {i}:"), n)
+                })
+                .await;
             let first = Client::first_tokens(&mut sub).await.len();
             runs.push((first, sub));
         }
@@ -247,13 +315,21 @@ fn a_worker_cut_off_for_20_s_neither_repeats_nor_drops_tokens() {
             let mut until = None;
             loop {
                 let next = match until {
-                    None => tokio::time::timeout(Duration::from_secs(60), futures::StreamExt::next(&mut sub)).await,
+                    None => {
+                        tokio::time::timeout(
+                            Duration::from_secs(60),
+                            futures::StreamExt::next(&mut sub),
+                        )
+                        .await
+                    }
                     Some(t) => tokio::time::timeout_at(t, futures::StreamExt::next(&mut sub)).await,
                 };
                 let Ok(Some(m)) = next else { break };
                 let ev = llmq_protocol::decode::<llmq_protocol::StreamEvent>(&m.payload).unwrap();
                 if until.is_none() && ev.event.is_terminal() {
-                    let t = tokio::time::Instant::now().max(tokio::time::Instant::from_std(back + Duration::from_secs(10)));
+                    let t = tokio::time::Instant::now().max(tokio::time::Instant::from_std(
+                        back + Duration::from_secs(10),
+                    ));
                     until = Some(t + Duration::from_secs(1));
                 }
                 events.push((Instant::now(), ev));
@@ -263,10 +339,25 @@ fn a_worker_cut_off_for_20_s_neither_repeats_nor_drops_tokens() {
         .await;
         let mut lost = 0;
         for (first, events) in ends {
-            let end = events.iter().position(|(_, e)| e.event.is_terminal()).expect("the stream ended");
+            let end = events
+                .iter()
+                .position(|(_, e)| e.event.is_terminal())
+                .expect("the stream ended");
             let seqs: Vec<u64> = events[..end].iter().map(|(_, e)| e.seq).collect();
-            assert!(seqs.windows(2).all(|w| w[1] == w[0] + 1), "tokens repeated or missing: {seqs:?}");
-            let tokens: usize = events[..end].iter().map(|(_, e)| if let Event::Tokens { ids, .. } = &e.event { ids.len() } else { 0 }).sum();
+            assert!(
+                seqs.windows(2).all(|w| w[1] == w[0] + 1),
+                "tokens repeated or missing: {seqs:?}"
+            );
+            let tokens: usize = events[..end]
+                .iter()
+                .map(|(_, e)| {
+                    if let Event::Tokens { ids, .. } = &e.event {
+                        ids.len()
+                    } else {
+                        0
+                    }
+                })
+                .sum();
             match &events[end].1.event {
                 Event::Done { .. } => assert_eq!(first + tokens, n as usize),
                 Event::Error { error } => {
@@ -279,8 +370,15 @@ fn a_worker_cut_off_for_20_s_neither_repeats_nor_drops_tokens() {
             // before it knew (they were on their way), but no second end, and nothing once the
             // reconnection has delivered them.
             for (at, e) in &events[end + 1..] {
-                assert!(!e.event.is_terminal(), "a second terminal event: {:?}", e.event);
-                assert!(*at < back + Duration::from_secs(5), "the cut-off worker still speaks for a lost stream");
+                assert!(
+                    !e.event.is_terminal(),
+                    "a second terminal event: {:?}",
+                    e.event
+                );
+                assert!(
+                    *at < back + Duration::from_secs(5),
+                    "the cut-off worker still speaks for a lost stream"
+                );
             }
         }
         assert!(lost > 0 && lost < 6, "{lost} of 6 streams lost");
@@ -289,7 +387,12 @@ fn a_worker_cut_off_for_20_s_neither_repeats_nor_drops_tokens() {
 
 /// Connects as `url`'s user, collecting what the server reports about this connection
 /// (permission violations arrive as server errors).
-async fn watched(url: &str) -> (async_nats::Client, tokio::sync::mpsc::UnboundedReceiver<String>) {
+async fn watched(
+    url: &str,
+) -> (
+    async_nats::Client,
+    tokio::sync::mpsc::UnboundedReceiver<String>,
+) {
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     let (opts, address) = llmq_protocol::connect::options(url, None, "llmq-test");
     let nc = opts
@@ -322,14 +425,28 @@ fn nats_lets_in_only_the_right_users_each_to_its_own_subjects() {
     common::client::rt().block_on(async {
         stack.wait_workers(1).await;
         // No credentials, or a wrong password: the connection is refused.
-        assert!(async_nats::connect(format!("nats://{}", stack.nats)).await.is_err());
-        assert!(llmq_protocol::connect(&format!("nats://client1:wrong@{}", stack.nats), None, "llmq-test").await.is_err());
+        assert!(async_nats::connect(format!("nats://{}", stack.nats))
+            .await
+            .is_err());
+        assert!(llmq_protocol::connect(
+            &format!("nats://client1:wrong@{}", stack.nats),
+            None,
+            "llmq-test"
+        )
+        .await
+        .is_err());
 
         let (nc, mut reports) = watched(&stack.nats_url_as("client1")).await;
         // Another user's inbox: the server refuses the subscription.
         let _spy = nc.subscribe("_INBOX.client2.>").await.unwrap();
         nc.flush().await.unwrap();
-        assert!(reported(&mut reports, "Permissions Violation for Subscription to \"_INBOX.client2.>\"").await);
+        assert!(
+            reported(
+                &mut reports,
+                "Permissions Violation for Subscription to \"_INBOX.client2.>\""
+            )
+            .await
+        );
         // A job put on the jobs subject directly, past intake: refused, and no worker runs it.
         let inbox = nc.new_inbox();
         let mut events = nc.subscribe(inbox.clone()).await.unwrap();
@@ -338,22 +455,51 @@ fn nats_lets_in_only_the_right_users_each_to_its_own_subjects() {
             model: "smollm2".into(),
             prompt_ids: vec![1, 2, 3],
             sampling: Default::default(),
-            stop: llmq_text::sampling::StopConditions { max_tokens: 4, ..Default::default() },
+            stop: llmq_text::sampling::StopConditions {
+                max_tokens: 4,
+                ..Default::default()
+            },
             stream_subject: inbox,
             accepted_at_ms: 0,
             cache_salt: None,
             constraint: None,
             n: 1,
         };
-        nc.publish(llmq_protocol::subjects::jobs("smollm2"), llmq_protocol::encode(&job).unwrap().into()).await.unwrap();
+        nc.publish(
+            llmq_protocol::subjects::jobs("smollm2"),
+            llmq_protocol::encode(&job).unwrap().into(),
+        )
+        .await
+        .unwrap();
         nc.flush().await.unwrap();
-        assert!(reported(&mut reports, "Permissions Violation for Publish to \"llm.v1.jobs.smollm2\"").await);
-        assert!(tokio::time::timeout(Duration::from_secs(3), futures::StreamExt::next(&mut events)).await.is_err(), "the forged job ran");
+        assert!(
+            reported(
+                &mut reports,
+                "Permissions Violation for Publish to \"llm.v1.jobs.smollm2\""
+            )
+            .await
+        );
+        assert!(
+            tokio::time::timeout(
+                Duration::from_secs(3),
+                futures::StreamExt::next(&mut events)
+            )
+            .await
+            .is_err(),
+            "the forged job ran"
+        );
 
         // The legitimate clients are unaffected: each gets its own answers.
         for user in ["client1", "client2"] {
-            let run = Client::connect(&stack.nats_url_as(user)).await.run(request("Hello", 4)).await;
-            assert!(matches!(run.last(), Event::Done { .. }), "{user}: {:?}", run.last());
+            let run = Client::connect(&stack.nats_url_as(user))
+                .await
+                .run(request("Hello", 4))
+                .await;
+            assert!(
+                matches!(run.last(), Event::Done { .. }),
+                "{user}: {:?}",
+                run.last()
+            );
         }
     });
 }
@@ -365,10 +511,18 @@ fn nats_over_tls_from_the_services_and_from_the_host() {
         // Intake, the worker and the gateway reached the server over TLS.
         let addr = stack.wait_workers(1).await;
         let ca = stack.path(".cache/tls/ca.pem");
-        assert!(ca.exists(), "{} missing: run deploy/setup/setup.sh tls (make image does)", ca.display());
+        assert!(
+            ca.exists(),
+            "{} missing: run deploy/setup/setup.sh tls (make image does)",
+            ca.display()
+        );
         // A client that cannot check the server's certificate does not get in.
-        assert!(llmq_protocol::connect(&stack.nats_url(), None, "llmq-test").await.is_err());
-        let nc = llmq_protocol::connect(&stack.nats_url(), Some(&ca), "llmq-test").await.unwrap();
+        assert!(llmq_protocol::connect(&stack.nats_url(), None, "llmq-test")
+            .await
+            .is_err());
+        let nc = llmq_protocol::connect(&stack.nats_url(), Some(&ca), "llmq-test")
+            .await
+            .unwrap();
         let run = Client { nc }.run(request("Over TLS:", 6)).await;
         assert!(matches!(run.last(), Event::Done { .. }), "{:?}", run.last());
         let (status, text) = chat(&addr, 1).await;
@@ -379,8 +533,13 @@ fn nats_over_tls_from_the_services_and_from_the_host() {
 #[test]
 fn stopping_the_workers_hands_back_what_they_had_not_started_and_loses_nothing() {
     // Two streams at a time, so that most of the jobs wait in the worker when it stops.
-    let overlay = std::env::temp_dir().join(format!("llmq-compose-batch2-{}.yml", std::process::id()));
-    std::fs::write(&overlay, "services:\n  worker:\n    environment:\n      LLMQ__SCHEDULER__MAX_BATCH: \"2\"\n").unwrap();
+    let overlay =
+        std::env::temp_dir().join(format!("llmq-compose-batch2-{}.yml", std::process::id()));
+    std::fs::write(
+        &overlay,
+        "services:\n  worker:\n    environment:\n      LLMQ__SCHEDULER__MAX_BATCH: \"2\"\n",
+    )
+    .unwrap();
     let stack = Compose::up_with("stop", 1, &[overlay.to_str().unwrap()]);
     common::client::rt().block_on(async {
         stack.wait_workers(1).await;
@@ -388,7 +547,13 @@ fn stopping_the_workers_hands_back_what_they_had_not_started_and_loses_nothing()
         let n = 40;
         let mut runs = vec![];
         for i in 0..6 {
-            runs.push(nats.start(GenerateRequest { ignore_eos: true, ..request(&format!("Job {i}:"), n) }).await);
+            runs.push(
+                nats.start(GenerateRequest {
+                    ignore_eos: true,
+                    ..request(&format!("Job {i}:"), n)
+                })
+                .await,
+            );
         }
         // Stopped while two stream and four wait: the two finish, the four go back to the
         // stream, and run once the worker is back.
@@ -402,11 +567,18 @@ fn stopping_the_workers_hands_back_what_they_had_not_started_and_loses_nothing()
         }
         for (first, run) in &all {
             assert!(matches!(run.last(), Event::Done { .. }), "{:?}", run.last());
-            assert_eq!(first + run.tokens().len(), n as usize, "tokens lost or repeated");
+            assert_eq!(
+                first + run.tokens().len(),
+                n as usize,
+                "tokens lost or repeated"
+            );
             assert_once(run);
         }
         let logs = stack.ok(&["logs", "--no-color", "worker"]);
-        assert!(logs.contains("handed back the jobs not started"), "the stopping worker ran everything itself");
+        assert!(
+            logs.contains("handed back the jobs not started"),
+            "the stopping worker ran everything itself"
+        );
     });
     drop(stack); // `down` reads the overlay too
     let _ = std::fs::remove_file(&overlay);
@@ -415,7 +587,8 @@ fn stopping_the_workers_hands_back_what_they_had_not_started_and_loses_nothing()
 #[test]
 fn a_prefill_worker_container_prefills_for_the_decode_worker() {
     let stack = Compose::up_with("prefill", 1, &["deploy/docker/prefill.yml"]);
-    let prompt = "The history of the city of Paris begins long ago, with many kings and people. ".repeat(20);
+    let prompt =
+        "The history of the city of Paris begins long ago, with many kings and people. ".repeat(20);
     let want = common::client::local_greedy_of("smollm2", &prompt, 12);
     common::client::rt().block_on(async {
         // The decode worker and the prefill worker both report; the first hears the second.
@@ -423,12 +596,24 @@ fn a_prefill_worker_container_prefills_for_the_decode_worker() {
         tokio::time::sleep(Duration::from_secs(3)).await;
         let nats = Client::connect(&stack.nats_url()).await;
         let run = nats.run(request(&prompt, 12)).await;
-        assert_eq!(run.tokens(), want, "the same greedy tokens as in-process generation");
+        assert_eq!(
+            run.tokens(),
+            want,
+            "the same greedy tokens as in-process generation"
+        );
         tokio::time::sleep(Duration::from_secs(2)).await;
-        let page = client::request(&addr, "GET", "/metrics", None).await.unwrap().body;
+        let page = client::request(&addr, "GET", "/metrics", None)
+            .await
+            .unwrap()
+            .body;
         let sent = metric(&page, "llmq_worker_kv_bytes_sent_total");
         let received = metric(&page, "llmq_worker_kv_bytes_received_total");
-        let of = |m: &[(String, f64)], role: &str| m.iter().filter(|(l, _)| l.contains(&format!("role=\"{role}\""))).map(|(_, v)| *v).sum::<f64>();
+        let of = |m: &[(String, f64)], role: &str| {
+            m.iter()
+                .filter(|(l, _)| l.contains(&format!("role=\"{role}\"")))
+                .map(|(_, v)| *v)
+                .sum::<f64>()
+        };
         let direct = metric(&page, "llmq_worker_kv_bytes_sent_direct_total");
         assert!(of(&sent, "prefill") > 0.0, "{page}");
         assert_eq!(of(&sent, "prefill"), of(&received, "decode"), "{page}");
@@ -475,15 +660,29 @@ async fn streamed_chat(addr: &str, i: usize) -> (Outcome, Duration) {
         return (Outcome::Refused(format!("status {status}")), gap);
     }
     let done = lines.iter().filter(|l| *l == "data: [DONE]").count();
-    let finished = lines.iter().filter(|l| l.contains("\"finish_reason\":\"")).count();
-    let errors: Vec<&String> = lines.iter().filter(|l| l.starts_with("data: {\"error\"")).collect();
+    let finished = lines
+        .iter()
+        .filter(|l| l.contains("\"finish_reason\":\""))
+        .count();
+    let errors: Vec<&String> = lines
+        .iter()
+        .filter(|l| l.starts_with("data: {\"error\""))
+        .collect();
     assert_eq!(done, 1, "one [DONE] per stream: {lines:?}");
-    assert_eq!(lines.last().map(String::as_str), Some("data: [DONE]"), "{lines:?}");
+    assert_eq!(
+        lines.last().map(String::as_str),
+        Some("data: [DONE]"),
+        "{lines:?}"
+    );
     match (finished, errors.as_slice()) {
         (1, []) => (Outcome::Finished, gap),
         (0, [e]) => {
-            let v: serde_json::Value = serde_json::from_str(e.trim_start_matches("data: ")).unwrap();
-            let (code, message) = (v["error"]["code"].as_str().unwrap_or("?"), v["error"]["message"].as_str().unwrap_or(""));
+            let v: serde_json::Value =
+                serde_json::from_str(e.trim_start_matches("data: ")).unwrap();
+            let (code, message) = (
+                v["error"]["code"].as_str().unwrap_or("?"),
+                v["error"]["message"].as_str().unwrap_or(""),
+            );
             (Outcome::Error(format!("{code}: {message}")), gap)
         }
         _ => panic!("not exactly one terminal event: {lines:?}"),
@@ -565,10 +764,24 @@ fn faults_in_sequence(name: &str, faults: &[(u64, &[&str])]) {
 
 #[test]
 fn a_killed_worker_then_its_return_then_a_nats_restart_leave_no_stream_hanging() {
-    faults_in_sequence("seqwn", &[(5, &["kill"]), (25, &["up", "-d", "--scale", "worker=2"]), (50, &["restart", "nats"])]);
+    faults_in_sequence(
+        "seqwn",
+        &[
+            (5, &["kill"]),
+            (25, &["up", "-d", "--scale", "worker=2"]),
+            (50, &["restart", "nats"]),
+        ],
+    );
 }
 
 #[test]
 fn a_nats_restart_then_a_killed_worker_and_its_return_leave_no_stream_hanging() {
-    faults_in_sequence("seqnw", &[(5, &["restart", "nats"]), (30, &["kill"]), (50, &["up", "-d", "--scale", "worker=2"])]);
+    faults_in_sequence(
+        "seqnw",
+        &[
+            (5, &["restart", "nats"]),
+            (30, &["kill"]),
+            (50, &["up", "-d", "--scale", "worker=2"]),
+        ],
+    );
 }

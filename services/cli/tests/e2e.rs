@@ -18,7 +18,10 @@ fn events_arrive_in_order_and_chunked_prefill_gives_the_same_tokens() {
     let prompt = LONG.repeat(6);
     let want = local_greedy(&prompt, 12);
     // Tiny chunks: the prompt takes many ticks to prefill.
-    let stack = Stack::up(&[("LLMQ__SCHEDULER__PREFILL_CHUNK_TOKENS", "5"), ("LLMQ__SCHEDULER__IDLE_PREFILL_CHUNK_TOKENS", "7")]);
+    let stack = Stack::up(&[
+        ("LLMQ__SCHEDULER__PREFILL_CHUNK_TOKENS", "5"),
+        ("LLMQ__SCHEDULER__IDLE_PREFILL_CHUNK_TOKENS", "7"),
+    ]);
     rt().block_on(async {
         let c = Client::connect(&stack.url).await;
         let run = c.run(req(&prompt, 12)).await;
@@ -30,13 +33,26 @@ fn events_arrive_in_order_and_chunked_prefill_gives_the_same_tokens() {
         let progress: Vec<(u32, u32)> = run
             .events
             .iter()
-            .filter_map(|e| if let Event::PrefillProgress { done, total } = e.event { Some((done, total)) } else { None })
+            .filter_map(|e| {
+                if let Event::PrefillProgress { done, total } = e.event {
+                    Some((done, total))
+                } else {
+                    None
+                }
+            })
             .collect();
         assert!(progress.len() > 3, "{progress:?}");
-        assert!(progress.windows(2).all(|w| w[0].0 < w[1].0), "monotonic: {progress:?}");
+        assert!(
+            progress.windows(2).all(|w| w[0].0 < w[1].0),
+            "monotonic: {progress:?}"
+        );
         let (done, total) = *progress.last().unwrap();
         assert_eq!(done, total);
-        assert_eq!(run.tokens(), want, "same greedy tokens as unchunked in-process generation");
+        assert_eq!(
+            run.tokens(),
+            want,
+            "same greedy tokens as unchunked in-process generation"
+        );
         match run.last() {
             Event::Done { usage, timings, .. } => {
                 assert_eq!(usage.completion, 12);
@@ -46,8 +62,14 @@ fn events_arrive_in_order_and_chunked_prefill_gives_the_same_tokens() {
             e => panic!("{e:?}"),
         }
         let s = c.status().await;
-        assert!(s.prefix_bytes > 0, "the prompt and output are cached: {s:?}");
-        assert_eq!(s.kv_bytes_used, s.prefix_bytes, "only the prefix cache holds KV: {s:?}");
+        assert!(
+            s.prefix_bytes > 0,
+            "the prompt and output are cached: {s:?}"
+        );
+        assert_eq!(
+            s.kv_bytes_used, s.prefix_bytes,
+            "only the prefix cache holds KV: {s:?}"
+        );
 
         // The same prompt again reuses all of it but the last token, with the same tokens.
         let again = c.run(req(&prompt, 12)).await;
@@ -57,12 +79,22 @@ fn events_arrive_in_order_and_chunked_prefill_gives_the_same_tokens() {
             e => panic!("{e:?}"),
         }
         // `llm.v1.cache.clear` frees it all.
-        let m = c.nc.request(subjects::CACHE_CLEAR, encode(&ClearCache::default()).unwrap().into()).await.unwrap();
+        let m =
+            c.nc.request(
+                subjects::CACHE_CLEAR,
+                encode(&ClearCache::default()).unwrap().into(),
+            )
+            .await
+            .unwrap();
         let cleared: CacheCleared = decode(&m.payload).unwrap();
         assert!(cleared.freed_bytes > 0);
         tokio::time::sleep(Duration::from_millis(300)).await;
         let s = c.status().await;
-        assert_eq!((s.kv_bytes_used, s.prefix_bytes, s.prefix_entries), (0, 0, 0), "{s:?}");
+        assert_eq!(
+            (s.kv_bytes_used, s.prefix_bytes, s.prefix_entries),
+            (0, 0, 0),
+            "{s:?}"
+        );
         assert!(s.prefix_hit_rate > 0.4, "{s:?}");
     });
 }
@@ -76,22 +108,65 @@ fn bad_input_gets_typed_errors_and_disturbs_nothing() {
         long.max_tokens = Some(100);
         long.ignore_eos = true;
         let (good_id, good_sub) = c.start(long).await;
-        let nan = GenerateRequest { temperature: Some(f64::NAN), ..req("hi", 4) };
-        let neg = GenerateRequest { temperature: Some(-1.0), ..req("hi", 4) };
+        let nan = GenerateRequest {
+            temperature: Some(f64::NAN),
+            ..req("hi", 4)
+        };
+        let neg = GenerateRequest {
+            temperature: Some(-1.0),
+            ..req("hi", 4)
+        };
         let cases: Vec<(Vec<u8>, ErrorClass)> = vec![
-            (b"\xc1 definitely not msgpack".to_vec(), ErrorClass::InvalidRequest),
-            (encode(&GenerateRequest { model: "no-such-model".into(), ..req("hi", 4) }).unwrap(), ErrorClass::UnknownModel),
+            (
+                b"\xc1 definitely not msgpack".to_vec(),
+                ErrorClass::InvalidRequest,
+            ),
+            (
+                encode(&GenerateRequest {
+                    model: "no-such-model".into(),
+                    ..req("hi", 4)
+                })
+                .unwrap(),
+                ErrorClass::UnknownModel,
+            ),
             (encode(&req("", 4)).unwrap(), ErrorClass::InvalidRequest),
-            (encode(&req(&"word ".repeat(600), 4)).unwrap(), ErrorClass::PromptTooLong),
+            (
+                encode(&req(&"word ".repeat(600), 4)).unwrap(),
+                ErrorClass::PromptTooLong,
+            ),
             (encode(&req("hi", 0)).unwrap(), ErrorClass::InvalidRequest),
             (encode(&nan).unwrap(), ErrorClass::InvalidRequest),
             (encode(&neg).unwrap(), ErrorClass::InvalidRequest),
             (rmp_oversized(), ErrorClass::InvalidRequest),
             // Constraints that cannot be compiled, or that ignore_eos would run past.
-            (encode(&GenerateRequest { constraint: Some(Constraint::Regex { pattern: "(".into() }), ..req("hi", 4) }).unwrap(), ErrorClass::InvalidRequest),
-            (encode(&GenerateRequest { constraint: Some(Constraint::JsonObject), ignore_eos: true, ..req("hi", 4) }).unwrap(), ErrorClass::InvalidRequest),
+            (
+                encode(&GenerateRequest {
+                    constraint: Some(Constraint::Regex {
+                        pattern: "(".into(),
+                    }),
+                    ..req("hi", 4)
+                })
+                .unwrap(),
+                ErrorClass::InvalidRequest,
+            ),
+            (
+                encode(&GenerateRequest {
+                    constraint: Some(Constraint::JsonObject),
+                    ignore_eos: true,
+                    ..req("hi", 4)
+                })
+                .unwrap(),
+                ErrorClass::InvalidRequest,
+            ),
             // A newer client's field that changes the output, named in `requires`.
-            (encode(&GenerateRequest { requires: vec!["response_format".into()], ..req("hi", 4) }).unwrap(), ErrorClass::InvalidRequest),
+            (
+                encode(&GenerateRequest {
+                    requires: vec!["response_format".into()],
+                    ..req("hi", 4)
+                })
+                .unwrap(),
+                ErrorClass::InvalidRequest,
+            ),
         ];
         for (payload, class) in cases {
             match c.submit_raw(payload).await {
@@ -106,10 +181,21 @@ fn bad_input_gets_typed_errors_and_disturbs_nothing() {
             r: GenerateRequest,
             trace_note: String,
         }
-        let newer = rmp_serde::to_vec_named(&Newer { r: req("hi", 4), trace_note: "x".into() }).unwrap();
-        assert!(matches!(c.submit_raw(newer).await, GenerateReply::Accepted { .. }), "a field not required is ignored");
+        let newer = rmp_serde::to_vec_named(&Newer {
+            r: req("hi", 4),
+            trace_note: "x".into(),
+        })
+        .unwrap();
+        assert!(
+            matches!(c.submit_raw(newer).await, GenerateReply::Accepted { .. }),
+            "a field not required is ignored"
+        );
         let run = Client::finish(good_id, good_sub, |_| {}).await;
-        assert!(matches!(run.last(), Event::Done { .. }), "the good request finished: {:?}", run.last());
+        assert!(
+            matches!(run.last(), Event::Done { .. }),
+            "the good request finished: {:?}",
+            run.last()
+        );
         assert_eq!(run.tokens().len(), 100);
     });
 }
@@ -143,38 +229,96 @@ fn samples_of_one_prompt_share_its_prefill() {
     let stack = Stack::up(&[]);
     rt().block_on(async {
         let c = Client::connect(&stack.url).await;
-        let r = GenerateRequest { n: Some(3), requires: vec!["n".into()], temperature: Some(1.0), seed: Some(42), ..req(&LONG.repeat(3), 12) };
+        let r = GenerateRequest {
+            n: Some(3),
+            requires: vec!["n".into()],
+            temperature: Some(1.0),
+            seed: Some(42),
+            ..req(&LONG.repeat(3), 12)
+        };
         let run = |r: GenerateRequest| async {
             let (id, sub) = c.start(r).await;
             Client::finish_choices(id, sub, 3, |_| {}).await
         };
         let first = run(r.clone()).await;
-        assert!(first.events.windows(2).all(|w| w[1].seq == w[0].seq + 1), "one seq for the request");
+        assert!(
+            first.events.windows(2).all(|w| w[1].seq == w[0].seq + 1),
+            "one seq for the request"
+        );
         let mut texts = vec![];
         for choice in 0..3 {
-            let evs: Vec<&Event> = first.events.iter().filter(|e| e.choice == choice).map(|e| &e.event).collect();
-            assert_eq!(evs.iter().filter(|e| e.is_terminal()).count(), 1, "choice {choice}");
+            let evs: Vec<&Event> = first
+                .events
+                .iter()
+                .filter(|e| e.choice == choice)
+                .map(|e| &e.event)
+                .collect();
+            assert_eq!(
+                evs.iter().filter(|e| e.is_terminal()).count(),
+                1,
+                "choice {choice}"
+            );
             match evs.last() {
                 Some(Event::Done { usage, .. }) => {
                     assert_eq!(usage.completion, 12, "choice {choice}");
                     if choice > 0 {
-                        assert!(usage.cached > 0, "choice {choice} prefilled the prompt again: {usage:?}");
+                        assert!(
+                            usage.cached > 0,
+                            "choice {choice} prefilled the prompt again: {usage:?}"
+                        );
                     }
                 }
                 e => panic!("choice {choice} ended with {e:?}"),
             }
-            let ids: Vec<u32> = evs.iter().flat_map(|e| if let Event::Tokens { ids, .. } = e { ids.clone() } else { vec![] }).collect();
+            let ids: Vec<u32> = evs
+                .iter()
+                .flat_map(|e| {
+                    if let Event::Tokens { ids, .. } = e {
+                        ids.clone()
+                    } else {
+                        vec![]
+                    }
+                })
+                .collect();
             texts.push(ids);
         }
-        assert!(texts[0] != texts[1] || texts[1] != texts[2], "the samples are all the same: {texts:?}");
+        assert!(
+            texts[0] != texts[1] || texts[1] != texts[2],
+            "the samples are all the same: {texts:?}"
+        );
         let again = run(r).await;
         for choice in 0..3u32 {
-            let ids: Vec<u32> = again.events.iter().filter(|e| e.choice == choice).flat_map(|e| if let Event::Tokens { ids, .. } = &e.event { ids.clone() } else { vec![] }).collect();
-            assert_eq!(ids, texts[choice as usize], "seeded choice {choice} repeats");
+            let ids: Vec<u32> = again
+                .events
+                .iter()
+                .filter(|e| e.choice == choice)
+                .flat_map(|e| {
+                    if let Event::Tokens { ids, .. } = &e.event {
+                        ids.clone()
+                    } else {
+                        vec![]
+                    }
+                })
+                .collect();
+            assert_eq!(
+                ids, texts[choice as usize],
+                "seeded choice {choice} repeats"
+            );
         }
         // Out of range.
-        match c.submit_raw(encode(&GenerateRequest { n: Some(17), ..req("hi", 4) }).unwrap()).await {
-            GenerateReply::Rejected { error } => assert_eq!(error.class, ErrorClass::InvalidRequest),
+        match c
+            .submit_raw(
+                encode(&GenerateRequest {
+                    n: Some(17),
+                    ..req("hi", 4)
+                })
+                .unwrap(),
+            )
+            .await
+        {
+            GenerateReply::Rejected { error } => {
+                assert_eq!(error.class, ErrorClass::InvalidRequest)
+            }
             r => panic!("accepted: {r:?}"),
         }
     });
@@ -183,7 +327,11 @@ fn samples_of_one_prompt_share_its_prefill() {
 /// A request larger than the protocol's limit but within the server's payload limit
 /// (`encode` refuses to make one, as it should).
 fn rmp_oversized() -> Vec<u8> {
-    let r = GenerateRequest { model: fixture(), prompt: Some("y".repeat(MAX_MESSAGE_BYTES + 100)), ..Default::default() };
+    let r = GenerateRequest {
+        model: fixture(),
+        prompt: Some("y".repeat(MAX_MESSAGE_BYTES + 100)),
+        ..Default::default()
+    };
     rmp_serde::to_vec_named(&r).unwrap()
 }
 
@@ -279,7 +427,11 @@ fn a_job_accepted_before_any_worker_runs_completes_when_one_starts() {
                 // Accepted before intake's next poll of the stream.
                 GenerateReply::Accepted { request_id, .. } => early.push(request_id),
             }
-            assert!(t.elapsed() < Duration::from_secs(10), "never refused: {} accepted", early.len() + 2);
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "never refused: {} accepted",
+                early.len() + 2
+            );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         stack.spawn("worker", &[]);
@@ -297,17 +449,43 @@ fn a_job_cancelled_before_any_worker_runs_is_never_run() {
     stack.spawn("intake", &[]);
     rt().block_on(async {
         let c = Client::connect(&stack.url).await;
-        let (id, sub) = c.start(GenerateRequest { ignore_eos: true, ..req("Never run me", 50) }).await;
-        c.nc.publish(subjects::CANCEL, encode(&Cancel { request_id: id.clone() }).unwrap().into()).await.unwrap();
+        let (id, sub) = c
+            .start(GenerateRequest {
+                ignore_eos: true,
+                ..req("Never run me", 50)
+            })
+            .await;
+        c.nc.publish(
+            subjects::CANCEL,
+            encode(&Cancel {
+                request_id: id.clone(),
+            })
+            .unwrap()
+            .into(),
+        )
+        .await
+        .unwrap();
         c.nc.flush().await.unwrap();
         let (other, other_sub) = c.start(req("Paris is", 3)).await;
         // The worker starts after the cancel went out: it learns it from the cancels stream.
         stack.spawn("worker", &[]);
         let run = Client::finish(id, sub, |_| {}).await;
-        assert!(matches!(run.last(), Event::Error { error } if error.class == ErrorClass::Cancelled), "{:?}", run.last());
-        assert!(run.tokens().is_empty() && run.events.len() == 1, "it never started: {:?}", run.events);
+        assert!(
+            matches!(run.last(), Event::Error { error } if error.class == ErrorClass::Cancelled),
+            "{:?}",
+            run.last()
+        );
+        assert!(
+            run.tokens().is_empty() && run.events.len() == 1,
+            "it never started: {:?}",
+            run.events
+        );
         let run = Client::finish(other, other_sub, |_| {}).await;
-        assert_eq!(run.tokens(), local_greedy("Paris is", 3), "the other job ran");
+        assert_eq!(
+            run.tokens(),
+            local_greedy("Paris is", 3),
+            "the other job ran"
+        );
     });
 }
 
@@ -315,15 +493,29 @@ fn a_job_cancelled_before_any_worker_runs_is_never_run() {
 fn a_job_whose_worker_dies_ends_with_worker_lost_on_another_worker() {
     let mut stack = Stack::nats_only();
     stack.spawn("intake", &[]);
-    let fast_ack = [("LLMQ__WORKER__ACK_WAIT_MS", "1500"), ("LLMQ__SCHEDULER__MAX_BATCH", "1")];
+    let fast_ack = [
+        ("LLMQ__WORKER__ACK_WAIT_MS", "1500"),
+        ("LLMQ__SCHEDULER__MAX_BATCH", "1"),
+    ];
     let doomed = stack.spawn("worker", &fast_ack);
     rt().block_on(async {
         let c = Client::connect(&stack.url).await;
-        let (id, mut sub) = c.start(GenerateRequest { ignore_eos: true, ..req("a long one", 400) }).await;
+        let (id, mut sub) = c
+            .start(GenerateRequest {
+                ignore_eos: true,
+                ..req("a long one", 400)
+            })
+            .await;
         // Wait for its first tokens, then kill its worker mid-stream.
         loop {
-            let m = tokio::time::timeout(Duration::from_secs(30), sub.next()).await.unwrap().unwrap();
-            if matches!(decode::<StreamEvent>(&m.payload).unwrap().event, Event::Tokens { .. }) {
+            let m = tokio::time::timeout(Duration::from_secs(30), sub.next())
+                .await
+                .unwrap()
+                .unwrap();
+            if matches!(
+                decode::<StreamEvent>(&m.payload).unwrap().event,
+                Event::Tokens { .. }
+            ) {
                 break;
             }
         }
@@ -334,7 +526,10 @@ fn a_job_whose_worker_dies_ends_with_worker_lost_on_another_worker() {
             Event::Error { error } => assert_eq!(error.class, ErrorClass::WorkerLost, "{error}"),
             e => panic!("{e:?}"),
         }
-        assert_eq!(run.events.iter().filter(|e| e.event.is_terminal()).count(), 1);
+        assert_eq!(
+            run.events.iter().filter(|e| e.event.is_terminal()).count(),
+            1
+        );
         // The surviving worker serves new requests.
         let next = c.run(req("Paris is", 4)).await;
         assert!(matches!(next.last(), Event::Done { .. }));
@@ -361,7 +556,13 @@ fn two_workers_share_the_load_and_a_killed_one_loses_only_its_own_requests() {
     stack.spawn("intake", &[]);
     // Three slots each: six long jobs must split 3/3 (a worker takes no job it cannot start
     // while its peer has a free slot).
-    let env = |id| [("LLMQ__WORKER__ACK_WAIT_MS", "1500"), ("LLMQ__WORKER__ID", id), ("LLMQ__SCHEDULER__MAX_BATCH", "3")];
+    let env = |id| {
+        [
+            ("LLMQ__WORKER__ACK_WAIT_MS", "1500"),
+            ("LLMQ__WORKER__ID", id),
+            ("LLMQ__SCHEDULER__MAX_BATCH", "3"),
+        ]
+    };
     let doomed = stack.spawn("worker", &env("wa"));
     stack.spawn("worker", &env("wb"));
     rt().block_on(async {
@@ -426,16 +627,27 @@ fn two_workers_share_the_load_and_a_killed_one_loses_only_its_own_requests() {
 fn heartbeats_continue_through_a_long_tick() {
     let mut stack = Stack::nats_for("smollm2");
     stack.spawn("intake", &[]);
-    stack.spawn("worker", &[("LLMQ__SCHEDULER__IDLE_PREFILL_CHUNK_TOKENS", "4096")]);
+    stack.spawn(
+        "worker",
+        &[("LLMQ__SCHEDULER__IDLE_PREFILL_CHUNK_TOKENS", "4096")],
+    );
     rt().block_on(async {
         let c = Client::connect(&stack.url).await;
         let t = Instant::now();
         while statuses(&c, Duration::from_millis(500)).await.is_empty() {
-            assert!(t.elapsed() < Duration::from_secs(120), "the worker never came up");
+            assert!(
+                t.elapsed() < Duration::from_secs(120),
+                "the worker never came up"
+            );
         }
         let mut beats = c.nc.subscribe(subjects::WORKER_STATUS_ALL).await.unwrap();
         let ids: Vec<u32> = (0..1800u32).map(|i| 100 + (i * 37) % 20000).collect();
-        let long = GenerateRequest { model: "smollm2".into(), prompt_ids: Some(ids), max_tokens: Some(2), ..Default::default() };
+        let long = GenerateRequest {
+            model: "smollm2".into(),
+            prompt_ids: Some(ids),
+            max_tokens: Some(2),
+            ..Default::default()
+        };
         let submitted = Instant::now();
         let (id, sub) = c.start(long).await;
         let finishing = tokio::spawn(Client::finish(id, sub, |_| {}));
@@ -443,7 +655,10 @@ fn heartbeats_continue_through_a_long_tick() {
         let mut busy_seen = false;
         let mut last = submitted;
         while !finishing.is_finished() {
-            let Ok(Some(m)) = tokio::time::timeout(Duration::from_millis(100), beats.next()).await else { continue };
+            let Ok(Some(m)) = tokio::time::timeout(Duration::from_millis(100), beats.next()).await
+            else {
+                continue;
+            };
             let s: WorkerStatus = decode(&m.payload).unwrap();
             busy_seen |= s.queued_requests + s.active_streams == 1;
             gaps.push(last.elapsed());
@@ -453,9 +668,15 @@ fn heartbeats_continue_through_a_long_tick() {
         let took = submitted.elapsed();
         assert!(matches!(run.last(), Event::Done { .. }), "{:?}", run.last());
         // Meaningful only when the prefill tick was long: it is, on this model and a CPU.
-        assert!(took > Duration::from_millis(1500), "the prefill took only {took:?}");
+        assert!(
+            took > Duration::from_millis(1500),
+            "the prefill took only {took:?}"
+        );
         let worst = gaps.iter().max().copied().unwrap_or(took);
-        assert!(worst < Duration::from_millis(1000), "a heartbeat gap of {worst:?} (heartbeat every 200 ms) during a {took:?} request");
+        assert!(
+            worst < Duration::from_millis(1000),
+            "a heartbeat gap of {worst:?} (heartbeat every 200 ms) during a {took:?} request"
+        );
         assert!(busy_seen, "heartbeats during the tick count the request");
     });
 }

@@ -14,12 +14,17 @@ use llmq_gateway::client;
 use llmq_protocol::{subjects, Cancel};
 
 fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
 }
 
 /// The gateway, with workers counted gone after a second of silence; its address.
 fn spawn_gateway(stack: &mut Stack) -> String {
-    stack.spawn_gateway(&[("LLMQ__GATEWAY__WORKER_TIMEOUT_MS", "1000")]).1
+    stack
+        .spawn_gateway(&[("LLMQ__GATEWAY__WORKER_TIMEOUT_MS", "1000")])
+        .1
 }
 
 /// Polls `GET /health` until it answers `want` (the gateway is up, and has or lacks workers).
@@ -31,14 +36,22 @@ async fn wait_health(addr: &str, want: u16) {
                 return;
             }
         }
-        assert!(t.elapsed() < Duration::from_secs(120), "/health never answered {want}");
+        assert!(
+            t.elapsed() < Duration::from_secs(120),
+            "/health never answered {want}"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
 async fn post(addr: &str, path: &str, body: serde_json::Value) -> (u16, serde_json::Value) {
-    let r = client::request(addr, "POST", path, Some(&body.to_string())).await.unwrap();
-    (r.status, serde_json::from_str(&r.body).unwrap_or(serde_json::Value::String(r.body)))
+    let r = client::request(addr, "POST", path, Some(&body.to_string()))
+        .await
+        .unwrap();
+    (
+        r.status,
+        serde_json::from_str(&r.body).unwrap_or(serde_json::Value::String(r.body)),
+    )
 }
 
 /// nats-server, intake, one worker and the gateway, for SmolLM2; the gateway's address.
@@ -55,7 +68,11 @@ fn smollm2_stack() -> (Stack, String) {
 async fn run_script(venv: &str, script: &str, addr: &str) -> String {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
     let python = root.join(".cache").join(venv).join("bin/python");
-    assert!(python.exists(), "{} missing: run `make setup`", python.display());
+    assert!(
+        python.exists(),
+        "{} missing: run `make setup`",
+        python.display()
+    );
     let out = tokio::process::Command::new(&python)
         .arg(root.join("tests/gateway").join(script))
         .arg(format!("http://{addr}"))
@@ -64,7 +81,11 @@ async fn run_script(venv: &str, script: &str, addr: &str) -> String {
         .await
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(out.status.success(), "{script} failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{script} failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     stdout
 }
 
@@ -77,12 +98,22 @@ fn the_openai_package_works_unchanged_and_an_early_close_cancels() {
         let mut cancels = nc.subscribe(subjects::CANCEL).await.unwrap();
         nc.flush().await.unwrap();
         let stdout = run_script("pyclient", "openai_client.py", &addr).await;
-        let closed = stdout.lines().find_map(|l| l.strip_prefix("CLOSED_EARLY=")).expect("the script names the stream it closed").to_string();
+        let closed = stdout
+            .lines()
+            .find_map(|l| l.strip_prefix("CLOSED_EARLY="))
+            .expect("the script names the stream it closed")
+            .to_string();
         // The gateway notices the closed connection at the stream's next event and cancels.
-        let m = tokio::time::timeout(Duration::from_secs(5), cancels.next()).await.expect("a cancel within 5 s").unwrap();
+        let m = tokio::time::timeout(Duration::from_secs(5), cancels.next())
+            .await
+            .expect("a cancel within 5 s")
+            .unwrap();
         let c: Cancel = llmq_protocol::decode(&m.payload).unwrap();
         assert_eq!(c.request_id, closed);
-        let metrics = client::request(&addr, "GET", "/metrics", None).await.unwrap().body;
+        let metrics = client::request(&addr, "GET", "/metrics", None)
+            .await
+            .unwrap()
+            .body;
         for want in [
             "llmq_gateway_requests_total{endpoint=\"chat\",outcome=\"ok\"} 16",
             "llmq_gateway_requests_total{endpoint=\"chat\",outcome=\"cancelled\"} 1",
@@ -120,7 +151,9 @@ fn typed_errors_health_and_worker_loss() {
     let addr = spawn_gateway(&mut stack);
     let completion = |extra: serde_json::Value| {
         let mut v = serde_json::json!({ "model": model, "prompt": "Hello", "max_tokens": 4 });
-        v.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        v.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
         v
     };
     rt().block_on(async {
@@ -192,15 +225,25 @@ fn typed_errors_health_and_worker_loss() {
 #[test]
 fn with_api_keys_set_only_a_valid_bearer_key_gets_in() {
     let mut stack = Stack::nats_only();
-    let open = stack.spawn_gateway(&[("LLMQ__GATEWAY__API_KEYS", "key-one,key-two")]).1;
-    let closed = stack.spawn_gateway(&[("LLMQ__GATEWAY__API_KEYS", "key-one"), ("LLMQ__GATEWAY__KEYS_FOR_HEALTH_AND_METRICS", "true")]).1;
+    let open = stack
+        .spawn_gateway(&[("LLMQ__GATEWAY__API_KEYS", "key-one,key-two")])
+        .1;
+    let closed = stack
+        .spawn_gateway(&[
+            ("LLMQ__GATEWAY__API_KEYS", "key-one"),
+            ("LLMQ__GATEWAY__KEYS_FOR_HEALTH_AND_METRICS", "true"),
+        ])
+        .1;
     rt().block_on(async {
         let get = |addr: &str, path: &str, key: Option<&str>| {
             let (addr, path) = (addr.to_string(), path.to_string());
             let auth = key.map(|k| format!("Bearer {k}"));
             async move {
-                let headers: Vec<(&str, &str)> = auth.iter().map(|a| ("Authorization", a.as_str())).collect();
-                client::request_with(&addr, "GET", &path, None, &headers).await.unwrap()
+                let headers: Vec<(&str, &str)> =
+                    auth.iter().map(|a| ("Authorization", a.as_str())).collect();
+                client::request_with(&addr, "GET", &path, None, &headers)
+                    .await
+                    .unwrap()
             }
         };
         for key in [None, Some("wrong"), Some("key-one-")] {
@@ -211,13 +254,19 @@ fn with_api_keys_set_only_a_valid_bearer_key_gets_in() {
             assert_eq!(body["error"]["type"], "invalid_request_error");
         }
         // A POST without a key is refused before its body is read.
-        let r = client::request(&open, "POST", "/v1/chat/completions", Some("{}")).await.unwrap();
+        let r = client::request(&open, "POST", "/v1/chat/completions", Some("{}"))
+            .await
+            .unwrap();
         assert_eq!(r.status, 401, "{}", r.body);
         for key in ["key-one", "key-two"] {
             assert_eq!(get(&open, "/v1/models", Some(key)).await.status, 200);
         }
         // /health and /metrics stay open unless configured otherwise.
-        assert_eq!(get(&open, "/health", None).await.status, 503, "no worker: 503, not 401");
+        assert_eq!(
+            get(&open, "/health", None).await.status,
+            503,
+            "no worker: 503, not 401"
+        );
         assert_eq!(get(&open, "/metrics", None).await.status, 200);
         assert_eq!(get(&closed, "/health", None).await.status, 401);
         assert_eq!(get(&closed, "/metrics", None).await.status, 401);
@@ -235,7 +284,9 @@ fn a_job_lost_without_its_terminal_event_ends_its_stream() {
     let mut stack = Stack::nats_for("smollm2");
     let grace = [("LLMQ__INTAKE__NO_WORKER_GRACE_MS", "600000")];
     stack.spawn("intake", &grace);
-    let addr = stack.spawn_gateway(&[grace[0], ("LLMQ__GATEWAY__WORKER_TIMEOUT_MS", "1000")]).1;
+    let addr = stack
+        .spawn_gateway(&[grace[0], ("LLMQ__GATEWAY__WORKER_TIMEOUT_MS", "1000")])
+        .1;
     rt().block_on(async {
         let nc = async_nats::connect(&stack.url).await.unwrap();
         // A worker of the model, as intake and the gateway see it: heartbeats, and no job taken.

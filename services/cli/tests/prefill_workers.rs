@@ -18,7 +18,11 @@ use common::*;
 const LONG: &str = "Streams of tokens flow through queues, schedulers and caches. ";
 
 /// Small whole chunks (not in shares of layers): a prompt takes many grants.
-const CHUNKS: [(&str, &str); 3] = [("LLMQ__SCHEDULER__PREFILL_CHUNK_TOKENS", "16"), ("LLMQ__SCHEDULER__IDLE_PREFILL_CHUNK_TOKENS", "16"), ("LLMQ__SCHEDULER__PREFILL_CHUNK_STAGES", "1")];
+const CHUNKS: [(&str, &str); 3] = [
+    ("LLMQ__SCHEDULER__PREFILL_CHUNK_TOKENS", "16"),
+    ("LLMQ__SCHEDULER__IDLE_PREFILL_CHUNK_TOKENS", "16"),
+    ("LLMQ__SCHEDULER__PREFILL_CHUNK_STAGES", "1"),
+];
 
 /// The latest heartbeat of each worker, once every role in `roles` has been heard.
 async fn statuses(c: &Client, roles: &[WorkerRole]) -> HashMap<WorkerRole, WorkerStatus> {
@@ -26,7 +30,10 @@ async fn statuses(c: &Client, roles: &[WorkerRole]) -> HashMap<WorkerRole, Worke
     let mut seen = HashMap::new();
     let until = Instant::now() + Duration::from_secs(120);
     while !roles.iter().all(|r| seen.contains_key(r)) {
-        assert!(Instant::now() < until, "heartbeats of {roles:?} within 120 s: {seen:?}");
+        assert!(
+            Instant::now() < until,
+            "heartbeats of {roles:?} within 120 s: {seen:?}"
+        );
         if let Ok(Some(m)) = tokio::time::timeout(Duration::from_secs(1), sub.next()).await {
             let s: WorkerStatus = decode(&m.payload).unwrap();
             seen.insert(s.role, s);
@@ -40,7 +47,14 @@ async fn statuses(c: &Client, roles: &[WorkerRole]) -> HashMap<WorkerRole, Worke
 fn split_stack(extra: &[(&str, &str)]) -> (Stack, usize) {
     let mut stack = Stack::nats_only();
     stack.spawn("intake", &[]);
-    let with = |role: &'static str| -> Vec<(&str, &str)> { CHUNKS.iter().copied().chain(extra.iter().copied()).chain([("LLMQ__WORKER__ROLE", role)]).collect() };
+    let with = |role: &'static str| -> Vec<(&str, &str)> {
+        CHUNKS
+            .iter()
+            .copied()
+            .chain(extra.iter().copied())
+            .chain([("LLMQ__WORKER__ROLE", role)])
+            .collect()
+    };
     stack.spawn("worker", &with("decode"));
     let prefill = stack.spawn("worker", &with("prefill"));
     (stack, prefill)
@@ -59,18 +73,26 @@ fn the_kv_comes_over_nats_where_the_decoder_offers_no_direct_connection() {
 /// Prompts prefilled by the prefill worker get the same greedy tokens as in one process; the
 /// KV comes on the direct connection (`direct`: no piece of it on NATS) or in NATS pieces.
 fn prefilled_remotely_decodes_as_on_one_worker(extra: &[(&str, &str)], direct: bool) {
-    let prompts: Vec<String> = (1..=3).map(|i| format!("{i}: {}", LONG.repeat(3 + 2 * i))).collect();
+    let prompts: Vec<String> = (1..=3)
+        .map(|i| format!("{i}: {}", LONG.repeat(3 + 2 * i)))
+        .collect();
     let want: Vec<Vec<u32>> = prompts.iter().map(|p| local_greedy(p, 12)).collect();
     let (stack, _) = split_stack(extra);
     rt().block_on(async {
         let c = Client::connect(&stack.url).await;
         let s = statuses(&c, &[WorkerRole::Decode, WorkerRole::Prefill]).await;
-        let mut pieces = c.nc.subscribe(subjects::prefill_kv(&s[&WorkerRole::Decode].worker_id)).await.unwrap();
+        let mut pieces =
+            c.nc.subscribe(subjects::prefill_kv(&s[&WorkerRole::Decode].worker_id))
+                .await
+                .unwrap();
         let on_nats = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let counted = on_nats.clone();
         tokio::spawn(async move {
             while let Some(m) = pieces.next().await {
-                if matches!(decode::<prefill::PrefillReply>(&m.payload), Ok(prefill::PrefillReply::Kv(_))) {
+                if matches!(
+                    decode::<prefill::PrefillReply>(&m.payload),
+                    Ok(prefill::PrefillReply::Kv(_))
+                ) {
                     counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 }
             }
@@ -78,8 +100,16 @@ fn prefilled_remotely_decodes_as_on_one_worker(extra: &[(&str, &str)], direct: b
         // The decode worker hears the prefill worker's heartbeats (200 ms apart).
         tokio::time::sleep(Duration::from_millis(600)).await;
         let one = c.run(req(&prompts[0], 12)).await;
-        assert_eq!(one.tokens(), want[0], "the same greedy tokens as in-process generation");
-        let progress = one.events.iter().filter(|e| matches!(e.event, Event::PrefillProgress { .. })).count();
+        assert_eq!(
+            one.tokens(),
+            want[0],
+            "the same greedy tokens as in-process generation"
+        );
+        let progress = one
+            .events
+            .iter()
+            .filter(|e| matches!(e.event, Event::PrefillProgress { .. }))
+            .count();
         assert!(progress >= 3, "prefilled in many chunks: {:?}", one.events);
         // Three at once: their chunks are granted one at a time and interleave.
         let runs = futures::future::join_all(prompts.iter().map(|p| c.run(req(p, 12)))).await;
@@ -90,8 +120,14 @@ fn prefilled_remotely_decodes_as_on_one_worker(extra: &[(&str, &str)], direct: b
         // The KV came from the prefill worker.
         tokio::time::sleep(Duration::from_millis(500)).await;
         let s = statuses(&c, &[WorkerRole::Decode, WorkerRole::Prefill]).await;
-        let (sent, received) = (s[&WorkerRole::Prefill].kv_bytes_sent, s[&WorkerRole::Decode].kv_bytes_received);
-        assert!(received > 0 && received == sent, "KV sent {sent}, received {received}");
+        let (sent, received) = (
+            s[&WorkerRole::Prefill].kv_bytes_sent,
+            s[&WorkerRole::Decode].kv_bytes_received,
+        );
+        assert!(
+            received > 0 && received == sent,
+            "KV sent {sent}, received {received}"
+        );
         let on_nats = on_nats.load(std::sync::atomic::Ordering::Relaxed);
         if direct {
             assert_eq!(on_nats, 0, "the KV took the direct connection, not NATS");
@@ -104,7 +140,10 @@ fn prefilled_remotely_decodes_as_on_one_worker(extra: &[(&str, &str)], direct: b
 #[test]
 fn a_cancelled_request_frees_both_workers() {
     // A slow prefill (one token a chunk), so the cancel lands mid-prompt.
-    let (stack, _) = split_stack(&[("LLMQ__SCHEDULER__PREFILL_CHUNK_TOKENS", "1"), ("LLMQ__SCHEDULER__IDLE_PREFILL_CHUNK_TOKENS", "1")]);
+    let (stack, _) = split_stack(&[
+        ("LLMQ__SCHEDULER__PREFILL_CHUNK_TOKENS", "1"),
+        ("LLMQ__SCHEDULER__IDLE_PREFILL_CHUNK_TOKENS", "1"),
+    ]);
     rt().block_on(async {
         let c = Client::connect(&stack.url).await;
         statuses(&c, &[WorkerRole::Decode, WorkerRole::Prefill]).await;
@@ -116,19 +155,37 @@ fn a_cancelled_request_frees_both_workers() {
             if !sent && matches!(e.event, Event::PrefillProgress { done, .. } if done >= 20) {
                 sent = true;
                 let (nc, id) = (nc.clone(), id.clone());
-                tokio::spawn(async move { nc.publish(subjects::CANCEL, encode(&Cancel { request_id: id }).unwrap().into()).await.unwrap() });
+                tokio::spawn(async move {
+                    nc.publish(
+                        subjects::CANCEL,
+                        encode(&Cancel { request_id: id }).unwrap().into(),
+                    )
+                    .await
+                    .unwrap()
+                });
             }
         })
         .await;
-        assert!(matches!(run.last(), Event::Error { error } if error.class == ErrorClass::Cancelled), "{:?}", run.last());
+        assert!(
+            matches!(run.last(), Event::Error { error } if error.class == ErrorClass::Cancelled),
+            "{:?}",
+            run.last()
+        );
         assert!(run.tokens().is_empty(), "cancelled mid-prefill");
         // Both sides let it go: no sequence on the decode worker, no session on the prefill one.
         tokio::time::sleep(Duration::from_millis(800)).await;
         let s = statuses(&c, &[WorkerRole::Decode, WorkerRole::Prefill]).await;
         let (d, p) = (&s[&WorkerRole::Decode], &s[&WorkerRole::Prefill]);
-        assert_eq!((d.active_streams, d.kv_bytes_used - d.prefix_bytes), (0, 0), "{d:?}");
+        assert_eq!(
+            (d.active_streams, d.kv_bytes_used - d.prefix_bytes),
+            (0, 0),
+            "{d:?}"
+        );
         assert!(p.kv_bytes_sent > 0, "it was prefilled remotely: {p:?}");
-        assert_eq!(p.active_streams, 0, "the prefill worker dropped its session: {p:?}");
+        assert_eq!(
+            p.active_streams, 0,
+            "the prefill worker dropped its session: {p:?}"
+        );
     });
 }
 
@@ -147,12 +204,20 @@ fn a_dead_prefill_worker_leaves_its_prompts_to_the_decode_worker() {
         let t = Instant::now();
         let run = c.run(req(&prompt, 12)).await;
         assert_eq!(run.tokens(), want, "the same tokens, prefilled locally");
-        assert!(t.elapsed() < Duration::from_secs(30), "no hang: {:?}", t.elapsed());
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "no hang: {:?}",
+            t.elapsed()
+        );
         // With no prefill worker left, the next prompt is prefilled here from the start.
         let again = c.run(req(&format!("again {prompt}"), 12)).await;
         assert_eq!(again.tokens(), local_greedy(&format!("again {prompt}"), 12));
         let s = statuses(&c, &[WorkerRole::Decode]).await;
-        assert_eq!(s[&WorkerRole::Decode].kv_bytes_received, 0, "nothing came from the dead worker");
+        assert_eq!(
+            s[&WorkerRole::Decode].kv_bytes_received,
+            0,
+            "nothing came from the dead worker"
+        );
     });
 }
 
@@ -199,7 +264,11 @@ fn llmq_up_starts_prefill_workers() {
         let run = c.run(req(&prompt, 8)).await;
         assert_eq!(run.tokens(), local_greedy(&prompt, 8));
         let s = statuses(&c, &[WorkerRole::Prefill]).await;
-        assert!(s[&WorkerRole::Prefill].kv_bytes_sent > 0, "{:?}", s[&WorkerRole::Prefill]);
+        assert!(
+            s[&WorkerRole::Prefill].kv_bytes_sent > 0,
+            "{:?}",
+            s[&WorkerRole::Prefill]
+        );
     });
     drop(up);
     let _ = std::fs::remove_dir_all(&dir);

@@ -118,13 +118,19 @@ fn one_request_is_one_trace_from_gateway_to_worker() {
         ("OTEL_EXPORTER_OTLP_ENDPOINT", url.as_str()),
         ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json"),
         ("OTEL_BSP_SCHEDULE_DELAY", "100"),
-        ("LLMQ_LOG", "warn,llmq_worker=info,llmq_intake=info,llmq_gateway=info"),
+        (
+            "LLMQ_LOG",
+            "warn,llmq_worker=info,llmq_intake=info,llmq_gateway=info",
+        ),
     ];
     let mut stack = Stack::nats_only();
     stack.spawn("intake", &otel);
     stack.spawn("worker", &otel);
     let (_, addr) = stack.spawn_gateway(&otel);
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     let body = serde_json::json!({"model": fixture(), "prompt": "Hello there", "max_tokens": 5, "ignore_eos": true});
     let (status, answer) = rt.block_on(async {
         let t = Instant::now();
@@ -134,39 +140,85 @@ fn one_request_is_one_trace_from_gateway_to_worker() {
                     break;
                 }
             }
-            assert!(t.elapsed() < Duration::from_secs(60), "the gateway never saw a worker");
+            assert!(
+                t.elapsed() < Duration::from_secs(60),
+                "the gateway never saw a worker"
+            );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        let r = client::request(&addr, "POST", "/v1/completions", Some(&body.to_string())).await.unwrap();
+        let r = client::request(&addr, "POST", "/v1/completions", Some(&body.to_string()))
+            .await
+            .unwrap();
         (r.status, r.body)
     });
     assert_eq!(status, 200, "{answer}");
     let answer: Value = serde_json::from_str(&answer).unwrap();
-    let request_id = answer["id"].as_str().unwrap().trim_start_matches("cmpl-").to_string();
+    let request_id = answer["id"]
+        .as_str()
+        .unwrap()
+        .trim_start_matches("cmpl-")
+        .to_string();
 
     // The three spans arrive within a few export intervals.
     let t = Instant::now();
     let (gateway, intake, worker) = loop {
         let all = spans(&bodies.lock().unwrap());
         let find = |name: &str| all.iter().find(|s| s.name == name).cloned();
-        if let (Some(g), Some(i), Some(w)) = (find("gateway.request"), find("intake.accept"), find("worker.request")) {
+        if let (Some(g), Some(i), Some(w)) = (
+            find("gateway.request"),
+            find("intake.accept"),
+            find("worker.request"),
+        ) {
             break (g, i, w);
         }
-        assert!(t.elapsed() < Duration::from_secs(20), "spans received: {all:?}");
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "spans received: {all:?}"
+        );
         std::thread::sleep(Duration::from_millis(100));
     };
-    assert_eq!((gateway.service.as_str(), intake.service.as_str(), worker.service.as_str()), ("llmq-gateway", "llmq-intake", "llmq-worker"));
+    assert_eq!(
+        (
+            gateway.service.as_str(),
+            intake.service.as_str(),
+            worker.service.as_str()
+        ),
+        ("llmq-gateway", "llmq-intake", "llmq-worker")
+    );
     assert_eq!(gateway.trace.len(), 32, "{gateway:?}");
-    assert!(gateway.parent.is_empty(), "the gateway's span is the root: {gateway:?}");
-    assert_eq!((intake.trace.as_str(), intake.parent.as_str()), (gateway.trace.as_str(), gateway.id.as_str()), "intake under the gateway");
-    assert_eq!((worker.trace.as_str(), worker.parent.as_str()), (gateway.trace.as_str(), intake.id.as_str()), "worker under intake");
+    assert!(
+        gateway.parent.is_empty(),
+        "the gateway's span is the root: {gateway:?}"
+    );
+    assert_eq!(
+        (intake.trace.as_str(), intake.parent.as_str()),
+        (gateway.trace.as_str(), gateway.id.as_str()),
+        "intake under the gateway"
+    );
+    assert_eq!(
+        (worker.trace.as_str(), worker.parent.as_str()),
+        (gateway.trace.as_str(), intake.id.as_str()),
+        "worker under intake"
+    );
     let attr = |s: &Span, k: &str| s.attrs.get(k).cloned().unwrap_or(Value::Null);
-    let text = |v: Value| v["stringValue"].as_str().map(str::to_string).unwrap_or_default();
+    let text = |v: Value| {
+        v["stringValue"]
+            .as_str()
+            .map(str::to_string)
+            .unwrap_or_default()
+    };
     for s in [&gateway, &intake, &worker] {
         assert_eq!(text(attr(s, "request_id")), request_id, "{s:?}");
     }
-    assert_eq!(attr(&worker, "completion_tokens")["intValue"], Value::from("5"), "{worker:?}");
-    assert_eq!(attr(&worker, "prompt_tokens"), attr(&intake, "prompt_tokens"));
+    assert_eq!(
+        attr(&worker, "completion_tokens")["intValue"],
+        Value::from("5"),
+        "{worker:?}"
+    );
+    assert_eq!(
+        attr(&worker, "prompt_tokens"),
+        attr(&intake, "prompt_tokens")
+    );
     assert_eq!(text(attr(&worker, "finish_reason")), "Length");
     assert!(attr(&worker, "error").is_null(), "{worker:?}");
 }

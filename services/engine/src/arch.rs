@@ -30,11 +30,35 @@ pub struct ArchOptions {
 
 pub fn options(arch: Arch) -> ArchOptions {
     match arch {
-        Arch::Llama => ArchOptions { qkv_bias: false, qk_norm: false, fused: false },
-        Arch::Qwen2 => ArchOptions { qkv_bias: true, qk_norm: false, fused: false },
-        Arch::Qwen3 => ArchOptions { qkv_bias: false, qk_norm: true, fused: false },
-        Arch::Phi3 => ArchOptions { qkv_bias: false, qk_norm: false, fused: true },
-        Arch::Gemma2 => ArchOptions { qkv_bias: false, qk_norm: false, fused: false },
-        Arch::Gemma3 => ArchOptions { qkv_bias: false, qk_norm: true, fused: false },
+        Arch::Llama => ArchOptions {
+            qkv_bias: false,
+            qk_norm: false,
+            fused: false,
+        },
+        Arch::Qwen2 => ArchOptions {
+            qkv_bias: true,
+            qk_norm: false,
+            fused: false,
+        },
+        Arch::Qwen3 => ArchOptions {
+            qkv_bias: false,
+            qk_norm: true,
+            fused: false,
+        },
+        Arch::Phi3 => ArchOptions {
+            qkv_bias: false,
+            qk_norm: false,
+            fused: true,
+        },
+        Arch::Gemma2 => ArchOptions {
+            qkv_bias: false,
+            qk_norm: false,
+            fused: false,
+        },
+        Arch::Gemma3 => ArchOptions {
+            qkv_bias: false,
+            qk_norm: true,
+            fused: false,
+        },
     }
 }

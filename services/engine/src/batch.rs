@@ -90,30 +90,47 @@ impl DecodeBatch {
     }
 
     pub fn nbytes(&self) -> usize {
-        self.layers.iter().map(|(k, v)| k.nbytes() + v.nbytes()).sum()
+        self.layers
+            .iter()
+            .map(|(k, v)| k.nbytes() + v.nbytes())
+            .sum()
     }
 
     fn zeros(&self, slots: usize, capacity: usize) -> Result<Array> {
-        Ok(zeros_dtype(&[slots as i32, self.kv_heads, capacity as i32, self.head_dim], self.dtype)?)
+        Ok(zeros_dtype(
+            &[slots as i32, self.kv_heads, capacity as i32, self.head_dim],
+            self.dtype,
+        )?)
     }
 
     /// Evaluates the buffers (for timing what a join costs).
     pub fn eval(&self) -> Result<()> {
-        Ok(mlx_rs::transforms::eval(self.layers.iter().flat_map(|(k, v)| [k, v]))?)
+        Ok(mlx_rs::transforms::eval(
+            self.layers.iter().flat_map(|(k, v)| [k, v]),
+        )?)
     }
 
     /// Makes room for `slots` rows of `capacity` tokens.
     pub(crate) fn reserve(&mut self, slots: usize, capacity: usize) -> Result<()> {
         // Short rows come many at a time; long ones few (a row there is gigabytes).
         let least = if self.per_row_up_to > 0 { 1 } else { 4 };
-        let slots = if slots > self.slots { slots.max(self.slots * 2).max(least) } else { self.slots };
-        let capacity = if capacity > self.capacity { whole_steps(capacity) } else { self.capacity };
+        let slots = if slots > self.slots {
+            slots.max(self.slots * 2).max(least)
+        } else {
+            self.slots
+        };
+        let capacity = if capacity > self.capacity {
+            whole_steps(capacity)
+        } else {
+            self.capacity
+        };
         if slots == self.slots && capacity == self.capacity {
             return Ok(());
         }
         if self.layers.is_empty() {
             for _ in 0..self.num_layers {
-                self.layers.push((self.zeros(slots, capacity)?, self.zeros(slots, capacity)?));
+                self.layers
+                    .push((self.zeros(slots, capacity)?, self.zeros(slots, capacity)?));
             }
         } else {
             let (old_slots, old_cap) = (self.slots, self.capacity);
@@ -146,7 +163,11 @@ impl DecodeBatch {
         let len = cache.offset();
         let row = self.lens.len();
         let contents = |l: usize| {
-            cache.contents(l).ok_or_else(|| EngineError::InvalidRequest("a sliding-window cache cannot join the decode batch".into()))
+            cache.contents(l).ok_or_else(|| {
+                EngineError::InvalidRequest(
+                    "a sliding-window cache cannot join the decode batch".into(),
+                )
+            })
         };
         if row == 0 && self.per_row_up_to > 0 {
             // The first long row: its own KV plus room to grow are the buffers. A cache whose
@@ -154,7 +175,8 @@ impl DecodeBatch {
             // hundreds of megabytes, seconds of a CPU's time to copy); once the sequence drops
             // its cache, the batch writes into them in place.
             if let Some(layers) = cache.buffers_with_room(len + 1) {
-                (self.slots, self.capacity) = (1, layers.first().map_or(0, |(k, _)| k.shape()[2] as usize));
+                (self.slots, self.capacity) =
+                    (1, layers.first().map_or(0, |(k, _)| k.shape()[2] as usize));
                 self.layers = layers;
                 self.lens.push(len);
                 return Ok(0);
@@ -164,7 +186,10 @@ impl DecodeBatch {
             self.layers = (0..self.num_layers)
                 .map(|l| {
                     let (ck, cv) = contents(l)?;
-                    Ok((concatenate(&[&ck, &room], 2)?, concatenate(&[&cv, &room], 2)?))
+                    Ok((
+                        concatenate(&[&ck, &room], 2)?,
+                        concatenate(&[&cv, &room], 2)?,
+                    ))
                 })
                 .collect::<Result<_>>()?;
             (self.slots, self.capacity) = (1, capacity);
@@ -186,15 +211,32 @@ impl DecodeBatch {
     pub fn row_contents(&self, row: usize) -> Option<Vec<(Array, Array)>> {
         let len = *self.lens.get(row)? as i32;
         let r = row as i32;
-        Some(self.layers.iter().map(|(k, v)| (k.index((r..r + 1, .., ..len, ..)), v.index((r..r + 1, .., ..len, ..)))).collect())
+        Some(
+            self.layers
+                .iter()
+                .map(|(k, v)| {
+                    (
+                        k.index((r..r + 1, .., ..len, ..)),
+                        v.index((r..r + 1, .., ..len, ..)),
+                    )
+                })
+                .collect(),
+        )
     }
 
     /// Removes a row. The last row moves into its place: returns that row's old index, so the
     /// caller can update its map (None when `row` was the last one).
     pub fn leave(&mut self, row: usize) -> Result<Option<usize>> {
-        let last = self.lens.len().checked_sub(1).ok_or_else(|| EngineError::InvalidRequest("leave from an empty batch".into()))?;
+        let last = self
+            .lens
+            .len()
+            .checked_sub(1)
+            .ok_or_else(|| EngineError::InvalidRequest("leave from an empty batch".into()))?;
         if row > last {
-            return Err(EngineError::InvalidRequest(format!("no row {row} in a batch of {}", last + 1)));
+            return Err(EngineError::InvalidRequest(format!(
+                "no row {row} in a batch of {}",
+                last + 1
+            )));
         }
         let moved = if row != last {
             let (r, e) = (row as i32, last as i32);
@@ -228,7 +270,10 @@ impl DecodeBatch {
     /// Scatter indices [slots, kv_heads, 1, head_dim] writing each row's new token at its position.
     pub(crate) fn write_index(&self, positions: &Array) -> Result<Array> {
         let p = positions.reshape(&[self.slots as i32, 1, 1, 1])?;
-        Ok(broadcast_to(&p, &[self.slots as i32, self.kv_heads, 1, self.head_dim])?)
+        Ok(broadcast_to(
+            &p,
+            &[self.slots as i32, self.kv_heads, 1, self.head_dim],
+        )?)
     }
 
     pub(crate) fn advance(&mut self) {

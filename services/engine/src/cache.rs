@@ -30,7 +30,9 @@ pub trait KvCache: Send {
     /// written at `offset() - n`, over them.
     fn rewind(&mut self, n: usize) -> Result<()> {
         let _ = n;
-        Err(crate::EngineError::InvalidRequest("this cache cannot rewind".into()))
+        Err(crate::EngineError::InvalidRequest(
+            "this cache cannot rewind".into(),
+        ))
     }
     /// Bytes of device memory held.
     fn nbytes(&self) -> usize;
@@ -68,7 +70,13 @@ impl StandardCache {
 
     /// A cache whose first buffers hold at least `room` positions.
     pub fn with_room(step: usize, room: usize) -> Self {
-        StandardCache { keys: None, values: None, offset: 0, step: step.max(1), room }
+        StandardCache {
+            keys: None,
+            values: None,
+            offset: 0,
+            step: step.max(1),
+            room,
+        }
     }
 
     fn capacity(&self) -> usize {
@@ -78,10 +86,19 @@ impl StandardCache {
     /// A cache that starts with the first `n` positions of keys/values [1, kv_heads, >=n, d]
     /// (a prefix-cache hit): copied into a buffer of its own with room for `capacity` tokens
     /// (the whole prompt, so that prefilling the rest does not grow it), in whole steps.
-    pub fn with_prefix(step: usize, k: &Array, v: &Array, n: usize, capacity: usize) -> Result<Self> {
+    pub fn with_prefix(
+        step: usize,
+        k: &Array,
+        v: &Array,
+        n: usize,
+        capacity: usize,
+    ) -> Result<Self> {
         let mut c = StandardCache::new(step);
         let cap = n.max(capacity).div_ceil(c.step).max(1) * c.step;
-        let (ks, vs) = (k.index((.., .., ..n as i32, ..)), v.index((.., .., ..n as i32, ..)));
+        let (ks, vs) = (
+            k.index((.., .., ..n as i32, ..)),
+            v.index((.., .., ..n as i32, ..)),
+        );
         c.keys = Some(grow(Some(&ks), &ks, cap - n)?);
         c.values = Some(grow(Some(&vs), &vs, cap - n)?);
         c.offset = n;
@@ -109,7 +126,11 @@ impl KvCache for StandardCache {
         if end > self.capacity() {
             // Geometric growth: a long prompt prefilled in chunks copies its cache O(log n)
             // times, not once per chunk.
-            let target = end.max(2 * self.capacity()).max(self.room).div_ceil(self.step) * self.step;
+            let target = end
+                .max(2 * self.capacity())
+                .max(self.room)
+                .div_ceil(self.step)
+                * self.step;
             let extra = target - self.capacity();
             self.keys = Some(grow(self.keys.as_ref(), k, extra)?);
             self.values = Some(grow(self.values.as_ref(), v, extra)?);
@@ -127,8 +148,16 @@ impl KvCache for StandardCache {
         // 8192-token buffer on an H200. The fused kernel is planned once per shape
         // (40-70 ms the first time), which is why the model pads chunks to a grid of positions
         // on a GPU (`Model::chunk_grid`).
-        let mask = if t == 1 { AttnMask::None } else { AttnMask::Causal };
-        Ok((keys.index((.., .., ..e, ..)), values.index((.., .., ..e, ..)), mask))
+        let mask = if t == 1 {
+            AttnMask::None
+        } else {
+            AttnMask::Causal
+        };
+        Ok((
+            keys.index((.., .., ..e, ..)),
+            values.index((.., .., ..e, ..)),
+            mask,
+        ))
     }
 
     fn buffers(&self) -> Option<(&Array, &Array)> {
@@ -137,24 +166,34 @@ impl KvCache for StandardCache {
 
     fn last(&self, n: usize) -> Option<(Array, Array)> {
         let (o, e) = (self.offset.checked_sub(n)? as i32, self.offset as i32);
-        Some((self.keys.as_ref()?.index((.., .., o..e, ..)), self.values.as_ref()?.index((.., .., o..e, ..))))
+        Some((
+            self.keys.as_ref()?.index((.., .., o..e, ..)),
+            self.values.as_ref()?.index((.., .., o..e, ..)),
+        ))
     }
 
     fn rewind(&mut self, n: usize) -> Result<()> {
         if n > self.offset {
-            return Err(crate::EngineError::InvalidRequest(format!("rewind of {n} tokens from position {}", self.offset)));
+            return Err(crate::EngineError::InvalidRequest(format!(
+                "rewind of {n} tokens from position {}",
+                self.offset
+            )));
         }
         self.offset -= n;
         Ok(())
     }
 
     fn nbytes(&self) -> usize {
-        self.keys.as_ref().map_or(0, |k| k.nbytes()) + self.values.as_ref().map_or(0, |v| v.nbytes())
+        self.keys.as_ref().map_or(0, |k| k.nbytes())
+            + self.values.as_ref().map_or(0, |v| v.nbytes())
     }
 
     fn contents(&self) -> Option<(Array, Array)> {
         let e = self.offset as i32;
-        Some((self.keys.as_ref()?.index((.., .., ..e, ..)), self.values.as_ref()?.index((.., .., ..e, ..))))
+        Some((
+            self.keys.as_ref()?.index((.., .., ..e, ..)),
+            self.values.as_ref()?.index((.., .., ..e, ..)),
+        ))
     }
 }
 
@@ -169,7 +208,12 @@ pub struct RotatingCache {
 
 impl RotatingCache {
     pub fn new(window: usize) -> Self {
-        RotatingCache { keys: None, values: None, offset: 0, window: window.max(1) }
+        RotatingCache {
+            keys: None,
+            values: None,
+            offset: 0,
+            window: window.max(1),
+        }
     }
 
     /// A cache that starts with the first `n` positions of keys/values; only possible while
@@ -177,7 +221,9 @@ impl RotatingCache {
     pub fn with_prefix(window: usize, k: &Array, v: &Array, n: usize) -> Result<Self> {
         let mut c = RotatingCache::new(window);
         if n >= c.window {
-            return Err(crate::EngineError::InvalidRequest(format!("a prefix of {n} tokens does not fit a window of {window}")));
+            return Err(crate::EngineError::InvalidRequest(format!(
+                "a prefix of {n} tokens does not fit a window of {window}"
+            )));
         }
         if n > 0 {
             c.keys = Some(k.index((.., .., ..n as i32, ..)));
@@ -224,7 +270,8 @@ impl KvCache for RotatingCache {
     }
 
     fn nbytes(&self) -> usize {
-        self.keys.as_ref().map_or(0, |k| k.nbytes()) + self.values.as_ref().map_or(0, |v| v.nbytes())
+        self.keys.as_ref().map_or(0, |k| k.nbytes())
+            + self.values.as_ref().map_or(0, |v| v.nbytes())
     }
 
     fn last(&self, n: usize) -> Option<(Array, Array)> {
@@ -264,13 +311,20 @@ impl SequenceCache {
     /// Every layer's keys and values of the last `n` positions written, if every layer still
     /// keeps them (see `KvCache::last`).
     pub fn last(&self, n: usize) -> Option<Vec<(Array, Array)>> {
-        self.layers.iter().map(|l| if n == 0 { None } else { l.last(n) }).collect()
+        self.layers
+            .iter()
+            .map(|l| if n == 0 { None } else { l.last(n) })
+            .collect()
     }
     /// Appends keys and values computed elsewhere (another worker's prefill): one
     /// [1, kv_heads, n, head_dim] pair per layer, written as a chunk run here would write them.
     pub fn append(&mut self, layers: &[(Array, Array)]) -> Result<()> {
         if layers.len() != self.layers.len() {
-            return Err(crate::EngineError::InvalidRequest(format!("KV of {} layers for a cache of {}", layers.len(), self.layers.len())));
+            return Err(crate::EngineError::InvalidRequest(format!(
+                "KV of {} layers for a cache of {}",
+                layers.len(),
+                self.layers.len()
+            )));
         }
         for (cache, (k, v)) in self.layers.iter_mut().zip(layers) {
             cache.update(k, v)?;
@@ -278,7 +332,16 @@ impl SequenceCache {
         // Written now, on the device: left lazy, every chunk appended so far would be read
         // from the host's memory by the step that completes the prompt (on an H100, 0.75 s for
         // the 1 GB of an 8,192-token prompt at 8b, stalling that step's streams).
-        let written: Vec<Array> = self.layers.iter().filter_map(|l| l.buffers().map(|(k, v)| [k.clone(), v.clone()]).or_else(|| l.contents().map(|(k, v)| [k, v]))).flatten().collect();
+        let written: Vec<Array> = self
+            .layers
+            .iter()
+            .filter_map(|l| {
+                l.buffers()
+                    .map(|(k, v)| [k.clone(), v.clone()])
+                    .or_else(|| l.contents().map(|(k, v)| [k, v]))
+            })
+            .flatten()
+            .collect();
         mlx_rs::transforms::async_eval(written.iter())?;
         Ok(())
     }
@@ -289,8 +352,16 @@ impl SequenceCache {
     /// Every layer's whole buffers (see `KvCache::buffers`), shared, when each layer keeps its
     /// positions in order in buffers of one capacity of at least `room` positions.
     pub fn buffers_with_room(&self, room: usize) -> Option<Vec<(Array, Array)>> {
-        let layers: Vec<(Array, Array)> = self.layers.iter().map(|l| l.buffers().map(|(k, v)| (k.clone(), v.clone()))).collect::<Option<_>>()?;
+        let layers: Vec<(Array, Array)> = self
+            .layers
+            .iter()
+            .map(|l| l.buffers().map(|(k, v)| (k.clone(), v.clone())))
+            .collect::<Option<_>>()?;
         let capacity = layers.first()?.0.shape()[2] as usize;
-        layers.iter().all(|(k, v)| k.shape()[2] as usize == capacity && v.shape()[2] as usize == capacity).then_some(layers).filter(|_| capacity >= room)
+        layers
+            .iter()
+            .all(|(k, v)| k.shape()[2] as usize == capacity && v.shape()[2] as usize == capacity)
+            .then_some(layers)
+            .filter(|_| capacity >= room)
     }
 }

@@ -52,16 +52,25 @@ pub struct Shape {
 /// When the slices' lengths do not match `s`, `t > len`, `len > cap`, or the heads are not a
 /// multiple of the kv heads.
 pub fn causal_attention(q: &[f32], k: &[f32], v: &[f32], s: Shape, scale: f32) -> Vec<f32> {
-    assert!(s.kv_heads > 0 && s.heads % s.kv_heads == 0 && s.t <= s.len && s.len <= s.cap, "{s:?}");
+    assert!(
+        s.kv_heads > 0 && s.heads % s.kv_heads == 0 && s.t <= s.len && s.len <= s.cap,
+        "{s:?}"
+    );
     assert_eq!(q.len(), s.heads * s.t * s.d, "queries of {s:?}");
-    assert!(k.len() == s.kv_heads * s.cap * s.d && v.len() == k.len(), "keys and values of {s:?}");
+    assert!(
+        k.len() == s.kv_heads * s.cap * s.d && v.len() == k.len(),
+        "keys and values of {s:?}"
+    );
     let tiles = s.t.div_ceil(QUERY_TILE);
     let group = s.heads / s.kv_heads;
     let queries = |tile: usize| tile * QUERY_TILE..((tile + 1) * QUERY_TILE).min(s.t);
     // A unit: a kv head's heads for a tile of queries, over keys up to its last query's.
-    let parts = split_over_keys(s.kv_heads * tiles, s.len, |unit| s.len - s.t + queries(unit % tiles).end, |unit, keys| {
-        run_tile(q, k, v, s, scale, unit / tiles, queries(unit % tiles), keys)
-    });
+    let parts = split_over_keys(
+        s.kv_heads * tiles,
+        s.len,
+        |unit| s.len - s.t + queries(unit % tiles).end,
+        |unit, keys| run_tile(q, k, v, s, scale, unit / tiles, queries(unit % tiles), keys),
+    );
     let mut out = vec![0.0; q.len()];
     for (unit, part) in parts.into_iter().enumerate() {
         let (g, first) = (unit / tiles, queries(unit % tiles).start);
@@ -79,18 +88,42 @@ pub fn causal_attention(q: &[f32], k: &[f32], v: &[f32], s: Shape, scale: f32) -
 /// kv_heads, cap, d], row `r` over its first `lens[r]` positions (its new token's included);
 /// slots past `lens` (scratch rows) get zeros. Returns [slots, heads, 1, d]. Of `s`, `t` and
 /// `len` are each row's (1 and `lens[r]`), whatever `s` says.
-pub fn rows_attention(q: &[f32], k: &[f32], v: &[f32], lens: &[usize], s: Shape, scale: f32) -> Vec<f32> {
+pub fn rows_attention(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    lens: &[usize],
+    s: Shape,
+    scale: f32,
+) -> Vec<f32> {
     let slots = q.len() / (s.heads * s.d).max(1);
     let (row_q, row_kv) = (s.heads * s.d, s.kv_heads * s.cap * s.d);
-    assert!(lens.len() <= slots && k.len() == slots * row_kv && v.len() == k.len(), "{s:?} for {} rows of {slots}", lens.len());
+    assert!(
+        lens.len() <= slots && k.len() == slots * row_kv && v.len() == k.len(),
+        "{s:?} for {} rows of {slots}",
+        lens.len()
+    );
     let longest = lens.iter().copied().max().unwrap_or(0);
     // A unit: a row's kv head.
-    let parts = split_over_keys(lens.len() * s.kv_heads, longest, |unit| lens[unit / s.kv_heads], |unit, keys| {
-        let (r, g) = (unit / s.kv_heads, unit % s.kv_heads);
-        let one = Shape { t: 1, len: lens[r], ..s };
-        let (q, k, v) = (&q[r * row_q..][..row_q], &k[r * row_kv..][..row_kv], &v[r * row_kv..][..row_kv]);
-        run_tile(q, k, v, one, scale, g, 0..1, keys)
-    });
+    let parts = split_over_keys(
+        lens.len() * s.kv_heads,
+        longest,
+        |unit| lens[unit / s.kv_heads],
+        |unit, keys| {
+            let (r, g) = (unit / s.kv_heads, unit % s.kv_heads);
+            let one = Shape {
+                t: 1,
+                len: lens[r],
+                ..s
+            };
+            let (q, k, v) = (
+                &q[r * row_q..][..row_q],
+                &k[r * row_kv..][..row_kv],
+                &v[r * row_kv..][..row_kv],
+            );
+            run_tile(q, k, v, one, scale, g, 0..1, keys)
+        },
+    );
     let mut out = vec![0.0; q.len()];
     let group = s.heads / s.kv_heads;
     for (unit, part) in parts.into_iter().enumerate() {
@@ -105,7 +138,12 @@ pub fn rows_attention(q: &[f32], k: &[f32], v: &[f32], lens: &[usize], s: Shape,
 /// `longest`) cut into as many ranges as balance the cores (whole blocks, at least
 /// `MIN_SPLIT_KEYS` each): `run(unit, keys)` gives a range's running softmax, and each unit's
 /// ranges are merged in order (the result does not depend on which core ran what).
-fn split_over_keys(units: usize, longest: usize, end: impl Fn(usize) -> usize + Sync, run: impl Fn(usize, Range<usize>) -> Partial + Sync) -> Vec<Partial> {
+fn split_over_keys(
+    units: usize,
+    longest: usize,
+    end: impl Fn(usize) -> usize + Sync,
+    run: impl Fn(usize, Range<usize>) -> Partial + Sync,
+) -> Vec<Partial> {
     let wanted = (TASKS_PER_CORE * rayon::current_num_threads()).div_ceil(units.max(1));
     let splits = wanted.min(longest / MIN_SPLIT_KEYS).max(1);
     let parts: Vec<Partial> = (0..units * splits)
@@ -150,7 +188,10 @@ impl Partial {
             let (a, b) = (exp_le0(self.max[r] - m), exp_le0(other.max[r] - m));
             self.sum[r] = self.sum[r] * a + other.sum[r] * b;
             self.max[r] = m;
-            for (x, &y) in self.acc[r * d..][..d].iter_mut().zip(&other.acc[r * d..][..d]) {
+            for (x, &y) in self.acc[r * d..][..d]
+                .iter_mut()
+                .zip(&other.acc[r * d..][..d])
+            {
                 *x = *x * a + y * b;
             }
         }
@@ -172,7 +213,16 @@ impl Partial {
 /// One task: the heads of kv head `g` for `queries` over the positions `keys`. Rows are (head
 /// in the group, query), query fastest.
 #[allow(clippy::too_many_arguments)]
-fn run_tile(q: &[f32], k: &[f32], v: &[f32], s: Shape, scale: f32, g: usize, queries: Range<usize>, keys: Range<usize>) -> Partial {
+fn run_tile(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    s: Shape,
+    scale: f32,
+    g: usize,
+    queries: Range<usize>,
+    keys: Range<usize>,
+) -> Partial {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
         // SAFETY: the CPU has the features the function is compiled for.
@@ -184,7 +234,16 @@ fn run_tile(q: &[f32], k: &[f32], v: &[f32], s: Shape, scale: f32, g: usize, que
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn tile_avx2(q: &[f32], k: &[f32], v: &[f32], s: Shape, scale: f32, g: usize, queries: Range<usize>, keys: Range<usize>) -> Partial {
+unsafe fn tile_avx2(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    s: Shape,
+    scale: f32,
+    g: usize,
+    queries: Range<usize>,
+    keys: Range<usize>,
+) -> Partial {
     tile::<true>(q, k, v, s, scale, g, queries, keys)
 }
 
@@ -203,7 +262,16 @@ fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
 /// last are masked).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn tile<const FMA: bool>(q: &[f32], k: &[f32], v: &[f32], s: Shape, scale: f32, g: usize, queries: Range<usize>, keys: Range<usize>) -> Partial {
+fn tile<const FMA: bool>(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    s: Shape,
+    scale: f32,
+    g: usize,
+    queries: Range<usize>,
+    keys: Range<usize>,
+) -> Partial {
     let (d, n) = (s.d, queries.len());
     let group = s.heads / s.kv_heads;
     let rows = group * n;
@@ -212,12 +280,18 @@ fn tile<const FMA: bool>(q: &[f32], k: &[f32], v: &[f32], s: Shape, scale: f32, 
     let mut last = vec![0usize; rows];
     for r in 0..rows {
         let (h, i) = (g * group + r / n, queries.start + r % n);
-        for (dst, src) in qs[r * d..][..d].iter_mut().zip(&q[(h * s.t + i) * d..][..d]) {
+        for (dst, src) in qs[r * d..][..d]
+            .iter_mut()
+            .zip(&q[(h * s.t + i) * d..][..d])
+        {
             *dst = src * scale;
         }
         last[r] = s.len - s.t + i;
     }
-    let (all_keys, values) = (&k[g * s.cap * d..][..s.len * d], &v[g * s.cap * d..][..s.len * d]);
+    let (all_keys, values) = (
+        &k[g * s.cap * d..][..s.len * d],
+        &v[g * s.cap * d..][..s.len * d],
+    );
     let mut max = vec![f32::NEG_INFINITY; rows];
     let mut rescale = vec![0.0f32; rows];
     let mut sum = vec![0.0f32; rows];
@@ -272,21 +346,32 @@ fn lanes(xs: &[f32], init: f32, f: impl Fn(f32, f32) -> f32) -> f32 {
             acc[l] = f(acc[l], c[l]);
         }
     }
-    chunks.remainder().iter().fold(acc.into_iter().fold(init, &f), |a, &x| f(a, x))
+    chunks
+        .remainder()
+        .iter()
+        .fold(acc.into_iter().fold(init, &f), |a, &x| f(a, x))
 }
 
 /// Scores of the `live` rows over a block's keys (`kt`, [d][BLOCK]), two rows and half a block
 /// at a time: 8 vector accumulators that stay in registers, each key vector loaded once for two
 /// rows.
 #[inline(always)]
-fn block_scores<const FMA: bool>(qs: &[f32], kt: &[f32], d: usize, live: &[usize], scores: &mut [[f32; BLOCK]]) {
+fn block_scores<const FMA: bool>(
+    qs: &[f32],
+    kt: &[f32],
+    d: usize,
+    live: &[usize],
+    scores: &mut [[f32; BLOCK]],
+) {
     const HALF: usize = BLOCK / 2;
     for pair in live.chunks(2) {
         let (r0, r1) = (pair[0], pair[pair.len() - 1]);
         for h in 0..2 {
             let mut a = [[0.0f32; HALF]; 2];
             for c in 0..d {
-                let kc: &[f32; HALF] = kt[c * BLOCK + h * HALF..][..HALF].try_into().expect("a half block");
+                let kc: &[f32; HALF] = kt[c * BLOCK + h * HALF..][..HALF]
+                    .try_into()
+                    .expect("a half block");
                 let (q0, q1) = (qs[r0 * d + c], qs[r1 * d + c]);
                 for l in 0..HALF {
                     a[0][l] = madd::<FMA>(q0, kc[l], a[0][l]);
@@ -308,7 +393,14 @@ const WIDTH: usize = 32;
 /// Each value vector is loaded once for `R` rows, `WIDTH` columns (or, where `d` is not a
 /// multiple of it, all of them) at a time.
 #[inline(always)]
-fn accumulate<const FMA: bool, const R: usize>(acc: &mut [f32], d: usize, rows: [usize; R], rescale: &[f32], scores: &[[f32; BLOCK]], block: &[f32]) {
+fn accumulate<const FMA: bool, const R: usize>(
+    acc: &mut [f32],
+    d: usize,
+    rows: [usize; R],
+    rescale: &[f32],
+    scores: &[[f32; BLOCK]],
+    block: &[f32],
+) {
     let keys = block.len() / d;
     if d % WIDTH != 0 {
         for &r in &rows {
@@ -332,7 +424,9 @@ fn accumulate<const FMA: bool, const R: usize>(acc: &mut [f32], d: usize, rows: 
             }
         }
         for j in 0..keys {
-            let v: &[f32; WIDTH] = block[j * d + c..][..WIDTH].try_into().expect("a width of columns");
+            let v: &[f32; WIDTH] = block[j * d + c..][..WIDTH]
+                .try_into()
+                .expect("a width of columns");
             for k in 0..R {
                 let p = scores[rows[k]][j];
                 for l in 0..WIDTH {
@@ -359,12 +453,22 @@ mod tests {
             for i in 0..s.t {
                 let last = s.len - s.t + i;
                 let qr = &q[(h * s.t + i) * s.d..][..s.d];
-                let sc: Vec<f64> = (0..=last).map(|j| qr.iter().zip(&k[(g * s.cap + j) * s.d..][..s.d]).map(|(a, b)| (a * b) as f64).sum::<f64>() * scale as f64).collect();
+                let sc: Vec<f64> = (0..=last)
+                    .map(|j| {
+                        qr.iter()
+                            .zip(&k[(g * s.cap + j) * s.d..][..s.d])
+                            .map(|(a, b)| (a * b) as f64)
+                            .sum::<f64>()
+                            * scale as f64
+                    })
+                    .collect();
                 let m = sc.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                 let e: Vec<f64> = sc.iter().map(|x| (x - m).exp()).collect();
                 let z: f64 = e.iter().sum();
                 for c in 0..s.d {
-                    let x: f64 = (0..=last).map(|j| e[j] * v[(g * s.cap + j) * s.d + c] as f64).sum();
+                    let x: f64 = (0..=last)
+                        .map(|j| e[j] * v[(g * s.cap + j) * s.d + c] as f64)
+                        .sum();
                     out[(h * s.t + i) * s.d + c] = (x / z) as f32;
                 }
             }
@@ -375,7 +479,9 @@ mod tests {
     fn random(n: usize, seed: &mut u64) -> Vec<f32> {
         (0..n)
             .map(|_| {
-                *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                *seed = seed
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
                 ((*seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 4.0
             })
             .collect()
@@ -384,11 +490,25 @@ mod tests {
     #[test]
     fn decode_rows_attend_over_their_own_lengths() {
         let mut seed = 11;
-        let s = Shape { heads: 6, kv_heads: 2, t: 1, len: 0, cap: 40, d: 32 };
+        let s = Shape {
+            heads: 6,
+            kv_heads: 2,
+            t: 1,
+            len: 0,
+            cap: 40,
+            d: 32,
+        };
         let (slots, lens) = (4, [1usize, 40, 17]);
         rows_match(s, slots, &lens, &mut seed);
         // Rows long enough for their keys to be split across tasks, one of them not.
-        let s = Shape { heads: 9, kv_heads: 3, t: 1, len: 0, cap: 1700, d: 64 };
+        let s = Shape {
+            heads: 9,
+            kv_heads: 3,
+            t: 1,
+            len: 0,
+            cap: 1700,
+            d: 64,
+        };
         rows_match(s, 2, &[1700], &mut seed);
         rows_match(s, 3, &[1033, 30], &mut seed);
     }
@@ -401,32 +521,101 @@ mod tests {
         let (row_q, row_kv) = (s.heads * s.d, s.kv_heads * s.cap * s.d);
         for (r, &len) in lens.iter().enumerate() {
             let one = Shape { len, ..s };
-            let want = reference(&q[r * row_q..][..row_q], &k[r * row_kv..][..row_kv], &v[r * row_kv..][..row_kv], one, 0.3);
-            let worst = got[r * row_q..][..row_q].iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+            let want = reference(
+                &q[r * row_q..][..row_q],
+                &k[r * row_kv..][..row_kv],
+                &v[r * row_kv..][..row_kv],
+                one,
+                0.3,
+            );
+            let worst = got[r * row_q..][..row_q]
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max);
             assert!(worst < 2e-5, "row {r}: {worst}");
         }
-        assert!(got[lens.len() * row_q..].iter().all(|&x| x == 0.0), "a scratch row is zeros");
+        assert!(
+            got[lens.len() * row_q..].iter().all(|&x| x == 0.0),
+            "a scratch row is zeros"
+        );
     }
 
     #[test]
     fn matches_the_definition_for_chunks_rows_and_head_groups() {
         let mut seed = 7;
         for s in [
-            Shape { heads: 9, kv_heads: 3, t: 1, len: 1, cap: 16, d: 64 },
-            Shape { heads: 9, kv_heads: 3, t: 1, len: 300, cap: 320, d: 64 },
-            Shape { heads: 4, kv_heads: 4, t: 37, len: 37, cap: 64, d: 32 },
-            Shape { heads: 8, kv_heads: 2, t: 20, len: 200, cap: 256, d: 128 },
-            Shape { heads: 2, kv_heads: 1, t: 65, len: 130, cap: 130, d: 16 },
+            Shape {
+                heads: 9,
+                kv_heads: 3,
+                t: 1,
+                len: 1,
+                cap: 16,
+                d: 64,
+            },
+            Shape {
+                heads: 9,
+                kv_heads: 3,
+                t: 1,
+                len: 300,
+                cap: 320,
+                d: 64,
+            },
+            Shape {
+                heads: 4,
+                kv_heads: 4,
+                t: 37,
+                len: 37,
+                cap: 64,
+                d: 32,
+            },
+            Shape {
+                heads: 8,
+                kv_heads: 2,
+                t: 20,
+                len: 200,
+                cap: 256,
+                d: 128,
+            },
+            Shape {
+                heads: 2,
+                kv_heads: 1,
+                t: 65,
+                len: 130,
+                cap: 130,
+                d: 16,
+            },
             // Keys split across tasks: ranges of whole blocks, some past a row's last key.
-            Shape { heads: 9, kv_heads: 3, t: 8, len: 2100, cap: 2200, d: 64 },
-            Shape { heads: 4, kv_heads: 1, t: 300, len: 1100, cap: 1100, d: 32 },
+            Shape {
+                heads: 9,
+                kv_heads: 3,
+                t: 8,
+                len: 2100,
+                cap: 2200,
+                d: 64,
+            },
+            Shape {
+                heads: 4,
+                kv_heads: 1,
+                t: 300,
+                len: 1100,
+                cap: 1100,
+                d: 32,
+            },
         ] {
             let q = random(s.heads * s.t * s.d, &mut seed);
             let k = random(s.kv_heads * s.cap * s.d, &mut seed);
             let v = random(s.kv_heads * s.cap * s.d, &mut seed);
             let scale = 1.0 / (s.d as f32).sqrt();
-            let (got, want) = (causal_attention(&q, &k, &v, s, scale), reference(&q, &k, &v, s, scale));
-            let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+            let (got, want) = (
+                causal_attention(&q, &k, &v, s, scale),
+                reference(&q, &k, &v, s, scale),
+            );
+            let worst = got
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max);
             assert!(worst < 2e-5, "{s:?}: {worst}");
         }
     }

@@ -19,20 +19,28 @@ const PER_TASK: usize = 16 * 1024;
 /// computes on the CPU; None elsewhere (the caller's MLX graph).
 pub fn gated(gu: &Array, size: usize, gelu: bool) -> Option<mlx_rs::error::Result<Array>> {
     let shape = gu.shape();
-    if !crate::on_cpu_cached() || gu.dtype() != Dtype::Float32 || size == 0 || shape.last().map(|&d| d as usize) != Some(2 * size) {
+    if !crate::on_cpu_cached()
+        || gu.dtype() != Dtype::Float32
+        || size == 0
+        || shape.last().map(|&d| d as usize) != Some(2 * size)
+    {
         return None;
     }
     Some((|| {
         let gu = gu.contiguous()?;
         let Ok(values) = gu.try_as_slice::<f32>() else {
-            return Err(mlx_rs::error::Exception::custom("the gate-and-up product could not be read on the host"));
+            return Err(mlx_rs::error::Exception::custom(
+                "the gate-and-up product could not be read on the host",
+            ));
         };
         let mut out = vec![0.0f32; values.len() / 2];
         if out.len() <= PER_TASK {
             rows(values, size, gelu, &mut out);
         } else {
             let per = PER_TASK.div_ceil(size) * size;
-            out.par_chunks_mut(per).zip(values.par_chunks(2 * per)).for_each(|(o, v)| rows(v, size, gelu, o));
+            out.par_chunks_mut(per)
+                .zip(values.par_chunks(2 * per))
+                .for_each(|(o, v)| rows(v, size, gelu, o));
         }
         let mut out_shape = shape.to_vec();
         *out_shape.last_mut().expect("not empty") = size as i32;
@@ -61,9 +69,15 @@ fn rows_plain(gu: &[f32], size: usize, gelu: bool, out: &mut [f32]) {
     for (o, row) in out.chunks_exact_mut(size).zip(gu.chunks_exact(2 * size)) {
         let (g, u) = row.split_at(size);
         if gelu {
-            o.iter_mut().zip(g).zip(u).for_each(|((o, &g), &u)| *o = gelu_tanh(g) * u);
+            o.iter_mut()
+                .zip(g)
+                .zip(u)
+                .for_each(|((o, &g), &u)| *o = gelu_tanh(g) * u);
         } else {
-            o.iter_mut().zip(g).zip(u).for_each(|((o, &g), &u)| *o = silu(g) * u);
+            o.iter_mut()
+                .zip(g)
+                .zip(u)
+                .for_each(|((o, &g), &u)| *o = silu(g) * u);
         }
     }
 }
@@ -94,7 +108,15 @@ fn gelu_tanh(x: f32) -> f32 {
 /// growing with `|x|` (f32's rounding of `x log2 e`) to 1e-5 at -87; 0 below `2^-126`.
 #[inline(always)]
 pub(crate) fn exp_le0(x: f32) -> f32 {
-    const C: [f32; 7] = [1.0, 0.693_147_2, 0.240_226_5, 0.055_504_11, 0.009_618_129, 0.001_333_355_8, 0.000_154_035_3];
+    const C: [f32; 7] = [
+        1.0,
+        0.693_147_2,
+        0.240_226_5,
+        0.055_504_11,
+        0.009_618_129,
+        0.001_333_355_8,
+        0.000_154_035_3,
+    ];
     let t = (x * std::f32::consts::LOG2_E).max(-127.0);
     let whole = (t + 0.5).floor();
     let f = t - whole;
@@ -129,18 +151,31 @@ mod tests {
 
     #[test]
     fn gated_activations_match_their_definitions() {
-        let xs: Vec<f32> = (-4000..=4000).map(|i| i as f32 * 0.01).chain([-120.0, -88.0, 88.0, 120.0]).collect();
+        let xs: Vec<f32> = (-4000..=4000)
+            .map(|i| i as f32 * 0.01)
+            .chain([-120.0, -88.0, 88.0, 120.0])
+            .collect();
         for &x in &xs {
             let (x64, ulp) = (x as f64, 1e-6 * (1.0 + (x as f64).abs()));
             let silu64 = x64 / (1.0 + (-x64).exp());
             let y = (2.0 / std::f64::consts::PI).sqrt() * (x64 + 0.044715 * x64.powi(3));
             let gelu64 = 0.5 * x64 * (1.0 + y.tanh());
-            assert!((silu(x) as f64 - silu64).abs() <= ulp, "silu({x}) = {} against {silu64}", silu(x));
-            assert!((gelu_tanh(x) as f64 - gelu64).abs() <= ulp, "gelu({x}) = {} against {gelu64}", gelu_tanh(x));
+            assert!(
+                (silu(x) as f64 - silu64).abs() <= ulp,
+                "silu({x}) = {} against {silu64}",
+                silu(x)
+            );
+            assert!(
+                (gelu_tanh(x) as f64 - gelu64).abs() <= ulp,
+                "gelu({x}) = {} against {gelu64}",
+                gelu_tanh(x)
+            );
         }
         // Rows of [gate | up]: act(gate) * up, row by row, on the calling thread and in tasks.
         for (n, size) in [(3usize, 5usize), (64, 576)] {
-            let gu: Vec<f32> = (0..n * 2 * size).map(|i| ((i * 7919) % 2001) as f32 / 250.0 - 4.0).collect();
+            let gu: Vec<f32> = (0..n * 2 * size)
+                .map(|i| ((i * 7919) % 2001) as f32 / 250.0 - 4.0)
+                .collect();
             let arr = Array::from_slice(&gu, &[1, n as i32, 2 * size as i32]);
             for gelu in [false, true] {
                 let out = gated(&arr, size, gelu).expect("f32 on a CPU").unwrap();
@@ -155,6 +190,9 @@ mod tests {
                 }
             }
         }
-        assert!(gated(&Array::from_slice(&[1.0f32; 6], &[1, 6]), 2, false).is_none(), "not 2 x size wide");
+        assert!(
+            gated(&Array::from_slice(&[1.0f32; 6], &[1, 6]), 2, false).is_none(),
+            "not 2 x size wide"
+        );
     }
 }

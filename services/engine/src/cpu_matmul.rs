@@ -19,7 +19,12 @@ const COLS_PER_TASK: usize = 64;
 /// None where this does not apply (then the caller's own product).
 pub fn matmul_t(w: &Array, x: &Array) -> Option<mlx_rs::error::Result<Array>> {
     let (ws, xs) = (w.shape(), x.shape());
-    if !crate::on_cpu_cached() || w.dtype() != Dtype::Float32 || x.dtype() != Dtype::Float32 || ws.len() != 2 || xs.is_empty() {
+    if !crate::on_cpu_cached()
+        || w.dtype() != Dtype::Float32
+        || x.dtype() != Dtype::Float32
+        || ws.len() != 2
+        || xs.is_empty()
+    {
         return None;
     }
     let (n, k) = (ws[0] as usize, ws[1] as usize);
@@ -66,7 +71,14 @@ fn product(x: &[f32], w: &[f32], rows: usize, n: usize, k: usize) -> Vec<f32> {
     y
 }
 
-fn block(x: &[f32], w: &[f32], rows: usize, k: usize, cols: std::ops::Range<usize>, out: &mut [f32]) {
+fn block(
+    x: &[f32],
+    w: &[f32],
+    rows: usize,
+    k: usize,
+    cols: std::ops::Range<usize>,
+    out: &mut [f32],
+) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
         // SAFETY: the CPU has the features the function is compiled for.
@@ -77,7 +89,14 @@ fn block(x: &[f32], w: &[f32], rows: usize, k: usize, cols: std::ops::Range<usiz
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn block_avx2(x: &[f32], w: &[f32], rows: usize, k: usize, cols: std::ops::Range<usize>, out: &mut [f32]) {
+unsafe fn block_avx2(
+    x: &[f32],
+    w: &[f32],
+    rows: usize,
+    k: usize,
+    cols: std::ops::Range<usize>,
+    out: &mut [f32],
+) {
     block_rows(x, w, rows, k, cols, out, avx2::Avx2)
 }
 
@@ -89,7 +108,12 @@ const TILE_ROWS: usize = 4;
 /// in registers). `next` is where the weight rows after these begin: they are fetched into the
 /// cache meanwhile, so that the memory streams while the tile multiplies.
 trait Tile: Copy {
-    fn tile<const C: usize, const R: usize>(self, ws: [&[f32]; C], xs: [&[f32]; R], next: *const f32) -> [[f32; C]; R];
+    fn tile<const C: usize, const R: usize>(
+        self,
+        ws: [&[f32]; C],
+        xs: [&[f32]; R],
+        next: *const f32,
+    ) -> [[f32; C]; R];
 }
 
 /// Every row of `x` against the weight rows of `cols`. Up to `TILE_ROWS` rows, one weight row
@@ -98,7 +122,15 @@ trait Tile: Copy {
 /// weight rows stay in the L1 cache while the groups of rows pass over them: each weight row
 /// comes from memory once.
 #[inline(always)]
-fn block_rows(x: &[f32], w: &[f32], rows: usize, k: usize, cols: std::ops::Range<usize>, out: &mut [f32], t: impl Tile) {
+fn block_rows(
+    x: &[f32],
+    w: &[f32],
+    rows: usize,
+    k: usize,
+    cols: std::ops::Range<usize>,
+    out: &mut [f32],
+    t: impl Tile,
+) {
     if rows <= TILE_ROWS {
         columns::<1>(x, w, rows, k, cols, out, t)
     } else {
@@ -107,11 +139,20 @@ fn block_rows(x: &[f32], w: &[f32], rows: usize, k: usize, cols: std::ops::Range
 }
 
 #[inline(always)]
-fn columns<const C: usize>(x: &[f32], w: &[f32], rows: usize, k: usize, cols: std::ops::Range<usize>, out: &mut [f32], t: impl Tile) {
+fn columns<const C: usize>(
+    x: &[f32],
+    w: &[f32],
+    rows: usize,
+    k: usize,
+    cols: std::ops::Range<usize>,
+    out: &mut [f32],
+    t: impl Tile,
+) {
     let width = cols.len();
     for j in (0..width).step_by(C) {
         // A last short tile repeats its last weight row (that result is dropped).
-        let ws: [&[f32]; C] = std::array::from_fn(|c| &w[(cols.start + j + c).min(cols.end - 1) * k..][..k]);
+        let ws: [&[f32]; C] =
+            std::array::from_fn(|c| &w[(cols.start + j + c).min(cols.end - 1) * k..][..k]);
         let next = w.as_ptr().wrapping_add((cols.start + j + C) * k);
         for r in (0..rows).step_by(TILE_ROWS) {
             let xr = |q: usize| &x[(r + q) * k..][..k];
@@ -136,7 +177,12 @@ fn columns<const C: usize>(x: &[f32], w: &[f32], rows: usize, k: usize, cols: st
 struct Portable;
 
 impl Tile for Portable {
-    fn tile<const C: usize, const R: usize>(self, ws: [&[f32]; C], xs: [&[f32]; R], _next: *const f32) -> [[f32; C]; R] {
+    fn tile<const C: usize, const R: usize>(
+        self,
+        ws: [&[f32]; C],
+        xs: [&[f32]; R],
+        _next: *const f32,
+    ) -> [[f32; C]; R] {
         let mut acc = [[[0.0f32; 8]; C]; R];
         for i in (0..ws[0].len()).step_by(8) {
             for (a, x) in acc.iter_mut().zip(xs) {
@@ -163,7 +209,12 @@ mod avx2 {
 
     impl Tile for Avx2 {
         #[inline(always)]
-        fn tile<const C: usize, const R: usize>(self, ws: [&[f32]; C], xs: [&[f32]; R], next: *const f32) -> [[f32; C]; R] {
+        fn tile<const C: usize, const R: usize>(
+            self,
+            ws: [&[f32]; C],
+            xs: [&[f32]; R],
+            next: *const f32,
+        ) -> [[f32; C]; R] {
             // SAFETY: an Avx2 exists only on a CPU with the features.
             unsafe { tile(ws, xs, next) }
         }
@@ -171,7 +222,11 @@ mod avx2 {
 
     /// The tile with its `C * R` sums in AVX2 registers (at most 8 of the 16).
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn tile<const C: usize, const R: usize>(ws: [&[f32]; C], xs: [&[f32]; R], next: *const f32) -> [[f32; C]; R] {
+    unsafe fn tile<const C: usize, const R: usize>(
+        ws: [&[f32]; C],
+        xs: [&[f32]; R],
+        next: *const f32,
+    ) -> [[f32; C]; R] {
         let k = ws[0].len();
         assert!(k % 8 == 0 && ws.iter().chain(&xs).all(|s| s.len() == k));
         let mut acc = [[_mm256_setzero_ps(); C]; R];
@@ -183,7 +238,8 @@ mod avx2 {
                 }
             }
             // SAFETY: every slice holds k values and i + 8 <= k.
-            let w: [__m256; C] = std::array::from_fn(|c| unsafe { _mm256_loadu_ps(ws[c].as_ptr().add(i)) });
+            let w: [__m256; C] =
+                std::array::from_fn(|c| unsafe { _mm256_loadu_ps(ws[c].as_ptr().add(i)) });
             for q in 0..R {
                 let x = _mm256_loadu_ps(xs[q].as_ptr().add(i));
                 for c in 0..C {
@@ -215,14 +271,23 @@ mod tests {
         let mut random = |len: usize| -> Vec<f32> {
             (0..len)
                 .map(|_| {
-                    seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    seed = seed
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
                     ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0
                 })
                 .collect()
         };
         let wv = random(n * k);
         let w = Array::from_slice(&wv, &[n as i32, k as i32]);
-        for shape in [vec![1, k as i32], vec![3, k as i32], vec![2, 2, k as i32], vec![5, k as i32], vec![4, 2, k as i32], vec![MAX_ROWS as i32, k as i32]] {
+        for shape in [
+            vec![1, k as i32],
+            vec![3, k as i32],
+            vec![2, 2, k as i32],
+            vec![5, k as i32],
+            vec![4, 2, k as i32],
+            vec![MAX_ROWS as i32, k as i32],
+        ] {
             let rows = shape[..shape.len() - 1].iter().product::<i32>() as usize;
             let xv = random(rows * k);
             let x = Array::from_slice(&xv, &shape);
@@ -231,12 +296,20 @@ mod tests {
             let yv = y.as_slice::<f32>();
             for r in 0..rows {
                 for c in 0..n {
-                    let want: f64 = (0..k).map(|i| xv[r * k + i] as f64 * wv[c * k + i] as f64).sum();
-                    assert!((yv[r * n + c] as f64 - want).abs() < 1e-4, "row {r} col {c}");
+                    let want: f64 = (0..k)
+                        .map(|i| xv[r * k + i] as f64 * wv[c * k + i] as f64)
+                        .sum();
+                    assert!(
+                        (yv[r * n + c] as f64 - want).abs() < 1e-4,
+                        "row {r} col {c}"
+                    );
                 }
             }
         }
-        let many = Array::from_slice(&random((MAX_ROWS + 1) * k), &[MAX_ROWS as i32 + 1, k as i32]);
+        let many = Array::from_slice(
+            &random((MAX_ROWS + 1) * k),
+            &[MAX_ROWS as i32 + 1, k as i32],
+        );
         assert!(matmul_t(&w, &many).is_none(), "more rows go to the BLAS");
     }
 
@@ -244,15 +317,24 @@ mod tests {
     #[test]
     fn the_portable_tiles_equal_the_definition() {
         let (n, k) = (9usize, 32usize);
-        let w: Vec<f32> = (0..n * k).map(|i| ((i * 7 % 13) as f32 - 6.0) / 4.0).collect();
+        let w: Vec<f32> = (0..n * k)
+            .map(|i| ((i * 7 % 13) as f32 - 6.0) / 4.0)
+            .collect();
         for rows in [1, 3, 6] {
-            let x: Vec<f32> = (0..rows * k).map(|i| ((i * 5 % 11) as f32 - 5.0) / 3.0).collect();
+            let x: Vec<f32> = (0..rows * k)
+                .map(|i| ((i * 5 % 11) as f32 - 5.0) / 3.0)
+                .collect();
             let mut out = vec![0.0f32; rows * n];
             block_rows(&x, &w, rows, k, 0..n, &mut out, Portable);
             for r in 0..rows {
                 for c in 0..n {
-                    let want: f64 = (0..k).map(|i| x[r * k + i] as f64 * w[c * k + i] as f64).sum();
-                    assert!((out[r * n + c] as f64 - want).abs() < 1e-4, "{rows} rows: row {r} col {c}");
+                    let want: f64 = (0..k)
+                        .map(|i| x[r * k + i] as f64 * w[c * k + i] as f64)
+                        .sum();
+                    assert!(
+                        (out[r * n + c] as f64 - want).abs() < 1e-4,
+                        "{rows} rows: row {r} col {c}"
+                    );
                 }
             }
         }

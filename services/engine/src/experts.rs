@@ -282,10 +282,25 @@ struct Kernels {
 fn kernels() -> Option<&'static Kernels> {
     static KERNELS: OnceLock<Option<Kernels>> = OnceLock::new();
     crate::kernel::once(&KERNELS, "mixture-of-experts kernels", || {
-        let header = format!("constexpr int MAX_PAIRS = {MAX_PAIRS};\nconstexpr int ROWS = {ROWS};\n");
+        let header =
+            format!("constexpr int MAX_PAIRS = {MAX_PAIRS};\nconstexpr int ROWS = {ROWS};\n");
         Ok(Kernels {
-            route: Kernel::new("llmq_route", &["logits"], &["experts", "weights"], ROUTE, "", 0)?,
-            product: Kernel::new("llmq_expert_product", &["x", "w", "experts", "weights"], &["out"], PRODUCT, &header, 0)?,
+            route: Kernel::new(
+                "llmq_route",
+                &["logits"],
+                &["experts", "weights"],
+                ROUTE,
+                "",
+                0,
+            )?,
+            product: Kernel::new(
+                "llmq_expert_product",
+                &["x", "w", "experts", "weights"],
+                &["out"],
+                PRODUCT,
+                &header,
+                0,
+            )?,
         })
     })
 }
@@ -310,14 +325,28 @@ pub fn applies(pairs: i32, w: &Array, dtype: Dtype) -> bool {
 /// k largest (ties to the lower index), renormalised over the k if `renormalize`. Experts [n, k]
 /// as u32, weights [n, k] as f32.
 pub fn route(logits: &Array, k: i32, renormalize: bool) -> Result<(Array, Array), Exception> {
-    let kernels = kernels().ok_or_else(|| Exception::custom("mixture-of-experts kernels unavailable"))?;
+    let kernels =
+        kernels().ok_or_else(|| Exception::custom("mixture-of-experts kernels unavailable"))?;
     let (n, experts) = (logits.shape()[0], logits.shape()[1]);
     if experts > MAX_EXPERTS || k > experts {
-        return Err(Exception::custom(format!("routing {k} of {experts} experts")));
+        return Err(Exception::custom(format!(
+            "routing {k} of {experts} experts"
+        )));
     }
     let blocks = (n + ROUTE_WARPS - 1) / ROUTE_WARPS;
-    let ints = [("TOPK", k), ("PER_LANE", (experts + 31) / 32), ("RENORMALIZE", renormalize as i32)];
-    let out = kernels.route.apply(&[logits], &[(&[n, k], Dtype::Uint32), (&[n, k], Dtype::Float32)], blocks, ROUTE_WARPS * 32, logits.dtype(), &ints)?;
+    let ints = [
+        ("TOPK", k),
+        ("PER_LANE", (experts + 31) / 32),
+        ("RENORMALIZE", renormalize as i32),
+    ];
+    let out = kernels.route.apply(
+        &[logits],
+        &[(&[n, k], Dtype::Uint32), (&[n, k], Dtype::Float32)],
+        blocks,
+        ROUTE_WARPS * 32,
+        logits.dtype(),
+        &ints,
+    )?;
     let mut out = out.into_iter();
     Ok((out.next().unwrap(), out.next().unwrap()))
 }
@@ -325,7 +354,13 @@ pub fn route(logits: &Array, k: i32, renormalize: bool) -> Result<(Array, Array)
 /// `act(gate . x) * (up . x)` for every (row, expert) pair: `x` [n, in], `w` the stacked gate
 /// and up rows [experts, 2 * size, in], `experts` [n, k] from `route`. Returns [n * k, size], pair
 /// `i` being row `i / k`'s `i % k`-th expert.
-pub fn gate_up(x: &Array, w: &Array, experts: &Array, weights: &Array, gelu: bool) -> Result<Array, Exception> {
+pub fn gate_up(
+    x: &Array,
+    w: &Array,
+    experts: &Array,
+    weights: &Array,
+    gelu: bool,
+) -> Result<Array, Exception> {
     product(x, w, experts, weights, Some(gelu))
 }
 
@@ -336,16 +371,38 @@ pub fn down(h: &Array, w: &Array, experts: &Array, weights: &Array) -> Result<Ar
 }
 
 /// The product kernel, gated (`Some(gelu)`) or not.
-fn product(x: &Array, w: &Array, experts: &Array, weights: &Array, gelu: Option<bool>) -> Result<Array, Exception> {
-    let kernels = kernels().ok_or_else(|| Exception::custom("mixture-of-experts kernels unavailable"))?;
+fn product(
+    x: &Array,
+    w: &Array,
+    experts: &Array,
+    weights: &Array,
+    gelu: Option<bool>,
+) -> Result<Array, Exception> {
+    let kernels =
+        kernels().ok_or_else(|| Exception::custom("mixture-of-experts kernels unavailable"))?;
     let pairs = experts.shape()[0] * experts.shape()[1];
-    let n = if gelu.is_some() { w.shape()[1] / 2 } else { w.shape()[1] };
+    let n = if gelu.is_some() {
+        w.shape()[1] / 2
+    } else {
+        w.shape()[1]
+    };
     let slots = pairs.min(w.shape()[0]);
     // A few rows a step: blocks of one column a warp, for enough blocks to fill the GPU; many:
     // four, so that fewer blocks each search the pairs.
     let cols = if pairs < w.shape()[0] { 1 } else { 4 };
     let tiles = (n + WARPS * cols - 1) / (WARPS * cols);
-    let ints = [("GATED", gelu.is_some() as i32), ("GELU", gelu.unwrap_or(false) as i32), ("COLS", cols)];
-    let out = kernels.product.apply(&[x, w, experts, weights], &[(&[pairs, n], x.dtype())], slots * tiles, WARPS * 32, x.dtype(), &ints)?;
+    let ints = [
+        ("GATED", gelu.is_some() as i32),
+        ("GELU", gelu.unwrap_or(false) as i32),
+        ("COLS", cols),
+    ];
+    let out = kernels.product.apply(
+        &[x, w, experts, weights],
+        &[(&[pairs, n], x.dtype())],
+        slots * tiles,
+        WARPS * 32,
+        x.dtype(),
+        &ints,
+    )?;
     Ok(out.into_iter().next().unwrap())
 }

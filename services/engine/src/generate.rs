@@ -50,7 +50,12 @@ impl GenerateOutput {
 
 /// Prefills `ids` into `cache` in chunks of at most `chunk` tokens; returns the last position's
 /// logits [1, 1, vocab] (lazy).
-pub fn prefill(model: &Model, cache: &mut SequenceCache, ids: &[u32], chunk: usize) -> Result<Array> {
+pub fn prefill(
+    model: &Model,
+    cache: &mut SequenceCache,
+    ids: &[u32],
+    chunk: usize,
+) -> Result<Array> {
     if ids.is_empty() {
         return Err(EngineError::InvalidRequest("empty prompt".into()));
     }
@@ -75,7 +80,9 @@ pub fn prefill(model: &Model, cache: &mut SequenceCache, ids: &[u32], chunk: usi
 pub fn check_ids(model: &Model, ids: &[u32]) -> Result<()> {
     let vocab = model.config.vocab_size as u32;
     if let Some(bad) = ids.iter().find(|&&t| t >= vocab) {
-        return Err(EngineError::InvalidRequest(format!("token id {bad} is outside the vocabulary ({vocab})")));
+        return Err(EngineError::InvalidRequest(format!(
+            "token id {bad} is outside the vocabulary ({vocab})"
+        )));
     }
     Ok(())
 }
@@ -92,8 +99,18 @@ pub struct Finisher {
 impl Finisher {
     /// `eos`: the model's end-of-sequence ids (ignored when `stop.ignore_eos`).
     pub fn new(stop: StopConditions, eos: Vec<u32>) -> Self {
-        let detok = if stop.special_text { Detokenizer::with_special_text() } else { Detokenizer::new() };
-        Finisher { detok, stop, eos, text: String::new(), produced: 0 }
+        let detok = if stop.special_text {
+            Detokenizer::with_special_text()
+        } else {
+            Detokenizer::new()
+        };
+        Finisher {
+            detok,
+            stop,
+            eos,
+            text: String::new(),
+            produced: 0,
+        }
     }
 
     /// All text released so far (stop strings cut off).
@@ -102,9 +119,15 @@ impl Finisher {
     }
 
     /// Adds a generated token; returns the text to show and whether the sequence is finished.
-    pub fn push(&mut self, tok: Option<&Tokenizer>, id: u32) -> Result<(String, Option<FinishReason>)> {
+    pub fn push(
+        &mut self,
+        tok: Option<&Tokenizer>,
+        id: u32,
+    ) -> Result<(String, Option<FinishReason>)> {
         self.produced += 1;
-        if self.stop.stop_token_ids.contains(&id) || (!self.stop.ignore_eos && self.eos.contains(&id)) {
+        if self.stop.stop_token_ids.contains(&id)
+            || (!self.stop.ignore_eos && self.eos.contains(&id))
+        {
             let rest = match tok {
                 Some(t) => self.detok.flush(t)?,
                 None => String::new(),
@@ -121,11 +144,18 @@ impl Finisher {
         // A stop string may straddle pieces: search the tail that could contain it.
         for s in &self.stop.stop {
             let from = before.saturating_sub(s.len());
-            let from = (0..=from).rev().find(|&i| self.text.is_char_boundary(i)).unwrap_or(0);
+            let from = (0..=from)
+                .rev()
+                .find(|&i| self.text.is_char_boundary(i))
+                .unwrap_or(0);
             if let Some(pos) = self.text[from..].find(s.as_str()) {
                 let cut = from + pos;
                 self.text.truncate(cut);
-                piece = if cut > before { piece[..cut - before].to_string() } else { String::new() };
+                piece = if cut > before {
+                    piece[..cut - before].to_string()
+                } else {
+                    String::new()
+                };
                 return Ok((piece, Some(FinishReason::Stop)));
             }
         }
@@ -147,7 +177,10 @@ pub fn generate(
     check_ids(model, &req.prompt_ids)?;
     let start = Instant::now();
     let mut cache = model.new_cache();
-    let mut fin = Finisher::new(req.stop.clone(), tok.map(|t| t.eos_ids.clone()).unwrap_or_default());
+    let mut fin = Finisher::new(
+        req.stop.clone(),
+        tok.map(|t| t.eos_ids.clone()).unwrap_or_default(),
+    );
     let mut out_ids = Vec::new();
     let mut logprobs = Vec::new();
     let mut first_at = None;
@@ -155,7 +188,9 @@ pub fn generate(
     let logits = prefill(model, &mut cache, &req.prompt_ids, req.prefill_chunk)?;
 
     if req.sampling.is_plain_greedy() {
-        let next = |l: &Array| -> Result<Array> { Ok(argmax_axis(l.index((.., -1, ..)), -1, None)?.as_dtype(Dtype::Int32)?) };
+        let next = |l: &Array| -> Result<Array> {
+            Ok(argmax_axis(l.index((.., -1, ..)), -1, None)?.as_dtype(Dtype::Int32)?)
+        };
         let mut y = next(&logits)?;
         async_eval([&y])?;
         loop {
@@ -192,7 +227,11 @@ pub fn generate(
                 finish = r;
                 break;
             }
-            logits = model.forward(&Array::from_slice(&[id as i32], &[1, 1]), &mut [&mut cache], true)?;
+            logits = model.forward(
+                &Array::from_slice(&[id as i32], &[1, 1]),
+                &mut [&mut cache],
+                true,
+            )?;
         }
     }
     let now = Instant::now();

@@ -10,8 +10,20 @@
 use std::ffi::{c_char, c_void, CStr};
 
 /// OpenBLAS's x86-64 cores older than AVX: where it lands on a CPU it does not know.
-const PRE_AVX: [&str; 12] =
-    ["unknown", "katmai", "coppermine", "northwood", "prescott", "banias", "atom", "core2", "penryn", "dunnington", "nehalem", "nano"];
+const PRE_AVX: [&str; 12] = [
+    "unknown",
+    "katmai",
+    "coppermine",
+    "northwood",
+    "prescott",
+    "banias",
+    "atom",
+    "core2",
+    "penryn",
+    "dunnington",
+    "nehalem",
+    "nano",
+];
 
 /// The kernels to ask OpenBLAS for, when it chose kernels older than AVX on a CPU with AVX2 and
 /// FMA: `SkylakeX` with AVX-512 (F, BW, DQ, VL), `Haswell` otherwise. None where it chose
@@ -52,7 +64,11 @@ pub fn better_kernels(core: &str, features: &Features) -> Option<&'static str> {
     if !PRE_AVX.contains(&core.to_ascii_lowercase().as_str()) || !features.avx2_fma {
         return None;
     }
-    Some(if features.avx512 { "SkylakeX" } else { "Haswell" })
+    Some(if features.avx512 {
+        "SkylakeX"
+    } else {
+        "Haswell"
+    })
 }
 
 /// The name of the kernels OpenBLAS chose, when the process has OpenBLAS (looked up at run time:
@@ -81,14 +97,28 @@ mod tests {
 
     #[test]
     fn only_pre_avx_kernels_on_an_avx2_cpu_are_replaced() {
-        let avx512 = Features { avx2_fma: true, avx512: true };
-        let avx2 = Features { avx2_fma: true, avx512: false };
+        let avx512 = Features {
+            avx2_fma: true,
+            avx512: true,
+        };
+        let avx2 = Features {
+            avx2_fma: true,
+            avx512: false,
+        };
         let old = Features::default();
         assert_eq!(better_kernels("Prescott", &avx512), Some("SkylakeX"));
         assert_eq!(better_kernels("prescott", &avx2), Some("Haswell"));
         assert_eq!(better_kernels("Core2", &avx2), Some("Haswell"));
-        assert_eq!(better_kernels("Prescott", &old), None, "a CPU without AVX2 keeps them");
-        assert_eq!(better_kernels("Haswell", &avx512), None, "a choice with AVX stands");
+        assert_eq!(
+            better_kernels("Prescott", &old),
+            None,
+            "a CPU without AVX2 keeps them"
+        );
+        assert_eq!(
+            better_kernels("Haswell", &avx512),
+            None,
+            "a choice with AVX stands"
+        );
         assert_eq!(better_kernels("Zen", &avx2), None);
         assert_eq!(better_kernels("SkylakeX", &avx512), None);
     }

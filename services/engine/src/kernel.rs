@@ -19,12 +19,18 @@ pub(crate) fn available() -> bool {
 /// Kernels made once per process where llmq's kernels can run (`available`): `make`'s result
 /// kept in `cell`; None without CUDA, or when making them failed (logged as `what` unavailable,
 /// so the callers take MLX's path).
-pub(crate) fn once<K>(cell: &'static OnceLock<Option<K>>, what: &str, make: impl FnOnce() -> Result<K, Exception>) -> Option<&'static K> {
+pub(crate) fn once<K>(
+    cell: &'static OnceLock<Option<K>>,
+    what: &str,
+    make: impl FnOnce() -> Result<K, Exception>,
+) -> Option<&'static K> {
     cell.get_or_init(|| {
         if !available() {
             return None;
         }
-        make().inspect_err(|e| tracing::warn!(error = %e, "{what} unavailable; using MLX's path")).ok()
+        make()
+            .inspect_err(|e| tracing::warn!(error = %e, "{what} unavailable; using MLX's path"))
+            .ok()
     })
     .as_ref()
 }
@@ -58,9 +64,14 @@ struct Strings(mlx_sys::mlx_vector_string);
 
 impl Strings {
     fn new(items: &[&str]) -> Result<Self, Exception> {
-        let owned = items.iter().map(|s| c_string(s)).collect::<Result<Vec<_>, _>>()?;
+        let owned = items
+            .iter()
+            .map(|s| c_string(s))
+            .collect::<Result<Vec<_>, _>>()?;
         let ptrs: Vec<*const c_char> = owned.iter().map(|s| s.as_ptr()).collect();
-        Ok(Strings(unsafe { mlx_sys::mlx_vector_string_new_data(ptrs.as_ptr() as *mut *const c_char, ptrs.len()) }))
+        Ok(Strings(unsafe {
+            mlx_sys::mlx_vector_string_new_data(ptrs.as_ptr() as *mut *const c_char, ptrs.len())
+        }))
     }
 }
 
@@ -90,11 +101,26 @@ impl Drop for Arrays {
 
 impl Kernel {
     /// A kernel over `inputs` into `outputs`, with `shared_bytes` of dynamic shared memory.
-    pub(crate) fn new(name: &str, inputs: &[&str], outputs: &[&str], source: &str, header: &str, shared_bytes: i32) -> Result<Self, Exception> {
+    pub(crate) fn new(
+        name: &str,
+        inputs: &[&str],
+        outputs: &[&str],
+        source: &str,
+        header: &str,
+        shared_bytes: i32,
+    ) -> Result<Self, Exception> {
         let (name, source, header) = (c_string(name)?, c_string(source)?, c_string(header)?);
         let (inputs, outputs) = (Strings::new(inputs)?, Strings::new(outputs)?);
         let raw = unsafe {
-            mlx_sys::mlx_fast_cuda_kernel_new(name.as_ptr(), inputs.0, outputs.0, source.as_ptr(), header.as_ptr(), true, shared_bytes)
+            mlx_sys::mlx_fast_cuda_kernel_new(
+                name.as_ptr(),
+                inputs.0,
+                outputs.0,
+                source.as_ptr(),
+                header.as_ptr(),
+                true,
+                shared_bytes,
+            )
         };
         if raw.ctx.is_null() {
             return Err(failed("creating the kernel"));
@@ -104,29 +130,76 @@ impl Kernel {
 
     /// Queues the kernel over `inputs` with `blocks` blocks of `threads` threads; `T` is
     /// `dtype`, and the integer template arguments are `ints`.
-    pub(crate) fn apply(&self, inputs: &[&Array], outputs: &[(&[i32], Dtype)], blocks: i32, threads: i32, dtype: Dtype, ints: &[(&str, i32)]) -> Result<Vec<Array>, Exception> {
+    pub(crate) fn apply(
+        &self,
+        inputs: &[&Array],
+        outputs: &[(&[i32], Dtype)],
+        blocks: i32,
+        threads: i32,
+        dtype: Dtype,
+        ints: &[(&str, i32)],
+    ) -> Result<Vec<Array>, Exception> {
         let config = Config(unsafe { mlx_sys::mlx_fast_cuda_kernel_config_new() });
         if config.0.ctx.is_null() {
             return Err(failed("creating a launch configuration"));
         }
         unsafe {
             for (shape, dtype) in outputs {
-                check(mlx_sys::mlx_fast_cuda_kernel_config_add_output_arg(config.0, shape.as_ptr(), shape.len(), (*dtype).into()), "adding an output")?;
+                check(
+                    mlx_sys::mlx_fast_cuda_kernel_config_add_output_arg(
+                        config.0,
+                        shape.as_ptr(),
+                        shape.len(),
+                        (*dtype).into(),
+                    ),
+                    "adding an output",
+                )?;
             }
-            check(mlx_sys::mlx_fast_cuda_kernel_config_set_grid(config.0, blocks * threads, 1, 1), "setting the grid")?;
-            check(mlx_sys::mlx_fast_cuda_kernel_config_set_thread_group(config.0, threads, 1, 1), "setting the block")?;
+            check(
+                mlx_sys::mlx_fast_cuda_kernel_config_set_grid(config.0, blocks * threads, 1, 1),
+                "setting the grid",
+            )?;
+            check(
+                mlx_sys::mlx_fast_cuda_kernel_config_set_thread_group(config.0, threads, 1, 1),
+                "setting the block",
+            )?;
             for (name, value) in ints {
                 let name = c_string(name)?;
-                check(mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_int(config.0, name.as_ptr(), *value), "adding a template argument")?;
+                check(
+                    mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_int(
+                        config.0,
+                        name.as_ptr(),
+                        *value,
+                    ),
+                    "adding a template argument",
+                )?;
             }
             let t = c_string("T")?;
-            check(mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_dtype(config.0, t.as_ptr(), dtype.into()), "adding the dtype")?;
+            check(
+                mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_dtype(
+                    config.0,
+                    t.as_ptr(),
+                    dtype.into(),
+                ),
+                "adding the dtype",
+            )?;
         }
         let ptrs: Vec<mlx_sys::mlx_array> = inputs.iter().map(|a| a.as_ptr()).collect();
         let ins = Arrays(unsafe { mlx_sys::mlx_vector_array_new_data(ptrs.as_ptr(), ptrs.len()) });
         let mut outs = Arrays(unsafe { mlx_sys::mlx_vector_array_new() });
         let stream = StreamOrDevice::default();
-        check(unsafe { mlx_sys::mlx_fast_cuda_kernel_apply(&mut outs.0, self.0, ins.0, config.0, stream.as_ref().as_ptr()) }, "launching")?;
+        check(
+            unsafe {
+                mlx_sys::mlx_fast_cuda_kernel_apply(
+                    &mut outs.0,
+                    self.0,
+                    ins.0,
+                    config.0,
+                    stream.as_ref().as_ptr(),
+                )
+            },
+            "launching",
+        )?;
         let n = unsafe { mlx_sys::mlx_vector_array_size(outs.0) };
         if n != outputs.len() {
             return Err(failed("reading its outputs"));

@@ -68,7 +68,10 @@ pub struct LoadedModel {
 
 /// The device MLX computes on: the GPU when the MLX build has one, otherwise the CPU.
 pub fn on_gpu() -> bool {
-    Device::try_default().ok().and_then(|d| d.get_type().ok()).is_some_and(|t| matches!(t, DeviceType::Gpu))
+    Device::try_default()
+        .ok()
+        .and_then(|d| d.get_type().ok())
+        .is_some_and(|t| matches!(t, DeviceType::Gpu))
 }
 
 /// `!on_gpu()`, asked once per process: the CPU's own kernels (`cpu_matmul`,
@@ -92,7 +95,11 @@ pub fn parse_dtype(s: &str) -> Result<Dtype> {
         "f32" | "float32" => Dtype::Float32,
         "f16" | "float16" => Dtype::Float16,
         "bf16" | "bfloat16" => Dtype::Bfloat16,
-        other => return Err(EngineError::InvalidRequest(format!("unknown dtype {other:?} (f32, f16, bf16)"))),
+        other => {
+            return Err(EngineError::InvalidRequest(format!(
+                "unknown dtype {other:?} (f32, f16, bf16)"
+            )))
+        }
     })
 }
 
@@ -104,7 +111,11 @@ pub fn load_named(name: &str, opts: impl Into<LoadOptions>) -> Result<LoadedMode
     if let Some(shape) = name.strip_prefix("random:") {
         let model = shapes::random_model(shape, opts, 0)?;
         let tokenizer = llmq_text::shapes::tokenizer(shape)?;
-        return Ok(LoadedModel { model, tokenizer, source: PathBuf::from(name) });
+        return Ok(LoadedModel {
+            model,
+            tokenizer,
+            source: PathBuf::from(name),
+        });
     }
     load_model(&resolve_model(name)?, opts)
 }
@@ -115,7 +126,11 @@ pub fn load_model(path: &Path, opts: impl Into<LoadOptions>) -> Result<LoadedMod
     let (model, tokenizer) = if path.is_dir() {
         let cfg = config::from_hf_json(&path.join("config.json"))?;
         let w = weights::load_hf_dir(path, opts)?;
-        let tok = if path.join("tokenizer.json").is_file() { Some(Tokenizer::from_hf_dir(path)?) } else { None };
+        let tok = if path.join("tokenizer.json").is_file() {
+            Some(Tokenizer::from_hf_dir(path)?)
+        } else {
+            None
+        };
         (Model::load(cfg, w)?, tok)
     } else {
         let f = gguf::GgufFile::open(path)?;
@@ -138,5 +153,9 @@ pub fn load_model(path: &Path, opts: impl Into<LoadOptions>) -> Result<LoadedMod
             .into());
         }
     }
-    Ok(LoadedModel { model, tokenizer, source: path.into() })
+    Ok(LoadedModel {
+        model,
+        tokenizer,
+        source: path.into(),
+    })
 }

@@ -70,7 +70,16 @@ const ARGMAX_THREADS: i32 = 1024;
 /// The masked argmax kernel, made once per process; None without CUDA.
 fn argmax_kernel() -> Option<&'static Kernel> {
     static KERNEL: OnceLock<Option<Kernel>> = OnceLock::new();
-    crate::kernel::once(&KERNEL, "the masked argmax kernel", || Kernel::new("llmq_masked_argmax", &["logits", "masks"], &["out"], ARGMAX_SOURCE, "", 0))
+    crate::kernel::once(&KERNEL, "the masked argmax kernel", || {
+        Kernel::new(
+            "llmq_masked_argmax",
+            &["logits", "masks"],
+            &["out"],
+            ARGMAX_SOURCE,
+            "",
+            0,
+        )
+    })
 }
 
 /// Each row's best allowed token (the lowest index among equals, as an argmax; 0 where the
@@ -116,12 +125,20 @@ impl Sparse {
     /// bytes of the masks themselves (a place and a value are two words).
     fn of(masks: &[u32], words: usize) -> Option<Sparse> {
         let rows = masks.len() / words.max(1);
-        let mut out = Sparse { defaults: Vec::with_capacity(rows), places: vec![], values: vec![] };
+        let mut out = Sparse {
+            defaults: Vec::with_capacity(rows),
+            places: vec![],
+            values: vec![],
+        };
         let budget = masks.len() / 4;
         for (r, row) in masks.chunks(words.max(1)).enumerate() {
             let allowing_some = row.iter().filter(|&&w| w != 0).count();
             let refusing_some = row.iter().filter(|&&w| w != u32::MAX).count();
-            let default = if allowing_some <= refusing_some { 0 } else { u32::MAX };
+            let default = if allowing_some <= refusing_some {
+                0
+            } else {
+                u32::MAX
+            };
             if out.places.len() + allowing_some.min(refusing_some) > budget {
                 return None;
             }
@@ -160,8 +177,13 @@ impl MaskLayout {
         let shape = logits.shape().to_vec();
         let packed = self.packed(logits, masks)?;
         let per_token = packed.take_axis(&self.word, 1)?;
-        let bit = remainder(floor_divide(&per_token, &self.place)?, Array::from_int(2).as_dtype(Dtype::Uint32)?)?;
-        let allowed = bit.eq(Array::from_int(1).as_dtype(Dtype::Uint32)?)?.reshape(&shape)?;
+        let bit = remainder(
+            floor_divide(&per_token, &self.place)?,
+            Array::from_int(2).as_dtype(Dtype::Uint32)?,
+        )?;
+        let allowed = bit
+            .eq(Array::from_int(1).as_dtype(Dtype::Uint32)?)?
+            .reshape(&shape)?;
         let floor = Array::from_f32(f32::NEG_INFINITY).as_dtype(logits.dtype())?;
         Ok(select(&allowed, logits, &floor)?)
     }
@@ -172,12 +194,24 @@ impl MaskLayout {
         let rows = logits.shape()[0];
         let Some(kernel) = argmax_kernel() else {
             self.check(logits, masks)?;
-            let tokens = host_argmax(&crate::model::host_f32(logits)?, masks, self.vocab, self.words());
+            let tokens = host_argmax(
+                &crate::model::host_f32(logits)?,
+                masks,
+                self.vocab,
+                self.words(),
+            );
             return Ok(Array::from_slice(&tokens, &[rows]));
         };
         let packed = self.packed(logits, masks)?;
         let ints = [("VOCAB", self.vocab as i32), ("WORDS", self.words() as i32)];
-        let out = kernel.apply(&[logits, &packed], &[(&[rows], Dtype::Int32)], rows, ARGMAX_THREADS, logits.dtype(), &ints)?;
+        let out = kernel.apply(
+            &[logits, &packed],
+            &[(&[rows], Dtype::Int32)],
+            rows,
+            ARGMAX_THREADS,
+            logits.dtype(),
+            &ints,
+        )?;
         Ok(out.into_iter().next().expect("one output"))
     }
 
@@ -190,14 +224,20 @@ impl MaskLayout {
     fn packed(&self, logits: &Array, masks: &[u32]) -> Result<Array> {
         self.check(logits, masks)?;
         let (rows, words) = (logits.shape()[0], self.words() as i32);
-        let Some(sparse) = Sparse::of(masks, self.words()) else { return Ok(Array::from_slice(masks, &[rows, words])) };
+        let Some(sparse) = Sparse::of(masks, self.words()) else {
+            return Ok(Array::from_slice(masks, &[rows, words]));
+        };
         let defaults = Array::from_slice(&sparse.defaults, &[rows, 1]);
         let base = mlx_rs::ops::broadcast_to(&defaults, &[rows, words])?;
         if sparse.places.is_empty() {
             return Ok(base);
         }
         let n = sparse.places.len() as i32;
-        Ok(base.put_along_axis(Array::from_slice(&sparse.places, &[n]), Array::from_slice(&sparse.values, &[n]), None)?)
+        Ok(base.put_along_axis(
+            Array::from_slice(&sparse.places, &[n]),
+            Array::from_slice(&sparse.values, &[n]),
+            None,
+        )?)
     }
 
     /// Whether `masks` has `words()` words for each row of `logits` and the logits this layout's
@@ -240,7 +280,10 @@ mod tests {
                 assert_eq!(*v, i as f32);
             }
         }
-        assert!(layout.restrict(&logits, &masks[..3]).is_err(), "too few words");
+        assert!(
+            layout.restrict(&logits, &masks[..3]).is_err(),
+            "too few words"
+        );
     }
 
     /// The masks as the device sees them, read back.
@@ -266,14 +309,28 @@ mod tests {
         masks[words + 5] = !(1 << 2);
         masks[2 * words..].fill(u32::MAX);
         let sparse = Sparse::of(&masks, words).expect("sparse");
-        assert_eq!(sparse, Sparse { defaults: vec![0, u32::MAX, u32::MAX], places: vec![3, 9, 21], values: vec![1 << 7, u32::MAX, !(1 << 2)] });
+        assert_eq!(
+            sparse,
+            Sparse {
+                defaults: vec![0, u32::MAX, u32::MAX],
+                places: vec![3, 9, 21],
+                values: vec![1 << 7, u32::MAX, !(1 << 2)]
+            }
+        );
         assert_eq!(uploaded(&layout, 3, &masks), masks);
         // Every row at its default: nothing but the defaults crosses.
-        let plain: Vec<u32> = (0..2 * words).map(|i| if i < words { 0 } else { u32::MAX }).collect();
-        assert_eq!(Sparse::of(&plain, words).expect("sparse").places, Vec::<i32>::new());
+        let plain: Vec<u32> = (0..2 * words)
+            .map(|i| if i < words { 0 } else { u32::MAX })
+            .collect();
+        assert_eq!(
+            Sparse::of(&plain, words).expect("sparse").places,
+            Vec::<i32>::new()
+        );
         assert_eq!(uploaded(&layout, 2, &plain), plain);
         // Words that all differ: the masks cross whole.
-        let mixed: Vec<u32> = (0..2 * words as u32).map(|i| i.wrapping_mul(2654435761) | 1).collect();
+        let mixed: Vec<u32> = (0..2 * words as u32)
+            .map(|i| i.wrapping_mul(2654435761) | 1)
+            .collect();
         assert!(Sparse::of(&mixed, words).is_none());
         assert_eq!(uploaded(&layout, 2, &mixed), mixed);
     }

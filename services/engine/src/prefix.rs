@@ -34,7 +34,10 @@ impl KvPrefix {
     /// copy is queued on the device, not waited for (on a GPU it stays off the host's path; on a
     /// CPU it is the device thread's work like any other).
     pub fn copy_of(layers: Vec<(mlx_rs::Array, mlx_rs::Array)>) -> crate::Result<Self> {
-        let layers = layers.iter().map(|(k, v)| Ok((k.contiguous()?, v.contiguous()?))).collect::<crate::Result<Vec<_>>>()?;
+        let layers = layers
+            .iter()
+            .map(|(k, v)| Ok((k.contiguous()?, v.contiguous()?)))
+            .collect::<crate::Result<Vec<_>>>()?;
         mlx_rs::transforms::async_eval(layers.iter().flat_map(|(k, v)| [k, v]))?;
         Ok(KvPrefix { layers })
     }
@@ -42,7 +45,10 @@ impl KvPrefix {
 
 impl Payload for KvPrefix {
     fn nbytes(&self) -> u64 {
-        self.layers.iter().map(|(k, v)| (k.nbytes() + v.nbytes()) as u64).sum()
+        self.layers
+            .iter()
+            .map(|(k, v)| (k.nbytes() + v.nbytes()) as u64)
+            .sum()
     }
 }
 
@@ -102,7 +108,11 @@ fn root_hash(salt: Option<&str>) -> u64 {
     h.finish()
 }
 
-fn block_hashes<'a>(salt: Option<&str>, tokens: &'a [u32], block: usize) -> impl Iterator<Item = u64> + 'a {
+fn block_hashes<'a>(
+    salt: Option<&str>,
+    tokens: &'a [u32],
+    block: usize,
+) -> impl Iterator<Item = u64> + 'a {
     let mut parent = root_hash(salt);
     tokens.chunks_exact(block).map(move |b| {
         let mut h = DefaultHasher::new();
@@ -145,12 +155,21 @@ impl<P: Payload> PrefixCache<P> {
     }
 
     pub fn stats(&self) -> PrefixStats {
-        PrefixStats { entries: self.entries.len() as u64, held_bytes: self.held, ..self.stats }
+        PrefixStats {
+            entries: self.entries.len() as u64,
+            held_bytes: self.held,
+            ..self.stats
+        }
     }
 
     /// The entry sharing the longest prefix with `tokens` (same salt) and that length;
     /// `hashes` are the chained hashes of `tokens`' whole blocks.
-    fn best_match(&self, salt: Option<&str>, tokens: &[u32], hashes: impl IntoIterator<Item = u64>) -> Option<(u64, usize)> {
+    fn best_match(
+        &self,
+        salt: Option<&str>,
+        tokens: &[u32],
+        hashes: impl IntoIterator<Item = u64>,
+    ) -> Option<(u64, usize)> {
         let mut candidates: Option<&Vec<u64>> = None;
         for h in hashes {
             match self.index.get(&h) {
@@ -211,7 +230,9 @@ impl<P: Payload> PrefixCache<P> {
             .copied()
             .filter(|id| {
                 let e = &self.entries[id];
-                e.salt.as_deref() == salt && e.tokens.len() <= tokens.len() && tokens.starts_with(&e.tokens)
+                e.salt.as_deref() == salt
+                    && e.tokens.len() <= tokens.len()
+                    && tokens.starts_with(&e.tokens)
             })
             .collect();
         subsumed.sort_unstable();
@@ -232,7 +253,14 @@ impl<P: Payload> PrefixCache<P> {
         }
         self.entries.insert(
             id,
-            Entry { salt: salt.map(str::to_string), tokens: tokens.to_vec(), hashes, payload, bytes, last_used: self.clock },
+            Entry {
+                salt: salt.map(str::to_string),
+                tokens: tokens.to_vec(),
+                hashes,
+                payload,
+                bytes,
+                last_used: self.clock,
+            },
         );
         self.held += bytes;
         self.stats.inserted += 1;
@@ -240,7 +268,9 @@ impl<P: Payload> PrefixCache<P> {
     }
 
     fn remove(&mut self, id: u64) {
-        let Some(e) = self.entries.remove(&id) else { return };
+        let Some(e) = self.entries.remove(&id) else {
+            return;
+        };
         for h in &e.hashes {
             if let Some(ids) = self.index.get_mut(h) {
                 ids.retain(|&x| x != id);
@@ -256,7 +286,14 @@ impl<P: Payload> PrefixCache<P> {
     /// held after.
     pub fn trim(&mut self, max: u64) -> u64 {
         while self.held > max {
-            let Some(oldest) = self.entries.iter().min_by_key(|(_, e)| e.last_used).map(|(id, _)| *id) else { break };
+            let Some(oldest) = self
+                .entries
+                .iter()
+                .min_by_key(|(_, e)| e.last_used)
+                .map(|(id, _)| *id)
+            else {
+                break;
+            };
             self.remove(oldest);
             self.stats.evictions += 1;
         }
@@ -313,7 +350,10 @@ mod tests {
         d.extend([50, 51, 52, 53, 54]);
         assert!(c.lookup(None, &d).is_none());
         let s = c.stats();
-        assert_eq!((s.lookups, s.hits, s.reused_tokens, s.prompt_tokens), (3, 2, 15, 27));
+        assert_eq!(
+            (s.lookups, s.hits, s.reused_tokens, s.prompt_tokens),
+            (3, 2, 15, 27)
+        );
     }
 
     #[test]
@@ -337,7 +377,10 @@ mod tests {
         put(&mut c, Some("alice"), &seq(0, 12));
         assert!(c.lookup(None, &seq(0, 12)).is_none());
         assert!(c.lookup(Some("bob"), &seq(0, 12)).is_none());
-        assert_eq!(c.lookup(Some("alice"), &seq(0, 12)).map(|(n, _)| n), Some(11));
+        assert_eq!(
+            c.lookup(Some("alice"), &seq(0, 12)).map(|(n, _)| n),
+            Some(11)
+        );
     }
 
     #[test]
@@ -346,7 +389,10 @@ mod tests {
         put(&mut c, None, &seq(0, 8));
         assert!(put(&mut c, None, &seq(0, 20)));
         assert_eq!((c.stats().entries, c.held_bytes()), (1, 20));
-        assert!(!put(&mut c, None, &seq(0, 13)), "covered by the longer entry");
+        assert!(
+            !put(&mut c, None, &seq(0, 13)),
+            "covered by the longer entry"
+        );
         assert_eq!(c.lookup(None, &seq(0, 30)).map(|(n, _)| n), Some(20));
     }
 
@@ -358,11 +404,17 @@ mod tests {
         put(&mut c, None, &seq(200, 10));
         c.lookup(None, &seq(0, 10)); // 0.. is now the most recent
         put(&mut c, None, &seq(300, 10));
-        assert!(c.lookup(None, &seq(100, 10)).is_none(), "the least recently used was evicted");
+        assert!(
+            c.lookup(None, &seq(100, 10)).is_none(),
+            "the least recently used was evicted"
+        );
         assert!(c.lookup(None, &seq(0, 10)).is_some());
         assert_eq!((c.held_bytes(), c.stats().evictions), (30, 1));
         assert_eq!(c.trim(15), 10);
-        assert!(!put(&mut c, None, &seq(500, 40)), "larger than the whole limit");
+        assert!(
+            !put(&mut c, None, &seq(500, 40)),
+            "larger than the whole limit"
+        );
         assert_eq!(c.clear(), 10);
         assert_eq!((c.held_bytes(), c.stats().entries), (0, 0));
     }

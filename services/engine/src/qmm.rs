@@ -258,7 +258,14 @@ fn kernels() -> Option<&'static Kernels> {
     static KERNELS: OnceLock<Option<Kernels>> = OnceLock::new();
     crate::kernel::once(&KERNELS, "the quantized tensor-core kernel", || {
         Ok(Kernels {
-            qmm: Kernel::new("llmq_qmm", &["x", "w", "scales", "biases"], &["out"], SOURCE, "", 0)?,
+            qmm: Kernel::new(
+                "llmq_qmm",
+                &["x", "w", "scales", "biases"],
+                &["out"],
+                SOURCE,
+                "",
+                0,
+            )?,
             reduce: Kernel::new("llmq_qmm_reduce", &["part"], &["out"], REDUCE, "", 0)?,
         })
     })
@@ -274,11 +281,19 @@ fn splits(blocks: i32, chunks: i32) -> i32 {
 /// Whether the kernel takes this product: `rows` rows of `x` (dtype `dtype`) against `q`.
 pub fn covers(q: &QTensor, rows: i32, dtype: Dtype) -> bool {
     let (bits, group) = (q.spec.bits, q.spec.group_size);
-    if q.w.ndim() != 2 || !(super::qmv::MAX_ROWS + 1..=MAX_ROWS).contains(&rows) || ![4, 8].contains(&bits) {
+    if q.w.ndim() != 2
+        || !(super::qmv::MAX_ROWS + 1..=MAX_ROWS).contains(&rows)
+        || ![4, 8].contains(&bits)
+    {
         return false;
     }
     let (n, k) = (q.w.shape()[0], q.w.shape()[1] * 32 / bits);
-    dtype == Dtype::Bfloat16 && q.scales.dtype() == Dtype::Bfloat16 && [32, 64, 128].contains(&group) && k % CHUNK == 0 && k % group == 0 && n % 8 == 0
+    dtype == Dtype::Bfloat16
+        && q.scales.dtype() == Dtype::Bfloat16
+        && [32, 64, 128].contains(&group)
+        && k % CHUNK == 0
+        && k % group == 0
+        && n % 8 == 0
 }
 
 /// `x @ W^T` through the kernel for `x` of more than `qmv::MAX_ROWS` and at most `MAX_ROWS`
@@ -294,18 +309,44 @@ pub fn matmul_t(q: &QTensor, x: &Array) -> Option<Result<Array, Exception>> {
     let n = q.w.shape()[0];
     let run = || -> Result<Array, Exception> {
         let x2 = x.reshape(&[rows, k])?;
-        let blocks = ((n + BLOCK_COLUMNS - 1) / BLOCK_COLUMNS) * ((rows + BLOCK_ROWS - 1) / BLOCK_ROWS);
+        let blocks =
+            ((n + BLOCK_COLUMNS - 1) / BLOCK_COLUMNS) * ((rows + BLOCK_ROWS - 1) / BLOCK_ROWS);
         let split = splits(blocks, k / CHUNK);
-        let ints = [("BITS", q.spec.bits), ("G", q.spec.group_size), ("SPLIT", split)];
+        let ints = [
+            ("BITS", q.spec.bits),
+            ("G", q.spec.group_size),
+            ("SPLIT", split),
+        ];
         let inputs = [&x2, &q.w, &q.scales, &q.biases];
         let out = if split == 1 {
-            kernels.qmm.apply(&inputs, &[(&[rows, n], x.dtype())], blocks, WARPS * 32, x.dtype(), &ints)?
+            kernels.qmm.apply(
+                &inputs,
+                &[(&[rows, n], x.dtype())],
+                blocks,
+                WARPS * 32,
+                x.dtype(),
+                &ints,
+            )?
         } else {
-            let part = kernels.qmm.apply(&inputs, &[(&[split, rows, n], Dtype::Float32)], blocks * split, WARPS * 32, x.dtype(), &ints)?;
+            let part = kernels.qmm.apply(
+                &inputs,
+                &[(&[split, rows, n], Dtype::Float32)],
+                blocks * split,
+                WARPS * 32,
+                x.dtype(),
+                &ints,
+            )?;
             let total = rows as i64 * n as i64;
             let threads = 256;
             let reduce_blocks = ((total + threads as i64 - 1) / threads as i64) as i32;
-            kernels.reduce.apply(&[&part[0]], &[(&[rows, n], x.dtype())], reduce_blocks, threads, x.dtype(), &[])?
+            kernels.reduce.apply(
+                &[&part[0]],
+                &[(&[rows, n], x.dtype())],
+                reduce_blocks,
+                threads,
+                x.dtype(),
+                &[],
+            )?
         };
         let mut out_shape = lead.to_vec();
         out_shape.push(n);

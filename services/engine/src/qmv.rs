@@ -169,8 +169,22 @@ fn kernels() -> Option<&'static Kernels> {
     crate::kernel::once(&KERNELS, "quantized matrix kernels", || {
         let header = format!("constexpr int MAX_ROWS = {MAX_ROWS};\n");
         Ok(Kernels {
-            qmv: Kernel::new("llmq_qmv", &["x", "w", "scales", "biases"], &["out"], SOURCE, &header, 0)?,
-            dequantize: Kernel::new("llmq_dequantize", &["w", "scales", "biases"], &["out"], DEQUANTIZE, "", 0)?,
+            qmv: Kernel::new(
+                "llmq_qmv",
+                &["x", "w", "scales", "biases"],
+                &["out"],
+                SOURCE,
+                &header,
+                0,
+            )?,
+            dequantize: Kernel::new(
+                "llmq_dequantize",
+                &["w", "scales", "biases"],
+                &["out"],
+                DEQUANTIZE,
+                "",
+                0,
+            )?,
         })
     })
 }
@@ -194,7 +208,14 @@ pub fn dequantize(q: &QTensor) -> Option<Result<Array, Exception>> {
     let blocks = ((chunks + threads as i64 - 1) / threads as i64) as i32;
     let ints = [("BITS", q.spec.bits), ("G", q.spec.group_size)];
     let run = || -> Result<Array, Exception> {
-        let out = kernels.dequantize.apply(&[&q.w, &q.scales, &q.biases], &[(&[n, k], q.scales.dtype())], blocks, threads, q.scales.dtype(), &ints)?;
+        let out = kernels.dequantize.apply(
+            &[&q.w, &q.scales, &q.biases],
+            &[(&[n, k], q.scales.dtype())],
+            blocks,
+            threads,
+            q.scales.dtype(),
+            &ints,
+        )?;
         Ok(out.into_iter().next().unwrap())
     };
     Some(run())
@@ -216,7 +237,14 @@ pub fn matmul_t(q: &QTensor, x: &Array) -> Option<Result<Array, Exception>> {
         let x2 = x.reshape(&[rows, k])?;
         let blocks = (n + WARPS - 1) / WARPS;
         let ints = [("BITS", q.spec.bits), ("G", q.spec.group_size)];
-        let out = kernel.apply(&[&x2, &q.w, &q.scales, &q.biases], &[(&[rows, n], x.dtype())], blocks, WARPS * 32, x.dtype(), &ints)?;
+        let out = kernel.apply(
+            &[&x2, &q.w, &q.scales, &q.biases],
+            &[(&[rows, n], x.dtype())],
+            blocks,
+            WARPS * 32,
+            x.dtype(),
+            &ints,
+        )?;
         let mut out_shape = lead.to_vec();
         out_shape.push(n);
         out.into_iter().next().unwrap().reshape(&out_shape)

@@ -37,10 +37,16 @@ impl QuantSpec {
 
     pub fn new(bits: i32, group_size: i32) -> Result<Self> {
         if !Self::BITS.contains(&bits) {
-            return Err(EngineError::InvalidRequest(format!("quantization bits {bits}: must be one of {:?}", Self::BITS)));
+            return Err(EngineError::InvalidRequest(format!(
+                "quantization bits {bits}: must be one of {:?}",
+                Self::BITS
+            )));
         }
         if !Self::GROUP_SIZES.contains(&group_size) {
-            return Err(EngineError::InvalidRequest(format!("quantization group size {group_size}: must be one of {:?}", Self::GROUP_SIZES)));
+            return Err(EngineError::InvalidRequest(format!(
+                "quantization group size {group_size}: must be one of {:?}",
+                Self::GROUP_SIZES
+            )));
         }
         Ok(QuantSpec { bits, group_size })
     }
@@ -70,21 +76,41 @@ impl QTensor {
     /// Quantizes a full-precision matrix (or stack) whose rows are a multiple of the group size.
     pub fn quantize(dense: &Array, spec: QuantSpec) -> Result<Self> {
         let (w, scales, biases) = quantize(dense, spec.group_size, spec.bits)?;
-        Ok(QTensor { w, scales, biases, spec })
+        Ok(QTensor {
+            w,
+            scales,
+            biases,
+            spec,
+        })
     }
 
     /// A [rows, cols] matrix from affine groups of 32, packed at `bits` (at least the groups'
     /// own width; wider is exact too), scales and biases in `dtype`.
-    pub fn from_affine(a: &Affine, rows: usize, cols: usize, bits: i32, dtype: Dtype) -> Result<Self> {
+    pub fn from_affine(
+        a: &Affine,
+        rows: usize,
+        cols: usize,
+        bits: i32,
+        dtype: Dtype,
+    ) -> Result<Self> {
         let spec = QuantSpec::new(bits.max(a.bits as i32), llmq_text::affine::GROUP as i32)?;
-        let packed: Vec<u32> = a.values.chunks_exact(cols).flat_map(|row| pack(row, spec.bits)).collect();
+        let packed: Vec<u32> = a
+            .values
+            .chunks_exact(cols)
+            .flat_map(|row| pack(row, spec.bits))
+            .collect();
         let groups = (cols / spec.group_size as usize) as i32;
         let (r, c) = (rows as i32, cols as i32);
         let w = Array::from_slice(&packed, &[r, spec.words(cols) as i32]);
         let scales = Array::from_slice(&a.scales, &[r, groups]).as_dtype(dtype)?;
         let biases = Array::from_slice(&a.biases, &[r, groups]).as_dtype(dtype)?;
         debug_assert_eq!(c as usize * r as usize, a.values.len());
-        Ok(QTensor { w, scales, biases, spec })
+        Ok(QTensor {
+            w,
+            scales,
+            biases,
+            spec,
+        })
     }
 
     /// The logical shape: the packed one with its last dimension unpacked.
@@ -104,7 +130,13 @@ impl QTensor {
         if let Some(out) = crate::qmv::dequantize(self) {
             return Ok(out?);
         }
-        Ok(dequantize(&self.w, &self.scales, &self.biases, self.spec.group_size, self.spec.bits)?)
+        Ok(dequantize(
+            &self.w,
+            &self.scales,
+            &self.biases,
+            self.spec.group_size,
+            self.spec.bits,
+        )?)
     }
 
     /// `x @ W^T`: x [..., cols] to [..., rows]. A decode step's rows multiply reading only the
@@ -122,13 +154,27 @@ impl QTensor {
         if rows as usize >= DENSE_FROM_ROWS {
             return Ok(x.matmul(self.dequantize()?.t())?);
         }
-        Ok(quantized_matmul(x, &self.w, &self.scales, &self.biases, true, self.spec.group_size, self.spec.bits)?)
+        Ok(quantized_matmul(
+            x,
+            &self.w,
+            &self.scales,
+            &self.biases,
+            true,
+            self.spec.group_size,
+            self.spec.bits,
+        )?)
     }
 
     /// Rows `idx` (any shape) dequantized: [idx..., cols]. An embedding lookup.
     pub fn rows(&self, idx: &Array) -> Result<Array> {
         let take = |a: &Array| a.take_axis(idx, 0);
-        Ok(dequantize(take(&self.w)?, take(&self.scales)?, &take(&self.biases)?, self.spec.group_size, self.spec.bits)?)
+        Ok(dequantize(
+            take(&self.w)?,
+            take(&self.scales)?,
+            &take(&self.biases)?,
+            self.spec.group_size,
+            self.spec.bits,
+        )?)
     }
 
     pub fn nbytes(&self) -> usize {
@@ -142,16 +188,33 @@ impl QTensor {
     /// The same values packed at a wider `bits` (exact: the integers, scales and biases stay).
     fn widen(&self, bits: i32) -> Result<Self> {
         if bits == self.spec.bits {
-            return Ok(QTensor { w: self.w.clone(), scales: self.scales.clone(), biases: self.biases.clone(), spec: self.spec });
+            return Ok(QTensor {
+                w: self.w.clone(),
+                scales: self.scales.clone(),
+                biases: self.biases.clone(),
+                spec: self.spec,
+            });
         }
         let spec = QuantSpec::new(bits, self.spec.group_size)?;
         let shape = self.shape();
         let cols = shape[shape.len() - 1];
-        let words = self.w.as_dtype(Dtype::Uint32)?.to_vec_exact::<u32>().map_err(|e| EngineError::Host(e.to_string()))?;
-        let packed: Vec<u32> = words.chunks_exact(self.spec.words(cols)).flat_map(|row| pack(&unpack(row, self.spec.bits, cols), bits)).collect();
+        let words = self
+            .w
+            .as_dtype(Dtype::Uint32)?
+            .to_vec_exact::<u32>()
+            .map_err(|e| EngineError::Host(e.to_string()))?;
+        let packed: Vec<u32> = words
+            .chunks_exact(self.spec.words(cols))
+            .flat_map(|row| pack(&unpack(row, self.spec.bits, cols), bits))
+            .collect();
         let mut wshape: Vec<i32> = self.w.shape().to_vec();
         *wshape.last_mut().unwrap() = spec.words(cols) as i32;
-        Ok(QTensor { w: Array::from_slice(&packed, &wshape), scales: self.scales.clone(), biases: self.biases.clone(), spec })
+        Ok(QTensor {
+            w: Array::from_slice(&packed, &wshape),
+            scales: self.scales.clone(),
+            biases: self.biases.clone(),
+            spec,
+        })
     }
 
     /// Joins matrices (or stacks) along their rows (fused projections), or stacks them along a
@@ -160,15 +223,29 @@ impl QTensor {
     pub fn join(parts: Vec<QTensor>, new_axis: bool) -> Result<Self> {
         let group_size = parts[0].spec.group_size;
         if parts.iter().any(|p| p.spec.group_size != group_size) {
-            return Err(EngineError::InvalidRequest("quantized parts of one projection with different group sizes".into()));
+            return Err(EngineError::InvalidRequest(
+                "quantized parts of one projection with different group sizes".into(),
+            ));
         }
         let bits = parts.iter().map(|p| p.spec.bits).max().unwrap_or(4);
-        let parts = parts.iter().map(|p| p.widen(bits)).collect::<Result<Vec<_>>>()?;
+        let parts = parts
+            .iter()
+            .map(|p| p.widen(bits))
+            .collect::<Result<Vec<_>>>()?;
         let join = |f: fn(&QTensor) -> &Array| -> Result<Array> {
             let v: Vec<&Array> = parts.iter().map(f).collect();
-            Ok(if new_axis { stack(&v, 0)? } else { concatenate(&v, -2)? })
+            Ok(if new_axis {
+                stack(&v, 0)?
+            } else {
+                concatenate(&v, -2)?
+            })
         };
-        Ok(QTensor { w: join(|p| &p.w)?, scales: join(|p| &p.scales)?, biases: join(|p| &p.biases)?, spec: QuantSpec { bits, group_size } })
+        Ok(QTensor {
+            w: join(|p| &p.w)?,
+            scales: join(|p| &p.scales)?,
+            biases: join(|p| &p.biases)?,
+            spec: QuantSpec { bits, group_size },
+        })
     }
 }
 
@@ -269,8 +346,15 @@ impl Matrix {
             });
             return Ok(Matrix::Quantized(QTensor::join(q.collect(), new_axis)?));
         }
-        let dense = parts.into_iter().map(Matrix::into_dense).collect::<Result<Vec<_>>>()?;
-        Ok(Matrix::Dense(if new_axis { stack(&dense, 0)? } else { concatenate(&dense, -2)? }))
+        let dense = parts
+            .into_iter()
+            .map(Matrix::into_dense)
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Matrix::Dense(if new_axis {
+            stack(&dense, 0)?
+        } else {
+            concatenate(&dense, -2)?
+        }))
     }
 }
 
@@ -281,8 +365,14 @@ mod tests {
     #[test]
     fn pack_and_unpack_are_inverse_for_every_width() {
         for bits in QuantSpec::BITS {
-            let values: Vec<u8> = (0..96u32).map(|i| ((i * 37 + 11) % (1 << bits)) as u8).collect();
-            assert_eq!(unpack(&pack(&values, bits), bits, values.len()), values, "{bits} bits");
+            let values: Vec<u8> = (0..96u32)
+                .map(|i| ((i * 37 + 11) % (1 << bits)) as u8)
+                .collect();
+            assert_eq!(
+                unpack(&pack(&values, bits), bits, values.len()),
+                values,
+                "{bits} bits"
+            );
         }
     }
 
@@ -292,20 +382,35 @@ mod tests {
         for bits in QuantSpec::BITS {
             for group in QuantSpec::GROUP_SIZES {
                 let (rows, cols) = (3usize, 256usize);
-                let values: Vec<u8> = (0..rows * cols).map(|i| ((i * 7 + i / 5) % (1 << bits)) as u8).collect();
+                let values: Vec<u8> = (0..rows * cols)
+                    .map(|i| ((i * 7 + i / 5) % (1 << bits)) as u8)
+                    .collect();
                 let groups = rows * cols / group as usize;
                 let scales: Vec<f32> = (0..groups).map(|g| 0.5 + g as f32 * 0.25).collect();
                 let biases: Vec<f32> = (0..groups).map(|g| -(g as f32)).collect();
-                let packed: Vec<u32> = values.chunks_exact(cols).flat_map(|r| pack(r, bits)).collect();
+                let packed: Vec<u32> = values
+                    .chunks_exact(cols)
+                    .flat_map(|r| pack(r, bits))
+                    .collect();
                 let spec = QuantSpec::new(bits, group).unwrap();
                 let q = QTensor {
                     w: Array::from_slice(&packed, &[rows as i32, spec.words(cols) as i32]),
-                    scales: Array::from_slice(&scales, &[rows as i32, (cols / group as usize) as i32]),
-                    biases: Array::from_slice(&biases, &[rows as i32, (cols / group as usize) as i32]),
+                    scales: Array::from_slice(
+                        &scales,
+                        &[rows as i32, (cols / group as usize) as i32],
+                    ),
+                    biases: Array::from_slice(
+                        &biases,
+                        &[rows as i32, (cols / group as usize) as i32],
+                    ),
                     spec,
                 };
                 let got = q.dequantize().unwrap().to_vec_exact::<f32>().unwrap();
-                let want: Vec<f32> = (0..rows * cols).map(|i| scales[i / group as usize] * values[i] as f32 + biases[i / group as usize]).collect();
+                let want: Vec<f32> = (0..rows * cols)
+                    .map(|i| {
+                        scales[i / group as usize] * values[i] as f32 + biases[i / group as usize]
+                    })
+                    .collect();
                 assert_eq!(got, want, "{bits} bits, groups of {group}");
                 assert_eq!(q.shape(), vec![rows, cols]);
             }
@@ -314,11 +419,19 @@ mod tests {
 
     #[test]
     fn widening_keeps_every_value() {
-        let dense = Array::from_slice(&(0..4 * 128).map(|i| ((i * 13) % 29) as f32 / 7.0 - 2.0).collect::<Vec<_>>(), &[4, 128]);
+        let dense = Array::from_slice(
+            &(0..4 * 128)
+                .map(|i| ((i * 13) % 29) as f32 / 7.0 - 2.0)
+                .collect::<Vec<_>>(),
+            &[4, 128],
+        );
         let q = QTensor::quantize(&dense, QuantSpec::new(4, 32).unwrap()).unwrap();
         let wide = q.widen(8).unwrap();
         assert_eq!(wide.spec.bits, 8);
-        assert_eq!(q.dequantize().unwrap().to_vec_exact::<f32>().unwrap(), wide.dequantize().unwrap().to_vec_exact::<f32>().unwrap());
+        assert_eq!(
+            q.dequantize().unwrap().to_vec_exact::<f32>().unwrap(),
+            wide.dequantize().unwrap().to_vec_exact::<f32>().unwrap()
+        );
     }
 
     #[test]

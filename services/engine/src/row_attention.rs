@@ -187,7 +187,9 @@ fn select_group(groups: usize) -> String {
     for i in 0..groups {
         let take = format!("kp = k{i}; vp = v{i}; cap = k{i}_shape[2];");
         if i + 1 < groups {
-            src.push_str(&format!("    if (local < k{i}_shape[0]) {{ {take} }} else {{ local -= k{i}_shape[0];\n"));
+            src.push_str(&format!(
+                "    if (local < k{i}_shape[0]) {{ {take} }} else {{ local -= k{i}_shape[0];\n"
+            ));
         } else {
             src.push_str(&format!("    {take}\n"));
         }
@@ -237,7 +239,8 @@ impl RowAttention {
         if std::env::var_os("LLMQ_MASKED_DECODE_ATTENTION").is_some_and(|v| v != "0") {
             return None;
         }
-        let header = format!("constexpr float SCALE = {scale:.9e}f;\nconstexpr int WARPS = {WARPS};\n");
+        let header =
+            format!("constexpr float SCALE = {scale:.9e}f;\nconstexpr int WARPS = {WARPS};\n");
         let made = (|| -> Result<RowAttention, Exception> {
             let mut inputs = vec!["q".to_string(), "work".to_string()];
             for i in 0..MAX_GROUPS {
@@ -246,9 +249,30 @@ impl RowAttention {
             let inputs: Vec<&str> = inputs.iter().map(|s| s.as_str()).collect();
             let body = ACCUMULATE.replace("@SELECT@", &select_group(MAX_GROUPS));
             let r = RowAttention {
-                whole: Kernel::new("llmq_row_attention", &inputs, &["out"], &format!("{body}{WHOLE}"), &header, 0)?,
-                split: Kernel::new("llmq_row_attention_split", &inputs, &["part", "stats"], &format!("{body}{SPLIT}"), &header, 0)?,
-                merge: Kernel::new("llmq_row_attention_merge", &["part", "stats", "spans"], &["out"], MERGE, "", 0)?,
+                whole: Kernel::new(
+                    "llmq_row_attention",
+                    &inputs,
+                    &["out"],
+                    &format!("{body}{WHOLE}"),
+                    &header,
+                    0,
+                )?,
+                split: Kernel::new(
+                    "llmq_row_attention_split",
+                    &inputs,
+                    &["part", "stats"],
+                    &format!("{body}{SPLIT}"),
+                    &header,
+                    0,
+                )?,
+                merge: Kernel::new(
+                    "llmq_row_attention_merge",
+                    &["part", "stats", "spans"],
+                    &["out"],
+                    MERGE,
+                    "",
+                    0,
+                )?,
                 spare: mlx_rs::ops::zeros_dtype(&[1, kv_heads, 1, head_dim], dtype)?,
                 heads,
                 kv_heads,
@@ -307,13 +331,20 @@ impl RowAttention {
     /// Attention of each row's query `q` [rows, heads, 1, head_dim] (every group's slots in
     /// order) over its keys and values in its group's buffers `kv` ([slots, kv_heads, capacity,
     /// head_dim] each), as `plan` laid out.
-    pub fn apply(&self, plan: &RowPlan, q: &Array, kv: &[(&Array, &Array)]) -> Result<Array, Exception> {
+    pub fn apply(
+        &self,
+        plan: &RowPlan,
+        q: &Array,
+        kv: &[(&Array, &Array)],
+    ) -> Result<Array, Exception> {
         let rows = q.shape()[0];
         let slots: i32 = kv.iter().map(|(k, _)| k.shape()[0]).sum();
         let shapes_fit = q.shape() == [rows, self.heads, 1, self.head_dim]
             && rows == plan.rows
             && slots == rows
-            && kv.iter().all(|(k, v)| k.shape()[1] == self.kv_heads && k.shape() == v.shape());
+            && kv
+                .iter()
+                .all(|(k, v)| k.shape()[1] == self.kv_heads && k.shape() == v.shape());
         if !shapes_fit || kv.is_empty() || kv.len() > MAX_GROUPS {
             return Err(Exception::custom(format!(
                 "row attention kernel: q {:?} over {} groups of {slots} slots does not fit",
@@ -332,14 +363,38 @@ impl RowAttention {
         let (dtype, threads) = (q.dtype(), WARPS * 32);
         let blocks = plan.items * self.kv_heads;
         let Some(spans) = plan.spans.as_ref() else {
-            return Ok(self.whole.apply(&inputs, &[(q.shape(), dtype)], blocks, threads, dtype, &ints)?.remove(0));
+            return Ok(self
+                .whole
+                .apply(
+                    &inputs,
+                    &[(q.shape(), dtype)],
+                    blocks,
+                    threads,
+                    dtype,
+                    &ints,
+                )?
+                .remove(0));
         };
         let part_shape = [plan.items, self.kv_heads, g, self.head_dim];
         let stats_shape = [plan.items, self.kv_heads, g, 2];
         let f32 = Dtype::Float32;
-        let parts = self.split.apply(&inputs, &[(&part_shape, f32), (&stats_shape, f32)], blocks, threads, dtype, &ints)?;
+        let parts = self.split.apply(
+            &inputs,
+            &[(&part_shape, f32), (&stats_shape, f32)],
+            blocks,
+            threads,
+            dtype,
+            &ints,
+        )?;
         let merge_threads = (g * self.head_dim).min(1024);
-        let out = self.merge.apply(&[&parts[0], &parts[1], spans], &[(q.shape(), dtype)], rows * self.kv_heads, merge_threads, dtype, &ints)?;
+        let out = self.merge.apply(
+            &[&parts[0], &parts[1], spans],
+            &[(q.shape(), dtype)],
+            rows * self.kv_heads,
+            merge_threads,
+            dtype,
+            &ints,
+        )?;
         Ok(out.into_iter().next().expect("one output"))
     }
 }

@@ -28,16 +28,36 @@ pub fn random_model(name: &str, opts: impl Into<LoadOptions>, seed: u64) -> Resu
         a.eval()?; // one tensor at a time: peak memory stays near the model's size
         w.insert(name, a)
     };
-    add(&mut w, "model.embed_tokens.weight".into(), &[c.vocab_size, c.hidden_size])?;
+    add(
+        &mut w,
+        "model.embed_tokens.weight".into(),
+        &[c.vocab_size, c.hidden_size],
+    )?;
     for i in 0..c.num_layers {
         let p = format!("model.layers.{i}");
         let (h, f, d) = (c.hidden_size, c.intermediate_size, c.head_dim);
         add(&mut w, format!("{p}.input_layernorm.weight"), &[h])?;
         add(&mut w, format!("{p}.post_attention_layernorm.weight"), &[h])?;
-        add(&mut w, format!("{p}.self_attn.q_proj.weight"), &[c.num_heads * d, h])?;
-        add(&mut w, format!("{p}.self_attn.k_proj.weight"), &[c.num_kv_heads * d, h])?;
-        add(&mut w, format!("{p}.self_attn.v_proj.weight"), &[c.num_kv_heads * d, h])?;
-        add(&mut w, format!("{p}.self_attn.o_proj.weight"), &[h, c.num_heads * d])?;
+        add(
+            &mut w,
+            format!("{p}.self_attn.q_proj.weight"),
+            &[c.num_heads * d, h],
+        )?;
+        add(
+            &mut w,
+            format!("{p}.self_attn.k_proj.weight"),
+            &[c.num_kv_heads * d, h],
+        )?;
+        add(
+            &mut w,
+            format!("{p}.self_attn.v_proj.weight"),
+            &[c.num_kv_heads * d, h],
+        )?;
+        add(
+            &mut w,
+            format!("{p}.self_attn.o_proj.weight"),
+            &[h, c.num_heads * d],
+        )?;
         if crate::arch::options(c.arch).qk_norm {
             add(&mut w, format!("{p}.self_attn.q_norm.weight"), &[d])?;
             add(&mut w, format!("{p}.self_attn.k_norm.weight"), &[d])?;
@@ -46,9 +66,21 @@ pub fn random_model(name: &str, opts: impl Into<LoadOptions>, seed: u64) -> Resu
             Some(m) => {
                 add(&mut w, format!("{p}.mlp.gate.weight"), &[m.experts, h])?;
                 for e in 0..m.experts {
-                    add(&mut w, format!("{p}.mlp.experts.{e}.gate_proj.weight"), &[m.expert_size, h])?;
-                    add(&mut w, format!("{p}.mlp.experts.{e}.up_proj.weight"), &[m.expert_size, h])?;
-                    add(&mut w, format!("{p}.mlp.experts.{e}.down_proj.weight"), &[h, m.expert_size])?;
+                    add(
+                        &mut w,
+                        format!("{p}.mlp.experts.{e}.gate_proj.weight"),
+                        &[m.expert_size, h],
+                    )?;
+                    add(
+                        &mut w,
+                        format!("{p}.mlp.experts.{e}.up_proj.weight"),
+                        &[m.expert_size, h],
+                    )?;
+                    add(
+                        &mut w,
+                        format!("{p}.mlp.experts.{e}.down_proj.weight"),
+                        &[h, m.expert_size],
+                    )?;
                 }
             }
             None => {
@@ -60,7 +92,11 @@ pub fn random_model(name: &str, opts: impl Into<LoadOptions>, seed: u64) -> Resu
     }
     add(&mut w, "model.norm.weight".into(), &[c.hidden_size])?;
     if !c.tie_word_embeddings {
-        add(&mut w, "lm_head.weight".into(), &[c.vocab_size, c.hidden_size])?;
+        add(
+            &mut w,
+            "lm_head.weight".into(),
+            &[c.vocab_size, c.hidden_size],
+        )?;
     }
     Model::load(c, w)
 }

@@ -35,7 +35,11 @@ pub struct LoadOptions {
 
 impl LoadOptions {
     pub fn new(dtype: Dtype) -> Self {
-        LoadOptions { dtype, quantize: None, keep_quantized: crate::on_gpu() }
+        LoadOptions {
+            dtype,
+            quantize: None,
+            keep_quantized: crate::on_gpu(),
+        }
     }
 
     /// Quantizes at load (`--quantize`); what is asked for is kept, on any device.
@@ -55,9 +59,19 @@ impl LoadOptions {
     /// From settings as the CLI and the worker take them: a dtype name (default: the device's),
     /// bits to quantize to at load with their group size, and whether to keep quantized weights
     /// quantized (default: the device's choice, or yes when quantizing at load).
-    pub fn from_settings(dtype: Option<&str>, quantize: Option<i32>, group_size: i32, keep_quantized: Option<bool>) -> Result<Self> {
-        let dtype = dtype.map(crate::parse_dtype).transpose()?.unwrap_or_else(crate::default_dtype);
-        let spec = quantize.map(|bits| QuantSpec::new(bits, group_size)).transpose()?;
+    pub fn from_settings(
+        dtype: Option<&str>,
+        quantize: Option<i32>,
+        group_size: i32,
+        keep_quantized: Option<bool>,
+    ) -> Result<Self> {
+        let dtype = dtype
+            .map(crate::parse_dtype)
+            .transpose()?
+            .unwrap_or_else(crate::default_dtype);
+        let spec = quantize
+            .map(|bits| QuantSpec::new(bits, group_size))
+            .transpose()?;
         let opts = LoadOptions::new(dtype).quantized(spec);
         Ok(match keep_quantized {
             Some(k) => opts.keep_quantized(k),
@@ -88,7 +102,14 @@ pub struct Weights {
 impl Weights {
     pub fn new(source: impl Into<PathBuf>, opts: impl Into<LoadOptions>) -> Self {
         let opts = opts.into();
-        Weights { source: source.into(), map: HashMap::new(), opts, norms_include_one: false, summary: BTreeMap::new(), origin: HashMap::new() }
+        Weights {
+            source: source.into(),
+            map: HashMap::new(),
+            opts,
+            norms_include_one: false,
+            summary: BTreeMap::new(),
+            origin: HashMap::new(),
+        }
     }
 
     pub fn norms_include_one(&self) -> bool {
@@ -101,14 +122,23 @@ impl Weights {
 
     /// A full-precision tensor, in the compute dtype.
     pub fn insert(&mut self, name: impl Into<String>, a: Array) -> Result<()> {
-        let a = if a.dtype() == self.opts.dtype { a } else { a.as_dtype(self.opts.dtype)? };
+        let a = if a.dtype() == self.opts.dtype {
+            a
+        } else {
+            a.as_dtype(self.opts.dtype)?
+        };
         self.map.insert(name.into(), Matrix::Dense(a));
         Ok(())
     }
 
     /// A quantized tensor, its scales and biases in the compute dtype; `origin` names its
     /// source form for the summary.
-    pub fn insert_quantized(&mut self, name: impl Into<String>, mut q: QTensor, origin: impl Into<String>) -> Result<()> {
+    pub fn insert_quantized(
+        &mut self,
+        name: impl Into<String>,
+        mut q: QTensor,
+        origin: impl Into<String>,
+    ) -> Result<()> {
         let dtype = self.opts.dtype;
         if q.scales.dtype() != dtype {
             q.scales = q.scales.as_dtype(dtype)?;
@@ -128,11 +158,20 @@ impl Weights {
         let m = self
             .map
             .remove(name)
-            .ok_or_else(|| llmq_text::Error::MissingTensor { path: self.source.clone(), tensor: name.into() })?;
+            .ok_or_else(|| llmq_text::Error::MissingTensor {
+                path: self.source.clone(),
+                tensor: name.into(),
+            })?;
         let actual = m.shape();
         if actual != shape {
             let i64s = |v: &[usize]| v.iter().map(|&d| d as i64).collect();
-            return Err(llmq_text::Error::TensorShape { path: self.source.clone(), tensor: name.into(), actual: i64s(&actual), expected: i64s(shape) }.into());
+            return Err(llmq_text::Error::TensorShape {
+                path: self.source.clone(),
+                tensor: name.into(),
+                actual: i64s(&actual),
+                expected: i64s(shape),
+            }
+            .into());
         }
         Ok(m)
     }
@@ -176,7 +215,10 @@ impl Weights {
                         let q = QTensor::quantize(&a, spec)?;
                         // Now, so that the full-precision tensor is freed before the next one.
                         mlx_rs::transforms::eval(q.parameters())?;
-                        (Matrix::Quantized(q), format!("{from} -> {spec} (quantized at load)"))
+                        (
+                            Matrix::Quantized(q),
+                            format!("{from} -> {spec} (quantized at load)"),
+                        )
                     }
                     _ if from != self.dense_name() => (Matrix::Dense(a), self.dequantized(&from)),
                     _ => (Matrix::Dense(a), from),
@@ -193,7 +235,11 @@ impl Weights {
 
     /// What the weights taken so far became, one line per kind with its count of tensors.
     pub fn summary(&self) -> String {
-        self.summary.iter().map(|(k, n)| format!("{n} x {k}")).collect::<Vec<_>>().join("; ")
+        self.summary
+            .iter()
+            .map(|(k, n)| format!("{n} x {k}"))
+            .collect::<Vec<_>>()
+            .join("; ")
     }
 
     pub fn source(&self) -> &Path {
@@ -212,7 +258,10 @@ pub fn load_hf_dir(dir: &Path, opts: impl Into<LoadOptions>) -> Result<Weights> 
             .get("weight_map")
             .and_then(|m| m.as_object())
             .ok_or_else(|| llmq_text::Error::format(&index, "no weight_map"))?;
-        let mut names: Vec<String> = map.values().filter_map(|s| s.as_str().map(String::from)).collect();
+        let mut names: Vec<String> = map
+            .values()
+            .filter_map(|s| s.as_str().map(String::from))
+            .collect();
         names.sort();
         names.dedup();
         names.into_iter().map(|n| dir.join(n)).collect()
@@ -224,21 +273,41 @@ pub fn load_hf_dir(dir: &Path, opts: impl Into<LoadOptions>) -> Result<Weights> 
     let mut arrays = HashMap::new();
     for file in files {
         if !file.is_file() {
-            return Err(llmq_text::Error::io(&file, std::io::Error::new(std::io::ErrorKind::NotFound, "no such file")).into());
+            return Err(llmq_text::Error::io(
+                &file,
+                std::io::Error::new(std::io::ErrorKind::NotFound, "no such file"),
+            )
+            .into());
         }
-        let loaded = Array::load_safetensors(&file).map_err(|e| llmq_text::Error::format(&file, format!("bad safetensors file: {e}")))?;
+        let loaded = Array::load_safetensors(&file)
+            .map_err(|e| llmq_text::Error::format(&file, format!("bad safetensors file: {e}")))?;
         arrays.extend(loaded);
     }
-    let quantized: Vec<String> = arrays.keys().filter_map(|k| k.strip_suffix(".scales").map(String::from)).collect();
+    let quantized: Vec<String> = arrays
+        .keys()
+        .filter_map(|k| k.strip_suffix(".scales").map(String::from))
+        .collect();
     for module in quantized {
         let scales = arrays.remove(&format!("{module}.scales")).unwrap();
-        let (Some(packed), Some(biases)) = (arrays.remove(&format!("{module}.weight")), arrays.remove(&format!("{module}.biases"))) else {
-            return Err(llmq_text::Error::format(dir, format!("{module}: scales without a packed weight and biases")).into());
+        let (Some(packed), Some(biases)) = (
+            arrays.remove(&format!("{module}.weight")),
+            arrays.remove(&format!("{module}.biases")),
+        ) else {
+            return Err(llmq_text::Error::format(
+                dir,
+                format!("{module}: scales without a packed weight and biases"),
+            )
+            .into());
         };
         let spec = quantization.as_ref().and_then(|q| q.spec(&module)).ok_or_else(|| {
             llmq_text::Error::format(dir, format!("{module}: quantized, but config.json's quantization gives it no bits and group size"))
         })?;
-        let q = QTensor { w: packed, scales, biases, spec };
+        let q = QTensor {
+            w: packed,
+            scales,
+            biases,
+            spec,
+        };
         check_quantized(dir, &module, &q)?;
         w.insert_quantized(format!("{module}.weight"), q, format!("mlx {spec}"))?;
     }
@@ -255,7 +324,9 @@ fn read_json(path: &Path) -> Result<serde_json::Value> {
 
 /// A quantized tensor's parts agree with each other and with its form.
 fn check_quantized(path: &Path, module: &str, q: &QTensor) -> Result<()> {
-    let bad = |why: String| -> Result<()> { Err(llmq_text::Error::format(path, format!("{module}: {why}")).into()) };
+    let bad = |why: String| -> Result<()> {
+        Err(llmq_text::Error::format(path, format!("{module}: {why}")).into())
+    };
     if q.w.dtype() != Dtype::Uint32 {
         return bad(format!("a packed weight of {:?}, not uint32", q.w.dtype()));
     }
@@ -263,7 +334,10 @@ fn check_quantized(path: &Path, module: &str, q: &QTensor) -> Result<()> {
     let cols = shape[shape.len() - 1];
     let mut groups: Vec<i32> = shape.iter().map(|&d| d as i32).collect();
     *groups.last_mut().unwrap() = (cols / q.spec.group_size as usize) as i32;
-    if cols % q.spec.group_size as usize != 0 || q.scales.shape() != groups || q.biases.shape() != groups {
+    if cols % q.spec.group_size as usize != 0
+        || q.scales.shape() != groups
+        || q.biases.shape() != groups
+    {
         return bad(format!(
             "scales {:?} and biases {:?} do not fit a packed weight {:?} at {}",
             q.scales.shape(),
@@ -288,16 +362,32 @@ impl MlxQuantization {
             return Ok(None);
         }
         let v = read_json(path)?;
-        let Some(q) = v.get("quantization").or_else(|| v.get("quantization_config")).and_then(|q| q.as_object()) else { return Ok(None) };
+        let Some(q) = v
+            .get("quantization")
+            .or_else(|| v.get("quantization_config"))
+            .and_then(|q| q.as_object())
+        else {
+            return Ok(None);
+        };
         let field = |name: &str, v: &serde_json::Value| -> Result<Option<QuantSpec>> {
-            let bad = |why: &str| llmq_text::Error::format(path, format!("quantization{name}: {why}"));
-            if let Some(mode) = v.get("mode").and_then(|m| m.as_str()).filter(|m| *m != "affine") {
+            let bad =
+                |why: &str| llmq_text::Error::format(path, format!("quantization{name}: {why}"));
+            if let Some(mode) = v
+                .get("mode")
+                .and_then(|m| m.as_str())
+                .filter(|m| *m != "affine")
+            {
                 return Err(bad(&format!("mode {mode:?}; only \"affine\" is supported")).into());
             }
-            let (Some(bits), Some(group)) = (v.get("bits").and_then(|b| b.as_i64()), v.get("group_size").and_then(|g| g.as_i64())) else {
+            let (Some(bits), Some(group)) = (
+                v.get("bits").and_then(|b| b.as_i64()),
+                v.get("group_size").and_then(|g| g.as_i64()),
+            ) else {
                 return Ok(None);
             };
-            QuantSpec::new(bits as i32, group as i32).map(Some).map_err(|e| bad(&e.to_string()).into())
+            QuantSpec::new(bits as i32, group as i32)
+                .map(Some)
+                .map_err(|e| bad(&e.to_string()).into())
         };
         let default = field("", &serde_json::Value::Object(q.clone()))?;
         let mut modules = HashMap::new();
@@ -396,22 +486,40 @@ pub fn load_gguf(f: &GgufFile, cfg: &ModelConfig, opts: impl Into<LoadOptions>) 
         };
         let shape: Vec<i32> = info.shape.iter().map(|&d| d as i32).collect();
         let order = match cfg.arch {
-            Arch::Llama if hf.ends_with("self_attn.q_proj.weight") => Some(unpermuted_rows(shape[0] as usize, cfg.num_heads)),
-            Arch::Llama if hf.ends_with("self_attn.k_proj.weight") => Some(unpermuted_rows(shape[0] as usize, cfg.num_kv_heads)),
+            Arch::Llama if hf.ends_with("self_attn.q_proj.weight") => {
+                Some(unpermuted_rows(shape[0] as usize, cfg.num_heads))
+            }
+            Arch::Llama if hf.ends_with("self_attn.k_proj.weight") => {
+                Some(unpermuted_rows(shape[0] as usize, cfg.num_kv_heads))
+            }
             _ => None,
         };
-        let reorder = |a: Array| -> Result<Array> { Ok(match &order { Some(o) => a.take_axis(o, 0)?, None => a }) };
-        let quantized = !matches!(info.kind, TensorType::F32 | TensorType::F16 | TensorType::BF16);
+        let reorder = |a: Array| -> Result<Array> {
+            Ok(match &order {
+                Some(o) => a.take_axis(o, 0)?,
+                None => a,
+            })
+        };
+        let quantized = !matches!(
+            info.kind,
+            TensorType::F32 | TensorType::F16 | TensorType::BF16
+        );
         if keep && quantized && shape.len() >= 2 {
             // A matrix, or a stack of them (experts): rows are everything but the last axis.
             let cols = shape[shape.len() - 1] as usize;
             let rows = info.elements() as usize / cols;
             let kind = info.kind.name();
             let (q, origin) = match f.read_affine(info) {
-                Some(a) => (QTensor::from_affine(&a, rows, cols, a.bits as i32, w.dtype())?, format!("{kind} (exact)")),
+                Some(a) => (
+                    QTensor::from_affine(&a, rows, cols, a.bits as i32, w.dtype())?,
+                    format!("{kind} (exact)"),
+                ),
                 None => {
                     let dense = Array::from_slice(&f.read_f32(info), &[rows as i32, cols as i32]);
-                    (QTensor::quantize(&dense, QuantSpec::new(REQUANTIZED_BITS, 32)?)?, format!("{kind} (requantized)"))
+                    (
+                        QTensor::quantize(&dense, QuantSpec::new(REQUANTIZED_BITS, 32)?)?,
+                        format!("{kind} (requantized)"),
+                    )
                 }
             };
             let lead = &shape[..shape.len() - 1];
@@ -420,7 +528,12 @@ pub fn load_gguf(f: &GgufFile, cfg: &ModelConfig, opts: impl Into<LoadOptions>) 
                 s.push(a.shape()[1]);
                 reorder(a.reshape(&s)?)
             };
-            let q = QTensor { w: shaped(q.w)?, scales: shaped(q.scales)?, biases: shaped(q.biases)?, spec: q.spec };
+            let q = QTensor {
+                w: shaped(q.w)?,
+                scales: shaped(q.scales)?,
+                biases: shaped(q.biases)?,
+                spec: q.spec,
+            };
             w.insert_quantized(hf, q, origin)?;
         } else {
             let a = reorder(Array::from_slice(&f.read_f32(info), &shape))?;

@@ -21,7 +21,11 @@ fn load_err(path: &Path) -> String {
         Ok(_) => panic!("{} loaded", path.display()),
         Err(e) => {
             let s = e.to_string();
-            assert!(s.contains(&path.display().to_string()) || s.contains(path.file_name().unwrap().to_str().unwrap()), "error does not name the file: {s}");
+            assert!(
+                s.contains(&path.display().to_string())
+                    || s.contains(path.file_name().unwrap().to_str().unwrap()),
+                "error does not name the file: {s}"
+            );
             s
         }
     }
@@ -62,7 +66,10 @@ fn write_gguf(path: &Path, kv: &[(&str, &str)], tensors: &[(&str, Vec<u64>, u32,
 #[test]
 fn missing_files_and_unknown_names() {
     let p = PathBuf::from("/nonexistent/model.gguf");
-    assert!(matches!(resolve_model(p.to_str().unwrap()), Err(llmq_text::Error::UnknownModel(..))));
+    assert!(matches!(
+        resolve_model(p.to_str().unwrap()),
+        Err(llmq_text::Error::UnknownModel(..))
+    ));
     let d = tmpdir("empty");
     let err = load_err(&d);
     assert!(err.contains("config.json"), "{err}");
@@ -72,7 +79,10 @@ fn missing_files_and_unknown_names() {
 fn truncated_gguf() {
     let d = tmpdir("trunc");
     let full = std::fs::read(fixture("tiny-llama.gguf")).unwrap();
-    for (i, keep) in [3usize, 100, 5000, full.len() - 100].into_iter().enumerate() {
+    for (i, keep) in [3usize, 100, 5000, full.len() - 100]
+        .into_iter()
+        .enumerate()
+    {
         let p = d.join(format!("cut{i}.gguf"));
         std::fs::write(&p, &full[..keep]).unwrap();
         let err = load_err(&p);
@@ -94,11 +104,17 @@ fn wrong_magic() {
 fn unknown_architecture() {
     let d = tmpdir("arch");
     let p = d.join("neox.gguf");
-    write_gguf(&p, &[("general.architecture", "gptneox")], &[("token_embd.weight", vec![32, 4], 0, 512)]);
+    write_gguf(
+        &p,
+        &[("general.architecture", "gptneox")],
+        &[("token_embd.weight", vec![32, 4], 0, 512)],
+    );
     assert!(load_err(&p).contains("unsupported architecture \"gptneox\""));
     let hf = d.join("hf");
     std::fs::create_dir_all(&hf).unwrap();
-    let cfg = std::fs::read_to_string(fixture("tiny-llama/config.json")).unwrap().replace("\"llama\"", "\"falcon\"");
+    let cfg = std::fs::read_to_string(fixture("tiny-llama/config.json"))
+        .unwrap()
+        .replace("\"llama\"", "\"falcon\"");
     std::fs::write(hf.join("config.json"), cfg).unwrap();
     assert!(load_err(&hf).contains("falcon"));
 }
@@ -108,10 +124,18 @@ fn unknown_architecture() {
 #[test]
 fn unknown_rope_scaling() {
     let d = tmpdir("rope");
-    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture("tiny-llama3/config.json")).unwrap()).unwrap();
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("tiny-llama3/config.json")).unwrap())
+            .unwrap();
     for (params, expect) in [
-        (serde_json::json!({"rope_type": "mrope", "rope_theta": 10000.0, "factor": 2.0}), "rope_parameters.rope_type = \"mrope\""),
-        (serde_json::json!({"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0}), "rope_parameters.low_freq_factor = missing"),
+        (
+            serde_json::json!({"rope_type": "mrope", "rope_theta": 10000.0, "factor": 2.0}),
+            "rope_parameters.rope_type = \"mrope\"",
+        ),
+        (
+            serde_json::json!({"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0}),
+            "rope_parameters.low_freq_factor = missing",
+        ),
     ] {
         let mut c = cfg.clone();
         c["rope_parameters"] = params;
@@ -128,9 +152,16 @@ fn unknown_tensor_type() {
     let d = tmpdir("qtype");
     let p = d.join("iq4xs.gguf");
     // type 23 is IQ4_XS: 256-element blocks of 136 bytes
-    write_gguf(&p, &[("general.architecture", "llama")], &[("blk.0.attn_q.weight", vec![256, 4], 23, 544)]);
+    write_gguf(
+        &p,
+        &[("general.architecture", "llama")],
+        &[("blk.0.attn_q.weight", vec![256, 4], 23, 544)],
+    );
     let err = load_err(&p);
-    assert!(err.contains("IQ4_XS") && err.contains("blk.0.attn_q.weight") && err.contains("Q6_K"), "{err}");
+    assert!(
+        err.contains("IQ4_XS") && err.contains("blk.0.attn_q.weight") && err.contains("Q6_K"),
+        "{err}"
+    );
 }
 
 fn copy_dir(from: &Path, to: &Path) {
@@ -145,8 +176,12 @@ fn copy_dir(from: &Path, to: &Path) {
 fn tokenizer_larger_than_the_embedding() {
     let d = tmpdir("vocab").join("tiny");
     copy_dir(&fixture("tiny-llama"), &d);
-    let mut tj: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(d.join("tokenizer.json")).unwrap()).unwrap();
-    tj["added_tokens"].as_array_mut().unwrap().push(serde_json::json!({
+    let mut tj: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(d.join("tokenizer.json")).unwrap()).unwrap();
+    tj["added_tokens"]
+        .as_array_mut()
+        .unwrap()
+        .push(serde_json::json!({
         "id": 1000, "content": "<|extra|>", "single_word": false, "lstrip": false, "rstrip": false,
         "normalized": false, "special": true}));
     std::fs::write(d.join("tokenizer.json"), tj.to_string()).unwrap();
@@ -165,7 +200,9 @@ fn truncated_safetensors_and_wrong_shapes() {
 
     let d2 = tmpdir("shape").join("tiny");
     copy_dir(&fixture("tiny-llama"), &d2);
-    let cfg = std::fs::read_to_string(d2.join("config.json")).unwrap().replace("\"intermediate_size\": 128", "\"intermediate_size\": 96");
+    let cfg = std::fs::read_to_string(d2.join("config.json"))
+        .unwrap()
+        .replace("\"intermediate_size\": 128", "\"intermediate_size\": 96");
     std::fs::write(d2.join("config.json"), cfg).unwrap();
     let err = load_err(&d2);
     assert!(err.contains("shape"), "{err}");

@@ -15,11 +15,17 @@ use mlx_rs::{random, Array, Dtype};
 
 fn normal(shape: &[i32], dtype: Dtype, seed: u64, scale: f32) -> Array {
     let key = random::key(seed).unwrap();
-    random::normal::<f32>(shape, 0.0, scale, &key).unwrap().as_dtype(dtype).unwrap()
+    random::normal::<f32>(shape, 0.0, scale, &key)
+        .unwrap()
+        .as_dtype(dtype)
+        .unwrap()
 }
 
 fn host(a: &Array) -> Vec<f32> {
-    a.as_dtype(Dtype::Float32).unwrap().to_vec_exact::<f32>().unwrap()
+    a.as_dtype(Dtype::Float32)
+        .unwrap()
+        .to_vec_exact::<f32>()
+        .unwrap()
 }
 
 fn dot(a: &[f32], b: &[f32]) -> f64 {
@@ -27,7 +33,12 @@ fn dot(a: &[f32], b: &[f32]) -> f64 {
 }
 
 /// Row `r`'s k experts (largest first, lower index on ties) and their weights.
-fn route_on_host(logits: &[f32], experts: usize, k: usize, renormalize: bool) -> Vec<(Vec<u32>, Vec<f64>)> {
+fn route_on_host(
+    logits: &[f32],
+    experts: usize,
+    k: usize,
+    renormalize: bool,
+) -> Vec<(Vec<u32>, Vec<f64>)> {
     logits
         .chunks(experts)
         .map(|row| {
@@ -36,7 +47,10 @@ fn route_on_host(logits: &[f32], experts: usize, k: usize, renormalize: bool) ->
             let mut order: Vec<usize> = (0..experts).collect();
             order.sort_by(|a, b| row[*b].partial_cmp(&row[*a]).unwrap().then(a.cmp(b)));
             let chosen: Vec<u32> = order[..k].iter().map(|e| *e as u32).collect();
-            let mut w: Vec<f64> = order[..k].iter().map(|e| (row[*e] as f64 - top).exp() / total).collect();
+            let mut w: Vec<f64> = order[..k]
+                .iter()
+                .map(|e| (row[*e] as f64 - top).exp() / total)
+                .collect();
             if renormalize {
                 let s: f64 = w.iter().sum();
                 w.iter_mut().for_each(|x| *x /= s);
@@ -47,7 +61,10 @@ fn route_on_host(logits: &[f32], experts: usize, k: usize, renormalize: bool) ->
 }
 
 fn max_rel(got: &[f32], want: &[f64]) -> f64 {
-    got.iter().zip(want).map(|(a, b)| (*a as f64 - b).abs() / (1.0 + b.abs())).fold(0.0, f64::max)
+    got.iter()
+        .zip(want)
+        .map(|(a, b)| (*a as f64 - b).abs() / (1.0 + b.abs()))
+        .fold(0.0, f64::max)
 }
 
 #[test]
@@ -58,15 +75,31 @@ fn routing_matches_the_softmaxs_top_k() {
             for n in [1, 5, 64] {
                 let logits = normal(&[n, experts], Dtype::Bfloat16, 7 + n as u64, 2.0);
                 let (chosen, weights) = experts::route(&logits, k, renormalize).unwrap();
-                assert_eq!((chosen.shape(), chosen.dtype()), (&[n, k][..], Dtype::Uint32));
-                assert_eq!((weights.shape(), weights.dtype()), (&[n, k][..], Dtype::Float32));
-                let (chosen, weights) = (chosen.to_vec_exact::<u32>().unwrap(), weights.to_vec_exact::<f32>().unwrap());
+                assert_eq!(
+                    (chosen.shape(), chosen.dtype()),
+                    (&[n, k][..], Dtype::Uint32)
+                );
+                assert_eq!(
+                    (weights.shape(), weights.dtype()),
+                    (&[n, k][..], Dtype::Float32)
+                );
+                let (chosen, weights) = (
+                    chosen.to_vec_exact::<u32>().unwrap(),
+                    weights.to_vec_exact::<f32>().unwrap(),
+                );
                 let want = route_on_host(&host(&logits), experts as usize, k as usize, renormalize);
                 for (r, (e, w)) in want.iter().enumerate() {
                     let at = r * k as usize;
-                    assert_eq!(&chosen[at..at + k as usize], &e[..], "{experts} experts, row {r}");
+                    assert_eq!(
+                        &chosen[at..at + k as usize],
+                        &e[..],
+                        "{experts} experts, row {r}"
+                    );
                     let d = max_rel(&weights[at..at + k as usize], w);
-                    assert!(d < 1e-5, "{experts} experts, renormalize {renormalize}, row {r}: weights off by {d}");
+                    assert!(
+                        d < 1e-5,
+                        "{experts} experts, renormalize {renormalize}, row {r}: weights off by {d}"
+                    );
                 }
             }
         }
@@ -81,16 +114,24 @@ fn check_products(n: i32, experts: i32, k: i32, hidden: i32, size: i32, gelu: bo
     let gate_up = normal(&[experts, 2 * size, hidden], Dtype::Bfloat16, 2, 0.05);
     let down = normal(&[experts, hidden, size], Dtype::Bfloat16, 3, 0.05);
     // Rows concentrated on few experts, so that some expert has more than one group of rows.
-    let logits = normal(&[n, experts], Dtype::Bfloat16, 4, 1.0).add(normal(&[1, experts], Dtype::Bfloat16, 5, 3.0)).unwrap();
+    let logits = normal(&[n, experts], Dtype::Bfloat16, 4, 1.0)
+        .add(normal(&[1, experts], Dtype::Bfloat16, 5, 3.0))
+        .unwrap();
     let (chosen, weights) = experts::route(&logits, k, true).unwrap();
-    assert!(experts::applies(n * k, &gate_up, Dtype::Bfloat16), "{what}: the kernels apply");
+    assert!(
+        experts::applies(n * k, &gate_up, Dtype::Bfloat16),
+        "{what}: the kernels apply"
+    );
     let h = experts::gate_up(&x, &gate_up, &chosen, &weights, gelu).unwrap();
     let y = experts::down(&h, &down, &chosen, &weights).unwrap();
     assert_eq!(h.shape(), &[n * k, size]);
     assert_eq!(y.shape(), &[n * k, hidden]);
 
     let (xs, gu, dw) = (host(&x), host(&gate_up), host(&down));
-    let (chosen, weights) = (chosen.to_vec_exact::<u32>().unwrap(), weights.to_vec_exact::<f32>().unwrap());
+    let (chosen, weights) = (
+        chosen.to_vec_exact::<u32>().unwrap(),
+        weights.to_vec_exact::<f32>().unwrap(),
+    );
     let (hidden, size) = (hidden as usize, size as usize);
     let hs = host(&h);
     let mut want_h = vec![0f64; hs.len()];
@@ -100,7 +141,13 @@ fn check_products(n: i32, experts: i32, k: i32, hidden: i32, size: i32, gelu: bo
         for j in 0..size {
             let g = dot(&gu[base + j * hidden..][..hidden], xr);
             let u = dot(&gu[base + (size + j) * hidden..][..hidden], xr);
-            let act = if gelu { 0.5 * g * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (g + 0.044715 * g * g * g)).tanh()) } else { g / (1.0 + (-g).exp()) };
+            let act = if gelu {
+                0.5 * g
+                    * (1.0
+                        + ((2.0 / std::f64::consts::PI).sqrt() * (g + 0.044715 * g * g * g)).tanh())
+            } else {
+                g / (1.0 + (-g).exp())
+            };
             want_h[p * size + j] = act * u;
         }
     }
@@ -113,7 +160,8 @@ fn check_products(n: i32, experts: i32, k: i32, hidden: i32, size: i32, gelu: bo
     for (p, e) in chosen.iter().enumerate() {
         let hr = &hs[p * size..][..size];
         for j in 0..hidden {
-            want_y[p * hidden + j] = weights[p] as f64 * dot(&dw[(*e as usize * hidden + j) * size..][..size], hr);
+            want_y[p * hidden + j] =
+                weights[p] as f64 * dot(&dw[(*e as usize * hidden + j) * size..][..size], hr);
         }
     }
     let d = max_rel(&ys, &want_y);
@@ -136,10 +184,26 @@ fn products_match_the_definition() {
 fn kernels_decline_what_they_do_not_cover() {
     let w = normal(&[8, 64, 256], Dtype::Bfloat16, 1, 1.0);
     assert!(experts::applies(64, &w, Dtype::Bfloat16));
-    assert!(!experts::applies(experts::MAX_PAIRS + 1, &w, Dtype::Bfloat16), "a prefill chunk's pairs");
-    assert!(!experts::applies(64, &w, Dtype::Float16), "another dtype than the weights'");
-    assert!(!experts::applies(64, &normal(&[8, 64, 252], Dtype::Bfloat16, 1, 1.0), Dtype::Bfloat16), "rows not in 16 bytes");
-    assert!(experts::route(&normal(&[2, 300], Dtype::Bfloat16, 1, 1.0), 8, true).is_err(), "300 experts");
+    assert!(
+        !experts::applies(experts::MAX_PAIRS + 1, &w, Dtype::Bfloat16),
+        "a prefill chunk's pairs"
+    );
+    assert!(
+        !experts::applies(64, &w, Dtype::Float16),
+        "another dtype than the weights'"
+    );
+    assert!(
+        !experts::applies(
+            64,
+            &normal(&[8, 64, 252], Dtype::Bfloat16, 1, 1.0),
+            Dtype::Bfloat16
+        ),
+        "rows not in 16 bytes"
+    );
+    assert!(
+        experts::route(&normal(&[2, 300], Dtype::Bfloat16, 1, 1.0), 8, true).is_err(),
+        "300 experts"
+    );
 }
 
 /// Not a test of speed (nothing here is asserted): prints the kernels' time beside MLX's gathered
@@ -152,15 +216,25 @@ fn times() {
     let (experts, k, hidden, size) = (128, 8, 2048, 768);
     let gate_up = normal(&[experts, 2 * size, hidden], Dtype::Bfloat16, 2, 0.05);
     let down = normal(&[experts, hidden, size], Dtype::Bfloat16, 3, 0.05);
-    let (gate_up_t, down_t) = (gate_up.swap_axes(-1, -2).unwrap(), down.swap_axes(-1, -2).unwrap());
+    let (gate_up_t, down_t) = (
+        gate_up.swap_axes(-1, -2).unwrap(),
+        down.swap_axes(-1, -2).unwrap(),
+    );
     for n in [1, 16, 64] {
         let x = normal(&[n, hidden], Dtype::Bfloat16, 1, 1.0);
         for bias in [0.0f32, 3.0] {
-            let logits = normal(&[n, experts], Dtype::Bfloat16, 4, 1.0).add(normal(&[1, experts], Dtype::Bfloat16, 5, bias)).unwrap();
+            let logits = normal(&[n, experts], Dtype::Bfloat16, 4, 1.0)
+                .add(normal(&[1, experts], Dtype::Bfloat16, 5, bias))
+                .unwrap();
             let kernels = common::time_ms(&|| {
                 let (chosen, weights) = experts::route(&logits, k, true).unwrap();
                 let h = experts::gate_up(&x, &gate_up, &chosen, &weights, false).unwrap();
-                experts::down(&h, &down, &chosen, &weights).unwrap().reshape(&[n, k, hidden]).unwrap().sum_axis(1, false).unwrap()
+                experts::down(&h, &down, &chosen, &weights)
+                    .unwrap()
+                    .reshape(&[n, k, hidden])
+                    .unwrap()
+                    .sum_axis(1, false)
+                    .unwrap()
             });
             let (chosen, _) = experts::route(&logits, k, true).unwrap();
             let sorted = n * k >= 64;
@@ -169,12 +243,22 @@ fn times() {
                     let flat = chosen.reshape(&[n * k]).unwrap();
                     let order = mlx_rs::ops::argsort_axis(&flat, 0).unwrap();
                     let rows = order.floor_divide(Array::from_int(k)).unwrap();
-                    (flat.take_axis(&order, 0).unwrap(), x.take_axis(&rows, 0).unwrap().reshape(&[n * k, 1, hidden]).unwrap())
+                    (
+                        flat.take_axis(&order, 0).unwrap(),
+                        x.take_axis(&rows, 0)
+                            .unwrap()
+                            .reshape(&[n * k, 1, hidden])
+                            .unwrap(),
+                    )
                 } else {
                     (chosen.clone(), x.reshape(&[n, 1, 1, hidden]).unwrap())
                 };
                 let h = mlx_rs::ops::gather_mm(&xs, &gate_up_t, None, &idx, sorted).unwrap();
-                let h = if sorted { h.index((.., .., ..size)) } else { h.index((.., .., .., ..size)) };
+                let h = if sorted {
+                    h.index((.., .., ..size))
+                } else {
+                    h.index((.., .., .., ..size))
+                };
                 mlx_rs::ops::gather_mm(&h, &down_t, None, &idx, sorted).unwrap()
             });
             let gb = (n * k).min(experts) as f64 * 3.0 * size as f64 * hidden as f64 * 2.0 / 1e9;

@@ -8,7 +8,10 @@ use llmq_engine::mask::MaskLayout;
 use mlx_rs::{random, Array, Dtype};
 
 fn host(a: &Array) -> Vec<f32> {
-    a.as_dtype(Dtype::Float32).unwrap().to_vec_exact::<f32>().unwrap()
+    a.as_dtype(Dtype::Float32)
+        .unwrap()
+        .to_vec_exact::<f32>()
+        .unwrap()
 }
 
 /// A small deterministic generator for the masks.
@@ -26,7 +29,10 @@ fn masked_argmax_picks_the_best_allowed_token_of_each_row() {
         let words = layout.words();
         for dtype in [Dtype::Bfloat16, Dtype::Float32] {
             let key = random::key(vocab as u64).unwrap();
-            let logits = random::normal::<f32>(&[rows, 1, vocab as i32], 0.0, 1.0, &key).unwrap().as_dtype(dtype).unwrap();
+            let logits = random::normal::<f32>(&[rows, 1, vocab as i32], 0.0, 1.0, &key)
+                .unwrap()
+                .as_dtype(dtype)
+                .unwrap();
             let values = host(&logits);
             let mut state = 0x9e37_79b9_7f4a_7c15u64 ^ vocab as u64;
             let mut masks = vec![0u32; rows as usize * words];
@@ -36,7 +42,9 @@ fn masked_argmax_picks_the_best_allowed_token_of_each_row() {
                     // Everything allowed (an unconstrained row), then denser to sparser masks.
                     0 => row.fill(u32::MAX),
                     1 => row.iter_mut().for_each(|w| *w = next(&mut state) as u32),
-                    2 => row.iter_mut().for_each(|w| *w = (next(&mut state) & next(&mut state) & next(&mut state)) as u32),
+                    2 => row.iter_mut().for_each(|w| {
+                        *w = (next(&mut state) & next(&mut state) & next(&mut state)) as u32
+                    }),
                     _ => {
                         let t = next(&mut state) as usize % vocab;
                         row[t / 32] = 1 << (t % 32);
@@ -47,15 +55,26 @@ fn masked_argmax_picks_the_best_allowed_token_of_each_row() {
                     row[words - 1] |= !0u32 << (vocab % 32);
                 }
             }
-            let got: Vec<i32> = layout.argmax(&logits, &masks).unwrap().to_vec_exact::<i32>().unwrap();
+            let got: Vec<i32> = layout
+                .argmax(&logits, &masks)
+                .unwrap()
+                .to_vec_exact::<i32>()
+                .unwrap();
             for r in 0..rows as usize {
                 let allowed = |t: usize| masks[r * words + t / 32] >> (t % 32) & 1 == 1;
                 let row = &values[r * vocab..(r + 1) * vocab];
-                let want = (0..vocab).filter(|&t| allowed(t)).fold(None, |best: Option<usize>, t| match best {
-                    Some(b) if row[b] >= row[t] => Some(b),
-                    _ => Some(t),
-                });
-                assert_eq!(Some(got[r] as usize), want, "vocab {vocab}, {dtype:?}, row {r}");
+                let want =
+                    (0..vocab)
+                        .filter(|&t| allowed(t))
+                        .fold(None, |best: Option<usize>, t| match best {
+                            Some(b) if row[b] >= row[t] => Some(b),
+                            _ => Some(t),
+                        });
+                assert_eq!(
+                    Some(got[r] as usize),
+                    want,
+                    "vocab {vocab}, {dtype:?}, row {r}"
+                );
             }
         }
     }
@@ -63,6 +82,10 @@ fn masked_argmax_picks_the_best_allowed_token_of_each_row() {
     let layout = MaskLayout::new(100);
     let logits = Array::from_slice(&[1.0f32; 200], &[2, 1, 100]);
     let masks = [0, 1 << 7, 1 << 1, 0, 0, 0, 0, 1 << 3];
-    let got: Vec<i32> = layout.argmax(&logits, &masks).unwrap().to_vec_exact::<i32>().unwrap();
+    let got: Vec<i32> = layout
+        .argmax(&logits, &masks)
+        .unwrap()
+        .to_vec_exact::<i32>()
+        .unwrap();
     assert_eq!(got, vec![39, 99]);
 }

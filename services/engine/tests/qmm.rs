@@ -14,11 +14,17 @@ use mlx_rs::{random, Array, Dtype};
 
 fn normal(shape: &[i32], dtype: Dtype, seed: u64) -> Array {
     let key = random::key(seed).unwrap();
-    random::normal::<f32>(shape, 0.0, 1.0, &key).unwrap().as_dtype(dtype).unwrap()
+    random::normal::<f32>(shape, 0.0, 1.0, &key)
+        .unwrap()
+        .as_dtype(dtype)
+        .unwrap()
 }
 
 fn host(a: &Array) -> Vec<f32> {
-    a.as_dtype(Dtype::Float32).unwrap().to_vec_exact::<f32>().unwrap()
+    a.as_dtype(Dtype::Float32)
+        .unwrap()
+        .to_vec_exact::<f32>()
+        .unwrap()
 }
 
 /// `x @ dense^T` on the host in f64: x [rows, k], dense [n, k].
@@ -26,7 +32,11 @@ fn reference(x: &[f32], dense: &[f32], rows: usize, n: usize, k: usize) -> Vec<f
     (0..rows * n)
         .map(|i| {
             let (r, c) = (i / n, i % n);
-            x[r * k..][..k].iter().zip(&dense[c * k..][..k]).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() as f32
+            x[r * k..][..k]
+                .iter()
+                .zip(&dense[c * k..][..k])
+                .map(|(a, b)| *a as f64 * *b as f64)
+                .sum::<f64>() as f32
         })
         .collect()
 }
@@ -46,7 +56,9 @@ fn kernel_matches_dequantized_matmul() {
                 let dense = host(&q.dequantize().unwrap());
                 for rows in [9, 24, 32] {
                     let x = normal(&[rows, 1, k], Dtype::Bfloat16, 2 + rows as u64);
-                    let got = llmq_engine::qmm::matmul_t(&q, &x).expect("the kernel applies").unwrap();
+                    let got = llmq_engine::qmm::matmul_t(&q, &x)
+                        .expect("the kernel applies")
+                        .unwrap();
                     assert_eq!(got.shape(), &[rows, 1, n]);
                     assert_eq!(got.dtype(), Dtype::Bfloat16);
                     let want = reference(&host(&x), &dense, rows as usize, n as usize, k as usize);
@@ -54,8 +66,15 @@ fn kernel_matches_dequantized_matmul() {
                     // Sums of up to 4096 products of size ~1-3 (values up to ~300): the bf16
                     // output rounds by 0.4% of the value; the dequantized weight is rounded to
                     // bf16 as MLX's dequantization rounds it.
-                    let d = g.iter().zip(&want).map(|(a, b)| (a - b).abs() / (1.0 + b.abs())).fold(0.0, f32::max);
-                    assert!(d < 0.01, "{spec} n {n} k {k} rows {rows}: max relative diff {d}");
+                    let d = g
+                        .iter()
+                        .zip(&want)
+                        .map(|(a, b)| (a - b).abs() / (1.0 + b.abs()))
+                        .fold(0.0, f32::max);
+                    assert!(
+                        d < 0.01,
+                        "{spec} n {n} k {k} rows {rows}: max relative diff {d}"
+                    );
                 }
             }
         }
@@ -65,13 +84,33 @@ fn kernel_matches_dequantized_matmul() {
 #[test]
 #[ignore = "needs CUDA"]
 fn kernel_declines_what_it_does_not_cover() {
-    let q = QTensor::quantize(&normal(&[64, 256], Dtype::Bfloat16, 1), QuantSpec::new(4, 32).unwrap()).unwrap();
+    let q = QTensor::quantize(
+        &normal(&[64, 256], Dtype::Bfloat16, 1),
+        QuantSpec::new(4, 32).unwrap(),
+    )
+    .unwrap();
     let x = |rows: i32, dtype| normal(&[rows, 256], dtype, 2);
-    assert!(llmq_engine::qmm::matmul_t(&q, &x(8, Dtype::Bfloat16)).is_none(), "8 rows (qmv's)");
-    assert!(llmq_engine::qmm::matmul_t(&q, &x(33, Dtype::Bfloat16)).is_none(), "33 rows");
-    assert!(llmq_engine::qmm::matmul_t(&q, &x(16, Dtype::Float32)).is_none(), "f32");
-    let q = QTensor::quantize(&normal(&[64, 256], Dtype::Bfloat16, 1), QuantSpec::new(2, 32).unwrap()).unwrap();
-    assert!(llmq_engine::qmm::matmul_t(&q, &x(16, Dtype::Bfloat16)).is_none(), "2 bits");
+    assert!(
+        llmq_engine::qmm::matmul_t(&q, &x(8, Dtype::Bfloat16)).is_none(),
+        "8 rows (qmv's)"
+    );
+    assert!(
+        llmq_engine::qmm::matmul_t(&q, &x(33, Dtype::Bfloat16)).is_none(),
+        "33 rows"
+    );
+    assert!(
+        llmq_engine::qmm::matmul_t(&q, &x(16, Dtype::Float32)).is_none(),
+        "f32"
+    );
+    let q = QTensor::quantize(
+        &normal(&[64, 256], Dtype::Bfloat16, 1),
+        QuantSpec::new(2, 32).unwrap(),
+    )
+    .unwrap();
+    assert!(
+        llmq_engine::qmm::matmul_t(&q, &x(16, Dtype::Bfloat16)).is_none(),
+        "2 bits"
+    );
 }
 
 /// Not a test of speed (nothing here is asserted): prints the kernel's time beside the paths it
@@ -82,7 +121,12 @@ fn kernel_declines_what_it_does_not_cover() {
 #[ignore = "needs CUDA; a measurement"]
 fn times() {
     let spec = QuantSpec::new(4, 64).unwrap();
-    for (name, n, k) in [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)] {
+    for (name, n, k) in [
+        ("qkv", 6144, 4096),
+        ("o", 4096, 4096),
+        ("gate_up", 28672, 4096),
+        ("down", 4096, 14336),
+    ] {
         let dense_w = normal(&[n, k], Dtype::Bfloat16, 1);
         let q = QTensor::quantize(&dense_w, spec).unwrap();
         for rows in [16, 32] {

@@ -11,11 +11,17 @@ use mlx_rs::{random, Array, Dtype};
 
 fn normal(shape: &[i32], dtype: Dtype, seed: u64) -> Array {
     let key = random::key(seed).unwrap();
-    random::normal::<f32>(shape, 0.0, 1.0, &key).unwrap().as_dtype(dtype).unwrap()
+    random::normal::<f32>(shape, 0.0, 1.0, &key)
+        .unwrap()
+        .as_dtype(dtype)
+        .unwrap()
 }
 
 fn host(a: &Array) -> Vec<f32> {
-    a.as_dtype(Dtype::Float32).unwrap().to_vec_exact::<f32>().unwrap()
+    a.as_dtype(Dtype::Float32)
+        .unwrap()
+        .to_vec_exact::<f32>()
+        .unwrap()
 }
 
 #[test]
@@ -30,7 +36,9 @@ fn kernel_matches_dequantized_matmul() {
                 let dense = host(&q.dequantize().unwrap());
                 for rows in [1, 3, 8] {
                     let x = normal(&[rows, 1, k], dtype, 2 + rows as u64);
-                    let got = llmq_engine::qmv::matmul_t(&q, &x).expect("the kernel applies").unwrap();
+                    let got = llmq_engine::qmv::matmul_t(&q, &x)
+                        .expect("the kernel applies")
+                        .unwrap();
                     assert_eq!(got.shape(), &[rows, 1, n]);
                     assert_eq!(got.dtype(), dtype);
                     // The reference on the host in f64 (MLX's f32 matmul on a GPU may round
@@ -39,15 +47,25 @@ fn kernel_matches_dequantized_matmul() {
                     let w: Vec<f32> = (0..rows as usize * n as usize)
                         .map(|i| {
                             let (r, c) = (i / n as usize, i % n as usize);
-                            let (xr, wr) = (&xs[r * k as usize..][..k as usize], &dense[c * k as usize..][..k as usize]);
-                            xr.iter().zip(wr).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() as f32
+                            let (xr, wr) = (
+                                &xs[r * k as usize..][..k as usize],
+                                &dense[c * k as usize..][..k as usize],
+                            );
+                            xr.iter()
+                                .zip(wr)
+                                .map(|(a, b)| *a as f64 * *b as f64)
+                                .sum::<f64>() as f32
                         })
                         .collect();
                     let g = host(&got);
                     // Sums of 4096 products of size ~1-3 (up to ~300): f32 accumulation differs
                     // by ~1e-3; bf16 output rounding by 0.4% of the value.
                     let tol = if dtype == Dtype::Bfloat16 { 1.5 } else { 1e-2 };
-                    let d = g.iter().zip(&w).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+                    let d = g
+                        .iter()
+                        .zip(&w)
+                        .map(|(a, b)| (a - b).abs())
+                        .fold(0.0, f32::max);
                     assert!(d < tol, "{dtype:?} {spec} rows {rows}: max |diff| {d}");
                 }
             }
@@ -65,16 +83,33 @@ fn dequantize_kernel_gives_scale_times_q_plus_bias() {
             for group in [32, 64, 128] {
                 let spec = QuantSpec::new(bits, group).unwrap();
                 let q = QTensor::quantize(&normal(&[n, k], dtype, 3), spec).unwrap();
-                let got = llmq_engine::qmv::dequantize(&q).expect("the kernel applies").unwrap();
+                let got = llmq_engine::qmv::dequantize(&q)
+                    .expect("the kernel applies")
+                    .unwrap();
                 assert_eq!((got.shape(), got.dtype()), (&[n, k][..], dtype));
-                let words = q.w.as_dtype(Dtype::Uint32).unwrap().to_vec_exact::<u32>().unwrap();
+                let words =
+                    q.w.as_dtype(Dtype::Uint32)
+                        .unwrap()
+                        .to_vec_exact::<u32>()
+                        .unwrap();
                 let (s, b) = (host(&q.scales), host(&q.biases));
-                let values: Vec<u8> = words.chunks(k as usize * bits as usize / 32).flat_map(|row| llmq_engine::quant::unpack(row, bits, k as usize)).collect();
+                let values: Vec<u8> = words
+                    .chunks(k as usize * bits as usize / 32)
+                    .flat_map(|row| llmq_engine::quant::unpack(row, bits, k as usize))
+                    .collect();
                 let g = host(&got);
                 for (i, &v) in values.iter().enumerate() {
                     let want = s[i / group as usize] * v as f32 + b[i / group as usize];
-                    let tol = if dtype == Dtype::Bfloat16 { 1e-2 * want.abs() + 1e-3 } else { 1e-5 * want.abs() + 1e-6 };
-                    assert!((g[i] - want).abs() <= tol, "{dtype:?} {spec}: element {i}: {} vs {want}", g[i]);
+                    let tol = if dtype == Dtype::Bfloat16 {
+                        1e-2 * want.abs() + 1e-3
+                    } else {
+                        1e-5 * want.abs() + 1e-6
+                    };
+                    assert!(
+                        (g[i] - want).abs() <= tol,
+                        "{dtype:?} {spec}: element {i}: {} vs {want}",
+                        g[i]
+                    );
                 }
             }
         }
@@ -84,8 +119,22 @@ fn dequantize_kernel_gives_scale_times_q_plus_bias() {
 #[test]
 #[ignore = "needs CUDA"]
 fn kernel_declines_what_it_does_not_cover() {
-    let q = QTensor::quantize(&normal(&[64, 256], Dtype::Bfloat16, 1), QuantSpec::new(5, 32).unwrap()).unwrap();
-    assert!(llmq_engine::qmv::matmul_t(&q, &normal(&[1, 256], Dtype::Bfloat16, 2)).is_none(), "5 bits");
-    let q = QTensor::quantize(&normal(&[64, 256], Dtype::Bfloat16, 1), QuantSpec::new(4, 32).unwrap()).unwrap();
-    assert!(llmq_engine::qmv::matmul_t(&q, &normal(&[9, 256], Dtype::Bfloat16, 2)).is_none(), "9 rows");
+    let q = QTensor::quantize(
+        &normal(&[64, 256], Dtype::Bfloat16, 1),
+        QuantSpec::new(5, 32).unwrap(),
+    )
+    .unwrap();
+    assert!(
+        llmq_engine::qmv::matmul_t(&q, &normal(&[1, 256], Dtype::Bfloat16, 2)).is_none(),
+        "5 bits"
+    );
+    let q = QTensor::quantize(
+        &normal(&[64, 256], Dtype::Bfloat16, 1),
+        QuantSpec::new(4, 32).unwrap(),
+    )
+    .unwrap();
+    assert!(
+        llmq_engine::qmv::matmul_t(&q, &normal(&[9, 256], Dtype::Bfloat16, 2)).is_none(),
+        "9 rows"
+    );
 }

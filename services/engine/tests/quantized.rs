@@ -25,9 +25,25 @@ use mlx_rs::ops::{quantize, stack};
 use mlx_rs::{Array, Dtype};
 
 fn tol() -> f32 {
-    if llmq_engine::on_gpu() { 2e-2 } else { 1e-4 }
+    if llmq_engine::on_gpu() {
+        2e-2
+    } else {
+        1e-4
+    }
 }
-const MODELS: &[&str] = &["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-mixtral", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-llama3", "tiny-phi3", "tiny-gemma2", "tiny-gemma3"];
+const MODELS: &[&str] = &[
+    "tiny-llama",
+    "tiny-qwen2",
+    "tiny-qwen3",
+    "tiny-mistral",
+    "tiny-mixtral",
+    "tiny-qwen3-moe",
+    "tiny-qwen2-moe",
+    "tiny-llama3",
+    "tiny-phi3",
+    "tiny-gemma2",
+    "tiny-gemma3",
+];
 
 fn f32_opts() -> LoadOptions {
     LoadOptions::new(Dtype::Float32)
@@ -51,7 +67,11 @@ fn scratch(name: &str) -> PathBuf {
 /// stacked into `switch_mlp`, every weight matrix whose rows split into groups quantized
 /// (`.weight` packed, `.scales`, `.biases`), config.json's `quantization` giving the form, with
 /// `overrides` per module.
-fn write_mlx_checkpoint(fixture_name: &str, spec: QuantSpec, overrides: &[(&str, QuantSpec)]) -> PathBuf {
+fn write_mlx_checkpoint(
+    fixture_name: &str,
+    spec: QuantSpec,
+    overrides: &[(&str, QuantSpec)],
+) -> PathBuf {
     let src = fixture(fixture_name);
     let dir = scratch(&format!("{fixture_name}-{}-{}", spec.bits, spec.group_size));
     let mut arrays: HashMap<String, Array> = HashMap::new();
@@ -66,11 +86,19 @@ fn write_mlx_checkpoint(fixture_name: &str, spec: QuantSpec, overrides: &[(&str,
     let mut out = HashMap::new();
     for (name, a) in arrays {
         let module = name.strip_suffix(".weight");
-        let spec = module.and_then(|m| overrides.iter().find(|(o, _)| *o == m)).map_or(spec, |(_, s)| *s);
-        let quantizable = module.is_some() && a.ndim() >= 2 && a.shape()[a.ndim() - 1] % spec.group_size == 0;
+        let spec = module
+            .and_then(|m| overrides.iter().find(|(o, _)| *o == m))
+            .map_or(spec, |(_, s)| *s);
+        let quantizable =
+            module.is_some() && a.ndim() >= 2 && a.shape()[a.ndim() - 1] % spec.group_size == 0;
         if quantizable {
             let module = module.unwrap();
-            let (w, scales, biases) = quantize(a.as_dtype(Dtype::Float32).unwrap(), spec.group_size, spec.bits).unwrap();
+            let (w, scales, biases) = quantize(
+                a.as_dtype(Dtype::Float32).unwrap(),
+                spec.group_size,
+                spec.bits,
+            )
+            .unwrap();
             out.insert(format!("{module}.weight"), w);
             out.insert(format!("{module}.scales"), scales);
             out.insert(format!("{module}.biases"), biases);
@@ -79,7 +107,8 @@ fn write_mlx_checkpoint(fixture_name: &str, spec: QuantSpec, overrides: &[(&str,
         }
     }
     Array::save_safetensors(out, None, dir.join("model.safetensors")).unwrap();
-    let mut config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
     let mut q = serde_json::json!({"group_size": spec.group_size, "bits": spec.bits});
     for (module, s) in overrides {
         q[*module] = serde_json::json!({"group_size": s.group_size, "bits": s.bits});
@@ -93,7 +122,11 @@ fn write_mlx_checkpoint(fixture_name: &str, spec: QuantSpec, overrides: &[(&str,
 /// [experts, out, in], as mlx-lm's checkpoints hold them.
 fn stack_experts(arrays: &mut HashMap<String, Array>) {
     let mut groups: HashMap<String, Vec<(usize, Array)>> = HashMap::new();
-    let names: Vec<String> = arrays.keys().filter(|k| k.contains(".experts.")).cloned().collect();
+    let names: Vec<String> = arrays
+        .keys()
+        .filter(|k| k.contains(".experts."))
+        .cloned()
+        .collect();
     for name in names {
         let (prefix, rest) = name.split_once(".experts.").unwrap();
         let (index, proj) = rest.split_once('.').unwrap();
@@ -104,7 +137,10 @@ fn stack_experts(arrays: &mut HashMap<String, Array>) {
             p => p,
         };
         let a = arrays.remove(&name).unwrap();
-        groups.entry(format!("{prefix}.switch_mlp.{proj}")).or_default().push((index.parse().unwrap(), a));
+        groups
+            .entry(format!("{prefix}.switch_mlp.{proj}"))
+            .or_default()
+            .push((index.parse().unwrap(), a));
     }
     for (name, mut parts) in groups {
         parts.sort_by_key(|(i, _)| *i);
@@ -154,10 +190,27 @@ fn mlx_quantized_checkpoints_of_every_family_match_their_dequantized_weights() {
             let kept = load_with(&dir, f32_opts().keep_quantized(true));
             let dense = load_with(&dir, f32_opts().keep_quantized(false));
             let label = format!("{name} {spec}");
-            assert!(kept.model.weights_summary().contains(&format!("mlx {spec} -> {spec}")), "{label}: {}", kept.model.weights_summary());
-            assert!(!dense.model.weights_summary().contains("-> 4-bit") && !dense.model.weights_summary().contains("-> 8-bit"), "{label}");
-            assert!(kept.model.weight_bytes() < dense.model.weight_bytes(), "{label}: quantized weights are smaller");
-            assert_close(&label, &logits_of(&kept.model, name), &logits_of(&dense.model, name));
+            assert!(
+                kept.model
+                    .weights_summary()
+                    .contains(&format!("mlx {spec} -> {spec}")),
+                "{label}: {}",
+                kept.model.weights_summary()
+            );
+            assert!(
+                !dense.model.weights_summary().contains("-> 4-bit")
+                    && !dense.model.weights_summary().contains("-> 8-bit"),
+                "{label}"
+            );
+            assert!(
+                kept.model.weight_bytes() < dense.model.weight_bytes(),
+                "{label}: quantized weights are smaller"
+            );
+            assert_close(
+                &label,
+                &logits_of(&kept.model, name),
+                &logits_of(&dense.model, name),
+            );
             let _ = std::fs::remove_dir_all(&dir);
         }
     }
@@ -169,11 +222,31 @@ fn mlx_quantized_checkpoints_of_every_family_match_their_dequantized_weights() {
 fn per_module_forms_and_wide_groups_load() {
     let spec = QuantSpec::new(4, 64).unwrap();
     let eight = QuantSpec::new(8, 64).unwrap();
-    let dir = write_mlx_checkpoint("tiny-llama", spec, &[("model.layers.0.self_attn.v_proj", eight), ("model.layers.1.mlp.down_proj", QuantSpec::new(8, 128).unwrap())]);
+    let dir = write_mlx_checkpoint(
+        "tiny-llama",
+        spec,
+        &[
+            ("model.layers.0.self_attn.v_proj", eight),
+            (
+                "model.layers.1.mlp.down_proj",
+                QuantSpec::new(8, 128).unwrap(),
+            ),
+        ],
+    );
     let kept = load_with(&dir, f32_opts().keep_quantized(true));
     let dense = load_with(&dir, f32_opts().keep_quantized(false));
-    assert!(kept.model.weights_summary().contains("mlx 8-bit, groups of 64"), "{}", kept.model.weights_summary());
-    assert_close("tiny-llama mixed", &logits_of(&kept.model, "tiny-llama"), &logits_of(&dense.model, "tiny-llama"));
+    assert!(
+        kept.model
+            .weights_summary()
+            .contains("mlx 8-bit, groups of 64"),
+        "{}",
+        kept.model.weights_summary()
+    );
+    assert_close(
+        "tiny-llama mixed",
+        &logits_of(&kept.model, "tiny-llama"),
+        &logits_of(&dense.model, "tiny-llama"),
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -184,10 +257,21 @@ fn quantizing_at_load_equals_loading_the_quantized_checkpoint() {
     for name in ["tiny-llama", "tiny-qwen3-moe", "tiny-gemma3"] {
         let spec = QuantSpec::new(4, 32).unwrap();
         let at_load = load_with(&fixture(name), f32_opts().quantized(Some(spec)));
-        assert!(at_load.model.weights_summary().contains("(quantized at load)"), "{}", at_load.model.weights_summary());
+        assert!(
+            at_load
+                .model
+                .weights_summary()
+                .contains("(quantized at load)"),
+            "{}",
+            at_load.model.weights_summary()
+        );
         let dir = write_mlx_checkpoint(name, spec, &[]);
         let written = load_with(&dir, f32_opts().keep_quantized(true));
-        assert_close(&format!("{name} quantized at load"), &logits_of(&at_load.model, name), &logits_of(&written.model, name));
+        assert_close(
+            &format!("{name} quantized at load"),
+            &logits_of(&at_load.model, name),
+            &logits_of(&written.model, name),
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
@@ -198,10 +282,26 @@ fn quantizing_at_load_equals_loading_the_quantized_checkpoint() {
 #[test]
 fn gguf_blocks_kept_quantized_match_their_dequantized_weights() {
     for (name, kinds) in [
-        ("tiny-llama", &["Q8_0 (exact) -> 8-bit", "Q4_0 (exact) -> 4-bit", "Q4_1 (exact) -> 4-bit"][..]),
-        ("tiny-mixtral", &["Q5_0 (exact) -> 5-bit", "Q4_1 (exact) -> 4-bit"][..]),
-        ("tiny-qwen3-moe", &["Q5_0 (exact) -> 5-bit", "Q4_0 (exact) -> 4-bit"][..]),
-        ("tiny-phi3", &["Q5_0 (exact) -> 5-bit", "Q8_0 (exact) -> 8-bit"][..]),
+        (
+            "tiny-llama",
+            &[
+                "Q8_0 (exact) -> 8-bit",
+                "Q4_0 (exact) -> 4-bit",
+                "Q4_1 (exact) -> 4-bit",
+            ][..],
+        ),
+        (
+            "tiny-mixtral",
+            &["Q5_0 (exact) -> 5-bit", "Q4_1 (exact) -> 4-bit"][..],
+        ),
+        (
+            "tiny-qwen3-moe",
+            &["Q5_0 (exact) -> 5-bit", "Q4_0 (exact) -> 4-bit"][..],
+        ),
+        (
+            "tiny-phi3",
+            &["Q5_0 (exact) -> 5-bit", "Q8_0 (exact) -> 8-bit"][..],
+        ),
     ] {
         let path = fixture(&format!("{name}.gguf"));
         let kept = load_with(&path, f32_opts().keep_quantized(true));
@@ -226,19 +326,39 @@ fn smollm2_q4_1_decodes_the_same_greedy_tokens_kept_quantized() {
     let path = resolve_model("smollm2").expect("fetched by `make setup`");
     let kept = load_with(&path, f32_opts().keep_quantized(true));
     let dense = load_with(&path, f32_opts().keep_quantized(false));
-    assert!(!kept.model.weights_summary().contains("requantized"), "{}", kept.model.weights_summary());
-    assert!(kept.model.weight_bytes() * 4 < dense.model.weight_bytes(), "{} vs {}", kept.model.weight_bytes(), dense.model.weight_bytes());
+    assert!(
+        !kept.model.weights_summary().contains("requantized"),
+        "{}",
+        kept.model.weights_summary()
+    );
+    assert!(
+        kept.model.weight_bytes() * 4 < dense.model.weight_bytes(),
+        "{} vs {}",
+        kept.model.weight_bytes(),
+        dense.model.weight_bytes()
+    );
     let tok = kept.tokenizer.as_ref().unwrap();
-    for prompt in ["The capital of France is", "def fibonacci(n):", "Once upon a time"] {
+    for prompt in [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Once upon a time",
+    ] {
         let req = GenerateRequest {
             prompt_ids: tok.prompt_ids(prompt, false).unwrap(),
             sampling: Sampling::default(),
-            stop: StopConditions { max_tokens: 32, ..Default::default() },
+            stop: StopConditions {
+                max_tokens: 32,
+                ..Default::default()
+            },
             prefill_chunk: 5,
         };
         let a = generate(&kept.model, Some(tok), &req, |_, _| {}).unwrap();
         let b = generate(&dense.model, Some(tok), &req, |_, _| {}).unwrap();
-        assert_eq!(a.token_ids, b.token_ids, "{prompt:?}: {:?} vs {:?}", a.text, b.text);
+        assert_eq!(
+            a.token_ids, b.token_ids,
+            "{prompt:?}: {:?} vs {:?}",
+            a.text, b.text
+        );
     }
 }
 
@@ -254,30 +374,70 @@ fn gemma3_q4_k_m_kept_quantized_stays_within_the_requantization_error() {
     let path = resolve_model("gemma3-270m").expect("fetched by `make setup`");
     let kept = load_with(&path, f32_opts().keep_quantized(true));
     let dense = load_with(&path, f32_opts().keep_quantized(false));
-    assert!(kept.model.weights_summary().contains("9 x Q6_K (requantized) -> 8-bit, groups of 32"), "{}", kept.model.weights_summary());
+    assert!(
+        kept.model
+            .weights_summary()
+            .contains("9 x Q6_K (requantized) -> 8-bit, groups of 32"),
+        "{}",
+        kept.model.weights_summary()
+    );
     let tok = kept.tokenizer.as_ref().unwrap();
-    let cases: Vec<serde_json::Value> = serde_json::from_str(&std::fs::read_to_string(fixture("gemma3-270m-reference.json")).unwrap()).unwrap();
+    let cases: Vec<serde_json::Value> = serde_json::from_str(
+        &std::fs::read_to_string(fixture("gemma3-270m-reference.json")).unwrap(),
+    )
+    .unwrap();
     let (mut worst, mut margins) = (0f32, vec![]);
     for case in &cases {
-        let prompt = tok.prompt_ids(case["prompt"].as_str().unwrap(), false).unwrap();
-        let req = GenerateRequest { prompt_ids: prompt.clone(), sampling: Sampling::default(), stop: StopConditions { max_tokens: 24, ..Default::default() }, prefill_chunk: 4096 };
-        let greedy = generate(&dense.model, Some(tok), &req, |_, _| {}).unwrap().token_ids;
-        let ids: Vec<u32> = prompt.iter().chain(&greedy[..greedy.len() - 1]).copied().collect();
+        let prompt = tok
+            .prompt_ids(case["prompt"].as_str().unwrap(), false)
+            .unwrap();
+        let req = GenerateRequest {
+            prompt_ids: prompt.clone(),
+            sampling: Sampling::default(),
+            stop: StopConditions {
+                max_tokens: 24,
+                ..Default::default()
+            },
+            prefill_chunk: 4096,
+        };
+        let greedy = generate(&dense.model, Some(tok), &req, |_, _| {})
+            .unwrap()
+            .token_ids;
+        let ids: Vec<u32> = prompt
+            .iter()
+            .chain(&greedy[..greedy.len() - 1])
+            .copied()
+            .collect();
         let rows = |m: &Model| run_chunked(m, &mut m.new_cache(), &ids, 4096);
         let (k, d) = (rows(&kept.model), rows(&dense.model));
         let vocab = k.len() / ids.len();
         for t in prompt.len() - 1..ids.len() {
-            let (kr, dr) = (&k[t * vocab..(t + 1) * vocab], &d[t * vocab..(t + 1) * vocab]);
+            let (kr, dr) = (
+                &k[t * vocab..(t + 1) * vocab],
+                &d[t * vocab..(t + 1) * vocab],
+            );
             let mut order: Vec<usize> = (0..vocab).collect();
             order.sort_by(|&a, &b| dr[b].total_cmp(&dr[a]));
             let top = &order[..10];
-            worst = worst.max(top.iter().map(|&i| (kr[i] - dr[i]).abs()).fold(0.0, f32::max));
+            worst = worst.max(
+                top.iter()
+                    .map(|&i| (kr[i] - dr[i]).abs())
+                    .fold(0.0, f32::max),
+            );
             margins.push((dr[top[0]] - dr[top[1]], argmax(kr) as usize == top[0]));
         }
     }
     assert!(worst < 0.2, "kept and dense logits differ by {worst}");
-    let flips: Vec<f32> = margins.iter().filter(|(_, same)| !same).map(|(m, _)| *m).collect();
-    assert!(flips.iter().all(|&m| m <= 2.0 * worst), "a greedy token changed where the dense margin exceeded {}: {flips:?}", 2.0 * worst);
+    let flips: Vec<f32> = margins
+        .iter()
+        .filter(|(_, same)| !same)
+        .map(|(m, _)| *m)
+        .collect();
+    assert!(
+        flips.iter().all(|&m| m <= 2.0 * worst),
+        "a greedy token changed where the dense margin exceeded {}: {flips:?}",
+        2.0 * worst
+    );
     eprintln!("gemma3-270m kept vs dense: max |logit diff| {worst}, {} of {} greedy tokens changed (margins {flips:?})", flips.len(), margins.len());
 }
 
@@ -286,21 +446,34 @@ fn malformed_quantized_checkpoints_are_refused_naming_the_tensor() {
     let spec = QuantSpec::new(4, 64).unwrap();
     // Scales of another group size than config.json says.
     let dir = write_mlx_checkpoint("tiny-llama", spec, &[]);
-    let mut config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
     config["quantization"]["group_size"] = 32.into();
     std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
-    let err = load_model(&dir, f32_opts()).err().expect("refused").to_string();
+    let err = load_model(&dir, f32_opts())
+        .err()
+        .expect("refused")
+        .to_string();
     // Whichever tensor is read first is named: a layer's projection or the output head.
-    assert!(err.contains("scales") && (err.contains("model.") || err.contains("lm_head")), "{err}");
+    assert!(
+        err.contains("scales") && (err.contains("model.") || err.contains("lm_head")),
+        "{err}"
+    );
     // A mode other than affine.
     config["quantization"]["mode"] = "mxfp4".into();
     std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
-    let err = load_model(&dir, f32_opts()).err().expect("refused").to_string();
+    let err = load_model(&dir, f32_opts())
+        .err()
+        .expect("refused")
+        .to_string();
     assert!(err.contains("mxfp4"), "{err}");
     // Bits the kernels do not have.
     config["quantization"] = serde_json::json!({"group_size": 64, "bits": 7});
     std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
-    let err = load_model(&dir, f32_opts()).err().expect("refused").to_string();
+    let err = load_model(&dir, f32_opts())
+        .err()
+        .expect("refused")
+        .to_string();
     assert!(err.contains("bits 7"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
     // Asking to quantize to a width or group MLX does not have.

@@ -15,18 +15,25 @@ use mlx_rs::{random, Array, Dtype};
 
 fn normal(shape: &[i32], dtype: Dtype, seed: u64) -> Array {
     let key = random::key(seed).unwrap();
-    random::normal::<f32>(shape, 0.0, 1.0, &key).unwrap().as_dtype(dtype).unwrap()
+    random::normal::<f32>(shape, 0.0, 1.0, &key)
+        .unwrap()
+        .as_dtype(dtype)
+        .unwrap()
 }
 
 fn host(a: &Array) -> Vec<f32> {
-    a.as_dtype(Dtype::Float32).unwrap().to_vec_exact::<f32>().unwrap()
+    a.as_dtype(Dtype::Float32)
+        .unwrap()
+        .to_vec_exact::<f32>()
+        .unwrap()
 }
 
 /// Rows in `groups` (each a buffer capacity and its rows' lengths) attended in one launch,
 /// each row against MLX's masked attention over its own keys.
 fn check(heads: i32, kv_heads: i32, dim: i32, groups: &[(i32, &[usize])], dtype: Dtype, tol: f32) {
     let scale = 1.0 / (dim as f32).sqrt();
-    let kernel = RowAttention::new(heads, kv_heads, dim, scale, dtype).expect("CUDA and a covered shape");
+    let kernel =
+        RowAttention::new(heads, kv_heads, dim, scale, dtype).expect("CUDA and a covered shape");
     let lens: Vec<usize> = groups.iter().flat_map(|(_, l)| l.iter().copied()).collect();
     let rows = lens.len() as i32;
     let q = normal(&[rows, heads, 1, dim], dtype, 1);
@@ -35,7 +42,10 @@ fn check(heads: i32, kv_heads: i32, dim: i32, groups: &[(i32, &[usize])], dtype:
         .enumerate()
         .map(|(i, (cap, l))| {
             let shape = [l.len() as i32, kv_heads, *cap, dim];
-            (normal(&shape, dtype, 2 + 2 * i as u64), normal(&shape, dtype, 3 + 2 * i as u64))
+            (
+                normal(&shape, dtype, 2 + 2 * i as u64),
+                normal(&shape, dtype, 3 + 2 * i as u64),
+            )
         })
         .collect();
     let kv: Vec<(&Array, &Array)> = bufs.iter().map(|(k, v)| (k, v)).collect();
@@ -49,17 +59,28 @@ fn check(heads: i32, kv_heads: i32, dim: i32, groups: &[(i32, &[usize])], dtype:
         for (local, &len) in l.iter().enumerate() {
             let row = &got[r * per_row..(r + 1) * per_row];
             if len == 0 {
-                assert!(row.iter().all(|&x| x == 0.0), "a row of length 0 gives zeros");
+                assert!(
+                    row.iter().all(|&x| x == 0.0),
+                    "a row of length 0 gives zeros"
+                );
             } else {
                 // The reference: this row alone over its first `len` keys, through MLX's masked
                 // path (a mask that keeps every key forces the unfused implementation).
                 let (local, len) = (local as i32, len as i32);
                 let (k, v) = &bufs[gi];
-                let (kr, vr) = (k.index((local..local + 1, .., ..len, ..)), v.index((local..local + 1, .., ..len, ..)));
+                let (kr, vr) = (
+                    k.index((local..local + 1, .., ..len, ..)),
+                    v.index((local..local + 1, .., ..len, ..)),
+                );
                 let mask = Array::from_slice(&vec![true; len as usize], &[1, 1, 1, len]);
                 let qr = q.index(r as i32..r as i32 + 1);
-                let want = host(&scaled_dot_product_attention(&qr, &kr, &vr, scale, &mask, None).unwrap());
-                let d = row.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+                let want =
+                    host(&scaled_dot_product_attention(&qr, &kr, &vr, scale, &mask, None).unwrap());
+                let d = row
+                    .iter()
+                    .zip(&want)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0f32, f32::max);
                 assert!(d < tol, "heads {heads}/{kv_heads} dim {dim} {dtype:?} group {gi} row {local} len {len}: max |diff| {d}");
             }
             r += 1;
@@ -78,7 +99,14 @@ fn matches_masked_attention_at_the_8b_shape() {
         // Few rows, some long: their keys are split over several blocks, then merged.
         check(32, 8, 128, &[(8704, &[8193, 0, 3000, 1])], dtype, tol);
         // Three groups of different capacities in one launch, split and not.
-        check(32, 8, 128, &[(512, &lens[..8]), (2304, &[2049, 2300]), (8448, &[8200])], dtype, tol);
+        check(
+            32,
+            8,
+            128,
+            &[(512, &lens[..8]), (2304, &[2049, 2300]), (8448, &[8200])],
+            dtype,
+            tol,
+        );
         check(32, 8, 128, &[(1024, &many), (4096, &[3000])], dtype, tol);
     }
 }
@@ -90,14 +118,32 @@ fn matches_masked_attention_at_smollm2s_shape() {
     check(9, 3, 64, &[(1024, &lens)], Dtype::Float32, 1e-4);
     check(9, 3, 64, &[(1024, &lens)], Dtype::Bfloat16, 2e-2);
     check(9, 3, 64, &[(4096, &[4000, 513])], Dtype::Float32, 1e-4);
-    check(9, 3, 64, &[(256, &[5, 200]), (4096, &[4000]), (1024, &[700, 0]), (8192, &[8000])], Dtype::Float32, 1e-4);
+    check(
+        9,
+        3,
+        64,
+        &[
+            (256, &[5, 200]),
+            (4096, &[4000]),
+            (1024, &[700, 0]),
+            (8192, &[8000]),
+        ],
+        Dtype::Float32,
+        1e-4,
+    );
 }
 
 #[test]
 #[ignore = "needs CUDA (run on the GPU machine)"]
 fn a_shape_it_does_not_cover_is_refused() {
-    assert!(RowAttention::new(32, 8, 16, 0.25, Dtype::Bfloat16).is_none(), "head_dim 16 is not a multiple of 32");
-    assert!(RowAttention::new(30, 8, 128, 0.1, Dtype::Bfloat16).is_none(), "30 heads do not group over 8");
+    assert!(
+        RowAttention::new(32, 8, 16, 0.25, Dtype::Bfloat16).is_none(),
+        "head_dim 16 is not a multiple of 32"
+    );
+    assert!(
+        RowAttention::new(30, 8, 128, 0.1, Dtype::Bfloat16).is_none(),
+        "30 heads do not group over 8"
+    );
 }
 
 /// A whole model's decode step through the kernel and through masked attention: a
@@ -118,7 +164,11 @@ fn a_decode_step_gives_the_same_logits_through_the_kernel() {
         let mut long = model.new_decode_batch().unwrap().with_per_row_attention(8);
         for p in &prompts {
             let cache = prefilled(model, p);
-            if p.len() < 1000 { short.join(&cache).unwrap() } else { long.join(&cache).unwrap() };
+            if p.len() < 1000 {
+                short.join(&cache).unwrap()
+            } else {
+                long.join(&cache).unwrap()
+            };
         }
         batches.push((short, long));
     }
@@ -128,12 +178,21 @@ fn a_decode_step_gives_the_same_logits_through_the_kernel() {
         let mut out = vec![];
         for (model, (short, long)) in [&fast, &masked].into_iter().zip(batches.iter_mut()) {
             let (a, b) = toks.split_at(split);
-            out.push(host(&model.decode_groups(&mut [(a, short), (b, long)]).unwrap()));
+            out.push(host(
+                &model.decode_groups(&mut [(a, short), (b, long)]).unwrap(),
+            ));
         }
         let b = &out[1];
         assert_close(&out[0], b, step);
-        let top = |l: &[f32]| l.iter().enumerate().fold((0, f32::MIN), |m, (i, &x)| if x > m.1 { (i, x) } else { m }).0 as u32;
-        toks = (0..toks.len()).map(|r| top(&b[r * vocab..(r + 1) * vocab])).collect();
+        let top = |l: &[f32]| {
+            l.iter()
+                .enumerate()
+                .fold((0, f32::MIN), |m, (i, &x)| if x > m.1 { (i, x) } else { m })
+                .0 as u32
+        };
+        toks = (0..toks.len())
+            .map(|r| top(&b[r * vocab..(r + 1) * vocab]))
+            .collect();
     }
 }
 
@@ -142,30 +201,48 @@ fn a_decode_step_gives_the_same_logits_through_the_kernel() {
 fn kernel_and_masked_models() -> (llmq_engine::Model, llmq_engine::Model) {
     use llmq_engine::shapes::random_model;
     let fast = random_model("smollm2", Dtype::Bfloat16, 7).unwrap();
-    let masked = random_model("smollm2", Dtype::Bfloat16, 7).unwrap().with_masked_decode_attention();
+    let masked = random_model("smollm2", Dtype::Bfloat16, 7)
+        .unwrap()
+        .with_masked_decode_attention();
     assert!(fast.uses_row_attention() && !masked.uses_row_attention());
     (fast, masked)
 }
 
 /// A deterministic prompt of `n` tokens.
 fn prompt(n: usize) -> Vec<u32> {
-    (0..n as u32).map(|i| (i * 31 + n as u32) % 1000 + 1).collect()
+    (0..n as u32)
+        .map(|i| (i * 31 + n as u32) % 1000 + 1)
+        .collect()
 }
 
 /// A sequence's cache after `model` prefilled `p` in one piece.
 fn prefilled(model: &llmq_engine::Model, p: &[u32]) -> llmq_engine::cache::SequenceCache {
     let mut cache = model.new_cache();
-    let x = Array::from_slice(&p.iter().map(|&t| t as i32).collect::<Vec<_>>(), &[1, p.len() as i32]);
-    model.forward(&x, &mut [&mut cache], true).unwrap().eval().unwrap();
+    let x = Array::from_slice(
+        &p.iter().map(|&t| t as i32).collect::<Vec<_>>(),
+        &[1, p.len() as i32],
+    );
+    model
+        .forward(&x, &mut [&mut cache], true)
+        .unwrap()
+        .eval()
+        .unwrap();
     cache
 }
 
 /// Logits through the kernel (`a`) and through masked attention (`b`) agree to bf16 precision.
 fn assert_close(a: &[f32], b: &[f32], step: usize) {
     assert_eq!(a.len(), b.len());
-    let d = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+    let d = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max);
     let scale = b.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-    assert!(d <= 0.02 * scale.max(1.0), "step {step}: max |diff| {d} (logits up to {scale})");
+    assert!(
+        d <= 0.02 * scale.max(1.0),
+        "step {step}: max |diff| {d} (logits up to {scale})"
+    );
 }
 
 /// A step that carries a prefill chunk (its rows rotated with the decode rows', its attention
@@ -189,7 +266,11 @@ fn a_step_with_a_prefill_chunk_gives_the_same_logits_through_the_kernel() {
     for (step, chunk) in long.chunks(256).enumerate() {
         let mut out = vec![];
         for (model, (batch, cache)) in [&fast, &masked].into_iter().zip(state.iter_mut()) {
-            out.push(host(&model.step(&mut [(&toks[..], batch)], Some((chunk, cache))).unwrap()));
+            out.push(host(
+                &model
+                    .step(&mut [(&toks[..], batch)], Some((chunk, cache)))
+                    .unwrap(),
+            ));
         }
         assert_close(&out[0], &out[1], step);
     }
@@ -203,7 +284,9 @@ fn a_step_with_a_prefill_chunk_gives_the_same_logits_through_the_kernel() {
 fn a_step_with_two_groups_and_a_chunk_gives_the_same_logits_through_the_kernel() {
     use llmq_engine::shapes::random_model;
     let fast = random_model("smollm2", Dtype::Bfloat16, 7).unwrap();
-    let masked = random_model("smollm2", Dtype::Bfloat16, 7).unwrap().with_masked_decode_attention();
+    let masked = random_model("smollm2", Dtype::Bfloat16, 7)
+        .unwrap()
+        .with_masked_decode_attention();
     assert!(fast.uses_row_attention());
     let (short_lens, long_lens) = ([5usize, 40, 300, 17], [1500usize]);
     let long_prompt: Vec<u32> = (0..1024u32).map(|i| (i * 13) % 1000 + 1).collect();
@@ -223,7 +306,11 @@ fn a_step_with_two_groups_and_a_chunk_gives_the_same_logits_through_the_kernel()
     for (step, chunk) in long_prompt.chunks(256).enumerate() {
         let mut out = vec![];
         for (model, (short, long, cache)) in [&fast, &masked].into_iter().zip(state.iter_mut()) {
-            out.push(host(&model.step(&mut [(&a[..], short), (&b[..], long)], Some((chunk, cache))).unwrap()));
+            out.push(host(
+                &model
+                    .step(&mut [(&a[..], short), (&b[..], long)], Some((chunk, cache)))
+                    .unwrap(),
+            ));
         }
         assert_close(&out[0], &out[1], step);
     }

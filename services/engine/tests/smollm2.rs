@@ -5,10 +5,10 @@ mod common;
 
 use common::*;
 use llmq_engine::generate::{generate, GenerateRequest};
-use llmq_engine::model::host_f32;
-use llmq_text::sampling::{Sampling, StopConditions};
 use llmq_engine::load_model;
+use llmq_engine::model::host_f32;
 use llmq_text::resolve_model;
+use llmq_text::sampling::{Sampling, StopConditions};
 use mlx_rs::Dtype;
 
 const QUESTION: &str = "What is the capital of France?";
@@ -24,7 +24,8 @@ fn chat_prompt_and_first_logits_match_transformers() {
     let tok = m.tokenizer.as_ref().unwrap();
     let refp = fixture("smollm2-reference.safetensors");
     let meta: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(fixture("smollm2-reference.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(fixture("smollm2-reference.json")).unwrap())
+            .unwrap();
     let ids = tok.prompt_ids(QUESTION, true).unwrap();
     let want_text = meta["prompt_text"].as_str().unwrap();
     let text = tok.apply_chat_template(
@@ -32,11 +33,18 @@ fn chat_prompt_and_first_logits_match_transformers() {
         true,
     );
     assert_eq!(text.unwrap(), want_text, "chat template rendering");
-    let want_ids: Vec<u32> = tensor(&refp, "prompt.ids").as_slice::<i32>().iter().map(|&v| v as u32).collect();
+    let want_ids: Vec<u32> = tensor(&refp, "prompt.ids")
+        .as_slice::<i32>()
+        .iter()
+        .map(|&v| v as u32)
+        .collect();
     assert_eq!(ids, want_ids, "prompt token ids");
 
     let mut cache = m.model.new_cache();
-    let logits = m.model.forward(&ids_array(&ids), &mut [&mut cache], true).unwrap();
+    let logits = m
+        .model
+        .forward(&ids_array(&ids), &mut [&mut cache], true)
+        .unwrap();
     let got = host_f32(&logits).unwrap();
     let want = tensor(&refp, "first.logits");
     let want = want.as_slice::<f32>();
@@ -52,15 +60,25 @@ fn greedy_answer_says_paris_and_matches_transformers_tokens() {
     let m = smollm2();
     let tok = m.tokenizer.as_ref().unwrap();
     let refp = fixture("smollm2-reference.safetensors");
-    let want: Vec<u32> = tensor(&refp, "greedy.ids").as_slice::<i32>().iter().map(|&v| v as u32).collect();
+    let want: Vec<u32> = tensor(&refp, "greedy.ids")
+        .as_slice::<i32>()
+        .iter()
+        .map(|&v| v as u32)
+        .collect();
     let req = GenerateRequest {
         prompt_ids: tok.prompt_ids(QUESTION, true).unwrap(),
         sampling: Sampling::default(),
-        stop: StopConditions { max_tokens: want.len() as u32, ..Default::default() },
+        stop: StopConditions {
+            max_tokens: want.len() as u32,
+            ..Default::default()
+        },
         prefill_chunk: 16,
     };
     let mut streamed = String::new();
-    let out = generate(&m.model, Some(tok), &req, |_, piece| streamed.push_str(piece)).unwrap();
+    let out = generate(&m.model, Some(tok), &req, |_, piece| {
+        streamed.push_str(piece)
+    })
+    .unwrap();
     assert!(out.text.contains("Paris"), "{:?}", out.text);
     assert_eq!(streamed, out.text);
     // transformers stops at the end-of-turn token too; compare the common length.

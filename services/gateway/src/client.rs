@@ -38,7 +38,11 @@ async fn send(
     let mut r = BufReader::new(s);
     let mut line = String::new();
     r.read_line(&mut line).await?;
-    let status = line.split_whitespace().nth(1).and_then(|c| c.parse().ok()).ok_or_else(|| bad(format!("status line {line:?}")))?;
+    let status = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(|| bad(format!("status line {line:?}")))?;
     let mut headers = vec![];
     loop {
         line.clear();
@@ -57,14 +61,24 @@ async fn send(
 }
 
 /// Reads the body, calling `piece` with each part as it arrives (each chunk of a chunked body).
-async fn read_body(headers: &[(String, String)], r: &mut BufReader<TcpStream>, mut piece: impl FnMut(&[u8])) -> io::Result<()> {
-    let header = |name: &str| headers.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str());
+async fn read_body(
+    headers: &[(String, String)],
+    r: &mut BufReader<TcpStream>,
+    mut piece: impl FnMut(&[u8]),
+) -> io::Result<()> {
+    let header = |name: &str| {
+        headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    };
     if header("transfer-encoding").is_some_and(|v| v.eq_ignore_ascii_case("chunked")) {
         let mut line = String::new();
         loop {
             line.clear();
             r.read_line(&mut line).await?;
-            let size = usize::from_str_radix(line.trim().split(';').next().unwrap_or(""), 16).map_err(|_| bad(format!("chunk size {line:?}")))?;
+            let size = usize::from_str_radix(line.trim().split(';').next().unwrap_or(""), 16)
+                .map_err(|_| bad(format!("chunk size {line:?}")))?;
             let mut buf = vec![0; size + 2];
             r.read_exact(&mut buf).await?;
             if size == 0 {
@@ -86,22 +100,41 @@ async fn read_body(headers: &[(String, String)], r: &mut BufReader<TcpStream>, m
 }
 
 /// One request, the whole response.
-pub async fn request(addr: &str, method: &str, path: &str, body: Option<&str>) -> io::Result<Response> {
+pub async fn request(
+    addr: &str,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+) -> io::Result<Response> {
     request_with(addr, method, path, body, &[]).await
 }
 
 /// One request with extra headers (`Authorization`, say), the whole response.
-pub async fn request_with(addr: &str, method: &str, path: &str, body: Option<&str>, headers: &[(&str, &str)]) -> io::Result<Response> {
+pub async fn request_with(
+    addr: &str,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    headers: &[(&str, &str)],
+) -> io::Result<Response> {
     let (status, headers, mut r) = send(addr, method, path, body, headers).await?;
     let mut out = vec![];
     read_body(&headers, &mut r, |p| out.extend_from_slice(p)).await?;
-    Ok(Response { status, body: String::from_utf8_lossy(&out).into_owned() })
+    Ok(Response {
+        status,
+        body: String::from_utf8_lossy(&out).into_owned(),
+    })
 }
 
 /// A streaming request: `line` gets every non-empty line of the event stream (`data: ...`,
 /// `: comment`) with the time its chunk arrived. Returns the status (a non-2xx response's body
 /// is handed to `line` whole).
-pub async fn stream(addr: &str, path: &str, body: &str, mut line: impl FnMut(Instant, &str)) -> io::Result<u16> {
+pub async fn stream(
+    addr: &str,
+    path: &str,
+    body: &str,
+    mut line: impl FnMut(Instant, &str),
+) -> io::Result<u16> {
     let (status, headers, mut r) = send(addr, "POST", path, Some(body), &[]).await?;
     let mut pending = String::new();
     read_body(&headers, &mut r, |p| {

@@ -35,7 +35,10 @@ use futures::StreamExt;
 use llmq_config::Settings;
 use llmq_protocol::watch::{Silence, Watch};
 use llmq_protocol::workers::WorkerTable;
-use llmq_protocol::{subjects, Cancel, Event, FinishReason, GenerateReply, GenerateRequest, StreamEvent, ToolSyntax, Usage, WorkerStatus};
+use llmq_protocol::{
+    subjects, Cancel, Event, FinishReason, GenerateReply, GenerateRequest, StreamEvent, ToolSyntax,
+    Usage, WorkerStatus,
+};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
@@ -88,7 +91,11 @@ const SILENCE: Duration = Duration::from_secs(5);
 
 /// The end of a request whose model has lost every worker while it waited.
 fn orphaned(state: &State, model: &str) -> Option<ApiError> {
-    let served = state.workers.lock().unwrap().model_heard_within(model, state.no_worker_grace, std::time::Instant::now());
+    let served = state.workers.lock().unwrap().model_heard_within(
+        model,
+        state.no_worker_grace,
+        std::time::Instant::now(),
+    );
     (!served).then(|| {
         ApiError::from_wire(&llmq_protocol::WireError::new(
             llmq_protocol::ErrorClass::WorkerLost,
@@ -104,7 +111,10 @@ fn watch_ended(request_id: &str, e: &llmq_protocol::WireError) -> ApiError {
 }
 
 fn unix_secs() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_secs()
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs()
 }
 
 /// Publishes a cancel for a request whose client went away.
@@ -154,35 +164,68 @@ async fn submit(state: &State, mut g: GenerateRequest) -> Result<Accepted, ApiEr
     let started = Instant::now();
     let span = tracing::info_span!("gateway.request", model = %g.model, request_id = tracing::field::Empty, error = tracing::field::Empty);
     let inbox = state.nc.new_inbox();
-    let events = state.nc.subscribe(inbox.clone()).await.map_err(|e| ApiError::internal(format!("NATS: {e}")))?;
+    let events = state
+        .nc
+        .subscribe(inbox.clone())
+        .await
+        .map_err(|e| ApiError::internal(format!("NATS: {e}")))?;
     g.stream_subject = Some(inbox);
     let payload = llmq_protocol::encode(&g).map_err(|e| ApiError::internal(e.to_string()))?;
     let headers = llmq_telemetry::headers_for(&span);
-    let asked = state.nc.request_with_headers(subjects::GENERATE, headers, payload.into());
+    let asked = state
+        .nc
+        .request_with_headers(subjects::GENERATE, headers, payload.into());
     let reply = match tokio::time::timeout(INTAKE_TIMEOUT, asked).await {
         Ok(Ok(m)) => m,
         Ok(Err(e)) => return Err(ApiError::unavailable(format!("intake did not answer: {e}"))),
         Err(_) => return Err(ApiError::unavailable("intake did not answer in time")),
     };
     match llmq_protocol::decode::<GenerateReply>(&reply.payload) {
-        Ok(GenerateReply::Accepted { request_id, tool_syntax, job_seq, .. }) => {
+        Ok(GenerateReply::Accepted {
+            request_id,
+            tool_syntax,
+            job_seq,
+            ..
+        }) => {
             span.record("request_id", request_id.as_str());
             let watch = Watch::new(&request_id, job_seq, state.silent_stream_timeout);
-            Ok(Accepted { request_id, tool_syntax, events, watch, started, _span: span })
+            Ok(Accepted {
+                request_id,
+                tool_syntax,
+                events,
+                watch,
+                started,
+                _span: span,
+            })
         }
         Ok(GenerateReply::Rejected { error }) => {
             span.record("error", tracing::field::debug(error.class));
             Err(ApiError::from_wire(&error))
         }
-        Err(e) => Err(ApiError::internal(format!("undecodable reply from intake: {e}"))),
+        Err(e) => Err(ApiError::internal(format!(
+            "undecodable reply from intake: {e}"
+        ))),
     }
 }
 
 /// Forwards a request's events to the client as server-sent events, until its terminal event or
 /// until the client goes away (then cancels it).
-async fn stream_events(state: Arc<State>, shape: Shape, mut acc: Accepted, tx: mpsc::Sender<Bytes>) {
-    let mut clock = Clock { started: acc.started, last: None };
-    let mut writer = SseWriter::new(&shape, shape.kind.response_id(&acc.request_id), unix_secs(), acc.tool_syntax);
+async fn stream_events(
+    state: Arc<State>,
+    shape: Shape,
+    mut acc: Accepted,
+    tx: mpsc::Sender<Bytes>,
+) {
+    let mut clock = Clock {
+        started: acc.started,
+        last: None,
+    };
+    let mut writer = SseWriter::new(
+        &shape,
+        shape.kind.response_id(&acc.request_id),
+        unix_secs(),
+        acc.tool_syntax,
+    );
     let outcome: &'static str = 'run: {
         for b in writer.opening() {
             if tx.send(b).await.is_err() {
@@ -210,8 +253,12 @@ async fn stream_events(state: Arc<State>, shape: Shape, mut acc: Accepted, tx: m
                     }
                 }
             };
-            let Some(msg) = msg else { break 'run "internal_error" };
-            let Ok(ev) = llmq_protocol::decode::<StreamEvent>(&msg.payload) else { continue };
+            let Some(msg) = msg else {
+                break 'run "internal_error";
+            };
+            let Ok(ev) = llmq_protocol::decode::<StreamEvent>(&msg.payload) else {
+                continue;
+            };
             if let Err(e) = acc.watch.event(&ev) {
                 break 'run end_failed(&tx, watch_ended(&acc.request_id, &e)).await;
             }
@@ -247,8 +294,15 @@ async fn end_failed(tx: &mpsc::Sender<Bytes>, e: ApiError) -> &'static str {
 
 /// Collects a request's events into one OpenAI response body.
 async fn collect(state: &State, shape: &Shape, mut acc: Accepted) -> Result<Value, ApiError> {
-    let mut guard = CancelOnDrop { nc: &state.nc, request_id: acc.request_id.clone(), done: false };
-    let mut clock = Clock { started: acc.started, last: None };
+    let mut guard = CancelOnDrop {
+        nc: &state.nc,
+        request_id: acc.request_id.clone(),
+        done: false,
+    };
+    let mut clock = Clock {
+        started: acc.started,
+        last: None,
+    };
     let n = shape.n as usize;
     let (mut texts, mut lps) = (vec![String::new(); n], vec![vec![]; n]);
     let mut ended: Vec<Option<FinishReason>> = vec![None; n];
@@ -261,23 +315,40 @@ async fn collect(state: &State, shape: &Shape, mut acc: Accepted) -> Result<Valu
             Err(_) => match orphaned(state, &shape.model) {
                 Some(e) => return Err(e),
                 None => {
-                    acc.watch.silent(&state.nc).await.map_err(|e| watch_ended(&acc.request_id, &e))?;
+                    acc.watch
+                        .silent(&state.nc)
+                        .await
+                        .map_err(|e| watch_ended(&acc.request_id, &e))?;
                     continue;
                 }
             },
         };
-        let Ok(ev) = llmq_protocol::decode::<StreamEvent>(&msg.payload) else { continue };
-        acc.watch.event(&ev).map_err(|e| watch_ended(&acc.request_id, &e))?;
+        let Ok(ev) = llmq_protocol::decode::<StreamEvent>(&msg.payload) else {
+            continue;
+        };
+        acc.watch
+            .event(&ev)
+            .map_err(|e| watch_ended(&acc.request_id, &e))?;
         let c = (ev.choice as usize).min(n - 1);
         match ev.event {
-            Event::Tokens { text: t, logprobs, .. } => {
+            Event::Tokens {
+                text: t, logprobs, ..
+            } => {
                 clock.tokens(&state.metrics);
                 texts[c].push_str(&t);
                 lps[c].extend(logprobs);
             }
-            Event::Done { finish_reason: reason, usage, .. } => {
+            Event::Done {
+                finish_reason: reason,
+                usage,
+                ..
+            } => {
                 ended[c] = Some(reason);
-                total = Usage { prompt: usage.prompt, completion: total.completion + usage.completion, cached: total.cached.max(usage.cached) };
+                total = Usage {
+                    prompt: usage.prompt,
+                    completion: total.completion + usage.completion,
+                    cached: total.cached.max(usage.cached),
+                };
                 if ended.iter().any(Option::is_none) {
                     continue;
                 }
@@ -324,17 +395,25 @@ async fn collect(state: &State, shape: &Shape, mut acc: Accepted) -> Result<Valu
             Event::Queued { .. } | Event::PrefillProgress { .. } => {}
         }
     }
-    Err(ApiError::internal("the event stream ended without a terminal event"))
+    Err(ApiError::internal(
+        "the event stream ended without a terminal event",
+    ))
 }
 
-async fn serve(state: web::Data<State>, g: Result<(GenerateRequest, Shape), ApiError>, kind: Kind) -> Result<HttpResponse, ApiError> {
+async fn serve(
+    state: web::Data<State>,
+    g: Result<(GenerateRequest, Shape), ApiError>,
+    kind: Kind,
+) -> Result<HttpResponse, ApiError> {
     let result: Result<(HttpResponse, Option<&'static str>), ApiError> = async {
         let (g, shape) = g?;
         let acc = submit(&state, g).await?;
         if shape.stream {
             let (tx, rx) = mpsc::channel::<Bytes>(256);
             actix_web::rt::spawn(stream_events(state.clone().into_inner(), shape, acc, tx));
-            let body = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|b| (Ok::<_, actix_web::Error>(b), rx)) });
+            let body = futures::stream::unfold(rx, |mut rx| async move {
+                rx.recv().await.map(|b| (Ok::<_, actix_web::Error>(b), rx))
+            });
             return Ok((
                 HttpResponse::Ok()
                     .content_type("text/event-stream")
@@ -362,17 +441,31 @@ async fn serve(state: web::Data<State>, g: Result<(GenerateRequest, Shape), ApiE
     }
 }
 
-async fn chat(state: web::Data<State>, body: web::Json<openai::ChatRequest>) -> Result<HttpResponse, ApiError> {
+async fn chat(
+    state: web::Data<State>,
+    body: web::Json<openai::ChatRequest>,
+) -> Result<HttpResponse, ApiError> {
     serve(state, openai::chat_request(body.into_inner()), Kind::Chat).await
 }
 
-async fn completions(state: web::Data<State>, body: web::Json<openai::CompletionRequest>) -> Result<HttpResponse, ApiError> {
-    serve(state, openai::completion_request(body.into_inner()), Kind::Completion).await
+async fn completions(
+    state: web::Data<State>,
+    body: web::Json<openai::CompletionRequest>,
+) -> Result<HttpResponse, ApiError> {
+    serve(
+        state,
+        openai::completion_request(body.into_inner()),
+        Kind::Completion,
+    )
+    .await
 }
 
 async fn models(state: web::Data<State>) -> HttpResponse {
     let models = state.workers.lock().unwrap().models();
-    let data: Vec<Value> = models.iter().map(|m| json!({ "id": m, "object": "model", "created": 0, "owned_by": "llmq" })).collect();
+    let data: Vec<Value> = models
+        .iter()
+        .map(|m| json!({ "id": m, "object": "model", "created": 0, "owned_by": "llmq" }))
+        .collect();
     HttpResponse::Ok().json(json!({ "object": "list", "data": data }))
 }
 
@@ -387,7 +480,9 @@ async fn health(state: web::Data<State>) -> HttpResponse {
 
 async fn metrics_text(state: web::Data<State>) -> HttpResponse {
     let text = state.metrics.render(&state.workers.lock().unwrap());
-    HttpResponse::Ok().content_type("text/plain; version=0.0.4").body(text)
+    HttpResponse::Ok()
+        .content_type("text/plain; version=0.0.4")
+        .body(text)
 }
 
 /// With API keys set, a request to /v1 (and to /health and /metrics, if so configured) without
@@ -399,8 +494,17 @@ async fn require_key(
     if let Some(state) = req.app_data::<web::Data<State>>() {
         let guarded = req.path().starts_with("/v1/") || state.keys_for_health_and_metrics;
         if guarded && !state.api_keys.is_empty() {
-            let given = req.headers().get("authorization").and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
-            if !given.is_some_and(|k| state.api_keys.iter().any(|key| same(key.as_bytes(), k.trim().as_bytes()))) {
+            let given = req
+                .headers()
+                .get("authorization")
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.strip_prefix("Bearer "));
+            if !given.is_some_and(|k| {
+                state
+                    .api_keys
+                    .iter()
+                    .any(|key| same(key.as_bytes(), k.trim().as_bytes()))
+            }) {
                 return Err(ApiError::unauthorized().into());
             }
         }
@@ -414,7 +518,10 @@ fn same(a: &[u8], b: &[u8]) -> bool {
 }
 
 /// Malformed or oversized JSON bodies get OpenAI error bodies too.
-fn json_error(e: actix_web::error::JsonPayloadError, _: &actix_web::HttpRequest) -> actix_web::Error {
+fn json_error(
+    e: actix_web::error::JsonPayloadError,
+    _: &actix_web::HttpRequest,
+) -> actix_web::Error {
     use actix_web::error::JsonPayloadError as J;
     let err = match &e {
         J::Overflow { .. } | J::OverflowKnownLength { .. } => ApiError {
@@ -429,15 +536,32 @@ fn json_error(e: actix_web::error::JsonPayloadError, _: &actix_web::HttpRequest)
 
 /// Serves until the process stops. Must be called inside an actix-web (actix-rt) System.
 pub async fn run(settings: Settings) -> Result<(), GatewayError> {
-    let nc = llmq_protocol::connect(&settings.nats.url, settings.nats.ca_file.as_deref(), "llmq-gateway").await.map_err(nats)?;
-    let mut beats = nc.subscribe(subjects::WORKER_STATUS_ALL).await.map_err(nats)?;
+    let nc = llmq_protocol::connect(
+        &settings.nats.url,
+        settings.nats.ca_file.as_deref(),
+        "llmq-gateway",
+    )
+    .await
+    .map_err(nats)?;
+    let mut beats = nc
+        .subscribe(subjects::WORKER_STATUS_ALL)
+        .await
+        .map_err(nats)?;
     let state = web::Data::new(State {
         nc,
-        workers: Mutex::new(WorkerTable::new(Duration::from_millis(settings.gateway.worker_timeout_ms))),
+        workers: Mutex::new(WorkerTable::new(Duration::from_millis(
+            settings.gateway.worker_timeout_ms,
+        ))),
         no_worker_grace: Duration::from_millis(settings.intake.no_worker_grace_ms),
         silent_stream_timeout: Duration::from_millis(settings.gateway.silent_stream_timeout_ms),
         // An empty key (an unset variable in a list) lets nobody in by itself.
-        api_keys: settings.gateway.api_keys.iter().map(|k| k.trim().to_string()).filter(|k| !k.is_empty()).collect(),
+        api_keys: settings
+            .gateway
+            .api_keys
+            .iter()
+            .map(|k| k.trim().to_string())
+            .filter(|k| !k.is_empty())
+            .collect(),
         keys_for_health_and_metrics: settings.gateway.keys_for_health_and_metrics,
         metrics: Metrics::default(),
     });
@@ -453,7 +577,11 @@ pub async fn run(settings: Settings) -> Result<(), GatewayError> {
         App::new()
             .wrap(actix_web::middleware::from_fn(require_key))
             .app_data(state.clone())
-            .app_data(web::JsonConfig::default().limit(MAX_BODY_BYTES).error_handler(json_error))
+            .app_data(
+                web::JsonConfig::default()
+                    .limit(MAX_BODY_BYTES)
+                    .error_handler(json_error),
+            )
             .route("/v1/chat/completions", web::post().to(chat))
             .route("/v1/completions", web::post().to(completions))
             .route("/v1/models", web::get().to(models))
@@ -461,13 +589,20 @@ pub async fn run(settings: Settings) -> Result<(), GatewayError> {
             .route("/metrics", web::get().to(metrics_text))
     })
     .bind(&settings.gateway.listen)?;
-    let bound = server.addrs().first().map(ToString::to_string).unwrap_or_else(|| settings.gateway.listen.clone());
+    let bound = server
+        .addrs()
+        .first()
+        .map(ToString::to_string)
+        .unwrap_or_else(|| settings.gateway.listen.clone());
     if let Some(path) = &settings.gateway.address_file {
         // Whole or not at all: written aside, then renamed.
         let tmp = path.with_extension("tmp");
         std::fs::write(&tmp, &bound)
             .and_then(|()| std::fs::rename(&tmp, path))
-            .map_err(|source| GatewayError::AddressFile { path: path.clone(), source })?;
+            .map_err(|source| GatewayError::AddressFile {
+                path: path.clone(),
+                source,
+            })?;
     }
     tracing::info!(listen = %bound, "gateway ready");
     server.run().await?;

@@ -11,7 +11,9 @@ use std::time::Instant;
 use llmq_protocol::workers::WorkerTable;
 
 /// Upper bounds of the latency buckets, seconds.
-const BUCKETS: [f64; 14] = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24];
+const BUCKETS: [f64; 14] = [
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24,
+];
 
 #[derive(Default)]
 struct Histogram {
@@ -36,7 +38,11 @@ impl Histogram {
             cumulative += c;
             let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {cumulative}");
         }
-        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}\n{name}_sum {}\n{name}_count {}", self.count, self.sum, self.count);
+        let _ = writeln!(
+            out,
+            "{name}_bucket{{le=\"+Inf\"}} {}\n{name}_sum {}\n{name}_count {}",
+            self.count, self.sum, self.count
+        );
     }
 }
 
@@ -54,13 +60,21 @@ pub struct Metrics {
 
 /// Escapes a label value.
 fn label(v: &str) -> String {
-    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
 }
 
 impl Metrics {
     /// A request ended: `outcome` is `ok`, `cancelled` (the client went away) or an error code.
     pub fn request(&self, endpoint: &str, outcome: &'static str) {
-        *self.inner.lock().unwrap().requests.entry((endpoint.to_string(), outcome)).or_default() += 1;
+        *self
+            .inner
+            .lock()
+            .unwrap()
+            .requests
+            .entry((endpoint.to_string(), outcome))
+            .or_default() += 1;
     }
 
     pub fn first_token(&self, seconds: f64) {
@@ -77,31 +91,96 @@ impl Metrics {
             let m = self.inner.lock().unwrap();
             out.push_str("# HELP llmq_gateway_requests_total Requests by endpoint and outcome.\n# TYPE llmq_gateway_requests_total counter\n");
             for ((endpoint, outcome), n) in &m.requests {
-                let _ = writeln!(out, "llmq_gateway_requests_total{{endpoint=\"{}\",outcome=\"{outcome}\"}} {n}", label(endpoint));
+                let _ = writeln!(
+                    out,
+                    "llmq_gateway_requests_total{{endpoint=\"{}\",outcome=\"{outcome}\"}} {n}",
+                    label(endpoint)
+                );
             }
-            m.ttft.render(&mut out, "llmq_gateway_time_to_first_token_seconds", "From the HTTP request to its first token.");
-            m.itl.render(&mut out, "llmq_gateway_inter_token_latency_seconds", "Between consecutive token chunks of a stream.");
+            m.ttft.render(
+                &mut out,
+                "llmq_gateway_time_to_first_token_seconds",
+                "From the HTTP request to its first token.",
+            );
+            m.itl.render(
+                &mut out,
+                "llmq_gateway_inter_token_latency_seconds",
+                "Between consecutive token chunks of a stream.",
+            );
         }
         let gauges: [(&str, &str, fn(&llmq_protocol::WorkerStatus) -> f64); 7] = [
-            ("llmq_worker_queued_requests", "Requests waiting for admission or prefill.", |s| s.queued_requests as f64),
-            ("llmq_worker_queued_prefill_tokens", "Prompt tokens still to prefill.", |s| s.queued_prefill_tokens as f64),
-            ("llmq_worker_active_streams", "Sequences decoding.", |s| s.active_streams as f64),
-            ("llmq_worker_kv_bytes_used", "KV cache bytes held (prefix cache included).", |s| s.kv_bytes_used as f64),
-            ("llmq_worker_kv_bytes_free", "KV budget not reserved by running requests.", |s| s.kv_bytes_free as f64),
-            ("llmq_worker_prefix_cache_hit_rate", "Prompt tokens reused over prompt tokens looked up.", |s| s.prefix_hit_rate),
-            ("llmq_worker_prefix_cache_bytes", "Bytes the prefix cache holds.", |s| s.prefix_bytes as f64),
+            (
+                "llmq_worker_queued_requests",
+                "Requests waiting for admission or prefill.",
+                |s| s.queued_requests as f64,
+            ),
+            (
+                "llmq_worker_queued_prefill_tokens",
+                "Prompt tokens still to prefill.",
+                |s| s.queued_prefill_tokens as f64,
+            ),
+            ("llmq_worker_active_streams", "Sequences decoding.", |s| {
+                s.active_streams as f64
+            }),
+            (
+                "llmq_worker_kv_bytes_used",
+                "KV cache bytes held (prefix cache included).",
+                |s| s.kv_bytes_used as f64,
+            ),
+            (
+                "llmq_worker_kv_bytes_free",
+                "KV budget not reserved by running requests.",
+                |s| s.kv_bytes_free as f64,
+            ),
+            (
+                "llmq_worker_prefix_cache_hit_rate",
+                "Prompt tokens reused over prompt tokens looked up.",
+                |s| s.prefix_hit_rate,
+            ),
+            (
+                "llmq_worker_prefix_cache_bytes",
+                "Bytes the prefix cache holds.",
+                |s| s.prefix_bytes as f64,
+            ),
         ];
         let counters: [(&str, &str, fn(&llmq_protocol::WorkerStatus) -> f64); 6] = [
-            ("llmq_worker_requests_ended_total", "Requests the worker has ended (done or error).", |s| s.ended_requests as f64),
-            ("llmq_worker_prefix_cache_reused_tokens_total", "Prompt tokens served from the prefix cache.", |s| s.prefix_reused_tokens as f64),
-            ("llmq_worker_prefix_cache_evictions_total", "Prefix-cache entries evicted.", |s| s.prefix_evictions as f64),
-            ("llmq_worker_kv_bytes_sent_total", "Prompt KV bytes a prefill worker sent to decode workers.", |s| s.kv_bytes_sent as f64),
-            ("llmq_worker_kv_bytes_sent_direct_total", "Of those, bytes sent on direct connections (worker.kv_listen), not over NATS.", |s| s.kv_bytes_sent_direct as f64),
-            ("llmq_worker_kv_bytes_received_total", "Prompt KV bytes a decode worker received from prefill workers.", |s| s.kv_bytes_received as f64),
+            (
+                "llmq_worker_requests_ended_total",
+                "Requests the worker has ended (done or error).",
+                |s| s.ended_requests as f64,
+            ),
+            (
+                "llmq_worker_prefix_cache_reused_tokens_total",
+                "Prompt tokens served from the prefix cache.",
+                |s| s.prefix_reused_tokens as f64,
+            ),
+            (
+                "llmq_worker_prefix_cache_evictions_total",
+                "Prefix-cache entries evicted.",
+                |s| s.prefix_evictions as f64,
+            ),
+            (
+                "llmq_worker_kv_bytes_sent_total",
+                "Prompt KV bytes a prefill worker sent to decode workers.",
+                |s| s.kv_bytes_sent as f64,
+            ),
+            (
+                "llmq_worker_kv_bytes_sent_direct_total",
+                "Of those, bytes sent on direct connections (worker.kv_listen), not over NATS.",
+                |s| s.kv_bytes_sent_direct as f64,
+            ),
+            (
+                "llmq_worker_kv_bytes_received_total",
+                "Prompt KV bytes a decode worker received from prefill workers.",
+                |s| s.kv_bytes_received as f64,
+            ),
         ];
         let mut live: Vec<&llmq_protocol::WorkerStatus> = workers.live().collect();
         live.sort_by(|a, b| a.worker_id.cmp(&b.worker_id));
-        let kinds = gauges.iter().map(|g| (g, "gauge")).chain(counters.iter().map(|c| (c, "counter")));
+        let kinds = gauges
+            .iter()
+            .map(|g| (g, "gauge"))
+            .chain(counters.iter().map(|c| (c, "counter")));
         for ((name, help, get), kind) in kinds {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
             for s in &live {
@@ -110,7 +189,13 @@ impl Metrics {
                     llmq_protocol::WorkerRole::Prefill => "prefill",
                     llmq_protocol::WorkerRole::Decode => "decode",
                 };
-                let _ = writeln!(out, "{name}{{worker=\"{}\",model=\"{}\",role=\"{role}\"}} {}", label(&s.worker_id), label(&s.model), get(s));
+                let _ = writeln!(
+                    out,
+                    "{name}{{worker=\"{}\",model=\"{}\",role=\"{role}\"}} {}",
+                    label(&s.worker_id),
+                    label(&s.model),
+                    get(s)
+                );
             }
         }
         out
@@ -130,15 +215,28 @@ mod tests {
         m.first_token(0.003);
         m.inter_token(0.02);
         let mut t = WorkerTable::new(std::time::Duration::from_secs(5));
-        t.update(llmq_protocol::WorkerStatus { worker_id: "w1".into(), model: "m".into(), queued_requests: 3, prefix_hit_rate: 0.5, ..Default::default() });
+        t.update(llmq_protocol::WorkerStatus {
+            worker_id: "w1".into(),
+            model: "m".into(),
+            queued_requests: 3,
+            prefix_hit_rate: 0.5,
+            ..Default::default()
+        });
         let text = m.render(&t);
-        assert!(text.contains("llmq_gateway_requests_total{endpoint=\"chat\",outcome=\"ok\"} 2"), "{text}");
+        assert!(
+            text.contains("llmq_gateway_requests_total{endpoint=\"chat\",outcome=\"ok\"} 2"),
+            "{text}"
+        );
         assert!(text.contains("outcome=\"model_not_found\"} 1"));
         assert!(text.contains("llmq_gateway_time_to_first_token_seconds_bucket{le=\"0.0025\"} 0"));
         assert!(text.contains("llmq_gateway_time_to_first_token_seconds_bucket{le=\"0.005\"} 1"));
         assert!(text.contains("llmq_gateway_inter_token_latency_seconds_count 1"));
-        assert!(text.contains("llmq_worker_queued_requests{worker=\"w1\",model=\"m\",role=\"both\"} 3"));
-        assert!(text.contains("llmq_worker_prefix_cache_hit_rate{worker=\"w1\",model=\"m\",role=\"both\"} 0.5"));
+        assert!(
+            text.contains("llmq_worker_queued_requests{worker=\"w1\",model=\"m\",role=\"both\"} 3")
+        );
+        assert!(text.contains(
+            "llmq_worker_prefix_cache_hit_rate{worker=\"w1\",model=\"m\",role=\"both\"} 0.5"
+        ));
         assert!(text.contains("# TYPE llmq_worker_prefix_cache_evictions_total counter"));
     }
 }

@@ -122,16 +122,22 @@ impl ResponseFormat {
             ResponseFormat::JsonObject => Some(Constraint::JsonObject),
             ResponseFormat::JsonSchema { json_schema } => {
                 if json_schema.name.is_empty() || json_schema.name.len() > 64 {
-                    return Err(ApiError::invalid("response_format.json_schema.name must be 1 to 64 characters"));
+                    return Err(ApiError::invalid(
+                        "response_format.json_schema.name must be 1 to 64 characters",
+                    ));
                 }
                 let mut schema = json_schema.schema.clone().unwrap_or_else(|| json!({}));
                 if !(schema.is_object() || schema.is_boolean()) {
-                    return Err(ApiError::invalid("response_format.json_schema.schema must be a JSON Schema object"));
+                    return Err(ApiError::invalid(
+                        "response_format.json_schema.schema must be a JSON Schema object",
+                    ));
                 }
                 if json_schema.strict == Some(true) {
                     llmq_text::schema::close_objects(&mut schema);
                 }
-                Some(Constraint::JsonSchema { schema: schema.to_string() })
+                Some(Constraint::JsonSchema {
+                    schema: schema.to_string(),
+                })
             }
         })
     }
@@ -149,7 +155,9 @@ fn neutral(field: &str, v: &Value) -> bool {
         "store" => v.as_bool() == Some(false),
         "best_of" => v.as_i64() == Some(1),
         "suffix" => v.as_str() == Some(""),
-        "modalities" => v.as_array().is_some_and(|a| a.iter().all(|m| m.as_str() == Some("text"))),
+        "modalities" => v
+            .as_array()
+            .is_some_and(|a| a.iter().all(|m| m.as_str() == Some("text"))),
         "service_tier" => v.as_str() == Some("auto") || v.as_str() == Some("default"),
         _ => false,
     }
@@ -159,7 +167,11 @@ fn neutral(field: &str, v: &Value) -> bool {
 /// answers an argument it does not know with a 400, and a field that changes what is generated
 /// must never be dropped unnoticed.
 pub fn unsupported(rest: &serde_json::Map<String, Value>) -> Result<(), ApiError> {
-    let mut bad: Vec<&str> = rest.iter().filter(|(k, v)| !v.is_null() && !neutral(k, v)).map(|(k, _)| k.as_str()).collect();
+    let mut bad: Vec<&str> = rest
+        .iter()
+        .filter(|(k, v)| !v.is_null() && !neutral(k, v))
+        .map(|(k, _)| k.as_str())
+        .collect();
     bad.sort_unstable();
     match bad.as_slice() {
         [] => Ok(()),
@@ -222,7 +234,11 @@ pub struct ApiError {
 
 impl ApiError {
     pub fn invalid(message: impl Into<String>) -> Self {
-        ApiError { status: StatusCode::BAD_REQUEST, message: message.into(), code: "invalid_request" }
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            code: "invalid_request",
+        }
     }
 
     pub fn from_wire(e: &WireError) -> Self {
@@ -234,11 +250,17 @@ impl ApiError {
             ErrorClass::QueueFull => (StatusCode::TOO_MANY_REQUESTS, "queue_full"),
             ErrorClass::NoWorker => (StatusCode::SERVICE_UNAVAILABLE, "no_worker"),
             ErrorClass::WorkerLost => (StatusCode::SERVICE_UNAVAILABLE, "worker_lost"),
-            ErrorClass::ConstraintFailed => (StatusCode::INTERNAL_SERVER_ERROR, "constraint_failed"),
+            ErrorClass::ConstraintFailed => {
+                (StatusCode::INTERNAL_SERVER_ERROR, "constraint_failed")
+            }
             ErrorClass::Cancelled => (StatusCode::INTERNAL_SERVER_ERROR, "cancelled"),
             ErrorClass::Internal => (StatusCode::INTERNAL_SERVER_ERROR, "internal_error"),
         };
-        ApiError { status, message: e.message.clone(), code }
+        ApiError {
+            status,
+            message: e.message.clone(),
+            code,
+        }
     }
 
     pub fn unauthorized() -> Self {
@@ -250,11 +272,19 @@ impl ApiError {
     }
 
     pub fn unavailable(message: impl Into<String>) -> Self {
-        ApiError { status: StatusCode::SERVICE_UNAVAILABLE, message: message.into(), code: "unavailable" }
+        ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: message.into(),
+            code: "unavailable",
+        }
     }
 
     pub fn internal(message: impl Into<String>) -> Self {
-        ApiError { status: StatusCode::INTERNAL_SERVER_ERROR, message: message.into(), code: "internal_error" }
+        ApiError {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            message: message.into(),
+            code: "internal_error",
+        }
     }
 
     /// OpenAI's error object.
@@ -334,7 +364,12 @@ fn common_request(c: &Common) -> Result<GenerateRequest, ApiError> {
     let n = match c.n {
         None | Some(1) => None,
         Some(n) if (2..=llmq_protocol::MAX_CHOICES as i64).contains(&n) => Some(n),
-        Some(n) => return Err(ApiError::invalid(format!("n must be between 1 and {}, got {n}", llmq_protocol::MAX_CHOICES))),
+        Some(n) => {
+            return Err(ApiError::invalid(format!(
+                "n must be between 1 and {}, got {n}",
+                llmq_protocol::MAX_CHOICES
+            )))
+        }
     };
     let seed = match c.seed {
         Some(s) if s < 0 => return Err(ApiError::invalid(format!("seed must be >= 0, got {s}"))),
@@ -350,7 +385,12 @@ fn common_request(c: &Common) -> Result<GenerateRequest, ApiError> {
         None => None,
     };
     // An intake that does not know these fields must refuse the request, not ignore them.
-    let requires = constraint.iter().map(|_| "constraint").chain(n.map(|_| "n")).map(String::from).collect();
+    let requires = constraint
+        .iter()
+        .map(|_| "constraint")
+        .chain(n.map(|_| "n"))
+        .map(String::from)
+        .collect();
     Ok(GenerateRequest {
         model: c.model.clone(),
         constraint,
@@ -385,7 +425,9 @@ fn shape(kind: Kind, c: &Common, logprobs: Option<u32>) -> Shape {
 fn top_count(n: Option<i64>) -> Result<u32, ApiError> {
     match n.unwrap_or(0) {
         n @ 0..=20 => Ok(n as u32),
-        n => Err(ApiError::invalid(format!("top_logprobs must be between 0 and 20, got {n}"))),
+        n => Err(ApiError::invalid(format!(
+            "top_logprobs must be between 0 and 20, got {n}"
+        ))),
     }
 }
 
@@ -402,7 +444,11 @@ pub fn chat_request(r: ChatRequest) -> Result<(GenerateRequest, Shape), ApiError
                 for p in parts {
                     match (p.kind.as_str(), p.text) {
                         ("text", Some(t)) => text.push_str(&t),
-                        (kind, _) => return Err(ApiError::invalid(format!("content parts of type {kind:?} are not supported"))),
+                        (kind, _) => {
+                            return Err(ApiError::invalid(format!(
+                                "content parts of type {kind:?} are not supported"
+                            )))
+                        }
                     }
                 }
                 text
@@ -410,8 +456,18 @@ pub fn chat_request(r: ChatRequest) -> Result<(GenerateRequest, Shape), ApiError
         };
         let tool_calls = tool_request::message_calls(m.tool_calls)?;
         // OpenAI's newer name for the system turn; chat templates know only "system".
-        let role = if m.role == "developer" { "system".to_string() } else { m.role };
-        messages.push(ChatMessage { role, content, tool_calls, tool_call_id: m.tool_call_id, name: m.name });
+        let role = if m.role == "developer" {
+            "system".to_string()
+        } else {
+            m.role
+        };
+        messages.push(ChatMessage {
+            role,
+            content,
+            tool_calls,
+            tool_call_id: m.tool_call_id,
+            name: m.name,
+        });
     }
     g.messages = Some(messages);
     tool_request::apply(&mut g, r.tools, r.tool_choice, r.parallel_tool_calls)?;
@@ -436,7 +492,11 @@ pub fn completion_request(r: CompletionRequest) -> Result<(GenerateRequest, Shap
         Prompt::Texts(mut v) if v.len() == 1 => g.prompt = v.pop(),
         Prompt::Ids(ids) => g.prompt_ids = Some(ids),
         Prompt::IdLists(mut v) if v.len() == 1 => g.prompt_ids = v.pop(),
-        _ => return Err(ApiError::invalid("prompt must be one string or one list of token ids (batches are not supported)")),
+        _ => {
+            return Err(ApiError::invalid(
+                "prompt must be one string or one list of token ids (batches are not supported)",
+            ))
+        }
     }
     let top = match r.logprobs {
         None => None,

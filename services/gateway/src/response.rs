@@ -10,7 +10,16 @@ use crate::tool_calls::{Call, ToolCallParser};
 
 /// One chunk of a stream in the endpoint's format, for choice `index`.
 #[allow(clippy::too_many_arguments)]
-pub fn chunk(shape: &Shape, id: &str, created: u64, index: u32, text: Option<&str>, role: bool, lps: &[TokenLogprob], finish: Option<&str>) -> Value {
+pub fn chunk(
+    shape: &Shape,
+    id: &str,
+    created: u64,
+    index: u32,
+    text: Option<&str>,
+    role: bool,
+    lps: &[TokenLogprob],
+    finish: Option<&str>,
+) -> Value {
     let logprobs = match shape.logprobs {
         Some(_) if !lps.is_empty() => logprobs(shape.kind, lps),
         _ => Value::Null,
@@ -64,7 +73,13 @@ pub fn finish_reason(reason: FinishReason, called: bool) -> &'static str {
 
 /// One tool-call parser per choice, for a chat request with tools.
 pub fn parsers(shape: &Shape, syntax: Option<ToolSyntax>) -> Vec<Option<ToolCallParser>> {
-    (0..shape.n).map(|_| syntax.filter(|_| shape.kind == Kind::Chat).map(ToolCallParser::new)).collect()
+    (0..shape.n)
+        .map(|_| {
+            syntax
+                .filter(|_| shape.kind == Kind::Chat)
+                .map(ToolCallParser::new)
+        })
+        .collect()
 }
 
 pub fn sse(v: &Value) -> Bytes {
@@ -93,13 +108,22 @@ pub struct SseWriter<'a> {
 
 impl<'a> SseWriter<'a> {
     pub fn new(shape: &'a Shape, id: String, created: u64, syntax: Option<ToolSyntax>) -> Self {
-        SseWriter { shape, id, created, open: shape.n, total: Usage::default(), parsers: parsers(shape, syntax) }
+        SseWriter {
+            shape,
+            id,
+            created,
+            open: shape.n,
+            total: Usage::default(),
+            parsers: parsers(shape, syntax),
+        }
     }
 
     /// What a stream starts with: a chat's choices each open with the assistant's role.
     pub fn opening(&self) -> Vec<Bytes> {
         match self.shape.kind {
-            Kind::Chat => (0..self.shape.n).map(|i| self.chunk(i, Some(""), true, &[], None)).collect(),
+            Kind::Chat => (0..self.shape.n)
+                .map(|i| self.chunk(i, Some(""), true, &[], None))
+                .collect(),
             Kind::Completion => vec![],
         }
     }
@@ -110,7 +134,9 @@ impl<'a> SseWriter<'a> {
         let mut end = None;
         match event {
             Event::Queued { position } => out.push(Bytes::from(format!(": queued {position}\n\n"))),
-            Event::PrefillProgress { done, total } => out.push(Bytes::from(format!(": prefill {done}/{total}\n\n"))),
+            Event::PrefillProgress { done, total } => {
+                out.push(Bytes::from(format!(": prefill {done}/{total}\n\n")))
+            }
             Event::Tokens { text, logprobs, .. } => {
                 let (text, calls) = match self.parser(choice) {
                     Some(p) => {
@@ -124,7 +150,11 @@ impl<'a> SseWriter<'a> {
                 }
                 out.extend(calls.iter().map(|c| self.call(choice, c)));
             }
-            Event::Done { finish_reason: reason, usage, .. } => {
+            Event::Done {
+                finish_reason: reason,
+                usage,
+                ..
+            } => {
                 if self.choice_done(choice, reason, usage, &mut out) {
                     end = Some("ok");
                 }
@@ -143,7 +173,13 @@ impl<'a> SseWriter<'a> {
 
     /// A choice's last chunks (what its parser held back, its finish reason); whether it was
     /// the last choice running (the usage chunk then follows where asked for).
-    fn choice_done(&mut self, choice: u32, reason: FinishReason, usage: Usage, out: &mut Vec<Bytes>) -> bool {
+    fn choice_done(
+        &mut self,
+        choice: u32,
+        reason: FinishReason,
+        usage: Usage,
+        out: &mut Vec<Bytes>,
+    ) -> bool {
         let mut called = false;
         if let Some(p) = self.parser(choice) {
             let rest = p.finish(reason == FinishReason::Length);
@@ -154,8 +190,18 @@ impl<'a> SseWriter<'a> {
             out.extend(rest.calls.iter().map(|c| self.call(choice, c)));
         }
         let text = (self.shape.kind == Kind::Completion).then_some("");
-        out.push(self.chunk(choice, text, false, &[], Some(finish_reason(reason, called))));
-        self.total = Usage { prompt: usage.prompt, completion: self.total.completion + usage.completion, cached: self.total.cached.max(usage.cached) };
+        out.push(self.chunk(
+            choice,
+            text,
+            false,
+            &[],
+            Some(finish_reason(reason, called)),
+        ));
+        self.total = Usage {
+            prompt: usage.prompt,
+            completion: self.total.completion + usage.completion,
+            cached: self.total.cached.max(usage.cached),
+        };
         self.open = self.open.saturating_sub(1);
         if self.open > 0 {
             return false;
@@ -171,15 +217,39 @@ impl<'a> SseWriter<'a> {
     }
 
     fn parser(&mut self, choice: u32) -> Option<&mut ToolCallParser> {
-        self.parsers.get_mut(choice as usize).and_then(Option::as_mut)
+        self.parsers
+            .get_mut(choice as usize)
+            .and_then(Option::as_mut)
     }
 
-    fn chunk(&self, choice: u32, text: Option<&str>, role: bool, lps: &[TokenLogprob], finish: Option<&str>) -> Bytes {
-        sse(&chunk(self.shape, &self.id, self.created, choice, text, role, lps, finish))
+    fn chunk(
+        &self,
+        choice: u32,
+        text: Option<&str>,
+        role: bool,
+        lps: &[TokenLogprob],
+        finish: Option<&str>,
+    ) -> Bytes {
+        sse(&chunk(
+            self.shape,
+            &self.id,
+            self.created,
+            choice,
+            text,
+            role,
+            lps,
+            finish,
+        ))
     }
 
     fn call(&self, choice: u32, c: &Call) -> Bytes {
-        sse(&tool_call_chunk(self.shape, &self.id, self.created, choice, c))
+        sse(&tool_call_chunk(
+            self.shape,
+            &self.id,
+            self.created,
+            choice,
+            c,
+        ))
     }
 }
 

@@ -59,7 +59,12 @@ const PYTHON_TAG: &str = "<|python_tag|>";
 
 /// Length of the longest end of `text` that begins `marker` (text to hold back).
 fn partial_marker(text: &str, marker: &str) -> usize {
-    (1..marker.len().min(text.len() + 1)).rev().find(|&n| text.is_char_boundary(text.len() - n) && marker.starts_with(&text[text.len() - n..])).unwrap_or(0)
+    (1..marker.len().min(text.len() + 1))
+        .rev()
+        .find(|&n| {
+            text.is_char_boundary(text.len() - n) && marker.starts_with(&text[text.len() - n..])
+        })
+        .unwrap_or(0)
 }
 
 /// The first JSON value at the start of `text` (after whitespace) and the bytes it spans;
@@ -76,8 +81,20 @@ fn json_prefix(text: &str) -> Result<Option<(Value, usize)>, ()> {
 
 impl ToolCallParser {
     pub fn new(syntax: ToolSyntax) -> Self {
-        let state = if syntax == ToolSyntax::Llama3Json { State::Start } else { State::Content };
-        ToolCallParser { syntax, state, pending: String::new(), calls: 0, after_call: false, cut: false, ids: Default::default() }
+        let state = if syntax == ToolSyntax::Llama3Json {
+            State::Start
+        } else {
+            State::Content
+        };
+        ToolCallParser {
+            syntax,
+            state,
+            pending: String::new(),
+            calls: 0,
+            after_call: false,
+            cut: false,
+            ids: Default::default(),
+        }
     }
 
     /// Whether any call has been parsed.
@@ -131,12 +148,21 @@ impl ToolCallParser {
     /// A call from its JSON (`{"name": .., "arguments"|"parameters": {..}}`), if it is one.
     fn call(&mut self, v: &Value) -> Option<Call> {
         let name = v.get("name")?.as_str()?.to_string();
-        let args = v.get("arguments").or_else(|| v.get("parameters")).cloned().unwrap_or(Value::Object(Default::default()));
+        let args = v
+            .get("arguments")
+            .or_else(|| v.get("parameters"))
+            .cloned()
+            .unwrap_or(Value::Object(Default::default()));
         let arguments = match args {
             Value::String(s) => s,
             other => other.to_string(),
         };
-        let call = Call { index: self.calls, id: self.id(), name, arguments };
+        let call = Call {
+            index: self.calls,
+            id: self.id(),
+            name,
+            arguments,
+        };
         self.calls += 1;
         self.after_call = true;
         Some(call)
@@ -144,7 +170,11 @@ impl ToolCallParser {
 
     /// Adds content; whitespace next to calls is not content.
     fn content(&mut self, out: &mut Parsed, text: &str) {
-        let text = if self.after_call { text.trim_start() } else { text };
+        let text = if self.after_call {
+            text.trim_start()
+        } else {
+            text
+        };
         self.after_call &= text.is_empty();
         out.content.push_str(text);
     }
@@ -154,7 +184,9 @@ impl ToolCallParser {
             let progressed = match (self.syntax, self.state) {
                 (_, State::Start) => self.start(ended),
                 (ToolSyntax::Hermes, State::Content) => self.until_marker(out, HERMES_OPEN, ended),
-                (ToolSyntax::Mistral, State::Content) => self.until_marker(out, MISTRAL_OPEN, ended),
+                (ToolSyntax::Mistral, State::Content) => {
+                    self.until_marker(out, MISTRAL_OPEN, ended)
+                }
                 (ToolSyntax::Llama3Json, State::Content) => {
                     let all = std::mem::take(&mut self.pending);
                     self.content(out, &all);
@@ -172,7 +204,10 @@ impl ToolCallParser {
     /// Llama 3: a call is the whole answer, after an optional `<|python_tag|>`.
     fn start(&mut self, ended: bool) -> bool {
         let trimmed = self.pending.trim_start();
-        let trimmed = trimmed.strip_prefix(PYTHON_TAG).unwrap_or(trimmed).trim_start();
+        let trimmed = trimmed
+            .strip_prefix(PYTHON_TAG)
+            .unwrap_or(trimmed)
+            .trim_start();
         if ended && self.cut && PYTHON_TAG.starts_with(trimmed) {
             self.pending.clear();
             self.state = State::Content;
@@ -203,7 +238,11 @@ impl ToolCallParser {
             self.state = State::Call;
             return true;
         }
-        let keep = if ended && !self.cut { 0 } else { partial_marker(&self.pending, marker) };
+        let keep = if ended && !self.cut {
+            0
+        } else {
+            partial_marker(&self.pending, marker)
+        };
         let release: String = self.pending.drain(..self.pending.len() - keep).collect();
         self.content(out, &release);
         if ended {
@@ -221,20 +260,29 @@ impl ToolCallParser {
         };
         let body = self.pending[..end].to_string();
         let closed = end < self.pending.len();
-        let parsed = serde_json::from_str::<Value>(body.trim()).ok().and_then(|v| self.call(&v));
+        let parsed = serde_json::from_str::<Value>(body.trim())
+            .ok()
+            .and_then(|v| self.call(&v));
         match parsed {
             Some(c) => out.calls.push(c),
             None if closed => self.content(out, &format!("{HERMES_OPEN}{body}{HERMES_CLOSE}")),
             None => self.unfinished(out, &format!("{HERMES_OPEN}{body}")),
         }
-        self.pending.drain(..(end + HERMES_CLOSE.len()).min(self.pending.len()));
+        self.pending
+            .drain(..(end + HERMES_CLOSE.len()).min(self.pending.len()));
         self.state = State::Content;
         true
     }
 
     /// Mistral's list of calls, or Llama 3's call objects (separated by `;`).
     fn json_calls(&mut self, out: &mut Parsed, ended: bool) -> bool {
-        let restore = |p: &Self| if p.syntax == ToolSyntax::Mistral { MISTRAL_OPEN } else { "" };
+        let restore = |p: &Self| {
+            if p.syntax == ToolSyntax::Mistral {
+                MISTRAL_OPEN
+            } else {
+                ""
+            }
+        };
         match json_prefix(&self.pending) {
             Ok(Some((v, used))) => {
                 let items = match &v {
@@ -251,7 +299,11 @@ impl ToolCallParser {
                 }
                 self.pending.drain(..used);
                 let rest = self.pending.trim_start();
-                let rest = rest.strip_prefix(';').unwrap_or(rest).trim_start().to_string();
+                let rest = rest
+                    .strip_prefix(';')
+                    .unwrap_or(rest)
+                    .trim_start()
+                    .to_string();
                 self.pending = rest;
                 // Llama 3: another call may follow; Mistral: text after the list is content.
                 if self.syntax == ToolSyntax::Mistral || !self.pending.starts_with('{') {
@@ -302,7 +354,10 @@ mod tests {
     }
 
     fn names_args(p: &Parsed) -> Vec<(String, Value)> {
-        p.calls.iter().map(|c| (c.name.clone(), serde_json::from_str(&c.arguments).unwrap())).collect()
+        p.calls
+            .iter()
+            .map(|c| (c.name.clone(), serde_json::from_str(&c.arguments).unwrap()))
+            .collect()
     }
 
     #[test]
@@ -311,9 +366,21 @@ mod tests {
         for step in [1, 2, 3, 7, 1000] {
             let p = parse(ToolSyntax::Hermes, text, step);
             assert_eq!(p.content, "Let me look.\n", "step {step}");
-            assert_eq!(names_args(&p), vec![("weather".into(), serde_json::json!({"city": "Paris"})), ("time".into(), serde_json::json!({}))]);
-            assert_eq!(p.calls.iter().map(|c| c.index).collect::<Vec<_>>(), vec![0, 1]);
-            assert!(p.calls.iter().all(|c| c.id.len() == 9 && c.id.chars().all(|ch| ch.is_ascii_alphanumeric())));
+            assert_eq!(
+                names_args(&p),
+                vec![
+                    ("weather".into(), serde_json::json!({"city": "Paris"})),
+                    ("time".into(), serde_json::json!({}))
+                ]
+            );
+            assert_eq!(
+                p.calls.iter().map(|c| c.index).collect::<Vec<_>>(),
+                vec![0, 1]
+            );
+            assert!(p
+                .calls
+                .iter()
+                .all(|c| c.id.len() == 9 && c.id.chars().all(|ch| ch.is_ascii_alphanumeric())));
             assert_ne!(p.calls[0].id, p.calls[1].id);
         }
     }
@@ -322,15 +389,39 @@ mod tests {
     fn text_that_only_looks_like_a_marker_stays_content() {
         for step in [1, 4, 100] {
             let p = parse(ToolSyntax::Hermes, "a <tool is < than b <tool_cal", step);
-            assert_eq!((p.content.as_str(), p.calls.len()), ("a <tool is < than b <tool_cal", 0));
-            let p = parse(ToolSyntax::Hermes, "x<tool_call>{not json}</tool_call>y", step);
-            assert_eq!((p.content.as_str(), p.calls.len()), ("x<tool_call>{not json}</tool_call>y", 0));
+            assert_eq!(
+                (p.content.as_str(), p.calls.len()),
+                ("a <tool is < than b <tool_cal", 0)
+            );
+            let p = parse(
+                ToolSyntax::Hermes,
+                "x<tool_call>{not json}</tool_call>y",
+                step,
+            );
+            assert_eq!(
+                (p.content.as_str(), p.calls.len()),
+                ("x<tool_call>{not json}</tool_call>y", 0)
+            );
         }
         // A block the output's end cut short is content, unless its JSON is whole.
-        let p = parse(ToolSyntax::Hermes, "<tool_call>\n{\"name\": \"f\", \"argu", 3);
-        assert_eq!((p.content.as_str(), p.calls.len()), ("<tool_call>\n{\"name\": \"f\", \"argu", 0));
-        let p = parse(ToolSyntax::Hermes, "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1}}\n", 3);
-        assert_eq!(names_args(&p), vec![("f".into(), serde_json::json!({"a": 1}))]);
+        let p = parse(
+            ToolSyntax::Hermes,
+            "<tool_call>\n{\"name\": \"f\", \"argu",
+            3,
+        );
+        assert_eq!(
+            (p.content.as_str(), p.calls.len()),
+            ("<tool_call>\n{\"name\": \"f\", \"argu", 0)
+        );
+        let p = parse(
+            ToolSyntax::Hermes,
+            "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1}}\n",
+            3,
+        );
+        assert_eq!(
+            names_args(&p),
+            vec![("f".into(), serde_json::json!({"a": 1}))]
+        );
     }
 
     /// Feeds `text` whole, then finishes it as cut by `max_tokens`.
@@ -348,21 +439,39 @@ mod tests {
     #[test]
     fn a_cut_call_never_becomes_content() {
         let whole = "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1}}\n</tool_call>\n";
-        let p = parse_cut(ToolSyntax::Hermes, &format!("Hi {whole}<tool_call>\n{{\"name\": \"f\", \"arguments\": {{\"a\""));
-        assert_eq!((p.content.as_str(), names_args(&p)), ("Hi ", vec![("f".into(), serde_json::json!({"a": 1}))]));
+        let p = parse_cut(
+            ToolSyntax::Hermes,
+            &format!("Hi {whole}<tool_call>\n{{\"name\": \"f\", \"arguments\": {{\"a\""),
+        );
+        assert_eq!(
+            (p.content.as_str(), names_args(&p)),
+            ("Hi ", vec![("f".into(), serde_json::json!({"a": 1}))])
+        );
         let p = parse_cut(ToolSyntax::Hermes, &format!("{whole}<tool_c"));
         assert_eq!((p.content.as_str(), p.calls.len()), ("", 1));
-        let p = parse_cut(ToolSyntax::Hermes, "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n");
+        let p = parse_cut(
+            ToolSyntax::Hermes,
+            "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n",
+        );
         assert_eq!((p.content.as_str(), p.calls.len()), ("", 1));
-        let p = parse_cut(ToolSyntax::Mistral, "[TOOL_CALLS][{\"name\": \"a\", \"arguments\": {\"x\"");
+        let p = parse_cut(
+            ToolSyntax::Mistral,
+            "[TOOL_CALLS][{\"name\": \"a\", \"arguments\": {\"x\"",
+        );
         assert_eq!((p.content.as_str(), p.calls.len()), ("", 0));
-        let p = parse_cut(ToolSyntax::Llama3Json, "<|python_tag|>{\"name\": \"a\", \"param");
+        let p = parse_cut(
+            ToolSyntax::Llama3Json,
+            "<|python_tag|>{\"name\": \"a\", \"param",
+        );
         assert_eq!((p.content.as_str(), p.calls.len()), ("", 0));
         let p = parse_cut(ToolSyntax::Llama3Json, "<|python_t");
         assert_eq!((p.content.as_str(), p.calls.len()), ("", 0));
         // Plain text cut short is still the answer's text.
         let p = parse_cut(ToolSyntax::Hermes, "The weather in Par");
-        assert_eq!((p.content.as_str(), p.calls.len()), ("The weather in Par", 0));
+        assert_eq!(
+            (p.content.as_str(), p.calls.len()),
+            ("The weather in Par", 0)
+        );
     }
 
     #[test]
@@ -371,19 +480,39 @@ mod tests {
         for step in [1, 5, 1000] {
             let p = parse(ToolSyntax::Mistral, text, step);
             assert_eq!(p.content, "");
-            assert_eq!(names_args(&p), vec![("a".into(), serde_json::json!({"x": [1, 2]})), ("b".into(), serde_json::json!({"y": "]"}))]);
+            assert_eq!(
+                names_args(&p),
+                vec![
+                    ("a".into(), serde_json::json!({"x": [1, 2]})),
+                    ("b".into(), serde_json::json!({"y": "]"}))
+                ]
+            );
         }
-        for text in ["{\"name\": \"a\", \"parameters\": {\"q\": \"{\"}}", "<|python_tag|>{\"name\": \"a\", \"parameters\": {\"q\": \"{\"}}", "  {\"name\": \"a\", \"parameters\": {\"q\": \"{\"}}"] {
+        for text in [
+            "{\"name\": \"a\", \"parameters\": {\"q\": \"{\"}}",
+            "<|python_tag|>{\"name\": \"a\", \"parameters\": {\"q\": \"{\"}}",
+            "  {\"name\": \"a\", \"parameters\": {\"q\": \"{\"}}",
+        ] {
             for step in [1, 6, 1000] {
                 let p = parse(ToolSyntax::Llama3Json, text, step);
-                assert_eq!((p.content.as_str(), names_args(&p)), ("", vec![("a".into(), serde_json::json!({"q": "{"}))]), "{text:?} by {step}");
+                assert_eq!(
+                    (p.content.as_str(), names_args(&p)),
+                    ("", vec![("a".into(), serde_json::json!({"q": "{"}))]),
+                    "{text:?} by {step}"
+                );
             }
         }
         for step in [1, 1000] {
             let p = parse(ToolSyntax::Llama3Json, "The answer is {42}.", step);
-            assert_eq!((p.content.as_str(), p.calls.len()), ("The answer is {42}.", 0));
+            assert_eq!(
+                (p.content.as_str(), p.calls.len()),
+                ("The answer is {42}.", 0)
+            );
             let p = parse(ToolSyntax::Llama3Json, "{\"not\": \"a call\"}", step);
-            assert_eq!((p.content.as_str(), p.calls.len()), ("{\"not\": \"a call\"}", 0));
+            assert_eq!(
+                (p.content.as_str(), p.calls.len()),
+                ("{\"not\": \"a call\"}", 0)
+            );
         }
     }
 }

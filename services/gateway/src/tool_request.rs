@@ -65,18 +65,32 @@ pub fn message_calls(calls: Vec<InToolCall>) -> Result<Vec<ToolCall>, ApiError> 
     calls
         .into_iter()
         .map(|c| match c.kind.as_str() {
-            "function" => Ok(ToolCall { id: c.id, name: c.function.name, arguments: c.function.arguments }),
-            other => Err(ApiError::invalid(format!("tool calls of type {other:?} are not supported"))),
+            "function" => Ok(ToolCall {
+                id: c.id,
+                name: c.function.name,
+                arguments: c.function.arguments,
+            }),
+            other => Err(ApiError::invalid(format!(
+                "tool calls of type {other:?} are not supported"
+            ))),
         })
         .collect()
 }
 
 /// The request's tools, `tool_choice` and `parallel_tool_calls` in the protocol, which the
 /// request then requires (an intake that does not know them refuses it).
-pub fn apply(g: &mut GenerateRequest, tools: Vec<InTool>, choice: Option<InToolChoice>, parallel: Option<bool>) -> Result<(), ApiError> {
+pub fn apply(
+    g: &mut GenerateRequest,
+    tools: Vec<InTool>,
+    choice: Option<InToolChoice>,
+    parallel: Option<bool>,
+) -> Result<(), ApiError> {
     for t in tools {
         if t.kind != "function" {
-            return Err(ApiError::invalid(format!("tools of type {:?} are not supported (only \"function\")", t.kind)));
+            return Err(ApiError::invalid(format!(
+                "tools of type {:?} are not supported (only \"function\")",
+                t.kind
+            )));
         }
         let parameters = match t.function.parameters {
             None => None,
@@ -86,9 +100,18 @@ pub fn apply(g: &mut GenerateRequest, tools: Vec<InTool>, choice: Option<InToolC
                 }
                 Some(p.to_string())
             }
-            Some(_) => return Err(ApiError::invalid(format!("tool {:?}: parameters must be a JSON Schema object", t.function.name))),
+            Some(_) => {
+                return Err(ApiError::invalid(format!(
+                    "tool {:?}: parameters must be a JSON Schema object",
+                    t.function.name
+                )))
+            }
         };
-        g.tools.push(Tool { name: t.function.name, description: t.function.description, parameters });
+        g.tools.push(Tool {
+            name: t.function.name,
+            description: t.function.description,
+            parameters,
+        });
     }
     g.tool_choice = match choice {
         None => None,
@@ -96,9 +119,15 @@ pub fn apply(g: &mut GenerateRequest, tools: Vec<InTool>, choice: Option<InToolC
             "none" => ToolChoice::None,
             "auto" => ToolChoice::Auto,
             "required" => ToolChoice::Required,
-            other => return Err(ApiError::invalid(format!("tool_choice {other:?} is not one of none, auto, required or a function"))),
+            other => {
+                return Err(ApiError::invalid(format!(
+                    "tool_choice {other:?} is not one of none, auto, required or a function"
+                )))
+            }
         }),
-        Some(InToolChoice::Named { function }) => Some(ToolChoice::Function { name: function.name }),
+        Some(InToolChoice::Named { function }) => Some(ToolChoice::Function {
+            name: function.name,
+        }),
     };
     g.parallel_tool_calls = parallel;
     if g.tools.is_empty() {
@@ -108,8 +137,17 @@ pub fn apply(g: &mut GenerateRequest, tools: Vec<InTool>, choice: Option<InToolC
         }
         g.parallel_tool_calls = None;
     }
-    let named = [(!g.tools.is_empty(), "tools"), (g.tool_choice.is_some(), "tool_choice"), (g.parallel_tool_calls.is_some(), "parallel_tool_calls")];
-    g.requires.extend(named.iter().filter(|(set, _)| *set).map(|(_, f)| f.to_string()));
+    let named = [
+        (!g.tools.is_empty(), "tools"),
+        (g.tool_choice.is_some(), "tool_choice"),
+        (g.parallel_tool_calls.is_some(), "parallel_tool_calls"),
+    ];
+    g.requires.extend(
+        named
+            .iter()
+            .filter(|(set, _)| *set)
+            .map(|(_, f)| f.to_string()),
+    );
     Ok(())
 }
 
@@ -141,25 +179,71 @@ mod tests {
         .unwrap();
         // `strict` closes the parameters' objects.
         let closed = "{\"type\":\"object\",\"additionalProperties\":false}";
-        assert_eq!(g.tools, vec![Tool { name: "weather".into(), description: Some("d".into()), parameters: Some(closed.into()) }]);
-        assert_eq!(g.tool_choice, Some(ToolChoice::Function { name: "weather".into() }));
+        assert_eq!(
+            g.tools,
+            vec![Tool {
+                name: "weather".into(),
+                description: Some("d".into()),
+                parameters: Some(closed.into())
+            }]
+        );
+        assert_eq!(
+            g.tool_choice,
+            Some(ToolChoice::Function {
+                name: "weather".into()
+            })
+        );
         assert_eq!(g.parallel_tool_calls, Some(false));
-        assert_eq!(g.requires, vec!["tools", "tool_choice", "parallel_tool_calls"]);
+        assert_eq!(
+            g.requires,
+            vec!["tools", "tool_choice", "parallel_tool_calls"]
+        );
         let m = g.messages.unwrap();
-        assert_eq!(m[1].tool_calls, vec![ToolCall { id: "abc123def".into(), name: "weather".into(), arguments: "{\"city\": \"Paris\"}".into() }]);
-        assert_eq!((m[2].role.as_str(), m[2].tool_call_id.as_deref(), m[2].content.as_str()), ("tool", Some("abc123def"), "sunny"));
+        assert_eq!(
+            m[1].tool_calls,
+            vec![ToolCall {
+                id: "abc123def".into(),
+                name: "weather".into(),
+                arguments: "{\"city\": \"Paris\"}".into()
+            }]
+        );
+        assert_eq!(
+            (
+                m[2].role.as_str(),
+                m[2].tool_call_id.as_deref(),
+                m[2].content.as_str()
+            ),
+            ("tool", Some("abc123def"), "sunny")
+        );
         let with = |extra: Value| {
             let mut v = json!({"model": "m", "messages": [{"role": "user", "content": "x"}]});
-            v.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+            v.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
             chat(v).map(|(g, _)| g)
         };
         assert!(with(json!({"tool_choice": "sometimes"})).is_err());
-        assert!(with(json!({"tools": [{"type": "retrieval", "function": {"name": "f"}}]})).is_err());
-        assert!(with(json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]})).is_err());
+        assert!(
+            with(json!({"tools": [{"type": "retrieval", "function": {"name": "f"}}]})).is_err()
+        );
+        assert!(with(
+            json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]})
+        )
+        .is_err());
         // A client's defaults without tools change nothing and require nothing.
-        let g = with(json!({"tools": [], "tool_choice": "auto", "parallel_tool_calls": true})).unwrap();
-        assert!(g.tools.is_empty() && g.tool_choice.is_none() && g.parallel_tool_calls.is_none() && g.requires.is_empty(), "{g:?}");
+        let g =
+            with(json!({"tools": [], "tool_choice": "auto", "parallel_tool_calls": true})).unwrap();
+        assert!(
+            g.tools.is_empty()
+                && g.tool_choice.is_none()
+                && g.parallel_tool_calls.is_none()
+                && g.requires.is_empty(),
+            "{g:?}"
+        );
         // A required call needs tools: intake refuses it.
-        assert_eq!(with(json!({"tool_choice": "required"})).unwrap().requires, vec!["tool_choice"]);
+        assert_eq!(
+            with(json!({"tool_choice": "required"})).unwrap().requires,
+            vec!["tool_choice"]
+        );
     }
 }

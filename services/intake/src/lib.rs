@@ -24,7 +24,10 @@ use async_nats::jetstream;
 use futures::StreamExt;
 use llmq_config::Settings;
 use llmq_protocol::workers::WorkerTable;
-use llmq_protocol::{subjects, ErrorClass, GenerateReply, GenerateRequest, Job, JobQuery, JobState, ToolSyntax, WireError, WorkerStatus};
+use llmq_protocol::{
+    subjects, ErrorClass, GenerateReply, GenerateRequest, Job, JobQuery, JobState, ToolSyntax,
+    WireError, WorkerStatus,
+};
 
 pub use validate::{ModelInfo, Validator};
 
@@ -72,8 +75,8 @@ impl Handler<Pending> for IntakeActor {
 impl IntakeActor {
     /// Decodes, validates, and checks the model's live workers.
     fn admit(&self, payload: &[u8]) -> Result<(Job, Option<ToolSyntax>), WireError> {
-        let req: GenerateRequest =
-            llmq_protocol::decode(payload).map_err(|e| WireError::new(ErrorClass::InvalidRequest, e.to_string()))?;
+        let req: GenerateRequest = llmq_protocol::decode(payload)
+            .map_err(|e| WireError::new(ErrorClass::InvalidRequest, e.to_string()))?;
         let require_worker = req.require_worker;
         let (job, tool_syntax) = self.validator.validate(req)?;
         let (mut live, mut queued) = (0, self.untaken.get(&job.model).copied().unwrap_or(0));
@@ -81,13 +84,26 @@ impl IntakeActor {
             live += 1;
             queued += w.queued_requests as u64;
         }
-        if require_worker && live == 0 && !self.workers.model_heard_within(&job.model, self.no_worker_grace, std::time::Instant::now()) {
-            return Err(WireError::new(ErrorClass::NoWorker, format!("no live worker serves model {:?}", job.model)));
+        if require_worker
+            && live == 0
+            && !self.workers.model_heard_within(
+                &job.model,
+                self.no_worker_grace,
+                std::time::Instant::now(),
+            )
+        {
+            return Err(WireError::new(
+                ErrorClass::NoWorker,
+                format!("no live worker serves model {:?}", job.model),
+            ));
         }
         if queued >= self.max_queued_requests {
             return Err(WireError::new(
                 ErrorClass::QueueFull,
-                format!("{queued} requests are waiting for model {:?}: try again later", job.model),
+                format!(
+                    "{queued} requests are waiting for model {:?}: try again later",
+                    job.model
+                ),
             ));
         }
         Ok((job, tool_syntax))
@@ -123,7 +139,10 @@ async fn untaken_jobs(stream: &jetstream::stream::Stream, model: &str) -> Option
     if let Ok(info) = stream.consumer_info(subjects::jobs_consumer(model)).await {
         return Some(info.num_pending);
     }
-    let mut counts = stream.info_with_subjects(subjects::jobs(model)).await.ok()?;
+    let mut counts = stream
+        .info_with_subjects(subjects::jobs(model))
+        .await
+        .ok()?;
     let mut n = 0;
     while let Some(Ok((_, c))) = counts.next().await {
         n += c as u64;
@@ -188,7 +207,10 @@ impl Handler<Incoming> for IntakeActor {
                         let subject = subjects::jobs(&job.model);
                         let headers = llmq_telemetry::headers_for(&span);
                         let stored = match llmq_protocol::encode(&job) {
-                            Ok(bytes) => match js.publish_with_headers(subject, headers, bytes.into()).await {
+                            Ok(bytes) => match js
+                                .publish_with_headers(subject, headers, bytes.into())
+                                .await
+                            {
                                 Ok(ack) => ack.await.map(|a| a.sequence).map_err(|e| e.to_string()),
                                 Err(e) => Err(e.to_string()),
                             },
@@ -202,7 +224,10 @@ impl Handler<Incoming> for IntakeActor {
                                 job_seq: Some(seq),
                             },
                             Err(e) => GenerateReply::Rejected {
-                                error: WireError::new(ErrorClass::Internal, format!("storing the job: {e}")),
+                                error: WireError::new(
+                                    ErrorClass::Internal,
+                                    format!("storing the job: {e}"),
+                                ),
                             },
                         }
                     }
@@ -219,14 +244,30 @@ impl Handler<Incoming> for IntakeActor {
 /// Loads the configured models' tokenizers and serves `llm.v1.generate` until `stop` completes (the binary passes SIGTERM or SIGINT): then
 /// it leaves the queue group (other intakes take new requests), answers every request it had
 /// received (at most 10 s more), and returns. Must be called inside an actix System.
-pub async fn run(settings: Settings, stop: impl std::future::Future<Output = ()>) -> Result<(), IntakeError> {
+pub async fn run(
+    settings: Settings,
+    stop: impl std::future::Future<Output = ()>,
+) -> Result<(), IntakeError> {
     let mut models = HashMap::new();
     for name in &settings.intake.models {
-        let info = ModelInfo::load(name).map_err(|source| IntakeError::Model { model: name.clone(), source })?;
+        let info = ModelInfo::load(name).map_err(|source| IntakeError::Model {
+            model: name.clone(),
+            source,
+        })?;
         models.insert(name.clone(), info);
     }
-    let validator = Arc::new(Validator::new(models, settings.intake.default_max_tokens, settings.intake.schema_objects));
-    let client = llmq_protocol::connect(&settings.nats.url, settings.nats.ca_file.as_deref(), "llmq-intake").await.map_err(nats)?;
+    let validator = Arc::new(Validator::new(
+        models,
+        settings.intake.default_max_tokens,
+        settings.intake.schema_objects,
+    ));
+    let client = llmq_protocol::connect(
+        &settings.nats.url,
+        settings.nats.ca_file.as_deref(),
+        "llmq-intake",
+    )
+    .await
+    .map_err(nats)?;
     let js = jetstream::new(client.clone());
     let stream = subjects::jobs_stream(&js).await.map_err(nats)?;
     // Cancels are stored from the start, so a job cancelled while it waits with no worker up is
@@ -236,13 +277,21 @@ pub async fn run(settings: Settings, stop: impl std::future::Future<Output = ()>
         .queue_subscribe(subjects::GENERATE, subjects::INTAKE_QUEUE.into())
         .await
         .map_err(nats)?;
-    let mut beats = client.subscribe(subjects::WORKER_STATUS_ALL).await.map_err(nats)?;
-    let mut queries = client.queue_subscribe(subjects::JOB_STATE, subjects::INTAKE_QUEUE.into()).await.map_err(nats)?;
+    let mut beats = client
+        .subscribe(subjects::WORKER_STATUS_ALL)
+        .await
+        .map_err(nats)?;
+    let mut queries = client
+        .queue_subscribe(subjects::JOB_STATE, subjects::INTAKE_QUEUE.into())
+        .await
+        .map_err(nats)?;
     let addr = IntakeActor {
         validator,
         client: client.clone(),
         js,
-        workers: WorkerTable::new(std::time::Duration::from_millis(settings.intake.worker_timeout_ms)),
+        workers: WorkerTable::new(std::time::Duration::from_millis(
+            settings.intake.worker_timeout_ms,
+        )),
         max_queued_requests: settings.intake.max_queued_requests,
         no_worker_grace: std::time::Duration::from_millis(settings.intake.no_worker_grace_ms),
         untaken: HashMap::new(),
@@ -288,7 +337,9 @@ pub async fn run(settings: Settings, stop: impl std::future::Future<Output = ()>
     }
     // No more requests: those already received are answered before the process goes.
     let _ = sub.unsubscribe().await;
-    while let Ok(Some(msg)) = tokio::time::timeout(std::time::Duration::from_millis(100), sub.next()).await {
+    while let Ok(Some(msg)) =
+        tokio::time::timeout(std::time::Duration::from_millis(100), sub.next()).await
+    {
         addr.do_send(Incoming(msg));
     }
     let until = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
@@ -303,16 +354,26 @@ pub async fn run(settings: Settings, stop: impl std::future::Future<Output = ()>
 /// Answers a `JobQuery`: `Pending` while the job's message is in the jobs stream (a worker
 /// acknowledges it only once its terminal event is out), `Gone` once it is not. A stream that
 /// cannot be read gets no answer: the client cannot tell, and asks again.
-async fn answer_job_query(client: &async_nats::Client, stream: &jetstream::stream::Stream, m: async_nats::Message) {
-    let Some(reply_to) = m.reply.clone() else { return };
-    let Ok(q) = llmq_protocol::decode::<JobQuery>(&m.payload) else { return };
+async fn answer_job_query(
+    client: &async_nats::Client,
+    stream: &jetstream::stream::Stream,
+    m: async_nats::Message,
+) {
+    let Some(reply_to) = m.reply.clone() else {
+        return;
+    };
+    let Ok(q) = llmq_protocol::decode::<JobQuery>(&m.payload) else {
+        return;
+    };
     let state = match stream.get_raw_message(q.job_seq).await {
         // The sequence must still be this job's (a stream made anew counts from 1 again).
         Ok(raw) => match llmq_protocol::decode::<Job>(&raw.payload) {
             Ok(job) if job.request_id == q.request_id => JobState::Pending,
             _ => JobState::Gone,
         },
-        Err(e) if e.kind() == jetstream::stream::LastRawMessageErrorKind::NoMessageFound => JobState::Gone,
+        Err(e) if e.kind() == jetstream::stream::LastRawMessageErrorKind::NoMessageFound => {
+            JobState::Gone
+        }
         Err(e) => {
             tracing::debug!(error = %e, "job query: the jobs stream could not be read");
             return;

@@ -4,10 +4,13 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use llmq_config::SchemaObjects;
+use llmq_protocol::{
+    subjects, Constraint, ErrorClass, GenerateRequest, Job, Sampling, StopConditions, Tool,
+    ToolChoice, ToolSyntax, WireError,
+};
 use llmq_text::constraint::Grammars;
 use llmq_text::sampling;
 use llmq_text::{load_tokenizer, resolve_model, Tokenizer};
-use llmq_protocol::{subjects, Constraint, ErrorClass, GenerateRequest, Job, Sampling, StopConditions, Tool, ToolChoice, ToolSyntax, WireError};
 
 pub struct ModelInfo {
     /// None for random-weight benchmark models, which take `prompt_ids` only.
@@ -25,13 +28,26 @@ impl ModelInfo {
             let tokenizer = llmq_text::shapes::tokenizer(shape)?;
             let grammars = match &tokenizer {
                 Some(t) => Grammars::new(t, c.vocab_size, &t.eos_ids).map_err(|e| e.to_string()),
-                None => Err(format!("the random-weight shape {shape:?} has no tokenizer here")),
+                None => Err(format!(
+                    "the random-weight shape {shape:?} has no tokenizer here"
+                )),
             };
-            return Ok(ModelInfo { tokenizer, context_tokens: c.max_position_embeddings, vocab_size: Some(c.vocab_size), grammars });
+            return Ok(ModelInfo {
+                tokenizer,
+                context_tokens: c.max_position_embeddings,
+                vocab_size: Some(c.vocab_size),
+                grammars,
+            });
         }
         let (tokenizer, context_tokens) = load_tokenizer(&resolve_model(name)?)?;
-        let grammars = Grammars::new(&tokenizer, tokenizer.max_id_bound(), &tokenizer.eos_ids).map_err(|e| e.to_string());
-        Ok(ModelInfo { tokenizer: Some(tokenizer), context_tokens, vocab_size: None, grammars })
+        let grammars = Grammars::new(&tokenizer, tokenizer.max_id_bound(), &tokenizer.eos_ids)
+            .map_err(|e| e.to_string());
+        Ok(ModelInfo {
+            tokenizer: Some(tokenizer),
+            context_tokens,
+            vocab_size: None,
+            grammars,
+        })
     }
 }
 
@@ -64,10 +80,22 @@ fn f32_param(name: &str, v: Option<f64>, default: f32) -> Result<f32, WireError>
 }
 
 impl Validator {
-    pub fn new(models: HashMap<String, ModelInfo>, default_max_tokens: u32, schema_objects: SchemaObjects) -> Self {
-        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    pub fn new(
+        models: HashMap<String, ModelInfo>,
+        default_max_tokens: u32,
+        schema_objects: SchemaObjects,
+    ) -> Self {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
         let salt = (t.as_nanos() as u64) ^ ((std::process::id() as u64) << 40);
-        Validator { models, default_max_tokens, schema_objects, counter: AtomicU64::new(0), salt }
+        Validator {
+            models,
+            default_max_tokens,
+            schema_objects,
+            counter: AtomicU64::new(0),
+            salt,
+        }
     }
 
     /// The request with its schemas' objects closed where `intake.schema_objects` says so (a
@@ -98,7 +126,9 @@ impl Validator {
     /// A new request id: unique per intake process and start, 16 hex digits.
     fn request_id(&self) -> String {
         let n = self.counter.fetch_add(1, Ordering::Relaxed);
-        let mut z = self.salt.wrapping_add(n.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        let mut z = self
+            .salt
+            .wrapping_add(n.wrapping_mul(0x9e37_79b9_7f4a_7c15));
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
         format!("{:016x}", z ^ (z >> 31))
@@ -106,26 +136,43 @@ impl Validator {
 
     /// The job, and the syntax its output writes tool calls in when the request has tools.
     pub fn validate(&self, r: GenerateRequest) -> Result<(Job, Option<ToolSyntax>), WireError> {
-        if let Some(f) = r.requires.iter().find(|f| !llmq_protocol::REQUIRABLE.contains(&f.as_str())) {
+        if let Some(f) = r
+            .requires
+            .iter()
+            .find(|f| !llmq_protocol::REQUIRABLE.contains(&f.as_str()))
+        {
             return Err(invalid(format!("this intake does not implement the request field {f:?}, which the request requires")));
         }
         let model = self.models.get(&r.model).ok_or_else(|| {
             let mut known: Vec<&String> = self.models.keys().collect();
             known.sort();
-            WireError::new(ErrorClass::UnknownModel, format!("unknown model {:?} (served: {known:?})", r.model))
+            WireError::new(
+                ErrorClass::UnknownModel,
+                format!("unknown model {:?} (served: {known:?})", r.model),
+            )
         })?;
         let r = self.read_schemas(r);
         let max_tokens = match r.max_tokens {
             None => self.default_max_tokens as i64,
-            Some(n) if n <= 0 => return Err(invalid(format!("max_tokens must be at least 1, got {n}"))),
+            Some(n) if n <= 0 => {
+                return Err(invalid(format!("max_tokens must be at least 1, got {n}")))
+            }
             Some(n) => n,
         };
         let sampling = sampling_of(&r)?;
         llmq_text::tools::check(&r.tools, r.tool_choice.as_ref()).map_err(text_invalid)?;
-        let default_choice = if r.tools.is_empty() { ToolChoice::None } else { ToolChoice::Auto };
+        let default_choice = if r.tools.is_empty() {
+            ToolChoice::None
+        } else {
+            ToolChoice::Auto
+        };
         let tool_choice = r.tool_choice.clone().unwrap_or(default_choice);
         // With `none` the tools are not shown: the model cannot call them.
-        let tools = if tool_choice == ToolChoice::None { &[][..] } else { &r.tools[..] };
+        let tools = if tool_choice == ToolChoice::None {
+            &[][..]
+        } else {
+            &r.tools[..]
+        };
         let (prompt_ids, tool_syntax) = prompt_ids_of(model, &r, tools)?;
         let mut stop = StopConditions {
             max_tokens: max_tokens.min(u32::MAX as i64) as u32,
@@ -147,21 +194,31 @@ impl Validator {
         let request_id = self.request_id();
         let stream_subject = match r.stream_subject {
             Some(s) if subjects::is_valid_stream_subject(&s) => s,
-            Some(s) => return Err(invalid(format!("stream_subject {s:?} is not a plain NATS subject"))),
+            Some(s) => {
+                return Err(invalid(format!(
+                    "stream_subject {s:?} is not a plain NATS subject"
+                )))
+            }
             None => subjects::stream(&request_id),
         };
-        Ok((Job {
-            request_id,
-            model: r.model,
-            prompt_ids,
-            sampling,
-            stop,
-            stream_subject,
-            accepted_at_ms: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_millis() as u64,
-            cache_salt: r.cache_salt,
-            constraint,
-            n,
-        }, tool_syntax))
+        Ok((
+            Job {
+                request_id,
+                model: r.model,
+                prompt_ids,
+                sampling,
+                stop,
+                stream_subject,
+                accepted_at_ms: std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap_or_default()
+                    .as_millis() as u64,
+                cache_salt: r.cache_salt,
+                constraint,
+                n,
+            },
+            tool_syntax,
+        ))
     }
 }
 
@@ -176,11 +233,16 @@ fn constraint_of(
     syntax: Option<ToolSyntax>,
     stop: &mut StopConditions,
 ) -> Result<Option<Constraint>, WireError> {
-    let (Some(syntax), Some(tok)) = (syntax, &model.tokenizer) else { return Ok(r.constraint.clone()) };
-    stop.special_text = llmq_text::tools::markers(syntax).iter().any(|m| tok.special_token_id(m).is_some());
+    let (Some(syntax), Some(tok)) = (syntax, &model.tokenizer) else {
+        return Ok(r.constraint.clone());
+    };
+    stop.special_text = llmq_text::tools::markers(syntax)
+        .iter()
+        .any(|m| tok.special_token_id(m).is_some());
     // A named function is called once (OpenAI's meaning of naming it); `required` makes one
     // call, or several where parallel calls are allowed (the default).
-    let parallel = r.parallel_tool_calls.unwrap_or(true) && !matches!(tool_choice, ToolChoice::Function { .. });
+    let parallel = r.parallel_tool_calls.unwrap_or(true)
+        && !matches!(tool_choice, ToolChoice::Function { .. });
     match llmq_text::tools::call_grammar(syntax, tools, tool_choice, parallel, |m| tok.special_token_id(m)) {
         Some(_) if r.constraint.is_some() => {
             Err(invalid("a constraint cannot go with tool_choice \"required\" or a named function, which constrain the output to the calls"))
@@ -190,7 +252,11 @@ fn constraint_of(
     }
 }
 
-fn check_context(model: &ModelInfo, prompt_tokens: usize, max_tokens: i64) -> Result<(), WireError> {
+fn check_context(
+    model: &ModelInfo,
+    prompt_tokens: usize,
+    max_tokens: i64,
+) -> Result<(), WireError> {
     if prompt_tokens + max_tokens as usize <= model.context_tokens {
         return Ok(());
     }
@@ -205,7 +271,10 @@ fn check_constraint(model: &ModelInfo, c: &Constraint, ignore_eos: bool) -> Resu
     if ignore_eos {
         return Err(invalid("ignore_eos cannot go with a constraint: a constrained output ends where its constraint is complete"));
     }
-    let grammars = model.grammars.as_ref().map_err(|why| invalid(format!("this model cannot take a constraint: {why}")))?;
+    let grammars = model
+        .grammars
+        .as_ref()
+        .map_err(|why| invalid(format!("this model cannot take a constraint: {why}")))?;
     grammars.matcher(c).map_err(text_invalid)?;
     Ok(())
 }
@@ -215,7 +284,10 @@ fn choices(n: Option<i64>) -> Result<u32, WireError> {
     match n {
         None => Ok(1),
         Some(n) if (1..=llmq_protocol::MAX_CHOICES as i64).contains(&n) => Ok(n as u32),
-        Some(n) => Err(invalid(format!("n must be between 1 and {}, got {n}", llmq_protocol::MAX_CHOICES))),
+        Some(n) => Err(invalid(format!(
+            "n must be between 1 and {}, got {n}",
+            llmq_protocol::MAX_CHOICES
+        ))),
     }
 }
 
@@ -242,38 +314,71 @@ fn sampling_of(r: &GenerateRequest) -> Result<Sampling, WireError> {
 /// The prompt's token ids from exactly one of `prompt` (encoded), `messages` (the model's chat
 /// template, then encoded) and `prompt_ids` (checked against the vocabulary); with `tools`
 /// (chats only), also the syntax the model will write its calls in.
-fn prompt_ids_of(model: &ModelInfo, r: &GenerateRequest, tools: &[llmq_protocol::Tool]) -> Result<(Vec<u32>, Option<ToolSyntax>), WireError> {
-    let given = [r.prompt.is_some(), r.messages.is_some(), r.prompt_ids.is_some()].iter().filter(|&&b| b).count();
+fn prompt_ids_of(
+    model: &ModelInfo,
+    r: &GenerateRequest,
+    tools: &[llmq_protocol::Tool],
+) -> Result<(Vec<u32>, Option<ToolSyntax>), WireError> {
+    let given = [
+        r.prompt.is_some(),
+        r.messages.is_some(),
+        r.prompt_ids.is_some(),
+    ]
+    .iter()
+    .filter(|&&b| b)
+    .count();
     if given != 1 {
-        return Err(invalid("give exactly one of prompt, messages and prompt_ids"));
+        return Err(invalid(
+            "give exactly one of prompt, messages and prompt_ids",
+        ));
     }
     if let Some(ids) = &r.prompt_ids {
-        let vocab = model.vocab_size.or_else(|| model.tokenizer.as_ref().map(|t| t.max_id_bound())).unwrap_or(usize::MAX);
+        let vocab = model
+            .vocab_size
+            .or_else(|| model.tokenizer.as_ref().map(|t| t.max_id_bound()))
+            .unwrap_or(usize::MAX);
         if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
-            return Err(invalid(format!("prompt id {bad} is outside the vocabulary ({vocab})")));
+            return Err(invalid(format!(
+                "prompt id {bad} is outside the vocabulary ({vocab})"
+            )));
         }
         if !tools.is_empty() {
-            return Err(invalid("tools go with a chat (messages), not with prompt_ids"));
+            return Err(invalid(
+                "tools go with a chat (messages), not with prompt_ids",
+            ));
         }
         return Ok((ids.clone(), None));
     }
-    let tok = model.tokenizer.as_ref().ok_or_else(|| invalid("this model has no tokenizer: give prompt_ids"))?;
+    let tok = model
+        .tokenizer
+        .as_ref()
+        .ok_or_else(|| invalid("this model has no tokenizer: give prompt_ids"))?;
     let mut syntax = None;
     let encoded = match (&r.prompt, &r.messages) {
-        (Some(_), _) if !tools.is_empty() => return Err(invalid("tools go with a chat (messages), not with a plain prompt")),
+        (Some(_), _) if !tools.is_empty() => {
+            return Err(invalid(
+                "tools go with a chat (messages), not with a plain prompt",
+            ))
+        }
         (Some(p), _) if p.is_empty() => return Err(invalid("empty prompt")),
         (Some(p), _) => tok.encode(p, true),
         (None, Some(msgs)) if msgs.is_empty() => return Err(invalid("empty messages")),
         (None, Some(msgs)) if !tools.is_empty() => {
-            let (text, s) = tok.apply_chat_template_with_tools(msgs, tools).map_err(text_invalid)?;
+            let (text, s) = tok
+                .apply_chat_template_with_tools(msgs, tools)
+                .map_err(text_invalid)?;
             syntax = Some(s);
             tok.encode(&text, false)
         }
         (None, Some(msgs)) => {
-            let text = tok.apply_chat_template(msgs, true).map_err(|e| invalid(e.to_string()))?;
+            let text = tok
+                .apply_chat_template(msgs, true)
+                .map_err(|e| invalid(e.to_string()))?;
             tok.encode(&text, false)
         }
         (None, None) => unreachable!("exactly one prompt form was checked above"),
     };
-    encoded.map(|ids| (ids, syntax)).map_err(|e| invalid(e.to_string()))
+    encoded
+        .map(|ids| (ids, syntax))
+        .map_err(|e| invalid(e.to_string()))
 }

@@ -153,7 +153,13 @@ pub struct ChunkSizer {
 impl ChunkSizer {
     pub fn new(budget: f64, min: usize, max: usize) -> Self {
         let sizes = Self::sizes(min, max);
-        ChunkSizer { budget, measured: vec![None; sizes.len()], age: vec![0; sizes.len()], sizes, ..Default::default() }
+        ChunkSizer {
+            budget,
+            measured: vec![None; sizes.len()],
+            age: vec![0; sizes.len()],
+            sizes,
+            ..Default::default()
+        }
     }
 
     /// The sizes chunks take between `min` and `max` tokens: `min` doubled while below `max`,
@@ -185,18 +191,27 @@ impl ChunkSizer {
 
     /// A tick starts at `now`: times the previous one, if it ran right before.
     pub fn tick_started(&mut self, now: Duration) {
-        let Some((start, decoded, chunk, at)) = self.last.take() else { return };
+        let Some((start, decoded, chunk, at)) = self.last.take() else {
+            return;
+        };
         let ms = now.saturating_sub(start).as_secs_f64() * 1000.0;
         if decoded == 0 {
             return;
         }
         if chunk == 0 {
             self.decode_ms = Some(self.decode_ms.map_or(ms, |o| o + DECODE_WEIGHT * (ms - o)));
-        } else if let (Some(d), Some(i)) = (self.decode_ms, self.sizes.iter().position(|&s| s == chunk)) {
+        } else if let (Some(d), Some(i)) =
+            (self.decode_ms, self.sizes.iter().position(|&s| s == chunk))
+        {
             // (A prompt's last chunk, of whatever tokens were left, is not timed.) A stale time
             // is replaced, not averaged.
             let stale = self.stale(i);
-            self.record(i, (ms - d).max(0.0), at, if stale { 1.0 } else { CHUNK_WEIGHT });
+            self.record(
+                i,
+                (ms - d).max(0.0),
+                at,
+                if stale { 1.0 } else { CHUNK_WEIGHT },
+            );
             for a in &mut self.age {
                 *a = a.saturating_add(1);
             }
@@ -212,7 +227,12 @@ impl ChunkSizer {
         let n = self.sizes[i] as f64;
         let mid = at as f64 + n / 2.0;
         let (x, y) = (mid, extra / n);
-        let m = self.measured[i].get_or_insert(Measured { extra_ms: extra, dev_ms: 0.0, mid, fit: Sums::default() });
+        let m = self.measured[i].get_or_insert(Measured {
+            extra_ms: extra,
+            dev_ms: 0.0,
+            mid,
+            fit: Sums::default(),
+        });
         m.dev_ms += CHUNK_WEIGHT * ((extra - m.extra_ms).abs() - m.dev_ms);
         m.extra_ms += w * (extra - m.extra_ms);
         m.mid += w * (mid - m.mid);
@@ -221,21 +241,34 @@ impl ChunkSizer {
 
     /// The tick that started at `start` decoded `decoded` rows and prefilled `chunk` tokens
     /// from the prompt's position `at`; `next_follows`: the next tick starts at once.
-    pub fn tick_ended(&mut self, start: Duration, decoded: usize, chunk: usize, at: usize, next_follows: bool) {
+    pub fn tick_ended(
+        &mut self,
+        start: Duration,
+        decoded: usize,
+        chunk: usize,
+        at: usize,
+        next_follows: bool,
+    ) {
         self.last = next_follows.then_some((start, decoded, chunk, at));
     }
 
     /// Tokens to grant a prompt with `prefilled` positions done and `remaining` to go, beside a
     /// decode batch.
     pub fn size(&self, prefilled: usize, remaining: usize) -> usize {
-        let Some(&min) = self.sizes.first() else { return remaining.max(1) };
+        let Some(&min) = self.sizes.first() else {
+            return remaining.max(1);
+        };
         let off = prefilled % min;
         if off != 0 {
             return (min - off).min(remaining).max(1);
         }
         // Sizes that may start here.
-        let aligned: Vec<usize> = (0..self.sizes.len()).filter(|&i| prefilled % self.sizes[i] == 0).collect();
-        self.choose(&aligned, prefilled, Mode::Whole).min(remaining).max(1)
+        let aligned: Vec<usize> = (0..self.sizes.len())
+            .filter(|&i| prefilled % self.sizes[i] == 0)
+            .collect();
+        self.choose(&aligned, prefilled, Mode::Whole)
+            .min(remaining)
+            .max(1)
     }
 
     /// The prefill work to give the next tick when any size may be chosen (a chunk's share
@@ -243,7 +276,15 @@ impl ChunkSizer {
     /// without alignment, judged as a share (or as a whole chunk, with `with_cautious_shares`).
     pub fn pick(&self, at: usize) -> usize {
         let all: Vec<usize> = (0..self.sizes.len()).collect();
-        self.choose(&all, at, if self.cautious_shares { Mode::Whole } else { Mode::Share })
+        self.choose(
+            &all,
+            at,
+            if self.cautious_shares {
+                Mode::Whole
+            } else {
+                Mode::Share
+            },
+        )
     }
 
     /// Of the sizes at `candidates` (indices, ascending), for a chunk from position `at`: the
@@ -251,13 +292,21 @@ impl ChunkSizer {
     /// with the shortest expected tick for a share; before both times are known, the smallest
     /// for a whole chunk, the largest for a share.
     fn choose(&self, candidates: &[usize], at: usize, mode: Mode) -> usize {
-        let expected: Vec<(usize, Option<f64>)> = candidates.iter().rev().map(|&i| (self.sizes[i], self.expected_ms(i, at, mode))).collect();
+        let expected: Vec<(usize, Option<f64>)> = candidates
+            .iter()
+            .rev()
+            .map(|&i| (self.sizes[i], self.expected_ms(i, at, mode)))
+            .collect();
         let first = self.sizes.first().copied().unwrap_or(1);
         match self.decode_ms {
             Some(d) if expected.iter().all(|(_, e)| e.is_some()) => {
                 let room = (self.budget - 1.0) * d;
                 let fits = expected.iter().find(|(_, e)| e.is_some_and(|e| e <= room));
-                let cheapest = || expected.iter().min_by(|a, b| a.1.partial_cmp(&b.1).unwrap_or(std::cmp::Ordering::Equal));
+                let cheapest = || {
+                    expected
+                        .iter()
+                        .min_by(|a, b| a.1.partial_cmp(&b.1).unwrap_or(std::cmp::Ordering::Equal))
+                };
                 let pick = fits.or_else(cheapest).map_or(first, |(s, _)| *s);
                 if fits.is_some() {
                     return pick;
@@ -270,7 +319,11 @@ impl ChunkSizer {
                     return expected.last().map_or(first, |(s, _)| *s);
                 }
                 // A share: a smaller size measured long ago is tried again (the largest such).
-                candidates.iter().rev().find(|&&i| self.sizes[i] < pick && self.stale(i)).map_or(pick, |&i| self.sizes[i])
+                candidates
+                    .iter()
+                    .rev()
+                    .find(|&&i| self.sizes[i] < pick && self.stale(i))
+                    .map_or(pick, |&i| self.sizes[i])
             }
             _ if mode == Mode::Whole => expected.last().map_or(first, |(s, _)| *s),
             _ => expected.first().map_or(first, |(s, _)| *s),
@@ -286,16 +339,26 @@ impl ChunkSizer {
     /// position, fitted within each size and pooled (never negative; 0 before the samples
     /// spread over positions).
     fn slope(&self) -> f64 {
-        let (xx, xy) = self.measured.iter().flatten().map(Measured::centred).fold((0.0, 0.0), |a, c| (a.0 + c.0, a.1 + c.1));
+        let (xx, xy) = self
+            .measured
+            .iter()
+            .flatten()
+            .map(Measured::centred)
+            .fold((0.0, 0.0), |a, c| (a.0 + c.0, a.1 + c.1));
         // Samples spread over less than a position carry no slope.
-        if xx > 1.0 { (xy / xx).max(0.0) } else { 0.0 }
+        if xx > 1.0 {
+            (xy / xx).max(0.0)
+        } else {
+            0.0
+        }
     }
 
     /// `sizes[j]`'s measured time moved to a chunk of `n` tokens from position `at`: per token
     /// along the slope, then in proportion to the tokens.
     fn moved(&self, j: usize, n: usize, at: usize, slope: f64) -> Option<f64> {
         let m = self.measured[j]?;
-        let per_token = m.extra_ms / self.sizes[j] as f64 + slope * (at as f64 + n as f64 / 2.0 - m.mid);
+        let per_token =
+            m.extra_ms / self.sizes[j] as f64 + slope * (at as f64 + n as f64 / 2.0 - m.mid);
         Some(per_token.max(0.0) * n as f64)
     }
 
@@ -304,7 +367,11 @@ impl ChunkSizer {
     fn cautious(&self, j: usize, n: usize, at: usize, slope: f64) -> Option<f64> {
         let m = self.measured[j]?;
         let t = self.moved(j, n, at, slope)?;
-        let scale = if m.extra_ms > 0.0 { t / m.extra_ms } else { 1.0 };
+        let scale = if m.extra_ms > 0.0 {
+            t / m.extra_ms
+        } else {
+            1.0
+        };
         Some(t + WHOLE_DEVIATIONS * m.dev_ms * scale)
     }
 
@@ -316,8 +383,21 @@ impl ChunkSizer {
         // A share's time is not moved along the slope: on an H200 (8b, four 8k-token prompts
         // arriving) moving it made the shares smaller and the last prompt's first token came
         // at 3.0-3.3 s instead of 2.0-2.2 s, for no better gaps.
-        let (n, slope) = (self.sizes[i], if mode == Mode::Whole { self.slope() } else { 0.0 });
-        let time = |j| if mode == Mode::Whole { self.cautious(j, n, at, slope) } else { self.moved(j, n, at, slope) };
+        let (n, slope) = (
+            self.sizes[i],
+            if mode == Mode::Whole {
+                self.slope()
+            } else {
+                0.0
+            },
+        );
+        let time = |j| {
+            if mode == Mode::Whole {
+                self.cautious(j, n, at, slope)
+            } else {
+                self.moved(j, n, at, slope)
+            }
+        };
         if mode == Mode::Whole && self.measured[i].is_some() {
             return time(i);
         }
@@ -327,7 +407,13 @@ impl ChunkSizer {
 
     /// (decode-only tick ms, each size's measured extra ms at the mean offset of its samples).
     pub fn estimates(&self) -> (Option<f64>, Vec<Option<f64>>) {
-        (self.decode_ms, self.measured.iter().map(|m| m.map(|m| m.extra_ms)).collect())
+        (
+            self.decode_ms,
+            self.measured
+                .iter()
+                .map(|m| m.map(|m| m.extra_ms))
+                .collect(),
+        )
     }
 }
 
@@ -360,7 +446,13 @@ mod tests {
 
     /// Times the sizer as a scheduler would: `extra(n)` ms beyond a 10 ms decode step for an
     /// `n`-token chunk; returns the sizes granted over `ticks` chunk ticks of a long prompt.
-    fn run(s: &mut ChunkSizer, t: &mut Duration, prefilled: &mut usize, ticks: usize, extra: impl Fn(usize) -> f64) -> Vec<usize> {
+    fn run(
+        s: &mut ChunkSizer,
+        t: &mut Duration,
+        prefilled: &mut usize,
+        ticks: usize,
+        extra: impl Fn(usize) -> f64,
+    ) -> Vec<usize> {
         let mut out = vec![];
         for _ in 0..ticks {
             let n = s.size(*prefilled, 1 << 20);
@@ -396,7 +488,12 @@ mod tests {
         // and then 256 within the room (a single cheap tick moves an average only a quarter of
         // the way, and the change counts as deviation while it lasts)
         let sizes = run(&mut s, &mut t, &mut at, 14, |n| 0.02 * n as f64);
-        assert_eq!(&sizes[10..], &[256, 256, 256, 256], "{sizes:?} {:?}", s.estimates());
+        assert_eq!(
+            &sizes[10..],
+            &[256, 256, 256, 256],
+            "{sizes:?} {:?}",
+            s.estimates()
+        );
         // a tick after idle time is not timed
         s.tick_ended(t, 16, 256, at, false);
         s.tick_started(t + ms(5000));
@@ -438,9 +535,19 @@ mod tests {
             picked.push(w);
         }
         // 256 (unmeasured) first, then 128 (4 ms fits 5 ms of room; 256's 8 does not)...
-        assert_eq!(&picked[..4], &[256, 128, 128, 128], "{picked:?} {:?}", s.estimates());
+        assert_eq!(
+            &picked[..4],
+            &[256, 128, 128, 128],
+            "{picked:?} {:?}",
+            s.estimates()
+        );
         // ...and back to 256 once it is cheap (estimated up from the smaller size measured).
-        assert_eq!(*picked.last().unwrap(), 256, "{picked:?} {:?}", s.estimates());
+        assert_eq!(
+            *picked.last().unwrap(),
+            256,
+            "{picked:?} {:?}",
+            s.estimates()
+        );
         // Idle time between two ticks is not a tick's time.
         s.tick_ended(t, 16, 256, 0, false);
         s.tick_started(t + ms(5000));
@@ -472,9 +579,17 @@ mod tests {
             s.tick_started(t);
             picked.push(w);
         }
-        assert!(worst <= 10.0, "{worst} ms over a 10 ms decode tick: {picked:?}");
+        assert!(
+            worst <= 10.0,
+            "{worst} ms over a 10 ms decode tick: {picked:?}"
+        );
         assert!(picked[..40].contains(&256), "{picked:?}");
-        assert_eq!(*picked.last().unwrap(), 64, "{picked:?} {:?}", s.estimates());
+        assert_eq!(
+            *picked.last().unwrap(),
+            64,
+            "{picked:?} {:?}",
+            s.estimates()
+        );
     }
 
     #[test]
@@ -520,18 +635,29 @@ mod tests {
             at += n;
         }
         assert_eq!(granted[0], 4, "{granted:?}");
-        assert!(granted.contains(&32) && granted.iter().rev().take(8).all(|&n| n == 4), "{granted:?}");
+        assert!(
+            granted.contains(&32) && granted.iter().rev().take(8).all(|&n| n == 4),
+            "{granted:?}"
+        );
         // Ticks stay within the budget as the costs grow, but for a few while the slope is
         // learnt (at most 1.5x the room).
         let worst = over.iter().copied().fold(0.0, f64::max);
         let within = over.iter().filter(|&&o| o <= 1.0).count() as f64 / over.len() as f64;
-        assert!(worst < 1.5 && within > 0.95, "worst {worst}, within {within} {over:?}");
+        assert!(
+            worst < 1.5 && within > 0.95,
+            "worst {worst}, within {within} {over:?}"
+        );
         // The next prompt starts at position 0: its cost there, not the last one's at 6,000.
         assert!(s.size(0, 1 << 20) >= 32, "{:?}", s.estimates());
     }
 
     /// Times the sizer as the decode actor would (`pick`, any size after any other), as `run`.
-    fn picks(s: &mut ChunkSizer, t: &mut Duration, ticks: usize, extra: impl Fn(usize) -> f64) -> Vec<usize> {
+    fn picks(
+        s: &mut ChunkSizer,
+        t: &mut Duration,
+        ticks: usize,
+        extra: impl Fn(usize) -> f64,
+    ) -> Vec<usize> {
         (0..ticks)
             .map(|_| {
                 let w = s.pick(0);
@@ -549,13 +675,28 @@ mod tests {
         // Slow ticks while the smaller sizes are first tried: none fits 5 ms of room, and 256
         // (6 ms) is the cheapest.
         let first = picks(&mut s, &mut t, 6, |n| if n < 256 { 9.0 } else { 6.0 });
-        assert_eq!(first, vec![256, 128, 64, 256, 256, 256], "{:?}", s.estimates());
+        assert_eq!(
+            first,
+            vec![256, 128, 64, 256, 256, 256],
+            "{:?}",
+            s.estimates()
+        );
         // Now the work costs in proportion (128: 4 ms, fits); 256 alone would stay over budget.
         let later = picks(&mut s, &mut t, 40, |n| 8.0 * n as f64 / 256.0);
-        let tried = later.iter().position(|&w| w != 256).expect("a smaller size is tried again");
+        let tried = later
+            .iter()
+            .position(|&w| w != 256)
+            .expect("a smaller size is tried again");
         assert!(tried < REMEASURE_TICKS as usize, "{later:?}");
-        assert_eq!(later[tried], 128, "the largest stale size below the cheapest: {later:?}");
-        assert!(later[tried..].iter().all(|&w| w == 128), "kept once it fits: {later:?} {:?}", s.estimates());
+        assert_eq!(
+            later[tried], 128,
+            "the largest stale size below the cheapest: {later:?}"
+        );
+        assert!(
+            later[tried..].iter().all(|&w| w == 128),
+            "kept once it fits: {later:?} {:?}",
+            s.estimates()
+        );
     }
 
     #[test]
@@ -563,7 +704,10 @@ mod tests {
         let (mut s, mut t) = with_decode_ticks(1.5);
         let sizes = picks(&mut s, &mut t, 64, |n| if n < 256 { 9.0 } else { 6.0 });
         let smaller = sizes[3..].iter().filter(|&&w| w < 256).count();
-        assert!((1..=64 / REMEASURE_TICKS as usize + 1).contains(&smaller), "{sizes:?}");
+        assert!(
+            (1..=64 / REMEASURE_TICKS as usize + 1).contains(&smaller),
+            "{sizes:?}"
+        );
     }
 
     #[test]
@@ -579,14 +723,32 @@ mod tests {
             s.tick_started(t);
         }
         let mut at = 0;
-        let early = run(&mut s, &mut t, &mut at, 6, |n| if n == 8 { 4.0 } else { 10.5 });
+        let early = run(
+            &mut s,
+            &mut t,
+            &mut at,
+            6,
+            |n| if n == 8 { 4.0 } else { 10.5 },
+        );
         assert!(early.contains(&16), "{early:?}");
         let flip = std::cell::Cell::new(false);
         let later = run(&mut s, &mut t, &mut at, 12, |n| {
             flip.set(!flip.get());
-            if n == 8 { if flip.get() { 14.0 } else { 2.0 } } else { 22.0 }
+            if n == 8 {
+                if flip.get() {
+                    14.0
+                } else {
+                    2.0
+                }
+            } else {
+                22.0
+            }
         });
-        assert!(later[4..].iter().all(|&n| n == 8), "{later:?} {:?}", s.estimates());
+        assert!(
+            later[4..].iter().all(|&n| n == 8),
+            "{later:?} {:?}",
+            s.estimates()
+        );
     }
 
     #[test]
@@ -602,7 +764,13 @@ mod tests {
             t += ms(10);
             s.tick_started(t);
         }
-        let sizes = run(&mut s, &mut t, &mut prefilled, 80, |n| if n == 8 { 6.0 } else { 20.0 });
+        let sizes = run(&mut s, &mut t, &mut prefilled, 80, |n| {
+            if n == 8 {
+                6.0
+            } else {
+                20.0
+            }
+        });
         let sixteen = sizes.iter().filter(|&&n| n == 16).count();
         assert!(sixteen <= 1, "{sizes:?}");
     }

@@ -37,7 +37,11 @@ pub async fn step_separately<E: EngineOps + ?Sized>(
     decode: &[ReqId],
     prefill: Option<(ReqId, usize)>,
 ) -> (Vec<Result<StepOut, WireError>>, Option<PrefillResult>) {
-    let outs = if decode.is_empty() { vec![] } else { engine.decode(decode).await };
+    let outs = if decode.is_empty() {
+        vec![]
+    } else {
+        engine.decode(decode).await
+    };
     let pre = match prefill {
         Some((id, n)) => Some(engine.prefill(id, n).await.map(Prefilled::Done)),
         None => None,
@@ -57,7 +61,11 @@ pub trait EngineOps {
     async fn decode(&mut self, ids: &[ReqId]) -> Vec<Result<StepOut, WireError>>;
     /// A tick's work: one decode step over `decode` and the prefill chunk, if any. An engine
     /// may run both in one pass (the decode results come first either way).
-    async fn step(&mut self, decode: &[ReqId], prefill: Option<(ReqId, usize)>) -> (Vec<Result<StepOut, WireError>>, Option<PrefillResult>) {
+    async fn step(
+        &mut self,
+        decode: &[ReqId],
+        prefill: Option<(ReqId, usize)>,
+    ) -> (Vec<Result<StepOut, WireError>>, Option<PrefillResult>) {
         step_separately(self, decode, prefill).await
     }
     /// Frees everything held for `ids` (each request once, whatever its end; an id the engine
@@ -73,4 +81,3 @@ pub trait EngineOps {
         0
     }
 }
-

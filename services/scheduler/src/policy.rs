@@ -167,7 +167,11 @@ pub struct Scheduler {
 impl Scheduler {
     pub fn new(cfg: SchedulerConfig) -> Self {
         let sizer = ChunkSizer::new(cfg.tick_budget, cfg.min_prefill_chunk, cfg.prefill_chunk);
-        Scheduler { cfg, sizer, ..Default::default() }
+        Scheduler {
+            cfg,
+            sizer,
+            ..Default::default()
+        }
     }
 
     pub fn config(&self) -> &SchedulerConfig {
@@ -187,7 +191,10 @@ impl Scheduler {
         } else if need > self.cfg.kv_budget_bytes {
             Some(WireError::new(
                 ErrorClass::NeverFits,
-                format!("needs {need} KV bytes, more than the worker's whole budget of {}", self.cfg.kv_budget_bytes),
+                format!(
+                    "needs {need} KV bytes, more than the worker's whole budget of {}",
+                    self.cfg.kv_budget_bytes
+                ),
             ))
         } else {
             None
@@ -199,19 +206,38 @@ impl Scheduler {
     pub fn submit(&mut self, a: Admission) -> Vec<Emit> {
         let id = a.id;
         if let Some(error) = self.refusal(&a) {
-            return vec![Emit { id, event: Event::Error { error } }];
+            return vec![Emit {
+                id,
+                event: Event::Error { error },
+            }];
         }
         let position = self.waiting.len() as u32;
-        self.reqs.insert(id, Req { a, reserved: 0, prefilled: 0, cached: 0, completion: 0, admitted_at: None, first_token_at: None });
+        self.reqs.insert(
+            id,
+            Req {
+                a,
+                reserved: 0,
+                prefilled: 0,
+                cached: 0,
+                completion: 0,
+                admitted_at: None,
+                first_token_at: None,
+            },
+        );
         self.waiting.push(id);
-        vec![Emit { id, event: Event::Queued { position } }]
+        vec![Emit {
+            id,
+            event: Event::Queued { position },
+        }]
     }
 
     /// Marks a request for cancellation; it is dropped at the start of the next tick.
     /// Returns false when the scheduler does not hold it.
     pub fn cancel(&mut self, id: ReqId) -> bool {
         if self.reqs.contains_key(&id) {
-            self.cancels.entry(id).or_insert_with(|| WireError::new(ErrorClass::Cancelled, "cancelled by the client"));
+            self.cancels.entry(id).or_insert_with(|| {
+                WireError::new(ErrorClass::Cancelled, "cancelled by the client")
+            });
             true
         } else {
             false
@@ -235,7 +261,8 @@ impl Scheduler {
         let mut keep = vec![];
         for &id in &self.waiting {
             let after = self.reqs[&id].a.after;
-            let leader_stays = after.is_some_and(|l| self.reqs.contains_key(&l) && !taken.contains(&l));
+            let leader_stays =
+                after.is_some_and(|l| self.reqs.contains_key(&l) && !taken.contains(&l));
             if self.cancels.contains_key(&id) || leader_stays {
                 keep.push(id);
             } else {
@@ -259,7 +286,11 @@ impl Scheduler {
         self.waiting.len() + self.prefilling.len()
     }
     pub fn queued_prefill_tokens(&self) -> u64 {
-        self.waiting.iter().chain(&self.prefilling).map(|id| self.reqs[id].remaining() as u64).sum()
+        self.waiting
+            .iter()
+            .chain(&self.prefilling)
+            .map(|id| self.reqs[id].remaining() as u64)
+            .sum()
     }
     pub fn reserved_kv_bytes(&self) -> u64 {
         self.reserved
@@ -292,7 +323,11 @@ impl Scheduler {
         let acc = r.a.accepted_at;
         Event::Done {
             finish_reason: reason,
-            usage: Usage { prompt: r.a.prompt_tokens as u32, completion: r.completion as u32, cached: r.cached as u32 },
+            usage: Usage {
+                prompt: r.a.prompt_tokens as u32,
+                completion: r.completion as u32,
+                cached: r.cached as u32,
+            },
             timings: Timings {
                 queue_ms: ms(r.admitted_at.unwrap_or(now).saturating_sub(acc)),
                 ttft_ms: ms(r.first_token_at.unwrap_or(now).saturating_sub(acc)),
@@ -309,7 +344,14 @@ impl Scheduler {
             r.first_token_at.get_or_insert(now);
         }
         if !step.ids.is_empty() || !step.text.is_empty() {
-            out.push(Emit { id, event: Event::Tokens { ids: step.ids, text: step.text, logprobs: step.logprobs } });
+            out.push(Emit {
+                id,
+                event: Event::Tokens {
+                    ids: step.ids,
+                    text: step.text,
+                    logprobs: step.logprobs,
+                },
+            });
         }
         if let Some(reason) = finished {
             let ev = self.done_event(id, reason, now);
@@ -318,7 +360,11 @@ impl Scheduler {
     }
 
     /// One turn of the clock. `now` is the scheduler clock's time.
-    pub async fn tick(&mut self, engine: &mut impl EngineOps, now: Duration) -> (Vec<Emit>, TickReport) {
+    pub async fn tick(
+        &mut self,
+        engine: &mut impl EngineOps,
+        now: Duration,
+    ) -> (Vec<Emit>, TickReport) {
         let mut out = Vec::new();
         let mut report = TickReport::default();
         self.sizer.tick_started(now);
@@ -333,9 +379,15 @@ impl Scheduler {
         self.admit_waiting(engine, now, &mut out).await;
 
         // 3. exactly one prefill chunk, to one request: the one in flight, or a new one
-        let in_flight = self.in_flight.take().filter(|(id, _)| self.prefilling.contains(id));
-        let chunk = in_flight.or_else(|| self.pick_prefill(now).map(|id| (id, self.chunk_size(id))));
-        let prefill_at = chunk.and_then(|(id, _)| self.reqs.get(&id)).map_or(0, |r| r.prefilled);
+        let in_flight = self
+            .in_flight
+            .take()
+            .filter(|(id, _)| self.prefilling.contains(id));
+        let chunk =
+            in_flight.or_else(|| self.pick_prefill(now).map(|id| (id, self.chunk_size(id))));
+        let prefill_at = chunk
+            .and_then(|(id, _)| self.reqs.get(&id))
+            .map_or(0, |r| r.prefilled);
 
         // 4. the work: the decode batch steps (its tokens are delivered first), and the chunk
         //    is prefilled, in one engine call
@@ -355,22 +407,45 @@ impl Scheduler {
         }
         self.release_ended(engine).await;
         // Sequences that ended or completed their prompt this tick were remembered.
-        engine.prefix_trim(self.cfg.kv_budget_bytes - self.reserved).await;
-        self.sizer.tick_ended(now, report.decoded, report.prefill_tokens, prefill_at, !self.is_idle());
+        engine
+            .prefix_trim(self.cfg.kv_budget_bytes - self.reserved)
+            .await;
+        self.sizer.tick_ended(
+            now,
+            report.decoded,
+            report.prefill_tokens,
+            prefill_at,
+            !self.is_idle(),
+        );
         (out, report)
     }
 
     /// Admits waiting requests in arrival order while the KV budget and the batch limit allow
     /// (none behind one that does not fit); tells the rest their new places.
-    async fn admit_waiting(&mut self, engine: &mut impl EngineOps, now: Duration, out: &mut Vec<Emit>) {
+    async fn admit_waiting(
+        &mut self,
+        engine: &mut impl EngineOps,
+        now: Duration,
+        out: &mut Vec<Emit>,
+    ) {
         let mut still_waiting = Vec::new();
         // A sample waits for its first sample's prompt (see `Admission::after`) without
         // holding up those behind it.
-        let unfinished: std::collections::HashSet<ReqId> = self.waiting.iter().chain(&self.prefilling).copied().collect();
+        let unfinished: std::collections::HashSet<ReqId> = self
+            .waiting
+            .iter()
+            .chain(&self.prefilling)
+            .copied()
+            .collect();
         let mut blocked = false;
-        let batch_open = self.cfg.continuous || (self.decoding.is_empty() && self.prefilling.is_empty());
+        let batch_open =
+            self.cfg.continuous || (self.decoding.is_empty() && self.prefilling.is_empty());
         for id in std::mem::take(&mut self.waiting) {
-            if self.reqs[&id].a.after.is_some_and(|l| unfinished.contains(&l)) {
+            if self.reqs[&id]
+                .a
+                .after
+                .is_some_and(|l| unfinished.contains(&l))
+            {
                 still_waiting.push(id);
                 continue;
             }
@@ -382,14 +457,19 @@ impl Scheduler {
                 && self.reserved + need <= self.cfg.kv_budget_bytes
             {
                 self.reserved += need;
-                let cached = engine.admit(id).await.min(self.reqs[&id].a.prompt_tokens.saturating_sub(1));
+                let cached = engine
+                    .admit(id)
+                    .await
+                    .min(self.reqs[&id].a.prompt_tokens.saturating_sub(1));
                 let r = self.reqs.get_mut(&id).expect("waiting ids are held");
                 r.reserved = need;
                 r.admitted_at = Some(now);
                 r.prefilled = cached;
                 r.cached = cached;
                 self.prefilling.push(id);
-                engine.prefix_trim(self.cfg.kv_budget_bytes - self.reserved).await;
+                engine
+                    .prefix_trim(self.cfg.kv_budget_bytes - self.reserved)
+                    .await;
             } else {
                 blocked = true;
                 still_waiting.push(id);
@@ -397,7 +477,12 @@ impl Scheduler {
         }
         if still_waiting.len() != self.waiting.len() {
             for (pos, &id) in still_waiting.iter().enumerate() {
-                out.push(Emit { id, event: Event::Queued { position: pos as u32 } });
+                out.push(Emit {
+                    id,
+                    event: Event::Queued {
+                        position: pos as u32,
+                    },
+                });
             }
         }
         self.waiting = still_waiting;
@@ -424,7 +509,14 @@ impl Scheduler {
     /// Takes the outcome of `id`'s chunk of `n` tokens: progress, and on its prompt's end the
     /// move to the decode batch (with the first token when the engine gave it). Returns the
     /// prompt tokens done.
-    fn prefilled(&mut self, id: ReqId, n: usize, result: PrefillResult, now: Duration, out: &mut Vec<Emit>) -> usize {
+    fn prefilled(
+        &mut self,
+        id: ReqId,
+        n: usize,
+        result: PrefillResult,
+        now: Duration,
+        out: &mut Vec<Emit>,
+    ) -> usize {
         match result {
             Ok(Prefilled::Pending) => {
                 let r = self.reqs.get(&id).map_or(0, |r| r.prefilled);
@@ -437,7 +529,10 @@ impl Scheduler {
                 let r = self.reqs.get_mut(&id).expect("checked");
                 r.prefilled += n;
                 let (done, total) = (r.prefilled as u32, r.a.prompt_tokens as u32);
-                out.push(Emit { id, event: Event::PrefillProgress { done, total } });
+                out.push(Emit {
+                    id,
+                    event: Event::PrefillProgress { done, total },
+                });
                 if done == total {
                     self.prefilling.retain(|&x| x != id);
                     self.decoding.push(id);
@@ -461,8 +556,19 @@ impl Scheduler {
         let key = |id: &ReqId| {
             let r = &self.reqs[id];
             let waited = now.saturating_sub(r.a.accepted_at).as_secs_f64();
-            (r.remaining() as f64 - waited * self.cfg.aging_tokens_per_s, r.a.accepted_at, *id)
+            (
+                r.remaining() as f64 - waited * self.cfg.aging_tokens_per_s,
+                r.a.accepted_at,
+                *id,
+            )
         };
-        self.prefilling.iter().min_by(|a, b| key(a).partial_cmp(&key(b)).unwrap_or(std::cmp::Ordering::Equal)).copied()
+        self.prefilling
+            .iter()
+            .min_by(|a, b| {
+                key(a)
+                    .partial_cmp(&key(b))
+                    .unwrap_or(std::cmp::Ordering::Equal)
+            })
+            .copied()
     }
 }

@@ -26,7 +26,13 @@ fn decode_steps_every_tick_while_a_competing_prefill_advances_one_chunk_per_tick
     let progress: Vec<(u32, u32)> = h
         .of(2)
         .iter()
-        .filter_map(|e| if let Event::PrefillProgress { done, total } = e { Some((*done, *total)) } else { None })
+        .filter_map(|e| {
+            if let Event::PrefillProgress { done, total } = e {
+                Some((*done, *total))
+            } else {
+                None
+            }
+        })
         .collect();
     assert_eq!(progress.len(), 19);
     assert_eq!(progress[0], (256, 5000));
@@ -56,16 +62,27 @@ fn three_prompts_arriving_together_prefill_one_at_a_time() {
     }
     while !h.s.is_idle() && h.reports.len() < 500 {
         let (ev, rep) = h.tick();
-        let prefilling: HashSet<ReqId> =
-            ev.iter().filter(|e| matches!(e.event, Event::PrefillProgress { .. })).map(|e| e.id).collect();
-        assert!(prefilling.len() <= 1, "two prefills advanced in one tick: {prefilling:?}");
+        let prefilling: HashSet<ReqId> = ev
+            .iter()
+            .filter(|e| matches!(e.event, Event::PrefillProgress { .. }))
+            .map(|e| e.id)
+            .collect();
+        assert!(
+            prefilling.len() <= 1,
+            "two prefills advanced in one tick: {prefilling:?}"
+        );
         assert!(rep.prefill_tokens <= 256);
         if (1..=3).all(|id| h.of(id).iter().any(|e| e.is_terminal())) {
             h.s.cancel(9);
         }
     }
     // One prompt is finished before the next starts: no interleaving between prefills.
-    let order: Vec<ReqId> = h.e.prefill_calls.iter().map(|c| c.0).filter(|&id| id != 9).collect();
+    let order: Vec<ReqId> =
+        h.e.prefill_calls
+            .iter()
+            .map(|c| c.0)
+            .filter(|&id| id != 9)
+            .collect();
     let mut firsts: Vec<ReqId> = order.clone();
     firsts.dedup();
     assert_eq!(firsts.len(), 3, "prefills interleaved: {order:?}");
@@ -106,7 +123,10 @@ fn joins_the_decode_batch_at_the_next_tick() {
 
 #[test]
 fn short_prompts_do_not_wait_behind_a_long_one_and_the_long_one_is_not_starved() {
-    let mut h = Harness::new(SchedulerConfig { aging_tokens_per_s: 1000.0, ..cfg() });
+    let mut h = Harness::new(SchedulerConfig {
+        aging_tokens_per_s: 1000.0,
+        ..cfg()
+    });
     h.submit(100, 4, 10_000); // a decoding stream
     h.tick();
     h.submit(1, 8192, 2);
@@ -128,16 +148,27 @@ fn short_prompts_do_not_wait_behind_a_long_one_and_the_long_one_is_not_starved()
     };
     h.run_until_idle_or(|h| h.of(1).iter().any(|e| e.is_terminal()), 1000);
     for id in 2..=5 {
-        assert_eq!(first_token_tick(&h, id), 1, "short prompt {id} prefilled in one tick");
+        assert_eq!(
+            first_token_tick(&h, id),
+            1,
+            "short prompt {id} prefilled in one tick"
+        );
         assert!(h.of(id).iter().any(|e| e.is_terminal()));
     }
     // The shorts went first: the long prompt's first chunk came after all four.
     let first_long = h.e.prefill_calls.iter().position(|c| c.0 == 1).unwrap();
-    let last_short = h.e.prefill_calls.iter().rposition(|c| (2..=5).contains(&c.0)).unwrap();
+    let last_short =
+        h.e.prefill_calls
+            .iter()
+            .rposition(|c| (2..=5).contains(&c.0))
+            .unwrap();
     assert!(first_long > last_short, "{:?}", h.e.prefill_calls);
 
     // Aging: while the long prompt is mid-way, a stream of new short prompts does not stop it.
-    let mut h = Harness::new(SchedulerConfig { aging_tokens_per_s: 1000.0, ..cfg() });
+    let mut h = Harness::new(SchedulerConfig {
+        aging_tokens_per_s: 1000.0,
+        ..cfg()
+    });
     h.submit(100, 4, 100_000);
     h.tick();
     h.submit(1, 8192, 2);
@@ -150,12 +181,18 @@ fn short_prompts_do_not_wait_behind_a_long_one_and_the_long_one_is_not_starved()
             break;
         }
     }
-    assert!(h.of(1).iter().any(|e| e.is_terminal()), "the long prompt starved");
+    assert!(
+        h.of(1).iter().any(|e| e.is_terminal()),
+        "the long prompt starved"
+    );
 }
 
 #[test]
 fn synchronous_baseline_prefills_whole_prompts() {
-    let mut h = Harness::new(SchedulerConfig { interleave: false, ..cfg() });
+    let mut h = Harness::new(SchedulerConfig {
+        interleave: false,
+        ..cfg()
+    });
     h.submit(1, 4, 100);
     h.tick();
     h.submit(2, 9000, 2);
@@ -180,7 +217,10 @@ fn a_first_token_deferred_to_the_next_decode_step() {
     let until_complete = |h: &mut Harness, id: ReqId| {
         for _ in 0..10 {
             h.tick();
-            if h.of(id).iter().any(|e| matches!(e, Event::PrefillProgress { done, total } if done == total)) {
+            if h.of(id)
+                .iter()
+                .any(|e| matches!(e, Event::PrefillProgress { done, total } if done == total))
+            {
                 return;
             }
         }
@@ -191,12 +231,20 @@ fn a_first_token_deferred_to_the_next_decode_step() {
     until_complete(&mut h, 2);
     h.run_until_idle(200);
     h.assert_all_ended(&[1, 2, 3]);
-    assert!(!h.of(3).iter().any(|e| matches!(e, Event::Tokens { .. })), "cancelled before its first token");
-    assert!(matches!(h.of(3).last().unwrap(), Event::Error { error } if error.class == ErrorClass::Cancelled));
+    assert!(
+        !h.of(3).iter().any(|e| matches!(e, Event::Tokens { .. })),
+        "cancelled before its first token"
+    );
+    assert!(
+        matches!(h.of(3).last().unwrap(), Event::Error { error } if error.class == ErrorClass::Cancelled)
+    );
     match h.of(2)[..] {
         [.., Event::Tokens { ids, .. }, Event::Done { usage, timings, .. }] => {
             assert_eq!((ids.clone(), usage.completion), (vec![1], 1));
-            assert!(timings.ttft_ms > 0.0, "the first token came a tick after the prompt");
+            assert!(
+                timings.ttft_ms > 0.0,
+                "the first token came a tick after the prompt"
+            );
         }
         ref ev => panic!("{ev:?}"),
     }
@@ -228,13 +276,37 @@ fn a_chunk_in_flight_is_granted_again_until_done() {
     let g = &h.e.grants;
     for w in g.windows(2) {
         if w[0].2 {
-            assert_eq!((w[1].0, w[1].1), (w[0].0, w[0].1), "a pending chunk is granted again, unchanged: {g:?}");
+            assert_eq!(
+                (w[1].0, w[1].1),
+                (w[0].0, w[0].1),
+                "a pending chunk is granted again, unchanged: {g:?}"
+            );
         }
     }
-    let first_3 = g.iter().position(|x| x.0 == 3).expect("3 prefilled beside the stream");
-    assert!(!g[first_3 - 1].2, "3's chunk starts only after 2's in-flight chunk is done: {g:?}");
-    let progress: Vec<u32> = h.of(2).iter().filter_map(|e| if let Event::PrefillProgress { done, .. } = e { Some(*done) } else { None }).collect();
-    assert_eq!(progress, vec![256, 512, 768, 1000], "one progress event per chunk, when done");
+    let first_3 = g
+        .iter()
+        .position(|x| x.0 == 3)
+        .expect("3 prefilled beside the stream");
+    assert!(
+        !g[first_3 - 1].2,
+        "3's chunk starts only after 2's in-flight chunk is done: {g:?}"
+    );
+    let progress: Vec<u32> = h
+        .of(2)
+        .iter()
+        .filter_map(|e| {
+            if let Event::PrefillProgress { done, .. } = e {
+                Some(*done)
+            } else {
+                None
+            }
+        })
+        .collect();
+    assert_eq!(
+        progress,
+        vec![256, 512, 768, 1000],
+        "one progress event per chunk, when done"
+    );
     h.assert_all_ended(&[1, 2, 3]);
 }
 
@@ -249,15 +321,28 @@ fn a_prefix_hit_off_the_chunk_grid_is_brought_back_onto_it() {
     h.e.cached.insert(2, 100);
     h.submit(2, 1000, 4);
     h.run_until_idle(200);
-    let chunks: Vec<usize> = h.e.prefill_calls.iter().filter(|c| c.0 == 2).map(|c| c.1).collect();
-    assert_eq!(chunks, vec![156, 256, 256, 232], "100 cached: 156 to reach 256, then the grid");
+    let chunks: Vec<usize> =
+        h.e.prefill_calls
+            .iter()
+            .filter(|c| c.0 == 2)
+            .map(|c| c.1)
+            .collect();
+    assert_eq!(
+        chunks,
+        vec![156, 256, 256, 232],
+        "100 cached: 156 to reach 256, then the grid"
+    );
     h.assert_all_ended(&[1, 2]);
 
     let mut h = Harness::new(cfg());
     h.e.cached.insert(1, 100);
     h.submit(1, 1000, 4);
     h.tick();
-    assert_eq!(h.e.prefill_calls, vec![(1, 900)], "idle: the rest of the prompt at once");
+    assert_eq!(
+        h.e.prefill_calls,
+        vec![(1, 900)],
+        "idle: the rest of the prompt at once"
+    );
 }
 
 /// With a tick budget, chunks beside a decoding stream are sized to keep a tick within the
@@ -266,7 +351,11 @@ fn a_prefix_hit_off_the_chunk_grid_is_brought_back_onto_it() {
 /// back, each size starting on its own grid; the prompt still completes, one chunk per tick.
 #[test]
 fn chunks_are_sized_to_the_tick_budget() {
-    let mut h = Harness::new(SchedulerConfig { tick_budget: 2.0, min_prefill_chunk: 64, ..cfg() });
+    let mut h = Harness::new(SchedulerConfig {
+        tick_budget: 2.0,
+        min_prefill_chunk: 64,
+        ..cfg()
+    });
     h.submit(1, 10, 10_000);
     h.tick(); // idle: prompt 1 prefilled whole
     for i in 0..5 {
@@ -283,7 +372,13 @@ fn chunks_are_sized_to_the_tick_budget() {
     assert_eq!(grants[0], 64, "nothing measured yet: {grants:?}");
     assert!(grants.iter().all(|&n| n == 64), "{grants:?}");
     let last = h.ticks.len();
-    assert!(h.ticks[last - 30..].iter().all(|t| *t <= Duration::from_millis(20)), "{:?}", &h.ticks[last - 30..]);
+    assert!(
+        h.ticks[last - 30..]
+            .iter()
+            .all(|t| *t <= Duration::from_millis(20)),
+        "{:?}",
+        &h.ticks[last - 30..]
+    );
 
     // Cheaper chunks (0.02 ms a token): they grow back to 256, each size on its own grid.
     h.per_token = Duration::from_micros(20);
@@ -295,12 +390,18 @@ fn chunks_are_sized_to_the_tick_budget() {
             break;
         }
         let n = rep.prefill_tokens;
-        assert!(n == 6000 - prefilled || prefilled % n == 0, "a {n}-token chunk at {prefilled}: {sizes:?}");
+        assert!(
+            n == 6000 - prefilled || prefilled % n == 0,
+            "a {n}-token chunk at {prefilled}: {sizes:?}"
+        );
         prefilled += n;
         sizes.push(n);
     }
     assert_eq!(prefilled, 6000, "{sizes:?}");
-    assert!(sizes.windows(2).any(|w| w == [256, 256]), "back to whole chunks: {sizes:?}");
+    assert!(
+        sizes.windows(2).any(|w| w == [256, 256]),
+        "back to whole chunks: {sizes:?}"
+    );
     h.run_until_idle(20_000);
     h.s.cancel(1);
     h.run_until_idle(10);

@@ -26,22 +26,37 @@ impl CacheActor {
     /// `block` tokens per index block, hits in whole `reuse_unit`s, at most `max_bytes` held;
     /// `None`: no prefix cache (every lookup misses, nothing is kept).
     pub fn new(config: Option<(usize, usize, u64)>) -> Self {
-        let prefix = config.map(|(block, unit, max)| PrefixCache::new(block, max).with_reuse_unit(unit));
-        CacheActor { prefix, busy: Busy::default() }
+        let prefix =
+            config.map(|(block, unit, max)| PrefixCache::new(block, max).with_reuse_unit(unit));
+        CacheActor {
+            prefix,
+            busy: Busy::default(),
+        }
     }
 
     fn report(&self) -> Report {
         let prefix = self.prefix.as_ref().map(|p| p.stats()).unwrap_or_default();
-        Report { kv_bytes: prefix.held_bytes, held: prefix.entries as usize, busy: self.busy, prefix, ..Default::default() }
+        Report {
+            kv_bytes: prefix.held_bytes,
+            held: prefix.entries as usize,
+            busy: self.busy,
+            prefix,
+            ..Default::default()
+        }
     }
 
     fn reply<T>(&self, value: T) -> Reply<T> {
-        Reply { value, report: self.report() }
+        Reply {
+            value,
+            report: self.report(),
+        }
     }
 
     /// Runs `f` on the cache, timed; a panic empties it and gives `fallback`.
     fn work<T>(&mut self, fallback: T, f: impl FnOnce(&mut PrefixCache<KvPrefix>) -> T) -> T {
-        let Some(prefix) = self.prefix.as_mut() else { return fallback };
+        let Some(prefix) = self.prefix.as_mut() else {
+            return fallback;
+        };
         match self.busy.time(false, || guarded(|| f(prefix))) {
             Ok(v) => v,
             Err(what) => {
@@ -91,7 +106,10 @@ pub struct Clear;
 impl Handler<Lookup> for CacheActor {
     type Result = MessageResult<Lookup>;
     fn handle(&mut self, m: Lookup, _: &mut Context<Self>) -> Self::Result {
-        let hit = self.work(None, |p| p.lookup(m.salt.as_deref(), &m.prompt).map(|(n, kv)| (n, kv.layers.clone())));
+        let hit = self.work(None, |p| {
+            p.lookup(m.salt.as_deref(), &m.prompt)
+                .map(|(n, kv)| (n, kv.layers.clone()))
+        });
         MessageResult(self.reply(hit))
     }
 }

@@ -57,11 +57,17 @@ pub async fn listen(at: Listen<'_>, to: UnboundedSender<Received>) -> std::io::R
     let local = listener.local_addr()?;
     if at.loopback_only && !local.ip().is_loopback() {
         let why = format!("{local} is beyond the loopback, and NATS is on TLS while this connection is not encrypted");
-        return Err(std::io::Error::new(std::io::ErrorKind::PermissionDenied, why));
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            why,
+        ));
     }
     let offer = offered(local, at.advertise, at.nats_url).await?;
     // A secret of this process (std's hasher keys are random per process).
-    let token = std::hash::BuildHasher::hash_one(&std::collections::hash_map::RandomState::new(), (local, std::process::id()));
+    let token = std::hash::BuildHasher::hash_one(
+        &std::collections::hash_map::RandomState::new(),
+        (local, std::process::id()),
+    );
     actix::spawn(async move {
         loop {
             match listener.accept().await {
@@ -85,9 +91,17 @@ pub async fn listen(at: Listen<'_>, to: UnboundedSender<Received>) -> std::io::R
 
 /// The `host:port` grants offer for a listener bound at `local`: the advertised host, else the
 /// bound address, else (a wildcard) this host's address toward the NATS server; the bound port.
-async fn offered(local: SocketAddr, advertise: Option<&str>, nats_url: &str) -> std::io::Result<String> {
+async fn offered(
+    local: SocketAddr,
+    advertise: Option<&str>,
+    nats_url: &str,
+) -> std::io::Result<String> {
     let ip = match advertise {
-        Some(host) => match host.trim_start_matches('[').trim_end_matches(']').parse::<IpAddr>() {
+        Some(host) => match host
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .parse::<IpAddr>()
+        {
             Ok(ip) => ip,
             Err(_) => return Ok(format!("{host}:{}", local.port())),
         },
@@ -103,20 +117,43 @@ async fn offered(local: SocketAddr, advertise: Option<&str>, nats_url: &str) -> 
 async fn toward(nats_url: &str) -> std::io::Result<IpAddr> {
     let first = nats_url.split(',').next().unwrap_or_default().trim();
     let rest = first.split_once("://").map_or(first, |(_, r)| r);
-    let host = rest.rsplit_once('@').map_or(rest, |(_, h)| h).trim_end_matches('/');
-    let has_port = host.rsplit_once(':').is_some_and(|(_, p)| p.parse::<u16>().is_ok());
-    let target = if has_port { host.to_string() } else { format!("{host}:4222") };
+    let host = rest
+        .rsplit_once('@')
+        .map_or(rest, |(_, h)| h)
+        .trim_end_matches('/');
+    let has_port = host
+        .rsplit_once(':')
+        .is_some_and(|(_, p)| p.parse::<u16>().is_ok());
+    let target = if has_port {
+        host.to_string()
+    } else {
+        format!("{host}:4222")
+    };
     let server = tokio::net::lookup_host(&target)
         .await?
         .next()
-        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::NotFound, format!("{target} resolves to no address")))?;
-    let socket = tokio::net::UdpSocket::bind(if server.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" }).await?;
+        .ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                format!("{target} resolves to no address"),
+            )
+        })?;
+    let socket = tokio::net::UdpSocket::bind(if server.is_ipv4() {
+        "0.0.0.0:0"
+    } else {
+        "[::]:0"
+    })
+    .await?;
     socket.connect(server).await?;
     Ok(socket.local_addr()?.ip())
 }
 
 /// Reads frames and their bytes until the connection closes (Ok) or misbehaves (Err).
-async fn read_frames(mut stream: TcpStream, token: u64, to: &UnboundedSender<Received>) -> std::io::Result<()> {
+async fn read_frames(
+    mut stream: TcpStream,
+    token: u64,
+    to: &UnboundedSender<Received>,
+) -> std::io::Result<()> {
     let bad = |what: String| std::io::Error::new(std::io::ErrorKind::InvalidData, what);
     stream.set_nodelay(true)?;
     loop {
@@ -126,10 +163,12 @@ async fn read_frames(mut stream: TcpStream, token: u64, to: &UnboundedSender<Rec
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
             Err(e) => return Err(e),
         }
-        let n = KvFrame::length(prefix).ok_or_else(|| bad("a frame of a length no frame has".into()))?;
+        let n = KvFrame::length(prefix)
+            .ok_or_else(|| bad("a frame of a length no frame has".into()))?;
         let mut body = vec![0u8; n];
         stream.read_exact(&mut body).await?;
-        let frame: KvFrame = llmq_protocol::decode(&body).map_err(|e| bad(format!("an undecodable frame: {e}")))?;
+        let frame: KvFrame =
+            llmq_protocol::decode(&body).map_err(|e| bad(format!("an undecodable frame: {e}")))?;
         if frame.token != token {
             return Err(bad("a frame with another token".into()));
         }
@@ -160,19 +199,27 @@ impl Connections {
     /// Sends a chunk to `to` as `frame` and `bytes`; false where the connection could not be
     /// opened or written (the caller sends NATS pieces instead).
     pub async fn send(&mut self, to: &DirectKv, frame: &KvFrame, bytes: &[u8]) -> bool {
-        if self.failed.get(&to.addr).is_some_and(|t| t.elapsed() < RETRY_AFTER) {
+        if self
+            .failed
+            .get(&to.addr)
+            .is_some_and(|t| t.elapsed() < RETRY_AFTER)
+        {
             return false;
         }
         let result = async {
             if !self.open.contains_key(&to.addr) {
                 let stream = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(&to.addr))
                     .await
-                    .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "connecting"))??;
+                    .map_err(|_| {
+                        std::io::Error::new(std::io::ErrorKind::TimedOut, "connecting")
+                    })??;
                 stream.set_nodelay(true)?;
                 self.open.insert(to.addr.clone(), stream);
             }
             let stream = self.open.get_mut(&to.addr).expect("opened above");
-            let head = frame.encode().map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
+            let head = frame.encode().map_err(|e| {
+                std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string())
+            })?;
             stream.write_all(&head).await?;
             stream.flush().await?;
             stream.write_all(bytes).await?;
@@ -235,17 +282,41 @@ mod tests {
         actix::System::new().block_on(async {
             let loopback: SocketAddr = "127.0.0.1:7001".parse().unwrap();
             let wildcard: SocketAddr = "0.0.0.0:7001".parse().unwrap();
-            assert_eq!(offered(loopback, None, "unused").await.unwrap(), "127.0.0.1:7001");
-            assert_eq!(offered(wildcard, Some("worker-3"), "unused").await.unwrap(), "worker-3:7001");
-            assert_eq!(offered(wildcard, Some("::1"), "unused").await.unwrap(), "[::1]:7001");
+            assert_eq!(
+                offered(loopback, None, "unused").await.unwrap(),
+                "127.0.0.1:7001"
+            );
+            assert_eq!(
+                offered(wildcard, Some("worker-3"), "unused").await.unwrap(),
+                "worker-3:7001"
+            );
+            assert_eq!(
+                offered(wildcard, Some("::1"), "unused").await.unwrap(),
+                "[::1]:7001"
+            );
             // A wildcard: this host's address toward the NATS server, whatever the URL's form.
-            for url in ["nats://127.0.0.1:4222", "tls://user:secret@127.0.0.1", "127.0.0.1,nats://10.0.0.9:4222"] {
-                assert_eq!(offered(wildcard, None, url).await.unwrap(), "127.0.0.1:7001", "{url}");
+            for url in [
+                "nats://127.0.0.1:4222",
+                "tls://user:secret@127.0.0.1",
+                "127.0.0.1,nats://10.0.0.9:4222",
+            ] {
+                assert_eq!(
+                    offered(wildcard, None, url).await.unwrap(),
+                    "127.0.0.1:7001",
+                    "{url}"
+                );
             }
-            assert!(offered(wildcard, None, "nats://no-such-host.invalid:4222").await.is_err());
+            assert!(offered(wildcard, None, "nats://no-such-host.invalid:4222")
+                .await
+                .is_err());
             // Beyond the loopback while NATS is on TLS: refused, never a plaintext listener.
             let (tx, _rx) = unbounded_channel();
-            let at = Listen { addr: "0.0.0.0:0", advertise: None, nats_url: "tls://127.0.0.1:4222", loopback_only: true };
+            let at = Listen {
+                addr: "0.0.0.0:0",
+                advertise: None,
+                nats_url: "tls://127.0.0.1:4222",
+                loopback_only: true,
+            };
             let refused = listen(at, tx).await.unwrap_err();
             assert_eq!(refused.kind(), std::io::ErrorKind::PermissionDenied);
         });

@@ -20,17 +20,17 @@
 
 use actix::prelude::*;
 use llmq_engine::Model;
-use llmq_text::Tokenizer;
 use llmq_protocol::WireError;
+use llmq_text::Tokenizer;
 
 use crate::actor::WorkerEngine;
 use crate::cache::{self, CacheActor};
-use crate::messages::{Release, Reply, Report, Reset, ResetCounters, StepTimes};
 use crate::decode::{self, DecodeActor, Grant, Lent, Step};
+use crate::messages::{Release, Reply, Report, Reset, ResetCounters, StepTimes};
 use crate::prefill::{self, Chunked, PrefillActor};
 use crate::remote::{Install, Plan, RemotePrefill};
-use llmq_scheduler::{EngineOps, PrefillResult, Prefilled, ReqId, StepOut};
 use crate::seq::{internal, MaskTimes, SeqSpec, Shared};
+use llmq_scheduler::{EngineOps, PrefillResult, Prefilled, ReqId, StepOut};
 
 /// How the role actors are set up.
 #[derive(Debug, Clone)]
@@ -52,7 +52,14 @@ pub struct EngineOptions {
 
 impl Default for EngineOptions {
     fn default() -> Self {
-        EngineOptions { decode_ahead: true, prefix: None, chunk_stages: 1, stage_tokens: 256, stage_budget: 0.0, min_stage_tokens: 128 }
+        EngineOptions {
+            decode_ahead: true,
+            prefix: None,
+            chunk_stages: 1,
+            stage_tokens: 256,
+            stage_budget: 0.0,
+            min_stage_tokens: 128,
+        }
     }
 }
 
@@ -88,11 +95,21 @@ impl ActorEngine {
         let context_tokens = model.config.max_position_embeddings;
         // Hits in whole chunk-grid blocks, so that the chunks after one start on the grid (see
         // `Model::chunk_grid`).
-        let cache = CacheActor::new(opts.prefix.map(|(block, max)| (block, model.chunk_grid(), max))).start();
+        let cache = CacheActor::new(
+            opts.prefix
+                .map(|(block, max)| (block, model.chunk_grid(), max)),
+        )
+        .start();
         let shared = Shared::new(model, tokenizer, opts.prefix.is_some());
         let mask_times = shared.mask_times.clone();
         let prefill = PrefillActor::new(shared.clone(), cache.clone()).start();
-        let staging = decode::Staging::new(&shared.model, opts.chunk_stages, opts.stage_tokens, opts.stage_budget, opts.min_stage_tokens);
+        let staging = decode::Staging::new(
+            &shared.model,
+            opts.chunk_stages,
+            opts.stage_tokens,
+            opts.stage_budget,
+            opts.min_stage_tokens,
+        );
         let decode = DecodeActor::new(shared, cache.clone(), opts.decode_ahead, staging).start();
         ActorEngine {
             prefill,
@@ -117,11 +134,25 @@ impl ActorEngine {
 
     /// Writes a prefill worker's chunk into its request's cache.
     async fn install(&mut self, i: Install) {
-        let Install { key, start, n, bytes, transfer } = i;
+        let Install {
+            key,
+            start,
+            n,
+            bytes,
+            transfer,
+        } = i;
         let layers = llmq_engine::kv_bytes::from_bytes(&bytes, self.kv_layout, n).map_err(internal);
         let installed = match layers {
             Ok(layers) => {
-                let answer = self.prefill.send(prefill::Install { id: key, start, n, layers }).await;
+                let answer = self
+                    .prefill
+                    .send(prefill::Install {
+                        id: key,
+                        start,
+                        n,
+                        layers,
+                    })
+                    .await;
                 self.take(PREFILL, answer, Err)
             }
             Err(e) => Err(e),
@@ -137,16 +168,28 @@ impl ActorEngine {
     /// A tick's work on a decode worker: installs the KV that arrived; a chunk of a request
     /// prefilled remotely is granted to its prefill worker (`Pending` until computed), or run
     /// here (its last position, or all of it after a fallback).
-    async fn step_with_remote(&mut self, ids: &[ReqId], chunk: Option<(ReqId, usize)>) -> (Vec<Result<StepOut, WireError>>, Option<PrefillResult>) {
-        let Some(remote) = self.remote.as_mut() else { return self.step_here(ids, chunk).await };
+    async fn step_with_remote(
+        &mut self,
+        ids: &[ReqId],
+        chunk: Option<(ReqId, usize)>,
+    ) -> (Vec<Result<StepOut, WireError>>, Option<PrefillResult>) {
+        let Some(remote) = self.remote.as_mut() else {
+            return self.step_here(ids, chunk).await;
+        };
         let remote_chunk = chunk.filter(|(id, _)| remote.is_remote(*id));
         // With nothing else to do this tick, wait a little for the prefill worker.
-        let wait = (ids.is_empty() && remote_chunk.is_some() && remote.waiting()).then_some(REMOTE_POLL);
+        let wait =
+            (ids.is_empty() && remote_chunk.is_some() && remote.waiting()).then_some(REMOTE_POLL);
         for i in remote.arrived(wait).await {
             self.install(i).await;
         }
-        let Some((id, n)) = remote_chunk else { return self.step_here(ids, chunk).await };
-        let plan = self.remote.as_mut().map_or(Plan::Local(n), |r| r.plan(id, n));
+        let Some((id, n)) = remote_chunk else {
+            return self.step_here(ids, chunk).await;
+        };
+        let plan = self
+            .remote
+            .as_mut()
+            .map_or(Plan::Local(n), |r| r.plan(id, n));
         let prefilled = match plan {
             Plan::Local(m) => return self.step_here(ids, Some((id, m))).await,
             Plan::Pending => Prefilled::Pending,
@@ -158,17 +201,27 @@ impl ActorEngine {
 
     /// KV bytes installed from prefill workers since start, and the ms their pieces took.
     pub fn kv_received(&self) -> (u64, f64) {
-        self.remote.as_ref().map_or((0, 0.0), |r| (r.received_bytes, r.transfer.as_secs_f64() * 1000.0))
+        self.remote.as_ref().map_or((0, 0.0), |r| {
+            (r.received_bytes, r.transfer.as_secs_f64() * 1000.0)
+        })
     }
 
     /// An answer's value, its report noted; a lost actor gives `lost`.
-    fn take<T>(&mut self, role: usize, answer: Result<Reply<T>, MailboxError>, lost: impl FnOnce(WireError) -> T) -> T {
+    fn take<T>(
+        &mut self,
+        role: usize,
+        answer: Result<Reply<T>, MailboxError>,
+        lost: impl FnOnce(WireError) -> T,
+    ) -> T {
         match answer {
             Ok(r) => {
                 self.reports[role] = r.report;
                 r.value
             }
-            Err(e) => lost(internal(format!("{} actor lost: {e}", ["prefill", "decode", "cache"][role]))),
+            Err(e) => lost(internal(format!(
+                "{} actor lost: {e}",
+                ["prefill", "decode", "cache"][role]
+            ))),
         }
     }
 
@@ -213,7 +266,11 @@ impl EngineOps for ActorEngine {
         self.step(ids, None).await.0
     }
 
-    async fn step(&mut self, ids: &[ReqId], chunk: Option<(ReqId, usize)>) -> (Vec<Result<StepOut, WireError>>, Option<PrefillResult>) {
+    async fn step(
+        &mut self,
+        ids: &[ReqId],
+        chunk: Option<(ReqId, usize)>,
+    ) -> (Vec<Result<StepOut, WireError>>, Option<PrefillResult>) {
         self.step_with_remote(ids, chunk).await
     }
 
@@ -246,7 +303,11 @@ impl EngineOps for ActorEngine {
 
 impl ActorEngine {
     /// A tick's work on this worker's device: the decode step, and the chunk in the same pass.
-    async fn step_here(&mut self, ids: &[ReqId], chunk: Option<(ReqId, usize)>) -> (Vec<Result<StepOut, WireError>>, Option<PrefillResult>) {
+    async fn step_here(
+        &mut self,
+        ids: &[ReqId],
+        chunk: Option<(ReqId, usize)>,
+    ) -> (Vec<Result<StepOut, WireError>>, Option<PrefillResult>) {
         // A chunk part-way through the model goes on where it is, in the decode actor.
         let going_on = chunk.filter(|(id, _)| self.staged == Some(*id));
         if ids.is_empty() && going_on.is_none() {
@@ -271,7 +332,13 @@ impl ActorEngine {
             }
             (None, None) => None,
         };
-        let answer = self.decode.send(Step { ids: ids.to_vec(), chunk: grant }).await;
+        let answer = self
+            .decode
+            .send(Step {
+                ids: ids.to_vec(),
+                chunk: grant,
+            })
+            .await;
         let stepped = self.take(DECODE, answer, |e| decode::Stepped {
             outs: ids.iter().map(|_| Err(e.clone())).collect(),
             chunk: chunk.map(|_| (Err(e.clone()), None)),
@@ -306,7 +373,10 @@ impl ActorEngine {
 
 impl WorkerEngine for ActorEngine {
     async fn register(&mut self, id: ReqId, spec: SeqSpec) -> Result<(), WireError> {
-        let remote = self.remote.as_ref().map(|_| (spec.prompt.clone(), spec.salt.clone()));
+        let remote = self
+            .remote
+            .as_ref()
+            .map(|_| (spec.prompt.clone(), spec.salt.clone()));
         let answer = self.prefill.send(prefill::Register { id, spec }).await;
         self.take(PREFILL, answer, Err)?;
         if let (Some(r), Some((prompt, salt))) = (self.remote.as_mut(), remote) {

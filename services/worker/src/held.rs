@@ -40,12 +40,24 @@ pub struct Held<M = Message> {
 
 impl<M: Clone> Held<M> {
     pub fn new(ack_wait: Duration) -> Held<M> {
-        Held { jobs: Mutex::default(), given_up: Mutex::default(), ours_for: ack_wait * 2 / 3, reply_within: ack_wait / 3 }
+        Held {
+            jobs: Mutex::default(),
+            given_up: Mutex::default(),
+            ours_for: ack_wait * 2 / 3,
+            reply_within: ack_wait / 3,
+        }
     }
 
     /// Holds a job whose message came in answer to a fetch sent at `fetched`.
     pub fn insert(&self, request_id: String, msg: M, span: tracing::Span, fetched: Instant) {
-        self.jobs.lock().unwrap().insert(request_id, Job { msg, span, ours_until: fetched + self.ours_for });
+        self.jobs.lock().unwrap().insert(
+            request_id,
+            Job {
+                msg,
+                span,
+                ours_until: fetched + self.ours_for,
+            },
+        );
     }
 
     /// How long a reply to a progress ack may take and still count.
@@ -63,7 +75,12 @@ impl<M: Clone> Held<M> {
 
     /// The held jobs' messages by request id, for progress acks.
     pub fn messages(&self) -> Vec<(String, M)> {
-        self.jobs.lock().unwrap().iter().map(|(id, j)| (id.clone(), j.msg.clone())).collect()
+        self.jobs
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(id, j)| (id.clone(), j.msg.clone()))
+            .collect()
     }
 
     /// The server replied at `replied` to a progress ack of `request_id` sent at `sent`.
@@ -86,7 +103,10 @@ impl<M: Clone> Held<M> {
         self.jobs.lock().unwrap().retain(|id, job| {
             let ours = now < job.ours_until;
             if !ours {
-                job.span.record("error", "given up: the server did not confirm this worker's acks in time");
+                job.span.record(
+                    "error",
+                    "given up: the server did not confirm this worker's acks in time",
+                );
                 given_up.insert(id.clone());
                 now_given_up.push(id.clone());
             }
@@ -99,7 +119,11 @@ impl<M: Clone> Held<M> {
     /// to acknowledge, if it is still held.
     pub fn end(&self, request_id: &str) -> Option<(M, tracing::Span)> {
         self.given_up.lock().unwrap().remove(request_id);
-        self.jobs.lock().unwrap().remove(request_id).map(|j| (j.msg, j.span))
+        self.jobs
+            .lock()
+            .unwrap()
+            .remove(request_id)
+            .map(|j| (j.msg, j.span))
     }
 }
 
@@ -138,18 +162,27 @@ mod tests {
         held.insert("a".into(), 1, tracing::Span::none(), t0);
         // Answered 2.1 s after its sending: the server may have processed it after redelivering.
         held.confirmed("a", t0 + S(1000), t0 + S(3100));
-        assert_eq!(held.may_publish("a", t0 + S(4000)), (false, vec!["a".to_string()]));
+        assert_eq!(
+            held.may_publish("a", t0 + S(4000)),
+            (false, vec!["a".to_string()])
+        );
         held.end("a");
         held.insert("b".into(), 2, tracing::Span::none(), t0);
         // Sent at 4 s, when "b" was no longer ours (nothing had counted since the fetch).
         held.confirmed("b", t0 + S(4000), t0 + S(4010));
-        assert_eq!(held.may_publish("b", t0 + S(4020)), (false, vec!["b".to_string()]));
+        assert_eq!(
+            held.may_publish("b", t0 + S(4020)),
+            (false, vec!["b".to_string()])
+        );
         held.end("b");
         // A chain of prompt replies keeps a job for as long as it runs.
         held.insert("c".into(), 3, tracing::Span::none(), t0);
         for k in 1..=20 {
             held.confirmed("c", t0 + S(1000 * k), t0 + S(1000 * k + 50));
-            assert_eq!(held.may_publish("c", t0 + S(1000 * k + 3900)), (true, vec![]));
+            assert_eq!(
+                held.may_publish("c", t0 + S(1000 * k + 3900)),
+                (true, vec![])
+            );
         }
     }
 }

@@ -38,7 +38,10 @@ pub fn keep_freed(mlx_cache_limit: Option<u64>) -> Result<bool, mlx_rs::error::E
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
         // SAFETY: mallopt only sets allocator parameters; the values are in their ranges.
-        let ok = unsafe { glibc::mallopt(glibc::M_MMAP_THRESHOLD, LARGEST_HEAP_BUFFER as i32) == 1 && glibc::mallopt(glibc::M_TRIM_THRESHOLD, i32::MAX) == 1 };
+        let ok = unsafe {
+            glibc::mallopt(glibc::M_MMAP_THRESHOLD, LARGEST_HEAP_BUFFER as i32) == 1
+                && glibc::mallopt(glibc::M_TRIM_THRESHOLD, i32::MAX) == 1
+        };
         Ok(ok)
     }
     #[cfg(not(all(target_os = "linux", target_env = "gnu")))]

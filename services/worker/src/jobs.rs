@@ -18,7 +18,10 @@ use crate::service::{nats_err, Inflight, Scheduler, WorkerError};
 const FETCH_WAIT: Duration = Duration::from_millis(100);
 
 /// The model's durable pull consumer of the jobs stream, shared by all its workers.
-pub(crate) async fn jobs_consumer(js: &jetstream::Context, settings: &Settings) -> Result<jetstream::consumer::Consumer<pull::Config>, WorkerError> {
+pub(crate) async fn jobs_consumer(
+    js: &jetstream::Context,
+    settings: &Settings,
+) -> Result<jetstream::consumer::Consumer<pull::Config>, WorkerError> {
     let model = &settings.worker.model;
     let stream = subjects::jobs_stream(js).await.map_err(nats_err)?;
     let config = pull::Config {
@@ -27,7 +30,10 @@ pub(crate) async fn jobs_consumer(js: &jetstream::Context, settings: &Settings) 
         ack_wait: Duration::from_millis(settings.worker.ack_wait_ms),
         ..Default::default()
     };
-    stream.get_or_create_consumer(&subjects::jobs_consumer(model), config).await.map_err(nats_err)
+    stream
+        .get_or_create_consumer(&subjects::jobs_consumer(model), config)
+        .await
+        .map_err(nats_err)
 }
 
 /// Taking jobs from the model's consumer while there is room.
@@ -45,13 +51,24 @@ impl Jobs<'_> {
     /// it. One job per fetch: the server hands jobs to the workers' waiting fetches in turn, so
     /// equal workers share a burst evenly, and a worker without room asks for nothing.
     pub(crate) async fn fetch_one(&self) {
-        let limit = self.placement.lock().unwrap().limit_at(std::time::Instant::now());
+        let limit = self
+            .placement
+            .lock()
+            .unwrap()
+            .limit_at(std::time::Instant::now());
         if limit.saturating_sub(self.inflight.len()) == 0 {
             tokio::time::sleep(Duration::from_millis(10)).await;
             return;
         }
         let fetched = std::time::Instant::now();
-        let mut batch = match self.consumer.fetch().max_messages(1).expires(FETCH_WAIT).messages().await {
+        let mut batch = match self
+            .consumer
+            .fetch()
+            .max_messages(1)
+            .expires(FETCH_WAIT)
+            .messages()
+            .await
+        {
             Ok(b) => b,
             Err(e) => {
                 tracing::warn!(error = %e, "fetching jobs");
@@ -78,7 +95,11 @@ impl Jobs<'_> {
         };
         let mut first_seq = 0;
         if msg.info().map(|i| i.delivered).unwrap_or(1) > 1 {
-            if let Ok(mark) = self.handed_back.get_last_raw_message_by_subject(&subjects::handed_back(&job.request_id)).await {
+            if let Ok(mark) = self
+                .handed_back
+                .get_last_raw_message_by_subject(&subjects::handed_back(&job.request_id))
+                .await
+            {
                 // Handed back unstarted by a stopping worker: run it, going on from its seq.
                 first_seq = String::from_utf8_lossy(&mark.payload).parse().unwrap_or(0);
                 let _ = self.handed_back.delete_message(mark.sequence).await;
@@ -99,7 +120,8 @@ impl Jobs<'_> {
             error = tracing::field::Empty
         );
         llmq_telemetry::extract(&span, msg.headers.as_ref());
-        self.inflight.insert(job.request_id.clone(), msg, span, fetched);
+        self.inflight
+            .insert(job.request_id.clone(), msg, span, fetched);
         self.actor.do_send(Submit(job, first_seq));
     }
 
@@ -112,11 +134,19 @@ impl Jobs<'_> {
             let ev = StreamEvent {
                 request_id: job.request_id.clone(),
                 seq: llmq_protocol::SEQ_FROM_ANOTHER_WORKER,
-                event: Event::Error { error: WireError::new(ErrorClass::WorkerLost, "the worker running this request stopped") },
+                event: Event::Error {
+                    error: WireError::new(
+                        ErrorClass::WorkerLost,
+                        "the worker running this request stopped",
+                    ),
+                },
                 choice,
             };
             if let Ok(bytes) = llmq_protocol::encode(&ev) {
-                let _ = self.client.publish(job.stream_subject.clone(), bytes.into()).await;
+                let _ = self
+                    .client
+                    .publish(job.stream_subject.clone(), bytes.into())
+                    .await;
             }
         }
         let _ = self.client.flush().await;
@@ -130,7 +160,10 @@ impl Jobs<'_> {
 pub(crate) async fn hand_back(actor: &Scheduler, held: &Inflight, js: &jetstream::Context) {
     let back = actor.send(HandBack).await.unwrap_or_default();
     for (request_id, seq) in &back {
-        let marked = match js.publish(subjects::handed_back(request_id), seq.to_string().into()).await {
+        let marked = match js
+            .publish(subjects::handed_back(request_id), seq.to_string().into())
+            .await
+        {
             Ok(ack) => ack.await.map(|_| ()).map_err(|e| e.to_string()),
             Err(e) => Err(e.to_string()),
         };
@@ -143,7 +176,10 @@ pub(crate) async fn hand_back(actor: &Scheduler, held: &Inflight, js: &jetstream
         }
     }
     if !back.is_empty() {
-        tracing::info!(jobs = back.len(), "stopping: handed back the jobs not started");
+        tracing::info!(
+            jobs = back.len(),
+            "stopping: handed back the jobs not started"
+        );
     }
 }
 
@@ -151,7 +187,11 @@ pub(crate) async fn hand_back(actor: &Scheduler, held: &Inflight, js: &jetstream
 /// and waits (a few seconds at most) for those terminal events to be out and acknowledged.
 pub(crate) async fn drain(actor: &Scheduler, inflight: &Inflight, grace: Duration) {
     let held = || inflight.len();
-    tracing::info!(held = held(), grace_s = grace.as_secs(), "stopping: no more jobs; draining");
+    tracing::info!(
+        held = held(),
+        grace_s = grace.as_secs(),
+        "stopping: no more jobs; draining"
+    );
     let wait_empty = |limit: Duration| async move {
         let until = tokio::time::Instant::now() + limit;
         while held() > 0 && tokio::time::Instant::now() < until {
@@ -161,7 +201,10 @@ pub(crate) async fn drain(actor: &Scheduler, inflight: &Inflight, grace: Duratio
     wait_empty(grace).await;
     if held() > 0 {
         tracing::warn!(held = held(), "grace period over: ending what is left");
-        let error = WireError::new(ErrorClass::WorkerLost, "the worker stopped before finishing this request");
+        let error = WireError::new(
+            ErrorClass::WorkerLost,
+            "the worker stopped before finishing this request",
+        );
         let _ = actor.send(EndAll(error)).await;
         wait_empty(Duration::from_secs(5)).await;
     }
@@ -170,7 +213,10 @@ pub(crate) async fn drain(actor: &Scheduler, inflight: &Inflight, grace: Duratio
 
 /// Hands every cancel the cancels stream holds to the actor (which remembers those of requests
 /// it does not hold, and ends such a job with `Cancelled` if it ever arrives). Returns how many.
-pub(crate) async fn replay_cancels(stream: &jetstream::stream::Stream, actor: &Scheduler) -> Result<usize, WorkerError> {
+pub(crate) async fn replay_cancels(
+    stream: &jetstream::stream::Stream,
+    actor: &Scheduler,
+) -> Result<usize, WorkerError> {
     let consumer = stream
         .create_consumer(pull::Config {
             deliver_policy: jetstream::consumer::DeliverPolicy::All,
@@ -182,7 +228,12 @@ pub(crate) async fn replay_cancels(stream: &jetstream::stream::Stream, actor: &S
         .map_err(nats_err)?;
     let mut n = 0;
     loop {
-        let mut batch = consumer.fetch().max_messages(1000).messages().await.map_err(nats_err)?;
+        let mut batch = consumer
+            .fetch()
+            .max_messages(1000)
+            .messages()
+            .await
+            .map_err(nats_err)?;
         let mut got = 0;
         while let Some(Ok(m)) = batch.next().await {
             got += 1;
@@ -196,4 +247,3 @@ pub(crate) async fn replay_cancels(stream: &jetstream::stream::Stream, actor: &S
         }
     }
 }
-

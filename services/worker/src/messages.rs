@@ -6,8 +6,8 @@
 
 use actix::prelude::*;
 
-use llmq_scheduler::ReqId;
 use crate::seq::Busy;
+use llmq_scheduler::ReqId;
 
 /// What an actor reports with every answer: its KV bytes, how many sequences (or entries) it
 /// holds, its work time, and role-specific counters (zero where they do not apply).

@@ -27,11 +27,24 @@ pub struct Placement {
 
 impl Placement {
     /// Starts listening now; peers silent for three heartbeat periods count as gone.
-    pub fn new(me: &str, model: &str, heartbeat: Duration, max_batch: usize, max_queued: usize) -> Self {
+    pub fn new(
+        me: &str,
+        model: &str,
+        heartbeat: Duration,
+        max_batch: usize,
+        max_queued: usize,
+    ) -> Self {
         Self::new_at(me, model, heartbeat, max_batch, max_queued, Instant::now())
     }
 
-    pub fn new_at(me: &str, model: &str, heartbeat: Duration, max_batch: usize, max_queued: usize, now: Instant) -> Self {
+    pub fn new_at(
+        me: &str,
+        model: &str,
+        heartbeat: Duration,
+        max_batch: usize,
+        max_queued: usize,
+        now: Instant,
+    ) -> Self {
         Placement {
             peers: WorkerTable::new(3 * heartbeat),
             me: me.to_string(),
@@ -53,7 +66,10 @@ impl Placement {
     fn peer_has_room_at(&self, now: Instant) -> bool {
         now.saturating_duration_since(self.listening_since) < 2 * self.heartbeat
             || self.peers.live_at(now).any(|w| {
-                w.model == self.model && w.role.takes_jobs() && w.active_streams + w.queued_requests < w.max_batch && w.kv_bytes_free > 0
+                w.model == self.model
+                    && w.role.takes_jobs()
+                    && w.active_streams + w.queued_requests < w.max_batch
+                    && w.kv_bytes_free > 0
             })
     }
 
@@ -117,7 +133,11 @@ mod tests {
         let mut p = Placement::new_at("me", "m", HB, 4, 100, t0);
         p.heard_at(peer("b", "m", 0, 1), t0 + 2 * HB);
         assert_eq!(p.limit_at(t0 + 3 * HB), 4);
-        assert_eq!(p.limit_at(t0 + 6 * HB), 100, "silent for over three periods");
+        assert_eq!(
+            p.limit_at(t0 + 6 * HB),
+            100,
+            "silent for over three periods"
+        );
     }
 
     #[test]

@@ -21,8 +21,8 @@ use llmq_protocol::WireError;
 
 use crate::cache::{CacheActor, Lookup, Remember};
 use crate::messages::{InjectPanic, Release, Reply, Report, Reset, ResetCounters};
-use llmq_scheduler::{ReqId, StepOut};
 use crate::seq::{guarded, internal, run_chunk, unknown, Busy, Seq, SeqSpec, Shared};
+use llmq_scheduler::{ReqId, StepOut};
 
 pub struct PrefillActor {
     shared: Shared,
@@ -38,17 +38,36 @@ pub struct PrefillActor {
 
 impl PrefillActor {
     pub fn new(shared: Shared, cache: Addr<CacheActor>) -> Self {
-        PrefillActor { shared, seqs: HashMap::new(), cache, busy: Busy::default(), lost: HashMap::new(), lent: Default::default() }
+        PrefillActor {
+            shared,
+            seqs: HashMap::new(),
+            cache,
+            busy: Busy::default(),
+            lost: HashMap::new(),
+            lent: Default::default(),
+        }
     }
 
     fn reply<T>(&self, value: T) -> Reply<T> {
         let kv_bytes = self.seqs.values().map(|s| s.cache.nbytes() as u64).sum();
-        Reply { value, report: Report { kv_bytes, held: self.seqs.len(), busy: self.busy, ..Default::default() } }
+        Reply {
+            value,
+            report: Report {
+                kv_bytes,
+                held: self.seqs.len(),
+                busy: self.busy,
+                ..Default::default()
+            },
+        }
     }
 
     /// Runs a handler's work, timed (a call when `call`); a panic drops every sequence held
     /// here and becomes an internal error.
-    fn work<T>(&mut self, call: bool, f: impl FnOnce(&mut Self) -> Result<T, WireError>) -> Result<T, WireError> {
+    fn work<T>(
+        &mut self,
+        call: bool,
+        f: impl FnOnce(&mut Self) -> Result<T, WireError>,
+    ) -> Result<T, WireError> {
         let mut busy = self.busy;
         let r = busy.time(call, || guarded(|| f(self)));
         self.busy = busy;
@@ -75,15 +94,25 @@ impl PrefillActor {
     fn take_seq(&mut self, id: ReqId) -> Result<Seq, WireError> {
         match self.seqs.remove(&id) {
             Some(seq) => Ok(seq),
-            None => Err(self.lost.get(&id).map_or_else(|| unknown("prefill", id), |what| Self::fault(what))),
+            None => Err(self
+                .lost
+                .get(&id)
+                .map_or_else(|| unknown("prefill", id), |what| Self::fault(what))),
         }
     }
 
     /// Sends the KV of a sequence's first `fed` history tokens to the cache actor.
     fn remember(&self, seq: &Seq, fed: usize) {
-        if let Some(kv) = self.shared.prefix_copy(seq.layers(self.shared.model.config.num_layers)) {
+        if let Some(kv) = self
+            .shared
+            .prefix_copy(seq.layers(self.shared.model.config.num_layers))
+        {
             let tokens = seq.history[..fed.min(seq.history.len())].to_vec();
-            self.cache.do_send(Remember { salt: seq.salt.clone(), tokens, kv });
+            self.cache.do_send(Remember {
+                salt: seq.salt.clone(),
+                tokens,
+                kv,
+            });
         }
     }
 }
@@ -150,7 +179,12 @@ impl Handler<Register> for PrefillActor {
 impl Handler<Admit> for PrefillActor {
     type Result = AtomicResponse<Self, Reply<usize>>;
     fn handle(&mut self, Admit(id): Admit, _: &mut Context<Self>) -> Self::Result {
-        let ask = self.seqs.get(&id).map(|s| self.cache.send(Lookup { salt: s.salt.clone(), prompt: s.prompt.clone() }));
+        let ask = self.seqs.get(&id).map(|s| {
+            self.cache.send(Lookup {
+                salt: s.salt.clone(),
+                prompt: s.prompt.clone(),
+            })
+        });
         let fut = async move {
             match ask {
                 Some(ask) => ask.await.ok().and_then(|r| r.value),
@@ -159,8 +193,14 @@ impl Handler<Admit> for PrefillActor {
         };
         AtomicResponse::new(Box::pin(fut.into_actor(self).map(move |hit, a, _| {
             let reused = a.work(false, |a| {
-                let (Some((n, layers)), Some(seq)) = (hit, a.seqs.get_mut(&id)) else { return Ok(0) };
-                match a.shared.model.cache_from_prefix(&layers, n, seq.prompt.len() + 1) {
+                let (Some((n, layers)), Some(seq)) = (hit, a.seqs.get_mut(&id)) else {
+                    return Ok(0);
+                };
+                match a
+                    .shared
+                    .model
+                    .cache_from_prefix(&layers, n, seq.prompt.len() + 1)
+                {
                     Ok(cache) => {
                         seq.cache = cache;
                         seq.prefilled = n;
@@ -191,7 +231,10 @@ impl Handler<Chunk> for PrefillActor {
                     let first = seq.first_token(&logits, &a.shared);
                     match first {
                         // Its prompt's KV is remembered when it joins the decode batch.
-                        Ok(first) => Ok(Chunked::Complete { first, seq: Box::new(seq) }),
+                        Ok(first) => Ok(Chunked::Complete {
+                            first,
+                            seq: Box::new(seq),
+                        }),
                         Err(e) => {
                             a.seqs.insert(id, seq);
                             Err(e)
@@ -220,11 +263,25 @@ pub struct Install {
 
 impl Handler<Install> for PrefillActor {
     type Result = MessageResult<Install>;
-    fn handle(&mut self, Install { id, start, n, layers }: Install, _: &mut Context<Self>) -> Self::Result {
+    fn handle(
+        &mut self,
+        Install {
+            id,
+            start,
+            n,
+            layers,
+        }: Install,
+        _: &mut Context<Self>,
+    ) -> Self::Result {
         let r = self.work(false, |a| {
             let seq = a.seqs.get_mut(&id).ok_or_else(|| unknown("install", id))?;
             if seq.prefilled != start || start + n >= seq.prompt.len() {
-                return Err(internal(format!("KV of [{start}, {}) for a {}-token prompt prefilled to {}", start + n, seq.prompt.len(), seq.prefilled)));
+                return Err(internal(format!(
+                    "KV of [{start}, {}) for a {}-token prompt prefilled to {}",
+                    start + n,
+                    seq.prompt.len(),
+                    seq.prefilled
+                )));
             }
             seq.cache.append(&layers).map_err(internal)?;
             seq.prefilled += n;
@@ -288,7 +345,9 @@ impl Handler<Reset> for PrefillActor {
 impl Handler<InjectPanic> for PrefillActor {
     type Result = ();
     fn handle(&mut self, _: InjectPanic, _: &mut Context<Self>) {
-        let _ = self.work(false, |_| -> Result<(), WireError> { panic!("injected fault") });
+        let _ = self.work(false, |_| -> Result<(), WireError> {
+            panic!("injected fault")
+        });
     }
 }
 

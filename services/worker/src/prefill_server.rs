@@ -51,13 +51,22 @@ pub struct ServerReport {
 
 impl PrefillServer {
     pub fn new(shared: Shared, cache: Addr<CacheActor>) -> Self {
-        PrefillServer { shared, cache, sessions: HashMap::new(), busy: Busy::default() }
+        PrefillServer {
+            shared,
+            cache,
+            sessions: HashMap::new(),
+            busy: Busy::default(),
+        }
     }
 
     pub fn report(&self) -> ServerReport {
         ServerReport {
             sessions: self.sessions.len(),
-            kv_bytes: self.sessions.values().map(|s| s.cache.nbytes() as u64).sum(),
+            kv_bytes: self
+                .sessions
+                .values()
+                .map(|s| s.cache.nbytes() as u64)
+                .sum(),
             calls: self.busy.calls,
             ms: self.busy.ms(),
         }
@@ -67,15 +76,26 @@ impl PrefillServer {
     fn drop_session(&mut self, key: &(String, u64)) {
         if let Some(s) = self.sessions.remove(key) {
             let n = s.cache.offset();
-            let layers = (0..self.shared.model.config.num_layers).map(|l| s.cache.contents(l)).collect();
+            let layers = (0..self.shared.model.config.num_layers)
+                .map(|l| s.cache.contents(l))
+                .collect();
             if let Some(kv) = self.shared.prefix_copy(layers) {
-                self.cache.do_send(Remember { salt: s.salt, tokens: s.prompt[..n.min(s.prompt.len())].to_vec(), kv });
+                self.cache.do_send(Remember {
+                    salt: s.salt,
+                    tokens: s.prompt[..n.min(s.prompt.len())].to_vec(),
+                    kv,
+                });
             }
         }
     }
 
     fn expire(&mut self, now: Instant) {
-        let idle: Vec<(String, u64)> = self.sessions.iter().filter(|(_, s)| now - s.touched > SESSION_IDLE).map(|(k, _)| k.clone()).collect();
+        let idle: Vec<(String, u64)> = self
+            .sessions
+            .iter()
+            .filter(|(_, s)| now - s.touched > SESSION_IDLE)
+            .map(|(k, _)| k.clone())
+            .collect();
         for k in idle {
             tracing::info!(decoder = %k.0, key = k.1, "dropping an idle prefill session");
             self.drop_session(&k);
@@ -93,11 +113,20 @@ impl PrefillServer {
             session.cache = model.new_cache_for(session.prompt.len() + 1);
         }
         let from = session.cache.offset();
-        let ids: Vec<i32> = session.prompt[from..end].iter().map(|&t| t as i32).collect();
+        let ids: Vec<i32> = session.prompt[from..end]
+            .iter()
+            .map(|&t| t as i32)
+            .collect();
         let x = Array::from_slice(&ids, &[1, ids.len() as i32]);
-        let logits = model.forward(&x, &mut [&mut session.cache], true).map_err(internal)?;
+        let logits = model
+            .forward(&x, &mut [&mut session.cache], true)
+            .map_err(internal)?;
         drop(logits);
-        let kv = session.cache.last(end - start).ok_or_else(|| internal(format!("the chunk [{start}, {end}) does not fit this model's sliding window")))?;
+        let kv = session.cache.last(end - start).ok_or_else(|| {
+            internal(format!(
+                "the chunk [{start}, {end}) does not fit this model's sliding window"
+            ))
+        })?;
         llmq_engine::kv_bytes::to_bytes(&kv).map_err(internal)
     }
 }
@@ -133,20 +162,39 @@ impl Handler<Serve> for PrefillServer {
         let invalid = |m: String| WireError::new(llmq_protocol::ErrorClass::InvalidRequest, m);
         let layout = self.shared.model.kv_layout().to_string();
         let bad = if g.kv_layout != layout {
-            Some(invalid(format!("the decoder's KV is {}, this prefill worker's {layout}", g.kv_layout)))
+            Some(invalid(format!(
+                "the decoder's KV is {}, this prefill worker's {layout}",
+                g.kv_layout
+            )))
         } else if g.n == 0 || (g.start + g.n) as usize > g.prompt.len() {
-            Some(invalid(format!("chunk [{}, {}) of a {}-token prompt", g.start, g.start + g.n, g.prompt.len())))
+            Some(invalid(format!(
+                "chunk [{}, {}) of a {}-token prompt",
+                g.start,
+                g.start + g.n,
+                g.prompt.len()
+            )))
         } else {
-            llmq_engine::generate::check_ids(&self.shared.model, &g.prompt).err().map(|e| invalid(e.to_string()))
+            llmq_engine::generate::check_ids(&self.shared.model, &g.prompt)
+                .err()
+                .map(|e| invalid(e.to_string()))
         };
         if let Some(e) = bad {
             return AtomicResponse::new(Box::pin(actix::fut::ready(Err(e))));
         }
-        if self.sessions.get(&key).is_some_and(|s| s.prompt != g.prompt || s.salt != g.salt) {
+        if self
+            .sessions
+            .get(&key)
+            .is_some_and(|s| s.prompt != g.prompt || s.salt != g.salt)
+        {
             self.sessions.remove(&key);
         }
         // A new session starts from the longest cached prefix of its prompt.
-        let ask = (!self.sessions.contains_key(&key)).then(|| self.cache.send(Lookup { salt: g.salt.clone(), prompt: g.prompt.clone() }));
+        let ask = (!self.sessions.contains_key(&key)).then(|| {
+            self.cache.send(Lookup {
+                salt: g.salt.clone(),
+                prompt: g.prompt.clone(),
+            })
+        });
         let fut = async move {
             match ask {
                 Some(ask) => Some(ask.await.ok().and_then(|r| r.value)),
@@ -165,9 +213,16 @@ impl Handler<Serve> for PrefillServer {
                                 .flatten()
                                 .map(|(n, layers)| (n.min(g.start as usize), layers))
                                 .filter(|(n, _)| *n > 0)
-                                .and_then(|(n, layers)| a.shared.model.cache_from_prefix(&layers, n, capacity).ok())
+                                .and_then(|(n, layers)| {
+                                    a.shared.model.cache_from_prefix(&layers, n, capacity).ok()
+                                })
                                 .unwrap_or_else(|| a.shared.model.new_cache_for(capacity));
-                            Session { prompt: g.prompt.clone(), salt: g.salt.clone(), cache, touched: now }
+                            Session {
+                                prompt: g.prompt.clone(),
+                                salt: g.salt.clone(),
+                                cache,
+                                touched: now,
+                            }
                         }
                     };
                     session.touched = now;
@@ -191,7 +246,12 @@ impl Handler<Serve> for PrefillServer {
 impl Handler<Forget> for PrefillServer {
     type Result = ();
     fn handle(&mut self, Forget { decoder, key }: Forget, _: &mut Context<Self>) {
-        let keys: Vec<(String, u64)> = self.sessions.keys().filter(|(d, k)| *d == decoder && key.is_none_or(|x| x == *k)).cloned().collect();
+        let keys: Vec<(String, u64)> = self
+            .sessions
+            .keys()
+            .filter(|(d, k)| *d == decoder && key.is_none_or(|x| x == *k))
+            .cloned()
+            .collect();
         for k in keys {
             self.drop_session(&k);
         }

@@ -16,7 +16,9 @@ use std::time::Duration;
 use actix::prelude::*;
 use futures::StreamExt;
 use llmq_config::Settings;
-use llmq_protocol::prefill::{kv_checksum, kv_pieces, DirectKv, KvFrame, PrefillOrder, PrefillReply};
+use llmq_protocol::prefill::{
+    kv_checksum, kv_pieces, DirectKv, KvFrame, PrefillOrder, PrefillReply,
+};
 use llmq_protocol::workers::WorkerTable;
 use llmq_protocol::{subjects, WireError, WorkerRole, WorkerStatus};
 use tokio::sync::mpsc;
@@ -39,7 +41,12 @@ struct Answer {
 }
 
 /// Runs a prefill worker until `stop` completes.
-pub async fn run(settings: Settings, client: async_nats::Client, worker_id: String, stop: impl std::future::Future<Output = ()>) -> Result<(), WorkerError> {
+pub async fn run(
+    settings: Settings,
+    client: async_nats::Client,
+    worker_id: String,
+    stop: impl std::future::Future<Output = ()>,
+) -> Result<(), WorkerError> {
     let (server, status, device) = start_server(&settings, &worker_id).await?;
     let served = async {
         let mut orders = client.subscribe(subjects::prefill_orders(&worker_id)).await.map_err(nats_err)?;
@@ -112,8 +119,12 @@ async fn refresh(server: &Addr<PrefillServer>, status: &Mutex<WorkerStatus>) {
 
 /// Loads the model on a device thread of its own and starts the prefill server there, with a
 /// prefix cache of its own.
-async fn start_server(settings: &Settings, worker_id: &str) -> Result<(Addr<PrefillServer>, Arc<Mutex<WorkerStatus>>, Arbiter), WorkerError> {
-    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<(Addr<PrefillServer>, WorkerStatus), WorkerError>>();
+async fn start_server(
+    settings: &Settings,
+    worker_id: &str,
+) -> Result<(Addr<PrefillServer>, Arc<Mutex<WorkerStatus>>, Arbiter), WorkerError> {
+    let (ready_tx, ready_rx) =
+        std::sync::mpsc::channel::<Result<(Addr<PrefillServer>, WorkerStatus), WorkerError>>();
     let w = settings.worker.clone();
     let prefix = settings.prefix_cache.clone();
     let kv_budget = settings.scheduler.kv_budget_bytes;
@@ -122,9 +133,19 @@ async fn start_server(settings: &Settings, worker_id: &str) -> Result<(Addr<Pref
         let loaded = load_on_device(&w, false);
         let _ = ready_tx.send(loaded.map(|m| {
             let model = m.model;
-            let budget = kv_budget.unwrap_or_else(|| crate::service::auto_kv_budget(model.weight_bytes()));
-            let max = if prefix.max_bytes == 0 { budget } else { prefix.max_bytes.min(budget) };
-            let cache = CacheActor::new(prefix.enabled.then_some((prefix.block_tokens, model.chunk_grid(), max))).start();
+            let budget =
+                kv_budget.unwrap_or_else(|| crate::service::auto_kv_budget(model.weight_bytes()));
+            let max = if prefix.max_bytes == 0 {
+                budget
+            } else {
+                prefix.max_bytes.min(budget)
+            };
+            let cache = CacheActor::new(prefix.enabled.then_some((
+                prefix.block_tokens,
+                model.chunk_grid(),
+                max,
+            )))
+            .start();
             let c = &model.config;
             let status = WorkerStatus {
                 model: w.model.clone(),
@@ -154,11 +175,23 @@ async fn start_server(settings: &Settings, worker_id: &str) -> Result<(Addr<Pref
 }
 
 /// Sends each served grant's KV to its decoder in pieces (or the grant's failure), in order.
-async fn send_answers(client: async_nats::Client, mut answers: mpsc::UnboundedReceiver<Answer>, status: Arc<Mutex<WorkerStatus>>) {
+async fn send_answers(
+    client: async_nats::Client,
+    mut answers: mpsc::UnboundedReceiver<Answer>,
+    status: Arc<Mutex<WorkerStatus>>,
+) {
     let mut connections = Connections::default();
     while let Some(a) = answers.recv().await {
         if let (Ok(bytes), Some(to)) = (&a.kv, &a.direct) {
-            let frame = KvFrame { token: to.token, key: a.key, start: a.start, n: a.n, total_bytes: bytes.len() as u64, checksum: kv_checksum(bytes), sent_at_us: unix_us() };
+            let frame = KvFrame {
+                token: to.token,
+                key: a.key,
+                start: a.start,
+                n: a.n,
+                total_bytes: bytes.len() as u64,
+                checksum: kv_checksum(bytes),
+                sent_at_us: unix_us(),
+            };
             if connections.send(to, &frame, bytes).await {
                 let mut s = status.lock().unwrap();
                 s.kv_bytes_sent += bytes.len() as u64;
@@ -168,8 +201,14 @@ async fn send_answers(client: async_nats::Client, mut answers: mpsc::UnboundedRe
         }
         let subject = subjects::prefill_kv(&a.decoder);
         let replies: Vec<PrefillReply> = match &a.kv {
-            Ok(bytes) => kv_pieces(a.key, a.start, a.n, unix_us(), bytes).map(PrefillReply::Kv).collect(),
-            Err(error) => vec![PrefillReply::Failed { key: a.key, start: a.start, error: error.clone() }],
+            Ok(bytes) => kv_pieces(a.key, a.start, a.n, unix_us(), bytes)
+                .map(PrefillReply::Kv)
+                .collect(),
+            Err(error) => vec![PrefillReply::Failed {
+                key: a.key,
+                start: a.start,
+                error: error.clone(),
+            }],
         };
         for r in replies {
             match llmq_protocol::encode(&r) {
@@ -189,11 +228,19 @@ async fn send_answers(client: async_nats::Client, mut answers: mpsc::UnboundedRe
 }
 
 fn unix_us() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_micros() as u64
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_micros() as u64
 }
 
 /// The status every `period`, whatever the device thread is doing.
-async fn heartbeats(client: async_nats::Client, subject: String, status: Arc<Mutex<WorkerStatus>>, period: Duration) {
+async fn heartbeats(
+    client: async_nats::Client,
+    subject: String,
+    status: Arc<Mutex<WorkerStatus>>,
+    period: Duration,
+) {
     loop {
         let mut s = status.lock().unwrap().clone();
         s.sent_at_ms = unix_ms();

@@ -44,10 +44,22 @@ pub enum Order {
 #[derive(Debug)]
 pub enum Arrival {
     /// The first piece of the chunk at `start` arrived: the chunk is computed.
-    Computed { key: ReqId, start: usize },
+    Computed {
+        key: ReqId,
+        start: usize,
+    },
     /// A whole chunk's KV, checked, and the time from its sending to its last piece's arrival.
-    Kv { key: ReqId, start: usize, n: usize, bytes: Vec<u8>, transfer: Duration },
-    Failed { key: ReqId, why: String },
+    Kv {
+        key: ReqId,
+        start: usize,
+        n: usize,
+        bytes: Vec<u8>,
+        transfer: Duration,
+    },
+    Failed {
+        key: ReqId,
+        why: String,
+    },
 }
 
 /// What the engine does with a granted chunk of a remote request.
@@ -125,7 +137,14 @@ impl RemotePrefill {
             received_bytes: 0,
             transfer: Duration::ZERO,
         };
-        (device, LinkEnd { orders: orders_rx, arrivals: arrivals_tx, live })
+        (
+            device,
+            LinkEnd {
+                orders: orders_rx,
+                arrivals: arrivals_tx,
+                live,
+            },
+        )
     }
 
     /// The decoder's model's KV layout, which grants name (see `PrefillGrant::kv_layout`).
@@ -136,7 +155,16 @@ impl RemotePrefill {
     /// A new request is prefilled remotely when a prefill worker is live now.
     pub fn register(&mut self, key: ReqId, prompt: &[u32], salt: Option<String>) {
         if self.live.load(Ordering::Relaxed) && prompt.len() > 1 {
-            let r = Remote { prompt: prompt.to_vec(), salt, counted: 0, computed: 0, installed: 0, granted: None, waiting_since: None, failed: None };
+            let r = Remote {
+                prompt: prompt.to_vec(),
+                salt,
+                counted: 0,
+                computed: 0,
+                installed: 0,
+                granted: None,
+                waiting_since: None,
+                failed: None,
+            };
             self.reqs.insert(key, r);
         }
     }
@@ -158,7 +186,9 @@ impl RemotePrefill {
 
     /// Whether any request waits on a prefill worker.
     pub fn waiting(&self) -> bool {
-        self.reqs.values().any(|r| r.granted.is_some() || r.installed < r.computed)
+        self.reqs
+            .values()
+            .any(|r| r.granted.is_some() || r.installed < r.computed)
     }
 
     /// The request ended, or prefills here from now on: the prefill worker may forget it.
@@ -215,12 +245,38 @@ impl RemotePrefill {
                         }
                     }
                 }
-                Arrival::Kv { key, start, n, bytes, transfer } => {
+                Arrival::Kv {
+                    key,
+                    start,
+                    n,
+                    bytes,
+                    transfer,
+                } => {
                     if let Some(r) = self.reqs.get(&key) {
-                        if start == r.installed + installs.iter().filter(|i: &&Install| i.key == key).map(|i| i.n).sum::<usize>() {
-                            installs.push(Install { key, start, n, bytes, transfer });
+                        if start
+                            == r.installed
+                                + installs
+                                    .iter()
+                                    .filter(|i: &&Install| i.key == key)
+                                    .map(|i| i.n)
+                                    .sum::<usize>()
+                        {
+                            installs.push(Install {
+                                key,
+                                start,
+                                n,
+                                bytes,
+                                transfer,
+                            });
                         } else {
-                            self.failed(key, format!("KV of [{start}, {}) arrived with {} positions installed", start + n, r.installed));
+                            self.failed(
+                                key,
+                                format!(
+                                    "KV of [{start}, {}) arrived with {} positions installed",
+                                    start + n,
+                                    r.installed
+                                ),
+                            );
                         }
                     }
                 }
@@ -234,11 +290,15 @@ impl RemotePrefill {
     /// while `Pending`); sends the grant when there is one to send.
     pub fn plan(&mut self, key: ReqId, n: usize) -> Plan {
         let now = Instant::now();
-        let Some(r) = self.reqs.get_mut(&key) else { return Plan::Local(n) };
+        let Some(r) = self.reqs.get_mut(&key) else {
+            return Plan::Local(n);
+        };
         let end = r.counted + n;
-        let timed_out = r.granted.is_some_and(|(_, _, t)| now - t > self.timeout) || r.waiting_since.is_some_and(|t| now - t > self.timeout);
+        let timed_out = r.granted.is_some_and(|(_, _, t)| now - t > self.timeout)
+            || r.waiting_since.is_some_and(|t| now - t > self.timeout);
         if timed_out {
-            r.failed.get_or_insert_with(|| "the prefill worker took too long".into());
+            r.failed
+                .get_or_insert_with(|| "the prefill worker took too long".into());
         }
         if let Some(why) = r.failed.clone() {
             let local = end.saturating_sub(r.installed);
@@ -294,7 +354,11 @@ pub async fn link(
     heartbeat: Duration,
     direct: Option<(DirectKv, UnboundedReceiver<Received>)>,
 ) -> Result<(), async_nats::SubscribeError> {
-    let LinkEnd { mut orders, arrivals, live } = end;
+    let LinkEnd {
+        mut orders,
+        arrivals,
+        live,
+    } = end;
     let mut kv = kv_client.subscribe(subjects::prefill_kv(&decoder)).await?;
     let mut beats = client.subscribe(subjects::WORKER_STATUS_ALL).await?;
     let mut check = tokio::time::interval(heartbeat);
@@ -302,7 +366,17 @@ pub async fn link(
         Some((offer, rx)) => (Some(offer), rx),
         None => (None, unbounded_channel().1),
     };
-    let mut link = Link { client, decoder, model, arrivals, live, peers: WorkerTable::new(3 * heartbeat), targets: HashMap::new(), assemblies: HashMap::new(), offer };
+    let mut link = Link {
+        client,
+        decoder,
+        model,
+        arrivals,
+        live,
+        peers: WorkerTable::new(3 * heartbeat),
+        targets: HashMap::new(),
+        assemblies: HashMap::new(),
+        offer,
+    };
     loop {
         tokio::select! {
             order = orders.recv() => match order {
@@ -327,7 +401,9 @@ pub async fn link(
 /// The time since `sent_at_us` (UNIX microseconds, the sender's clock): a chunk's transfer.
 fn since(sent_at_us: u64) -> Duration {
     let sent_at = std::time::UNIX_EPOCH + Duration::from_micros(sent_at_us);
-    std::time::SystemTime::now().duration_since(sent_at).unwrap_or_default()
+    std::time::SystemTime::now()
+        .duration_since(sent_at)
+        .unwrap_or_default()
 }
 
 /// The link's state: the prefill workers heard, which one serves each request, the chunks
@@ -347,7 +423,11 @@ struct Link {
 
 impl Link {
     fn prefill_workers(&self) -> Vec<WorkerStatus> {
-        self.peers.live().filter(|w| w.role == WorkerRole::Prefill && w.model == self.model).cloned().collect()
+        self.peers
+            .live()
+            .filter(|w| w.role == WorkerRole::Prefill && w.model == self.model)
+            .cloned()
+            .collect()
     }
 
     fn fail(&self, key: ReqId, why: String) {
@@ -362,14 +442,22 @@ impl Link {
                 g.direct = self.offer.clone();
                 let key = g.key;
                 if !self.targets.contains_key(&key) {
-                    let Some(w) = self.prefill_workers().into_iter().min_by_key(|w| (w.queued_prefill_tokens, w.active_streams)) else {
+                    let Some(w) = self
+                        .prefill_workers()
+                        .into_iter()
+                        .min_by_key(|w| (w.queued_prefill_tokens, w.active_streams))
+                    else {
                         return self.fail(key, "no prefill worker is live".into());
                     };
                     self.targets.insert(key, w.worker_id);
                 }
                 let target = subjects::prefill_orders(&self.targets[&key]);
                 let sent = match llmq_protocol::encode(&PrefillOrder::Grant(g)) {
-                    Ok(bytes) => self.client.publish(target, bytes.into()).await.map_err(|e| e.to_string()),
+                    Ok(bytes) => self
+                        .client
+                        .publish(target, bytes.into())
+                        .await
+                        .map_err(|e| e.to_string()),
                     Err(e) => Err(e.to_string()),
                 };
                 if let Err(why) = sent {
@@ -379,8 +467,14 @@ impl Link {
             Order::Drop(key) => {
                 self.assemblies.retain(|(k, _), _| *k != key);
                 if let Some(target) = self.targets.remove(&key) {
-                    if let Ok(bytes) = llmq_protocol::encode(&PrefillOrder::Drop { decoder: self.decoder.clone(), key }) {
-                        let _ = self.client.publish(subjects::prefill_orders(&target), bytes.into()).await;
+                    if let Ok(bytes) = llmq_protocol::encode(&PrefillOrder::Drop {
+                        decoder: self.decoder.clone(),
+                        key,
+                    }) {
+                        let _ = self
+                            .client
+                            .publish(subjects::prefill_orders(&target), bytes.into())
+                            .await;
                     }
                 }
             }
@@ -398,12 +492,21 @@ impl Link {
         }
         match r {
             Received::Frame(f) => {
-                let _ = self.arrivals.send(Arrival::Computed { key, start: f.start as usize });
+                let _ = self.arrivals.send(Arrival::Computed {
+                    key,
+                    start: f.start as usize,
+                });
             }
             Received::Bytes(f, bytes, checked) => match checked {
                 Ok(()) => {
                     let transfer = since(f.sent_at_us);
-                    let _ = self.arrivals.send(Arrival::Kv { key, start: f.start as usize, n: f.n as usize, bytes, transfer });
+                    let _ = self.arrivals.send(Arrival::Kv {
+                        key,
+                        start: f.start as usize,
+                        n: f.n as usize,
+                        bytes,
+                        transfer,
+                    });
                 }
                 Err(e) => self.fail(key, format!("chunk at {}: {e}", f.start)),
             },
@@ -434,19 +537,30 @@ impl Link {
         let p = match reply {
             PrefillReply::Kv(p) if known => p,
             PrefillReply::Kv(_) => return, // for a request forgotten here
-            PrefillReply::Failed { key, start, error } => return self.fail(key, format!("chunk at {start}: {}", error.message)),
+            PrefillReply::Failed { key, start, error } => {
+                return self.fail(key, format!("chunk at {start}: {}", error.message))
+            }
         };
         let (key, start, n) = (p.key, p.start, p.n as usize);
         let slot = (key, start);
         if !self.assemblies.contains_key(&slot) {
-            let _ = self.arrivals.send(Arrival::Computed { key, start: start as usize });
+            let _ = self.arrivals.send(Arrival::Computed {
+                key,
+                start: start as usize,
+            });
         }
         let sent_at_us = p.sent_at_us;
         match self.assemblies.entry(slot).or_default().add(p) {
             Ok(None) => {}
             Ok(Some(bytes)) => {
                 self.assemblies.remove(&slot);
-                let _ = self.arrivals.send(Arrival::Kv { key, start: start as usize, n, bytes, transfer: since(sent_at_us) });
+                let _ = self.arrivals.send(Arrival::Kv {
+                    key,
+                    start: start as usize,
+                    n,
+                    bytes,
+                    transfer: since(sent_at_us),
+                });
             }
             Err(e) => {
                 self.assemblies.remove(&slot);
@@ -466,7 +580,12 @@ impl Link {
     fn check(&mut self) {
         let alive = self.prefill_workers();
         self.live.store(!alive.is_empty(), Ordering::Relaxed);
-        let gone: Vec<ReqId> = self.targets.iter().filter(|(_, t)| !alive.iter().any(|w| &&w.worker_id == t)).map(|(k, _)| *k).collect();
+        let gone: Vec<ReqId> = self
+            .targets
+            .iter()
+            .filter(|(_, t)| !alive.iter().any(|w| &&w.worker_id == t))
+            .map(|(k, _)| *k)
+            .collect();
         for key in gone {
             let target = self.targets.remove(&key).unwrap_or_default();
             self.assemblies.retain(|(k, _), _| *k != key);

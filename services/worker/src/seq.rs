@@ -12,9 +12,9 @@ use std::rc::Rc;
 
 use llmq_engine::cache::SequenceCache;
 use llmq_engine::generate::Finisher;
+use llmq_engine::mask::MaskLayout;
 use llmq_engine::model::host_f32;
 use llmq_engine::prefix::KvPrefix;
-use llmq_engine::mask::MaskLayout;
 use llmq_engine::Model;
 use llmq_protocol::{Constraint, ErrorClass, Job, TokenLogprob, WireError};
 use llmq_text::constraint::{Grammars, Matcher};
@@ -62,10 +62,21 @@ impl Shared {
             None => Err("the model has no tokenizer".to_string()),
             Some(t) => {
                 let vocab = model.config.vocab_size;
-                Grammars::new(t, vocab, &t.eos_ids).map(|grammars| Constraints { grammars, layout: MaskLayout::new(vocab) }).map_err(|e| e.to_string())
+                Grammars::new(t, vocab, &t.eos_ids)
+                    .map(|grammars| Constraints {
+                        grammars,
+                        layout: MaskLayout::new(vocab),
+                    })
+                    .map_err(|e| e.to_string())
             }
         };
-        Shared { model: Rc::new(model), tokenizer: tokenizer.map(Rc::new), constraints: Rc::new(constraints), mask_times: Rc::default(), remembers }
+        Shared {
+            model: Rc::new(model),
+            tokenizer: tokenizer.map(Rc::new),
+            constraints: Rc::new(constraints),
+            mask_times: Rc::default(),
+            remembers,
+        }
     }
 
     /// A copy of a sequence's KV (`layers`, as `Seq::layers` gives it) for the prefix cache, or
@@ -75,7 +86,9 @@ impl Shared {
     /// its whole buffer).
     pub fn prefix_copy(&self, layers: Option<Vec<(Array, Array)>>) -> Option<KvPrefix> {
         let layers = layers.filter(|_| self.remembers)?;
-        KvPrefix::copy_of(layers).inspect_err(|e| tracing::warn!(error = %e, "could not copy a prefix")).ok()
+        KvPrefix::copy_of(layers)
+            .inspect_err(|e| tracing::warn!(error = %e, "could not copy a prefix"))
+            .ok()
     }
 }
 
@@ -98,12 +111,31 @@ pub struct SeqSpec {
 
 impl SeqSpec {
     pub fn new(prompt: Vec<u32>, sampling: Sampling, stop: StopConditions) -> Self {
-        SeqSpec { prompt, sampling, stop, salt: None, constraint: None }
+        SeqSpec {
+            prompt,
+            sampling,
+            stop,
+            salt: None,
+            constraint: None,
+        }
     }
 
     pub fn of_job(job: Job) -> Self {
-        let Job { prompt_ids, sampling, stop, cache_salt, constraint, .. } = job;
-        SeqSpec { prompt: prompt_ids, sampling, stop, salt: cache_salt, constraint }
+        let Job {
+            prompt_ids,
+            sampling,
+            stop,
+            cache_salt,
+            constraint,
+            ..
+        } = job;
+        SeqSpec {
+            prompt: prompt_ids,
+            sampling,
+            stop,
+            salt: cache_salt,
+            constraint,
+        }
     }
 
     /// Sample `choice` of a job: the job's parameters, its seed (when it has one) moved by the
@@ -145,20 +177,37 @@ impl Seq {
     /// system; what only the loaded model can tell, that its prompt ids fit the vocabulary, is
     /// checked here, before any work is queued.
     pub fn new(shared: &Shared, spec: SeqSpec) -> Result<Seq, WireError> {
-        let SeqSpec { prompt, sampling, stop, salt, constraint } = spec;
+        let SeqSpec {
+            prompt,
+            sampling,
+            stop,
+            salt,
+            constraint,
+        } = spec;
         let invalid = |m: String| WireError::new(ErrorClass::InvalidRequest, m);
-        llmq_engine::generate::check_ids(&shared.model, &prompt).map_err(|e| invalid(e.to_string()))?;
+        llmq_engine::generate::check_ids(&shared.model, &prompt)
+            .map_err(|e| invalid(e.to_string()))?;
         if prompt.is_empty() {
             return Err(invalid("empty prompt".into()));
         }
         let matcher = match constraint {
             None => None,
             Some(c) => {
-                let cs = shared.constraints.as_ref().as_ref().map_err(|why| invalid(format!("this model cannot take a constraint: {why}")))?;
-                Some(cs.grammars.matcher(&c).map_err(|e| invalid(e.to_string()))?)
+                let cs = shared.constraints.as_ref().as_ref().map_err(|why| {
+                    invalid(format!("this model cannot take a constraint: {why}"))
+                })?;
+                Some(
+                    cs.grammars
+                        .matcher(&c)
+                        .map_err(|e| invalid(e.to_string()))?,
+                )
             }
         };
-        let eos = shared.tokenizer.as_ref().map(|t| t.eos_ids.clone()).unwrap_or_default();
+        let eos = shared
+            .tokenizer
+            .as_ref()
+            .map(|t| t.eos_ids.clone())
+            .unwrap_or_default();
         Ok(Seq {
             // Room for the prompt and its first token: the cache never grows during prefill,
             // and joins the decode batch without a copy.
@@ -204,7 +253,12 @@ impl Seq {
     /// Takes `id` as the sequence's next token and runs the stop checks.
     /// A constrained sequence's matcher follows the token later (or is following it already,
     /// away in `MasksAhead`).
-    pub fn take_token(&mut self, tok: Option<&Tokenizer>, id: u32, lp: Option<TokenLogprob>) -> Result<StepOut, WireError> {
+    pub fn take_token(
+        &mut self,
+        tok: Option<&Tokenizer>,
+        id: u32,
+        lp: Option<TokenLogprob>,
+    ) -> Result<StepOut, WireError> {
         if let Some(why) = self.stuck.take() {
             return Err(WireError::new(ErrorClass::ConstraintFailed, why));
         }
@@ -214,12 +268,19 @@ impl Seq {
         self.history.push(id);
         self.next = Some(id);
         let (text, finished) = self.finisher.push(tok, id).map_err(internal)?;
-        Ok(StepOut { ids: vec![id], text, logprobs: lp.into_iter().collect(), finished })
+        Ok(StepOut {
+            ids: vec![id],
+            text,
+            logprobs: lp.into_iter().collect(),
+            finished,
+        })
     }
 
     /// Samples the first output token from the prompt's last logits.
     pub fn first_token(&mut self, logits: &Array, shared: &Shared) -> Result<StepOut, WireError> {
-        let (t, lp) = choose(logits, &mut [&mut *self], shared)?.pop().expect("one row");
+        let (t, lp) = choose(logits, &mut [&mut *self], shared)?
+            .pop()
+            .expect("one row");
         self.take_token(shared.tokenizer.as_deref(), t, lp)
     }
 }
@@ -229,7 +290,9 @@ impl Seq {
 pub fn run_chunk(model: &Model, seq: &mut Seq, n: usize) -> Result<Option<Array>, WireError> {
     let chunk: Vec<i32> = seq.chunk(n).iter().map(|&t| t as i32).collect();
     let x = Array::from_slice(&chunk, &[1, chunk.len() as i32]);
-    let logits = model.forward(&x, &mut [&mut seq.cache], true).map_err(internal)?;
+    let logits = model
+        .forward(&x, &mut [&mut seq.cache], true)
+        .map_err(internal)?;
     seq.prefilled += chunk.len();
     if seq.prefilled < seq.prompt.len() {
         // Materialise the cache now: the chunk's work belongs to this tick.
@@ -249,7 +312,10 @@ pub fn unknown(what: &str, id: ReqId) -> WireError {
 
 /// The sampler's logprob with the token's and the alternatives' texts.
 fn with_texts(mut lp: TokenLogprob, tok: Option<&Tokenizer>) -> TokenLogprob {
-    let piece = |id: u32| tok.and_then(|t| t.decode(&[id], false).ok()).unwrap_or_default();
+    let piece = |id: u32| {
+        tok.and_then(|t| t.decode(&[id], false).ok())
+            .unwrap_or_default()
+    };
     lp.text = piece(lp.token);
     lp.top_text = lp.top.iter().map(|&(id, _)| piece(id)).collect();
     lp
@@ -263,13 +329,29 @@ fn token_masks<'a>(rows: impl IntoIterator<Item = Option<&'a mut Seq>>, words: u
     use rayon::prelude::*;
     let rows: Vec<Option<&mut Seq>> = rows.into_iter().collect();
     let mut masks = vec![u32::MAX; rows.len() * words];
-    type Row<'r> = (&'r mut Matcher, Option<u32>, &'r mut Option<String>, &'r mut [u32]);
+    type Row<'r> = (
+        &'r mut Matcher,
+        Option<u32>,
+        &'r mut Option<String>,
+        &'r mut [u32],
+    );
     let mut work: Vec<Row> = vec![];
     for (s, mask) in rows.into_iter().zip(masks.chunks_mut(words)) {
-        let Some(Seq { matcher: Some(m), unfollowed, stuck, mask: ready, .. }) = s else { continue };
+        let Some(Seq {
+            matcher: Some(m),
+            unfollowed,
+            stuck,
+            mask: ready,
+            ..
+        }) = s
+        else {
+            continue;
+        };
         match ready.take() {
             _ if stuck.is_some() => {}
-            Some(ready) if ready.len() == words && unfollowed.is_none() => mask.copy_from_slice(&ready),
+            Some(ready) if ready.len() == words && unfollowed.is_none() => {
+                mask.copy_from_slice(&ready)
+            }
             _ => work.push((m, unfollowed.take(), stuck, mask)),
         }
     }
@@ -290,7 +372,8 @@ fn token_masks<'a>(rows: impl IntoIterator<Item = Option<&'a mut Seq>>, words: u
 
 /// A matcher follows `last` (when given), then writes into `mask` what may come next.
 fn follow(m: &mut Matcher, last: Option<u32>, mask: &mut [u32]) -> Result<(), String> {
-    last.map_or(Ok(()), |t| m.accept(t)).and_then(|()| m.allowed(mask))
+    last.map_or(Ok(()), |t| m.accept(t))
+        .and_then(|()| m.allowed(mask))
 }
 
 /// What computing masks ahead gave back: each row's matcher and its next mask (or why its
@@ -310,7 +393,10 @@ impl MasksAhead {
     /// Starts the masks of `rows` (a sequence and the token just read for it; rows without a
     /// constraint, or already stuck, are left out); None when no row is left (or the model
     /// takes no constraints).
-    pub fn start<'a>(shared: &Shared, rows: impl IntoIterator<Item = (ReqId, &'a mut Seq, u32)>) -> Option<MasksAhead> {
+    pub fn start<'a>(
+        shared: &Shared,
+        rows: impl IntoIterator<Item = (ReqId, &'a mut Seq, u32)>,
+    ) -> Option<MasksAhead> {
         use rayon::prelude::*;
         let words = shared.constraints.as_ref().as_ref().ok()?.layout.words();
         let mut ids = vec![];
@@ -341,7 +427,11 @@ impl MasksAhead {
                     .map(|(mut m, tokens)| {
                         let mut mask = vec![0u32; words];
                         let (last, before) = tokens.split_last().expect("one token at least");
-                        let r = before.iter().try_for_each(|&t| m.accept(t)).and_then(|()| follow(&mut m, Some(*last), &mut mask)).map(|()| mask);
+                        let r = before
+                            .iter()
+                            .try_for_each(|&t| m.accept(t))
+                            .and_then(|()| follow(&mut m, Some(*last), &mut mask))
+                            .map(|()| mask);
                         (m, r)
                     })
                     .collect::<Vec<_>>()
@@ -388,14 +478,26 @@ impl MasksAhead {
 /// `logits` [rows, ..] restricted, row by row, to what each row's constraint allows (`rows`: the
 /// sequence of each row, None for a row without one), and the masks' cost counted. The masks
 /// are computed while the device computes the logits.
-pub fn restrict_rows<'a>(shared: &Shared, logits: &Array, rows: impl IntoIterator<Item = Option<&'a mut Seq>>) -> Result<Array, WireError> {
-    masked(shared, logits, rows, |layout, masks| layout.restrict(logits, masks))
+pub fn restrict_rows<'a>(
+    shared: &Shared,
+    logits: &Array,
+    rows: impl IntoIterator<Item = Option<&'a mut Seq>>,
+) -> Result<Array, WireError> {
+    masked(shared, logits, rows, |layout, masks| {
+        layout.restrict(logits, masks)
+    })
 }
 
 /// Each row's greedy token among those its constraint allows (int32 [rows], lazy), as
 /// `argmax_rows` of `restrict_rows` but without the restricted logits (see `MaskLayout::argmax`).
-pub fn restricted_argmax<'a>(shared: &Shared, logits: &Array, rows: impl IntoIterator<Item = Option<&'a mut Seq>>) -> Result<Array, WireError> {
-    masked(shared, logits, rows, |layout, masks| layout.argmax(logits, masks))
+pub fn restricted_argmax<'a>(
+    shared: &Shared,
+    logits: &Array,
+    rows: impl IntoIterator<Item = Option<&'a mut Seq>>,
+) -> Result<Array, WireError> {
+    masked(shared, logits, rows, |layout, masks| {
+        layout.argmax(logits, masks)
+    })
 }
 
 /// The rows' masks, computed while the device computes `logits` and counted, then `apply`
@@ -410,7 +512,10 @@ fn masked<'a>(
     mlx_rs::transforms::async_eval([logits]).map_err(internal)?;
     let t0 = std::time::Instant::now();
     let rows: Vec<Option<&mut Seq>> = rows.into_iter().collect();
-    let constrained = rows.iter().filter(|s| s.as_ref().is_some_and(|s| s.matcher.is_some())).count();
+    let constrained = rows
+        .iter()
+        .filter(|s| s.as_ref().is_some_and(|s| s.matcher.is_some()))
+        .count();
     let masks = token_masks(rows, cs.layout.words());
     let mut m = shared.mask_times.get();
     m.steps += 1;
@@ -433,20 +538,29 @@ pub fn waited_after_masks(shared: &Shared, since: std::time::Instant) {
 
 /// Greedy token of every row of `logits` [rows, 1, vocab], on the device (int32, lazy).
 pub fn argmax_rows(logits: &Array, rows: i32) -> Result<Array, WireError> {
-    let am = argmax_axis(&logits.reshape(&[rows, -1]).map_err(internal)?, -1, None).map_err(internal)?;
+    let am =
+        argmax_axis(&logits.reshape(&[rows, -1]).map_err(internal)?, -1, None).map_err(internal)?;
     am.as_dtype(Dtype::Int32).map_err(internal)
 }
 
 /// Token ids of an int32 device array, read on the host (waits for the device).
 pub fn host_ids(a: &Array) -> Result<Vec<u32>, WireError> {
-    Ok(a.try_as_slice::<i32>().map_err(internal)?.iter().map(|&v| v as u32).collect())
+    Ok(a.try_as_slice::<i32>()
+        .map_err(internal)?
+        .iter()
+        .map(|&v| v as u32)
+        .collect())
 }
 
 /// Picks each row's token: one device argmax for the whole batch, host sampling only for rows
 /// that need it (temperature, penalties, logprobs). Constrained rows' logits are restricted to
 /// the tokens their constraints allow; the masks are computed on the host while the device
 /// computes the logits.
-pub fn choose(logits: &Array, seqs: &mut [&mut Seq], shared: &Shared) -> Result<Vec<(u32, Option<TokenLogprob>)>, WireError> {
+pub fn choose(
+    logits: &Array,
+    seqs: &mut [&mut Seq],
+    shared: &Shared,
+) -> Result<Vec<(u32, Option<TokenLogprob>)>, WireError> {
     let tok = shared.tokenizer.as_deref();
     let b = seqs.len() as i32;
     let mut rows = logits.reshape(&[b, -1]).map_err(internal)?;
@@ -463,7 +577,11 @@ pub fn choose(logits: &Array, seqs: &mut [&mut Seq], shared: &Shared) -> Result<
         rows = restrict_rows(shared, &rows, seqs.iter_mut().map(|s| Some(&mut **s)))?;
     }
     let masks_done = std::time::Instant::now();
-    let greedy_ids: Option<Vec<u32>> = if seqs.iter().any(|s| s.device_greedy()) { Some(host_ids(&argmax_rows(&rows, b)?)?) } else { None };
+    let greedy_ids: Option<Vec<u32>> = if seqs.iter().any(|s| s.device_greedy()) {
+        Some(host_ids(&argmax_rows(&rows, b)?)?)
+    } else {
+        None
+    };
     if masked {
         if greedy_ids.is_none() {
             rows.eval().map_err(internal)?;
@@ -512,5 +630,8 @@ pub fn guarded<T>(f: impl FnOnce() -> T) -> Result<T, String> {
 
 /// A panic's message.
 pub fn panic_text(p: Box<dyn std::any::Any + Send>) -> String {
-    p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_else(|| "panic".into())
+    p.downcast_ref::<String>()
+        .cloned()
+        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "panic".into())
 }

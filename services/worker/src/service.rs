@@ -29,7 +29,9 @@ use llmq_engine::{load_named, LoadOptions, LoadedModel};
 use llmq_protocol::{subjects, CacheCleared, Cancel, ClearCache, Event, WorkerRole, WorkerStatus};
 use tokio::sync::mpsc;
 
-use crate::actor::{CancelRequest, ClearPrefixCache, Outbound, SchedulerActor, WarmUp, WorkerEngine};
+use crate::actor::{
+    CancelRequest, ClearPrefixCache, Outbound, SchedulerActor, WarmUp, WorkerEngine,
+};
 use crate::engine::{ActorEngine, EngineOptions};
 use crate::held::Held;
 use crate::host_memory;
@@ -65,15 +67,23 @@ pub(crate) fn nats_err(e: impl std::error::Error + Send + Sync + 'static) -> Wor
     WorkerError::Nats(Box::new(e))
 }
 
-
 /// The scheduler's settings for a worker whose chunks beside decoding streams run in `stages`
 /// stages: such a chunk spans them; with stages, the tick budget sizes each tick's share of a
 /// chunk in the decode actor, so here it sizes nothing; without, the budget (set, or the
 /// device's default: a CPU's) sizes whole chunks. On a CPU a model that cannot stage its chunks
 /// (sliding windows) takes whole chunks up to a staged chunk's tokens, sized by the budget.
-pub fn scheduler_config(c: &SchedulerSettings, gpu: bool, stages: usize, kv_budget_bytes: u64) -> SchedulerConfig {
+pub fn scheduler_config(
+    c: &SchedulerSettings,
+    gpu: bool,
+    stages: usize,
+    kv_budget_bytes: u64,
+) -> SchedulerConfig {
     SchedulerConfig {
-        prefill_chunk: c.chunk_tokens(gpu).saturating_mul(if gpu { stages } else { c.chunk_stages(gpu) }),
+        prefill_chunk: c.chunk_tokens(gpu).saturating_mul(if gpu {
+            stages
+        } else {
+            c.chunk_stages(gpu)
+        }),
         idle_prefill_chunk: c.idle_chunk(gpu),
         max_batch: c.max_batch,
         kv_budget_bytes,
@@ -99,12 +109,16 @@ pub fn auto_kv_budget(weight_bytes: usize) -> u64 {
 /// on the device thread, before the model loads; MLX keeps its own where a setting is absent.
 fn set_mlx_limits(memory: Option<u64>, cache: Option<u64>) -> Result<(), WorkerError> {
     if let Some(b) = memory {
-        mlx_rs::memory::set_memory_limit(b as usize)
-            .map_err(|source| WorkerError::MlxLimit { setting: "worker.mlx_memory_limit_bytes", source })?;
+        mlx_rs::memory::set_memory_limit(b as usize).map_err(|source| WorkerError::MlxLimit {
+            setting: "worker.mlx_memory_limit_bytes",
+            source,
+        })?;
     }
     if let Some(b) = cache {
-        mlx_rs::memory::set_cache_limit(b as usize)
-            .map_err(|source| WorkerError::MlxLimit { setting: "worker.mlx_cache_limit_bytes", source })?;
+        mlx_rs::memory::set_cache_limit(b as usize).map_err(|source| WorkerError::MlxLimit {
+            setting: "worker.mlx_cache_limit_bytes",
+            source,
+        })?;
     }
     Ok(())
 }
@@ -118,11 +132,20 @@ pub(crate) type Scheduler = Addr<SchedulerActor<ActorEngine>>;
 /// no more jobs, finishes those it holds for up to `worker.drain_timeout_s`, ends what is left
 /// with `worker_lost` (acknowledged, so no other worker runs it again), and returns once every
 /// held job's terminal event is out. Must be called inside an actix System.
-pub async fn run(settings: Settings, stop: impl std::future::Future<Output = ()> + 'static) -> Result<(), WorkerError> {
+pub async fn run(
+    settings: Settings,
+    stop: impl std::future::Future<Output = ()> + 'static,
+) -> Result<(), WorkerError> {
     let worker_id = settings.worker.id.clone().unwrap_or_else(default_worker_id);
     let model_name = settings.worker.model.clone();
     let role: WorkerRole = settings.worker.role.parse().unwrap_or_default();
-    let client = llmq_protocol::connect(&settings.nats.url, settings.nats.ca_file.as_deref(), "llmq-worker").await.map_err(nats_err)?;
+    let client = llmq_protocol::connect(
+        &settings.nats.url,
+        settings.nats.ca_file.as_deref(),
+        "llmq-worker",
+    )
+    .await
+    .map_err(nats_err)?;
     if role == WorkerRole::Prefill {
         return crate::prefill_service::run(settings, client, worker_id, stop).await;
     }
@@ -135,12 +158,16 @@ pub async fn run(settings: Settings, stop: impl std::future::Future<Output = ()>
     let snapshot = Arc::new(Mutex::new(WorkerStatus::default()));
     let (remote, link) = match role {
         WorkerRole::Decode => {
-            let (device_end, link_end) = RemotePrefill::new(&worker_id, Duration::from_millis(settings.worker.remote_prefill_timeout_ms));
+            let (device_end, link_end) = RemotePrefill::new(
+                &worker_id,
+                Duration::from_millis(settings.worker.remote_prefill_timeout_ms),
+            );
             (Some(device_end), Some(link_end))
         }
         _ => (None, None),
     };
-    let (actor, device) = start_device(&settings, &worker_id, out_tx, snapshot.clone(), remote).await?;
+    let (actor, device) =
+        start_device(&settings, &worker_id, out_tx, snapshot.clone(), remote).await?;
     // Whatever ends the serving (a stop, an error), the device thread is stopped before the
     // process may exit.
     let served: Result<(), WorkerError> = async {
@@ -216,7 +243,10 @@ pub async fn run(settings: Settings, stop: impl std::future::Future<Output = ()>
 /// destructors while the thread still holds arrays: glibc saw the heap corrupted.)
 pub(crate) async fn stop_device(device: Arbiter) {
     device.stop();
-    if tokio::task::spawn_blocking(move || device.join()).await.map_or(true, |r| r.is_err()) {
+    if tokio::task::spawn_blocking(move || device.join())
+        .await
+        .map_or(true, |r| r.is_err())
+    {
         tracing::error!("the device thread panicked while stopping");
     }
 }
@@ -236,7 +266,11 @@ async fn start_device(
     let sched = settings.scheduler.clone();
     let prefix = settings.prefix_cache.clone();
     let requested_stages = sched.chunk_stages(gpu);
-    let (stage_budget, stage_tokens, min_stage_tokens) = (sched.tick_budget(gpu), sched.chunk_tokens(gpu), sched.min_chunk(gpu));
+    let (stage_budget, stage_tokens, min_stage_tokens) = (
+        sched.tick_budget(gpu),
+        sched.chunk_tokens(gpu),
+        sched.min_chunk(gpu),
+    );
     let w = settings.worker.clone();
     // On a CPU, memory faulted in once and reused (see `host_memory`).
     let reserve_host_memory = !gpu && w.host_memory_reserve_bytes != Some(0);
@@ -249,25 +283,52 @@ async fn start_device(
             // A chunk beside decoding streams spans the stages this model's decode actor runs
             // it in (fewer than asked for a sliding-window model, or one with fewer layers).
             let chunk_stages = crate::decode::chunk_stages(&model, requested_stages);
-            let kv_budget = sched.kv_budget_bytes.unwrap_or_else(|| auto_kv_budget(model.weight_bytes()));
-            tracing::info!(kv_budget_bytes = kv_budget, weight_bytes = model.weight_bytes(), "KV budget");
-            let prefix_max = if prefix.max_bytes == 0 { kv_budget } else { prefix.max_bytes.min(kv_budget) };
+            let kv_budget = sched
+                .kv_budget_bytes
+                .unwrap_or_else(|| auto_kv_budget(model.weight_bytes()));
+            tracing::info!(
+                kv_budget_bytes = kv_budget,
+                weight_bytes = model.weight_bytes(),
+                "KV budget"
+            );
+            let prefix_max = if prefix.max_bytes == 0 {
+                kv_budget
+            } else {
+                prefix.max_bytes.min(kv_budget)
+            };
             let cfg = scheduler_config(&sched, gpu, chunk_stages, kv_budget);
             // Whole chunks, of every size the tick budget grants, are never padded.
             let mut sizes = cfg.chunk_sizes();
             sizes.push(cfg.idle_prefill_chunk);
             model.fit_chunk_grid(&sizes);
             let prefix = prefix.enabled.then_some((prefix.block_tokens, prefix_max));
-            let opts = EngineOptions { decode_ahead: sched.decode_ahead, prefix, chunk_stages, stage_tokens, stage_budget, min_stage_tokens };
+            let opts = EngineOptions {
+                decode_ahead: sched.decode_ahead,
+                prefix,
+                chunk_stages,
+                stage_tokens,
+                stage_budget,
+                min_stage_tokens,
+            };
             let mut engine = ActorEngine::start(model, m.tokenizer, opts);
             if let Some(remote) = remote {
                 engine = engine.with_remote_prefill(remote);
             }
             if reserve_host_memory {
-                let reserve = w.host_memory_reserve_bytes.unwrap_or_else(|| host_memory::default_reserve(engine.context_tokens(), engine.kv_bytes_per_token(), kv_budget));
+                let reserve = w.host_memory_reserve_bytes.unwrap_or_else(|| {
+                    host_memory::default_reserve(
+                        engine.context_tokens(),
+                        engine.kv_bytes_per_token(),
+                        kv_budget,
+                    )
+                });
                 let t = std::time::Instant::now();
                 match host_memory::fault_in(reserve) {
-                    Ok(()) => tracing::info!(reserve_bytes = reserve, ms = t.elapsed().as_millis() as u64, "host memory faulted in"),
+                    Ok(()) => tracing::info!(
+                        reserve_bytes = reserve,
+                        ms = t.elapsed().as_millis() as u64,
+                        "host memory faulted in"
+                    ),
                     Err(e) => tracing::warn!(error = %e, "host memory not faulted in"),
                 }
             }
@@ -293,21 +354,41 @@ async fn start_device(
 
 /// On the device thread, before anything else runs there: MLX's limits, the host memory kept
 /// for reuse (on a CPU, when `reserve_host_memory`), then the model.
-pub(crate) fn load_on_device(w: &WorkerSettings, reserve_host_memory: bool) -> Result<LoadedModel, WorkerError> {
+pub(crate) fn load_on_device(
+    w: &WorkerSettings,
+    reserve_host_memory: bool,
+) -> Result<LoadedModel, WorkerError> {
     set_mlx_limits(w.mlx_memory_limit_bytes, w.mlx_cache_limit_bytes)?;
     if reserve_host_memory {
-        let kept = host_memory::keep_freed(w.mlx_cache_limit_bytes)
-            .map_err(|source| WorkerError::MlxLimit { setting: "worker.host_memory_reserve_bytes", source })?;
+        let kept = host_memory::keep_freed(w.mlx_cache_limit_bytes).map_err(|source| {
+            WorkerError::MlxLimit {
+                setting: "worker.host_memory_reserve_bytes",
+                source,
+            }
+        })?;
         tracing::debug!(kept, "freed host memory kept for reuse");
     }
-    let load = |source| WorkerError::Load { model: w.model.clone(), source };
-    let opts = LoadOptions::from_settings(w.dtype.as_deref(), w.quantize, w.quantize_group_size, w.keep_quantized).map_err(load)?;
+    let load = |source| WorkerError::Load {
+        model: w.model.clone(),
+        source,
+    };
+    let opts = LoadOptions::from_settings(
+        w.dtype.as_deref(),
+        w.quantize,
+        w.quantize_group_size,
+        w.keep_quantized,
+    )
+    .map_err(load)?;
     load_named(&w.model, opts).map_err(load)
 }
 
 /// Follows the peers' heartbeats, from before the warm-up so that the peer set is known when
 /// jobs are first fetched (see `placement`).
-async fn follow_peers(client: &async_nats::Client, settings: &Settings, worker_id: &str) -> Result<Arc<Mutex<Placement>>, WorkerError> {
+async fn follow_peers(
+    client: &async_nats::Client,
+    settings: &Settings,
+    worker_id: &str,
+) -> Result<Arc<Mutex<Placement>>, WorkerError> {
     let placement = Arc::new(Mutex::new(Placement::new(
         worker_id,
         &settings.worker.model,
@@ -315,7 +396,10 @@ async fn follow_peers(client: &async_nats::Client, settings: &Settings, worker_i
         settings.scheduler.max_batch,
         settings.worker.max_queued,
     )));
-    let mut beats = client.subscribe(subjects::WORKER_STATUS_ALL).await.map_err(nats_err)?;
+    let mut beats = client
+        .subscribe(subjects::WORKER_STATUS_ALL)
+        .await
+        .map_err(nats_err)?;
     let heard = placement.clone();
     actix::spawn(async move {
         while let Some(m) = beats.next().await {
@@ -337,7 +421,10 @@ async fn follow_peers(client: &async_nats::Client, settings: &Settings, worker_i
 async fn warm_up(actor: &Scheduler, settings: &Settings) -> Result<(), WorkerError> {
     let sched = &settings.scheduler;
     let (default_tokens, rows) = if llmq_engine::on_gpu() {
-        (GPU_WARM_UP_TOKENS, crate::actor::warm_up_rows(sched.max_batch))
+        (
+            GPU_WARM_UP_TOKENS,
+            crate::actor::warm_up_rows(sched.max_batch),
+        )
     } else {
         (sched.chunk_tokens(false) + 5, vec![1])
     };
@@ -355,14 +442,22 @@ async fn warm_up(actor: &Scheduler, settings: &Settings) -> Result<(), WorkerErr
 
 /// Publishes events in order, and acknowledges a job once its terminal event is out. While
 /// the connection is down, events wait; a job given up meanwhile (`held`) gets none of them.
-async fn publish_events(client: async_nats::Client, mut out: mpsc::UnboundedReceiver<Outbound>, inflight: Inflight, actor: Scheduler) {
+async fn publish_events(
+    client: async_nats::Client,
+    mut out: mpsc::UnboundedReceiver<Outbound>,
+    inflight: Inflight,
+    actor: Scheduler,
+) {
     while let Some(o) = out.recv().await {
         while client.connection_state() != async_nats::connection::State::Connected {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         let (publish, given_up) = inflight.may_publish(&o.request_id, std::time::Instant::now());
         if !given_up.is_empty() {
-            tracing::warn!(jobs = given_up.len(), "the server did not hear this worker for too long: its jobs go to others");
+            tracing::warn!(
+                jobs = given_up.len(),
+                "the server did not hear this worker for too long: its jobs go to others"
+            );
             for id in given_up {
                 actor.do_send(CancelRequest(id));
             }
@@ -399,15 +494,26 @@ async fn forward_cancels(mut cancels: async_nats::Subscriber, actor: Scheduler) 
 
 /// `llm.v1.cache.clear`: drops the cached prefixes of this worker's model (of every model if
 /// none is named), answering `CacheCleared` when asked.
-async fn clear_caches(mut clears: async_nats::Subscriber, actor: Scheduler, client: async_nats::Client, worker_id: String, model: String) {
+async fn clear_caches(
+    mut clears: async_nats::Subscriber,
+    actor: Scheduler,
+    client: async_nats::Client,
+    worker_id: String,
+    model: String,
+) {
     while let Some(m) = clears.next().await {
-        let Ok(c) = llmq_protocol::decode::<ClearCache>(&m.payload) else { continue };
+        let Ok(c) = llmq_protocol::decode::<ClearCache>(&m.payload) else {
+            continue;
+        };
         if c.model.as_ref().is_some_and(|x| *x != model) {
             continue;
         }
         let freed = actor.send(ClearPrefixCache).await.unwrap_or(0);
         if let Some(reply) = m.reply {
-            if let Ok(bytes) = llmq_protocol::encode(&CacheCleared { worker_id: worker_id.clone(), freed_bytes: freed }) {
+            if let Ok(bytes) = llmq_protocol::encode(&CacheCleared {
+                worker_id: worker_id.clone(),
+                freed_bytes: freed,
+            }) {
                 let _ = client.publish(reply, bytes.into()).await;
             }
         }
@@ -438,7 +544,9 @@ fn heartbeats(
                 let sent = std::time::Instant::now();
                 let within = inflight.reply_within();
                 for (request_id, m) in inflight.messages() {
-                    let Some(reply) = m.reply.clone() else { continue };
+                    let Some(reply) = m.reply.clone() else {
+                        continue;
+                    };
                     let (client, held) = (client.clone(), inflight.clone());
                     // A later reply would not count: waiting longer is pointless.
                     actix::spawn(async move {
@@ -466,7 +574,11 @@ fn heartbeats(
 /// Puts a request's outcome on its span (which then closes).
 fn record_end(span: &tracing::Span, event: &Event) {
     match event {
-        Event::Done { finish_reason, usage, timings } => {
+        Event::Done {
+            finish_reason,
+            usage,
+            timings,
+        } => {
             span.record("cached_tokens", usage.cached as i64);
             span.record("completion_tokens", usage.completion as i64);
             span.record("finish_reason", tracing::field::debug(finish_reason));
@@ -485,14 +597,23 @@ fn record_end(span: &tracing::Span, event: &Event) {
 pub(crate) fn default_worker_id() -> String {
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
     let host = subjects::token(host.trim());
-    format!("{}-{:08x}", if host.is_empty() { "w" } else { &host }, rand_u32())
+    format!(
+        "{}-{:08x}",
+        if host.is_empty() { "w" } else { &host },
+        rand_u32()
+    )
 }
 
 pub(crate) fn unix_ms() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_millis() as u64
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_millis() as u64
 }
 
 fn rand_u32() -> u32 {
-    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
     (t.as_nanos() as u32) ^ (std::process::id().rotate_left(16))
 }

@@ -26,17 +26,40 @@ impl TickLog {
         let mut name = path.as_os_str().to_owned();
         name.push(format!(".{worker_id}"));
         let mut file = std::fs::File::create(name)?;
-        let unix_ms = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_millis();
+        let unix_ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_millis();
         file.write_all(format!("# t0_unix_ms {unix_ms}\n").as_bytes())?;
-        Ok(TickLog { file, opened: Instant::now() })
+        Ok(TickLog {
+            file,
+            opened: Instant::now(),
+        })
     }
 
     /// One tick's line, written in one unbuffered write: a worker may be killed, not stopped.
-    pub fn write(&mut self, started: Instant, ms: f64, report: &TickReport, step: Option<StepTimes>) {
+    pub fn write(
+        &mut self,
+        started: Instant,
+        ms: f64,
+        report: &TickReport,
+        step: Option<StepTimes>,
+    ) {
         let at = started.saturating_duration_since(self.opened).as_secs_f64() * 1000.0;
-        let mut line = format!("{at:.3} {ms:.3} {} {} {}", report.decoded, report.prefill_tokens, report.prefill_done);
+        let mut line = format!(
+            "{at:.3} {ms:.3} {} {} {}",
+            report.decoded, report.prefill_tokens, report.prefill_done
+        );
         if let Some(s) = step {
-            let fields = [("masks", s.masks), ("join", s.join), ("queue", s.queue), ("build", s.build), ("launch", s.launch), ("wait", s.wait), ("rest", s.rest)];
+            let fields = [
+                ("masks", s.masks),
+                ("join", s.join),
+                ("queue", s.queue),
+                ("build", s.build),
+                ("launch", s.launch),
+                ("wait", s.wait),
+                ("rest", s.rest),
+            ];
             for (name, v) in fields {
                 line.push_str(&format!(" {name}={v:.3}"));
             }

@@ -5,11 +5,11 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use actix::prelude::*;
-use llmq_text::sampling::{Sampling, StopConditions};
 use llmq_protocol::*;
-use llmq_worker::actor::{Outbound, SchedulerActor, Submit};
 use llmq_scheduler::*;
+use llmq_text::sampling::{Sampling, StopConditions};
 use llmq_worker::actor::WorkerEngine;
+use llmq_worker::actor::{Outbound, SchedulerActor, Submit};
 use llmq_worker::seq::SeqSpec;
 
 /// One token per step; panics when it decodes a request whose prompt has 13 tokens. With
@@ -32,7 +32,12 @@ impl Fake {
         let n = self.made.entry(id).or_default();
         *n += 1;
         let finished = (*n >= self.max[&id]).then_some(FinishReason::Length);
-        StepOut { ids: vec![*n as u32], text: "x".into(), logprobs: vec![], finished }
+        StepOut {
+            ids: vec![*n as u32],
+            text: "x".into(),
+            logprobs: vec![],
+            finished,
+        }
     }
 }
 
@@ -48,9 +53,16 @@ impl EngineOps for Fake {
         }
         ids.iter().map(|&id| Ok(self.token(id))).collect()
     }
-    async fn step(&mut self, decode: &[ReqId], prefill: Option<(ReqId, usize)>) -> (Vec<Result<StepOut, WireError>>, Option<PrefillResult>) {
+    async fn step(
+        &mut self,
+        decode: &[ReqId],
+        prefill: Option<(ReqId, usize)>,
+    ) -> (Vec<Result<StepOut, WireError>>, Option<PrefillResult>) {
         let rows = decode.iter().map(|id| self.prompt[id]).collect();
-        self.log.lock().unwrap().push((rows, prefill.map(|(id, _)| self.prompt[&id])));
+        self.log
+            .lock()
+            .unwrap()
+            .push((rows, prefill.map(|(id, _)| self.prompt[&id])));
         if prefill.is_some() && !decode.is_empty() {
             self.stage += 1;
             if self.stage < self.ticks {
@@ -101,8 +113,23 @@ fn job(id: &str, prompt_len: usize, max_tokens: u32) -> Job {
         request_id: id.into(),
         model: "fake".into(),
         prompt_ids: vec![1; prompt_len],
-        sampling: Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, repetition_penalty: 1.0, seed: None, logprobs: false, top_logprobs: 0 },
-        stop: StopConditions { max_tokens, stop: vec![], stop_token_ids: vec![], ignore_eos: false, special_text: false },
+        sampling: Sampling {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            seed: None,
+            logprobs: false,
+            top_logprobs: 0,
+        },
+        stop: StopConditions {
+            max_tokens,
+            stop: vec![],
+            stop_token_ids: vec![],
+            ignore_eos: false,
+            special_text: false,
+        },
         stream_subject: format!("s.{id}"),
         accepted_at_ms: 0,
         cache_salt: None,
@@ -111,12 +138,22 @@ fn job(id: &str, prompt_len: usize, max_tokens: u32) -> Job {
     }
 }
 
-async fn until_terminal(rx: &mut tokio::sync::mpsc::UnboundedReceiver<Outbound>, id: &str, seen: &mut HashMap<String, Vec<Event>>) -> Event {
+async fn until_terminal(
+    rx: &mut tokio::sync::mpsc::UnboundedReceiver<Outbound>,
+    id: &str,
+    seen: &mut HashMap<String, Vec<Event>>,
+) -> Event {
     loop {
-        if let Some(ev) = seen.get(id).and_then(|v| v.iter().find(|e| e.is_terminal())) {
+        if let Some(ev) = seen
+            .get(id)
+            .and_then(|v| v.iter().find(|e| e.is_terminal()))
+        {
             return ev.clone();
         }
-        let o = tokio::time::timeout(Duration::from_secs(10), rx.recv()).await.expect("event").expect("open");
+        let o = tokio::time::timeout(Duration::from_secs(10), rx.recv())
+            .await
+            .expect("event")
+            .expect("open");
         seen.entry(o.request_id).or_default().push(o.event.event);
     }
 }
@@ -125,22 +162,37 @@ async fn until_terminal(rx: &mut tokio::sync::mpsc::UnboundedReceiver<Outbound>,
 fn a_panic_in_a_tick_fails_the_held_requests_and_the_actor_goes_on() {
     actix::System::new().block_on(async {
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-        let cfg = SchedulerConfig { kv_budget_bytes: 1 << 20, ..Default::default() };
+        let cfg = SchedulerConfig {
+            kv_budget_bytes: 1 << 20,
+            ..Default::default()
+        };
         let addr = SchedulerActor::new(Fake::default(), cfg, tx, "w".into(), "fake".into()).start();
         addr.do_send(Submit(job("a", 5, 1000), 0));
         addr.do_send(Submit(job("poison", 13, 1000), 0));
         let mut seen = HashMap::new();
         for id in ["a", "poison"] {
             match until_terminal(&mut rx, id, &mut seen).await {
-                Event::Error { error } => assert_eq!(error.class, ErrorClass::Internal, "{id}: {error}"),
+                Event::Error { error } => {
+                    assert_eq!(error.class, ErrorClass::Internal, "{id}: {error}")
+                }
                 e => panic!("{id}: {e:?}"),
             }
         }
         for id in ["a", "poison"] {
-            assert_eq!(seen[id].iter().filter(|e| e.is_terminal()).count(), 1, "{id}: exactly one terminal event");
+            assert_eq!(
+                seen[id].iter().filter(|e| e.is_terminal()).count(),
+                1,
+                "{id}: exactly one terminal event"
+            );
         }
         addr.do_send(Submit(job("after", 5, 3), 0));
-        assert!(matches!(until_terminal(&mut rx, "after", &mut seen).await, Event::Done { .. }), "the actor still serves");
+        assert!(
+            matches!(
+                until_terminal(&mut rx, "after", &mut seen).await,
+                Event::Done { .. }
+            ),
+            "the actor still serves"
+        );
     });
 }
 
@@ -148,18 +200,43 @@ fn a_panic_in_a_tick_fails_the_held_requests_and_the_actor_goes_on() {
 /// behind: no KV, no cached prefix, no counted calls, no events.
 #[test]
 fn warm_up_leaves_nothing_behind() {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-llama");
+    let dir =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-llama");
     let loaded = llmq_engine::load_model(&dir, mlx_rs::Dtype::Float32).unwrap();
     actix::System::new().block_on(async {
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-        let opts = llmq_worker::engine::EngineOptions { prefix: Some((16, 1 << 30)), ..Default::default() };
+        let opts = llmq_worker::engine::EngineOptions {
+            prefix: Some((16, 1 << 30)),
+            ..Default::default()
+        };
         let engine = llmq_worker::engine::ActorEngine::start(loaded.model, loaded.tokenizer, opts);
-        let cfg = SchedulerConfig { prefill_chunk: 16, kv_budget_bytes: 1 << 30, ..Default::default() };
+        let cfg = SchedulerConfig {
+            prefill_chunk: 16,
+            kv_budget_bytes: 1 << 30,
+            ..Default::default()
+        };
         let addr = SchedulerActor::new(engine, cfg, tx, "w".into(), "tiny".into()).start();
-        let ms = addr.send(llmq_worker::actor::WarmUp { tokens: 40, rows: vec![1, 3] }).await.unwrap().unwrap();
+        let ms = addr
+            .send(llmq_worker::actor::WarmUp {
+                tokens: 40,
+                rows: vec![1, 3],
+            })
+            .await
+            .unwrap()
+            .unwrap();
         assert!(ms > 0.0);
         let s = addr.send(llmq_worker::actor::GetStatus).await.unwrap();
-        assert_eq!((s.kv_bytes_used, s.prefix_entries, s.prefix_reused_tokens, s.prefill_calls, s.decode_calls), (0, 0, 0, 0, 0), "{s:?}");
+        assert_eq!(
+            (
+                s.kv_bytes_used,
+                s.prefix_entries,
+                s.prefix_reused_tokens,
+                s.prefill_calls,
+                s.decode_calls
+            ),
+            (0, 0, 0, 0, 0),
+            "{s:?}"
+        );
         assert_eq!((s.active_streams, s.queued_requests), (0, 0));
         assert!(rx.try_recv().is_err(), "the warm-up publishes nothing");
     });
@@ -178,21 +255,44 @@ fn long_job(id: &str, prompt_len: usize, max_tokens: u32) -> Job {
 /// ends that stream; the worker then serves a new request, and no KV is left behind.
 #[test]
 fn a_panicking_role_actor_fails_its_own_requests_and_the_rest_go_on() {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-llama");
+    let dir =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-llama");
     let loaded = llmq_engine::load_model(&dir, mlx_rs::Dtype::Float32).unwrap();
     actix::System::new().block_on(async {
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-        let engine = llmq_worker::engine::ActorEngine::start(loaded.model, loaded.tokenizer, Default::default());
+        let engine = llmq_worker::engine::ActorEngine::start(
+            loaded.model,
+            loaded.tokenizer,
+            Default::default(),
+        );
         let (prefill, decode) = (engine.prefill.clone(), engine.decode.clone());
-        let cfg = SchedulerConfig { prefill_chunk: 8, kv_budget_bytes: 1 << 30, ..Default::default() };
+        let cfg = SchedulerConfig {
+            prefill_chunk: 8,
+            kv_budget_bytes: 1 << 30,
+            ..Default::default()
+        };
         let addr = SchedulerActor::new(engine, cfg, tx, "w".into(), "tiny".into()).start();
         let mut seen: HashMap<String, Vec<Event>> = HashMap::new();
-        let until = |seen: &HashMap<String, Vec<Event>>, id: &str, f: &dyn Fn(&Event) -> bool| seen.get(id).is_some_and(|v| v.iter().any(f));
-        async fn pump(rx: &mut tokio::sync::mpsc::UnboundedReceiver<Outbound>, seen: &mut HashMap<String, Vec<Event>>) {
-            let o = tokio::time::timeout(Duration::from_secs(20), rx.recv()).await.expect("event").expect("open");
+        let until = |seen: &HashMap<String, Vec<Event>>, id: &str, f: &dyn Fn(&Event) -> bool| {
+            seen.get(id).is_some_and(|v| v.iter().any(f))
+        };
+        async fn pump(
+            rx: &mut tokio::sync::mpsc::UnboundedReceiver<Outbound>,
+            seen: &mut HashMap<String, Vec<Event>>,
+        ) {
+            let o = tokio::time::timeout(Duration::from_secs(20), rx.recv())
+                .await
+                .expect("event")
+                .expect("open");
             seen.entry(o.request_id).or_default().push(o.event.event);
         }
-        let tokens = |seen: &HashMap<String, Vec<Event>>, id: &str| seen.get(id).map_or(0, |v| v.iter().filter(|e| matches!(e, Event::Tokens { .. })).count());
+        let tokens = |seen: &HashMap<String, Vec<Event>>, id: &str| {
+            seen.get(id).map_or(0, |v| {
+                v.iter()
+                    .filter(|e| matches!(e, Event::Tokens { .. }))
+                    .count()
+            })
+        };
 
         addr.do_send(Submit(long_job("a", 10, 400), 0));
         while !until(&seen, "a", &|e| matches!(e, Event::Tokens { .. })) {
@@ -206,10 +306,16 @@ fn a_panicking_role_actor_fails_its_own_requests_and_the_rest_go_on() {
         prefill.do_send(llmq_worker::messages::InjectPanic);
         let c = until_terminal(&mut rx, "c", &mut seen).await;
         match &c {
-            Event::Error { error } => assert!(error.class == ErrorClass::Internal && error.message.contains("fault in prefill"), "{error}"),
+            Event::Error { error } => assert!(
+                error.class == ErrorClass::Internal && error.message.contains("fault in prefill"),
+                "{error}"
+            ),
             e => panic!("c ended with {e:?}"),
         }
-        assert!(!until(&seen, "a", &|e| e.is_terminal()), "a is not disturbed");
+        assert!(
+            !until(&seen, "a", &|e| e.is_terminal()),
+            "a is not disturbed"
+        );
         let before = tokens(&seen, "a");
         while tokens(&seen, "a") < before + 3 {
             pump(&mut rx, &mut seen).await;
@@ -217,17 +323,31 @@ fn a_panicking_role_actor_fails_its_own_requests_and_the_rest_go_on() {
         // Now the decode actor panics: "a" ends with an error.
         decode.do_send(llmq_worker::messages::InjectPanic);
         match until_terminal(&mut rx, "a", &mut seen).await {
-            Event::Error { error } => assert!(error.class == ErrorClass::Internal && error.message.contains("fault in decode"), "{error}"),
+            Event::Error { error } => assert!(
+                error.class == ErrorClass::Internal && error.message.contains("fault in decode"),
+                "{error}"
+            ),
             e => panic!("a ended with {e:?}"),
         }
         // The worker goes on, and holds nothing of the failed requests.
         addr.do_send(Submit(long_job("d", 20, 5), 0));
-        assert!(matches!(until_terminal(&mut rx, "d", &mut seen).await, Event::Done { .. }));
+        assert!(matches!(
+            until_terminal(&mut rx, "d", &mut seen).await,
+            Event::Done { .. }
+        ));
         for id in ["a", "c", "d"] {
-            assert_eq!(seen[id].iter().filter(|e| e.is_terminal()).count(), 1, "{id}: exactly one terminal event");
+            assert_eq!(
+                seen[id].iter().filter(|e| e.is_terminal()).count(),
+                1,
+                "{id}: exactly one terminal event"
+            );
         }
         let s = addr.send(llmq_worker::actor::GetStatus).await.unwrap();
-        assert_eq!((s.kv_bytes_used, s.active_streams, s.queued_requests), (0, 0, 0), "{s:?}");
+        assert_eq!(
+            (s.kv_bytes_used, s.active_streams, s.queued_requests),
+            (0, 0, 0),
+            "{s:?}"
+        );
     });
 }
 
@@ -239,19 +359,49 @@ fn a_panicking_role_actor_fails_its_own_requests_and_the_rest_go_on() {
 fn the_warm_up_keeps_short_rows_decoding_through_long_prefills_in_staged_chunks() {
     actix::System::new().block_on(async {
         let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
-        let engine = Fake { ticks: 4, ..Default::default() };
+        let engine = Fake {
+            ticks: 4,
+            ..Default::default()
+        };
         let log = engine.log.clone();
-        let cfg = SchedulerConfig { prefill_chunk: 16, kv_budget_bytes: 1 << 30, ..Default::default() };
+        let cfg = SchedulerConfig {
+            prefill_chunk: 16,
+            kv_budget_bytes: 1 << 30,
+            ..Default::default()
+        };
         let addr = SchedulerActor::new(engine, cfg, tx, "w".into(), "fake".into()).start();
-        addr.send(llmq_worker::actor::WarmUp { tokens: 64, rows: vec![1, 3] }).await.unwrap().unwrap();
+        addr.send(llmq_worker::actor::WarmUp {
+            tokens: 64,
+            rows: vec![1, 3],
+        })
+        .await
+        .unwrap()
+        .unwrap();
         let log = log.lock().unwrap();
         let (long, short) = (64, 16);
-        let beside_rows: Vec<&(Vec<usize>, Option<usize>)> = log.iter().filter(|(rows, chunk)| *chunk == Some(long) && !rows.is_empty()).collect();
-        assert_eq!(beside_rows.len(), 2 * 2 * 4 * 4, "two rounds of two long prompts, four chunks of four ticks each");
+        let beside_rows: Vec<&(Vec<usize>, Option<usize>)> = log
+            .iter()
+            .filter(|(rows, chunk)| *chunk == Some(long) && !rows.is_empty())
+            .collect();
+        assert_eq!(
+            beside_rows.len(),
+            2 * 2 * 4 * 4,
+            "two rounds of two long prompts, four chunks of four ticks each"
+        );
         for (rows, _) in &beside_rows {
-            assert!(rows.contains(&short), "a long prompt's chunk with no short row decoding: {rows:?}");
+            assert!(
+                rows.contains(&short),
+                "a long prompt's chunk with no short row decoding: {rows:?}"
+            );
         }
-        let with_both = beside_rows.iter().filter(|(rows, _)| rows.contains(&long) && rows.contains(&short)).count();
-        assert_eq!(with_both, 2 * 4 * 4, "the first long prompt decodes beside every tick of the second's chunks");
+        let with_both = beside_rows
+            .iter()
+            .filter(|(rows, _)| rows.contains(&long) && rows.contains(&short))
+            .count();
+        assert_eq!(
+            with_both,
+            2 * 4 * 4,
+            "the first long prompt decodes beside every tick of the second's chunks"
+        );
     });
 }

@@ -8,13 +8,13 @@
 use std::time::Instant;
 
 use llmq_engine::generate::{generate, GenerateRequest};
-use llmq_text::sampling::{Sampling, StopConditions};
 use llmq_engine::load_model;
-use llmq_text::resolve_model;
 use llmq_protocol::Event;
-use llmq_worker::engine::{ActorEngine, EngineOptions};
 use llmq_scheduler::{Admission, Scheduler, SchedulerConfig};
+use llmq_text::resolve_model;
+use llmq_text::sampling::{Sampling, StopConditions};
 use llmq_worker::actor::WorkerEngine;
+use llmq_worker::engine::{ActorEngine, EngineOptions};
 use llmq_worker::seq::SeqSpec;
 use mlx_rs::Dtype;
 
@@ -23,16 +23,28 @@ fn chunked_interleaved_prefill_gives_the_same_greedy_tokens() {
     let loaded = load_model(&resolve_model("smollm2").unwrap(), Dtype::Float32).unwrap();
     let tok = loaded.tokenizer.as_ref().unwrap();
     let prompts = [
-        tok.prompt_ids("What is the capital of France?", true).unwrap(),
-        tok.prompt_ids("Write one sentence about the sea.", true).unwrap(),
+        tok.prompt_ids("What is the capital of France?", true)
+            .unwrap(),
+        tok.prompt_ids("Write one sentence about the sea.", true)
+            .unwrap(),
         tok.prompt_ids("List three fruits.", true).unwrap(),
     ];
-    let stop = StopConditions { max_tokens: 12, ..Default::default() };
+    let stop = StopConditions {
+        max_tokens: 12,
+        ..Default::default()
+    };
     let alone: Vec<Vec<u32>> = prompts
         .iter()
         .map(|p| {
-            let req = GenerateRequest { prompt_ids: p.clone(), sampling: Sampling::default(), stop: stop.clone(), prefill_chunk: 4096 };
-            generate(&loaded.model, Some(tok), &req, |_, _| {}).unwrap().token_ids
+            let req = GenerateRequest {
+                prompt_ids: p.clone(),
+                sampling: Sampling::default(),
+                stop: stop.clone(),
+                prefill_chunk: 4096,
+            };
+            generate(&loaded.model, Some(tok), &req, |_, _| {})
+                .unwrap()
+                .token_ids
         })
         .collect();
 
@@ -52,7 +64,13 @@ fn chunked_interleaved_prefill_gives_the_same_greedy_tokens() {
         (false, 1, true, 3, 0.0),
         (true, 1, false, 2, 1.01),
     ] {
-        let case = Interleaved { ahead, grid, with_sampled, stages, budget };
+        let case = Interleaved {
+            ahead,
+            grid,
+            with_sampled,
+            stages,
+            budget,
+        };
         actix::System::new().block_on(case.run(&prompts, &alone, &stop, tok));
     }
 }
@@ -71,8 +89,20 @@ impl Interleaved {
 
     /// Runs the prompts through the scheduler and the actors, arrivals spread over ticks; checks
     /// their greedy tokens against `alone` and that nothing is left held.
-    async fn run(&self, prompts: &[Vec<u32>], alone: &[Vec<u32>], stop: &StopConditions, tok: &llmq_text::Tokenizer) {
-        let Interleaved { ahead, grid, with_sampled, stages, budget } = *self;
+    async fn run(
+        &self,
+        prompts: &[Vec<u32>],
+        alone: &[Vec<u32>],
+        stop: &StopConditions,
+        tok: &llmq_text::Tokenizer,
+    ) {
+        let Interleaved {
+            ahead,
+            grid,
+            with_sampled,
+            stages,
+            budget,
+        } = *self;
         let fresh = load_model(&resolve_model("smollm2").unwrap(), Dtype::Float32).unwrap();
         // Chunks of 7 tokens: with `stages` stages, 7 / stages tokens (rounded up) a step.
         let opts = EngineOptions {
@@ -83,7 +113,8 @@ impl Interleaved {
             stage_budget: budget,
             min_stage_tokens: 1,
         };
-        let mut engine = ActorEngine::start(fresh.model.with_chunk_grid(grid), fresh.tokenizer, opts);
+        let mut engine =
+            ActorEngine::start(fresh.model.with_chunk_grid(grid), fresh.tokenizer, opts);
         let bpt = engine.kv_bytes_per_token();
         let mut s = Scheduler::new(SchedulerConfig {
             prefill_chunk: 7,
@@ -96,15 +127,43 @@ impl Interleaved {
         let mut events = vec![];
         for (i, p) in prompts.iter().enumerate() {
             let id = i as u64;
-            engine.register(id, SeqSpec::new(p.clone(), Sampling::default(), stop.clone())).await.unwrap();
-            events.extend(s.submit(Admission { id, prompt_tokens: p.len(), max_tokens: 12, accepted_at: start.elapsed(), after: None }));
+            engine
+                .register(
+                    id,
+                    SeqSpec::new(p.clone(), Sampling::default(), stop.clone()),
+                )
+                .await
+                .unwrap();
+            events.extend(s.submit(Admission {
+                id,
+                prompt_tokens: p.len(),
+                max_tokens: 12,
+                accepted_at: start.elapsed(),
+                after: None,
+            }));
             if i == 1 && with_sampled {
                 // A sampled request among the greedy ones: while it decodes no step is queued
                 // ahead, and its own prompt's last chunk cannot ride in one.
                 let p = tok.prompt_ids("Name a colour.", true).unwrap();
-                let sampling = Sampling { temperature: 0.7, seed: Some(3), ..Default::default() };
-                engine.register(Self::SAMPLED, SeqSpec::new(p.clone(), sampling, stop.clone())).await.unwrap();
-                events.extend(s.submit(Admission { id: Self::SAMPLED, prompt_tokens: p.len(), max_tokens: 12, accepted_at: start.elapsed(), after: None }));
+                let sampling = Sampling {
+                    temperature: 0.7,
+                    seed: Some(3),
+                    ..Default::default()
+                };
+                engine
+                    .register(
+                        Self::SAMPLED,
+                        SeqSpec::new(p.clone(), sampling, stop.clone()),
+                    )
+                    .await
+                    .unwrap();
+                events.extend(s.submit(Admission {
+                    id: Self::SAMPLED,
+                    prompt_tokens: p.len(),
+                    max_tokens: 12,
+                    accepted_at: start.elapsed(),
+                    after: None,
+                }));
             }
             // Arrivals spread over ticks, so prefills interleave with running decodes; with a
             // budget, far enough apart that decode-only steps are timed before chunks arrive.
@@ -124,13 +183,25 @@ impl Interleaved {
         // decode step), ride in steps queued ahead.
         let (chunks, completions) = engine.chunks_queued_ahead();
         if !with_sampled {
-            assert_eq!(chunks > 0, ahead, "chunks queued ahead with decode_ahead {ahead}");
+            assert_eq!(
+                chunks > 0,
+                ahead,
+                "chunks queued ahead with decode_ahead {ahead}"
+            );
             // (With arrivals far apart, a prompt may complete in a step of its own.)
             if budget == 0.0 {
-                assert_eq!(completions > 0, ahead, "prompts completed ahead with decode_ahead {ahead}");
+                assert_eq!(
+                    completions > 0,
+                    ahead,
+                    "prompts completed ahead with decode_ahead {ahead}"
+                );
             }
         }
-        assert_eq!(engine.stages_pending() > 0, stages > 1, "chunks part-way through the model with {stages} stages");
+        assert_eq!(
+            engine.stages_pending() > 0,
+            stages > 1,
+            "chunks part-way through the model with {stages} stages"
+        );
         assert_eq!(engine.held(), 0);
         assert_eq!(engine.kv_bytes_in_use(), 0, "decode_ahead {ahead}");
         assert_eq!(s.reserved_kv_bytes(), 0);
@@ -140,21 +211,53 @@ impl Interleaved {
     /// with as many tokens as its usage says.
     fn check_tokens(&self, events: &[llmq_scheduler::Emit], alone: &[Vec<u32>]) {
         if self.with_sampled {
-            let sampled: Vec<&Event> = events.iter().filter(|e| e.id == Self::SAMPLED).map(|e| &e.event).collect();
-            let n: usize = sampled.iter().map(|e| if let Event::Tokens { ids, .. } = e { ids.len() } else { 0 }).sum();
+            let sampled: Vec<&Event> = events
+                .iter()
+                .filter(|e| e.id == Self::SAMPLED)
+                .map(|e| &e.event)
+                .collect();
+            let n: usize = sampled
+                .iter()
+                .map(|e| {
+                    if let Event::Tokens { ids, .. } = e {
+                        ids.len()
+                    } else {
+                        0
+                    }
+                })
+                .sum();
             match sampled.last() {
-                Some(Event::Done { usage, .. }) => assert!(n >= 1 && usage.completion as usize == n, "sampled request: {n} tokens, {usage:?}"),
+                Some(Event::Done { usage, .. }) => assert!(
+                    n >= 1 && usage.completion as usize == n,
+                    "sampled request: {n} tokens, {usage:?}"
+                ),
                 e => panic!("sampled request ended with {e:?}"),
             }
         }
-        let Interleaved { ahead, grid, with_sampled, stages, budget } = *self;
+        let Interleaved {
+            ahead,
+            grid,
+            with_sampled,
+            stages,
+            budget,
+        } = *self;
         for (i, want) in alone.iter().enumerate() {
             let got: Vec<u32> = events
                 .iter()
                 .filter(|e| e.id == i as u64)
-                .flat_map(|e| if let Event::Tokens { ids, .. } = &e.event { ids.clone() } else { vec![] })
+                .flat_map(|e| {
+                    if let Event::Tokens { ids, .. } = &e.event {
+                        ids.clone()
+                    } else {
+                        vec![]
+                    }
+                })
                 .collect();
-            let end = events.iter().filter(|e| e.id == i as u64).last().map(|e| &e.event);
+            let end = events
+                .iter()
+                .filter(|e| e.id == i as u64)
+                .last()
+                .map(|e| &e.event);
             assert_eq!(&got, want, "request {i}, decode_ahead {ahead}, grid {grid}, with a sampled one {with_sampled}, stages {stages}, budget {budget}: ended with {end:?}");
             assert!(end.unwrap().is_terminal());
         }

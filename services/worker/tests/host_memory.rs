@@ -11,7 +11,10 @@ use llmq_worker::host_memory;
 /// cache's first chunk writes its buffer).
 fn faults_of_new_buffer(bytes: usize) -> i64 {
     let before = faults();
-    let a = mlx_rs::ops::zeros::<f32>(&[(bytes / 4) as i32]).unwrap().add(mlx_rs::Array::from_f32(2.0)).unwrap();
+    let a = mlx_rs::ops::zeros::<f32>(&[(bytes / 4) as i32])
+        .unwrap()
+        .add(mlx_rs::Array::from_f32(2.0))
+        .unwrap();
     a.eval().unwrap();
     assert_eq!(a.as_slice::<f32>()[bytes / 4 - 1], 2.0);
     faults() - before
@@ -22,12 +25,21 @@ fn faulted_in_memory_serves_later_buffers_of_any_size() {
     let pages = |bytes: usize| (bytes / 4096) as i64;
     // Fresh memory: a fault per page.
     let fresh = faults_of_new_buffer(12 << 20);
-    assert!(fresh >= pages(12 << 20) * 3 / 4, "{fresh} faults for a fresh 12 MB buffer");
-    assert!(host_memory::keep_freed(None).unwrap(), "glibc took the settings");
+    assert!(
+        fresh >= pages(12 << 20) * 3 / 4,
+        "{fresh} faults for a fresh 12 MB buffer"
+    );
+    assert!(
+        host_memory::keep_freed(None).unwrap(),
+        "glibc took the settings"
+    );
     host_memory::fault_in(96 << 20).unwrap();
     // Sizes the reserve's 4 MB pieces never had.
     for mb in [10, 7, 23] {
         let n = faults_of_new_buffer(mb << 20);
-        assert!(n < pages(mb << 20) / 10, "{n} faults for a {mb} MB buffer after the reserve");
+        assert!(
+            n < pages(mb << 20) / 10,
+            "{n} faults for a {mb} MB buffer after the reserve"
+        );
     }
 }

@@ -8,12 +8,12 @@
 use std::time::Duration;
 
 use llmq_engine::generate::{generate, GenerateRequest};
-use llmq_text::sampling::{Sampling, StopConditions};
 use llmq_engine::{load_model, Model};
 use llmq_protocol::Event;
-use llmq_worker::engine::{ActorEngine, EngineOptions};
 use llmq_scheduler::{Admission, ReqId, Scheduler, SchedulerConfig};
+use llmq_text::sampling::{Sampling, StopConditions};
 use llmq_worker::actor::WorkerEngine;
+use llmq_worker::engine::{ActorEngine, EngineOptions};
 use llmq_worker::seq::SeqSpec;
 use mlx_rs::Dtype;
 
@@ -21,17 +21,28 @@ const MAX_TOKENS: usize = 8;
 const BLOCK: usize = 4;
 
 fn tiny(name: &str) -> Model {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(name);
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name);
     load_model(&dir, Dtype::Float32).unwrap().model
 }
 
 fn stop() -> StopConditions {
-    StopConditions { max_tokens: MAX_TOKENS as u32, ignore_eos: true, ..Default::default() }
+    StopConditions {
+        max_tokens: MAX_TOKENS as u32,
+        ignore_eos: true,
+        ..Default::default()
+    }
 }
 
 /// Greedy tokens of `prompt` alone, no cache, one piece.
 fn alone(model: &Model, prompt: &[u32]) -> Vec<u32> {
-    let req = GenerateRequest { prompt_ids: prompt.to_vec(), sampling: Sampling::default(), stop: stop(), prefill_chunk: 4096 };
+    let req = GenerateRequest {
+        prompt_ids: prompt.to_vec(),
+        sampling: Sampling::default(),
+        stop: stop(),
+        prefill_chunk: 4096,
+    };
     generate(model, None, &req, |_, _| {}).unwrap().token_ids
 }
 
@@ -53,7 +64,9 @@ fn prompt(seed: u64, n: usize) -> Vec<u32> {
     let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
     (0..n)
         .map(|_| {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             3 + ((x >> 33) % 370) as u32
         })
         .collect()
@@ -73,7 +86,10 @@ struct Rig {
 impl Rig {
     fn new(model: Model, budget_tokens: u64, chunk: usize) -> Rig {
         let sys = actix::System::new();
-        let opts = EngineOptions { prefix: Some((BLOCK, u64::MAX)), ..Default::default() };
+        let opts = EngineOptions {
+            prefix: Some((BLOCK, u64::MAX)),
+            ..Default::default()
+        };
         let engine = sys.block_on(async { ActorEngine::start(model, None, opts) });
         let bpt = engine.kv_bytes_per_token();
         let s = Scheduler::new(SchedulerConfig {
@@ -83,15 +99,37 @@ impl Rig {
             kv_budget_bytes: budget_tokens * bpt,
             ..Default::default()
         });
-        Rig { engine, s, now: Duration::ZERO, events: vec![], next: 0, sys }
+        Rig {
+            engine,
+            s,
+            now: Duration::ZERO,
+            events: vec![],
+            next: 0,
+            sys,
+        }
     }
 
     fn submit(&mut self, p: &[u32], salt: Option<&str>) -> ReqId {
         let id = self.next;
         self.next += 1;
-        self.sys.block_on(self.engine.register(id, SeqSpec { salt: salt.map(Into::into), ..SeqSpec::new(p.to_vec(), Sampling::default(), stop()) })).unwrap();
-        let a = Admission { id, prompt_tokens: p.len(), max_tokens: MAX_TOKENS, accepted_at: self.now, after: None };
-        self.events.extend(self.s.submit(a).into_iter().map(|e| (e.id, e.event)));
+        self.sys
+            .block_on(self.engine.register(
+                id,
+                SeqSpec {
+                    salt: salt.map(Into::into),
+                    ..SeqSpec::new(p.to_vec(), Sampling::default(), stop())
+                },
+            ))
+            .unwrap();
+        let a = Admission {
+            id,
+            prompt_tokens: p.len(),
+            max_tokens: MAX_TOKENS,
+            accepted_at: self.now,
+            after: None,
+        };
+        self.events
+            .extend(self.s.submit(a).into_iter().map(|e| (e.id, e.event)));
         id
     }
 
@@ -105,10 +143,14 @@ impl Rig {
     fn tick(&mut self) {
         self.now += Duration::from_millis(10);
         let (emits, _) = self.sys.block_on(self.s.tick(&mut self.engine, self.now));
-        self.events.extend(emits.into_iter().map(|e| (e.id, e.event)));
+        self.events
+            .extend(emits.into_iter().map(|e| (e.id, e.event)));
         // The cache lives in what the running requests' reservations leave over.
         let left = self.s.config().kv_budget_bytes - self.s.reserved_kv_bytes();
-        assert!(self.engine.prefix_stats().held_bytes <= left, "prefix cache over the budget");
+        assert!(
+            self.engine.prefix_stats().held_bytes <= left,
+            "prefix cache over the budget"
+        );
     }
 
     fn run(&mut self) {
@@ -125,7 +167,13 @@ impl Rig {
         self.events
             .iter()
             .filter(|(i, _)| *i == id)
-            .flat_map(|(_, e)| if let Event::Tokens { ids, .. } = e { ids.clone() } else { vec![] })
+            .flat_map(|(_, e)| {
+                if let Event::Tokens { ids, .. } = e {
+                    ids.clone()
+                } else {
+                    vec![]
+                }
+            })
             .collect()
     }
 
@@ -134,7 +182,13 @@ impl Rig {
         self.events
             .iter()
             .filter(|(i, _)| *i == id)
-            .filter_map(|(_, e)| if let Event::PrefillProgress { done, .. } = e { Some(*done) } else { None })
+            .filter_map(|(_, e)| {
+                if let Event::PrefillProgress { done, .. } = e {
+                    Some(*done)
+                } else {
+                    None
+                }
+            })
             .collect()
     }
 
@@ -161,7 +215,15 @@ impl Rig {
 #[test]
 fn exact_and_partial_hits_give_the_same_greedy_tokens() {
     // tiny-phi3's long RoPE switches at position 32: the hits straddle it.
-    for name in ["tiny-llama", "tiny-qwen3", "tiny-llama3", "tiny-phi3", "tiny-mixtral", "tiny-qwen3-moe", "tiny-qwen2-moe"] {
+    for name in [
+        "tiny-llama",
+        "tiny-qwen3",
+        "tiny-llama3",
+        "tiny-phi3",
+        "tiny-mixtral",
+        "tiny-qwen3-moe",
+        "tiny-qwen2-moe",
+    ] {
         let model = tiny(name);
         let (a, want_a) = pick(&model, |s| prompt(s, 40));
         // 29 shared tokens, then 23 new ones (chunks of 5 after the hit).
@@ -173,7 +235,11 @@ fn exact_and_partial_hits_give_the_same_greedy_tokens() {
         assert_eq!(rig.tokens(first), want_a, "{name}: no hit");
         assert_eq!(rig.cached(first), 0);
         assert_eq!(rig.tokens(exact), want_a, "{name}: exact hit");
-        assert_eq!(rig.cached(exact), 39, "{name}: all but the last prompt token reused");
+        assert_eq!(
+            rig.cached(exact),
+            39,
+            "{name}: all but the last prompt token reused"
+        );
         assert_eq!(rig.tokens(part), want_partial, "{name}: partial hit");
         assert_eq!(rig.cached(part), 29, "{name}: the shared prefix reused");
         // Progress after a hit starts past the reused tokens and ends at the total.
@@ -203,7 +269,11 @@ fn on_a_chunk_grid_hits_reuse_whole_blocks() {
     assert_eq!(rig.cached(part), 24, "29 shared tokens, 3 whole blocks");
     assert_eq!(rig.progress(part), vec![32, 40, 48, 52]);
     let st = rig.engine.prefix_stats();
-    assert_eq!((st.hits, st.reused_tokens), (2, 56), "the hit rate counts what was reused");
+    assert_eq!(
+        (st.hits, st.reused_tokens),
+        (2, 56),
+        "the hit rate counts what was reused"
+    );
     rig.check_memory_returns();
 }
 
@@ -223,7 +293,10 @@ fn hit_on_a_running_request_and_its_cancellation() {
     rig.tick(); // admitted with the hit, first chunk
     assert!(rig.s.cancel(a));
     rig.run();
-    assert!(matches!(rig.events.iter().rev().find(|(i, _)| *i == a), Some((_, Event::Error { .. }))));
+    assert!(matches!(
+        rig.events.iter().rev().find(|(i, _)| *i == a),
+        Some((_, Event::Error { .. }))
+    ));
     assert_eq!(rig.tokens(second), want_b);
     assert_eq!(rig.cached(second), 32);
     rig.check_memory_returns();
@@ -238,7 +311,8 @@ fn sliding_window_prefixes_are_reused_only_before_the_window_wraps() {
         let model = tiny(name);
         assert_eq!(model.config.sliding_window, Some(8));
         let short = prompt(5, 6); // 6 prompt tokens: fed 6 + 7 outputs = 13 > 7 kept at the end...
-        let (after_short, want_after_short) = pick(&model, |s| [&short[..], &prompt(s, 3)].concat());
+        let (after_short, want_after_short) =
+            pick(&model, |s| [&short[..], &prompt(s, 3)].concat());
         let long = prompt(7, 30);
         let (after_long, want_after_long) = pick(&model, |s| [&long[..20], &prompt(s, 5)].concat());
         let mut rig = Rig::new(model, 100_000, 4);
@@ -254,7 +328,11 @@ fn sliding_window_prefixes_are_reused_only_before_the_window_wraps() {
         assert_eq!(rig.tokens(s2), want_after_short, "{name}");
         assert_eq!(rig.cached(s2), 6, "{name}");
         assert_eq!(rig.tokens(l2), want_after_long, "{name}");
-        assert_eq!(rig.cached(l2), 0, "{name}: a wrapped window cannot be resumed");
+        assert_eq!(
+            rig.cached(l2),
+            0,
+            "{name}: a wrapped window cannot be resumed"
+        );
         rig.check_memory_returns();
     }
 }
@@ -286,7 +364,9 @@ fn salts_keep_prefixes_apart() {
 #[test]
 fn eviction_under_memory_pressure_while_requests_run() {
     let model = tiny("tiny-llama");
-    let (prompts, want): (Vec<Vec<u32>>, Vec<Vec<u32>>) = (0..8).map(|i| pick(&model, |s| prompt(1000 * i + s, 40))).unzip();
+    let (prompts, want): (Vec<Vec<u32>>, Vec<Vec<u32>>) = (0..8)
+        .map(|i| pick(&model, |s| prompt(1000 * i + s, 40)))
+        .unzip();
     let mut rig = Rig::new(model, 200, 16);
     let mut ids = vec![];
     for (i, p) in prompts.iter().enumerate() {
@@ -331,7 +411,11 @@ fn a_completed_prompt_is_remembered_while_its_request_decodes() {
     }
     assert!(!rig.s.is_idle(), "still decoding");
     let st = rig.engine.prefix_stats();
-    assert_eq!((st.entries, st.held_bytes), (1, 40 * rig.engine.kv_bytes_per_token()), "{st:?}");
+    assert_eq!(
+        (st.entries, st.held_bytes),
+        (1, 40 * rig.engine.kv_bytes_per_token()),
+        "{st:?}"
+    );
     rig.run();
     assert_eq!(rig.tokens(id), want);
     rig.check_memory_returns();

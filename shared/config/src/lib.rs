@@ -12,7 +12,11 @@ pub enum ConfigError {
     #[error("configuration: {0}")]
     Load(#[from] config::ConfigError),
     #[error("configuration: {key} = {value}: {why}")]
-    Invalid { key: &'static str, value: String, why: &'static str },
+    Invalid {
+        key: &'static str,
+        value: String,
+        why: &'static str,
+    },
 }
 
 #[derive(Debug, Clone, Deserialize, Default)]
@@ -54,7 +58,10 @@ impl std::fmt::Debug for GatewaySettings {
             .field("worker_timeout_ms", &self.worker_timeout_ms)
             .field("address_file", &self.address_file)
             .field("api_keys", &format_args!("{} keys", self.api_keys.len()))
-            .field("keys_for_health_and_metrics", &self.keys_for_health_and_metrics)
+            .field(
+                "keys_for_health_and_metrics",
+                &self.keys_for_health_and_metrics,
+            )
             .field("silent_stream_timeout_ms", &self.silent_stream_timeout_ms)
             .finish()
     }
@@ -85,7 +92,10 @@ pub struct NatsSettings {
 
 impl Default for NatsSettings {
     fn default() -> Self {
-        NatsSettings { url: "nats://127.0.0.1:4222".into(), ca_file: None }
+        NatsSettings {
+            url: "nats://127.0.0.1:4222".into(),
+            ca_file: None,
+        }
     }
 }
 
@@ -98,7 +108,10 @@ impl std::fmt::Debug for NatsSettings {
             }
             None => self.url.clone(),
         };
-        f.debug_struct("NatsSettings").field("url", &shown).field("ca_file", &self.ca_file).finish()
+        f.debug_struct("NatsSettings")
+            .field("url", &shown)
+            .field("ca_file", &self.ca_file)
+            .finish()
     }
 }
 
@@ -170,7 +183,28 @@ pub struct WorkerSettings {
 
 impl Default for WorkerSettings {
     fn default() -> Self {
-        WorkerSettings { id: None, model: "smollm2".into(), dtype: None, quantize: None, quantize_group_size: 64, keep_quantized: None, device: None, heartbeat_ms: 1000, max_queued: 256, ack_wait_ms: 6_000, warm_up_tokens: None, mlx_memory_limit_bytes: None, mlx_cache_limit_bytes: None, host_memory_reserve_bytes: None, tick_log: None, drain_timeout_s: 30, role: "both".into(), remote_prefill_timeout_ms: 10_000, kv_listen: "127.0.0.1:0".into(), kv_advertise: None }
+        WorkerSettings {
+            id: None,
+            model: "smollm2".into(),
+            dtype: None,
+            quantize: None,
+            quantize_group_size: 64,
+            keep_quantized: None,
+            device: None,
+            heartbeat_ms: 1000,
+            max_queued: 256,
+            ack_wait_ms: 6_000,
+            warm_up_tokens: None,
+            mlx_memory_limit_bytes: None,
+            mlx_cache_limit_bytes: None,
+            host_memory_reserve_bytes: None,
+            tick_log: None,
+            drain_timeout_s: 30,
+            role: "both".into(),
+            remote_prefill_timeout_ms: 10_000,
+            kv_listen: "127.0.0.1:0".into(),
+            kv_advertise: None,
+        }
     }
 }
 
@@ -237,23 +271,37 @@ impl SchedulerSettings {
     /// (on a GPU no more than keeps the chunk within `idle_prefill_chunk_tokens`).
     pub fn chunk_stages(&self, gpu: bool) -> usize {
         let fits = (self.idle_tokens(gpu) / self.chunk_tokens(gpu)).max(1);
-        self.prefill_chunk_stages.unwrap_or(if gpu { GPU_PREFILL_CHUNK_STAGES.min(fits) } else { CPU_PREFILL_CHUNK_STAGES })
+        self.prefill_chunk_stages.unwrap_or(if gpu {
+            GPU_PREFILL_CHUNK_STAGES.min(fits)
+        } else {
+            CPU_PREFILL_CHUNK_STAGES
+        })
     }
 
     /// `prefill_chunk_tokens` or its device default.
     pub fn chunk_tokens(&self, gpu: bool) -> usize {
-        self.prefill_chunk_tokens.unwrap_or(if gpu { GPU_PREFILL_CHUNK_TOKENS } else { CPU_PREFILL_CHUNK_TOKENS }).max(1)
+        self.prefill_chunk_tokens
+            .unwrap_or(if gpu {
+                GPU_PREFILL_CHUNK_TOKENS
+            } else {
+                CPU_PREFILL_CHUNK_TOKENS
+            })
+            .max(1)
     }
 
     /// `idle_prefill_chunk_tokens` or its device default.
     fn idle_tokens(&self, gpu: bool) -> usize {
-        self.idle_prefill_chunk_tokens.unwrap_or(if gpu { 4096 } else { 512 })
+        self.idle_prefill_chunk_tokens
+            .unwrap_or(if gpu { 4096 } else { 512 })
     }
 
     /// Prefill tokens a tick takes when nothing decodes: `idle_prefill_chunk_tokens` or its
     /// device default, and at least a chunk's tokens over its stages.
     pub fn idle_chunk(&self, gpu: bool) -> usize {
-        self.idle_tokens(gpu).max(self.chunk_tokens(gpu).saturating_mul(self.chunk_stages(gpu)))
+        self.idle_tokens(gpu).max(
+            self.chunk_tokens(gpu)
+                .saturating_mul(self.chunk_stages(gpu)),
+        )
     }
 
     /// The tick budget: `tick_budget`, or its device default (0: off).
@@ -271,7 +319,8 @@ impl SchedulerSettings {
     /// The least prefill work the tick budget gives a tick: `min_prefill_chunk_tokens` or its
     /// device default.
     pub fn min_chunk(&self, gpu: bool) -> usize {
-        self.min_prefill_chunk_tokens.unwrap_or(if gpu { 128 } else { 8 })
+        self.min_prefill_chunk_tokens
+            .unwrap_or(if gpu { 128 } else { 8 })
     }
 }
 
@@ -350,7 +399,11 @@ pub struct PrefixCacheSettings {
 
 impl Default for PrefixCacheSettings {
     fn default() -> Self {
-        PrefixCacheSettings { enabled: true, block_tokens: 16, max_bytes: 0 }
+        PrefixCacheSettings {
+            enabled: true,
+            block_tokens: 16,
+            max_bytes: 0,
+        }
     }
 }
 
@@ -359,19 +412,47 @@ impl Settings {
         let bad = |key, value: String, why| Err(ConfigError::Invalid { key, value, why });
         let s = &self.scheduler;
         if s.prefill_chunk_tokens == Some(0) {
-            return bad("scheduler.prefill_chunk_tokens", "0".into(), "must be at least 1");
+            return bad(
+                "scheduler.prefill_chunk_tokens",
+                "0".into(),
+                "must be at least 1",
+            );
         }
         if let Some(n) = s.prefill_chunk_stages.filter(|n| !(1..=64).contains(n)) {
-            return bad("scheduler.prefill_chunk_stages", n.to_string(), "must be 1 to 64");
+            return bad(
+                "scheduler.prefill_chunk_stages",
+                n.to_string(),
+                "must be 1 to 64",
+            );
         }
-        if let Some(b) = s.tick_budget.filter(|&b| !(b == 0.0 || (b > 1.0 && b.is_finite()))) {
-            return bad("scheduler.tick_budget", b.to_string(), "must be 0 (off) or a finite number above 1");
+        if let Some(b) = s
+            .tick_budget
+            .filter(|&b| !(b == 0.0 || (b > 1.0 && b.is_finite())))
+        {
+            return bad(
+                "scheduler.tick_budget",
+                b.to_string(),
+                "must be 0 (off) or a finite number above 1",
+            );
         }
         if s.min_prefill_chunk_tokens == Some(0) {
-            return bad("scheduler.min_prefill_chunk_tokens", "0".into(), "must be at least 1");
+            return bad(
+                "scheduler.min_prefill_chunk_tokens",
+                "0".into(),
+                "must be at least 1",
+            );
         }
-        if let Some(idle) = s.idle_prefill_chunk_tokens.filter(|&i| i < s.prefill_chunk_tokens.unwrap_or(CPU_PREFILL_CHUNK_TOKENS).saturating_mul(s.prefill_chunk_stages.unwrap_or(1))) {
-            return bad("scheduler.idle_prefill_chunk_tokens", idle.to_string(), "must be at least prefill_chunk_tokens (times prefill_chunk_stages)");
+        if let Some(idle) = s.idle_prefill_chunk_tokens.filter(|&i| {
+            i < s
+                .prefill_chunk_tokens
+                .unwrap_or(CPU_PREFILL_CHUNK_TOKENS)
+                .saturating_mul(s.prefill_chunk_stages.unwrap_or(1))
+        }) {
+            return bad(
+                "scheduler.idle_prefill_chunk_tokens",
+                idle.to_string(),
+                "must be at least prefill_chunk_tokens (times prefill_chunk_stages)",
+            );
         }
         if s.max_batch == 0 {
             return bad("scheduler.max_batch", "0".into(), "must be at least 1");
@@ -380,22 +461,42 @@ impl Settings {
             return bad("scheduler.kv_budget_bytes", "0".into(), "must be positive");
         }
         if !(s.aging_tokens_per_s.is_finite() && s.aging_tokens_per_s >= 0.0) {
-            return bad("scheduler.aging_tokens_per_s", s.aging_tokens_per_s.to_string(), "must be a finite number >= 0");
+            return bad(
+                "scheduler.aging_tokens_per_s",
+                s.aging_tokens_per_s.to_string(),
+                "must be a finite number >= 0",
+            );
         }
         if self.prefix_cache.block_tokens == 0 {
-            return bad("prefix_cache.block_tokens", "0".into(), "must be at least 1");
+            return bad(
+                "prefix_cache.block_tokens",
+                "0".into(),
+                "must be at least 1",
+            );
         }
         if !["both", "prefill", "decode"].contains(&self.worker.role.as_str()) {
-            return bad("worker.role", self.worker.role.clone(), "must be both, prefill or decode");
+            return bad(
+                "worker.role",
+                self.worker.role.clone(),
+                "must be both, prefill or decode",
+            );
         }
         if self.worker.remote_prefill_timeout_ms == 0 {
-            return bad("worker.remote_prefill_timeout_ms", "0".into(), "must be positive");
+            return bad(
+                "worker.remote_prefill_timeout_ms",
+                "0".into(),
+                "must be positive",
+            );
         }
         if self.worker.heartbeat_ms == 0 {
             return bad("worker.heartbeat_ms", "0".into(), "must be positive");
         }
         if self.worker.ack_wait_ms < 600 {
-            return bad("worker.ack_wait_ms", self.worker.ack_wait_ms.to_string(), "must be at least 600");
+            return bad(
+                "worker.ack_wait_ms",
+                self.worker.ack_wait_ms.to_string(),
+                "must be at least 600",
+            );
         }
         if self.worker.max_queued == 0 {
             return bad("worker.max_queued", "0".into(), "must be at least 1");
@@ -404,25 +505,53 @@ impl Settings {
             return bad("intake.models", "[]".into(), "must name at least one model");
         }
         if self.intake.max_queued_requests == 0 {
-            return bad("intake.max_queued_requests", "0".into(), "must be at least 1");
+            return bad(
+                "intake.max_queued_requests",
+                "0".into(),
+                "must be at least 1",
+            );
         }
         if self.gateway.listen.parse::<std::net::SocketAddr>().is_err() {
-            return bad("gateway.listen", self.gateway.listen.clone(), "must be an address like 127.0.0.1:8000");
+            return bad(
+                "gateway.listen",
+                self.gateway.listen.clone(),
+                "must be an address like 127.0.0.1:8000",
+            );
         }
         if self.gateway.silent_stream_timeout_ms < 1000 {
-            return bad("gateway.silent_stream_timeout_ms", self.gateway.silent_stream_timeout_ms.to_string(), "must be at least 1000");
+            return bad(
+                "gateway.silent_stream_timeout_ms",
+                self.gateway.silent_stream_timeout_ms.to_string(),
+                "must be at least 1000",
+            );
         }
         if self.gateway.worker_timeout_ms <= self.worker.heartbeat_ms {
-            return bad("gateway.worker_timeout_ms", self.gateway.worker_timeout_ms.to_string(), "must exceed worker.heartbeat_ms");
+            return bad(
+                "gateway.worker_timeout_ms",
+                self.gateway.worker_timeout_ms.to_string(),
+                "must exceed worker.heartbeat_ms",
+            );
         }
         if self.intake.worker_timeout_ms <= self.worker.heartbeat_ms {
-            return bad("intake.worker_timeout_ms", self.intake.worker_timeout_ms.to_string(), "must exceed worker.heartbeat_ms");
+            return bad(
+                "intake.worker_timeout_ms",
+                self.intake.worker_timeout_ms.to_string(),
+                "must exceed worker.heartbeat_ms",
+            );
         }
         if self.intake.no_worker_grace_ms < self.intake.worker_timeout_ms {
-            return bad("intake.no_worker_grace_ms", self.intake.no_worker_grace_ms.to_string(), "must be at least intake.worker_timeout_ms");
+            return bad(
+                "intake.no_worker_grace_ms",
+                self.intake.no_worker_grace_ms.to_string(),
+                "must be at least intake.worker_timeout_ms",
+            );
         }
         if !self.nats.url.contains("://") && !self.nats.url.contains(':') {
-            return bad("nats.url", self.nats.url.clone(), "must look like nats://host:port");
+            return bad(
+                "nats.url",
+                self.nats.url.clone(),
+                "must look like nats://host:port",
+            );
         }
         Ok(())
     }
@@ -457,7 +586,13 @@ mod tests {
     fn defaults_are_valid_and_layers_apply_in_order() {
         let d = Settings::default();
         d.validate().unwrap();
-        assert_eq!((d.scheduler.chunk_tokens(true), d.scheduler.chunk_tokens(false)), (256, 32));
+        assert_eq!(
+            (
+                d.scheduler.chunk_tokens(true),
+                d.scheduler.chunk_tokens(false)
+            ),
+            (256, 32)
+        );
 
         let dir = std::env::temp_dir().join(format!("llmq-config-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
@@ -469,7 +604,10 @@ mod tests {
         std::env::remove_var("LLMQ__SCHEDULER__MAX_BATCH");
         assert_eq!(s.scheduler.prefill_chunk_tokens, Some(128));
         assert_eq!(s.scheduler.max_batch, 16);
-        assert!(!format!("{s:?}").contains("secret"), "credentials redacted in Debug");
+        assert!(
+            !format!("{s:?}").contains("secret"),
+            "credentials redacted in Debug"
+        );
 
         std::fs::write(&f, "[scheduler]\nprefill_chunk_tokens = 0\n").unwrap();
         let err = load(Some(&f)).unwrap_err().to_string();
@@ -479,22 +617,68 @@ mod tests {
         assert!(err.contains("scheduler.prefill_chunk_stages"), "{err}");
         // Stages: 4 on a GPU and 8 on a CPU unless set (chunks of 1024 and 256 tokens); a staged
         // chunk fits the idle chunk.
-        assert_eq!((d.scheduler.chunk_stages(true), d.scheduler.chunk_stages(false)), (4, 8));
-        assert_eq!((d.scheduler.tick_budget(true), d.scheduler.tick_budget(false)), (GPU_TICK_BUDGET, CPU_TICK_BUDGET), "a budget by default on a GPU's stages and on a CPU");
-        assert_eq!((d.scheduler.min_chunk(true), d.scheduler.min_chunk(false)), (128, 8));
-        assert_eq!((d.scheduler.idle_chunk(true), d.scheduler.idle_chunk(false)), (4096, 512));
+        assert_eq!(
+            (
+                d.scheduler.chunk_stages(true),
+                d.scheduler.chunk_stages(false)
+            ),
+            (4, 8)
+        );
+        assert_eq!(
+            (
+                d.scheduler.tick_budget(true),
+                d.scheduler.tick_budget(false)
+            ),
+            (GPU_TICK_BUDGET, CPU_TICK_BUDGET),
+            "a budget by default on a GPU's stages and on a CPU"
+        );
+        assert_eq!(
+            (d.scheduler.min_chunk(true), d.scheduler.min_chunk(false)),
+            (128, 8)
+        );
+        assert_eq!(
+            (d.scheduler.idle_chunk(true), d.scheduler.idle_chunk(false)),
+            (4096, 512)
+        );
         std::fs::write(&f, "[scheduler]\nidle_prefill_chunk_tokens = 512\n").unwrap();
         assert_eq!(load(Some(&f)).unwrap().scheduler.chunk_stages(true), 2);
         std::fs::write(&f, "[scheduler]\nprefill_chunk_stages = 3\n").unwrap();
         let s = load(Some(&f)).unwrap();
-        assert_eq!((s.scheduler.chunk_stages(true), s.scheduler.chunk_stages(false)), (3, 3), "an explicit setting holds on a CPU too");
-        assert_eq!(s.scheduler.idle_chunk(false), 512, "three 32-token shares fit the CPU's idle chunk");
-        std::fs::write(&f, "[scheduler]\nprefill_chunk_tokens = 256\nprefill_chunk_stages = 3\n").unwrap();
-        assert_eq!(load(Some(&f)).unwrap().scheduler.idle_chunk(false), 768, "an idle chunk takes at least a staged chunk");
+        assert_eq!(
+            (
+                s.scheduler.chunk_stages(true),
+                s.scheduler.chunk_stages(false)
+            ),
+            (3, 3),
+            "an explicit setting holds on a CPU too"
+        );
+        assert_eq!(
+            s.scheduler.idle_chunk(false),
+            512,
+            "three 32-token shares fit the CPU's idle chunk"
+        );
+        std::fs::write(
+            &f,
+            "[scheduler]\nprefill_chunk_tokens = 256\nprefill_chunk_stages = 3\n",
+        )
+        .unwrap();
+        assert_eq!(
+            load(Some(&f)).unwrap().scheduler.idle_chunk(false),
+            768,
+            "an idle chunk takes at least a staged chunk"
+        );
         std::fs::write(&f, "[scheduler]\nprefill_chunk_stages = 1\n").unwrap();
-        assert_eq!(load(Some(&f)).unwrap().scheduler.tick_budget(true), 0.0, "no stages, no default budget");
+        assert_eq!(
+            load(Some(&f)).unwrap().scheduler.tick_budget(true),
+            0.0,
+            "no stages, no default budget"
+        );
         std::fs::write(&f, "[scheduler]\nprefill_chunk_stages = 32\n").unwrap();
-        assert_eq!(load(Some(&f)).unwrap().scheduler.idle_chunk(true), 8192, "the default idle chunk grows to a staged chunk");
+        assert_eq!(
+            load(Some(&f)).unwrap().scheduler.idle_chunk(true),
+            8192,
+            "the default idle chunk grows to a staged chunk"
+        );
         std::fs::write(&f, "[scheduler]\nprefill_chunk_tokens = 256\nprefill_chunk_stages = 32\nidle_prefill_chunk_tokens = 4096\n").unwrap();
         let err = load(Some(&f)).unwrap_err().to_string();
         assert!(err.contains("scheduler.idle_prefill_chunk_tokens"), "{err}");
@@ -503,15 +687,46 @@ mod tests {
             let err = load(Some(&f)).unwrap_err().to_string();
             assert!(err.contains("scheduler.tick_budget"), "{bad_budget}: {err}");
         }
-        std::fs::write(&f, "[scheduler]\ntick_budget = 0.0\nmin_prefill_chunk_tokens = 64\n").unwrap();
+        std::fs::write(
+            &f,
+            "[scheduler]\ntick_budget = 0.0\nmin_prefill_chunk_tokens = 64\n",
+        )
+        .unwrap();
         let s = load(Some(&f)).unwrap();
-        assert_eq!((s.scheduler.tick_budget(true), s.scheduler.tick_budget(false), s.scheduler.min_chunk(false)), (0.0, 0.0, 64));
-        std::fs::write(&f, "[worker]\nmlx_cache_limit_bytes = 0\nmlx_memory_limit_bytes = 100000000000\n").unwrap();
+        assert_eq!(
+            (
+                s.scheduler.tick_budget(true),
+                s.scheduler.tick_budget(false),
+                s.scheduler.min_chunk(false)
+            ),
+            (0.0, 0.0, 64)
+        );
+        std::fs::write(
+            &f,
+            "[worker]\nmlx_cache_limit_bytes = 0\nmlx_memory_limit_bytes = 100000000000\n",
+        )
+        .unwrap();
         let s = load(Some(&f)).unwrap();
-        assert_eq!((s.worker.mlx_cache_limit_bytes, s.worker.mlx_memory_limit_bytes), (Some(0), Some(100_000_000_000)));
-        assert_eq!((d.worker.mlx_cache_limit_bytes, d.worker.mlx_memory_limit_bytes), (None, None), "MLX's own limits by default");
+        assert_eq!(
+            (
+                s.worker.mlx_cache_limit_bytes,
+                s.worker.mlx_memory_limit_bytes
+            ),
+            (Some(0), Some(100_000_000_000))
+        );
+        assert_eq!(
+            (
+                d.worker.mlx_cache_limit_bytes,
+                d.worker.mlx_memory_limit_bytes
+            ),
+            (None, None),
+            "MLX's own limits by default"
+        );
         std::fs::write(&f, "[scheduler]\nprefil_chunk_tokens = 5\n").unwrap();
         let err = load(Some(&f)).unwrap_err().to_string();
-        assert!(err.contains("prefil_chunk_tokens"), "unknown keys are named: {err}");
+        assert!(
+            err.contains("prefil_chunk_tokens"),
+            "unknown keys are named: {err}"
+        );
     }
 }

@@ -18,9 +18,9 @@ pub mod subjects;
 pub mod watch;
 pub mod workers;
 
-pub use messages::*;
 #[cfg(feature = "nats")]
 pub use connect::connect;
+pub use messages::*;
 
 use serde::{de::DeserializeOwned, Serialize};
 

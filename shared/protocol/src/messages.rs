@@ -22,7 +22,11 @@ pub struct ChatMessage {
 
 impl ChatMessage {
     pub fn new(role: &str, content: &str) -> Self {
-        ChatMessage { role: role.into(), content: content.into(), ..Default::default() }
+        ChatMessage {
+            role: role.into(),
+            content: content.into(),
+            ..Default::default()
+        }
     }
 }
 
@@ -157,9 +161,26 @@ pub enum Constraint {
 /// output-changing fields of v1. Fields added later join this list in the version that adds
 /// them.
 pub const REQUIRABLE: &[&str] = &[
-    "prompt", "messages", "prompt_ids", "max_tokens", "temperature", "top_p", "top_k", "min_p",
-    "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs",
-    "constraint", "n", "tools", "tool_choice", "parallel_tool_calls",
+    "prompt",
+    "messages",
+    "prompt_ids",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "logprobs",
+    "top_logprobs",
+    "constraint",
+    "n",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
 ];
 
 /// Intake's immediate answer on the request's reply subject.
@@ -177,7 +198,9 @@ pub enum GenerateReply {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         job_seq: Option<u64>,
     },
-    Rejected { error: WireError },
+    Rejected {
+        error: WireError,
+    },
 }
 
 /// Asks intake whether an accepted job is still in the jobs stream (`subjects::JOB_STATE`).
@@ -207,7 +230,10 @@ pub struct WireError {
 
 impl WireError {
     pub fn new(class: ErrorClass, message: impl Into<String>) -> Self {
-        WireError { class, message: message.into() }
+        WireError {
+            class,
+            message: message.into(),
+        }
     }
 }
 
@@ -264,7 +290,16 @@ pub struct Sampling {
 impl Default for Sampling {
     /// Greedy, nothing cut, no logprobs.
     fn default() -> Self {
-        Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, repetition_penalty: 1.0, seed: None, logprobs: false, top_logprobs: 0 }
+        Sampling {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            seed: None,
+            logprobs: false,
+            top_logprobs: 0,
+        }
     }
 }
 
@@ -295,7 +330,13 @@ pub struct StopConditions {
 
 impl Default for StopConditions {
     fn default() -> Self {
-        StopConditions { max_tokens: 256, stop: vec![], stop_token_ids: vec![], ignore_eos: false, special_text: false }
+        StopConditions {
+            max_tokens: 256,
+            stop: vec![],
+            stop_token_ids: vec![],
+            ignore_eos: false,
+            special_text: false,
+        }
     }
 }
 
@@ -347,9 +388,14 @@ pub struct StreamEvent {
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Event {
     /// Waiting for admission; `position` 0 is next.
-    Queued { position: u32 },
+    Queued {
+        position: u32,
+    },
     /// Prompt tokens prefilled so far (monotonic; the last one has done == total).
-    PrefillProgress { done: u32, total: u32 },
+    PrefillProgress {
+        done: u32,
+        total: u32,
+    },
     /// The tokens of one tick, with the text they complete.
     Tokens {
         ids: Vec<u32>,
@@ -357,8 +403,14 @@ pub enum Event {
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         logprobs: Vec<TokenLogprob>,
     },
-    Done { finish_reason: FinishReason, usage: Usage, timings: Timings },
-    Error { error: WireError },
+    Done {
+        finish_reason: FinishReason,
+        usage: Usage,
+        timings: Timings,
+    },
+    Error {
+        error: WireError,
+    },
 }
 
 impl Event {
@@ -451,7 +503,9 @@ impl std::str::FromStr for WorkerRole {
             "both" => Ok(WorkerRole::Both),
             "prefill" => Ok(WorkerRole::Prefill),
             "decode" => Ok(WorkerRole::Decode),
-            other => Err(format!("unknown worker role {other:?} (both, prefill, decode)")),
+            other => Err(format!(
+                "unknown worker role {other:?} (both, prefill, decode)"
+            )),
         }
     }
 }

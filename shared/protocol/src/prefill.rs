@@ -32,7 +32,10 @@ use crate::WireError;
 pub enum PrefillOrder {
     Grant(PrefillGrant),
     /// The request is over (ended, cancelled, or prefilled elsewhere): forget its session.
-    Drop { decoder: String, key: u64 },
+    Drop {
+        decoder: String,
+        key: u64,
+    },
 }
 
 /// Compute positions `[start, start + n)` of `prompt` and send their KV to `decoder`.
@@ -103,7 +106,11 @@ impl KvFrame {
 pub enum PrefillReply {
     Kv(KvPiece),
     /// The grant could not be served; the decode worker prefills the request itself.
-    Failed { key: u64, start: u32, error: WireError },
+    Failed {
+        key: u64,
+        start: u32,
+        error: WireError,
+    },
 }
 
 /// One piece of a chunk's KV.
@@ -172,13 +179,29 @@ pub fn kv_checksum(bytes: &[u8]) -> u64 {
 }
 
 /// A chunk's KV cut into pieces.
-pub fn kv_pieces(key: u64, start: u32, n: u32, sent_at_us: u64, bytes: &[u8]) -> impl Iterator<Item = KvPiece> + '_ {
+pub fn kv_pieces(
+    key: u64,
+    start: u32,
+    n: u32,
+    sent_at_us: u64,
+    bytes: &[u8],
+) -> impl Iterator<Item = KvPiece> + '_ {
     let checksum = kv_checksum(bytes);
     let pieces = bytes.len().div_ceil(KV_PIECE_BYTES).max(1) as u32;
     (0..pieces).map(move |i| {
         let lo = (i as usize * KV_PIECE_BYTES).min(bytes.len());
         let hi = (lo + KV_PIECE_BYTES).min(bytes.len());
-        KvPiece { key, start, n, piece: i, pieces, total_bytes: bytes.len() as u64, checksum, sent_at_us, data: Bytes(bytes[lo..hi].to_vec()) }
+        KvPiece {
+            key,
+            start,
+            n,
+            piece: i,
+            pieces,
+            total_bytes: bytes.len() as u64,
+            checksum,
+            sent_at_us,
+            data: Bytes(bytes[lo..hi].to_vec()),
+        }
     })
 }
 
@@ -208,8 +231,15 @@ impl KvAssembly {
             self.total = p.total_bytes;
             self.checksum = p.checksum;
         }
-        let bad = KvError::Mismatch { piece: p.piece, pieces: p.pieces, total: p.total_bytes };
-        if p.pieces as usize != self.got.len() || p.total_bytes != self.total || p.checksum != self.checksum {
+        let bad = KvError::Mismatch {
+            piece: p.piece,
+            pieces: p.pieces,
+            total: p.total_bytes,
+        };
+        if p.pieces as usize != self.got.len()
+            || p.total_bytes != self.total
+            || p.checksum != self.checksum
+        {
             return Err(bad);
         }
         let slot = self.got.get_mut(p.piece as usize).ok_or(bad)?;
@@ -226,7 +256,10 @@ impl KvAssembly {
 /// Whether a chunk's bytes are the `total` bytes of `checksum` its sender announced.
 pub fn check_kv(bytes: &[u8], total: u64, checksum: u64) -> Result<(), KvError> {
     if bytes.len() as u64 != total {
-        return Err(KvError::Size { got: bytes.len() as u64, want: total });
+        return Err(KvError::Size {
+            got: bytes.len() as u64,
+            want: total,
+        });
     }
     if kv_checksum(bytes) != checksum {
         return Err(KvError::Checksum);
@@ -240,12 +273,24 @@ mod tests {
 
     #[test]
     fn a_frame_goes_on_the_connection_with_its_length_and_a_grant_may_lack_the_direct_offer() {
-        let f = KvFrame { token: 7, key: 3, start: 256, n: 256, total_bytes: 1 << 27, checksum: 99, sent_at_us: 5 };
+        let f = KvFrame {
+            token: 7,
+            key: 3,
+            start: 256,
+            n: 256,
+            total_bytes: 1 << 27,
+            checksum: 99,
+            sent_at_us: 5,
+        };
         let wire = f.encode().unwrap();
         let n = KvFrame::length(wire[..4].try_into().unwrap()).unwrap();
         assert_eq!(n, wire.len() - 4);
         assert_eq!(crate::decode::<KvFrame>(&wire[4..]).unwrap(), f);
-        assert_eq!(KvFrame::length((MAX_KV_FRAME as u32 + 1).to_le_bytes()), None, "a reader refuses a long frame");
+        assert_eq!(
+            KvFrame::length((MAX_KV_FRAME as u32 + 1).to_le_bytes()),
+            None,
+            "a reader refuses a long frame"
+        );
         assert_eq!(KvFrame::length([0; 4]), None);
         // A grant from a decoder without the offer (an older one, or one that listens nowhere).
         #[derive(Serialize)]
@@ -258,14 +303,24 @@ mod tests {
             n: u32,
             kv_layout: String,
         }
-        let old = Older { decoder: "d".into(), key: 1, salt: None, prompt: vec![1, 2], start: 0, n: 1, kv_layout: "l".into() };
+        let old = Older {
+            decoder: "d".into(),
+            key: 1,
+            salt: None,
+            prompt: vec![1, 2],
+            start: 0,
+            n: 1,
+            kv_layout: "l".into(),
+        };
         let g: PrefillGrant = crate::decode(&crate::encode(&old).unwrap()).unwrap();
         assert_eq!(g.direct, None);
     }
 
     #[test]
     fn pieces_round_trip_in_any_order_and_through_messagepack() {
-        let bytes: Vec<u8> = (0..(KV_PIECE_BYTES * 2 + 1000)).map(|i| (i * 7 % 251) as u8).collect();
+        let bytes: Vec<u8> = (0..(KV_PIECE_BYTES * 2 + 1000))
+            .map(|i| (i * 7 % 251) as u8)
+            .collect();
         let mut pieces: Vec<KvPiece> = kv_pieces(3, 16, 8, 0, &bytes).collect();
         assert_eq!(pieces.len(), 3);
         pieces.reverse();
@@ -274,7 +329,9 @@ mod tests {
         for p in pieces {
             let wire = crate::encode(&PrefillReply::Kv(p)).unwrap();
             assert!(wire.len() < crate::MAX_MESSAGE_BYTES);
-            let PrefillReply::Kv(p) = crate::decode(&wire).unwrap() else { panic!("a piece") };
+            let PrefillReply::Kv(p) = crate::decode(&wire).unwrap() else {
+                panic!("a piece")
+            };
             out = a.add(p).unwrap();
         }
         assert_eq!(out.unwrap(), bytes);
@@ -291,6 +348,9 @@ mod tests {
         let other: Vec<KvPiece> = kv_pieces(1, 0, 4, 0, &[1, 2, 3]).collect();
         let mut a = KvAssembly::default();
         a.add(pieces[0].clone()).unwrap();
-        assert!(matches!(a.add(other[0].clone()), Err(KvError::Mismatch { .. })));
+        assert!(matches!(
+            a.add(other[0].clone()),
+            Err(KvError::Mismatch { .. })
+        ));
     }
 }

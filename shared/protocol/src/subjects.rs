@@ -55,28 +55,44 @@ pub fn jobs_consumer(model: &str) -> String {
 
 /// Makes a string safe as one subject token.
 pub fn token(s: &str) -> String {
-    s.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect()
+    s.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
 }
 
 /// A client-chosen stream subject must be a plain subject: no wildcards, no empty tokens.
 pub fn is_valid_stream_subject(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= 256
-        && s.split('.').all(|t| !t.is_empty() && !t.contains(['*', '>', ' ', '\t', '\r', '\n']))
+        && s.split('.')
+            .all(|t| !t.is_empty() && !t.contains(['*', '>', ' ', '\t', '\r', '\n']))
 }
 
 #[cfg(feature = "nats")]
-type StreamResult =
-    Result<async_nats::jetstream::stream::Stream, async_nats::jetstream::context::CreateStreamError>;
+type StreamResult = Result<
+    async_nats::jetstream::stream::Stream,
+    async_nats::jetstream::context::CreateStreamError,
+>;
 
 /// Creates (or finds) a stream. Intake and workers both call this, so either may start first;
 /// a server whose JetStream is still starting is retried for up to 30 s.
 #[cfg(feature = "nats")]
-async fn ensure_stream(js: &async_nats::jetstream::Context, config: async_nats::jetstream::stream::Config) -> StreamResult {
+async fn ensure_stream(
+    js: &async_nats::jetstream::Context,
+    config: async_nats::jetstream::stream::Config,
+) -> StreamResult {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     loop {
         match js.get_or_create_stream(config.clone()).await {
-            Err(_) if std::time::Instant::now() < deadline => tokio::time::sleep(std::time::Duration::from_millis(200)).await,
+            Err(_) if std::time::Instant::now() < deadline => {
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await
+            }
             r => return r,
         }
     }

@@ -18,7 +18,11 @@ pub struct WorkerTable {
 
 impl WorkerTable {
     pub fn new(timeout: Duration) -> Self {
-        WorkerTable { seen: HashMap::new(), model_heard: HashMap::new(), timeout }
+        WorkerTable {
+            seen: HashMap::new(),
+            model_heard: HashMap::new(),
+            timeout,
+        }
     }
 
     pub fn update(&mut self, status: WorkerStatus) {
@@ -27,7 +31,8 @@ impl WorkerTable {
 
     pub fn update_at(&mut self, status: WorkerStatus, at: Instant) {
         let forget = self.timeout * 10;
-        self.seen.retain(|_, (_, t)| at.saturating_duration_since(*t) < forget);
+        self.seen
+            .retain(|_, (_, t)| at.saturating_duration_since(*t) < forget);
         if status.role.takes_jobs() {
             self.model_heard.insert(status.model.clone(), at);
         }
@@ -44,13 +49,18 @@ impl WorkerTable {
 
     /// Whether some worker of `model` was heard from within `window` before `now`.
     pub fn model_heard_within(&self, model: &str, window: Duration, now: Instant) -> bool {
-        self.model_heard.get(model).is_some_and(|t| now.saturating_duration_since(*t) <= window)
+        self.model_heard
+            .get(model)
+            .is_some_and(|t| now.saturating_duration_since(*t) <= window)
     }
 
     /// Workers heard from within the timeout (as of `now`).
     pub fn live_at(&self, now: Instant) -> impl Iterator<Item = &WorkerStatus> {
         let timeout = self.timeout;
-        self.seen.values().filter(move |(_, t)| now.saturating_duration_since(*t) <= timeout).map(|(s, _)| s)
+        self.seen
+            .values()
+            .filter(move |(_, t)| now.saturating_duration_since(*t) <= timeout)
+            .map(|(s, _)| s)
     }
 
     pub fn live(&self) -> impl Iterator<Item = &WorkerStatus> {
@@ -59,12 +69,17 @@ impl WorkerTable {
 
     /// Live workers serving `model`: those that take its jobs (not prefill workers).
     pub fn live_for<'a>(&'a self, model: &'a str) -> impl Iterator<Item = &'a WorkerStatus> + 'a {
-        self.live().filter(move |s| s.model == model && s.role.takes_jobs())
+        self.live()
+            .filter(move |s| s.model == model && s.role.takes_jobs())
     }
 
     /// The models live workers serve, sorted, once each.
     pub fn models(&self) -> Vec<String> {
-        let mut m: Vec<String> = self.live().filter(|s| s.role.takes_jobs()).map(|s| s.model.clone()).collect();
+        let mut m: Vec<String> = self
+            .live()
+            .filter(|s| s.role.takes_jobs())
+            .map(|s| s.model.clone())
+            .collect();
         m.sort();
         m.dedup();
         m
@@ -76,7 +91,11 @@ mod tests {
     use super::*;
 
     fn status(id: &str, model: &str) -> WorkerStatus {
-        WorkerStatus { worker_id: id.into(), model: model.into(), ..Default::default() }
+        WorkerStatus {
+            worker_id: id.into(),
+            model: model.into(),
+            ..Default::default()
+        }
     }
 
     #[test]
@@ -107,7 +126,11 @@ mod tests {
         t.update_at(status("a", "m"), t0);
         t.heard_from_at("a", t0 + Duration::from_millis(900));
         t.heard_from_at("stranger", t0 + Duration::from_millis(900));
-        let ids = |at| t.live_at(at).map(|s| s.worker_id.clone()).collect::<Vec<_>>();
+        let ids = |at| {
+            t.live_at(at)
+                .map(|s| s.worker_id.clone())
+                .collect::<Vec<_>>()
+        };
         assert_eq!(ids(t0 + Duration::from_millis(1800)), ["a"]);
         assert!(ids(t0 + Duration::from_millis(2000)).is_empty());
     }
@@ -116,11 +139,23 @@ mod tests {
     fn prefill_workers_do_not_serve_a_model() {
         let mut t = WorkerTable::new(Duration::from_secs(1));
         let t0 = Instant::now();
-        t.update_at(WorkerStatus { role: crate::WorkerRole::Prefill, ..status("p", "m") }, t0);
+        t.update_at(
+            WorkerStatus {
+                role: crate::WorkerRole::Prefill,
+                ..status("p", "m")
+            },
+            t0,
+        );
         assert!(!t.model_heard_within("m", Duration::from_secs(5), t0));
         assert!(!t.models().contains(&"m".to_string()));
         assert_eq!(t.live_for("m").count(), 0);
-        t.update_at(WorkerStatus { role: crate::WorkerRole::Decode, ..status("d", "m") }, t0);
+        t.update_at(
+            WorkerStatus {
+                role: crate::WorkerRole::Decode,
+                ..status("d", "m")
+            },
+            t0,
+        );
         assert!(t.model_heard_within("m", Duration::from_secs(5), t0));
     }
 }

@@ -45,13 +45,19 @@ impl Drop for Guard {
 }
 
 fn otlp_configured() -> bool {
-    ["OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]
-        .iter()
-        .any(|v| std::env::var_os(v).is_some_and(|s| !s.is_empty()))
+    [
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    ]
+    .iter()
+    .any(|v| std::env::var_os(v).is_some_and(|s| !s.is_empty()))
 }
 
 fn provider(service: &str) -> Result<SdkTracerProvider, String> {
-    let exporter = opentelemetry_otlp::SpanExporter::builder().with_http().build().map_err(|e| e.to_string())?;
+    let exporter = opentelemetry_otlp::SpanExporter::builder()
+        .with_http()
+        .build()
+        .map_err(|e| e.to_string())?;
     let name = std::env::var("OTEL_SERVICE_NAME").unwrap_or_else(|_| service.to_string());
     Ok(SdkTracerProvider::builder()
         .with_resource(Resource::builder().with_service_name(name).build())
@@ -70,8 +76,16 @@ pub fn init(default: &str, service: &str) -> Guard {
         Some(Err(e)) => (None, Some(e)),
         None => (None, None),
     };
-    let otel = provider.as_ref().map(|p| tracing_opentelemetry::layer().with_tracer(p.tracer("llmq")));
-    if tracing_subscriber::registry().with(filter).with(fmt).with(otel).try_init().is_err() {
+    let otel = provider
+        .as_ref()
+        .map(|p| tracing_opentelemetry::layer().with_tracer(p.tracer("llmq")));
+    if tracing_subscriber::registry()
+        .with(filter)
+        .with(fmt)
+        .with(otel)
+        .try_init()
+        .is_err()
+    {
         return Guard(None);
     }
     if let Some(e) = failed {

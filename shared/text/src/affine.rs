@@ -56,13 +56,20 @@ pub fn bits(kind: TensorType) -> Option<u8> {
 pub fn read(kind: TensorType, bytes: &[u8]) -> Option<Affine> {
     let bits = bits(kind)?;
     let (_, block_bytes) = kind.block();
-    let mut a = Affine { bits, ..Default::default() };
+    let mut a = Affine {
+        bits,
+        ..Default::default()
+    };
     for blk in bytes.chunks_exact(block_bytes as usize) {
         match kind {
             TensorType::Q8_0 => {
                 // d * q with q signed: (q + 128) unsigned, the offset in the bias.
                 let d = h(blk, 0);
-                a.group(d, -128.0 * d, blk[2..34].iter().map(|&q| (q as i8 as i16 + 128) as u8));
+                a.group(
+                    d,
+                    -128.0 * d,
+                    blk[2..34].iter().map(|&q| (q as i8 as i16 + 128) as u8),
+                );
             }
             TensorType::Q4_0 => {
                 let d = h(blk, 0);
@@ -90,21 +97,31 @@ fn nibbles(q: &[u8]) -> impl Iterator<Item = u8> + '_ {
 /// as element j's fifth bit.
 fn fives<'a>(q: &'a [u8], hi: &[u8]) -> impl Iterator<Item = u8> + 'a {
     let hi = u32::from_le_bytes([hi[0], hi[1], hi[2], hi[3]]);
-    nibbles(q).enumerate().map(move |(j, n)| n | ((((hi >> j) & 1) as u8) << 4))
+    nibbles(q)
+        .enumerate()
+        .map(move |(j, n)| n | ((((hi >> j) & 1) as u8) << 4))
 }
 
 /// Q4_K and Q5_K: 8 sub-blocks of 32, each `d * sc * q - dmin * m`.
 fn k_quant(a: &mut Affine, five: bool, blk: &[u8]) {
     let (d, dmin) = (h(blk, 0), h(blk, 2));
     let scales = &blk[4..16];
-    let (qh, qs) = if five { (&blk[16..48], &blk[48..176]) } else { (&blk[0..0], &blk[16..144]) };
+    let (qh, qs) = if five {
+        (&blk[16..48], &blk[48..176])
+    } else {
+        (&blk[0..0], &blk[16..144])
+    };
     for (pair, q) in qs.chunks_exact(32).enumerate() {
         for (half, shift) in [(0, 0), (1, 4)] {
             let (sc, m) = crate::quants::scale_min_k4(2 * pair + half, scales);
             let high_bit = 1u8 << (2 * pair + half);
             let value = |(j, &b): (usize, &u8)| {
                 let low = (b >> shift) & 0x0f;
-                if five && qh[j] & high_bit != 0 { low + 16 } else { low }
+                if five && qh[j] & high_bit != 0 {
+                    low + 16
+                } else {
+                    low
+                }
             };
             a.group(d * sc, -(dmin * m), q.iter().enumerate().map(value));
         }
@@ -122,23 +139,46 @@ mod tests {
     fn affine_groups_give_the_gguf_packages_values_exactly() {
         let r = reference();
         let types = [
-            ("Q4_0", TensorType::Q4_0), ("Q4_1", TensorType::Q4_1), ("Q5_0", TensorType::Q5_0), ("Q5_1", TensorType::Q5_1),
-            ("Q8_0", TensorType::Q8_0), ("Q4_K", TensorType::Q4K), ("Q5_K", TensorType::Q5K),
+            ("Q4_0", TensorType::Q4_0),
+            ("Q4_1", TensorType::Q4_1),
+            ("Q5_0", TensorType::Q5_0),
+            ("Q5_1", TensorType::Q5_1),
+            ("Q8_0", TensorType::Q8_0),
+            ("Q4_K", TensorType::Q4K),
+            ("Q5_K", TensorType::Q5K),
         ];
         for (name, kind) in types {
             let a = read(kind, &r[&format!("{name}.blocks")]).unwrap();
-            let want: Vec<u32> = r[&format!("{name}.values")].chunks_exact(4).map(|b| u32::from_le_bytes(b.try_into().unwrap())).collect();
+            let want: Vec<u32> = r[&format!("{name}.values")]
+                .chunks_exact(4)
+                .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
+                .collect();
             assert_eq!(a.values.len(), want.len(), "{name}");
             assert_eq!(a.scales.len() * GROUP, want.len(), "{name}");
-            assert!(a.values.iter().all(|&q| (q as u32) < 1u32 << a.bits), "{name}: a value wider than {} bits", a.bits);
+            assert!(
+                a.values.iter().all(|&q| (q as u32) < 1u32 << a.bits),
+                "{name}: a value wider than {} bits",
+                a.bits
+            );
             let first = (0..want.len()).find(|&i| a.value(i) != f32::from_bits(want[i]));
-            assert_eq!(first, None, "{name}: element {first:?}: {:?} vs {:?}", first.map(|i| a.value(i)), first.map(|i| f32::from_bits(want[i])));
+            assert_eq!(
+                first,
+                None,
+                "{name}: element {first:?}: {:?} vs {:?}",
+                first.map(|i| a.value(i)),
+                first.map(|i| f32::from_bits(want[i]))
+            );
         }
     }
 
     #[test]
     fn types_with_16_wide_groups_have_no_affine_form() {
-        for kind in [TensorType::Q2K, TensorType::Q3K, TensorType::Q6K, TensorType::F16] {
+        for kind in [
+            TensorType::Q2K,
+            TensorType::Q3K,
+            TensorType::Q6K,
+            TensorType::F16,
+        ] {
             assert!(read(kind, &[]).is_none(), "{kind:?}");
         }
     }

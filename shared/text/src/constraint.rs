@@ -59,7 +59,9 @@ impl Grammars {
     pub fn new(tok: &Tokenizer, vocab_size: usize, eos: &[u32]) -> Result<Self> {
         let pieces = tok.token_bytes()?;
         let vocab_size = vocab_size.max(pieces.len());
-        let first_eos = *eos.first().ok_or_else(|| Error::InvalidRequest("constrained decoding needs an end-of-sequence token".into()))?;
+        let first_eos = *eos.first().ok_or_else(|| {
+            Error::InvalidRequest("constrained decoding needs an end-of-sequence token".into())
+        })?;
         let mut words: Vec<Vec<u8>> = Vec::with_capacity(vocab_size);
         for (id, (bytes, special)) in pieces.into_iter().enumerate() {
             // Special tokens are set apart (marker first) so that no text ever matches them;
@@ -72,15 +74,26 @@ impl Grammars {
             });
         }
         while words.len() < vocab_size {
-            words.push([&[TokTrie::SPECIAL_TOKEN_MARKER][..], format!("<[{}]>", words.len()).as_bytes()].concat());
+            words.push(
+                [
+                    &[TokTrie::SPECIAL_TOKEN_MARKER][..],
+                    format!("<[{}]>", words.len()).as_bytes(),
+                ]
+                .concat(),
+            );
         }
         let info = TokRxInfo::new(vocab_size as u32, first_eos);
         let quotes = quote_tokens(words.len(), |id| &words[id as usize]);
         let trie = TokTrie::from(&info, &words).with_eos_tokens(eos);
         let env: TokEnv = Arc::new(Vocabulary { trie });
-        let mut factory = ParserFactory::new_simple(&env).map_err(|e| Error::InvalidRequest(format!("constrained decoding: {e}")))?;
+        let mut factory = ParserFactory::new_simple(&env)
+            .map_err(|e| Error::InvalidRequest(format!("constrained decoding: {e}")))?;
         factory.quiet();
-        Ok(Grammars { factory, words: vocab_size.div_ceil(32), quotes })
+        Ok(Grammars {
+            factory,
+            words: vocab_size.div_ceil(32),
+            quotes,
+        })
     }
 
     /// Mask words per row (32 tokens each).
@@ -99,20 +112,25 @@ impl Grammars {
             Constraint::Lark { grammar } => grammar.len(),
         };
         if size > MAX_CONSTRAINT_BYTES {
-            return Err(bad(format!("the constraint is {size} bytes; at most {MAX_CONSTRAINT_BYTES} are accepted")));
+            return Err(bad(format!(
+                "the constraint is {size} bytes; at most {MAX_CONSTRAINT_BYTES} are accepted"
+            )));
         }
         let grammar = match c {
             Constraint::JsonObject => json_grammar(serde_json::json!({"type": "object"})),
-            Constraint::JsonSchema { schema } => {
-                json_grammar(serde_json::from_str(schema).map_err(|e| bad(format!("the JSON schema is not JSON: {e}")))?)
-            }
+            Constraint::JsonSchema { schema } => json_grammar(
+                serde_json::from_str(schema)
+                    .map_err(|e| bad(format!("the JSON schema is not JSON: {e}")))?,
+            ),
             Constraint::Regex { pattern } => TopLevelGrammar::from_regex(pattern),
             Constraint::Lark { grammar } => TopLevelGrammar::from_lark(grammar.clone()),
         };
         // The library reports a bad constraint as an error; a panic inside it is one too.
-        let parser = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.factory.create_parser(grammar)))
-            .map_err(|_| bad(format!("the {} could not be compiled", kind(c))))?
-            .map_err(|e| bad(format!("the {} was rejected: {e}", kind(c))))?;
+        let parser = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.factory.create_parser(grammar)
+        }))
+        .map_err(|_| bad(format!("the {} could not be compiled", kind(c))))?
+        .map_err(|e| bad(format!("the {} was rejected: {e}", kind(c))))?;
         let inner = llguidance::Matcher::new(Ok(parser));
         if let Some(e) = inner.get_error() {
             return Err(bad(format!("the {} was rejected: {e}", kind(c))));
@@ -124,8 +142,18 @@ impl Grammars {
             Constraint::Lark { grammar } => grammar.contains("%json"),
             Constraint::Regex { .. } => false,
         };
-        let guard = json.then(|| (KeyGuard::default(), self.quotes.clone(), self.factory.tok_env().clone()));
-        Ok(Matcher { inner, words: self.words, guard })
+        let guard = json.then(|| {
+            (
+                KeyGuard::default(),
+                self.quotes.clone(),
+                self.factory.tok_env().clone(),
+            )
+        });
+        Ok(Matcher {
+            inner,
+            words: self.words,
+            guard,
+        })
     }
 }
 
@@ -160,12 +188,21 @@ impl Matcher {
         // the end of sequence: that must not end an incomplete output.
         let reason = self.inner.stop_reason();
         if !reason.is_ok() {
-            return Err(format!("the constraint's parser stopped: {}", self.inner.get_error().unwrap_or_else(|| reason.to_string())));
+            return Err(format!(
+                "the constraint's parser stopped: {}",
+                self.inner.get_error().unwrap_or_else(|| reason.to_string())
+            ));
         }
-        let vob = self.inner.compute_mask_or_eos().map_err(|e| e.to_string())?;
+        let vob = self
+            .inner
+            .compute_mask_or_eos()
+            .map_err(|e| e.to_string())?;
         let bits = vob.as_slice();
         let n = self.words.min(mask.len());
-        mask[..n].iter_mut().zip(bits.iter().chain(std::iter::repeat(&0))).for_each(|(m, b)| *m = *b);
+        mask[..n]
+            .iter_mut()
+            .zip(bits.iter().chain(std::iter::repeat(&0)))
+            .for_each(|(m, b)| *m = *b);
         mask[n..].iter_mut().for_each(|m| *m = 0);
         if let Some((keys, quotes, _)) = &self.guard {
             keys.restrict(mask, quotes);
@@ -193,4 +230,3 @@ impl Matcher {
         self.inner.is_stopped()
     }
 }
-

@@ -26,7 +26,10 @@ impl Detokenizer {
 
     /// A detokenizer that keeps special tokens' text.
     pub fn with_special_text() -> Self {
-        Detokenizer { special_text: true, ..Self::default() }
+        Detokenizer {
+            special_text: true,
+            ..Self::default()
+        }
     }
 
     /// Adds a token; returns the text it completes (possibly empty).

@@ -155,9 +155,27 @@ impl TensorType {
     /// Decodes whole blocks of this type to f32, appending to `out`.
     pub fn decode(self, bytes: &[u8], out: &mut Vec<f32>) {
         let per_block: fn(&[u8], &mut Vec<f32>) = match self {
-            TensorType::F32 => return out.extend(bytes.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap()))),
-            TensorType::F16 => return out.extend(bytes.chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())),
-            TensorType::BF16 => return out.extend(bytes.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())),
+            TensorType::F32 => {
+                return out.extend(
+                    bytes
+                        .chunks_exact(4)
+                        .map(|b| f32::from_le_bytes(b.try_into().unwrap())),
+                )
+            }
+            TensorType::F16 => {
+                return out.extend(
+                    bytes
+                        .chunks_exact(2)
+                        .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32()),
+                )
+            }
+            TensorType::BF16 => {
+                return out.extend(
+                    bytes
+                        .chunks_exact(2)
+                        .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32()),
+                )
+            }
             TensorType::Q8_0 => quants::q8_0,
             TensorType::Q4_0 => quants::q4_0,
             TensorType::Q4_1 => quants::q4_1,
@@ -177,11 +195,30 @@ impl TensorType {
 
 fn type_name(id: u32) -> String {
     let known = [
-        (9, "Q8_1"), (15, "Q8_K"), (16, "IQ2_XXS"), (17, "IQ2_XS"), (18, "IQ3_XXS"), (19, "IQ1_S"),
-        (20, "IQ4_NL"), (21, "IQ3_S"), (22, "IQ2_S"), (23, "IQ4_XS"), (24, "I8"), (25, "I16"),
-        (26, "I32"), (27, "I64"), (28, "F64"), (29, "IQ1_M"), (34, "TQ1_0"), (35, "TQ2_0"),
+        (9, "Q8_1"),
+        (15, "Q8_K"),
+        (16, "IQ2_XXS"),
+        (17, "IQ2_XS"),
+        (18, "IQ3_XXS"),
+        (19, "IQ1_S"),
+        (20, "IQ4_NL"),
+        (21, "IQ3_S"),
+        (22, "IQ2_S"),
+        (23, "IQ4_XS"),
+        (24, "I8"),
+        (25, "I16"),
+        (26, "I32"),
+        (27, "I64"),
+        (28, "F64"),
+        (29, "IQ1_M"),
+        (34, "TQ1_0"),
+        (35, "TQ2_0"),
     ];
-    known.iter().find(|(k, _)| *k == id).map(|(_, n)| n.to_string()).unwrap_or(format!("#{id}"))
+    known
+        .iter()
+        .find(|(k, _)| *k == id)
+        .map(|(_, n)| n.to_string())
+        .unwrap_or(format!("#{id}"))
 }
 
 #[derive(Debug, Clone)]
@@ -219,7 +256,10 @@ impl<'a> Cursor<'a> {
         if self.buf.len().saturating_sub(self.pos) < n {
             return Err(Error::format(
                 self.path,
-                format!("truncated GGUF: {what} at byte {} runs past the end of the file", self.pos),
+                format!(
+                    "truncated GGUF: {what} at byte {} runs past the end of the file",
+                    self.pos
+                ),
             ));
         }
         let s = &self.buf[self.pos..self.pos + n];
@@ -227,15 +267,22 @@ impl<'a> Cursor<'a> {
         Ok(s)
     }
     fn u32(&mut self) -> Result<u32> {
-        Ok(u32::from_le_bytes(self.take(4, "a u32")?.try_into().unwrap()))
+        Ok(u32::from_le_bytes(
+            self.take(4, "a u32")?.try_into().unwrap(),
+        ))
     }
     fn u64(&mut self) -> Result<u64> {
-        Ok(u64::from_le_bytes(self.take(8, "a u64")?.try_into().unwrap()))
+        Ok(u64::from_le_bytes(
+            self.take(8, "a u64")?.try_into().unwrap(),
+        ))
     }
     fn string(&mut self) -> Result<String> {
         let n = self.u64()?;
         if n > (1 << 30) {
-            return Err(Error::format(self.path, format!("corrupt GGUF: string of {n} bytes")));
+            return Err(Error::format(
+                self.path,
+                format!("corrupt GGUF: string of {n} bytes"),
+            ));
         }
         let b = self.take(n as usize, "a string")?;
         String::from_utf8(b.to_vec())
@@ -245,8 +292,12 @@ impl<'a> Cursor<'a> {
         Ok(match ty {
             0 => Value::U8(self.take(1, "a u8")?[0]),
             1 => Value::I8(self.take(1, "an i8")?[0] as i8),
-            2 => Value::U16(u16::from_le_bytes(self.take(2, "a u16")?.try_into().unwrap())),
-            3 => Value::I16(i16::from_le_bytes(self.take(2, "an i16")?.try_into().unwrap())),
+            2 => Value::U16(u16::from_le_bytes(
+                self.take(2, "a u16")?.try_into().unwrap(),
+            )),
+            3 => Value::I16(i16::from_le_bytes(
+                self.take(2, "an i16")?.try_into().unwrap(),
+            )),
             4 => Value::U32(self.u32()?),
             5 => Value::I32(self.u32()? as i32),
             6 => Value::F32(f32::from_bits(self.u32()?)),
@@ -260,7 +311,10 @@ impl<'a> Cursor<'a> {
                 let n = self.u64()?;
                 // Each element takes at least one byte: a count beyond the file is corrupt.
                 if n > self.buf.len() as u64 {
-                    return Err(Error::format(self.path, format!("corrupt GGUF: array of {n} elements")));
+                    return Err(Error::format(
+                        self.path,
+                        format!("corrupt GGUF: array of {n} elements"),
+                    ));
                 }
                 let mut v = Vec::with_capacity(n as usize);
                 for _ in 0..n {
@@ -271,7 +325,12 @@ impl<'a> Cursor<'a> {
             10 => Value::U64(self.u64()?),
             11 => Value::I64(self.u64()? as i64),
             12 => Value::F64(f64::from_bits(self.u64()?)),
-            t => return Err(Error::format(self.path, format!("corrupt GGUF: metadata type {t}"))),
+            t => {
+                return Err(Error::format(
+                    self.path,
+                    format!("corrupt GGUF: metadata type {t}"),
+                ))
+            }
         })
     }
 }
@@ -281,19 +340,32 @@ impl GgufFile {
         let file = File::open(path).map_err(|e| Error::io(path, e))?;
         // SAFETY: the file is opened read-only; llmq never writes model files while serving.
         let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
-        let mut c = Cursor { buf: &map, pos: 0, path };
+        let mut c = Cursor {
+            buf: &map,
+            pos: 0,
+            path,
+        };
         let magic = c.take(4, "the magic")?;
         if magic != MAGIC {
-            return Err(Error::format(path, format!("not a GGUF file (magic {magic:?}, expected \"GGUF\")")));
+            return Err(Error::format(
+                path,
+                format!("not a GGUF file (magic {magic:?}, expected \"GGUF\")"),
+            ));
         }
         let version = c.u32()?;
         if !(2..=3).contains(&version) {
-            return Err(Error::format(path, format!("unsupported GGUF version {version}")));
+            return Err(Error::format(
+                path,
+                format!("unsupported GGUF version {version}"),
+            ));
         }
         let n_tensors = c.u64()?;
         let n_kv = c.u64()?;
         if n_tensors > 1 << 20 || n_kv > 1 << 20 {
-            return Err(Error::format(path, "corrupt GGUF: implausible tensor or key count"));
+            return Err(Error::format(
+                path,
+                "corrupt GGUF: implausible tensor or key count",
+            ));
         }
         let mut metadata = HashMap::new();
         for _ in 0..n_kv {
@@ -307,7 +379,10 @@ impl GgufFile {
             let name = c.string()?;
             let nd = c.u32()?;
             if nd == 0 || nd > 4 {
-                return Err(Error::format(path, format!("tensor {name:?}: {nd} dimensions")));
+                return Err(Error::format(
+                    path,
+                    format!("tensor {name:?}: {nd} dimensions"),
+                ));
             }
             let mut dims = Vec::with_capacity(nd as usize);
             for _ in 0..nd {
@@ -317,9 +392,15 @@ impl GgufFile {
             let off = c.u64()?;
             raw.push((name, dims, ty, off));
         }
-        let alignment = metadata.get("general.alignment").and_then(Value::as_u64).unwrap_or(DEFAULT_ALIGNMENT);
+        let alignment = metadata
+            .get("general.alignment")
+            .and_then(Value::as_u64)
+            .unwrap_or(DEFAULT_ALIGNMENT);
         if alignment == 0 || !alignment.is_power_of_two() {
-            return Err(Error::format(path, format!("corrupt GGUF: alignment {alignment}")));
+            return Err(Error::format(
+                path,
+                format!("corrupt GGUF: alignment {alignment}"),
+            ));
         }
         let data_start = (c.pos as u64).div_ceil(alignment) * alignment;
         let mut tensors = Vec::with_capacity(raw.len());
@@ -334,17 +415,39 @@ impl GgufFile {
             let (per_block, block_bytes) = kind.block();
             let elements = elements
                 .filter(|e| e % per_block == 0 && dims[0] % per_block == 0)
-                .ok_or_else(|| Error::format(path, format!("tensor {name:?}: shape {dims:?} is not whole {} blocks", kind.name())))?;
+                .ok_or_else(|| {
+                    Error::format(
+                        path,
+                        format!(
+                            "tensor {name:?}: shape {dims:?} is not whole {} blocks",
+                            kind.name()
+                        ),
+                    )
+                })?;
             let nbytes = elements / per_block * block_bytes;
-            let offset = data_start.checked_add(off).filter(|o| o.checked_add(nbytes).is_some_and(|e| e <= map.len() as u64));
+            let offset = data_start
+                .checked_add(off)
+                .filter(|o| o.checked_add(nbytes).is_some_and(|e| e <= map.len() as u64));
             let offset = offset.ok_or_else(|| {
                 Error::format(path, format!("truncated GGUF: data of tensor {name:?} lies past the end of the file ({} bytes)", map.len()))
             })?;
             let shape = dims.iter().rev().copied().collect();
             index.insert(name.clone(), tensors.len());
-            tensors.push(TensorInfo { name, shape, kind, offset, nbytes });
+            tensors.push(TensorInfo {
+                name,
+                shape,
+                kind,
+                offset,
+                nbytes,
+            });
         }
-        Ok(GgufFile { path: path.to_path_buf(), map, metadata, tensors, index })
+        Ok(GgufFile {
+            path: path.to_path_buf(),
+            map,
+            metadata,
+            tensors,
+            index,
+        })
     }
 
     pub fn path(&self) -> &Path {

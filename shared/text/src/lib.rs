@@ -54,7 +54,10 @@ pub fn models_dir() -> PathBuf {
         return PathBuf::from(d);
     }
     let exe_dirs = std::env::current_exe().ok().into_iter().flat_map(|p| {
-        p.ancestors().skip(1).map(Path::to_path_buf).collect::<Vec<_>>()
+        p.ancestors()
+            .skip(1)
+            .map(Path::to_path_buf)
+            .collect::<Vec<_>>()
     });
     for d in exe_dirs.chain(std::env::current_dir().ok()) {
         let cand = d.join(".cache/models");
@@ -72,7 +75,10 @@ pub fn resolve_model(name: &str) -> Result<PathBuf> {
         if !p.is_file() {
             return Err(Error::io(
                 &p,
-                std::io::Error::new(std::io::ErrorKind::NotFound, "model not fetched: run `make setup`"),
+                std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    "model not fetched: run `make setup`",
+                ),
             ));
         }
         return Ok(p);
@@ -93,6 +99,9 @@ pub fn load_tokenizer(path: &Path) -> Result<(Tokenizer, usize)> {
     } else {
         let f = gguf::GgufFile::open(path)?;
         let cfg = config::from_gguf(&f)?;
-        Ok((Tokenizer::from_gguf_metadata(path, &f.metadata)?, cfg.max_position_embeddings))
+        Ok((
+            Tokenizer::from_gguf_metadata(path, &f.metadata)?,
+            cfg.max_position_embeddings,
+        ))
     }
 }

@@ -97,8 +97,16 @@ pub fn q5_k(blk: &[u8], out: &mut Vec<f32>) {
     for (pair, q) in qs.chunks_exact(32).enumerate() {
         let [(d1, m1), (d2, m2)] = sub_block_pair(pair, scales, d, dmin);
         let (u1, u2) = (1u8 << (2 * pair), 2u8 << (2 * pair));
-        out.extend(q.iter().zip(qh).map(|(&b, &hb)| d1 * ((b & 0x0f) + if hb & u1 != 0 { 16 } else { 0 }) as f32 - m1));
-        out.extend(q.iter().zip(qh).map(|(&b, &hb)| d2 * ((b >> 4) + if hb & u2 != 0 { 16 } else { 0 }) as f32 - m2));
+        out.extend(
+            q.iter()
+                .zip(qh)
+                .map(|(&b, &hb)| d1 * ((b & 0x0f) + if hb & u1 != 0 { 16 } else { 0 }) as f32 - m1),
+        );
+        out.extend(
+            q.iter()
+                .zip(qh)
+                .map(|(&b, &hb)| d2 * ((b >> 4) + if hb & u2 != 0 { 16 } else { 0 }) as f32 - m2),
+        );
     }
 }
 
@@ -156,7 +164,11 @@ pub fn q3_k(blk: &[u8], out: &mut Vec<f32>) {
     let d = h(blk, 108);
     // The 16 scales: low 4 bits from bytes 0..8 (low then high nibbles), high 2 bits from 8..12.
     let scale = |i: usize| -> i32 {
-        let low = if i < 8 { packed[i] & 0x0f } else { packed[i - 8] >> 4 };
+        let low = if i < 8 {
+            packed[i] & 0x0f
+        } else {
+            packed[i - 8] >> 4
+        };
         let high = (packed[8 + i % 4] >> (2 * (i / 4))) & 3;
         (low | (high << 4)) as i32 - 32
     };
@@ -167,7 +179,9 @@ pub fn q3_k(blk: &[u8], out: &mut Vec<f32>) {
             for (part, hm) in [(&q[..16], &hmask[..16]), (&q[16..], &hmask[16..])] {
                 let dl = d * scale(is) as f32;
                 is += 1;
-                out.extend(part.iter().zip(hm).map(|(&b, &hb)| dl * (((b >> shift) & 3) as i32 - if hb & m != 0 { 0 } else { 4 }) as f32));
+                out.extend(part.iter().zip(hm).map(|(&b, &hb)| {
+                    dl * (((b >> shift) & 3) as i32 - if hb & m != 0 { 0 } else { 4 }) as f32
+                }));
             }
             m <<= 1;
         }
@@ -180,7 +194,10 @@ pub(crate) mod tests {
 
     /// tests/fixtures/gguf-quants-reference.safetensors: a tensor's raw little-endian bytes.
     pub(crate) fn reference() -> std::collections::HashMap<String, Vec<u8>> {
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/gguf-quants-reference.safetensors");
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../tests/fixtures/gguf-quants-reference.safetensors"
+        );
         let bytes = std::fs::read(path).unwrap();
         let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
         let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
@@ -192,7 +209,10 @@ pub(crate) mod tests {
             .filter(|(k, _)| *k != "__metadata__")
             .map(|(k, v)| {
                 let off = &v["data_offsets"];
-                let (a, b) = (off[0].as_u64().unwrap() as usize, off[1].as_u64().unwrap() as usize);
+                let (a, b) = (
+                    off[0].as_u64().unwrap() as usize,
+                    off[1].as_u64().unwrap() as usize,
+                );
                 (k.clone(), data[a..b].to_vec())
             })
             .collect()
@@ -203,19 +223,35 @@ pub(crate) mod tests {
     fn blocks_decode_as_the_gguf_package_does_bit_for_bit() {
         let r = reference();
         let types = [
-            ("Q4_0", TensorType::Q4_0), ("Q4_1", TensorType::Q4_1), ("Q5_0", TensorType::Q5_0), ("Q5_1", TensorType::Q5_1),
-            ("Q8_0", TensorType::Q8_0), ("Q2_K", TensorType::Q2K), ("Q3_K", TensorType::Q3K), ("Q4_K", TensorType::Q4K),
-            ("Q5_K", TensorType::Q5K), ("Q6_K", TensorType::Q6K),
+            ("Q4_0", TensorType::Q4_0),
+            ("Q4_1", TensorType::Q4_1),
+            ("Q5_0", TensorType::Q5_0),
+            ("Q5_1", TensorType::Q5_1),
+            ("Q8_0", TensorType::Q8_0),
+            ("Q2_K", TensorType::Q2K),
+            ("Q3_K", TensorType::Q3K),
+            ("Q4_K", TensorType::Q4K),
+            ("Q5_K", TensorType::Q5K),
+            ("Q6_K", TensorType::Q6K),
         ];
         for (name, kind) in types {
             let blocks = &r[&format!("{name}.blocks")];
-            let want: Vec<u32> = r[&format!("{name}.values")].chunks_exact(4).map(|b| u32::from_le_bytes(b.try_into().unwrap())).collect();
+            let want: Vec<u32> = r[&format!("{name}.values")]
+                .chunks_exact(4)
+                .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
+                .collect();
             let mut got = vec![];
             kind.decode(blocks, &mut got);
             let got: Vec<u32> = got.iter().map(|v| v.to_bits()).collect();
             assert_eq!(got.len(), want.len(), "{name}");
             let first = got.iter().zip(&want).position(|(a, b)| a != b);
-            assert_eq!(first, None, "{name}: element {first:?} differs: {:?} vs {:?}", first.map(|i| f32::from_bits(got[i])), first.map(|i| f32::from_bits(want[i])));
+            assert_eq!(
+                first,
+                None,
+                "{name}: element {first:?} differs: {:?} vs {:?}",
+                first.map(|i| f32::from_bits(got[i])),
+                first.map(|i| f32::from_bits(want[i]))
+            );
         }
     }
 }

@@ -12,7 +12,10 @@ use crate::error::{Error, Result};
 pub fn validate(p: &Sampling) -> Result<()> {
     let bad = |m: String| Err(Error::InvalidRequest(m));
     if !p.temperature.is_finite() || p.temperature < 0.0 {
-        return bad(format!("temperature must be a finite number >= 0, got {}", p.temperature));
+        return bad(format!(
+            "temperature must be a finite number >= 0, got {}",
+            p.temperature
+        ));
     }
     if !(p.top_p > 0.0 && p.top_p <= 1.0) {
         return bad(format!("top_p must be in (0, 1], got {}", p.top_p));
@@ -21,10 +24,16 @@ pub fn validate(p: &Sampling) -> Result<()> {
         return bad(format!("min_p must be in [0, 1), got {}", p.min_p));
     }
     if !(p.repetition_penalty.is_finite() && p.repetition_penalty > 0.0) {
-        return bad(format!("repetition_penalty must be > 0, got {}", p.repetition_penalty));
+        return bad(format!(
+            "repetition_penalty must be > 0, got {}",
+            p.repetition_penalty
+        ));
     }
     if p.top_logprobs > 20 {
-        return bad(format!("top_logprobs must be at most 20, got {}", p.top_logprobs));
+        return bad(format!(
+            "top_logprobs must be at most 20, got {}",
+            p.top_logprobs
+        ));
     }
     Ok(())
 }
@@ -32,10 +41,14 @@ pub fn validate(p: &Sampling) -> Result<()> {
 /// Checks a job's stop conditions, like `validate`.
 pub fn validate_stop(s: &StopConditions) -> Result<()> {
     if s.max_tokens == 0 {
-        return Err(Error::InvalidRequest("max_tokens must be at least 1".into()));
+        return Err(Error::InvalidRequest(
+            "max_tokens must be at least 1".into(),
+        ));
     }
     if s.stop.iter().any(String::is_empty) {
-        return Err(Error::InvalidRequest("stop strings must not be empty".into()));
+        return Err(Error::InvalidRequest(
+            "stop strings must not be empty".into(),
+        ));
     }
     Ok(())
 }
@@ -79,9 +92,15 @@ fn argmax(x: &[f32]) -> u32 {
 impl Sampler {
     pub fn new(params: Sampling) -> Self {
         let seed = params.seed.unwrap_or_else(|| {
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(0)
         });
-        Sampler { params, rng: Rng(seed) }
+        Sampler {
+            params,
+            rng: Rng(seed),
+        }
     }
 
     pub fn params(&self) -> &Sampling {
@@ -99,18 +118,28 @@ impl Sampler {
                     if !*s {
                         *s = true;
                         let v = &mut z[t as usize];
-                        *v = if *v > 0.0 { *v / p.repetition_penalty } else { *v * p.repetition_penalty };
+                        *v = if *v > 0.0 {
+                            *v / p.repetition_penalty
+                        } else {
+                            *v * p.repetition_penalty
+                        };
                     }
                 }
             }
         }
-        let token = if p.temperature == 0.0 { argmax(&z) } else { self.draw(&z) };
+        let token = if p.temperature == 0.0 {
+            argmax(&z)
+        } else {
+            self.draw(&z)
+        };
         let lp = p.wants_logprobs().then(|| {
             let ls = log_softmax(&z);
             let mut order: Vec<u32> = (0..ls.len() as u32).collect();
             let n = (p.top_logprobs as usize).min(ls.len());
             if n > 0 {
-                order.select_nth_unstable_by(n - 1, |&a, &b| ls[b as usize].total_cmp(&ls[a as usize]));
+                order.select_nth_unstable_by(n - 1, |&a, &b| {
+                    ls[b as usize].total_cmp(&ls[a as usize])
+                });
                 order.truncate(n);
                 order.sort_by(|&a, &b| ls[b as usize].total_cmp(&ls[a as usize]));
             } else {
@@ -131,8 +160,11 @@ impl Sampler {
         let p = &self.params;
         let inv_t = 1.0 / p.temperature;
         let max = z.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut cand: Vec<(u32, f64)> =
-            z.iter().enumerate().map(|(i, &v)| (i as u32, (((v - max) * inv_t) as f64).exp())).collect();
+        let mut cand: Vec<(u32, f64)> = z
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| (i as u32, (((v - max) * inv_t) as f64).exp()))
+            .collect();
         cand.sort_by(|a, b| b.1.total_cmp(&a.1));
         let top_k = p.top_k as usize;
         if top_k > 0 && top_k < cand.len() {
@@ -172,7 +204,11 @@ mod tests {
     use super::*;
 
     fn params(t: f32) -> Sampling {
-        Sampling { temperature: t, seed: Some(7), ..Default::default() }
+        Sampling {
+            temperature: t,
+            seed: Some(7),
+            ..Default::default()
+        }
     }
 
     #[test]
@@ -183,13 +219,19 @@ mod tests {
 
     #[test]
     fn repetition_penalty_moves_greedy_off_a_seen_token() {
-        let mut s = Sampler::new(Sampling { repetition_penalty: 2.0, ..params(0.0) });
+        let mut s = Sampler::new(Sampling {
+            repetition_penalty: 2.0,
+            ..params(0.0)
+        });
         assert_eq!(s.sample(&[0.1, 3.0, -1.0, 2.9], &[1]).0, 3);
     }
 
     #[test]
     fn top_k_one_is_greedy_at_any_temperature() {
-        let mut s = Sampler::new(Sampling { top_k: 1, ..params(5.0) });
+        let mut s = Sampler::new(Sampling {
+            top_k: 1,
+            ..params(5.0)
+        });
         for _ in 0..50 {
             assert_eq!(s.sample(&[0.0, 1.0, 0.5], &[]).0, 1);
         }
@@ -198,8 +240,14 @@ mod tests {
     #[test]
     fn top_p_and_min_p_cut_the_tail() {
         let logits = [5.0, 4.9, -10.0, -10.0];
-        let mut s = Sampler::new(Sampling { top_p: 0.9, ..params(1.0) });
-        let mut t = Sampler::new(Sampling { min_p: 0.5, ..params(1.0) });
+        let mut s = Sampler::new(Sampling {
+            top_p: 0.9,
+            ..params(1.0)
+        });
+        let mut t = Sampler::new(Sampling {
+            min_p: 0.5,
+            ..params(1.0)
+        });
         for _ in 0..200 {
             assert!(s.sample(&logits, &[]).0 < 2);
             assert!(t.sample(&logits, &[]).0 < 2);
@@ -210,8 +258,13 @@ mod tests {
     fn same_seed_same_tokens_and_temperature_spreads() {
         let logits = [1.0, 1.0, 1.0, 1.0];
         let run = |seed| {
-            let mut s = Sampler::new(Sampling { seed: Some(seed), ..params(1.0) });
-            (0..64).map(|_| s.sample(&logits, &[]).0).collect::<Vec<_>>()
+            let mut s = Sampler::new(Sampling {
+                seed: Some(seed),
+                ..params(1.0)
+            });
+            (0..64)
+                .map(|_| s.sample(&logits, &[]).0)
+                .collect::<Vec<_>>()
         };
         assert_eq!(run(3), run(3));
         let seen: std::collections::HashSet<u32> = run(3).into_iter().collect();
@@ -220,26 +273,51 @@ mod tests {
 
     #[test]
     fn logprobs_are_normalised_and_ranked() {
-        let mut s = Sampler::new(Sampling { top_logprobs: 2, ..params(0.0) });
+        let mut s = Sampler::new(Sampling {
+            top_logprobs: 2,
+            ..params(0.0)
+        });
         let (tok, lp) = s.sample(&[0.0, 2.0, 1.0], &[]);
         let lp = lp.unwrap();
         assert_eq!(tok, 1);
         assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 2]);
-        let total: f32 = [0.0f32, 2.0, 1.0].iter().map(|v| (v - 2.0 + lp.logprob).exp()).sum();
+        let total: f32 = [0.0f32, 2.0, 1.0]
+            .iter()
+            .map(|v| (v - 2.0 + lp.logprob).exp())
+            .sum();
         assert!((total - 1.0).abs() < 1e-5);
     }
 
     #[test]
     fn bad_parameters_are_rejected() {
         for p in [
-            Sampling { temperature: f32::NAN, ..Default::default() },
-            Sampling { temperature: -1.0, ..Default::default() },
-            Sampling { top_p: 0.0, ..Default::default() },
-            Sampling { min_p: 1.0, ..Default::default() },
-            Sampling { repetition_penalty: 0.0, ..Default::default() },
+            Sampling {
+                temperature: f32::NAN,
+                ..Default::default()
+            },
+            Sampling {
+                temperature: -1.0,
+                ..Default::default()
+            },
+            Sampling {
+                top_p: 0.0,
+                ..Default::default()
+            },
+            Sampling {
+                min_p: 1.0,
+                ..Default::default()
+            },
+            Sampling {
+                repetition_penalty: 0.0,
+                ..Default::default()
+            },
         ] {
             assert!(validate(&p).is_err(), "{p:?}");
         }
-        assert!(validate_stop(&StopConditions { max_tokens: 0, ..Default::default() }).is_err());
+        assert!(validate_stop(&StopConditions {
+            max_tokens: 0,
+            ..Default::default()
+        })
+        .is_err());
     }
 }

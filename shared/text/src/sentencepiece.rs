@@ -35,12 +35,19 @@ const BPE: i32 = 2;
 impl SentencePieceModel {
     pub fn read(path: &Path) -> Result<Self> {
         let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
-        Self::parse(&bytes).map_err(|m| Error::format(path, format!("not a SentencePiece model: {m}")))
+        Self::parse(&bytes)
+            .map_err(|m| Error::format(path, format!("not a SentencePiece model: {m}")))
     }
 
     pub fn parse(bytes: &[u8]) -> std::result::Result<Self, String> {
         // TrainerSpec's defaults, for fields the file leaves out.
-        let mut m = SentencePieceModel { pieces: vec![], model_type: 1, unk_id: 0, bos_id: 1, eos_id: 2 };
+        let mut m = SentencePieceModel {
+            pieces: vec![],
+            model_type: 1,
+            unk_id: 0,
+            bos_id: 1,
+            eos_id: 2,
+        };
         let mut r = Reader(bytes);
         while let Some((field, v)) = r.field()? {
             match (field, v) {
@@ -71,16 +78,37 @@ impl SentencePieceModel {
         if self.model_type != BPE {
             return Err(Error::Tokenizer {
                 path: path.into(),
-                message: format!("SentencePiece model type {} is not supported (only BPE, type 2)", self.model_type),
+                message: format!(
+                    "SentencePiece model type {} is not supported (only BPE, type 2)",
+                    self.model_type
+                ),
             });
         }
         let key = |k: &str| format!("tokenizer.ggml.{k}");
         let mut md = HashMap::new();
         md.insert(key("model"), Value::Str("llama".into()));
-        md.insert(key("tokens"), Value::Array(self.pieces.iter().map(|p| Value::Str(p.text.clone())).collect()));
-        md.insert(key("scores"), Value::Array(self.pieces.iter().map(|p| Value::F32(p.score)).collect()));
-        md.insert(key("token_type"), Value::Array(self.pieces.iter().map(|p| Value::I32(p.kind)).collect()));
-        let ids = [("unknown_token_id", self.unk_id), ("bos_token_id", self.bos_id), ("eos_token_id", self.eos_id)];
+        md.insert(
+            key("tokens"),
+            Value::Array(
+                self.pieces
+                    .iter()
+                    .map(|p| Value::Str(p.text.clone()))
+                    .collect(),
+            ),
+        );
+        md.insert(
+            key("scores"),
+            Value::Array(self.pieces.iter().map(|p| Value::F32(p.score)).collect()),
+        );
+        md.insert(
+            key("token_type"),
+            Value::Array(self.pieces.iter().map(|p| Value::I32(p.kind)).collect()),
+        );
+        let ids = [
+            ("unknown_token_id", self.unk_id),
+            ("bos_token_id", self.bos_id),
+            ("eos_token_id", self.eos_id),
+        ];
         for (k, id) in ids {
             if (0..self.pieces.len() as i32).contains(&id) {
                 md.insert(key(k), Value::U32(id as u32));
@@ -91,11 +119,17 @@ impl SentencePieceModel {
 }
 
 fn parse_piece(bytes: &[u8]) -> std::result::Result<Piece, String> {
-    let mut p = Piece { text: String::new(), score: 0.0, kind: NORMAL };
+    let mut p = Piece {
+        text: String::new(),
+        score: 0.0,
+        kind: NORMAL,
+    };
     let mut r = Reader(bytes);
     while let Some((field, v)) = r.field()? {
         match (field, v) {
-            (1, Wire::Bytes(b)) => p.text = String::from_utf8(b.to_vec()).map_err(|_| "a piece is not UTF-8")?,
+            (1, Wire::Bytes(b)) => {
+                p.text = String::from_utf8(b.to_vec()).map_err(|_| "a piece is not UTF-8")?
+            }
             (2, Wire::Fixed32(x)) => p.score = f32::from_bits(x),
             (3, Wire::Varint(x)) => p.kind = x as i32,
             _ => {}
@@ -152,7 +186,9 @@ impl<'a> Reader<'a> {
                 let n = usize::try_from(self.varint()?).map_err(|_| "length out of range")?;
                 Wire::Bytes(self.take(n)?)
             }
-            5 => Wire::Fixed32(u32::from_le_bytes(self.take(4)?.try_into().expect("4 bytes"))),
+            5 => Wire::Fixed32(u32::from_le_bytes(
+                self.take(4)?.try_into().expect("4 bytes"),
+            )),
             w => return Err(format!("wire type {w} not supported")),
         };
         Ok(Some((tag >> 3, value)))
@@ -205,20 +241,42 @@ mod tests {
         varint(u64::MAX, &mut spec); // bos_id = -1: absent
         bytes_field(2, &spec, &mut m);
         let sp = SentencePieceModel::parse(&m).unwrap();
-        assert_eq!(sp.pieces[0], Piece { text: "<unk>".into(), score: 0.0, kind: 2 });
-        assert_eq!(sp.pieces[1], Piece { text: "\u{2581}a".into(), score: -1.5, kind: NORMAL });
-        assert_eq!((sp.model_type, sp.unk_id, sp.bos_id, sp.eos_id), (2, 0, -1, 2));
+        assert_eq!(
+            sp.pieces[0],
+            Piece {
+                text: "<unk>".into(),
+                score: 0.0,
+                kind: 2
+            }
+        );
+        assert_eq!(
+            sp.pieces[1],
+            Piece {
+                text: "\u{2581}a".into(),
+                score: -1.5,
+                kind: NORMAL
+            }
+        );
+        assert_eq!(
+            (sp.model_type, sp.unk_id, sp.bos_id, sp.eos_id),
+            (2, 0, -1, 2)
+        );
         let md = sp.to_gguf_metadata(Path::new("t")).unwrap();
         assert!(md.contains_key("tokenizer.ggml.unknown_token_id"));
         assert!(!md.contains_key("tokenizer.ggml.bos_token_id"));
-        assert!(!md.contains_key("tokenizer.ggml.eos_token_id"), "eos 2 is past the two pieces");
+        assert!(
+            !md.contains_key("tokenizer.ggml.eos_token_id"),
+            "eos 2 is past the two pieces"
+        );
     }
 
     #[test]
     fn truncated_and_unigram_models_are_errors() {
         let mut m = vec![];
         bytes_field(1, &piece("a", 0.0, None), &mut m);
-        assert!(SentencePieceModel::parse(&m[..m.len() - 2]).unwrap_err().contains("truncated"));
+        assert!(SentencePieceModel::parse(&m[..m.len() - 2])
+            .unwrap_err()
+            .contains("truncated"));
         let sp = SentencePieceModel::parse(&m).unwrap();
         let err = sp.to_gguf_metadata(Path::new("t")).unwrap_err().to_string();
         assert!(err.contains("model type 1"), "{err}");

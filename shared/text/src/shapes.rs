@@ -22,18 +22,69 @@ struct Shape {
     experts: Option<(usize, usize, usize)>,
 }
 
-const fn dense(name: &'static str, hidden: usize, layers: usize, intermediate: usize, heads: usize, kv_heads: usize, vocab: usize, tied: bool) -> Shape {
-    Shape { name, vocabulary: None, hidden, layers, intermediate, heads, kv_heads, head_dim: hidden / heads, vocab, tied, experts: None }
+const fn dense(
+    name: &'static str,
+    hidden: usize,
+    layers: usize,
+    intermediate: usize,
+    heads: usize,
+    kv_heads: usize,
+    vocab: usize,
+    tied: bool,
+) -> Shape {
+    Shape {
+        name,
+        vocabulary: None,
+        hidden,
+        layers,
+        intermediate,
+        heads,
+        kv_heads,
+        head_dim: hidden / heads,
+        vocab,
+        tied,
+        experts: None,
+    }
 }
 
 const SHAPES: &[Shape] = &[
     dense("tiny", 256, 2, 512, 4, 2, 4096, true),
     dense("smollm2", 576, 30, 1536, 9, 3, 49152, true),
-    Shape { vocabulary: Some("llama3"), ..dense("1b", 2048, 16, 8192, 32, 8, 128256, true) },
-    Shape { vocabulary: Some("llama3"), ..dense("8b", 4096, 32, 14336, 32, 8, 128256, false) },
-    Shape { name: "tiny-moe", vocabulary: None, hidden: 256, layers: 2, intermediate: 512, heads: 4, kv_heads: 2, head_dim: 64, vocab: 4096, tied: false, experts: Some((8, 2, 128)) },
+    Shape {
+        vocabulary: Some("llama3"),
+        ..dense("1b", 2048, 16, 8192, 32, 8, 128256, true)
+    },
+    Shape {
+        vocabulary: Some("llama3"),
+        ..dense("8b", 4096, 32, 14336, 32, 8, 128256, false)
+    },
+    Shape {
+        name: "tiny-moe",
+        vocabulary: None,
+        hidden: 256,
+        layers: 2,
+        intermediate: 512,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 64,
+        vocab: 4096,
+        tied: false,
+        experts: Some((8, 2, 128)),
+    },
     // Qwen3-30B-A3B
-    Shape { name: "moe", vocabulary: Some("qwen3"), hidden: 2048, layers: 48, intermediate: 6144, heads: 32, kv_heads: 4, head_dim: 128, vocab: 151936, tied: false, experts: Some((128, 8, 768)) },
+    Shape {
+        name: "moe",
+        vocabulary: Some("qwen3"),
+        hidden: 2048,
+        layers: 48,
+        intermediate: 6144,
+        heads: 32,
+        kv_heads: 4,
+        head_dim: 128,
+        vocab: 151936,
+        tied: false,
+        experts: Some((128, 8, 768)),
+    },
 ];
 
 pub fn shape_names() -> Vec<&'static str> {
@@ -42,7 +93,10 @@ pub fn shape_names() -> Vec<&'static str> {
 
 fn shape(name: &str) -> Result<&'static Shape> {
     SHAPES.iter().find(|s| s.name == name).ok_or_else(|| {
-        Error::InvalidRequest(format!("unknown shape {name:?} (known: {})", shape_names().join(", ")))
+        Error::InvalidRequest(format!(
+            "unknown shape {name:?} (known: {})",
+            shape_names().join(", ")
+        ))
     })
 }
 
@@ -51,8 +105,12 @@ fn shape(name: &str) -> Result<&'static Shape> {
 /// directory): random weights then still take text, detokenize and take constraints with a
 /// real vocabulary's costs. None for shapes without one, or when it is not there.
 pub fn tokenizer(name: &str) -> Result<Option<crate::Tokenizer>> {
-    let Some(vocab) = shape(name)?.vocabulary else { return Ok(None) };
-    let dir = crate::models_dir().parent().map(|p| p.join("tokenizers").join(vocab));
+    let Some(vocab) = shape(name)?.vocabulary else {
+        return Ok(None);
+    };
+    let dir = crate::models_dir()
+        .parent()
+        .map(|p| p.join("tokenizers").join(vocab));
     match dir.filter(|d| d.join("tokenizer.json").is_file()) {
         Some(d) => crate::Tokenizer::from_hf_dir(&d).map(Some),
         None => Ok(None),
@@ -70,7 +128,11 @@ pub fn config(name: &str) -> Result<ModelConfig> {
         shared_expert: None,
     });
     Ok(ModelConfig {
-        arch: if moe.is_some() { Arch::Qwen3 } else { Arch::Llama },
+        arch: if moe.is_some() {
+            Arch::Qwen3
+        } else {
+            Arch::Llama
+        },
         vocab_size: s.vocab,
         hidden_size: s.hidden,
         intermediate_size: s.intermediate,
@@ -79,7 +141,14 @@ pub fn config(name: &str) -> Result<ModelConfig> {
         num_kv_heads: s.kv_heads,
         head_dim: s.head_dim,
         rms_norm_eps: 1e-5,
-        rope: RopeConfig::plain(if moe.is_some() { 1_000_000.0 } else { 500_000.0 }, s.head_dim),
+        rope: RopeConfig::plain(
+            if moe.is_some() {
+                1_000_000.0
+            } else {
+                500_000.0
+            },
+            s.head_dim,
+        ),
         tie_word_embeddings: s.tied,
         sliding_window: None,
         sliding_layers: vec![false; s.layers],

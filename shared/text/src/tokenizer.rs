@@ -30,7 +30,10 @@ pub struct Tokenizer {
 }
 
 fn tok_err(path: &Path, e: impl std::fmt::Display) -> Error {
-    Error::Tokenizer { path: path.into(), message: e.to_string() }
+    Error::Tokenizer {
+        path: path.into(),
+        message: e.to_string(),
+    }
 }
 
 /// GPT-2's byte-level alphabet, reversed: the printable character that stands for each byte.
@@ -63,7 +66,9 @@ fn read_json(path: &Path) -> Result<Option<Json>> {
         return Ok(None);
     }
     let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-    serde_json::from_str(&text).map(Some).map_err(|e| Error::format(path, e.to_string()))
+    serde_json::from_str(&text)
+        .map(Some)
+        .map_err(|e| Error::format(path, e.to_string()))
 }
 
 impl Tokenizer {
@@ -74,12 +79,22 @@ impl Tokenizer {
         let sp_path = dir.join("tokenizer.model");
         let mut tok = if path.is_file() {
             let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| tok_err(&path, e))?;
-            Tokenizer { inner, source: path, eos_ids: vec![], bos_token: None, eos_token: None, chat_template: None }
+            Tokenizer {
+                inner,
+                source: path,
+                eos_ids: vec![],
+                bos_token: None,
+                eos_token: None,
+                chat_template: None,
+            }
         } else if sp_path.is_file() {
             let sp = SentencePieceModel::read(&sp_path)?;
             Self::from_gguf_metadata(&sp_path, &sp.to_gguf_metadata(&sp_path)?)?
         } else {
-            let missing = std::io::Error::new(std::io::ErrorKind::NotFound, "no such file (nor tokenizer.model)");
+            let missing = std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                "no such file (nor tokenizer.model)",
+            );
             return Err(Error::io(&path, missing));
         };
         let cfg = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or(Json::Null);
@@ -95,19 +110,41 @@ impl Tokenizer {
             _ => None,
         };
         match gen.get("eos_token_id") {
-            Some(Json::Number(n)) => tok.eos_ids = n.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
-            Some(Json::Array(a)) => tok.eos_ids = a.iter().filter_map(|v| v.as_u64().map(|v| v as u32)).collect(),
+            Some(Json::Number(n)) => {
+                tok.eos_ids = n.as_u64().map(|v| vec![v as u32]).unwrap_or_default()
+            }
+            Some(Json::Array(a)) => {
+                tok.eos_ids = a
+                    .iter()
+                    .filter_map(|v| v.as_u64().map(|v| v as u32))
+                    .collect()
+            }
             _ => {}
         }
-        if let Some(id) = tok.eos_token.as_deref().and_then(|t| tok.inner.token_to_id(t)) {
+        if let Some(id) = tok
+            .eos_token
+            .as_deref()
+            .and_then(|t| tok.inner.token_to_id(t))
+        {
             if !tok.eos_ids.contains(&id) {
                 tok.eos_ids.push(id);
             }
         }
         if tok.eos_ids.is_empty() {
             // A bare tokenizer.json: its family's well-known end-of-text token.
-            let known = ["<|end_of_text|>", "<|endoftext|>", "<|im_end|>", "</s>", "<eos>"];
-            tok.eos_ids.extend(known.iter().filter_map(|t| tok.inner.token_to_id(t)).take(1));
+            let known = [
+                "<|end_of_text|>",
+                "<|endoftext|>",
+                "<|im_end|>",
+                "</s>",
+                "<eos>",
+            ];
+            tok.eos_ids.extend(
+                known
+                    .iter()
+                    .filter_map(|t| tok.inner.token_to_id(t))
+                    .take(1),
+            );
         }
         Ok(tok)
     }
@@ -116,26 +153,45 @@ impl Tokenizer {
     pub fn from_gguf_metadata(path: &Path, md: &HashMap<String, Value>) -> Result<Self> {
         let g = GgufVocab { path, md };
         let model = g.get("model").and_then(Value::as_str).unwrap_or("");
-        let tokens = g.strings("tokens").ok_or_else(|| tok_err(path, "no tokenizer.ggml.tokens"))?;
+        let tokens = g
+            .strings("tokens")
+            .ok_or_else(|| tok_err(path, "no tokenizer.ggml.tokens"))?;
         let types: Vec<u64> = g
             .get("token_type")
             .and_then(Value::as_array)
             .map(|a| a.iter().map(|v| v.as_u64().unwrap_or(1)).collect())
             .unwrap_or_else(|| vec![1; tokens.len()]);
         let (bos, eos) = (g.id("bos_token_id"), g.id("eos_token_id"));
-        let add_bos = g.get("add_bos_token").and_then(Value::as_bool).unwrap_or(model == "llama");
-        let vocab: serde_json::Map<String, Json> = tokens.iter().enumerate().map(|(i, t)| (t.clone(), json!(i))).collect();
+        let add_bos = g
+            .get("add_bos_token")
+            .and_then(Value::as_bool)
+            .unwrap_or(model == "llama");
+        let vocab: serde_json::Map<String, Json> = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.clone(), json!(i)))
+            .collect();
         let mut tj = match model {
             "gpt2" => g.byte_level_bpe(vocab)?,
             "llama" => g.sentencepiece(vocab, &tokens, &types)?,
-            other => return Err(tok_err(path, format!("unsupported tokenizer model {other:?} (tokenizer.ggml.model)"))),
+            other => {
+                return Err(tok_err(
+                    path,
+                    format!("unsupported tokenizer model {other:?} (tokenizer.ggml.model)"),
+                ))
+            }
         };
         let obj = tj.as_object_mut().expect("built as an object");
         obj.insert("version".into(), json!("1.0"));
         obj.insert("truncation".into(), Json::Null);
         obj.insert("padding".into(), Json::Null);
-        obj.insert("added_tokens".into(), Json::Array(added_tokens(&tokens, &types)));
-        let post = bos.filter(|_| add_bos).map_or(Json::Null, |b| bos_first(&tokens[b as usize], b));
+        obj.insert(
+            "added_tokens".into(),
+            Json::Array(added_tokens(&tokens, &types)),
+        );
+        let post = bos
+            .filter(|_| add_bos)
+            .map_or(Json::Null, |b| bos_first(&tokens[b as usize], b));
         obj.insert("post_processor".into(), post);
         let inner: tokenizers::Tokenizer = tj.to_string().parse().map_err(|e| tok_err(path, e))?;
         let tok_at = |i: Option<u32>| i.and_then(|i| tokens.get(i as usize).cloned());
@@ -146,7 +202,10 @@ impl Tokenizer {
                 eos_ids.push(eot);
             }
         }
-        let chat_template = md.get("tokenizer.chat_template").and_then(Value::as_str).map(String::from);
+        let chat_template = md
+            .get("tokenizer.chat_template")
+            .and_then(Value::as_str)
+            .map(String::from);
         Ok(Tokenizer {
             inner,
             source: path.into(),
@@ -163,16 +222,26 @@ impl Tokenizer {
 
     /// Largest token id plus one: must not exceed the model's embedding rows.
     pub fn max_id_bound(&self) -> usize {
-        self.inner.get_vocab(true).values().map(|&i| i as usize + 1).max().unwrap_or(0)
+        self.inner
+            .get_vocab(true)
+            .values()
+            .map(|&i| i as usize + 1)
+            .max()
+            .unwrap_or(0)
     }
 
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
-        let enc = self.inner.encode(text, add_special_tokens).map_err(|e| tok_err(&self.source, e))?;
+        let enc = self
+            .inner
+            .encode(text, add_special_tokens)
+            .map_err(|e| tok_err(&self.source, e))?;
         Ok(enc.get_ids().to_vec())
     }
 
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
-        self.inner.decode(ids, skip_special_tokens).map_err(|e| tok_err(&self.source, e))
+        self.inner
+            .decode(ids, skip_special_tokens)
+            .map_err(|e| tok_err(&self.source, e))
     }
 
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
@@ -185,27 +254,56 @@ impl Tokenizer {
     /// characters back to bytes; SentencePiece-style vocabularies turn `▁` into a space and
     /// `<0xAB>` into its byte.
     pub fn token_bytes(&self) -> Result<Vec<(Vec<u8>, bool)>> {
-        let decoder = serde_json::to_value(self.inner.get_decoder()).map_err(|e| tok_err(&self.source, e))?;
+        let decoder =
+            serde_json::to_value(self.inner.get_decoder()).map_err(|e| tok_err(&self.source, e))?;
         let kinds = |d: &Json| -> Vec<String> {
-            let parts = d.get("decoders").and_then(Json::as_array).cloned().unwrap_or_else(|| vec![d.clone()]);
-            parts.iter().filter_map(|p| p.get("type").and_then(Json::as_str).map(String::from)).collect()
+            let parts = d
+                .get("decoders")
+                .and_then(Json::as_array)
+                .cloned()
+                .unwrap_or_else(|| vec![d.clone()]);
+            parts
+                .iter()
+                .filter_map(|p| p.get("type").and_then(Json::as_str).map(String::from))
+                .collect()
         };
         let kinds = kinds(&decoder);
         let byte_level = kinds.iter().any(|k| k == "ByteLevel");
-        if !byte_level && !kinds.iter().any(|k| k == "ByteFallback" || k == "Metaspace" || k == "Replace") {
-            return Err(tok_err(&self.source, format!("cannot tell the bytes of its tokens (decoder {kinds:?})")));
+        if !byte_level
+            && !kinds
+                .iter()
+                .any(|k| k == "ByteFallback" || k == "Metaspace" || k == "Replace")
+        {
+            return Err(tok_err(
+                &self.source,
+                format!("cannot tell the bytes of its tokens (decoder {kinds:?})"),
+            ));
         }
         let unbyte = gpt2_unbytes();
-        let special: std::collections::HashSet<u32> =
-            self.inner.get_added_tokens_decoder().iter().filter(|(_, t)| t.special).map(|(&id, _)| id).collect();
+        let special: std::collections::HashSet<u32> = self
+            .inner
+            .get_added_tokens_decoder()
+            .iter()
+            .filter(|(_, t)| t.special)
+            .map(|(&id, _)| id)
+            .collect();
         let mut out = vec![(Vec::new(), false); self.max_id_bound()];
         for (piece, id) in self.inner.get_vocab(true) {
             let bytes = if special.contains(&id) {
                 piece.into_bytes()
             } else if byte_level {
                 // Added, non-special tokens are plain text; vocabulary entries use GPT-2's map.
-                piece.chars().map(|c| unbyte.get(&c).copied()).collect::<Option<Vec<u8>>>().unwrap_or_else(|| piece.into_bytes())
-            } else if let Some(b) = piece.strip_prefix("<0x").and_then(|h| h.strip_suffix('>')).filter(|h| h.len() == 2).and_then(|h| u8::from_str_radix(h, 16).ok()) {
+                piece
+                    .chars()
+                    .map(|c| unbyte.get(&c).copied())
+                    .collect::<Option<Vec<u8>>>()
+                    .unwrap_or_else(|| piece.into_bytes())
+            } else if let Some(b) = piece
+                .strip_prefix("<0x")
+                .and_then(|h| h.strip_suffix('>'))
+                .filter(|h| h.len() == 2)
+                .and_then(|h| u8::from_str_radix(h, 16).ok())
+            {
                 vec![b]
             } else {
                 piece.replace('\u{2581}', " ").into_bytes()
@@ -216,35 +314,71 @@ impl Tokenizer {
     }
 
     /// Renders the chat template for `messages` (with the assistant's turn opened).
-    pub fn apply_chat_template(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
-        self.render(&crate::tools::template_messages(messages), None, add_generation_prompt)
+    pub fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        self.render(
+            &crate::tools::template_messages(messages),
+            None,
+            add_generation_prompt,
+        )
     }
 
     /// Renders the chat template for `messages` with `tools` the model may call; returns the
     /// text and the syntax its calls will come in (see `tools`).
-    pub fn apply_chat_template_with_tools(&self, messages: &[ChatMessage], tools: &[Tool]) -> Result<(String, ToolSyntax)> {
+    pub fn apply_chat_template_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[Tool],
+    ) -> Result<(String, ToolSyntax)> {
         let support = crate::tools::support(self.template()?)?;
         let text = match support {
             Support::Template(_) => {
                 let tools = crate::tools::template_tools(tools);
-                self.render(&crate::tools::template_messages(messages), Some(&tools), true)?
+                self.render(
+                    &crate::tools::template_messages(messages),
+                    Some(&tools),
+                    true,
+                )?
             }
-            Support::Instructed => self.apply_chat_template(&crate::tools::instructed_messages(messages, tools), true)?,
+            Support::Instructed => {
+                self.apply_chat_template(&crate::tools::instructed_messages(messages, tools), true)?
+            }
         };
         Ok((text, support.syntax()))
     }
 
     fn template(&self) -> Result<&str> {
-        self.chat_template.as_deref().ok_or_else(|| Error::Template("this model has no chat template".into()))
+        self.chat_template
+            .as_deref()
+            .ok_or_else(|| Error::Template("this model has no chat template".into()))
     }
 
-    fn render(&self, messages: &[Json], tools: Option<&[Json]>, add_generation_prompt: bool) -> Result<String> {
-        render_chat(self.template()?, messages, tools, add_generation_prompt, self.bos_token.as_deref(), self.eos_token.as_deref())
+    fn render(
+        &self,
+        messages: &[Json],
+        tools: Option<&[Json]>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        render_chat(
+            self.template()?,
+            messages,
+            tools,
+            add_generation_prompt,
+            self.bos_token.as_deref(),
+            self.eos_token.as_deref(),
+        )
     }
 
     /// The id of the special token whose text is `content`, if the vocabulary has one.
     pub fn special_token_id(&self, content: &str) -> Option<u32> {
-        self.inner.get_added_tokens_decoder().iter().find(|(_, t)| t.special && t.content == content).map(|(&id, _)| id)
+        self.inner
+            .get_added_tokens_decoder()
+            .iter()
+            .find(|(_, t)| t.special && t.content == content)
+            .map(|(&id, _)| id)
     }
 
     /// The prompt's token ids: chat-templated (special tokens come from the template) or plain.
@@ -270,7 +404,11 @@ impl GgufVocab<'_> {
     }
 
     fn strings(&self, k: &str) -> Option<Vec<String>> {
-        self.get(k)?.as_array()?.iter().map(|v| v.as_str().map(String::from)).collect()
+        self.get(k)?
+            .as_array()?
+            .iter()
+            .map(|v| v.as_str().map(String::from))
+            .collect()
     }
 
     fn id(&self, k: &str) -> Option<u32> {
@@ -279,10 +417,16 @@ impl GgufVocab<'_> {
 
     /// GPT-2's byte-level BPE (Llama 3, Qwen), with the pre-tokenizer `tokenizer.ggml.pre` names.
     fn byte_level_bpe(&self, vocab: serde_json::Map<String, Json>) -> Result<Json> {
-        let merges = self.strings("merges").ok_or_else(|| tok_err(self.path, "BPE vocabulary without tokenizer.ggml.merges"))?;
+        let merges = self
+            .strings("merges")
+            .ok_or_else(|| tok_err(self.path, "BPE vocabulary without tokenizer.ggml.merges"))?;
         let pre_name = self.get("pre").and_then(Value::as_str).unwrap_or("default");
-        let (pre, ignore_merges) = byte_level_pre_tokenizer(pre_name)
-            .ok_or_else(|| tok_err(self.path, format!("unknown pre-tokenizer {pre_name:?} (tokenizer.ggml.pre)")))?;
+        let (pre, ignore_merges) = byte_level_pre_tokenizer(pre_name).ok_or_else(|| {
+            tok_err(
+                self.path,
+                format!("unknown pre-tokenizer {pre_name:?} (tokenizer.ggml.pre)"),
+            )
+        })?;
         Ok(json!({
             "normalizer": if pre_name == "qwen2" { json!({"type": "NFC"}) } else { Json::Null },
             "pre_tokenizer": pre,
@@ -294,16 +438,32 @@ impl GgufVocab<'_> {
     }
 
     /// SentencePiece's vocabulary with scores (Llama 2, Gemma), as a BPE with byte fallback.
-    fn sentencepiece(&self, vocab: serde_json::Map<String, Json>, tokens: &[String], types: &[u64]) -> Result<Json> {
+    fn sentencepiece(
+        &self,
+        vocab: serde_json::Map<String, Json>,
+        tokens: &[String],
+        types: &[u64],
+    ) -> Result<Json> {
         let scores: Vec<f64> = self
             .get("scores")
             .and_then(Value::as_array)
             .map(|a| a.iter().map(|v| v.as_f64().unwrap_or(0.0)).collect())
-            .ok_or_else(|| tok_err(self.path, "SentencePiece vocabulary without tokenizer.ggml.scores"))?;
-        let unk = self.id("unknown_token_id").map(|i| tokens[i as usize].clone());
+            .ok_or_else(|| {
+                tok_err(
+                    self.path,
+                    "SentencePiece vocabulary without tokenizer.ggml.scores",
+                )
+            })?;
+        let unk = self
+            .id("unknown_token_id")
+            .map(|i| tokens[i as usize].clone());
         // SentencePiece prefixes a space unless the model says not to (Gemma).
-        let prefix_space = self.get("add_space_prefix").and_then(Value::as_bool).unwrap_or(true);
-        let mut normalizers = vec![json!({"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"})];
+        let prefix_space = self
+            .get("add_space_prefix")
+            .and_then(Value::as_bool)
+            .unwrap_or(true);
+        let mut normalizers =
+            vec![json!({"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"})];
         if prefix_space {
             normalizers.insert(0, json!({"type": "Prepend", "prepend": "\u{2581}"}));
         }
@@ -375,7 +535,11 @@ fn byte_level_pre_tokenizer(name: &str) -> Option<(Json, bool)> {
 /// SentencePiece vocabularies carry scores, not merges: a merge (a, b) exists wherever a, b and
 /// a+b are all pieces, ranked by the score of a+b (best first), as SentencePiece's BPE applies them.
 fn merges_from_scores(tokens: &[String], scores: &[f64], types: &[u64]) -> Vec<Json> {
-    let ids: HashMap<&str, usize> = tokens.iter().enumerate().map(|(i, t)| (t.as_str(), i)).collect();
+    let ids: HashMap<&str, usize> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.as_str(), i))
+        .collect();
     let mut merges: Vec<(f64, usize, usize, usize)> = Vec::new();
     for (id, piece) in tokens.iter().enumerate() {
         if types.get(id).copied().unwrap_or(1) != 1 || piece.chars().count() < 2 {
@@ -389,7 +553,10 @@ fn merges_from_scores(tokens: &[String], scores: &[f64], types: &[u64]) -> Vec<J
         }
     }
     merges.sort_by(|x, y| x.partial_cmp(y).unwrap_or(std::cmp::Ordering::Equal));
-    merges.into_iter().map(|(_, _, a, b)| json!([tokens[a], tokens[b]])).collect()
+    merges
+        .into_iter()
+        .map(|(_, _, a, b)| json!([tokens[a], tokens[b]]))
+        .collect()
 }
 
 /// Renders a chat template as transformers does: `messages` and `tools` (None: undefined)
@@ -407,11 +574,20 @@ pub fn render_chat(
     env.set_lstrip_blocks(true);
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
     minijinja_contrib::add_to_environment(&mut env);
-    env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
-        Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
-    });
-    env.add_template("chat", template).map_err(|e| Error::Template(e.to_string()))?;
-    let t = env.get_template("chat").map_err(|e| Error::Template(e.to_string()))?;
+    env.add_function(
+        "raise_exception",
+        |msg: String| -> std::result::Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(
+                minijinja::ErrorKind::InvalidOperation,
+                msg,
+            ))
+        },
+    );
+    env.add_template("chat", template)
+        .map_err(|e| Error::Template(e.to_string()))?;
+    let t = env
+        .get_template("chat")
+        .map_err(|e| Error::Template(e.to_string()))?;
     t.render(minijinja::context! {
         messages => messages,
         tools => tools,

@@ -36,10 +36,14 @@ pub fn support(template: &str) -> Result<Support> {
         Ok(Support::Template(ToolSyntax::Hermes))
     } else if template.contains("[TOOL_CALLS]") {
         Ok(Support::Template(ToolSyntax::Mistral))
-    } else if template.contains("\"parameters\"") && (template.contains("ipython") || template.contains("<|python_tag|>")) {
+    } else if template.contains("\"parameters\"")
+        && (template.contains("ipython") || template.contains("<|python_tag|>"))
+    {
         Ok(Support::Template(ToolSyntax::Llama3Json))
     } else if template.contains("tools") {
-        Err(Error::InvalidRequest("this model's chat template writes tool calls in a syntax llmq does not parse".into()))
+        Err(Error::InvalidRequest(
+            "this model's chat template writes tool calls in a syntax llmq does not parse".into(),
+        ))
     } else {
         Ok(Support::Instructed)
     }
@@ -79,9 +83,15 @@ pub fn check(tools: &[Tool], choice: Option<&ToolChoice>) -> Result<()> {
         return bad(format!("at most {MAX_TOOLS} tools, got {}", tools.len()));
     }
     for (i, t) in tools.iter().enumerate() {
-        let name_ok = (1..=64).contains(&t.name.len()) && t.name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+        let name_ok = (1..=64).contains(&t.name.len())
+            && t.name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
         if !name_ok {
-            return bad(format!("tools[{i}].name {:?} must be 1 to 64 of a-z, A-Z, 0-9, _ and -", t.name));
+            return bad(format!(
+                "tools[{i}].name {:?} must be 1 to 64 of a-z, A-Z, 0-9, _ and -",
+                t.name
+            ));
         }
         if tools[..i].iter().any(|u| u.name == t.name) {
             return bad(format!("two tools are named {:?}", t.name));
@@ -89,21 +99,30 @@ pub fn check(tools: &[Tool], choice: Option<&ToolChoice>) -> Result<()> {
         if let Some(p) = &t.parameters {
             match serde_json::from_str::<Value>(p) {
                 Ok(Value::Object(_)) => {}
-                _ => return bad(format!("tools[{i}].parameters must be a JSON Schema object")),
+                _ => {
+                    return bad(format!(
+                        "tools[{i}].parameters must be a JSON Schema object"
+                    ))
+                }
             }
         }
     }
     match choice {
-        Some(ToolChoice::Required) if tools.is_empty() => bad("tool_choice \"required\" needs tools".into()),
-        Some(ToolChoice::Function { name }) if !tools.iter().any(|t| &t.name == name) => {
-            bad(format!("tool_choice names the function {name:?}, which is not among the tools"))
+        Some(ToolChoice::Required) if tools.is_empty() => {
+            bad("tool_choice \"required\" needs tools".into())
         }
+        Some(ToolChoice::Function { name }) if !tools.iter().any(|t| &t.name == name) => bad(
+            format!("tool_choice names the function {name:?}, which is not among the tools"),
+        ),
         _ => Ok(()),
     }
 }
 
 fn parameters(t: &Tool) -> Value {
-    t.parameters.as_deref().and_then(|p| serde_json::from_str(p).ok()).unwrap_or_else(|| json!({"type": "object", "properties": {}}))
+    t.parameters
+        .as_deref()
+        .and_then(|p| serde_json::from_str(p).ok())
+        .unwrap_or_else(|| json!({"type": "object", "properties": {}}))
 }
 
 /// The tools as chat templates take them.
@@ -152,14 +171,20 @@ pub fn template_messages(messages: &[ChatMessage]) -> Vec<Value> {
 
 /// One call as the Hermes syntax writes it.
 fn hermes_call(c: &ToolCall) -> String {
-    format!("<tool_call>\n{}\n</tool_call>", json!({"name": c.name, "arguments": arguments_value(c)}))
+    format!(
+        "<tool_call>\n{}\n</tool_call>",
+        json!({"name": c.name, "arguments": arguments_value(c)})
+    )
 }
 
 /// For a template that shows no tools: the tools described in the system message (its own
 /// text kept after them), the assistant's calls written out in the Hermes syntax, and tool
 /// results as the user's turn (consecutive results in one turn), which any template renders.
 pub fn instructed_messages(messages: &[ChatMessage], tools: &[Tool]) -> Vec<ChatMessage> {
-    let listing: Vec<String> = template_tools(tools).iter().map(|t| t["function"].to_string()).collect();
+    let listing: Vec<String> = template_tools(tools)
+        .iter()
+        .map(|t| t["function"].to_string())
+        .collect();
     let instructions = format!(
         "You may call functions to answer. Each function's name, description and parameters \
          (a JSON Schema) are listed between <tools> and </tools>:\n<tools>\n{}\n</tools>\n\n\
@@ -173,7 +198,10 @@ pub fn instructed_messages(messages: &[ChatMessage], tools: &[Tool]) -> Vec<Chat
     let mut rest = messages;
     match messages.first() {
         Some(m) if m.role == "system" => {
-            out.push(ChatMessage::new("system", &format!("{instructions}\n\n{}", m.content)));
+            out.push(ChatMessage::new(
+                "system",
+                &format!("{instructions}\n\n{}", m.content),
+            ));
             rest = &messages[1..];
         }
         _ => out.push(ChatMessage::new("system", &instructions)),
@@ -182,7 +210,9 @@ pub fn instructed_messages(messages: &[ChatMessage], tools: &[Tool]) -> Vec<Chat
         if m.role == "tool" {
             let result = format!("<tool_response>\n{}\n</tool_response>", m.content);
             match out.last_mut() {
-                Some(last) if last.role == "user" && last.content.starts_with("<tool_response>") => {
+                Some(last)
+                    if last.role == "user" && last.content.starts_with("<tool_response>") =>
+                {
                     last.content.push('\n');
                     last.content.push_str(&result);
                 }
@@ -210,7 +240,9 @@ fn rebase_refs(schema: &mut Value, at: &str) {
         Value::Object(m) => {
             for (k, v) in m.iter_mut() {
                 match v {
-                    Value::String(r) if k == "$ref" && (r == "#" || r.starts_with("#/")) => *r = format!("#{at}{}", &r[1..]),
+                    Value::String(r) if k == "$ref" && (r == "#" || r.starts_with("#/")) => {
+                        *r = format!("#{at}{}", &r[1..])
+                    }
                     _ => rebase_refs(v, at),
                 }
             }
@@ -237,7 +269,11 @@ pub fn call_grammar(
         ToolChoice::Required => tools.iter().collect(),
         ToolChoice::Function { name } => tools.iter().filter(|t| &t.name == name).collect(),
     };
-    let args_key = if syntax == ToolSyntax::Llama3Json { "parameters" } else { "arguments" };
+    let args_key = if syntax == ToolSyntax::Llama3Json {
+        "parameters"
+    } else {
+        "arguments"
+    };
     // Each tool's parameters stand whole under the grammar's root `$defs`, named after the
     // tool, and the call refers to them there: their own local references (`#/$defs/..`, `#`),
     // which resolve against the document's root, are rebased onto that place.
@@ -261,20 +297,37 @@ pub fn call_grammar(
         crate::schema::with_layout(&mut root);
         root
     };
-    let one_call = if variants.len() == 1 { variants[0].clone() } else { json!({"anyOf": variants}) };
+    let one_call = if variants.len() == 1 {
+        variants[0].clone()
+    } else {
+        json!({"anyOf": variants})
+    };
     // A marker as the vocabulary's special token, or as text.
-    let marker = |m: &str| special(m).map(|id| format!("<[{id}]>")).unwrap_or_else(|| json!(m).to_string());
+    let marker = |m: &str| {
+        special(m)
+            .map(|id| format!("<[{id}]>"))
+            .unwrap_or_else(|| json!(m).to_string())
+    };
     Some(match syntax {
         ToolSyntax::Hermes => {
             let repeat = if parallel { " (\"\\n\" call)*" } else { "" };
-            format!("start: call{repeat}\ncall: {} \"\\n\" %json {} \"\\n\" {}\n", marker("<tool_call>"), with_defs(one_call), marker("</tool_call>"))
+            format!(
+                "start: call{repeat}\ncall: {} \"\\n\" %json {} \"\\n\" {}\n",
+                marker("<tool_call>"),
+                with_defs(one_call),
+                marker("</tool_call>")
+            )
         }
         ToolSyntax::Mistral => {
             let mut list = json!({"type": "array", "items": one_call, "minItems": 1});
             if !parallel {
                 list["maxItems"] = json!(1);
             }
-            format!("start: {} %json {}\n", marker("[TOOL_CALLS]"), with_defs(list))
+            format!(
+                "start: {} %json {}\n",
+                marker("[TOOL_CALLS]"),
+                with_defs(list)
+            )
         }
         // Llama 3.1's template takes one call per turn.
         ToolSyntax::Llama3Json => format!("start: %json {}\n", with_defs(one_call)),

@@ -12,10 +12,15 @@ use tokio::sync::mpsc;
 use super::{median, overhead, round, Client, Knobs, Seen};
 use crate::bench::random_prompt as prompt;
 
-pub(super) async fn burst((mut c, mut rx): (Client, mpsc::UnboundedReceiver<Seen>), k: &Knobs) -> Result<Value> {
+pub(super) async fn burst(
+    (mut c, mut rx): (Client, mpsc::UnboundedReceiver<Seen>),
+    k: &Knobs,
+) -> Result<Value> {
     // Active streams run until cancelled (2048 tokens outlast any burst measured here; a
     // larger cap would only inflate their KV reservations).
-    let long = (c.status().await?.context_tokens as usize).saturating_sub(129).clamp(1, 2048);
+    let long = (c.status().await?.context_tokens as usize)
+        .saturating_sub(129)
+        .clamp(1, 2048);
     let mut active = vec![];
     for i in 0..k.active {
         active.push(c.submit(&k.model, prompt(128, 3 + i as u64), long).await?);
@@ -33,14 +38,26 @@ pub(super) async fn burst((mut c, mut rx): (Client, mpsc::UnboundedReceiver<Seen
             bail!("an active stream ended early");
         }
         seen.record(&s);
-        if seen.phase == Phase::Burst && seen.short_at.is_none() && k.short > 0 && seen.burst_at.elapsed() >= Duration::from_millis(500) {
+        if seen.phase == Phase::Burst
+            && seen.short_at.is_none()
+            && k.short > 0
+            && seen.burst_at.elapsed() >= Duration::from_millis(500)
+        {
             seen.short_at = Some(Instant::now());
             for j in 0..k.short {
-                seen.short_ids.push(c.submit(&k.model, prompt(64, 500 + j as u64), 8).await?);
+                seen.short_ids
+                    .push(c.submit(&k.model, prompt(64, 500 + j as u64), 8).await?);
             }
         }
-        let min = active.iter().map(|i| seen.count.get(i).copied().unwrap_or(0)).min().unwrap_or(0);
-        if seen.phase == Phase::Burst && seen.first.len() == k.burst && seen.short_first.len() == k.short {
+        let min = active
+            .iter()
+            .map(|i| seen.count.get(i).copied().unwrap_or(0))
+            .min()
+            .unwrap_or(0);
+        if seen.phase == Phase::Burst
+            && seen.first.len() == k.burst
+            && seen.short_first.len() == k.short
+        {
             seen.phase = Phase::After;
             after_from = min;
             status1 = Some(c.status().await?);
@@ -53,7 +70,10 @@ pub(super) async fn burst((mut c, mut rx): (Client, mpsc::UnboundedReceiver<Seen
             status0 = Some(c.status().await?);
             seen.burst_at = Instant::now();
             for j in 0..k.burst {
-                seen.burst_ids.push(c.submit(&k.model, prompt(k.burst_tokens, 100 + j as u64), 8).await?);
+                seen.burst_ids.push(
+                    c.submit(&k.model, prompt(k.burst_tokens, 100 + j as u64), 8)
+                        .await?,
+                );
             }
         }
     }
@@ -64,7 +84,9 @@ pub(super) async fn burst((mut c, mut rx): (Client, mpsc::UnboundedReceiver<Seen
     c.cancel_all().await?;
     let mut v = seen.report(k);
     if let Some(s0) = status0 {
-        v.as_object_mut().unwrap().extend(overhead(&s0, &status1).as_object().unwrap().clone());
+        v.as_object_mut()
+            .unwrap()
+            .extend(overhead(&s0, &status1).as_object().unwrap().clone());
     }
     Ok(v)
 }
@@ -128,10 +150,19 @@ impl BurstSeen {
                 }
             }
             *self.count.entry(s.stream).or_default() += 1;
-        } else if self.burst_ids.contains(&s.stream) && s.tokens > 0 && !self.first.contains_key(&s.stream) {
-            self.first.insert(s.stream, (s.at - self.burst_at).as_secs_f64());
-        } else if let Some(at) = self.short_at.filter(|_| self.short_ids.contains(&s.stream) && s.tokens > 0) {
-            self.short_first.entry(s.stream).or_insert((s.at - at).as_secs_f64());
+        } else if self.burst_ids.contains(&s.stream)
+            && s.tokens > 0
+            && !self.first.contains_key(&s.stream)
+        {
+            self.first
+                .insert(s.stream, (s.at - self.burst_at).as_secs_f64());
+        } else if let Some(at) = self
+            .short_at
+            .filter(|_| self.short_ids.contains(&s.stream) && s.tokens > 0)
+        {
+            self.short_first
+                .entry(s.stream)
+                .or_insert((s.at - at).as_secs_f64());
         }
     }
 
@@ -148,7 +179,8 @@ impl BurstSeen {
         });
         if k.short > 0 {
             v["short_prompts"] = k.short.into();
-            v["last_short_first_token_s"] = round(self.short_first.values().copied().fold(0.0, f64::max), 3).into();
+            v["last_short_first_token_s"] =
+                round(self.short_first.values().copied().fold(0.0, f64::max), 3).into();
         }
         v
     }

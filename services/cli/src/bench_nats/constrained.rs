@@ -20,8 +20,11 @@ fn bench_constraint(kind: &str, output_tokens: usize) -> Result<Constraint> {
                 "required": ["id", "name", "ok"],
                 "additionalProperties": false,
             });
-            let schema = json!({"type": "array", "items": record, "minItems": output_tokens.max(1)});
-            Ok(Constraint::JsonSchema { schema: schema.to_string() })
+            let schema =
+                json!({"type": "array", "items": record, "minItems": output_tokens.max(1)});
+            Ok(Constraint::JsonSchema {
+                schema: schema.to_string(),
+            })
         }
         other => bail!("unknown constraint kind {other:?} (json)"),
     }
@@ -29,7 +32,11 @@ fn bench_constraint(kind: &str, output_tokens: usize) -> Result<Constraint> {
 
 /// The batch twice in one stack: every stream free, then every stream constrained; their
 /// steady output rates side by side, and what the masks cost the worker.
-pub(super) async fn constrained_batch((mut c, mut rx): (Client, mpsc::UnboundedReceiver<Seen>), k: &Knobs, kind: &str) -> Result<Value> {
+pub(super) async fn constrained_batch(
+    (mut c, mut rx): (Client, mpsc::UnboundedReceiver<Seen>),
+    k: &Knobs,
+    kind: &str,
+) -> Result<Value> {
     let free = batch(&mut c, &mut rx, k, 7).await?;
     c.constraint = Some(bench_constraint(kind, k.output_tokens)?);
     let s0 = c.status().await?;

@@ -15,7 +15,14 @@ use super::{median, prompt, round, Client, Knobs, Seen};
 const HTTP_STREAMS: usize = 1 << 20;
 
 /// Submits one request through the gateway; its token chunks feed the channel as stream `stream`.
-fn http_submit(c: &Client, addr: &str, stream: usize, model: &str, ids: Vec<u32>, max_tokens: usize) {
+fn http_submit(
+    c: &Client,
+    addr: &str,
+    stream: usize,
+    model: &str,
+    ids: Vec<u32>,
+    max_tokens: usize,
+) {
     use llmq_gateway::client as http;
     let body = json!({ "model": model, "prompt": ids, "max_tokens": max_tokens, "stream": true, "ignore_eos": true }).to_string();
     let (tx, addr) = (c.tx.clone(), addr.to_string());
@@ -23,15 +30,31 @@ fn http_submit(c: &Client, addr: &str, stream: usize, model: &str, ids: Vec<u32>
         let sent = http::stream(&addr, "/v1/completions", &body, |at, line| {
             let terminal = line == "data: [DONE]";
             let token = line.strip_prefix("data: {").is_some()
-                && serde_json::from_str::<Value>(&line[6..]).is_ok_and(|v| v["choices"][0]["text"].as_str().is_some_and(|t| !t.is_empty()));
+                && serde_json::from_str::<Value>(&line[6..]).is_ok_and(|v| {
+                    v["choices"][0]["text"]
+                        .as_str()
+                        .is_some_and(|t| !t.is_empty())
+                });
             if terminal || token {
-                let _ = tx.send(Seen { stream, at, tokens: usize::from(!terminal), terminal, cached: None });
+                let _ = tx.send(Seen {
+                    stream,
+                    at,
+                    tokens: usize::from(!terminal),
+                    terminal,
+                    cached: None,
+                });
             }
         })
         .await;
         if !matches!(sent, Ok(200)) {
             eprintln!("llmq bench: HTTP stream {stream} failed: {sent:?}");
-            let _ = tx.send(Seen { stream, at: Instant::now(), tokens: 0, terminal: true, cached: None });
+            let _ = tx.send(Seen {
+                stream,
+                at: Instant::now(),
+                tokens: 0,
+                terminal: true,
+                cached: None,
+            });
         }
     });
 }
@@ -39,10 +62,21 @@ fn http_submit(c: &Client, addr: &str, stream: usize, model: &str, ids: Vec<u32>
 /// Time to first token of requests run one at a time, alternately through NATS and the gateway
 /// (nothing else running: the difference is what the gateway adds); then the inter-token gaps
 /// of `streams` concurrent streams, half through each path.
-pub(super) async fn gateway((mut c, mut rx): (Client, mpsc::UnboundedReceiver<Seen>), k: &Knobs) -> Result<Value> {
-    let addr = c.gateway.clone().ok_or_else(|| anyhow::anyhow!("no gateway in this stack"))?;
+pub(super) async fn gateway(
+    (mut c, mut rx): (Client, mpsc::UnboundedReceiver<Seen>),
+    k: &Knobs,
+) -> Result<Value> {
+    let addr = c
+        .gateway
+        .clone()
+        .ok_or_else(|| anyhow::anyhow!("no gateway in this stack"))?;
     let t = Instant::now();
-    while llmq_gateway::client::request(&addr, "GET", "/health", None).await.map(|r| r.status).unwrap_or(0) != 200 {
+    while llmq_gateway::client::request(&addr, "GET", "/health", None)
+        .await
+        .map(|r| r.status)
+        .unwrap_or(0)
+        != 200
+    {
         if t.elapsed() > Duration::from_secs(120) {
             bail!("the gateway did not become healthy");
         }
@@ -83,7 +117,14 @@ pub(super) async fn gateway((mut c, mut rx): (Client, mpsc::UnboundedReceiver<Se
         if i % 2 == 0 {
             c.submit(&k.model, ids, k.output_tokens).await?;
         } else {
-            http_submit(&c, &addr, 2 * HTTP_STREAMS + i, &k.model, ids, k.output_tokens);
+            http_submit(
+                &c,
+                &addr,
+                2 * HTTP_STREAMS + i,
+                &k.model,
+                ids,
+                k.output_tokens,
+            );
         }
     }
     let mut ended = 0;
@@ -100,7 +141,12 @@ pub(super) async fn gateway((mut c, mut rx): (Client, mpsc::UnboundedReceiver<Se
             }
         }
     }
-    let (nt, gt, ni, gi) = (median(ttft[0].clone()), median(ttft[1].clone()), median(gaps[0].clone()), median(gaps[1].clone()));
+    let (nt, gt, ni, gi) = (
+        median(ttft[0].clone()),
+        median(ttft[1].clone()),
+        median(gaps[0].clone()),
+        median(gaps[1].clone()),
+    );
     Ok(json!({
         "scenario": "gateway", "streams": k.streams, "prompt_tokens": k.prompt_tokens, "output_tokens": k.output_tokens,
         "alone_requests_per_path": ALONE - 1,

@@ -28,7 +28,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
 use futures::StreamExt;
-use llmq_protocol::{subjects, Cancel, Constraint, Event, GenerateReply, GenerateRequest, StreamEvent, WorkerStatus};
+use llmq_protocol::{
+    subjects, Cancel, Constraint, Event, GenerateReply, GenerateRequest, StreamEvent, WorkerStatus,
+};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
@@ -84,7 +86,12 @@ struct Client {
 
 impl Client {
     /// Submits one request; its events feed the shared channel tagged with its index.
-    async fn submit(&mut self, model: &str, prompt_ids: Vec<u32>, max_tokens: usize) -> Result<usize> {
+    async fn submit(
+        &mut self,
+        model: &str,
+        prompt_ids: Vec<u32>,
+        max_tokens: usize,
+    ) -> Result<usize> {
         let idx = self.ids.len();
         let inbox = self.nc.new_inbox();
         let mut sub = self.nc.subscribe(inbox.clone()).await?;
@@ -97,10 +104,17 @@ impl Client {
             ignore_eos: self.constraint.is_none(),
             stream_subject: Some(inbox),
             constraint: self.constraint.clone(),
-            requires: self.constraint.iter().map(|_| "constraint".to_string()).collect(),
+            requires: self
+                .constraint
+                .iter()
+                .map(|_| "constraint".to_string())
+                .collect(),
             ..Default::default()
         };
-        let reply = self.nc.request(subjects::GENERATE, llmq_protocol::encode(&req)?.into()).await?;
+        let reply = self
+            .nc
+            .request(subjects::GENERATE, llmq_protocol::encode(&req)?.into())
+            .await?;
         let id = match llmq_protocol::decode::<GenerateReply>(&reply.payload)? {
             GenerateReply::Accepted { request_id, .. } => request_id,
             GenerateReply::Rejected { error } => bail!("rejected: {error}"),
@@ -110,8 +124,14 @@ impl Client {
         tokio::spawn(async move {
             while let Some(m) = sub.next().await {
                 let at = Instant::now();
-                let Ok(ev) = llmq_protocol::decode::<StreamEvent>(&m.payload) else { continue };
-                let cached = if let Event::Done { usage, .. } = &ev.event { Some(usage.cached) } else { None };
+                let Ok(ev) = llmq_protocol::decode::<StreamEvent>(&m.payload) else {
+                    continue;
+                };
+                let cached = if let Event::Done { usage, .. } = &ev.event {
+                    Some(usage.cached)
+                } else {
+                    None
+                };
                 let (tokens, terminal) = match &ev.event {
                     Event::Tokens { ids, .. } => (ids.len(), false),
                     e if e.is_terminal() => {
@@ -124,7 +144,13 @@ impl Client {
                     }
                     _ => continue,
                 };
-                let _ = tx.send(Seen { stream: idx, at, tokens, terminal, cached });
+                let _ = tx.send(Seen {
+                    stream: idx,
+                    at,
+                    tokens,
+                    terminal,
+                    cached,
+                });
                 if terminal {
                     break;
                 }
@@ -135,7 +161,15 @@ impl Client {
 
     async fn cancel_all(&self) -> Result<()> {
         for id in &self.ids {
-            self.nc.publish(subjects::CANCEL, llmq_protocol::encode(&Cancel { request_id: id.clone() })?.into()).await?;
+            self.nc
+                .publish(
+                    subjects::CANCEL,
+                    llmq_protocol::encode(&Cancel {
+                        request_id: id.clone(),
+                    })?
+                    .into(),
+                )
+                .await?;
         }
         self.nc.flush().await?;
         Ok(())
@@ -146,7 +180,9 @@ impl Client {
         let mut sub = self.nc.subscribe(subjects::WORKER_STATUS_ALL).await?;
         let mut seen: HashMap<String, u64> = HashMap::new();
         while seen.len() < workers {
-            let m = tokio::time::timeout(Duration::from_secs(30), sub.next()).await?.ok_or_else(|| anyhow::anyhow!("no status"))?;
+            let m = tokio::time::timeout(Duration::from_secs(30), sub.next())
+                .await?
+                .ok_or_else(|| anyhow::anyhow!("no status"))?;
             let s: WorkerStatus = llmq_protocol::decode(&m.payload)?;
             seen.insert(s.worker_id, s.ended_requests);
         }
@@ -159,7 +195,9 @@ impl Client {
     async fn status(&self) -> Result<WorkerStatus> {
         let mut sub = self.nc.subscribe(subjects::WORKER_STATUS_ALL).await?;
         loop {
-            let m = tokio::time::timeout(Duration::from_secs(30), sub.next()).await?.ok_or_else(|| anyhow::anyhow!("no status"))?;
+            let m = tokio::time::timeout(Duration::from_secs(30), sub.next())
+                .await?
+                .ok_or_else(|| anyhow::anyhow!("no status"))?;
             let s: WorkerStatus = llmq_protocol::decode(&m.payload)?;
             if s.role.takes_jobs() {
                 return Ok(s);
@@ -186,7 +224,10 @@ fn overhead(before: &WorkerStatus, after: &WorkerStatus) -> Value {
     let engine = after.engine_ms - before.engine_ms;
     let ticks = after.ticks - before.ticks;
     let per = |ms: f64, n: u64| round(ms / n.max(1) as f64, 3);
-    let (kv, kv_ms) = (after.kv_bytes_received - before.kv_bytes_received, after.kv_transfer_ms - before.kv_transfer_ms);
+    let (kv, kv_ms) = (
+        after.kv_bytes_received - before.kv_bytes_received,
+        after.kv_transfer_ms - before.kv_transfer_ms,
+    );
     json!({
         // A decode worker's prompt KV from prefill workers, and its rate over NATS.
         "kv_bytes_received": kv,
@@ -211,20 +252,39 @@ fn kv_room(before: &WorkerStatus, k: &Knobs) -> Value {
 
 /// Runs a scenario against `url`, or against a stack started for it.
 pub fn run(scenario: &str, k: &Knobs) -> Result<Value> {
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
     let mut env = k.worker_env.clone();
     if let Some(chunk) = k.chunk {
-        env.push(("LLMQ__SCHEDULER__PREFILL_CHUNK_TOKENS".into(), chunk.to_string()));
+        env.push((
+            "LLMQ__SCHEDULER__PREFILL_CHUNK_TOKENS".into(),
+            chunk.to_string(),
+        ));
     }
-    env.push(("LLMQ__SCHEDULER__INTERLEAVE".into(), k.interleave.to_string()));
+    env.push((
+        "LLMQ__SCHEDULER__INTERLEAVE".into(),
+        k.interleave.to_string(),
+    ));
     match scenario {
         "burst" => rt.block_on(with_stack(k, &env, |c| Box::pin(burst(c, k)))),
         "batch" => match &k.constrained {
-            None => rt.block_on(with_stack(k, &env, |(mut c, mut rx)| Box::pin(async move { batch(&mut c, &mut rx, k, 7).await }))),
-            Some(kind) => rt.block_on(with_stack(k, &env, |c| Box::pin(constrained_batch(c, k, kind)))),
+            None => rt.block_on(with_stack(k, &env, |(mut c, mut rx)| {
+                Box::pin(async move { batch(&mut c, &mut rx, k, 7).await })
+            })),
+            Some(kind) => rt.block_on(with_stack(k, &env, |c| {
+                Box::pin(constrained_batch(c, k, kind))
+            })),
         },
         "static" => {
-            let (_, _, c, s) = twice(&rt, k, &env, "LLMQ__SCHEDULER__CONTINUOUS", "mean_ttft_ms", |c| Box::pin(arrivals(c, k)))?;
+            let (_, _, c, s) = twice(
+                &rt,
+                k,
+                &env,
+                "LLMQ__SCHEDULER__CONTINUOUS",
+                "mean_ttft_ms",
+                |c| Box::pin(arrivals(c, k)),
+            )?;
             Ok(json!({
                 "scenario": "static", "requests": k.streams, "prompt_tokens": k.prompt_tokens,
                 "output_tokens": k.output_tokens,
@@ -234,7 +294,14 @@ pub fn run(scenario: &str, k: &Knobs) -> Result<Value> {
         }
         "gateway" => rt.block_on(with_stack(k, &env, |c| Box::pin(gateway::gateway(c, k)))),
         "prefix" => {
-            let (hit, miss, h, m) = twice(&rt, k, &env, "LLMQ__PREFIX_CACHE__ENABLED", "median_ttft_ms", |c| Box::pin(prefix(c, k)))?;
+            let (hit, miss, h, m) = twice(
+                &rt,
+                k,
+                &env,
+                "LLMQ__PREFIX_CACHE__ENABLED",
+                "median_ttft_ms",
+                |c| Box::pin(prefix(c, k)),
+            )?;
             Ok(json!({
                 "scenario": "prefix", "prefix_tokens": k.prefix_tokens, "suffix_tokens": SUFFIX_TOKENS,
                 "requests": k.streams, "hit_ttft_ms": round(h, 2), "miss_ttft_ms": round(m, 2),
@@ -262,11 +329,18 @@ fn twice<'a>(
     let mut off_env = env.to_vec();
     off_env.push((switch.into(), "false".into()));
     let off = rt.block_on(with_stack(k, &off_env, &f))?;
-    let (a, b) = (on[field].as_f64().unwrap_or(f64::NAN), off[field].as_f64().unwrap_or(f64::NAN));
+    let (a, b) = (
+        on[field].as_f64().unwrap_or(f64::NAN),
+        off[field].as_f64().unwrap_or(f64::NAN),
+    );
     Ok((on, off, a, b))
 }
 
-async fn with_stack<'a>(k: &'a Knobs, env: &[(String, String)], f: impl FnOnce((Client, mpsc::UnboundedReceiver<Seen>)) -> Fut<'a>) -> Result<Value> {
+async fn with_stack<'a>(
+    k: &'a Knobs,
+    env: &[(String, String)],
+    f: impl FnOnce((Client, mpsc::UnboundedReceiver<Seen>)) -> Fut<'a>,
+) -> Result<Value> {
     let mut stack = None;
     let url = match &k.nats {
         Some(u) => u.clone(),
@@ -291,7 +365,13 @@ async fn with_stack<'a>(k: &'a Knobs, env: &[(String, String)], f: impl FnOnce((
         wait_for_workers(&nc, k.workers + k.prefill_workers, &mut s.children).await?;
     }
     let (tx, rx) = mpsc::unbounded_channel();
-    let client = Client { nc, constraint: None, tx, ids: vec![], gateway: stack.as_ref().and_then(|s| s.gateway.clone()) };
+    let client = Client {
+        nc,
+        constraint: None,
+        tx,
+        ids: vec![],
+        gateway: stack.as_ref().and_then(|s| s.gateway.clone()),
+    };
     let r = f((client, rx)).await;
     drop(stack);
     r
@@ -299,11 +379,21 @@ async fn with_stack<'a>(k: &'a Knobs, env: &[(String, String)], f: impl FnOnce((
 
 /// `seed`: the first stream's prompt seed (the others follow it), so that a second batch in the
 /// same stack can have prompts of its own (none of them found in the prefix cache).
-async fn batch(c: &mut Client, rx: &mut mpsc::UnboundedReceiver<Seen>, k: &Knobs, seed: u64) -> Result<Value> {
+async fn batch(
+    c: &mut Client,
+    rx: &mut mpsc::UnboundedReceiver<Seen>,
+    k: &Knobs,
+    seed: u64,
+) -> Result<Value> {
     let t0 = Instant::now();
     let status0 = c.status().await?;
     for i in 0..k.streams {
-        c.submit(&k.model, prompt(k.prompt_tokens, seed + i as u64), k.output_tokens).await?;
+        c.submit(
+            &k.model,
+            prompt(k.prompt_tokens, seed + i as u64),
+            k.output_tokens,
+        )
+        .await?;
     }
     let (mut produced, mut ended) = (0usize, 0usize);
     let mut started: HashMap<usize, Instant> = HashMap::new();
@@ -329,7 +419,11 @@ async fn batch(c: &mut Client, rx: &mut mpsc::UnboundedReceiver<Seen>, k: &Knobs
     let all_started = started.values().max().copied();
     let steady = match (all_started, first_end) {
         (Some(a), Some(e)) if e > a => {
-            let n: usize = events.iter().filter(|(t, _)| *t > a && *t <= e).map(|x| x.1).sum();
+            let n: usize = events
+                .iter()
+                .filter(|(t, _)| *t > a && *t <= e)
+                .map(|x| x.1)
+                .sum();
             n as f64 / (e - a).as_secs_f64()
         }
         _ => f64::NAN,
@@ -342,21 +436,41 @@ async fn batch(c: &mut Client, rx: &mut mpsc::UnboundedReceiver<Seen>, k: &Knobs
     });
     // Heartbeats are per worker: the overhead split is only meaningful with one.
     if k.workers == 1 {
-        v.as_object_mut().unwrap().extend(overhead(&status0, &status1).as_object().unwrap().clone());
-        v.as_object_mut().unwrap().extend(kv_room(&status0, k).as_object().unwrap().clone());
+        v.as_object_mut()
+            .unwrap()
+            .extend(overhead(&status0, &status1).as_object().unwrap().clone());
+        v.as_object_mut()
+            .unwrap()
+            .extend(kv_room(&status0, k).as_object().unwrap().clone());
     }
-    v.as_object_mut().unwrap().insert("workers".into(), k.workers.into());
-    v.as_object_mut().unwrap().insert("requests_per_worker".into(), json!(c.ended_per_worker(k.workers).await?));
+    v.as_object_mut()
+        .unwrap()
+        .insert("workers".into(), k.workers.into());
+    v.as_object_mut().unwrap().insert(
+        "requests_per_worker".into(),
+        json!(c.ended_per_worker(k.workers).await?),
+    );
     Ok(v)
 }
 
 /// Half the requests at once, the other half one by one while the first half decodes.
-async fn arrivals((mut c, mut rx): (Client, mpsc::UnboundedReceiver<Seen>), k: &Knobs) -> Result<Value> {
+async fn arrivals(
+    (mut c, mut rx): (Client, mpsc::UnboundedReceiver<Seen>),
+    k: &Knobs,
+) -> Result<Value> {
     let n = k.streams.max(2);
     let mut submitted: HashMap<usize, Instant> = HashMap::new();
     for i in 0..n / 2 {
         let at = Instant::now();
-        submitted.insert(c.submit(&k.model, prompt(k.prompt_tokens, 50 + i as u64), k.output_tokens).await?, at);
+        submitted.insert(
+            c.submit(
+                &k.model,
+                prompt(k.prompt_tokens, 50 + i as u64),
+                k.output_tokens,
+            )
+            .await?,
+            at,
+        );
     }
     let mut next = n / 2;
     let mut ttft: HashMap<usize, f64> = HashMap::new();
@@ -364,13 +478,24 @@ async fn arrivals((mut c, mut rx): (Client, mpsc::UnboundedReceiver<Seen>), k: &
     let mut tokens_seen = 0usize;
     while let Some(s) = rx.recv().await {
         if s.tokens > 0 && !ttft.contains_key(&s.stream) {
-            ttft.insert(s.stream, (s.at - submitted[&s.stream]).as_secs_f64() * 1000.0);
+            ttft.insert(
+                s.stream,
+                (s.at - submitted[&s.stream]).as_secs_f64() * 1000.0,
+            );
         }
         tokens_seen += s.tokens;
         // A late arrival every output_tokens/4 tokens of the first wave.
         if next < n && tokens_seen >= (next - n / 2 + 1) * (k.output_tokens / 4).max(1) {
             let at = Instant::now();
-            submitted.insert(c.submit(&k.model, prompt(k.prompt_tokens, 50 + next as u64), k.output_tokens).await?, at);
+            submitted.insert(
+                c.submit(
+                    &k.model,
+                    prompt(k.prompt_tokens, 50 + next as u64),
+                    k.output_tokens,
+                )
+                .await?,
+                at,
+            );
             next += 1;
         }
         if s.terminal {
@@ -388,7 +513,10 @@ const SUFFIX_TOKENS: usize = 32;
 
 /// One request to fill the cache with the prefix, then `streams` requests one after another,
 /// each the prefix plus its own suffix: their times to first token and cached tokens.
-async fn prefix((mut c, mut rx): (Client, mpsc::UnboundedReceiver<Seen>), k: &Knobs) -> Result<Value> {
+async fn prefix(
+    (mut c, mut rx): (Client, mpsc::UnboundedReceiver<Seen>),
+    k: &Knobs,
+) -> Result<Value> {
     let shared = prompt(k.prefix_tokens, 4242);
     let (mut ttft, mut cached) = (vec![], vec![]);
     for i in 0..=k.streams {

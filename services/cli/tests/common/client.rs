@@ -19,13 +19,31 @@ pub struct Run {
 
 impl Run {
     pub fn tokens(&self) -> Vec<u32> {
-        self.events.iter().flat_map(|e| if let Event::Tokens { ids, .. } = &e.event { ids.clone() } else { vec![] }).collect()
+        self.events
+            .iter()
+            .flat_map(|e| {
+                if let Event::Tokens { ids, .. } = &e.event {
+                    ids.clone()
+                } else {
+                    vec![]
+                }
+            })
+            .collect()
     }
     pub fn last(&self) -> &Event {
         &self.events.last().unwrap().event
     }
     pub fn text(&self) -> String {
-        self.events.iter().filter_map(|e| if let Event::Tokens { text, .. } = &e.event { Some(text.as_str()) } else { None }).collect()
+        self.events
+            .iter()
+            .filter_map(|e| {
+                if let Event::Tokens { text, .. } = &e.event {
+                    Some(text.as_str())
+                } else {
+                    None
+                }
+            })
+            .collect()
     }
 }
 
@@ -45,9 +63,16 @@ impl Client {
     pub async fn submit_raw(&self, payload: Vec<u8>) -> GenerateReply {
         let t = Instant::now();
         loop {
-            match tokio::time::timeout(Duration::from_secs(5), self.nc.request(subjects::GENERATE, payload.clone().into())).await {
+            match tokio::time::timeout(
+                Duration::from_secs(5),
+                self.nc.request(subjects::GENERATE, payload.clone().into()),
+            )
+            .await
+            {
                 Ok(Ok(m)) => return decode(&m.payload).unwrap(),
-                _ if t.elapsed() < Duration::from_secs(60) => tokio::time::sleep(Duration::from_millis(100)).await,
+                _ if t.elapsed() < Duration::from_secs(60) => {
+                    tokio::time::sleep(Duration::from_millis(100)).await
+                }
                 other => panic!("no reply from intake: {:?}", other.err()),
             }
         }
@@ -63,16 +88,28 @@ impl Client {
         }
     }
 
-    pub async fn finish(id: String, sub: async_nats::Subscriber, on: impl FnMut(&StreamEvent)) -> Run {
+    pub async fn finish(
+        id: String,
+        sub: async_nats::Subscriber,
+        on: impl FnMut(&StreamEvent),
+    ) -> Run {
         Self::finish_choices(id, sub, 1, on).await
     }
 
     /// Reads a request's events until each of its `n` choices has ended.
-    pub async fn finish_choices(id: String, mut sub: async_nats::Subscriber, n: u32, mut on: impl FnMut(&StreamEvent)) -> Run {
+    pub async fn finish_choices(
+        id: String,
+        mut sub: async_nats::Subscriber,
+        n: u32,
+        mut on: impl FnMut(&StreamEvent),
+    ) -> Run {
         let mut events = vec![];
         let mut ended = 0;
         while ended < n {
-            let m = tokio::time::timeout(Duration::from_secs(60), sub.next()).await.expect("event within 60 s").unwrap();
+            let m = tokio::time::timeout(Duration::from_secs(60), sub.next())
+                .await
+                .expect("event within 60 s")
+                .unwrap();
             let ev: StreamEvent = decode(&m.payload).unwrap();
             on(&ev);
             ended += ev.event.is_terminal() as u32;
@@ -81,8 +118,15 @@ impl Client {
         // Nothing may follow the terminal event.
         if let Ok(Some(m)) = tokio::time::timeout(Duration::from_millis(300), sub.next()).await {
             let after: Result<StreamEvent, _> = decode(&m.payload);
-            let ends: Vec<_> = events.iter().filter(|e| e.event.is_terminal()).map(|e| (e.seq, &e.event)).collect();
-            panic!("{id}: event after the terminal one(s) {ends:?} ({} events): {after:?}", events.len());
+            let ends: Vec<_> = events
+                .iter()
+                .filter(|e| e.event.is_terminal())
+                .map(|e| (e.seq, &e.event))
+                .collect();
+            panic!(
+                "{id}: event after the terminal one(s) {ends:?} ({} events): {after:?}",
+                events.len()
+            );
         }
         Run { id, events }
     }
@@ -90,7 +134,10 @@ impl Client {
     /// Reads a started stream's events up to its first tokens; returns their ids.
     pub async fn first_tokens(sub: &mut async_nats::Subscriber) -> Vec<u32> {
         loop {
-            let m = tokio::time::timeout(Duration::from_secs(120), sub.next()).await.expect("tokens within 120 s").unwrap();
+            let m = tokio::time::timeout(Duration::from_secs(120), sub.next())
+                .await
+                .expect("tokens within 120 s")
+                .unwrap();
             match decode::<StreamEvent>(&m.payload).unwrap().event {
                 Event::Tokens { ids, .. } => return ids,
                 e => assert!(!e.is_terminal(), "ended before its first tokens: {e:?}"),
@@ -104,18 +151,33 @@ impl Client {
     }
 
     pub async fn status(&self) -> WorkerStatus {
-        let mut sub = self.nc.subscribe(subjects::WORKER_STATUS_ALL).await.unwrap();
-        let m = tokio::time::timeout(Duration::from_secs(10), sub.next()).await.unwrap().unwrap();
+        let mut sub = self
+            .nc
+            .subscribe(subjects::WORKER_STATUS_ALL)
+            .await
+            .unwrap();
+        let m = tokio::time::timeout(Duration::from_secs(10), sub.next())
+            .await
+            .unwrap()
+            .unwrap();
         decode(&m.payload).unwrap()
     }
 }
 
 pub fn req(prompt: &str, max_tokens: i64) -> GenerateRequest {
-    GenerateRequest { model: fixture(), prompt: Some(prompt.into()), max_tokens: Some(max_tokens), ..Default::default() }
+    GenerateRequest {
+        model: fixture(),
+        prompt: Some(prompt.into()),
+        max_tokens: Some(max_tokens),
+        ..Default::default()
+    }
 }
 
 pub fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
 }
 
 pub fn local_greedy(prompt: &str, max_tokens: usize) -> Vec<u32> {
@@ -129,9 +191,13 @@ pub fn local_greedy_of(model: &str, prompt: &str, max_tokens: usize) -> Vec<u32>
     let r = llmq_engine::generate::GenerateRequest {
         prompt_ids: tok.encode(prompt, true).unwrap(),
         sampling: Default::default(),
-        stop: llmq_text::sampling::StopConditions { max_tokens: max_tokens as u32, ..Default::default() },
+        stop: llmq_text::sampling::StopConditions {
+            max_tokens: max_tokens as u32,
+            ..Default::default()
+        },
         prefill_chunk: 4096,
     };
-    llmq_engine::generate::generate(&m.model, Some(tok), &r, |_, _| {}).unwrap().token_ids
+    llmq_engine::generate::generate(&m.model, Some(tok), &r, |_, _| {})
+        .unwrap()
+        .token_ids
 }
-

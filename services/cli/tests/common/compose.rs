@@ -42,21 +42,68 @@ impl Compose {
     }
 
     /// `up`, with compose files over docker-compose.yml and its variables set (`LLMQ_WORKER_MAX_BATCH`, say).
-    pub fn up_full(name: &str, workers: usize, overlays: &[&str], vars: &[(&str, &str)]) -> Compose {
+    pub fn up_full(
+        name: &str,
+        workers: usize,
+        overlays: &[&str],
+        vars: &[(&str, &str)],
+    ) -> Compose {
         let turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().unwrap();
-        let ok = |c: &mut Command| c.stdout(Stdio::null()).stderr(Stdio::null()).status().map(|s| s.success()).unwrap_or(false);
-        assert!(ok(Command::new("docker").arg("info")), "no Docker daemon answers `docker info`: compose tests need one");
-        assert!(ok(Command::new("docker").args(["image", "inspect", "llmq:local"])), "no image llmq:local: run `make image`");
+        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../..")
+            .canonicalize()
+            .unwrap();
+        let ok = |c: &mut Command| {
+            c.stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .map(|s| s.success())
+                .unwrap_or(false)
+        };
+        assert!(
+            ok(Command::new("docker").arg("info")),
+            "no Docker daemon answers `docker info`: compose tests need one"
+        );
+        assert!(
+            ok(Command::new("docker").args(["image", "inspect", "llmq:local"])),
+            "no image llmq:local: run `make image`"
+        );
         remove_stale_projects(&root);
         let project = format!("llmqt{}x{name}", std::process::id());
-        let free = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
-        let password = |n: usize| format!("pw{:016x}{n}", std::collections::hash_map::RandomState::new().hash_one(n));
+        let free = || {
+            std::net::TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+                .to_string()
+        };
+        let password = |n: usize| {
+            format!(
+                "pw{:016x}{n}",
+                std::collections::hash_map::RandomState::new().hash_one(n)
+            )
+        };
         let users = ["intake", "worker", "gateway", "client1", "client2"];
-        let passwords = users.iter().enumerate().map(|(i, u)| (*u, password(i))).collect();
+        let passwords = users
+            .iter()
+            .enumerate()
+            .map(|(i, u)| (*u, password(i)))
+            .collect();
         let overlays = overlays.iter().map(|o| o.to_string()).collect();
-        let vars = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-        let c = Compose { project, root, overlays, vars, nats: free(), gateway: free(), passwords, _turn: turn };
+        let vars = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let c = Compose {
+            project,
+            root,
+            overlays,
+            vars,
+            nats: free(),
+            gateway: free(),
+            passwords,
+            _turn: turn,
+        };
         c.run(&["down", "-v", "-t", "1"]);
         c.ok(&["up", "-d", "--scale", &format!("worker={workers}")]);
         c
@@ -78,19 +125,28 @@ impl Compose {
             c.env(k, v);
         }
         for (user, password) in &self.passwords {
-            c.env(format!("LLMQ_NATS_{}_PASSWORD", user.to_uppercase()), password);
+            c.env(
+                format!("LLMQ_NATS_{}_PASSWORD", user.to_uppercase()),
+                password,
+            );
         }
         c
     }
 
     pub fn run(&self, args: &[&str]) -> Output {
-        self.command(args).output().expect("docker-compose (Debian package docker-compose)")
+        self.command(args)
+            .output()
+            .expect("docker-compose (Debian package docker-compose)")
     }
 
     /// Runs `docker-compose <args>`, panicking with its output if it fails; returns stdout.
     pub fn ok(&self, args: &[&str]) -> String {
         let out = self.run(args);
-        assert!(out.status.success(), "docker-compose {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "docker-compose {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
@@ -106,19 +162,35 @@ impl Compose {
 
     /// NATS's URL with the credentials of `user`.
     pub fn nats_url_as(&self, user: &str) -> String {
-        let password = &self.passwords.iter().find(|(u, _)| *u == user).expect("a user of nats.conf").1;
+        let password = &self
+            .passwords
+            .iter()
+            .find(|(u, _)| *u == user)
+            .expect("a user of nats.conf")
+            .1;
         format!("nats://{user}:{password}@{}", self.nats)
     }
 
     /// The ids of a service's running containers.
     pub fn containers(&self, service: &str) -> Vec<String> {
-        self.ok(&["ps", "-q", service]).lines().map(str::to_string).filter(|l| !l.is_empty()).collect()
+        self.ok(&["ps", "-q", service])
+            .lines()
+            .map(str::to_string)
+            .filter(|l| !l.is_empty())
+            .collect()
     }
 
     /// `ok` without blocking the runtime's thread (requests go on meanwhile).
     pub async fn ok_async(&self, args: &[&str]) -> String {
-        let out = tokio::process::Command::from(self.command(args)).output().await.unwrap();
-        assert!(out.status.success(), "docker-compose {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        let out = tokio::process::Command::from(self.command(args))
+            .output()
+            .await
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "docker-compose {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
@@ -132,7 +204,10 @@ impl Compose {
                     return addr;
                 }
             }
-            assert!(t.elapsed() < Duration::from_secs(180), "{workers} workers never reported in /metrics");
+            assert!(
+                t.elapsed() < Duration::from_secs(180),
+                "{workers} workers never reported in /metrics"
+            );
             tokio::time::sleep(Duration::from_millis(250)).await;
         }
     }
@@ -152,16 +227,30 @@ impl Drop for Compose {
 /// `Compose`s were dropped): they would hold cores and ports.
 fn remove_stale_projects(root: &std::path::Path) {
     let own = format!("llmqt{}x", std::process::id());
-    let out = Command::new("docker").args(["ps", "-a", "--format", "{{.Label \"com.docker.compose.project\"}}"]).output().unwrap();
+    let out = Command::new("docker")
+        .args([
+            "ps",
+            "-a",
+            "--format",
+            "{{.Label \"com.docker.compose.project\"}}",
+        ])
+        .output()
+        .unwrap();
     let listed = String::from_utf8_lossy(&out.stdout).into_owned();
-    let mut stale: Vec<&str> = listed.lines().filter(|p| p.starts_with("llmqt") && !p.starts_with(&own)).collect();
+    let mut stale: Vec<&str> = listed
+        .lines()
+        .filter(|p| p.starts_with("llmqt") && !p.starts_with(&own))
+        .collect();
     stale.sort();
     stale.dedup();
     for p in stale {
         let _ = Command::new("docker-compose")
             .current_dir(root)
             .args(["-p", p, "-f", "docker-compose.yml", "down", "-v", "-t", "1"])
-            .envs(["INTAKE", "WORKER", "GATEWAY", "CLIENT1", "CLIENT2"].map(|u| (format!("LLMQ_NATS_{u}_PASSWORD"), "unused")))
+            .envs(
+                ["INTAKE", "WORKER", "GATEWAY", "CLIENT1", "CLIENT2"]
+                    .map(|u| (format!("LLMQ_NATS_{u}_PASSWORD"), "unused")),
+            )
             .stdin(Stdio::null())
             .output();
     }
@@ -170,7 +259,11 @@ fn remove_stale_projects(root: &std::path::Path) {
 /// `docker <args>`, panicking if it fails.
 pub fn docker(args: &[&str]) {
     let out = Command::new("docker").args(args).output().unwrap();
-    assert!(out.status.success(), "docker {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "docker {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// The samples of one metric in a Prometheus text page: (labels, value).

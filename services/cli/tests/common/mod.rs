@@ -14,7 +14,12 @@ pub mod compose;
 mod nats_server;
 
 pub fn fixture() -> String {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-llama").canonicalize().unwrap().display().to_string()
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/tiny-llama")
+        .canonicalize()
+        .unwrap()
+        .display()
+        .to_string()
 }
 
 /// Processes stopped on drop, even when a test fails.
@@ -53,8 +58,14 @@ impl Stack {
         static STACKS: AtomicUsize = AtomicUsize::new(0);
         let n = STACKS.fetch_add(1, Ordering::Relaxed);
         let dir = std::env::temp_dir().join(format!("llmq-e2e-{}-{n}", std::process::id()));
-        let (nats, url) = nats_server::start(None, &dir).expect("nats-server (Debian package nats-server)");
-        Stack { url, dir, procs: vec![Proc(nats)], model: model.to_string() }
+        let (nats, url) =
+            nats_server::start(None, &dir).expect("nats-server (Debian package nats-server)");
+        Stack {
+            url,
+            dir,
+            procs: vec![Proc(nats)],
+            model: model.to_string(),
+        }
     }
 
     /// Starts `llmq <what>` against this stack's NATS; returns its index (for `kill`).
@@ -89,11 +100,20 @@ impl Stack {
     pub fn spawn_gateway(&mut self, env: &[(&str, &str)]) -> (usize, String) {
         let file = self.dir.join(format!("gateway-{}.addr", self.procs.len()));
         let file_env = file.display().to_string();
-        let mut all = vec![("LLMQ__GATEWAY__LISTEN", "127.0.0.1:0"), ("LLMQ__GATEWAY__ADDRESS_FILE", file_env.as_str())];
+        let mut all = vec![
+            ("LLMQ__GATEWAY__LISTEN", "127.0.0.1:0"),
+            ("LLMQ__GATEWAY__ADDRESS_FILE", file_env.as_str()),
+        ];
         all.extend_from_slice(env);
         let index = self.spawn("gateway", &all);
         let read = || std::fs::read_to_string(&file).ok();
-        match nats_server::wait_listening(&mut self.procs[index].0, std::time::Duration::from_secs(60), read).unwrap() {
+        match nats_server::wait_listening(
+            &mut self.procs[index].0,
+            std::time::Duration::from_secs(60),
+            read,
+        )
+        .unwrap()
+        {
             nats_server::Listening::At(addr) => (index, addr),
             nats_server::Listening::Exited(status) => panic!("the gateway exited ({status})"),
             nats_server::Listening::TimedOut => panic!("the gateway did not listen within 60 s"),
@@ -106,11 +126,19 @@ impl Stack {
             fn kill(pid: i32, sig: i32) -> i32;
         }
         // SAFETY: kill(2) on our own child's pid.
-        assert_eq!(unsafe { kill(self.procs[index].0.id() as i32, 15) }, 0, "SIGTERM");
+        assert_eq!(
+            unsafe { kill(self.procs[index].0.id() as i32, 15) },
+            0,
+            "SIGTERM"
+        );
     }
 
     /// How a process started by `spawn` exited, once it has (None if still running after `limit`).
-    pub fn wait_exit(&mut self, index: usize, limit: std::time::Duration) -> Option<std::process::ExitStatus> {
+    pub fn wait_exit(
+        &mut self,
+        index: usize,
+        limit: std::time::Duration,
+    ) -> Option<std::process::ExitStatus> {
         let until = std::time::Instant::now() + limit;
         loop {
             if let Ok(Some(status)) = self.procs[index].0.try_wait() {
@@ -130,4 +158,3 @@ impl Stack {
         s
     }
 }
-

@@ -9,8 +9,8 @@ use mlx_rs::{Array, Dtype};
 
 use llmq_text::config::ModelConfig;
 
-use super::rope::{Rope, Rotation};
 use super::layer::{norm_weight, softcap, Linear};
+use super::rope::{Rope, Rotation};
 use crate::arch::ArchOptions;
 use crate::cache::{AttnMask, KvCache};
 use crate::cpu_attention::{causal_attention, rows_attention, Shape};
@@ -37,10 +37,19 @@ pub(super) struct Attention {
 
 /// An f32 array's data on the host (evaluated first).
 fn f32_slice(a: &Array) -> Result<&[f32]> {
-    a.try_as_slice::<f32>().map_err(|e| EngineError::Host(format!("attention input: {e}")))
+    a.try_as_slice::<f32>()
+        .map_err(|e| EngineError::Host(format!("attention input: {e}")))
 }
 
-pub(super) fn heads_first(x: Array, b: i32, t: i32, heads: i32, dim: i32, norm: Option<&Array>, eps: f32) -> Result<Array> {
+pub(super) fn heads_first(
+    x: Array,
+    b: i32,
+    t: i32,
+    heads: i32,
+    dim: i32,
+    norm: Option<&Array>,
+    eps: f32,
+) -> Result<Array> {
     let x = x.reshape(&[b, t, heads, dim])?;
     let x = match norm {
         Some(w) => rms_norm(&x, Some(w), eps)?,
@@ -56,13 +65,25 @@ impl Attention {
         let parts = if o.fused {
             vec![(format!("{p}.qkv_proj"), (h + 2 * kvh) * d)]
         } else {
-            vec![(format!("{p}.q_proj"), h * d), (format!("{p}.k_proj"), kvh * d), (format!("{p}.v_proj"), kvh * d)]
+            vec![
+                (format!("{p}.q_proj"), h * d),
+                (format!("{p}.k_proj"), kvh * d),
+                (format!("{p}.v_proj"), kvh * d),
+            ]
         };
         Ok(Attention {
             qkv: Linear::load_fused(w, &parts, c.hidden_size, o.qkv_bias)?,
             o: Linear::load(w, &format!("{p}.o_proj"), c.hidden_size, h * d, false)?,
-            q_norm: if o.qk_norm { Some(norm_weight(w, &format!("{p}.q_norm.weight"), d, gemma)?) } else { None },
-            k_norm: if o.qk_norm { Some(norm_weight(w, &format!("{p}.k_norm.weight"), d, gemma)?) } else { None },
+            q_norm: if o.qk_norm {
+                Some(norm_weight(w, &format!("{p}.q_norm.weight"), d, gemma)?)
+            } else {
+                None
+            },
+            k_norm: if o.qk_norm {
+                Some(norm_weight(w, &format!("{p}.k_norm.weight"), d, gemma)?)
+            } else {
+                None
+            },
             heads: h as i32,
             kv_heads: kvh as i32,
             head_dim: d as i32,
@@ -73,7 +94,12 @@ impl Attention {
         })
     }
 
-    pub(super) fn forward(&self, x: &Array, rope: &Rope, caches: &mut [&mut (dyn KvCache + 'static)]) -> Result<Array> {
+    pub(super) fn forward(
+        &self,
+        x: &Array,
+        rope: &Rope,
+        caches: &mut [&mut (dyn KvCache + 'static)],
+    ) -> Result<Array> {
         let b = x.shape()[0];
         let qkv = self.qkv.forward(x)?;
         let mut outs = Vec::with_capacity(caches.len());
@@ -86,7 +112,11 @@ impl Attention {
             };
             outs.push(self.attend_sequence(&rows, rope, &mut **cache)?);
         }
-        let o = if outs.len() == 1 { outs.pop().unwrap() } else { concatenate(&outs, 0)? };
+        let o = if outs.len() == 1 {
+            outs.pop().unwrap()
+        } else {
+            concatenate(&outs, 0)?
+        };
         self.o.forward(&o)
     }
 }
@@ -94,22 +124,58 @@ impl Attention {
 impl Attention {
     /// One sequence's attention: `qkv` [1, t, (heads + 2 kv_heads) * d] of its new tokens,
     /// appended to its cache. Returns [1, t, heads * d] (before the output projection).
-    pub(super) fn attend_sequence(&self, qkv: &Array, rope: &Rope, cache: &mut (dyn KvCache + 'static)) -> Result<Array> {
+    pub(super) fn attend_sequence(
+        &self,
+        qkv: &Array,
+        rope: &Rope,
+        cache: &mut (dyn KvCache + 'static),
+    ) -> Result<Array> {
         let t = qkv.shape()[1];
         let d = self.head_dim;
         let (qe, ke) = (self.heads * d, (self.heads + self.kv_heads) * d);
-        let q = heads_first(qkv.index((.., .., ..qe)), 1, t, self.heads, d, self.q_norm.as_ref(), self.eps)?;
-        let k = heads_first(qkv.index((.., .., qe..ke)), 1, t, self.kv_heads, d, self.k_norm.as_ref(), self.eps)?;
-        let v = heads_first(qkv.index((.., .., ke..)), 1, t, self.kv_heads, d, None, self.eps)?;
+        let q = heads_first(
+            qkv.index((.., .., ..qe)),
+            1,
+            t,
+            self.heads,
+            d,
+            self.q_norm.as_ref(),
+            self.eps,
+        )?;
+        let k = heads_first(
+            qkv.index((.., .., qe..ke)),
+            1,
+            t,
+            self.kv_heads,
+            d,
+            self.k_norm.as_ref(),
+            self.eps,
+        )?;
+        let v = heads_first(
+            qkv.index((.., .., ke..)),
+            1,
+            t,
+            self.kv_heads,
+            d,
+            None,
+            self.eps,
+        )?;
         let rotation = rope.at_offset(cache.offset() as i32, t)?;
         let (q, k) = (rotation.apply(&q)?, rotation.apply(&k)?);
         let o = self.attend_cached(&q, &k, &v, cache)?;
-        Ok(o.transpose_axes(&[0, 2, 1, 3])?.reshape(&[1, t, self.heads * d])?)
+        Ok(o.transpose_axes(&[0, 2, 1, 3])?
+            .reshape(&[1, t, self.heads * d])?)
     }
 
     /// One sequence's new queries, keys and values [1, heads, t, d] (rotated): the keys and
     /// values appended to its cache, the queries attending over what the cache returns.
-    pub(super) fn attend_cached(&self, q: &Array, k: &Array, v: &Array, cache: &mut (dyn KvCache + 'static)) -> Result<Array> {
+    pub(super) fn attend_cached(
+        &self,
+        q: &Array,
+        k: &Array,
+        v: &Array,
+        cache: &mut (dyn KvCache + 'static),
+    ) -> Result<Array> {
         let (keys, values, mask) = cache.update(k, v)?;
         if let Some(o) = self.attend_on_cpu(q, &*cache, &mask)? {
             return Ok(o);
@@ -120,30 +186,71 @@ impl Attention {
     /// On a CPU, queries [1, heads, t, d] in f32 over a cache that keeps its positions in
     /// order, causal or unmasked, through llmq's attention (`crate::cpu_attention`); `None`
     /// elsewhere (soft-capped scores, explicit masks, a GPU, another dtype).
-    fn attend_on_cpu(&self, q: &Array, cache: &(dyn KvCache + 'static), mask: &AttnMask) -> Result<Option<Array>> {
-        let Some((keys, values)) = cache.buffers().filter(|_| self.cpu && q.dtype() == Dtype::Float32) else {
+    fn attend_on_cpu(
+        &self,
+        q: &Array,
+        cache: &(dyn KvCache + 'static),
+        mask: &AttnMask,
+    ) -> Result<Option<Array>> {
+        let Some((keys, values)) = cache
+            .buffers()
+            .filter(|_| self.cpu && q.dtype() == Dtype::Float32)
+        else {
             return Ok(None);
         };
         if matches!(mask, AttnMask::Explicit(_)) || keys.dtype() != Dtype::Float32 {
             return Ok(None);
         }
         let t = q.shape()[2] as usize;
-        let shape = Shape { heads: self.heads as usize, kv_heads: self.kv_heads as usize, t, len: cache.offset(), cap: keys.shape()[2] as usize, d: self.head_dim as usize };
+        let shape = Shape {
+            heads: self.heads as usize,
+            kv_heads: self.kv_heads as usize,
+            t,
+            len: cache.offset(),
+            cap: keys.shape()[2] as usize,
+            d: self.head_dim as usize,
+        };
         let q = q.contiguous()?;
-        let o = causal_attention(f32_slice(&q)?, f32_slice(keys)?, f32_slice(values)?, shape, self.scale);
-        Ok(Some(Array::from_slice(&o, &[1, self.heads, t as i32, self.head_dim])))
+        let o = causal_attention(
+            f32_slice(&q)?,
+            f32_slice(keys)?,
+            f32_slice(values)?,
+            shape,
+            self.scale,
+        );
+        Ok(Some(Array::from_slice(
+            &o,
+            &[1, self.heads, t as i32, self.head_dim],
+        )))
     }
 
     /// Queries [1, heads, t, d] over the keys and values a cache update returned, through
     /// MLX's fused attention.
-    pub(super) fn attend(&self, q: &Array, keys: &Array, values: &Array, mask: &AttnMask) -> Result<Array> {
+    pub(super) fn attend(
+        &self,
+        q: &Array,
+        keys: &Array,
+        values: &Array,
+        mask: &AttnMask,
+    ) -> Result<Array> {
         if let Some(cap) = self.softcap {
             return self.attend_softcapped(q, keys, values, mask, cap);
         }
         Ok(match mask {
-            AttnMask::None => scaled_dot_product_attention(q, keys, values, self.scale, None, None)?,
-            AttnMask::Causal => scaled_dot_product_attention(q, keys, values, self.scale, ScaledDotProductAttentionMask::Causal, None)?,
-            AttnMask::Explicit(m) => scaled_dot_product_attention(q, keys, values, self.scale, m, None)?,
+            AttnMask::None => {
+                scaled_dot_product_attention(q, keys, values, self.scale, None, None)?
+            }
+            AttnMask::Causal => scaled_dot_product_attention(
+                q,
+                keys,
+                values,
+                self.scale,
+                ScaledDotProductAttentionMask::Causal,
+                None,
+            )?,
+            AttnMask::Explicit(m) => {
+                scaled_dot_product_attention(q, keys, values, self.scale, m, None)?
+            }
         })
     }
 }
@@ -151,12 +258,23 @@ impl Attention {
 impl Attention {
     /// `attend` with scores soft-capped (`cap * tanh(s / cap)`) before the mask and softmax,
     /// unfused: queries [1, heads, t, d] grouped over their kv head, softmax in f32.
-    fn attend_softcapped(&self, q: &Array, keys: &Array, values: &Array, mask: &AttnMask, cap: f32) -> Result<Array> {
+    fn attend_softcapped(
+        &self,
+        q: &Array,
+        keys: &Array,
+        values: &Array,
+        mask: &AttnMask,
+        cap: f32,
+    ) -> Result<Array> {
         let (t, d, kvh) = (q.shape()[2], self.head_dim, self.kv_heads);
         let groups = self.heads / kvh;
         let len = keys.shape()[2];
-        let q = q.multiply(Array::from_f32(self.scale))?.reshape(&[1, kvh, groups * t, d])?;
-        let scores = q.matmul(keys.transpose_axes(&[0, 1, 3, 2])?)?.as_dtype(mlx_rs::Dtype::Float32)?;
+        let q = q
+            .multiply(Array::from_f32(self.scale))?
+            .reshape(&[1, kvh, groups * t, d])?;
+        let scores = q
+            .matmul(keys.transpose_axes(&[0, 1, 3, 2])?)?
+            .as_dtype(mlx_rs::Dtype::Float32)?;
         let scores = softcap(&scores, cap)?.reshape(&[1, kvh, groups, t, len])?;
         let allowed = match mask {
             AttnMask::None => None,
@@ -172,7 +290,9 @@ impl Attention {
             Some(m) => mlx_rs::ops::select(&m, &scores, Array::from_f32(f32::NEG_INFINITY))?,
             None => scores,
         };
-        let p = mlx_rs::ops::softmax_axis(&scores, -1, None)?.as_dtype(values.dtype())?.reshape(&[1, kvh, groups * t, len])?;
+        let p = mlx_rs::ops::softmax_axis(&scores, -1, None)?
+            .as_dtype(values.dtype())?
+            .reshape(&[1, kvh, groups * t, len])?;
         Ok(p.matmul(values)?.reshape(&[1, self.heads, t, d])?)
     }
 }
@@ -209,12 +329,41 @@ impl Attention {
     /// Rows' queries, keys and values [b, heads, 1, d] from their fused projections `rows`
     /// [b, 1, ...] (a row: a decode slot's token or one of a prefill chunk's), each rotated at
     /// its own position (`rotation`, laid out as rows).
-    pub(super) fn row_heads(&self, rows: &Array, b: i32, rotation: &Rotation) -> Result<(Array, Array, Array)> {
+    pub(super) fn row_heads(
+        &self,
+        rows: &Array,
+        b: i32,
+        rotation: &Rotation,
+    ) -> Result<(Array, Array, Array)> {
         let d = self.head_dim;
         let (qe, ke) = (self.heads * d, (self.heads + self.kv_heads) * d);
-        let q = heads_first(rows.index((.., .., ..qe)), b, 1, self.heads, d, self.q_norm.as_ref(), self.eps)?;
-        let k = heads_first(rows.index((.., .., qe..ke)), b, 1, self.kv_heads, d, self.k_norm.as_ref(), self.eps)?;
-        let v = heads_first(rows.index((.., .., ke..)), b, 1, self.kv_heads, d, None, self.eps)?;
+        let q = heads_first(
+            rows.index((.., .., ..qe)),
+            b,
+            1,
+            self.heads,
+            d,
+            self.q_norm.as_ref(),
+            self.eps,
+        )?;
+        let k = heads_first(
+            rows.index((.., .., qe..ke)),
+            b,
+            1,
+            self.kv_heads,
+            d,
+            self.k_norm.as_ref(),
+            self.eps,
+        )?;
+        let v = heads_first(
+            rows.index((.., .., ke..)),
+            b,
+            1,
+            self.kv_heads,
+            d,
+            None,
+            self.eps,
+        )?;
         let (q, k) = (rotation.apply(&q)?, rotation.apply(&k)?);
         Ok((q, k, v))
     }
@@ -261,10 +410,21 @@ impl Attention {
             if n > b {
                 bounds.push(b);
             }
-            let (mut ks, mut vs) = if bounds.is_empty() { (vec![k.clone()], vec![v.clone()]) } else { (k.split_at_indices(&bounds, 0)?, v.split_at_indices(&bounds, 0)?) };
+            let (mut ks, mut vs) = if bounds.is_empty() {
+                (vec![k.clone()], vec![v.clone()])
+            } else {
+                (
+                    k.split_at_indices(&bounds, 0)?,
+                    v.split_at_indices(&bounds, 0)?,
+                )
+            };
             let q = if n > b {
                 let mut qs = q.split_at_indices(&[b], 0)?;
-                chunk_qkv = Some((qs.pop().expect("two parts"), ks.pop().expect("a chunk part"), vs.pop().expect("a chunk part")));
+                chunk_qkv = Some((
+                    qs.pop().expect("two parts"),
+                    ks.pop().expect("a chunk part"),
+                    vs.pop().expect("a chunk part"),
+                ));
                 qs.pop().expect("two parts")
             } else {
                 q.clone()
@@ -274,7 +434,10 @@ impl Attention {
                 kv.0 = kv.0.put_along_axis(&g.write, gk, 2)?;
                 kv.1 = kv.1.put_along_axis(&g.write, gv, 2)?;
             }
-            let bufs: Vec<(&Array, &Array)> = groups.iter().map(|g| (&g.kv[layer].0, &g.kv[layer].1)).collect();
+            let bufs: Vec<(&Array, &Array)> = groups
+                .iter()
+                .map(|g| (&g.kv[layer].0, &g.kv[layer].1))
+                .collect();
             outs.push(self.rows_first(&rs.kernel.apply(&rs.plan, &q, &bufs)?)?);
         } else {
             for g in groups.iter_mut() {
@@ -285,8 +448,12 @@ impl Attention {
                 kv.0 = kv.0.put_along_axis(&g.write, &k, 2)?;
                 kv.1 = kv.1.put_along_axis(&g.write, &v, 2)?;
                 let o = match &g.attend {
-                    GroupAttention::Masked(mask) => scaled_dot_product_attention(&q, &kv.0, &kv.1, self.scale, mask, None)?,
-                    GroupAttention::Rows => unreachable!("a step attends through the row attention kernel whole or not at all"),
+                    GroupAttention::Masked(mask) => {
+                        scaled_dot_product_attention(&q, &kv.0, &kv.1, self.scale, mask, None)?
+                    }
+                    GroupAttention::Rows => unreachable!(
+                        "a step attends through the row attention kernel whole or not at all"
+                    ),
                     GroupAttention::PerRow(lens) => match self.rows_on_cpu(&q, kv, lens)? {
                         Some(o) => o,
                         None => self.attend_per_row(&q, kv, lens, b)?,
@@ -305,10 +472,16 @@ impl Attention {
                 Some(parts) => parts,
                 None => (rows(&q), rows(&k), rows(&v)),
             };
-            let o = self.attend_cached(&seq(&cq)?, &seq(&ck)?, &seq(&cv)?, cache)?.transpose_axes(&[2, 0, 1, 3])?;
+            let o = self
+                .attend_cached(&seq(&cq)?, &seq(&ck)?, &seq(&cv)?, cache)?
+                .transpose_axes(&[2, 0, 1, 3])?;
             outs.push(o);
         }
-        let o = if outs.len() == 1 { outs.pop().unwrap() } else { concatenate(&outs, 0)? };
+        let o = if outs.len() == 1 {
+            outs.pop().unwrap()
+        } else {
+            concatenate(&outs, 0)?
+        };
         self.o.forward(&o.reshape(&[n, 1, self.heads * d])?)
     }
 
@@ -320,26 +493,63 @@ impl Attention {
             return Ok(None);
         }
         let s = q.shape();
-        let shape = Shape { heads: self.heads as usize, kv_heads: self.kv_heads as usize, t: 1, len: 0, cap: kv.0.shape()[2] as usize, d: self.head_dim as usize };
+        let shape = Shape {
+            heads: self.heads as usize,
+            kv_heads: self.kv_heads as usize,
+            t: 1,
+            len: 0,
+            cap: kv.0.shape()[2] as usize,
+            d: self.head_dim as usize,
+        };
         let lens: Vec<usize> = lens.iter().map(|&l| l as usize).collect();
         let q = q.contiguous()?;
-        let o = rows_attention(f32_slice(&q)?, f32_slice(&kv.0)?, f32_slice(&kv.1)?, &lens, shape, self.scale);
+        let o = rows_attention(
+            f32_slice(&q)?,
+            f32_slice(&kv.0)?,
+            f32_slice(&kv.1)?,
+            &lens,
+            shape,
+            self.scale,
+        );
         Ok(Some(Array::from_slice(&o, s)))
     }
 
     /// A group's active rows, each over its own keys unmasked (MLX's fused vector kernel), its
     /// scratch rows zeros: [slots, heads, 1, d].
-    fn attend_per_row(&self, q: &Array, kv: &(Array, Array), lens: &[i32], slots: i32) -> Result<Array> {
+    fn attend_per_row(
+        &self,
+        q: &Array,
+        kv: &(Array, Array),
+        lens: &[i32],
+        slots: i32,
+    ) -> Result<Array> {
         let mut parts = Vec::with_capacity(lens.len() + 1);
         for (r, &len) in lens.iter().enumerate() {
             let r = r as i32;
-            let (k, v) = (kv.0.index((r..r + 1, .., ..len, ..)), kv.1.index((r..r + 1, .., ..len, ..)));
-            parts.push(scaled_dot_product_attention(&q.index(r..r + 1), &k, &v, self.scale, None, None)?);
+            let (k, v) = (
+                kv.0.index((r..r + 1, .., ..len, ..)),
+                kv.1.index((r..r + 1, .., ..len, ..)),
+            );
+            parts.push(scaled_dot_product_attention(
+                &q.index(r..r + 1),
+                &k,
+                &v,
+                self.scale,
+                None,
+                None,
+            )?);
         }
         let n = lens.len() as i32;
         if n < slots {
-            parts.push(mlx_rs::ops::zeros_dtype(&[slots - n, self.heads, 1, self.head_dim], q.dtype())?);
+            parts.push(mlx_rs::ops::zeros_dtype(
+                &[slots - n, self.heads, 1, self.head_dim],
+                q.dtype(),
+            )?);
         }
-        Ok(if parts.len() == 1 { parts.pop().expect("one") } else { concatenate(&parts, 0)? })
+        Ok(if parts.len() == 1 {
+            parts.pop().expect("one")
+        } else {
+            concatenate(&parts, 0)?
+        })
     }
 }

@@ -25,7 +25,10 @@ pub(super) struct Linear {
 enum Weight {
     /// The checkpoint's [out, in] (row-contiguous: `cpu_matmul` reads it) and W^T, a view of
     /// it, for MLX's matmul.
-    Dense { w: Array, t: Array },
+    Dense {
+        w: Array,
+        t: Array,
+    },
     Quantized(QTensor),
 }
 
@@ -33,7 +36,12 @@ impl Linear {
     /// Loads projections that read the same input as one: their weights are stacked along the
     /// output dimension, so one matmul (one kernel) computes them all. `parts` are
     /// (weight prefix, output size); callers split the output back by those sizes.
-    pub(super) fn load_fused(w: &mut Weights, parts: &[(String, usize)], in_dim: usize, bias: bool) -> Result<Self> {
+    pub(super) fn load_fused(
+        w: &mut Weights,
+        parts: &[(String, usize)],
+        in_dim: usize,
+        bias: bool,
+    ) -> Result<Self> {
         let mut weights = Vec::with_capacity(parts.len());
         let mut biases = Vec::with_capacity(parts.len());
         for (prefix, out_dim) in parts {
@@ -49,11 +57,25 @@ impl Linear {
             }
             Matrix::Quantized(q) => Weight::Quantized(q),
         };
-        let bias = if bias { Some(if biases.len() == 1 { biases.remove(0) } else { concatenate(&biases, 0)? }) } else { None };
+        let bias = if bias {
+            Some(if biases.len() == 1 {
+                biases.remove(0)
+            } else {
+                concatenate(&biases, 0)?
+            })
+        } else {
+            None
+        };
         Ok(Linear { weight, bias })
     }
 
-    pub(super) fn load(w: &mut Weights, prefix: &str, out_dim: usize, in_dim: usize, bias: bool) -> Result<Self> {
+    pub(super) fn load(
+        w: &mut Weights,
+        prefix: &str,
+        out_dim: usize,
+        in_dim: usize,
+        bias: bool,
+    ) -> Result<Self> {
         Self::load_fused(w, &[(prefix.to_string(), out_dim)], in_dim, bias)
     }
 
@@ -137,15 +159,25 @@ pub(super) struct Layer {
 
 impl Layer {
     /// Loads layer `i` from weights named as in Hugging Face checkpoints.
-    pub(super) fn load(w: &mut Weights, c: &ModelConfig, i: usize, opts: ArchOptions) -> Result<Self> {
+    pub(super) fn load(
+        w: &mut Weights,
+        c: &ModelConfig,
+        i: usize,
+        opts: ArchOptions,
+    ) -> Result<Self> {
         let gemma = c.arch.is_gemma();
         let p = format!("model.layers.{i}");
         let (h, f) = (c.hidden_size, c.intermediate_size);
-        let norm = |w: &mut Weights, name: &str| norm_weight(w, &format!("{p}.{name}.weight"), h, gemma);
+        let norm =
+            |w: &mut Weights, name: &str| norm_weight(w, &format!("{p}.{name}.weight"), h, gemma);
         let input_norm = norm(w, "input_layernorm")?;
         let attn = Attention::load(w, &format!("{p}.self_attn"), c, opts)?;
         let (attn_out_norm, mlp_norm, mlp_out_norm) = if gemma {
-            (Some(norm(w, "post_attention_layernorm")?), norm(w, "pre_feedforward_layernorm")?, Some(norm(w, "post_feedforward_layernorm")?))
+            (
+                Some(norm(w, "post_attention_layernorm")?),
+                norm(w, "pre_feedforward_layernorm")?,
+                Some(norm(w, "post_feedforward_layernorm")?),
+            )
         } else {
             (None, norm(w, "post_attention_layernorm")?, None)
         };
@@ -154,7 +186,15 @@ impl Layer {
             None => FeedForward::Dense(Mlp::load(w, &format!("{p}.mlp"), h, f, opts.fused, gemma)?),
         };
         let rope = usize::from(c.rope_local.is_some() && c.window(i).is_some());
-        Ok(Layer { input_norm, attn, attn_out_norm, mlp_norm, mlp, mlp_out_norm, rope })
+        Ok(Layer {
+            input_norm,
+            attn,
+            attn_out_norm,
+            mlp_norm,
+            mlp,
+            mlp_out_norm,
+            rope,
+        })
     }
 
     /// Every array the layer holds.
@@ -191,22 +231,52 @@ impl Layer {
 
 impl Mlp {
     /// `{prefix}.gate_proj`, `up_proj` (or, `fused`, `gate_up_proj`) and `down_proj`, `size` wide.
-    pub(super) fn load(w: &mut Weights, prefix: &str, hidden: usize, size: usize, fused: bool, gelu: bool) -> Result<Self> {
+    pub(super) fn load(
+        w: &mut Weights,
+        prefix: &str,
+        hidden: usize,
+        size: usize,
+        fused: bool,
+        gelu: bool,
+    ) -> Result<Self> {
         let gate_up = if fused {
-            Linear::load(w, &format!("{prefix}.gate_up_proj"), 2 * size, hidden, false)?
+            Linear::load(
+                w,
+                &format!("{prefix}.gate_up_proj"),
+                2 * size,
+                hidden,
+                false,
+            )?
         } else {
-            Linear::load_fused(w, &[(format!("{prefix}.gate_proj"), size), (format!("{prefix}.up_proj"), size)], hidden, false)?
+            Linear::load_fused(
+                w,
+                &[
+                    (format!("{prefix}.gate_proj"), size),
+                    (format!("{prefix}.up_proj"), size),
+                ],
+                hidden,
+                false,
+            )?
         };
-        Ok(Mlp { gate_up, intermediate: size as i32, down: Linear::load(w, &format!("{prefix}.down_proj"), hidden, size, false)?, gelu })
+        Ok(Mlp {
+            gate_up,
+            intermediate: size as i32,
+            down: Linear::load(w, &format!("{prefix}.down_proj"), hidden, size, false)?,
+            gelu,
+        })
     }
 
     pub(super) fn parameters(&self) -> Vec<&Array> {
-        [&self.gate_up, &self.down].into_iter().flat_map(Linear::parameters).collect()
+        [&self.gate_up, &self.down]
+            .into_iter()
+            .flat_map(Linear::parameters)
+            .collect()
     }
 
     pub(super) fn forward(&self, x: &Array) -> Result<Array> {
         let gu = self.gate_up.forward(x)?;
-        self.down.forward(&gated(&gu, self.intermediate, self.gelu)?)
+        self.down
+            .forward(&gated(&gu, self.intermediate, self.gelu)?)
     }
 }
 
@@ -237,8 +307,16 @@ pub(super) fn gated(gu: &Array, size: i32, gelu: bool) -> Result<Array> {
 /// 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) u.
 fn geglu(g: &Array, u: &Array) -> Result<Array> {
     let f = |(g, u): (&Array, &Array)| -> std::result::Result<Array, mlx_rs::error::Exception> {
-        let inner = g.add(g.multiply(g)?.multiply(g)?.multiply(Array::from_f32(0.044715))?)?.multiply(Array::from_f32((2.0 / std::f32::consts::PI).sqrt()))?;
-        let cdf = mlx_rs::ops::tanh(&inner)?.add(Array::from_f32(1.0))?.multiply(Array::from_f32(0.5))?;
+        let inner = g
+            .add(
+                g.multiply(g)?
+                    .multiply(g)?
+                    .multiply(Array::from_f32(0.044715))?,
+            )?
+            .multiply(Array::from_f32((2.0 / std::f32::consts::PI).sqrt()))?;
+        let cdf = mlx_rs::ops::tanh(&inner)?
+            .add(Array::from_f32(1.0))?
+            .multiply(Array::from_f32(0.5))?;
         g.multiply(cdf)?.multiply(u)
     };
     let mut compiled = mlx_rs::transforms::compile::compile(f, true);
@@ -252,11 +330,18 @@ pub(super) fn softcap(x: &Array, cap: f32) -> Result<Array> {
 
 /// A norm's weight as the layer multiplies by it: Gemma stores `w` for `1 + w` (computed in
 /// f32, as transformers does, then cast).
-pub(super) fn norm_weight(w: &mut Weights, name: &str, size: usize, plus_one: bool) -> Result<Array> {
+pub(super) fn norm_weight(
+    w: &mut Weights,
+    name: &str,
+    size: usize,
+    plus_one: bool,
+) -> Result<Array> {
     let a = w.take(name, &[size])?;
     if !plus_one || w.norms_include_one() {
         return Ok(a);
     }
     let dtype = a.dtype();
-    Ok(a.as_dtype(Dtype::Float32)?.add(Array::from_f32(1.0))?.as_dtype(dtype)?)
+    Ok(a.as_dtype(Dtype::Float32)?
+        .add(Array::from_f32(1.0))?
+        .as_dtype(dtype)?)
 }

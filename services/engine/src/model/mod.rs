@@ -12,8 +12,8 @@ mod rope;
 mod step;
 
 use mlx_rs::fast::rms_norm;
-use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::ops::concatenate;
+use mlx_rs::ops::indexing::IndexOp;
 
 use self::layer::{norm_weight, softcap, Layer};
 use self::rope::Rope;
@@ -31,8 +31,13 @@ use crate::weights::Weights;
 
 /// Copies an array to the host as f32, materialising views and casting first.
 pub fn host_f32(a: &Array) -> Result<Vec<f32>> {
-    let a = if a.dtype() == Dtype::Float32 { a.contiguous()? } else { a.as_dtype(Dtype::Float32)? };
-    a.to_vec_exact::<f32>().map_err(|e| EngineError::Host(e.to_string()))
+    let a = if a.dtype() == Dtype::Float32 {
+        a.contiguous()?
+    } else {
+        a.as_dtype(Dtype::Float32)?
+    };
+    a.to_vec_exact::<f32>()
+        .map_err(|e| EngineError::Host(e.to_string()))
 }
 
 /// Cache growth step in tokens: decode reallocates once every this many tokens.
@@ -83,7 +88,9 @@ impl Model {
         let opts = arch::options(c.arch);
         let embed = w.take_matrix("model.embed_tokens.weight", &[c.vocab_size, c.hidden_size])?;
         let gemma = c.arch.is_gemma();
-        let layers = (0..c.num_layers).map(|i| Layer::load(&mut w, c, i, opts)).collect::<Result<Vec<_>>>()?;
+        let layers = (0..c.num_layers)
+            .map(|i| Layer::load(&mut w, c, i, opts))
+            .collect::<Result<Vec<_>>>()?;
         let norm = norm_weight(&mut w, "model.norm.weight", c.hidden_size, gemma)?;
         let lm_head = if c.tie_word_embeddings && !w.contains("lm_head.weight") {
             None
@@ -91,17 +98,48 @@ impl Model {
             Some(w.take_matrix("lm_head.weight", &[c.vocab_size, c.hidden_size])?)
         };
         let dtype = w.dtype();
-        let chunk_grid = if crate::on_gpu() && !config.any_sliding() { GPU_CHUNK_GRID } else { 1 };
+        let chunk_grid = if crate::on_gpu() && !config.any_sliding() {
+            GPU_CHUNK_GRID
+        } else {
+            1
+        };
         let scale = layers.first().map_or(1.0, |l| l.attn.scale);
         // Soft-capped scores are not what the kernel computes.
-        let row_attention = RowAttention::new(c.num_heads as i32, c.num_kv_heads as i32, c.head_dim as i32, scale, dtype).filter(|_| c.attn_logit_softcap.is_none());
-        let embed_scale = gemma.then(|| Array::from_f32((c.hidden_size as f32).sqrt()).as_dtype(dtype)).transpose()?;
+        let row_attention = RowAttention::new(
+            c.num_heads as i32,
+            c.num_kv_heads as i32,
+            c.head_dim as i32,
+            scale,
+            dtype,
+        )
+        .filter(|_| c.attn_logit_softcap.is_none());
+        let embed_scale = gemma
+            .then(|| Array::from_f32((c.hidden_size as f32).sqrt()).as_dtype(dtype))
+            .transpose()?;
         let mut ropes = vec![Rope::new(config.rope.clone(), config.head_dim)];
-        ropes.extend(config.rope_local.clone().map(|r| Rope::new(r, config.head_dim)));
+        ropes.extend(
+            config
+                .rope_local
+                .clone()
+                .map(|r| Rope::new(r, config.head_dim)),
+        );
         let weights = w.summary();
         tracing::info!(source = %w.source().display(), %weights, "weights loaded");
         let cpu_attention = layers.first().is_some_and(|l| l.attn.cpu) && dtype == Dtype::Float32;
-        let model = Model { config, embed, layers, ropes, embed_scale, norm, lm_head, dtype, chunk_grid, row_attention, cpu_attention, weights };
+        let model = Model {
+            config,
+            embed,
+            layers,
+            ropes,
+            embed_scale,
+            norm,
+            lm_head,
+            dtype,
+            chunk_grid,
+            row_attention,
+            cpu_attention,
+            weights,
+        };
         mlx_rs::transforms::eval(model.parameters())?;
         Ok(model)
     }
@@ -128,8 +166,14 @@ impl Model {
     /// a token runs, and not the embedding table (unless it is also the output layer).
     pub fn bytes_read_per_token(&self) -> usize {
         let expert_bytes: usize = self.layers.iter().map(|l| l.mlp.expert_bytes()).sum();
-        let Some(m) = self.config.moe.as_ref().filter(|_| expert_bytes > 0) else { return self.weight_bytes() };
-        let embed = if self.lm_head.is_some() { self.embed.nbytes() } else { 0 };
+        let Some(m) = self.config.moe.as_ref().filter(|_| expert_bytes > 0) else {
+            return self.weight_bytes();
+        };
+        let embed = if self.lm_head.is_some() {
+            self.embed.nbytes()
+        } else {
+            0
+        };
         self.weight_bytes() - embed - expert_bytes + expert_bytes * m.experts_per_token / m.experts
     }
 
@@ -140,7 +184,12 @@ impl Model {
     /// What one position's KV is made of (every layer's keys and values, in the model's dtype).
     pub fn kv_layout(&self) -> crate::kv_bytes::KvLayout {
         let c = &self.config;
-        crate::kv_bytes::KvLayout { layers: c.num_layers, kv_heads: c.num_kv_heads, head_dim: c.head_dim, dtype: self.dtype }
+        crate::kv_bytes::KvLayout {
+            layers: c.num_layers,
+            kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+            dtype: self.dtype,
+        }
     }
 
     /// What the checkpoint's weights became at load, counted by kind: e.g.
@@ -162,7 +211,11 @@ impl Model {
 
     /// The same model with another chunk grid (tests check padding on a CPU with it).
     pub fn with_chunk_grid(mut self, grid: usize) -> Self {
-        self.chunk_grid = if self.config.any_sliding() { 1 } else { grid.max(1) };
+        self.chunk_grid = if self.config.any_sliding() {
+            1
+        } else {
+            grid.max(1)
+        };
         self
     }
 
@@ -182,9 +235,16 @@ impl Model {
     /// sizes started on the grid end on it without padding.
     pub fn fit_chunk_grid(&mut self, chunk_sizes: &[usize]) {
         fn gcd(a: usize, b: usize) -> usize {
-            if b == 0 { a } else { gcd(b, a % b) }
+            if b == 0 {
+                a
+            } else {
+                gcd(b, a % b)
+            }
         }
-        self.chunk_grid = chunk_sizes.iter().fold(self.chunk_grid, |g, &n| gcd(g, n)).max(1);
+        self.chunk_grid = chunk_sizes
+            .iter()
+            .fold(self.chunk_grid, |g, &n| gcd(g, n))
+            .max(1);
     }
 
     /// How many padding tokens a chunk of `len` tokens written from position `offset` needs
@@ -218,9 +278,18 @@ impl Model {
     /// A cache holding the first `n` positions of `kv` (per layer [1, kv_heads, >=n, head_dim]),
     /// copied, with room for `capacity` tokens: a prefix-cache hit resumes prefill at position
     /// `n` of a prompt of `capacity` tokens.
-    pub fn cache_from_prefix(&self, kv: &[(Array, Array)], n: usize, capacity: usize) -> Result<SequenceCache> {
+    pub fn cache_from_prefix(
+        &self,
+        kv: &[(Array, Array)],
+        n: usize,
+        capacity: usize,
+    ) -> Result<SequenceCache> {
         if kv.len() != self.config.num_layers {
-            return Err(crate::EngineError::InvalidRequest(format!("a prefix of {} layers for a model of {}", kv.len(), self.config.num_layers)));
+            return Err(crate::EngineError::InvalidRequest(format!(
+                "a prefix of {} layers for a model of {}",
+                kv.len(),
+                self.config.num_layers
+            )));
         }
         let layers = kv
             .iter()
@@ -239,7 +308,8 @@ impl Model {
     /// decode per sequence) and soft-capped attention (which the batch's kernels do not compute).
     pub fn new_decode_batch(&self) -> Option<DecodeBatch> {
         let c = &self.config;
-        (!c.any_sliding() && c.attn_logit_softcap.is_none()).then(|| DecodeBatch::new(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype))
+        (!c.any_sliding() && c.attn_logit_softcap.is_none())
+            .then(|| DecodeBatch::new(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype))
     }
 
     /// One decode step for every sequence of the batch: `tokens[i]` is row i's next input.
@@ -259,9 +329,24 @@ impl Model {
     /// One decode step over the groups and, with `chunk`, one prefill chunk of another sequence
     /// in the same pass: the weights are read once for both. Returns logits [rows (+1), 1,
     /// vocab]: the groups' rows in order, then (with a chunk) the chunk's last position.
-    pub fn step(&self, groups: &mut [(&[u32], &mut DecodeBatch)], chunk: Option<(&[u32], &mut SequenceCache)>) -> Result<Array> {
+    pub fn step(
+        &self,
+        groups: &mut [(&[u32], &mut DecodeBatch)],
+        chunk: Option<(&[u32], &mut SequenceCache)>,
+    ) -> Result<Array> {
         let layers = self.layers.len();
-        Ok(self.step_inner(groups, None, chunk.map(|(tokens, cache)| ChunkStage { tokens, cache, layers: 0..layers, hidden: None }))?.0)
+        Ok(self
+            .step_inner(
+                groups,
+                None,
+                chunk.map(|(tokens, cache)| ChunkStage {
+                    tokens,
+                    cache,
+                    layers: 0..layers,
+                    hidden: None,
+                }),
+            )?
+            .0)
     }
 
     /// A step whose prefill chunk runs through only some of the layers (`ChunkStage`): a
@@ -269,7 +354,12 @@ impl Model {
     /// work. Returns the logits (the groups' rows, then the chunk's last position when this
     /// stage ends at the last layer) and, when it does not, the chunk's hidden state for the
     /// next stage. `tokens` as in `step_on_device` when given.
-    pub fn step_staged(&self, groups: &mut [(&[u32], &mut DecodeBatch)], tokens: Option<&Array>, chunk: Option<ChunkStage>) -> Result<(Array, Option<Array>)> {
+    pub fn step_staged(
+        &self,
+        groups: &mut [(&[u32], &mut DecodeBatch)],
+        tokens: Option<&Array>,
+        chunk: Option<ChunkStage>,
+    ) -> Result<(Array, Option<Array>)> {
         self.step_inner(groups, tokens, chunk)
     }
 
@@ -281,14 +371,35 @@ impl Model {
     /// rows in order (the tokens the previous step chose), so the step can be queued before
     /// the previous one's results reach the host. The groups' host token slices only give the
     /// row counts. A prefill chunk (host tokens) may share the pass, as in `step`.
-    pub fn step_on_device(&self, groups: &mut [(&[u32], &mut DecodeBatch)], tokens: &Array, chunk: Option<(&[u32], &mut SequenceCache)>) -> Result<Array> {
+    pub fn step_on_device(
+        &self,
+        groups: &mut [(&[u32], &mut DecodeBatch)],
+        tokens: &Array,
+        chunk: Option<(&[u32], &mut SequenceCache)>,
+    ) -> Result<Array> {
         let layers = self.layers.len();
-        Ok(self.step_inner(groups, Some(tokens), chunk.map(|(tokens, cache)| ChunkStage { tokens, cache, layers: 0..layers, hidden: None }))?.0)
+        Ok(self
+            .step_inner(
+                groups,
+                Some(tokens),
+                chunk.map(|(tokens, cache)| ChunkStage {
+                    tokens,
+                    cache,
+                    layers: 0..layers,
+                    hidden: None,
+                }),
+            )?
+            .0)
     }
 
     /// Runs `tokens` [B, T] (int32) through the model, appending to each sequence's cache.
     /// Returns logits [B, T, vocab] in the model's dtype, or [B, 1, vocab] for the last position.
-    pub fn forward(&self, tokens: &Array, caches: &mut [&mut SequenceCache], last_only: bool) -> Result<Array> {
+    pub fn forward(
+        &self,
+        tokens: &Array,
+        caches: &mut [&mut SequenceCache],
+        last_only: bool,
+    ) -> Result<Array> {
         let shape = tokens.shape();
         if shape.len() != 2 || shape[0] as usize != caches.len() || shape[1] == 0 {
             return Err(EngineError::InvalidRequest(format!(
@@ -299,7 +410,11 @@ impl Model {
         // One sequence's chunk is padded to the grid like `step`'s (batches of sequences decode
         // one token each: nothing to pad).
         let t = shape[1];
-        let pad = if caches.len() == 1 { self.chunk_padding(caches[0].offset(), t as usize) as i32 } else { 0 };
+        let pad = if caches.len() == 1 {
+            self.chunk_padding(caches[0].offset(), t as usize) as i32
+        } else {
+            0
+        };
         let padded;
         let tokens = if pad > 0 {
             let last = tokens.index((.., t - 1..));
@@ -311,8 +426,13 @@ impl Model {
         let eps = self.config.rms_norm_eps;
         let mut x = self.embed_tokens(tokens)?;
         for (li, layer) in self.layers.iter().enumerate() {
-            let mut per_seq: Vec<&mut (dyn KvCache + 'static)> = caches.iter_mut().map(|c| &mut *c.layers[li]).collect();
-            let h = layer.attn.forward(&rms_norm(&x, Some(&layer.input_norm), eps)?, &self.ropes[layer.rope], &mut per_seq)?;
+            let mut per_seq: Vec<&mut (dyn KvCache + 'static)> =
+                caches.iter_mut().map(|c| &mut *c.layers[li]).collect();
+            let h = layer.attn.forward(
+                &rms_norm(&x, Some(&layer.input_norm), eps)?,
+                &self.ropes[layer.rope],
+                &mut per_seq,
+            )?;
             x = layer.add_attention(&x, h, eps)?;
             x = layer.add_mlp(&x, eps)?;
         }

@@ -44,7 +44,10 @@ enum Stack {
     /// Full precision as the checkpoint has it ([experts, out, in], row-contiguous: llmq's
     /// kernels read it), and the same memory seen transposed ([experts, in, out]) for MLX's
     /// gathered matmul, which then reads each output's weights contiguously.
-    Dense { w: Array, t: Array },
+    Dense {
+        w: Array,
+        t: Array,
+    },
     Quantized(QTensor),
 }
 
@@ -71,7 +74,18 @@ impl Stack {
     fn gather(&self, x: &Array, experts: &Array, sorted: bool) -> Result<Array> {
         Ok(match self {
             Stack::Dense { t, .. } => gather_mm(x, t, None, experts, sorted)?,
-            Stack::Quantized(q) => gather_qmm(x, &q.w, &q.scales, &q.biases, None, experts, true, q.spec.group_size, q.spec.bits, sorted)?,
+            Stack::Quantized(q) => gather_qmm(
+                x,
+                &q.w,
+                &q.scales,
+                &q.biases,
+                None,
+                experts,
+                true,
+                q.spec.group_size,
+                q.spec.bits,
+                sorted,
+            )?,
         })
     }
 
@@ -99,7 +113,10 @@ impl Experts {
         let (gate_up, down) = if w.contains(&format!("{p}.switch_mlp.gate_proj.weight")) {
             let g = w.take_matrix(&format!("{p}.switch_mlp.gate_proj.weight"), &[e, f, hidden])?;
             let u = w.take_matrix(&format!("{p}.switch_mlp.up_proj.weight"), &[e, f, hidden])?;
-            (Matrix::join(vec![g, u], false)?, w.take_matrix(&format!("{p}.switch_mlp.down_proj.weight"), &[e, hidden, f])?)
+            (
+                Matrix::join(vec![g, u], false)?,
+                w.take_matrix(&format!("{p}.switch_mlp.down_proj.weight"), &[e, hidden, f])?,
+            )
         } else {
             let (mut gate_up, mut downs) = (Vec::with_capacity(e), Vec::with_capacity(e));
             for x in 0..e {
@@ -141,7 +158,12 @@ impl Experts {
 
     /// Bytes of the experts' weights (the router's not included).
     pub(super) fn expert_bytes(&self) -> usize {
-        self.gate_up.parameters().iter().chain(&self.down.parameters()).map(|a| a.nbytes()).sum()
+        self.gate_up
+            .parameters()
+            .iter()
+            .chain(&self.down.parameters())
+            .map(|a| a.nbytes())
+            .sum()
     }
 
     /// `x` [b, t, hidden] through each row's top-k experts.
@@ -151,17 +173,27 @@ impl Experts {
         let n: i32 = shape[..shape.len() - 1].iter().product();
         let rows = x.reshape(&[n, hidden])?;
         let k = self.top_k;
-        let mut y = match (self.gate_up.for_kernel(n * k, x.dtype()), self.down.for_kernel(n * k, x.dtype())) {
+        let mut y = match (
+            self.gate_up.for_kernel(n * k, x.dtype()),
+            self.down.for_kernel(n * k, x.dtype()),
+        ) {
             (Some(gate_up), Some(down)) => {
-                let (chosen, weights) = experts::route(&self.router.forward(&rows)?, k, self.renormalize)?;
+                let (chosen, weights) =
+                    experts::route(&self.router.forward(&rows)?, k, self.renormalize)?;
                 let h = experts::gate_up(&rows, gate_up, &chosen, &weights, gelu)?;
-                experts::down(&h, down, &chosen, &weights)?.reshape(&[n, k, hidden])?.sum_axis(1, false)?
+                experts::down(&h, down, &chosen, &weights)?
+                    .reshape(&[n, k, hidden])?
+                    .sum_axis(1, false)?
             }
             _ => self.mlx_path(&rows, gelu)?,
         };
         if let Some((mlp, gate)) = &self.shared {
             let scale = sigmoid(&gate.forward(&rows)?)?;
-            y = y.add(&mlp.forward(&rows.reshape(&[1, n, hidden])?)?.reshape(&[n, hidden])?.multiply(&scale)?)?;
+            y = y.add(
+                &mlp.forward(&rows.reshape(&[1, n, hidden])?)?
+                    .reshape(&[n, hidden])?
+                    .multiply(&scale)?,
+            )?;
         }
         Ok(y.reshape(&shape)?)
     }
@@ -171,16 +203,26 @@ impl Experts {
         let n = rows.shape()[0];
         let k = self.top_k;
         // Router probabilities in f32, the k largest (in no particular order).
-        let probs = softmax_axis(&self.router.forward(rows)?.as_dtype(Dtype::Float32)?, -1, None)?;
+        let probs = softmax_axis(
+            &self.router.forward(rows)?.as_dtype(Dtype::Float32)?,
+            -1,
+            None,
+        )?;
         let experts = argpartition_axis(&probs.negative()?, k - 1, -1)?.index((.., ..k));
         let mut weights = take_along_axis(&probs, &experts, -1)?;
         if self.renormalize {
             weights = weights.divide(&weights.sum_axis(-1, true)?)?;
         }
         let weights = weights.as_dtype(rows.dtype())?;
-        let out = if n * k >= SORT_FROM { self.run_sorted(rows, &experts, gelu)? } else { self.run(rows, &experts, gelu)? };
+        let out = if n * k >= SORT_FROM {
+            self.run_sorted(rows, &experts, gelu)?
+        } else {
+            self.run(rows, &experts, gelu)?
+        };
         // [n, k, hidden] weighted over the k.
-        Ok(out.multiply(&weights.reshape(&[n, k, 1])?)?.sum_axis(1, false)?)
+        Ok(out
+            .multiply(&weights.reshape(&[n, k, 1])?)?
+            .sum_axis(1, false)?)
     }
 
     /// Every row against its k experts in place: [n, k, hidden].
@@ -189,7 +231,10 @@ impl Experts {
         let x = rows.reshape(&[n, 1, 1, hidden])?;
         let h = self.gate_up.gather(&x, experts, false)?;
         let h = gated(&h, self.size, gelu)?;
-        Ok(self.down.gather(&h, experts, false)?.reshape(&[n, self.top_k, hidden])?)
+        Ok(self
+            .down
+            .gather(&h, experts, false)?
+            .reshape(&[n, self.top_k, hidden])?)
     }
 
     /// The (row, expert) pairs sorted by expert, run, and put back: [n, k, hidden].
@@ -199,10 +244,15 @@ impl Experts {
         let order = argsort_axis(&flat, 0)?;
         let sorted_experts = flat.take_axis(&order, 0)?;
         // Pair i is row i / k's.
-        let x = rows.take_axis(&order.floor_divide(Array::from_int(k))?, 0)?.reshape(&[n * k, 1, hidden])?;
+        let x = rows
+            .take_axis(&order.floor_divide(Array::from_int(k))?, 0)?
+            .reshape(&[n * k, 1, hidden])?;
         let h = self.gate_up.gather(&x, &sorted_experts, true)?;
         let h = gated(&h, self.size, gelu)?;
-        let y = self.down.gather(&h, &sorted_experts, true)?.reshape(&[n * k, hidden])?;
+        let y = self
+            .down
+            .gather(&h, &sorted_experts, true)?
+            .reshape(&[n * k, hidden])?;
         let back = argsort_axis(&order, 0)?;
         Ok(y.take_axis(&back, 0)?.reshape(&[n, k, hidden])?)
     }

@@ -64,12 +64,18 @@ impl Rope {
     pub(crate) fn new(config: RopeConfig, head_dim: usize) -> Rope {
         let (freqs, freqs_after) = match &config.scaling {
             RopeScaling::None | RopeScaling::Linear { .. } => (None, None),
-            RopeScaling::LongRope { original_max, .. } => {
-                (Some(periods(&config.inv_freq_at(0))), Some(periods(&config.inv_freq_at(*original_max))))
-            }
+            RopeScaling::LongRope { original_max, .. } => (
+                Some(periods(&config.inv_freq_at(0))),
+                Some(periods(&config.inv_freq_at(*original_max))),
+            ),
             _ => (Some(periods(&config.inv_freq_at(0))), None),
         };
-        Rope { config, head_dim: head_dim as i32, freqs, freqs_after }
+        Rope {
+            config,
+            head_dim: head_dim as i32,
+            freqs,
+            freqs_after,
+        }
     }
 
     fn rotation(&self, freqs: Option<Array>, at: At) -> Rotation {
@@ -78,7 +84,15 @@ impl Rope {
             RopeScaling::Linear { factor } => 1.0 / factor,
             _ => 1.0,
         };
-        Rotation { dims: c.dims as i32, head_dim: self.head_dim, attention_factor: c.attention_factor(), base: c.theta, scale, freqs, at }
+        Rotation {
+            dims: c.dims as i32,
+            head_dim: self.head_dim,
+            attention_factor: c.attention_factor(),
+            base: c.theta,
+            scale,
+            freqs,
+            at,
+        }
     }
 
     /// The rotation of rows at `positions` (host), laid out as `layout`: a sequence's chunk
@@ -95,8 +109,13 @@ impl Rope {
             Some(_) => return self.table(positions, layout),
         };
         Ok(match layout {
-            Layout::Sequence => self.rotation(freqs, At::Offset(positions.first().copied().unwrap_or(0))),
-            Layout::Rows => self.rotation(freqs, At::Rows(Array::from_slice(positions, &[positions.len() as i32]))),
+            Layout::Sequence => {
+                self.rotation(freqs, At::Offset(positions.first().copied().unwrap_or(0)))
+            }
+            Layout::Rows => self.rotation(
+                freqs,
+                At::Rows(Array::from_slice(positions, &[positions.len() as i32])),
+            ),
         })
     }
 
@@ -112,7 +131,10 @@ impl Rope {
     fn table(&self, positions: &[i32], layout: Layout) -> Result<Rotation> {
         let half = self.config.dims / 2;
         let af = self.config.attention_factor() as f64;
-        let (mut cos, mut sin) = (Vec::with_capacity(positions.len() * half), Vec::with_capacity(positions.len() * half));
+        let (mut cos, mut sin) = (
+            Vec::with_capacity(positions.len() * half),
+            Vec::with_capacity(positions.len() * half),
+        );
         for &p in positions {
             for f in self.config.inv_freq_at(p as usize) {
                 let angle = p as f64 * f as f64;
@@ -125,7 +147,13 @@ impl Rope {
             Layout::Sequence => &[1, 1, n, h],
             Layout::Rows => &[n, 1, 1, h],
         };
-        Ok(self.rotation(None, At::Table(Array::from_slice(&cos, shape), Array::from_slice(&sin, shape))))
+        Ok(self.rotation(
+            None,
+            At::Table(
+                Array::from_slice(&cos, shape),
+                Array::from_slice(&sin, shape),
+            ),
+        ))
     }
 }
 
@@ -141,14 +169,36 @@ impl Rotation {
             } else if dims == self.head_dim {
                 Ok(x.multiply(Array::from_f32(af))?)
             } else {
-                let rot = x.index((.., .., .., ..dims)).multiply(Array::from_f32(af))?;
+                let rot = x
+                    .index((.., .., .., ..dims))
+                    .multiply(Array::from_f32(af))?;
                 Ok(concatenate(&[rot, x.index((.., .., .., dims..))], 3)?)
             }
         };
-        let base = if self.freqs.is_some() { None } else { Some(self.base) };
+        let base = if self.freqs.is_some() {
+            None
+        } else {
+            Some(self.base)
+        };
         Ok(match &self.at {
-            At::Offset(off) => rope(scaled()?, dims, false, base, self.scale, *off, self.freqs.as_ref())?,
-            At::Rows(pos) => rope_dynamic(scaled()?, dims, false, base, self.scale, pos, self.freqs.as_ref())?,
+            At::Offset(off) => rope(
+                scaled()?,
+                dims,
+                false,
+                base,
+                self.scale,
+                *off,
+                self.freqs.as_ref(),
+            )?,
+            At::Rows(pos) => rope_dynamic(
+                scaled()?,
+                dims,
+                false,
+                base,
+                self.scale,
+                pos,
+                self.freqs.as_ref(),
+            )?,
             At::Table(cos, sin) => {
                 let half = dims / 2;
                 let (cos, sin) = (cos.as_dtype(x.dtype())?, sin.as_dtype(x.dtype())?);

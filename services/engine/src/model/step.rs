@@ -21,14 +21,23 @@ impl Model {
         device_tokens: Option<&Array>,
         chunk: Option<ChunkStage>,
     ) -> Result<(Array, Option<Array>)> {
-        let StepRows { mut toks, mut active, mut steps, keys } = self.group_rows(groups)?;
+        let StepRows {
+            mut toks,
+            mut active,
+            mut steps,
+            keys,
+        } = self.group_rows(groups)?;
         let decode_slots = toks.len();
         let decode_rows = active.len();
         let rows_step = self
             .row_attention
             .as_ref()
             .filter(|_| decode_slots > 0)
-            .map(|kernel| RowStep { kernel, plan: kernel.plan(&keys), slots: decode_slots as i32 });
+            .map(|kernel| RowStep {
+                kernel,
+                plan: kernel.plan(&keys),
+                slots: decode_slots as i32,
+            });
         let mut chunk = chunk;
         let n_layers = self.layers.len();
         let (range, mut hidden_in) = match chunk.as_mut() {
@@ -37,12 +46,17 @@ impl Model {
         };
         let last_stage = range.end == n_layers;
         let pad = match &chunk {
-            Some(c) => self.add_chunk_rows(c, hidden_in.is_none(), decode_slots, &mut toks, &mut active)?,
+            Some(c) => {
+                self.add_chunk_rows(c, hidden_in.is_none(), decode_slots, &mut toks, &mut active)?
+            }
             None => 0,
         };
         let t = chunk.as_ref().map_or(0, |c| (c.tokens.len() + pad) as i32);
-        let chunk_from = chunk.as_ref().map(|c| c.cache.layers[range.start].offset() as i32);
-        let (rotate_decode, rotate_all) = self.step_rotations(&keys, &range, chunk_from.map(|off| off..off + t))?;
+        let chunk_from = chunk
+            .as_ref()
+            .map(|c| c.cache.layers[range.start].offset() as i32);
+        let (rotate_decode, rotate_all) =
+            self.step_rotations(&keys, &range, chunk_from.map(|off| off..off + t))?;
         if active.is_empty() {
             return Err(EngineError::InvalidRequest("decode: no rows".into()));
         }
@@ -62,9 +76,25 @@ impl Model {
             if let Some(h) = hidden_in.take_if(|_| li == range.start) {
                 x = concatenate(&[x, h], 0)?;
             }
-            let part = chunk.as_mut().filter(|_| in_stage).map(|c| (&mut *c.cache.layers[li], t));
-            let rotation = if in_stage { &rotate_all } else { &rotate_decode }.get(layer.rope).expect("built for these layers");
-            let h = layer.attn.forward_grouped(&rms_norm(&x, Some(&layer.input_norm), eps)?, li, &mut steps, rows_step.as_ref(), rotation, part)?;
+            let part = chunk
+                .as_mut()
+                .filter(|_| in_stage)
+                .map(|c| (&mut *c.cache.layers[li], t));
+            let rotation = if in_stage {
+                &rotate_all
+            } else {
+                &rotate_decode
+            }
+            .get(layer.rope)
+            .expect("built for these layers");
+            let h = layer.attn.forward_grouped(
+                &rms_norm(&x, Some(&layer.input_norm), eps)?,
+                li,
+                &mut steps,
+                rows_step.as_ref(),
+                rotation,
+                part,
+            )?;
             x = layer.add_attention(&x, h, eps)?;
             x = layer.add_mlp(&x, eps)?;
             if in_stage && li + 1 == range.end && !last_stage {
@@ -89,10 +119,24 @@ impl Model {
     /// slot at its length before this step's token, scratch slots 0), for the layers outside
     /// the chunk's stage (none when the stage is every layer); and the decode rows followed by
     /// the chunk's `positions`, for those within it (none without a chunk).
-    fn step_rotations(&self, keys: &[usize], stage: &Range<usize>, positions: Option<Range<i32>>) -> Result<(Vec<Rotation>, Vec<Rotation>)> {
+    fn step_rotations(
+        &self,
+        keys: &[usize],
+        stage: &Range<usize>,
+        positions: Option<Range<i32>>,
+    ) -> Result<(Vec<Rotation>, Vec<Rotation>)> {
         let mut rotation: Vec<i32> = keys.iter().map(|&k| k.saturating_sub(1) as i32).collect();
-        let at = |rotation: &[i32]| self.ropes.iter().map(|r| r.at(rotation, Layout::Rows)).collect::<Result<Vec<_>>>();
-        let decode = if *stage != (0..self.layers.len()) { at(&rotation)? } else { vec![] };
+        let at = |rotation: &[i32]| {
+            self.ropes
+                .iter()
+                .map(|r| r.at(rotation, Layout::Rows))
+                .collect::<Result<Vec<_>>>()
+        };
+        let decode = if *stage != (0..self.layers.len()) {
+            at(&rotation)?
+        } else {
+            vec![]
+        };
         let all = match positions {
             Some(p) => {
                 rotation.extend(p);
@@ -119,11 +163,19 @@ impl Model {
     /// Lays out every group's rows for a step: reserves room for one more token a row, and
     /// makes each row write and attend at its own position.
     fn group_rows<'a>(&self, groups: &'a mut [(&[u32], &mut DecodeBatch)]) -> Result<StepRows<'a>> {
-        let mut r = StepRows { toks: vec![], active: vec![], steps: Vec::with_capacity(groups.len()), keys: vec![] };
+        let mut r = StepRows {
+            toks: vec![],
+            active: vec![],
+            steps: Vec::with_capacity(groups.len()),
+            keys: vec![],
+        };
         for (tokens, batch) in groups.iter_mut() {
             let n = batch.len();
             if tokens.len() != n {
-                return Err(EngineError::InvalidRequest(format!("decode: {} tokens for {n} rows", tokens.len())));
+                return Err(EngineError::InvalidRequest(format!(
+                    "decode: {} tokens for {n} rows",
+                    tokens.len()
+                )));
             }
             if n == 0 {
                 continue;
@@ -145,10 +197,21 @@ impl Model {
                 GroupAttention::PerRow(batch.lens().iter().map(|&l| l as i32 + 1).collect())
             } else {
                 let cap = batch.capacity() as i32;
-                let keys = mlx_rs::ops::arange::<i32, i32>(None, cap, None)?.reshape(&[1, 1, 1, cap])?;
-                GroupAttention::Masked(keys.lt(&positions.reshape(&[slots as i32, 1, 1, 1])?.add(Array::from_int(1))?)?)
+                let keys =
+                    mlx_rs::ops::arange::<i32, i32>(None, cap, None)?.reshape(&[1, 1, 1, cap])?;
+                GroupAttention::Masked(
+                    keys.lt(&positions
+                        .reshape(&[slots as i32, 1, 1, 1])?
+                        .add(Array::from_int(1))?)?,
+                )
             };
-            r.steps.push(GroupStep { kv: &mut batch.layers[..], offset, slots: slots as i32, write, attend });
+            r.steps.push(GroupStep {
+                kv: &mut batch.layers[..],
+                offset,
+                slots: slots as i32,
+                write,
+                attend,
+            });
         }
         Ok(r)
     }
@@ -156,15 +219,29 @@ impl Model {
     /// Checks a chunk's stage and adds its rows: its tokens, padded to the chunk grid, when the
     /// stage starts from the embedding (layer 0), and its last position among the active rows
     /// when the stage ends the model. Returns the padding.
-    fn add_chunk_rows(&self, chunk: &ChunkStage, from_embedding: bool, decode_slots: usize, toks: &mut Vec<i32>, active: &mut Vec<i32>) -> Result<usize> {
+    fn add_chunk_rows(
+        &self,
+        chunk: &ChunkStage,
+        from_embedding: bool,
+        decode_slots: usize,
+        toks: &mut Vec<i32>,
+        active: &mut Vec<i32>,
+    ) -> Result<usize> {
         let (range, n_layers, c) = (&chunk.layers, self.layers.len(), chunk.tokens);
-        let (&last, _) = c.split_last().ok_or_else(|| EngineError::InvalidRequest("step: an empty prefill chunk".into()))?;
-        if range.start >= range.end || range.end > n_layers || (range.start == 0) != from_embedding {
-            return Err(EngineError::InvalidRequest(format!("step: chunk stage over layers {range:?} of {n_layers}")));
+        let (&last, _) = c
+            .split_last()
+            .ok_or_else(|| EngineError::InvalidRequest("step: an empty prefill chunk".into()))?;
+        if range.start >= range.end || range.end > n_layers || (range.start == 0) != from_embedding
+        {
+            return Err(EngineError::InvalidRequest(format!(
+                "step: chunk stage over layers {range:?} of {n_layers}"
+            )));
         }
         let last_stage = range.end == n_layers;
         if !last_stage && decode_slots == 0 {
-            return Err(EngineError::InvalidRequest("step: a chunk stage short of the last layer needs decode rows".into()));
+            return Err(EngineError::InvalidRequest(
+                "step: a chunk stage short of the last layer needs decode rows".into(),
+            ));
         }
         // Every layer of the stage holds the positions before the chunk.
         let pad = self.chunk_padding(chunk.cache.layers[range.start].offset(), c.len());
@@ -182,20 +259,47 @@ impl Model {
     /// then the active rows picked: its shape follows the batch's slots, not how many of them
     /// are in use, so the warm-up's rounds cover it (a new shape costs tens of ms on a GPU the
     /// first time). Active decode slots keep their order; the chunk's last position is last.
-    fn head(&self, x: Array, active: &[i32], decode_rows: usize, decode_slots: usize) -> Result<Array> {
+    fn head(
+        &self,
+        x: Array,
+        active: &[i32],
+        decode_rows: usize,
+        decode_slots: usize,
+    ) -> Result<Array> {
         let chunk_last = (active.len() > decode_rows).then(|| active[decode_rows]);
         let keep: Vec<i32> = (0..decode_slots as i32).chain(chunk_last).collect();
-        let rows = if keep.len() as i32 == x.shape()[0] { x } else { x.take_axis(Array::from_slice(&keep, &[keep.len() as i32]), 0)? };
-        let logits = self.logits(&rms_norm(&rows, Some(&self.norm), self.config.rms_norm_eps)?)?;
-        let pick: Vec<i32> = active[..decode_rows].iter().copied().chain(chunk_last.map(|_| decode_slots as i32)).collect();
-        Ok(if pick.len() == keep.len() { logits } else { logits.take_axis(Array::from_slice(&pick, &[pick.len() as i32]), 0)? })
+        let rows = if keep.len() as i32 == x.shape()[0] {
+            x
+        } else {
+            x.take_axis(Array::from_slice(&keep, &[keep.len() as i32]), 0)?
+        };
+        let logits = self.logits(&rms_norm(
+            &rows,
+            Some(&self.norm),
+            self.config.rms_norm_eps,
+        )?)?;
+        let pick: Vec<i32> = active[..decode_rows]
+            .iter()
+            .copied()
+            .chain(chunk_last.map(|_| decode_slots as i32))
+            .collect();
+        Ok(if pick.len() == keep.len() {
+            logits
+        } else {
+            logits.take_axis(Array::from_slice(&pick, &[pick.len() as i32]), 0)?
+        })
     }
 }
 
 /// The step's input tokens [rows, 1]: the host's `toks`, or, with `device`, the first
 /// `decode_slots` taken from the device (slot i takes device token k when it is the k-th of
 /// `active`; scratch slots take an appended 0) and the chunk's rows from the host.
-fn step_input(toks: &[i32], decode_slots: usize, device: Option<&Array>, active: &[i32]) -> Result<Array> {
+fn step_input(
+    toks: &[i32],
+    decode_slots: usize,
+    device: Option<&Array>,
+    active: &[i32],
+) -> Result<Array> {
     let Some(d) = device else {
         return Ok(Array::from_slice(toks, &[toks.len() as i32, 1]));
     };
@@ -204,10 +308,22 @@ fn step_input(toks: &[i32], decode_slots: usize, device: Option<&Array>, active:
     for (k, &slot) in active.iter().enumerate() {
         src[slot as usize] = k as i32;
     }
-    let padded = concatenate(&[d.as_dtype(Dtype::Int32)?.reshape(&[-1])?, Array::from_slice(&[0i32], &[1])], 0)?;
+    let padded = concatenate(
+        &[
+            d.as_dtype(Dtype::Int32)?.reshape(&[-1])?,
+            Array::from_slice(&[0i32], &[1]),
+        ],
+        0,
+    )?;
     let rows = padded.take_axis(Array::from_slice(&src, &[decode_slots as i32]), 0)?;
     let rows = if toks.len() > decode_slots {
-        concatenate(&[rows, Array::from_slice(&toks[decode_slots..], &[(toks.len() - decode_slots) as i32])], 0)?
+        concatenate(
+            &[
+                rows,
+                Array::from_slice(&toks[decode_slots..], &[(toks.len() - decode_slots) as i32]),
+            ],
+            0,
+        )?
     } else {
         rows
     };

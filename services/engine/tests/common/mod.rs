@@ -38,7 +38,9 @@ pub fn reference(path: PathBuf) -> Vec<Case> {
     let mut map: HashMap<String, Array> = Array::load_safetensors(&path).expect("reference file");
     let mut out = vec![];
     for i in 0.. {
-        let Some(ids) = map.remove(&format!("case{i}.ids")) else { break };
+        let Some(ids) = map.remove(&format!("case{i}.ids")) else {
+            break;
+        };
         let logits = map.remove(&format!("case{i}.logits")).unwrap();
         let vocab = logits.shape()[1] as usize;
         out.push(Case {
@@ -53,12 +55,16 @@ pub fn reference(path: PathBuf) -> Vec<Case> {
 
 pub fn tensor(path: &PathBuf, name: &str) -> Array {
     let mut map = Array::load_safetensors(path).expect("reference file");
-    map.remove(name).unwrap_or_else(|| panic!("{name} in {}", path.display()))
+    map.remove(name)
+        .unwrap_or_else(|| panic!("{name} in {}", path.display()))
 }
 
 pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
 
 pub fn ids_array(ids: &[u32]) -> Array {
@@ -67,10 +73,17 @@ pub fn ids_array(ids: &[u32]) -> Array {
 }
 
 /// Runs ids through the model in chunks; returns the logits of every position, flattened.
-pub fn run_chunked(model: &Model, cache: &mut SequenceCache, ids: &[u32], chunk: usize) -> Vec<f32> {
+pub fn run_chunked(
+    model: &Model,
+    cache: &mut SequenceCache,
+    ids: &[u32],
+    chunk: usize,
+) -> Vec<f32> {
     let mut all = vec![];
     for part in ids.chunks(chunk) {
-        let l = model.forward(&ids_array(part), &mut [&mut *cache], false).unwrap();
+        let l = model
+            .forward(&ids_array(part), &mut [&mut *cache], false)
+            .unwrap();
         all.extend(host_f32(&l).unwrap());
     }
     all

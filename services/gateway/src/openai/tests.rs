@@ -17,7 +17,10 @@ fn chat_fields_map_to_the_protocol() {
     }))
     .unwrap();
     assert_eq!(g.max_tokens, Some(7), "max_completion_tokens wins");
-    assert_eq!((g.temperature, g.top_p, g.seed), (Some(0.5), Some(0.9), Some(3)));
+    assert_eq!(
+        (g.temperature, g.top_p, g.seed),
+        (Some(0.5), Some(0.9), Some(3))
+    );
     assert_eq!(g.stop, vec!["x".to_string()]);
     assert_eq!(g.messages.as_ref().unwrap()[1].content, "Hi!");
     assert!(g.logprobs && g.top_logprobs == 2 && g.require_worker);
@@ -28,17 +31,27 @@ fn chat_fields_map_to_the_protocol() {
 fn unsupported_requests_are_invalid() {
     let base = |extra: Value| {
         let mut v = json!({"model": "m", "messages": [{"role": "user", "content": "x"}]});
-        v.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        v.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
         chat(v).unwrap_err().status
     };
     assert_eq!(base(json!({"n": 17})), StatusCode::BAD_REQUEST);
     assert_eq!(base(json!({"n": 0})), StatusCode::BAD_REQUEST);
-    assert_eq!(base(json!({"top_logprobs": 30, "logprobs": true})), StatusCode::BAD_REQUEST);
+    assert_eq!(
+        base(json!({"top_logprobs": 30, "logprobs": true})),
+        StatusCode::BAD_REQUEST
+    );
     assert_eq!(base(json!({"seed": -1})), StatusCode::BAD_REQUEST);
-    let img = json!({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]});
+    let img =
+        json!({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]});
     assert_eq!(chat(img).unwrap_err().status, StatusCode::BAD_REQUEST);
-    let batch: CompletionRequest = serde_json::from_value(json!({"model": "m", "prompt": ["a", "b"]})).unwrap();
-    assert_eq!(completion_request(batch).unwrap_err().status, StatusCode::BAD_REQUEST);
+    let batch: CompletionRequest =
+        serde_json::from_value(json!({"model": "m", "prompt": ["a", "b"]})).unwrap();
+    assert_eq!(
+        completion_request(batch).unwrap_err().status,
+        StatusCode::BAD_REQUEST
+    );
 }
 
 /// Fields the gateway does not implement are refused naming them, unless neutral (a
@@ -47,7 +60,9 @@ fn unsupported_requests_are_invalid() {
 fn unimplemented_fields_are_refused_by_name_never_dropped() {
     let with = |extra: Value| {
         let mut v = json!({"model": "m", "messages": [{"role": "user", "content": "x"}]});
-        v.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        v.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
         chat(v)
     };
     for field in [
@@ -64,7 +79,11 @@ fn unimplemented_fields_are_refused_by_name_never_dropped() {
         assert!(e.message.contains(&format!("`{name}`")), "{}", e.message);
     }
     let e = with(json!({"functions": [{}], "presence_penalty": 1})).unwrap_err();
-    assert!(e.message.contains("`functions`, `presence_penalty`"), "{}", e.message);
+    assert!(
+        e.message.contains("`functions`, `presence_penalty`"),
+        "{}",
+        e.message
+    );
     // What a client library sends by default changes nothing and is accepted.
     let (g, _) = with(json!({
         "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "tools": [], "tool_choice": "none",
@@ -72,10 +91,23 @@ fn unimplemented_fields_are_refused_by_name_never_dropped() {
         "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1, "stop_token_ids": [7],
     }))
     .unwrap();
-    assert_eq!((g.top_k, g.min_p, g.repetition_penalty, g.stop_token_ids.clone()), (Some(5), Some(0.1), Some(1.1), vec![7]));
-    let legacy: CompletionRequest = serde_json::from_value(json!({"model": "m", "prompt": "a", "suffix": "b"})).unwrap();
-    assert!(completion_request(legacy).unwrap_err().message.contains("`suffix`"));
-    let legacy: CompletionRequest = serde_json::from_value(json!({"model": "m", "prompt": "a", "best_of": 1})).unwrap();
+    assert_eq!(
+        (
+            g.top_k,
+            g.min_p,
+            g.repetition_penalty,
+            g.stop_token_ids.clone()
+        ),
+        (Some(5), Some(0.1), Some(1.1), vec![7])
+    );
+    let legacy: CompletionRequest =
+        serde_json::from_value(json!({"model": "m", "prompt": "a", "suffix": "b"})).unwrap();
+    assert!(completion_request(legacy)
+        .unwrap_err()
+        .message
+        .contains("`suffix`"));
+    let legacy: CompletionRequest =
+        serde_json::from_value(json!({"model": "m", "prompt": "a", "best_of": 1})).unwrap();
     assert!(completion_request(legacy).is_ok());
 }
 
@@ -84,33 +116,65 @@ fn unimplemented_fields_are_refused_by_name_never_dropped() {
 /// objects, and without it the schema goes as it came (intake's setting reads it).
 #[test]
 fn response_formats_become_required_constraints() {
-    let with = |format: Value| chat(json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": format}));
+    let with = |format: Value| {
+        chat(
+            json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": format}),
+        )
+    };
     let (g, _) = with(json!({"type": "text"})).unwrap();
     assert_eq!((g.constraint, g.requires.len()), (None, 0));
     let (g, _) = with(json!({"type": "json_object"})).unwrap();
-    assert_eq!((g.constraint, g.requires), (Some(Constraint::JsonObject), vec!["constraint".to_string()]));
-    let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]});
-    let sent = |strict: Value| match with(json!({"type": "json_schema", "json_schema": {"name": "thing", "schema": schema, "strict": strict}})).unwrap().0.constraint {
+    assert_eq!(
+        (g.constraint, g.requires),
+        (Some(Constraint::JsonObject), vec!["constraint".to_string()])
+    );
+    let schema =
+        json!({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]});
+    let sent = |strict: Value| {
+        match with(json!({"type": "json_schema", "json_schema": {"name": "thing", "schema": schema, "strict": strict}})).unwrap().0.constraint {
         Some(Constraint::JsonSchema { schema: text }) => serde_json::from_str::<Value>(&text).unwrap(),
         other => panic!("{other:?}"),
+    }
     };
     let mut closed = schema.clone();
     closed["additionalProperties"] = json!(false);
     assert_eq!(sent(json!(true)), closed);
     assert_eq!(sent(json!(false)), schema);
     assert_eq!(sent(Value::Null), schema);
-    assert_eq!(with(json!({"type": "json_schema", "json_schema": {"name": "", "schema": {}}})).unwrap_err().status, StatusCode::BAD_REQUEST);
-    assert_eq!(with(json!({"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}})).unwrap_err().status, StatusCode::BAD_REQUEST);
+    assert_eq!(
+        with(json!({"type": "json_schema", "json_schema": {"name": "", "schema": {}}}))
+            .unwrap_err()
+            .status,
+        StatusCode::BAD_REQUEST
+    );
+    assert_eq!(
+        with(json!({"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}))
+            .unwrap_err()
+            .status,
+        StatusCode::BAD_REQUEST
+    );
 }
 
 #[test]
 fn wire_errors_get_openai_statuses() {
     let st = |c| ApiError::from_wire(&WireError::new(c, "m")).status.as_u16();
     assert_eq!(
-        [ErrorClass::InvalidRequest, ErrorClass::UnknownModel, ErrorClass::PromptTooLong, ErrorClass::QueueFull, ErrorClass::NoWorker, ErrorClass::Internal].map(st),
+        [
+            ErrorClass::InvalidRequest,
+            ErrorClass::UnknownModel,
+            ErrorClass::PromptTooLong,
+            ErrorClass::QueueFull,
+            ErrorClass::NoWorker,
+            ErrorClass::Internal
+        ]
+        .map(st),
         [400, 404, 413, 429, 503, 500]
     );
-    let b = ApiError::from_wire(&WireError::new(ErrorClass::UnknownModel, "unknown model \"x\"")).body();
+    let b = ApiError::from_wire(&WireError::new(
+        ErrorClass::UnknownModel,
+        "unknown model \"x\"",
+    ))
+    .body();
     assert_eq!(b["error"]["type"], "invalid_request_error");
     assert_eq!(b["error"]["code"], "model_not_found");
 }
@@ -119,10 +183,19 @@ fn wire_errors_get_openai_statuses() {
 fn documented_fields() -> Vec<(String, String)> {
     let doc = include_str!("../../../../docs/openai-api.md");
     let mut rows = vec![];
-    for line in doc.lines().skip_while(|l| !l.starts_with("| field |")).skip(2).take_while(|l| l.starts_with('|')) {
+    for line in doc
+        .lines()
+        .skip_while(|l| !l.starts_with("| field |"))
+        .skip(2)
+        .take_while(|l| l.starts_with('|'))
+    {
         let cells: Vec<&str> = line.split('|').map(str::trim).collect();
         let (names, status) = (cells[1], cells[2]);
-        for name in names.split(',').map(str::trim).filter(|n| n.starts_with('`')) {
+        for name in names
+            .split(',')
+            .map(str::trim)
+            .filter(|n| n.starts_with('`'))
+        {
             rows.push((name.trim_matches('`').to_string(), status.to_string()));
         }
     }
@@ -140,7 +213,9 @@ fn the_documented_field_table_is_true() {
     let request = |field: &str, value: Value| {
         let mut v = json!({"model": "m", "messages": [{"role": "user", "content": "x"}]});
         v[field] = value;
-        serde_json::from_value::<ChatRequest>(v).map_err(|e| ApiError::invalid(e.to_string())).and_then(chat_request)
+        serde_json::from_value::<ChatRequest>(v)
+            .map_err(|e| ApiError::invalid(e.to_string()))
+            .and_then(chat_request)
     };
     // A value each refused field can take that changes something, and its neutral value.
     let values = |field: &str| -> (Value, Option<Value>) {
@@ -162,23 +237,42 @@ fn the_documented_field_table_is_true() {
         let known = {
             let mut v = json!({"model": "m", "messages": []});
             v[&field] = Value::Null;
-            serde_json::from_value::<ChatRequest>(v).map(|r| !r.rest.contains_key(&field)).unwrap_or(true)
+            serde_json::from_value::<ChatRequest>(v)
+                .map(|r| !r.rest.contains_key(&field))
+                .unwrap_or(true)
         };
         match status.as_str() {
-            "implemented" => assert!(known, "{field} is documented as implemented but the gateway does not read it"),
+            "implemented" => assert!(
+                known,
+                "{field} is documented as implemented but the gateway does not read it"
+            ),
             "accepted, not used" => {
                 assert!(known, "{field}");
                 assert!(request(&field, json!("anything")).is_ok(), "{field}");
             }
             s if s.starts_with("refused") => {
-                assert!(!known, "{field} is documented as refused but the gateway reads it");
+                assert!(
+                    !known,
+                    "{field} is documented as refused but the gateway reads it"
+                );
                 let (bad, neutral) = values(&field);
                 let e = request(&field, bad).expect_err(&field);
-                assert!(e.status == StatusCode::BAD_REQUEST && e.message.contains(&format!("`{field}`")), "{field}: {}", e.message);
+                assert!(
+                    e.status == StatusCode::BAD_REQUEST
+                        && e.message.contains(&format!("`{field}`")),
+                    "{field}: {}",
+                    e.message
+                );
                 if let Some(n) = neutral {
-                    assert!(request(&field, n).is_ok(), "{field}'s neutral value refused");
+                    assert!(
+                        request(&field, n).is_ok(),
+                        "{field}'s neutral value refused"
+                    );
                 }
-                assert!(request(&field, Value::Null).is_ok(), "{field}: null refused");
+                assert!(
+                    request(&field, Value::Null).is_ok(),
+                    "{field}: null refused"
+                );
             }
             other => panic!("{field}: unknown status {other:?}"),
         }

@@ -39,7 +39,12 @@ impl FakeEngine {
         let n = self.produced.entry(id).or_default();
         *n += 1;
         let finished = (*n >= self.max_tokens[&id]).then_some(FinishReason::Length);
-        StepOut { ids: vec![*n as u32], text: format!("t{n} "), logprobs: vec![], finished }
+        StepOut {
+            ids: vec![*n as u32],
+            text: format!("t{n} "),
+            logprobs: vec![],
+            finished,
+        }
     }
 }
 
@@ -64,7 +69,11 @@ impl EngineOps for FakeEngine {
         self.decode_calls.push(ids.to_vec());
         ids.iter().map(|&id| Ok(self.token(id))).collect()
     }
-    async fn step(&mut self, decode: &[ReqId], prefill: Option<(ReqId, usize)>) -> (Vec<Result<StepOut, WireError>>, Option<PrefillResult>) {
+    async fn step(
+        &mut self,
+        decode: &[ReqId],
+        prefill: Option<(ReqId, usize)>,
+    ) -> (Vec<Result<StepOut, WireError>>, Option<PrefillResult>) {
         if let (Some((id, n)), false) = (prefill, decode.is_empty()) {
             let ran = match self.stage {
                 Some((s, k)) => {
@@ -85,7 +94,10 @@ impl EngineOps for FakeEngine {
     }
     async fn release(&mut self, ids: &[ReqId]) {
         for &id in ids {
-            assert!(self.live.remove(&id) || !self.prefilled.contains_key(&id), "released twice: {id}");
+            assert!(
+                self.live.remove(&id) || !self.prefilled.contains_key(&id),
+                "released twice: {id}"
+            );
             self.released.push(id);
         }
     }
@@ -119,10 +131,22 @@ impl Harness {
         self.submit_after(id, prompt, max_tokens, None);
     }
     /// A request admitted only once `after`'s prompt is complete (another sample of it).
-    pub fn submit_after(&mut self, id: ReqId, prompt: usize, max_tokens: usize, after: Option<ReqId>) {
+    pub fn submit_after(
+        &mut self,
+        id: ReqId,
+        prompt: usize,
+        max_tokens: usize,
+        after: Option<ReqId>,
+    ) {
         self.e.max_tokens.insert(id, max_tokens);
         self.e.prompt.insert(id, prompt);
-        let a = Admission { id, prompt_tokens: prompt, max_tokens, accepted_at: self.now, after };
+        let a = Admission {
+            id,
+            prompt_tokens: prompt,
+            max_tokens,
+            accepted_at: self.now,
+            after,
+        };
         let ev = self.s.submit(a);
         self.events.extend(ev);
     }
@@ -130,7 +154,8 @@ impl Harness {
     /// prefill token.
     pub fn tick(&mut self) -> (Vec<Emit>, TickReport) {
         let (ev, rep) = futures::executor::block_on(self.s.tick(&mut self.e, self.now));
-        let took = Duration::from_millis(if rep.decoded > 0 { 10 } else { 0 }) + self.per_token * rep.prefill_tokens as u32;
+        let took = Duration::from_millis(if rep.decoded > 0 { 10 } else { 0 })
+            + self.per_token * rep.prefill_tokens as u32;
         self.now += took;
         self.ticks.push(took);
         self.events.extend(ev.clone());
@@ -142,7 +167,11 @@ impl Harness {
     pub fn tick_streaming(&mut self, stream: ReqId, i: usize) -> TickReport {
         let (ev, rep) = self.tick();
         assert_eq!(rep.decoded, 1, "tick {i}: the active stream steps");
-        assert!(ev.iter().any(|e| e.id == stream && matches!(e.event, Event::Tokens { .. })), "tick {i}: token for stream {stream}");
+        assert!(
+            ev.iter()
+                .any(|e| e.id == stream && matches!(e.event, Event::Tokens { .. })),
+            "tick {i}: token for stream {stream}"
+        );
         rep
     }
     pub fn run_until_idle(&mut self, max_ticks: usize) {
@@ -155,7 +184,11 @@ impl Harness {
         panic!("not idle after {max_ticks} ticks");
     }
     pub fn of(&self, id: ReqId) -> Vec<&Event> {
-        self.events.iter().filter(|e| e.id == id).map(|e| &e.event).collect()
+        self.events
+            .iter()
+            .filter(|e| e.id == id)
+            .map(|e| &e.event)
+            .collect()
     }
     /// Every request ended with exactly one terminal event, last; nothing is held any more.
     pub fn assert_all_ended(&self, ids: &[ReqId]) {
@@ -163,15 +196,26 @@ impl Harness {
             let ev = self.of(id);
             let terminals = ev.iter().filter(|e| e.is_terminal()).count();
             assert_eq!(terminals, 1, "request {id}: {ev:?}");
-            assert!(ev.last().unwrap().is_terminal(), "request {id}: terminal not last");
+            assert!(
+                ev.last().unwrap().is_terminal(),
+                "request {id}: terminal not last"
+            );
         }
         assert_eq!(self.s.reserved_kv_bytes(), 0);
-        assert!(self.e.live.is_empty(), "engine still holds {:?}", self.e.live);
+        assert!(
+            self.e.live.is_empty(),
+            "engine still holds {:?}",
+            self.e.live
+        );
     }
 }
 
 pub fn cfg() -> SchedulerConfig {
-    SchedulerConfig { kv_bytes_per_token: 1, kv_budget_bytes: 1 << 20, ..Default::default() }
+    SchedulerConfig {
+        kv_bytes_per_token: 1,
+        kv_budget_bytes: 1 << 20,
+        ..Default::default()
+    }
 }
 
 impl Harness {

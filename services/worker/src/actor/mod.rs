@@ -23,11 +23,11 @@ use llmq_protocol::{ErrorClass, Event, Job, StreamEvent, WireError, WorkerStatus
 use llmq_scheduler::{Admission, Emit, ReqId, Scheduler, SchedulerConfig, TickReport};
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::seq::{panic_text, SeqSpec};
 use self::cancels::RecentCancels;
 pub use self::cancels::CANCEL_MEMORY;
 pub use self::engine::WorkerEngine;
 pub use self::warm_up::{warm_up_rows, WarmUp, WarmUpError};
+use crate::seq::{panic_text, SeqSpec};
 use crate::tick_log::TickLog;
 
 /// An event ready to publish; `last` (the terminal event of the job's last sample to end)
@@ -118,13 +118,18 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
     /// created is warned of, and the worker runs without it.
     pub fn with_tick_log(mut self, path: Option<&std::path::Path>) -> Self {
         self.tick_log = path.and_then(|p| {
-            TickLog::create(p, &self.worker_id).map_err(|e| tracing::warn!(path = ?p, error = %e, "cannot write the tick log")).ok()
+            TickLog::create(p, &self.worker_id)
+                .map_err(|e| tracing::warn!(path = ?p, error = %e, "cannot write the tick log"))
+                .ok()
         });
         self
     }
 
     /// Keeps `shared` up to date with this actor's status (after every tick and message).
-    pub fn with_status_snapshot(mut self, shared: std::sync::Arc<std::sync::Mutex<WorkerStatus>>) -> Self {
+    pub fn with_status_snapshot(
+        mut self,
+        shared: std::sync::Arc<std::sync::Mutex<WorkerStatus>>,
+    ) -> Self {
         self.snapshot = Some(shared);
         self.refresh_snapshot();
         self
@@ -142,15 +147,29 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
     fn publish(&mut self, emits: Vec<Emit>) {
         for e in emits {
             let terminal = e.event.is_terminal();
-            let Some(m) = self.meta.get(&e.id) else { continue };
-            let Some(job) = self.jobs.get_mut(&m.request_id) else { continue };
-            let event = StreamEvent { request_id: m.request_id.clone(), seq: job.seq, event: e.event, choice: m.choice };
+            let Some(m) = self.meta.get(&e.id) else {
+                continue;
+            };
+            let Some(job) = self.jobs.get_mut(&m.request_id) else {
+                continue;
+            };
+            let event = StreamEvent {
+                request_id: m.request_id.clone(),
+                seq: job.seq,
+                event: e.event,
+                choice: m.choice,
+            };
             job.seq += 1;
             if terminal {
                 job.ids.retain(|x| *x != e.id);
             }
             let last = terminal && job.ids.is_empty();
-            let _ = self.out.send(Outbound { request_id: m.request_id.clone(), subject: job.subject.clone(), event, last });
+            let _ = self.out.send(Outbound {
+                request_id: m.request_id.clone(),
+                subject: job.subject.clone(),
+                event,
+                last,
+            });
             if terminal {
                 let m = self.meta.remove(&e.id).expect("looked up above");
                 if last {
@@ -173,11 +192,19 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
     /// After a panic (the engine already reset): end every held request with an error and
     /// start from clean state.
     fn recover(&mut self, what: &str) {
-        tracing::error!(what, "scheduler panicked; failing its requests and resetting");
+        tracing::error!(
+            what,
+            "scheduler panicked; failing its requests and resetting"
+        );
         let ids: Vec<ReqId> = self.meta.keys().copied().collect();
         let emits = ids
             .into_iter()
-            .map(|id| Emit { id, event: Event::Error { error: WireError::new(ErrorClass::Internal, format!("worker fault: {what}")) } })
+            .map(|id| Emit {
+                id,
+                event: Event::Error {
+                    error: WireError::new(ErrorClass::Internal, format!("worker fault: {what}")),
+                },
+            })
             .collect();
         self.scheduler = Scheduler::new(self.cfg.clone());
         self.publish(emits);
@@ -198,16 +225,22 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
             tracing::error!("the engine is busy in another exchange");
             return AtomicResponse::new(Box::pin(actix::fut::ready(busy)));
         };
-        AtomicResponse::new(Box::pin(work(engine).into_actor(self).map(move |(engine, r), act, ctx| {
-            act.engine = Some(engine);
-            then(r, act, ctx)
-        })))
+        AtomicResponse::new(Box::pin(work(engine).into_actor(self).map(
+            move |(engine, r), act, ctx| {
+                act.engine = Some(engine);
+                then(r, act, ctx)
+            },
+        )))
     }
 
     pub fn status(&self) -> WorkerStatus {
         let Some(engine) = self.engine.as_ref() else {
             // Mid-exchange (never seen by a message handler): the last snapshot.
-            return self.snapshot.as_ref().and_then(|s| s.lock().ok().map(|g| g.clone())).unwrap_or_default();
+            return self
+                .snapshot
+                .as_ref()
+                .and_then(|s| s.lock().ok().map(|g| g.clone()))
+                .unwrap_or_default();
         };
         let used = engine.kv_bytes_in_use();
         let prefix = engine.prefix_stats();
@@ -224,7 +257,10 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
             ended_requests: self.ended,
             queued_prefill_tokens: self.scheduler.queued_prefill_tokens(),
             kv_bytes_used: used,
-            kv_bytes_free: self.cfg.kv_budget_bytes.saturating_sub(self.scheduler.reserved_kv_bytes()),
+            kv_bytes_free: self
+                .cfg
+                .kv_budget_bytes
+                .saturating_sub(self.scheduler.reserved_kv_bytes()),
             kv_bytes_per_token: engine.kv_bytes_per_token(),
             max_batch: self.cfg.max_batch as u32,
             prefix_hit_rate: prefix.hit_rate(),
@@ -235,7 +271,10 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
             sent_at_ms: now().as_millis() as u64,
             ticks: self.ticks,
             // Up to now: the time since the last tick started counts as between-tick time.
-            tick_wall_ms: (self.tick_wall + self.tick_started.map_or(Duration::ZERO, |s| s.elapsed())).as_secs_f64() * 1000.0,
+            tick_wall_ms: (self.tick_wall
+                + self.tick_started.map_or(Duration::ZERO, |s| s.elapsed()))
+            .as_secs_f64()
+                * 1000.0,
             engine_ms: engine.engine_ms(),
             prefill_calls,
             prefill_ms,
@@ -253,7 +292,9 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
 
 /// The wall clock as the scheduler's clock (jobs carry their acceptance time as UNIX ms).
 fn now() -> Duration {
-    SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default()
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
 }
 
 impl<E: WorkerEngine + Unpin + 'static> Actor for SchedulerActor<E> {
@@ -283,7 +324,9 @@ impl<E: WorkerEngine + Unpin + 'static> Handler<HandBack> for SchedulerActor<E> 
         let taken = self.scheduler.take_waiting();
         let mut back = vec![];
         for id in taken {
-            let Some(m) = self.meta.remove(&id) else { continue };
+            let Some(m) = self.meta.remove(&id) else {
+                continue;
+            };
             if let Some(job) = self.jobs.get_mut(&m.request_id) {
                 job.ids.retain(|x| *x != id);
                 if job.ids.is_empty() {
@@ -323,12 +366,37 @@ impl<E: WorkerEngine + Unpin + 'static> Handler<Submit> for SchedulerActor<E> {
         let ids: Vec<ReqId> = (0..n as ReqId).map(|i| self.next_id + i).collect();
         self.next_id += n as ReqId;
         for (choice, &id) in ids.iter().enumerate() {
-            self.meta.insert(id, Meta { request_id: job.request_id.clone(), choice: choice as u32 });
+            self.meta.insert(
+                id,
+                Meta {
+                    request_id: job.request_id.clone(),
+                    choice: choice as u32,
+                },
+            );
         }
-        self.jobs.insert(job.request_id.clone(), Held { subject: job.stream_subject.clone(), seq: first_seq, ids: ids.clone() });
-        let end_all = |error: WireError| ids.iter().map(|&id| Emit { id, event: Event::Error { error: error.clone() } }).collect::<Vec<_>>();
+        self.jobs.insert(
+            job.request_id.clone(),
+            Held {
+                subject: job.stream_subject.clone(),
+                seq: first_seq,
+                ids: ids.clone(),
+            },
+        );
+        let end_all = |error: WireError| {
+            ids.iter()
+                .map(|&id| Emit {
+                    id,
+                    event: Event::Error {
+                        error: error.clone(),
+                    },
+                })
+                .collect::<Vec<_>>()
+        };
         if self.cancelled.take(&job.request_id) {
-            self.publish(end_all(WireError::new(ErrorClass::Cancelled, "cancelled before it started")));
+            self.publish(end_all(WireError::new(
+                ErrorClass::Cancelled,
+                "cancelled before it started",
+            )));
             return AtomicResponse::new(Box::pin(actix::fut::ready(())));
         }
         let admissions: Vec<Admission> = ids
@@ -351,7 +419,9 @@ impl<E: WorkerEngine + Unpin + 'static> Handler<Submit> for SchedulerActor<E> {
             move |mut engine| async move {
                 let mut results = vec![];
                 for (&id, spec) in ids.iter().zip(specs) {
-                    let registered = AssertUnwindSafe(engine.register(id, spec)).catch_unwind().await;
+                    let registered = AssertUnwindSafe(engine.register(id, spec))
+                        .catch_unwind()
+                        .await;
                     if !matches!(registered, Ok(Ok(()))) {
                         // Whatever the engine made of it goes.
                         engine.release(&[id]).await;
@@ -366,8 +436,19 @@ impl<E: WorkerEngine + Unpin + 'static> Handler<Submit> for SchedulerActor<E> {
                     let id = admission.id;
                     match registered {
                         Ok(Ok(())) => emits.extend(act.scheduler.submit(admission)),
-                        Ok(Err(error)) => emits.push(Emit { id, event: Event::Error { error } }),
-                        Err(_) => emits.push(Emit { id, event: Event::Error { error: WireError::new(ErrorClass::Internal, "worker fault while registering") } }),
+                        Ok(Err(error)) => emits.push(Emit {
+                            id,
+                            event: Event::Error { error },
+                        }),
+                        Err(_) => emits.push(Emit {
+                            id,
+                            event: Event::Error {
+                                error: WireError::new(
+                                    ErrorClass::Internal,
+                                    "worker fault while registering",
+                                ),
+                            },
+                        }),
                     }
                 }
                 act.publish(emits);
@@ -386,7 +467,8 @@ impl<E: WorkerEngine + Unpin + 'static> Handler<CancelRequest> for SchedulerActo
             }
             self.schedule_tick(ctx);
         } else {
-            self.cancelled.remember(request_id, std::time::Instant::now());
+            self.cancelled
+                .remember(request_id, std::time::Instant::now());
         }
     }
 }
@@ -420,7 +502,9 @@ impl<E: WorkerEngine + Unpin + 'static> Handler<Tick> for SchedulerActor<E> {
         self.exchange(
             (),
             move |mut engine| async move {
-                let ticked = AssertUnwindSafe(scheduler.tick(&mut engine, now)).catch_unwind().await;
+                let ticked = AssertUnwindSafe(scheduler.tick(&mut engine, now))
+                    .catch_unwind()
+                    .await;
                 if ticked.is_err() {
                     engine.reset().await;
                 }
@@ -452,11 +536,26 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
         // A stall: a tick four times slower than the recent ones (and over 100 ms).
         let ms = started.elapsed().as_secs_f64() * 1000.0;
         if ms > 100.0 && self.tick_ema_ms > 0.0 && ms > 4.0 * self.tick_ema_ms {
-            tracing::warn!(ms, usual_ms = self.tick_ema_ms, decoded = report.decoded, prefill_tokens = report.prefill_tokens, "slow tick");
+            tracing::warn!(
+                ms,
+                usual_ms = self.tick_ema_ms,
+                decoded = report.decoded,
+                prefill_tokens = report.prefill_tokens,
+                "slow tick"
+            );
         }
-        self.tick_ema_ms = if self.tick_ema_ms == 0.0 { ms } else { 0.9 * self.tick_ema_ms + 0.1 * ms };
+        self.tick_ema_ms = if self.tick_ema_ms == 0.0 {
+            ms
+        } else {
+            0.9 * self.tick_ema_ms + 0.1 * ms
+        };
         if let Some(log) = self.tick_log.as_mut() {
-            log.write(started, ms, report, self.engine.as_ref().and_then(|e| e.last_step()));
+            log.write(
+                started,
+                ms,
+                report,
+                self.engine.as_ref().and_then(|e| e.last_step()),
+            );
         }
     }
 }

@@ -60,23 +60,47 @@ pub fn warm_up_rows(max_batch: usize) -> Vec<usize> {
 }
 
 /// The warm-up's dummy requests, through a private scheduler and `engine`, to their end.
-async fn warm_up<E: WorkerEngine>(engine: &mut E, cfg: SchedulerConfig, w: WarmUp) -> Result<(), WarmUpError> {
+async fn warm_up<E: WorkerEngine>(
+    engine: &mut E,
+    cfg: SchedulerConfig,
+    w: WarmUp,
+) -> Result<(), WarmUpError> {
     // Chunks of a fixed size per round (the tick budget's choices depend on measured times).
-    let fixed = |size: usize| SchedulerConfig { prefill_chunk: size, tick_budget: 0.0, ..cfg.clone() };
+    let fixed = |size: usize| SchedulerConfig {
+        prefill_chunk: size,
+        tick_budget: 0.0,
+        ..cfg.clone()
+    };
     let mut s = Scheduler::new(fixed(cfg.prefill_chunk));
     let sizes = cfg.chunk_sizes();
     let context = engine.context_tokens().saturating_sub(8);
     let fits = (cfg.kv_budget_bytes / engine.kv_bytes_per_token().max(1)) as usize;
     let short = 16.min(context / 4).max(1);
-    let most_rows = w.rows.iter().copied().max().unwrap_or(1).clamp(1, cfg.max_batch.saturating_sub(2).max(1));
+    let most_rows = w
+        .rows
+        .iter()
+        .copied()
+        .max()
+        .unwrap_or(1)
+        .clamp(1, cfg.max_batch.saturating_sub(2).max(1));
     // Ticks of one long prefill in chunks of `size` beside decoding rows (a chunk may take
     // several: its stages).
-    let ticks = |engine: &E, size: usize, tokens: usize| tokens.div_ceil(size.max(1)) * engine.chunk_ticks(size);
+    let ticks = |engine: &E, size: usize, tokens: usize| {
+        tokens.div_ceil(size.max(1)) * engine.chunk_ticks(size)
+    };
     // The short ones' reservations, at most (their outputs last two long prefills in the
     // chunks that take the most ticks).
-    let most_chunks = sizes.iter().map(|&size| ticks(engine, size, w.tokens)).max().unwrap_or(1);
+    let most_chunks = sizes
+        .iter()
+        .map(|&size| ticks(engine, size, w.tokens))
+        .max()
+        .unwrap_or(1);
     let short_room = most_rows * (short + 2 * most_chunks + 8 + most_rows);
-    let long = w.tokens.min(context).min(fits.saturating_sub(short_room) * 3 / 8).max(1);
+    let long = w
+        .tokens
+        .min(context)
+        .min(fits.saturating_sub(short_room) * 3 / 8)
+        .max(1);
     // MLX plans kernels, cuDNN attention and matrix products once per shape, tens of ms each on
     // a GPU. The phases below make the shapes a burst of long prompts meets: a long prompt
     // alone (the idle engine's large prefill steps); then, per round, short ones decoding
@@ -86,12 +110,23 @@ async fn warm_up<E: WorkerEngine>(engine: &mut E, cfg: SchedulerConfig, w: WarmU
     // the tick budget may grant (its attention shapes; the decode batch's are met already; a
     // CPU plans nothing).
     let out = |n: usize| n.min(context.saturating_sub(long.max(short))).max(1);
-    let mut rounds: Vec<(usize, usize)> = w.rows.iter().chain(w.rows.is_empty().then_some(&1)).map(|&n| (cfg.prefill_chunk, n)).collect();
+    let mut rounds: Vec<(usize, usize)> = w
+        .rows
+        .iter()
+        .chain(w.rows.is_empty().then_some(&1))
+        .map(|&n| (cfg.prefill_chunk, n))
+        .collect();
     if llmq_engine::on_gpu() {
-        rounds.extend(sizes.iter().filter(|&&size| size != cfg.prefill_chunk).map(|&size| (size, 1)));
+        rounds.extend(
+            sizes
+                .iter()
+                .filter(|&&size| size != cfg.prefill_chunk)
+                .map(|&size| (size, 1)),
+        );
     }
     // (requests as (prompt, max tokens), whether the phase ends when they all decode, chunk)
-    let mut phases: Vec<(Vec<(usize, usize)>, bool, usize)> = vec![(vec![(long, 1)], false, cfg.prefill_chunk)];
+    let mut phases: Vec<(Vec<(usize, usize)>, bool, usize)> =
+        vec![(vec![(long, 1)], false, cfg.prefill_chunk)];
     for (size, n) in rounds {
         let n = n.clamp(1, most_rows);
         let chunks = ticks(engine, size, long);
@@ -105,10 +140,25 @@ async fn warm_up<E: WorkerEngine>(engine: &mut E, cfg: SchedulerConfig, w: WarmU
         }
         for &(len, max_tokens) in phase.iter() {
             id += 1;
-            let prompt: Vec<u32> = (0..len as u32).map(|i| 1 + (i * 7 + (id % 50) as u32) % 50).collect();
-            let stop = StopConditions { max_tokens: max_tokens as u32, ignore_eos: true, ..Default::default() };
-            engine.register(id, SeqSpec::new(prompt, Sampling::default(), stop)).await.map_err(WarmUpError::Refused)?;
-            let a = Admission { id, prompt_tokens: len, max_tokens, accepted_at: now(), after: None };
+            let prompt: Vec<u32> = (0..len as u32)
+                .map(|i| 1 + (i * 7 + (id % 50) as u32) % 50)
+                .collect();
+            let stop = StopConditions {
+                max_tokens: max_tokens as u32,
+                ignore_eos: true,
+                ..Default::default()
+            };
+            engine
+                .register(id, SeqSpec::new(prompt, Sampling::default(), stop))
+                .await
+                .map_err(WarmUpError::Refused)?;
+            let a = Admission {
+                id,
+                prompt_tokens: len,
+                max_tokens,
+                accepted_at: now(),
+                after: None,
+            };
             if let Some(e) = s.submit(a).into_iter().find(|e| e.event.is_terminal()) {
                 return Err(WarmUpError::Ended(e.event));
             }
@@ -116,9 +166,16 @@ async fn warm_up<E: WorkerEngine>(engine: &mut E, cfg: SchedulerConfig, w: WarmU
         // A phase of short ones ends when none is waiting or prefilling any more (all decode,
         // unless one already finished); the others run to their end.
         let mut ticks = 0;
-        while if *until_decoding { s.queued_requests() > 0 } else { !s.is_idle() } {
+        while if *until_decoding {
+            s.queued_requests() > 0
+        } else {
+            !s.is_idle()
+        } {
             let (emits, _) = s.tick(engine, now()).await;
-            if let Some(e) = emits.into_iter().find(|e| matches!(e.event, Event::Error { .. })) {
+            if let Some(e) = emits
+                .into_iter()
+                .find(|e| matches!(e.event, Event::Error { .. }))
+            {
                 return Err(WarmUpError::Ended(e.event));
             }
             ticks += 1;
@@ -140,7 +197,9 @@ impl<E: WorkerEngine + Unpin + 'static> Handler<WarmUp> for SchedulerActor<E> {
         self.exchange(
             Err(WarmUpError::Busy),
             move |mut engine| async move {
-                let run = AssertUnwindSafe(warm_up(&mut engine, cfg, w)).catch_unwind().await;
+                let run = AssertUnwindSafe(warm_up(&mut engine, cfg, w))
+                    .catch_unwind()
+                    .await;
                 let run = run.unwrap_or_else(|p| Err(WarmUpError::Panic(panic_text(p))));
                 if run.is_err() {
                     // Nothing of it stays behind.

@@ -18,7 +18,10 @@ use mlx_rs::Array;
 use super::chunk::InFlight;
 use super::{ChunkOutcome, DecodeActor, Stepped};
 use crate::messages::StepTimes;
-use crate::seq::{argmax_rows, host_ids, internal, restricted_argmax, unknown, waited_after_masks, MasksAhead, Seq};
+use crate::seq::{
+    argmax_rows, host_ids, internal, restricted_argmax, unknown, waited_after_masks, MasksAhead,
+    Seq,
+};
 
 /// A decode step queued ahead: built from the previous step's greedy tokens while they were
 /// still on the device, so the device starts it before the host has read those tokens, handled
@@ -51,13 +54,34 @@ pub(super) struct Built {
 
 /// Builds the decode step that follows one whose greedy tokens are `tokens` (on the device,
 /// one a row), with a prefill chunk in the same pass when given.
-pub(super) fn build_step(model: &Model, rows: &[Vec<ReqId>], batches: &mut [DecodeBatch], tokens: &Array, chunk: Option<ChunkStage>, masked: bool) -> Result<Built, WireError> {
+pub(super) fn build_step(
+    model: &Model,
+    rows: &[Vec<ReqId>],
+    batches: &mut [DecodeBatch],
+    tokens: &Array,
+    chunk: Option<ChunkStage>,
+    masked: bool,
+) -> Result<Built, WireError> {
     let t0 = std::time::Instant::now();
     let counts: Vec<Vec<u32>> = rows.iter().map(|g| vec![0; g.len()]).collect();
-    let mut groups: Vec<(&[u32], &mut DecodeBatch)> = counts.iter().map(|t| &t[..]).zip(batches.iter_mut()).collect();
-    let (logits, hidden) = model.step_staged(&mut groups, Some(tokens), chunk).map_err(internal)?;
-    let next = if masked { logits } else { argmax_rows(&logits, logits.shape()[0])? };
-    Ok(Built { next, hidden, build_ms: t0.elapsed().as_secs_f64() * 1000.0 })
+    let mut groups: Vec<(&[u32], &mut DecodeBatch)> = counts
+        .iter()
+        .map(|t| &t[..])
+        .zip(batches.iter_mut())
+        .collect();
+    let (logits, hidden) = model
+        .step_staged(&mut groups, Some(tokens), chunk)
+        .map_err(internal)?;
+    let next = if masked {
+        logits
+    } else {
+        argmax_rows(&logits, logits.shape()[0])?
+    };
+    Ok(Built {
+        next,
+        hidden,
+        build_ms: t0.elapsed().as_secs_f64() * 1000.0,
+    })
 }
 
 impl Built {
@@ -115,12 +139,26 @@ impl DecodeActor {
         mut chunk: Option<InFlight>,
         before_launch: impl FnOnce(&mut Self),
     ) -> Result<Option<ChunkOutcome>, (WireError, Option<InFlight>)> {
-        let Some(mut batches) = self.batches.take() else { return Err((internal("no decode batches"), chunk)) };
+        let Some(mut batches) = self.batches.take() else {
+            return Err((internal("no decode batches"), chunk));
+        };
         let end = chunk.as_ref().map_or(0, |c| self.stage_end(c, true));
         let toks: Option<Vec<u32>> = chunk.as_ref().map(|c| c.lent.seq.chunk(c.lent.n));
-        let part = chunk.as_mut().zip(toks.as_ref()).map(|(c, t)| c.stage(t, end));
-        let masked = order.iter().any(|id| self.seqs.get(id).is_some_and(|s| s.matcher.is_some()));
-        let built = build_step(&self.shared.model, &self.rows, &mut batches, tokens, part, masked);
+        let part = chunk
+            .as_mut()
+            .zip(toks.as_ref())
+            .map(|(c, t)| c.stage(t, end));
+        let masked = order
+            .iter()
+            .any(|id| self.seqs.get(id).is_some_and(|s| s.matcher.is_some()));
+        let built = build_step(
+            &self.shared.model,
+            &self.rows,
+            &mut batches,
+            tokens,
+            part,
+            masked,
+        );
         self.batches = Some(batches);
         let queued = built.and_then(|b| {
             before_launch(self);
@@ -128,7 +166,12 @@ impl DecodeActor {
         });
         match queued {
             Ok((tokens, hidden)) => {
-                self.ahead = Some(Ahead { order, tokens, masked, completing: None });
+                self.ahead = Some(Ahead {
+                    order,
+                    tokens,
+                    masked,
+                    completing: None,
+                });
                 Ok(chunk.map(|c| {
                     self.chunks_ahead.0 += (end == self.shared.model.num_layers()) as u64;
                     self.stage_done(c, end, hidden, None)
@@ -144,8 +187,14 @@ impl DecodeActor {
     /// at once so that they can be read as soon as the step is done.
     fn masked_tokens(&mut self, order: &[ReqId], logits: &Array) -> Result<Array, WireError> {
         let rows = logits.shape()[0];
-        let mut by_id: HashMap<ReqId, &mut Seq> = self.seqs.iter_mut().map(|(id, s)| (*id, s)).collect();
-        let seqs: Vec<Option<&mut Seq>> = order.iter().map(|id| by_id.remove(id)).chain(std::iter::repeat_with(|| None)).take(rows as usize).collect();
+        let mut by_id: HashMap<ReqId, &mut Seq> =
+            self.seqs.iter_mut().map(|(id, s)| (*id, s)).collect();
+        let seqs: Vec<Option<&mut Seq>> = order
+            .iter()
+            .map(|id| by_id.remove(id))
+            .chain(std::iter::repeat_with(|| None))
+            .take(rows as usize)
+            .collect();
         let tokens = restricted_argmax(&self.shared, logits, seqs)?;
         mlx_rs::transforms::async_eval([&tokens]).map_err(internal)?;
         let mut m = self.shared.mask_times.get();
@@ -157,10 +206,17 @@ impl DecodeActor {
     /// The step's tokens `tokens` read on the host (the device's work before them waited for),
     /// and the masks after them started beside this thread for the constrained rows among
     /// `pos` (a request and its row in `tokens`).
-    pub(super) fn read_tokens(&mut self, tokens: &Array, pos: &HashMap<ReqId, usize>) -> Result<Vec<u32>, WireError> {
+    pub(super) fn read_tokens(
+        &mut self,
+        tokens: &Array,
+        pos: &HashMap<ReqId, usize>,
+    ) -> Result<Vec<u32>, WireError> {
         let host = host_ids(tokens)?;
         self.finish_masks();
-        let rows = self.seqs.iter_mut().filter_map(|(id, s)| Some((*id, s, *host.get(*pos.get(id)?)?)));
+        let rows = self
+            .seqs
+            .iter_mut()
+            .filter_map(|(id, s)| Some((*id, s, *host.get(*pos.get(id)?)?)));
         self.masks_ahead = MasksAhead::start(&self.shared, rows);
         Ok(host)
     }
@@ -184,8 +240,18 @@ impl DecodeActor {
     /// it can be (`chunk_can_queue`); then this one's tokens are read (the joined request's
     /// first token among them). A chunk that cannot share the step runs on its own after, and
     /// nothing is queued behind it.
-    pub(super) fn deliver_ahead(&mut self, ahead: Ahead, ids: &[ReqId], chunk: Option<InFlight>) -> Stepped {
-        let Ahead { order: ahead_order, tokens, masked, completing } = ahead;
+    pub(super) fn deliver_ahead(
+        &mut self,
+        ahead: Ahead,
+        ids: &[ReqId],
+        chunk: Option<InFlight>,
+    ) -> Stepped {
+        let Ahead {
+            order: ahead_order,
+            tokens,
+            masked,
+            completing,
+        } = ahead;
         let t0 = std::time::Instant::now();
         let tokens = match masked {
             false => tokens,
@@ -203,7 +269,11 @@ impl DecodeActor {
             },
         };
         let tm = std::time::Instant::now();
-        let mut pos: HashMap<ReqId, usize> = ahead_order.iter().enumerate().map(|(i, id)| (*id, i)).collect();
+        let mut pos: HashMap<ReqId, usize> = ahead_order
+            .iter()
+            .enumerate()
+            .map(|(i, id)| (*id, i))
+            .collect();
         let mut failed_join = None;
         if let Some((id, seq)) = completing {
             pos.insert(id, ahead_order.len());
@@ -212,10 +282,21 @@ impl DecodeActor {
             }
         }
         let order: Vec<ReqId> = self.rows.iter().flatten().copied().collect();
-        let decode: Vec<ReqId> = ids.iter().copied().filter(|id| failed_join.as_ref().is_none_or(|(f, _)| f != id)).collect();
-        if decode.len() != order.len() || order.iter().any(|id| !pos.contains_key(id)) || decode.iter().any(|id| !order.contains(id)) {
+        let decode: Vec<ReqId> = ids
+            .iter()
+            .copied()
+            .filter(|id| failed_join.as_ref().is_none_or(|(f, _)| f != id))
+            .collect();
+        if decode.len() != order.len()
+            || order.iter().any(|id| !pos.contains_key(id))
+            || decode.iter().any(|id| !order.contains(id))
+        {
             let _ = tokens.eval();
-            return Stepped::failed(ids, chunk, internal("the queued decode step is out of step with the scheduler"));
+            return Stepped::failed(
+                ids,
+                chunk,
+                internal("the queued decode step is out of step with the scheduler"),
+            );
         }
         let t1 = std::time::Instant::now();
         // This delivery's own launch only (a step launched synchronously earlier set it too).
@@ -251,7 +332,10 @@ impl DecodeActor {
                     return Err(e.clone());
                 }
                 let t = host.as_ref().map_err(Clone::clone)?[pos[id]];
-                let seq = self.seqs.get_mut(id).ok_or_else(|| unknown("decode", *id))?;
+                let seq = self
+                    .seqs
+                    .get_mut(id)
+                    .ok_or_else(|| unknown("decode", *id))?;
                 seq.take_token(tok.as_deref(), t, None)
             })
             .collect();

@@ -23,7 +23,11 @@ pub fn stages_for(n: usize, stage_tokens: usize, stages: usize) -> usize {
 /// most one a layer, and 1 for a model without decode batches (sliding-window models decode
 /// row by row: their chunks run whole).
 pub fn chunk_stages(model: &Model, stages: usize) -> usize {
-    if model.new_decode_batch().is_some() { stages.clamp(1, model.num_layers().max(1)) } else { 1 }
+    if model.new_decode_batch().is_some() {
+        stages.clamp(1, model.num_layers().max(1))
+    } else {
+        1
+    }
 }
 
 /// How a chunk granted beside decoding rows is spread over steps. Fixed (no budget): one step
@@ -47,9 +51,25 @@ pub struct Staging {
 impl Staging {
     /// The staging of `model` for the settings asked (see `chunk_stages`): a budget only with
     /// more than one stage; never more steps than layers.
-    pub fn new(model: &Model, stages: usize, stage_tokens: usize, budget: f64, min_tokens: usize) -> Self {
-        let s = Self::for_layers(model.num_layers(), chunk_stages(model, stages), stage_tokens, budget, min_tokens);
-        if llmq_engine::on_gpu() { s } else { s.cautious() }
+    pub fn new(
+        model: &Model,
+        stages: usize,
+        stage_tokens: usize,
+        budget: f64,
+        min_tokens: usize,
+    ) -> Self {
+        let s = Self::for_layers(
+            model.num_layers(),
+            chunk_stages(model, stages),
+            stage_tokens,
+            budget,
+            min_tokens,
+        );
+        if llmq_engine::on_gpu() {
+            s
+        } else {
+            s.cautious()
+        }
     }
 
     /// Shares for a device whose time for a share is its compute for the share's tokens (a
@@ -64,13 +84,29 @@ impl Staging {
 
     /// The staging of a model of `layers` layers whose chunks take `stages` steps at most at
     /// full work.
-    pub fn for_layers(layers: usize, stages: usize, stage_tokens: usize, budget: f64, min_tokens: usize) -> Self {
+    pub fn for_layers(
+        layers: usize,
+        stages: usize,
+        stage_tokens: usize,
+        budget: f64,
+        min_tokens: usize,
+    ) -> Self {
         let stages = stages.max(1);
         let stage_tokens = stage_tokens.max(1);
         let budget = if stages > 1 { budget } else { 0.0 };
-        let min_tokens = if budget > 0.0 { min_tokens.clamp(1, stage_tokens) } else { stage_tokens };
+        let min_tokens = if budget > 0.0 {
+            min_tokens.clamp(1, stage_tokens)
+        } else {
+            stage_tokens
+        };
         let most = (stages * stage_tokens.div_ceil(min_tokens)).clamp(stages, layers.max(stages));
-        Staging { stage_tokens, budget, min_tokens, most, cautious: false }
+        Staging {
+            stage_tokens,
+            budget,
+            min_tokens,
+            most,
+            cautious: false,
+        }
     }
 
     /// The most steps a chunk of `n` tokens takes beside decoding rows.
@@ -91,7 +127,11 @@ impl Staging {
     /// The sizer of each step's work (off without a budget).
     pub(super) fn sizer(&self) -> ChunkSizer {
         let sizer = ChunkSizer::new(self.budget, self.min_tokens, self.stage_tokens);
-        if self.cautious { sizer.with_cautious_shares() } else { sizer }
+        if self.cautious {
+            sizer.with_cautious_shares()
+        } else {
+            sizer
+        }
     }
 }
 
@@ -119,7 +159,11 @@ pub(super) struct InFlight {
 
 impl InFlight {
     pub(super) fn new(lent: Lent) -> Self {
-        InFlight { lent, next: 0, hidden: None }
+        InFlight {
+            lent,
+            next: 0,
+            hidden: None,
+        }
     }
     /// The sequence to give back to the prefill actor after a failed stage: none once a stage
     /// has run (its layers then hold different lengths, and a release there would remember
@@ -131,7 +175,12 @@ impl InFlight {
     /// Its stage up to layer `end` as the model takes it (`tokens`: the chunk's, from
     /// `Seq::chunk`); the hidden state goes with it.
     pub(super) fn stage<'a>(&'a mut self, tokens: &'a [u32], end: usize) -> ChunkStage<'a> {
-        ChunkStage { tokens, cache: &mut self.lent.seq.cache, layers: self.next..end, hidden: self.hidden.take() }
+        ChunkStage {
+            tokens,
+            cache: &mut self.lent.seq.cache,
+            layers: self.next..end,
+            hidden: self.hidden.take(),
+        }
     }
 
     /// Whether the stage ending at layer `end` completes the prompt.
@@ -145,14 +194,24 @@ impl DecodeActor {
     /// carry this step's work (see `Staging`), every remaining layer otherwise.
     pub(super) fn stage_end(&self, c: &InFlight, rows: bool) -> usize {
         let layers = self.shared.model.num_layers();
-        if rows { (c.next + self.staging.stage_layers(c.lent.n, self.stage_work, layers)).min(layers) } else { layers }
+        if rows {
+            (c.next + self.staging.stage_layers(c.lent.n, self.stage_work, layers)).min(layers)
+        } else {
+            layers
+        }
     }
 
     /// A chunk's stage is done (its work queued or run; `logits`: the chunk's last position's,
     /// after its last stage): part-way, it stays here; done, its prompt advances and it goes back
     /// to the prefill actor, or its completed prompt joins the batch now (`logits` given) or
     /// when the step queued ahead is delivered (not given; its first token is that step's).
-    pub(super) fn stage_done(&mut self, mut c: InFlight, end: usize, hidden: Option<Array>, logits: Option<&Array>) -> (PrefillResult, Option<Box<Seq>>) {
+    pub(super) fn stage_done(
+        &mut self,
+        mut c: InFlight,
+        end: usize,
+        hidden: Option<Array>,
+        logits: Option<&Array>,
+    ) -> (PrefillResult, Option<Box<Seq>>) {
         self.last_stage = (end.saturating_sub(c.next), self.stage_work);
         if end < self.shared.model.num_layers() {
             c.next = end;
@@ -167,7 +226,11 @@ impl DecodeActor {
             return (Ok(Prefilled::Done(None)), Some(seq));
         }
         match logits {
-            Some(l) => (self.complete(id, *seq, l).map(|first| Prefilled::Done(Some(first))), None),
+            Some(l) => (
+                self.complete(id, *seq, l)
+                    .map(|first| Prefilled::Done(Some(first))),
+                None,
+            ),
             None => {
                 self.chunks_ahead.1 += 1;
                 let ahead = self.ahead.as_mut().expect("a step was queued");
@@ -186,12 +249,20 @@ impl DecodeActor {
             let Lent { id, n, mut seq } = c.lent;
             return match run_chunk(&self.shared.model, &mut seq, n) {
                 Ok(None) => (Ok(Prefilled::Done(None)), Some(seq)),
-                Ok(Some(logits)) => (self.complete(id, *seq, &logits).map(|first| Prefilled::Done(Some(first))), None),
+                Ok(Some(logits)) => (
+                    self.complete(id, *seq, &logits)
+                        .map(|first| Prefilled::Done(Some(first))),
+                    None,
+                ),
                 Err(e) => (Err(e), Some(seq)),
             };
         }
         let toks = c.lent.seq.chunk(c.lent.n);
-        match self.shared.model.step_staged(&mut [], None, Some(c.stage(&toks, layers))) {
+        match self
+            .shared
+            .model
+            .step_staged(&mut [], None, Some(c.stage(&toks, layers)))
+        {
             Ok((logits, _)) => self.stage_done(c, layers, None, Some(&logits)),
             Err(e) => (Err(internal(e)), c.back()),
         }

@@ -41,7 +41,12 @@ pub struct Copied {
 impl Copies {
     /// Remember `tokens`, the prompt of `id`, once copied.
     pub fn push(&mut self, id: ReqId, salt: Option<String>, tokens: Vec<u32>) {
-        self.queue.push_back(Copy { id, salt, tokens, done: vec![] });
+        self.queue.push_back(Copy {
+            id,
+            salt,
+            tokens,
+            done: vec![],
+        });
     }
 
     /// `id` left: its prompt is not copied further.
@@ -64,7 +69,10 @@ impl Copies {
 
     /// Copies the oldest prompt's next layers from its row (`contents`: a row's per-layer
     /// views); the prompt, once every layer is copied.
-    pub fn advance(&mut self, contents: impl Fn(ReqId) -> Option<Vec<(Array, Array)>>) -> Option<Copied> {
+    pub fn advance(
+        &mut self,
+        contents: impl Fn(ReqId) -> Option<Vec<(Array, Array)>>,
+    ) -> Option<Copied> {
         let c = self.queue.front_mut()?;
         let Some(layers) = contents(c.id) else {
             self.queue.pop_front();
@@ -76,9 +84,16 @@ impl Copies {
             .iter()
             .skip(next)
             .take(LAYERS_PER_STEP)
-            .map(|(k, v)| Ok((k.index((.., .., ..p, ..)).contiguous()?, v.index((.., .., ..p, ..)).contiguous()?)))
+            .map(|(k, v)| {
+                Ok((
+                    k.index((.., .., ..p, ..)).contiguous()?,
+                    v.index((.., .., ..p, ..)).contiguous()?,
+                ))
+            })
             .collect();
-        let evaluated = copied.and_then(|kv| mlx_rs::transforms::eval(kv.iter().flat_map(|(k, v)| [k, v])).map(|()| kv));
+        let evaluated = copied.and_then(|kv| {
+            mlx_rs::transforms::eval(kv.iter().flat_map(|(k, v)| [k, v])).map(|()| kv)
+        });
         match evaluated {
             Ok(kv) => c.done.extend(kv),
             Err(e) => {
@@ -91,6 +106,10 @@ impl Copies {
             return None;
         }
         let c = self.queue.pop_front()?;
-        Some(Copied { salt: c.salt, tokens: c.tokens, kv: KvPrefix { layers: c.done } })
+        Some(Copied {
+            salt: c.salt,
+            tokens: c.tokens,
+            kv: KvPrefix { layers: c.done },
+        })
     }
 }

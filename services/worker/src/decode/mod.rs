@@ -32,8 +32,8 @@ use mlx_rs::Array;
 
 use self::ahead::Ahead;
 use self::chunk::InFlight;
-use self::copies::Copies;
 pub use self::chunk::{chunk_stages, stages_for, Grant, Lent, Staging};
+use self::copies::Copies;
 use crate::cache::{CacheActor, Remember};
 use crate::messages::{InjectPanic, Release, Reply, Report, Reset, ResetCounters, StepTimes};
 use crate::seq::{guarded, internal, unknown, Busy, MasksAhead, Seq, Shared};
@@ -51,7 +51,10 @@ const PER_ROW_UP_TO: usize = 8;
 const SLOW_MS: f64 = 80.0;
 
 fn group_of(len: usize) -> usize {
-    GROUP_BOUNDS.iter().position(|&b| len < b).unwrap_or(GROUP_BOUNDS.len() - 1)
+    GROUP_BOUNDS
+        .iter()
+        .position(|&b| len < b)
+        .unwrap_or(GROUP_BOUNDS.len() - 1)
 }
 
 pub struct DecodeActor {
@@ -123,7 +126,10 @@ pub type ChunkOutcome = (PrefillResult, Option<Box<Seq>>);
 impl Stepped {
     /// Every row and the chunk failed with `e` (the chunk's sequence goes back).
     fn failed(ids: &[ReqId], chunk: Option<InFlight>, e: WireError) -> Stepped {
-        Stepped { outs: ids.iter().map(|_| Err(e.clone())).collect(), chunk: chunk.map(|c| (Err(e), c.back())) }
+        Stepped {
+            outs: ids.iter().map(|_| Err(e.clone())).collect(),
+            chunk: chunk.map(|c| (Err(e), c.back())),
+        }
     }
 }
 
@@ -139,14 +145,23 @@ fn new_batches(model: &Model) -> Option<Vec<DecodeBatch>> {
     // Past the first group, few long rows: they attend one by one (see DecodeBatch).
     model.new_decode_batch().map(|_| {
         (0..GROUP_BOUNDS.len())
-            .filter_map(|g| model.new_decode_batch().map(|b| b.with_per_row_attention(if g == 0 { 0 } else { PER_ROW_UP_TO })))
+            .filter_map(|g| {
+                model
+                    .new_decode_batch()
+                    .map(|b| b.with_per_row_attention(if g == 0 { 0 } else { PER_ROW_UP_TO }))
+            })
             .collect()
     })
 }
 
 impl DecodeActor {
     /// `staging`: how a chunk's layers are spread over steps while rows decode.
-    pub fn new(shared: Shared, cache: Addr<CacheActor>, decode_ahead: bool, staging: Staging) -> Self {
+    pub fn new(
+        shared: Shared,
+        cache: Addr<CacheActor>,
+        decode_ahead: bool,
+        staging: Staging,
+    ) -> Self {
         let batches = new_batches(&shared.model);
         let shared_remembers = shared.remembers;
         DecodeActor {
@@ -176,27 +191,52 @@ impl DecodeActor {
 
     /// The next layers of the oldest completed prompt waiting to be remembered (`copies`).
     fn advance_copies(&mut self) {
-        let (Some(copies), seqs, batches) = (self.copies.as_mut(), &self.seqs, &self.batches) else { return };
+        let (Some(copies), seqs, batches) = (self.copies.as_mut(), &self.seqs, &self.batches)
+        else {
+            return;
+        };
         let contents = |id: ReqId| {
             let (g, row) = seqs.get(&id)?.row?;
             batches.as_ref()?.get(g)?.row_contents(row)
         };
         if let Some(c) = copies.advance(contents) {
-            self.cache.do_send(Remember { salt: c.salt, tokens: c.tokens, kv: c.kv });
+            self.cache.do_send(Remember {
+                salt: c.salt,
+                tokens: c.tokens,
+                kv: c.kv,
+            });
         }
     }
 
     fn reply<T>(&self, value: T) -> Reply<T> {
-        let batch: u64 = self.batches.iter().flatten().map(|b| b.nbytes() as u64).sum();
+        let batch: u64 = self
+            .batches
+            .iter()
+            .flatten()
+            .map(|b| b.nbytes() as u64)
+            .sum();
         let own: u64 = self.seqs.values().map(|s| s.cache.nbytes() as u64).sum();
-        let joining = self.ahead.as_ref().and_then(|a| a.completing.as_ref()).map_or(0, |(_, s)| s.cache.nbytes() as u64);
-        let staged = self.staged.as_ref().map_or(0, |c| c.lent.seq.cache.nbytes() as u64);
-        let held = self.seqs.len() + self.ahead.as_ref().is_some_and(|a| a.completing.is_some()) as usize + self.staged.is_some() as usize;
+        let joining = self
+            .ahead
+            .as_ref()
+            .and_then(|a| a.completing.as_ref())
+            .map_or(0, |(_, s)| s.cache.nbytes() as u64);
+        let staged = self
+            .staged
+            .as_ref()
+            .map_or(0, |c| c.lent.seq.cache.nbytes() as u64);
+        let held = self.seqs.len()
+            + self.ahead.as_ref().is_some_and(|a| a.completing.is_some()) as usize
+            + self.staged.is_some() as usize;
         let report = Report {
             kv_bytes: batch + own + joining + staged,
             held,
             busy: self.busy,
-            step: StepTimes { stage_layers: self.last_stage.0, stage_work: self.last_stage.1, ..self.times },
+            step: StepTimes {
+                stage_layers: self.last_stage.0,
+                stage_work: self.last_stage.1,
+                ..self.times
+            },
             chunks_ahead: self.chunks_ahead,
             stages_pending: self.stages_pending,
             stage: self.last_stage,
@@ -209,8 +249,15 @@ impl DecodeActor {
     /// After a panic: drops the batches and every sequence (waiting for any queued step
     /// first); their requests are remembered as lost.
     fn restart(&mut self, what: &str) {
-        tracing::error!(what, "the decode actor panicked; dropping its sequences and batches");
-        let completing = self.ahead.as_ref().and_then(|a| a.completing.as_ref()).map(|(id, _)| *id);
+        tracing::error!(
+            what,
+            "the decode actor panicked; dropping its sequences and batches"
+        );
+        let completing = self
+            .ahead
+            .as_ref()
+            .and_then(|a| a.completing.as_ref())
+            .map(|(id, _)| *id);
         let staged = self.staged.as_ref().map(|c| c.lent.id);
         for id in self.seqs.keys().copied().chain(completing).chain(staged) {
             self.lost.insert(id, what.to_string());
@@ -248,7 +295,11 @@ impl DecodeActor {
 
     fn remember(&self, salt: Option<String>, tokens: &[u32], layers: Option<Vec<(Array, Array)>>) {
         if let Some(kv) = self.shared.prefix_copy(layers) {
-            self.cache.do_send(Remember { salt, tokens: tokens.to_vec(), kv });
+            self.cache.do_send(Remember {
+                salt,
+                tokens: tokens.to_vec(),
+                kv,
+            });
         }
     }
 
@@ -259,7 +310,11 @@ impl DecodeActor {
         // With decode batches on a CPU, the prompt is copied from its row over the next steps.
         let later = self.batches.is_some() && self.copies.is_some();
         if !later {
-            self.remember(seq.salt.clone(), &seq.prompt, seq.layers(self.shared.model.config.num_layers));
+            self.remember(
+                seq.salt.clone(),
+                &seq.prompt,
+                seq.layers(self.shared.model.config.num_layers),
+            );
         }
         let result = match self.batches.as_mut() {
             Some(batches) => {
@@ -296,10 +351,17 @@ impl DecodeActor {
     fn release_seq(&mut self, seq: Seq) {
         let layers = self.shared.model.config.num_layers;
         let (fed, kv) = match (seq.row, self.batches.as_ref()) {
-            (Some((g, row)), Some(b)) => (b[g].lens().get(row).copied().unwrap_or(0), b[g].row_contents(row)),
+            (Some((g, row)), Some(b)) => (
+                b[g].lens().get(row).copied().unwrap_or(0),
+                b[g].row_contents(row),
+            ),
             _ => (seq.cache.offset(), seq.layers(layers)),
         };
-        self.remember(seq.salt.clone(), &seq.history[..fed.min(seq.history.len())], kv);
+        self.remember(
+            seq.salt.clone(),
+            &seq.history[..fed.min(seq.history.len())],
+            kv,
+        );
         if let (Some((g, row)), Some(batches)) = (seq.row, self.batches.as_mut()) {
             match batches[g].leave(row) {
                 Ok(moved) => {
@@ -326,7 +388,11 @@ impl DecodeActor {
             }
             if let Some(seq) = self.seqs.remove(&id) {
                 self.release_seq(seq);
-            } else if let Some(a) = self.ahead.as_mut().filter(|a| a.completing.as_ref().is_some_and(|(c, _)| *c == id)) {
+            } else if let Some(a) = self
+                .ahead
+                .as_mut()
+                .filter(|a| a.completing.as_ref().is_some_and(|(c, _)| *c == id))
+            {
                 if let Some((_, seq)) = a.completing.take() {
                     self.release_seq(seq);
                 }
@@ -338,7 +404,6 @@ impl DecodeActor {
             self.discard_ahead();
         }
     }
-
 }
 
 impl Actor for DecodeActor {
@@ -355,7 +420,11 @@ impl Handler<Step> for DecodeActor {
     type Result = MessageResult<Step>;
     fn handle(&mut self, Step { ids, chunk }: Step, _: &mut Context<Self>) -> Self::Result {
         // Rows lost to an earlier restart fail with its fault; the others step.
-        let live: Vec<ReqId> = ids.iter().copied().filter(|id| !self.lost.contains_key(id)).collect();
+        let live: Vec<ReqId> = ids
+            .iter()
+            .copied()
+            .filter(|id| !self.lost.contains_key(id))
+            .collect();
         // The step's time runs to the next `Step`; with rows decoding, the scheduler sends
         // that at once (it is never idle while streams decode), so the interval is their gap.
         let started = self.clock.elapsed();
@@ -365,14 +434,21 @@ impl Handler<Step> for DecodeActor {
             Grant::Continue(id) => *id,
         });
         // The chunk in flight goes on only for its own request.
-        let (chunk, mismatch) = match chunk {
-            Some(Grant::New(l)) => (Some(InFlight::new(l)), None),
-            Some(Grant::Continue(id)) => match self.staged.take_if(|c| c.lent.id == id) {
-                Some(c) => (Some(c), None),
-                None => (None, Some(self.lost.get(&id).map_or_else(|| unknown("chunk in flight", id), |what| Self::fault(what)))),
-            },
-            None => (None, None),
-        };
+        let (chunk, mismatch) =
+            match chunk {
+                Some(Grant::New(l)) => (Some(InFlight::new(l)), None),
+                Some(Grant::Continue(id)) => match self.staged.take_if(|c| c.lent.id == id) {
+                    Some(c) => (Some(c), None),
+                    None => (
+                        None,
+                        Some(self.lost.get(&id).map_or_else(
+                            || unknown("chunk in flight", id),
+                            |what| Self::fault(what),
+                        )),
+                    ),
+                },
+                None => (None, None),
+            };
         // The offset of the chunk this step works on (its stages share it).
         let at = chunk.as_ref().map_or(0, |c| c.lent.seq.prefilled);
         if !live.is_empty() {
@@ -381,21 +457,27 @@ impl Handler<Step> for DecodeActor {
                 self.stage_work = self.sizer.pick(at);
             }
         }
-        let mut stepped = self.work(true, |a| {
-            a.advance_copies();
-            a.step(&live, chunk)
-        })
-        .unwrap_or_else(|what| {
-            let e = Self::fault(&what);
-            Stepped { outs: live.iter().map(|_| Err(e.clone())).collect(), chunk: chunk_id.map(|_| (Err(e.clone()), None)) }
-        });
+        let mut stepped = self
+            .work(true, |a| {
+                a.advance_copies();
+                a.step(&live, chunk)
+            })
+            .unwrap_or_else(|what| {
+                let e = Self::fault(&what);
+                Stepped {
+                    outs: live.iter().map(|_| Err(e.clone())).collect(),
+                    chunk: chunk_id.map(|_| (Err(e.clone()), None)),
+                }
+            });
         if live.len() < ids.len() {
             let mut outs = std::mem::take(&mut stepped.outs).into_iter();
             stepped.outs = ids
                 .iter()
                 .map(|id| match self.lost.get(id) {
                     Some(what) => Err(Self::fault(what)),
-                    None => outs.next().unwrap_or_else(|| Err(internal("missing step result"))),
+                    None => outs
+                        .next()
+                        .unwrap_or_else(|| Err(internal("missing step result"))),
                 })
                 .collect();
         }
@@ -404,7 +486,8 @@ impl Handler<Step> for DecodeActor {
         }
         // The work of the stage this step ran (0 without one), at its chunk's offset (hopeful
         // shares' times are not moved along it: see `ChunkSizer::pick`).
-        self.sizer.tick_ended(started, live.len(), self.last_stage.1, at, !live.is_empty());
+        self.sizer
+            .tick_ended(started, live.len(), self.last_stage.1, at, !live.is_empty());
         MessageResult(self.reply(stepped))
     }
 }
@@ -412,7 +495,9 @@ impl Handler<Step> for DecodeActor {
 impl Handler<Join> for DecodeActor {
     type Result = MessageResult<Join>;
     fn handle(&mut self, Join { id, seq }: Join, _: &mut Context<Self>) -> Self::Result {
-        let r = self.work(false, |a| a.join(id, *seq)).unwrap_or_else(|what| Err(Self::fault(&what)));
+        let r = self
+            .work(false, |a| a.join(id, *seq))
+            .unwrap_or_else(|what| Err(Self::fault(&what)));
         MessageResult(self.reply(r))
     }
 }
@@ -484,13 +569,28 @@ mod tests {
         // down to 128 with the budget.
         let s = Staging::for_layers(32, 4, 256, 1.5, 128);
         assert_eq!((s.most, s.min_tokens), (8, 128));
-        assert_eq!(s.stage_layers(1024, 256, 32), 8, "256 tokens' work: a quarter of the layers");
+        assert_eq!(
+            s.stage_layers(1024, 256, 32),
+            8,
+            "256 tokens' work: a quarter of the layers"
+        );
         assert_eq!(s.stage_layers(1024, 128, 32), 4, "128: an eighth");
-        assert_eq!(s.stage_layers(512, 128, 32), 8, "a 512-token chunk: 128 tokens' work in 8 layers");
-        assert_eq!(s.most_ticks(1024), 8, "the warm-up plans for the most steps");
+        assert_eq!(
+            s.stage_layers(512, 128, 32),
+            8,
+            "a 512-token chunk: 128 tokens' work in 8 layers"
+        );
+        assert_eq!(
+            s.most_ticks(1024),
+            8,
+            "the warm-up plans for the most steps"
+        );
         // Without a budget, stages as fixed: the work never shrinks.
         let fixed = Staging::for_layers(32, 4, 256, 0.0, 128);
-        assert_eq!((fixed.most, fixed.min_tokens, fixed.most_ticks(1024)), (4, 256, 4));
+        assert_eq!(
+            (fixed.most, fixed.min_tokens, fixed.most_ticks(1024)),
+            (4, 256, 4)
+        );
         // One stage: no budget here (the scheduler sizes whole chunks instead).
         let one = Staging::for_layers(32, 1, 256, 1.5, 128);
         assert_eq!((one.budget, one.most, one.most_ticks(1024)), (0.0, 1, 1));
@@ -503,11 +603,27 @@ mod tests {
     fn cautious_shares_carry_the_work_chosen_and_no_more() {
         // SmolLM2 on a CPU: 30 layers, 256-token chunks in shares of 8 to 32 tokens' work.
         let s = Staging::for_layers(30, 8, 32, 2.0, 8).cautious();
-        assert_eq!(s.stage_layers(256, 8, 30), 1, "8 tokens' work: one layer of 256 tokens");
-        assert_eq!(s.stage_layers(256, 32, 30), 3, "32: three layers (3.75 rounded down)");
-        assert_eq!(s.stage_layers(184, 8, 30), 1, "a prompt's shorter last chunk: still one layer");
+        assert_eq!(
+            s.stage_layers(256, 8, 30),
+            1,
+            "8 tokens' work: one layer of 256 tokens"
+        );
+        assert_eq!(
+            s.stage_layers(256, 32, 30),
+            3,
+            "32: three layers (3.75 rounded down)"
+        );
+        assert_eq!(
+            s.stage_layers(184, 8, 30),
+            1,
+            "a prompt's shorter last chunk: still one layer"
+        );
         assert_eq!(s.stage_layers(64, 32, 30), 15);
-        assert_eq!(s.stage_layers(8, 32, 30), 30, "a short chunk: every layer at once");
+        assert_eq!(
+            s.stage_layers(8, 32, 30),
+            30,
+            "a short chunk: every layer at once"
+        );
         // Spread evenly instead (a GPU's), the shorter chunk's share would be twice the work.
         let even = Staging::for_layers(30, 8, 32, 2.0, 8);
         assert_eq!(even.stage_layers(184, 8, 30), 2);
@@ -518,7 +634,11 @@ mod tests {
     fn a_chunk_takes_one_stage_per_stage_tokens_up_to_the_most() {
         // 1024-token chunks in up to 4 stages of 256 tokens' work (a GPU's default).
         assert_eq!(stages_for(1024, 256, 4), 4);
-        assert_eq!(stages_for(512, 256, 4), 2, "a 512-token prompt: two ticks, not four");
+        assert_eq!(
+            stages_for(512, 256, 4),
+            2,
+            "a 512-token prompt: two ticks, not four"
+        );
         assert_eq!(stages_for(257, 256, 4), 2);
         assert_eq!(stages_for(100, 256, 4), 1);
         assert_eq!(stages_for(1, 256, 4), 1);

@@ -8,7 +8,11 @@ use super::{Arch, ModelConfig, MoeConfig};
 
 pub fn from_gguf(f: &GgufFile) -> Result<ModelConfig> {
     let path = f.path();
-    let arch_name = f.get("general.architecture").and_then(Value::as_str).unwrap_or("").to_string();
+    let arch_name = f
+        .get("general.architecture")
+        .and_then(Value::as_str)
+        .unwrap_or("")
+        .to_string();
     let arch = match arch_name.as_str() {
         "llama" | "mistral" => Arch::Llama,
         "qwen2" => Arch::Qwen2,
@@ -16,7 +20,12 @@ pub fn from_gguf(f: &GgufFile) -> Result<ModelConfig> {
         "phi3" => Arch::Phi3,
         "gemma2" => Arch::Gemma2,
         "gemma3" => Arch::Gemma3,
-        _ => return Err(Error::UnsupportedArch { path: path.into(), arch: arch_name }),
+        _ => {
+            return Err(Error::UnsupportedArch {
+                path: path.into(),
+                arch: arch_name,
+            })
+        }
     };
     let key = |k: &str| format!("{arch_name}.{k}");
     let uint = |k: &str| -> Result<usize> {
@@ -28,7 +37,10 @@ pub fn from_gguf(f: &GgufFile) -> Result<ModelConfig> {
     let opt_uint = |k: &str| f.get(&key(k)).and_then(Value::as_u64).map(|v| v as usize);
     let embd = f
         .tensor("token_embd.weight")
-        .ok_or_else(|| Error::MissingTensor { path: path.into(), tensor: "token_embd.weight".into() })?;
+        .ok_or_else(|| Error::MissingTensor {
+            path: path.into(),
+            tensor: "token_embd.weight".into(),
+        })?;
     let hidden = uint("embedding_length")?;
     let heads = uint("attention.head_count")?;
     let vocab = opt_uint("vocab_size").unwrap_or(embd.shape[0] as usize);
@@ -40,7 +52,9 @@ pub fn from_gguf(f: &GgufFile) -> Result<ModelConfig> {
     let window = opt_uint("attention.sliding_window");
     // GGUF does not say which layers slide: Gemma 2 alternates, Gemma 3 has one global layer
     // in every `sliding_window_pattern` (6), other archs slide everywhere when windowed.
-    let pattern = opt_uint("attention.sliding_window_pattern").unwrap_or(6).max(1);
+    let pattern = opt_uint("attention.sliding_window_pattern")
+        .unwrap_or(6)
+        .max(1);
     let sliding_layers = (0..layers)
         .map(|i| {
             window.is_some()
@@ -61,7 +75,10 @@ pub fn from_gguf(f: &GgufFile) -> Result<ModelConfig> {
         num_heads: heads,
         num_kv_heads: opt_uint("attention.head_count_kv").unwrap_or(heads),
         head_dim,
-        rms_norm_eps: f.get(&key("attention.layer_norm_rms_epsilon")).and_then(Value::as_f64).unwrap_or(1e-5) as f32,
+        rms_norm_eps: f
+            .get(&key("attention.layer_norm_rms_epsilon"))
+            .and_then(Value::as_f64)
+            .unwrap_or(1e-5) as f32,
         rope,
         tie_word_embeddings: f.tensor("output.weight").is_none(),
         sliding_window: window,
@@ -85,9 +102,15 @@ pub fn from_gguf(f: &GgufFile) -> Result<ModelConfig> {
 /// The chosen experts' weights are renormalised as in the Hugging Face configs these files
 /// come from (Mixtral always, Qwen3-MoE's `norm_topk_prob`, true in every published one),
 /// unless `expert_weights_norm` says otherwise.
-fn gguf_moe(f: &GgufFile, key: &dyn Fn(&str) -> String, layers: usize) -> Result<Option<MoeConfig>> {
+fn gguf_moe(
+    f: &GgufFile,
+    key: &dyn Fn(&str) -> String,
+    layers: usize,
+) -> Result<Option<MoeConfig>> {
     let uint = |k: &str| f.get(&key(k)).and_then(Value::as_u64).map(|v| v as usize);
-    let Some(experts) = uint("expert_count").filter(|&n| n > 0) else { return Ok(None) };
+    let Some(experts) = uint("expert_count").filter(|&n| n > 0) else {
+        return Ok(None);
+    };
     let path = f.path();
     let missing = |k: &str| Error::format(path, format!("missing metadata {}", key(k)));
     let expert_size = match uint("expert_feed_forward_length") {
@@ -98,8 +121,13 @@ fn gguf_moe(f: &GgufFile, key: &dyn Fn(&str) -> String, layers: usize) -> Result
         experts,
         experts_per_token: uint("expert_used_count").ok_or_else(|| missing("expert_used_count"))?,
         expert_size,
-        renormalize: f.get(&key("expert_weights_norm")).and_then(Value::as_bool).unwrap_or(true),
-        sparse_layers: (0..layers).map(|i| f.tensor(&format!("blk.{i}.ffn_gate_inp.weight")).is_some()).collect(),
+        renormalize: f
+            .get(&key("expert_weights_norm"))
+            .and_then(Value::as_bool)
+            .unwrap_or(true),
+        sparse_layers: (0..layers)
+            .map(|i| f.tensor(&format!("blk.{i}.ffn_gate_inp.weight")).is_some())
+            .collect(),
         shared_expert: None,
     }))
 }
@@ -109,42 +137,99 @@ fn gguf_moe(f: &GgufFile, key: &dyn Fn(&str) -> String, layers: usize) -> Result
 /// tensor `rope_freqs.weight`, one divisor per pair of rotated dimensions; Phi-3's long RoPE
 /// comes as the tensors `rope_factors_short.weight` and `rope_factors_long.weight`, with
 /// `rope.scaling.original_context_length` and `rope.scaling.attn_factor`.
-fn gguf_rope(f: &GgufFile, key: &dyn Fn(&str) -> String, head_dim: usize, max_positions: usize) -> Result<RopeConfig> {
+fn gguf_rope(
+    f: &GgufFile,
+    key: &dyn Fn(&str) -> String,
+    head_dim: usize,
+    max_positions: usize,
+) -> Result<RopeConfig> {
     let path = f.path();
     let num = |k: &str| f.get(&key(k)).and_then(Value::as_f64).map(|v| v as f32);
     let theta = num("rope.freq_base").unwrap_or(10000.0);
-    let dims = f.get(&key("rope.dimension_count")).and_then(Value::as_u64).map_or(head_dim, |v| v as usize);
-    let kind = f.get(&key("rope.scaling.type")).and_then(Value::as_str).unwrap_or("none");
+    let dims = f
+        .get(&key("rope.dimension_count"))
+        .and_then(Value::as_u64)
+        .map_or(head_dim, |v| v as usize);
+    let kind = f
+        .get(&key("rope.scaling.type"))
+        .and_then(Value::as_str)
+        .unwrap_or("none");
     let factor = num("rope.scaling.factor").unwrap_or(1.0);
-    let original_max = f.get(&key("rope.scaling.original_context_length")).and_then(Value::as_u64).map_or(max_positions, |v| v as usize);
+    let original_max = f
+        .get(&key("rope.scaling.original_context_length"))
+        .and_then(Value::as_u64)
+        .map_or(max_positions, |v| v as usize);
     let scaling = match kind {
         "none" => RopeScaling::None,
         "linear" => RopeScaling::Linear { factor },
         "yarn" => {
             let json = serde_json::json!({"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original_max});
-            rope::from_hf(Some(&json), &key("rope.scaling"), theta, dims, max_positions, None).map_err(|e| Error::format(path, e.to_string()))?.scaling
+            rope::from_hf(
+                Some(&json),
+                &key("rope.scaling"),
+                theta,
+                dims,
+                max_positions,
+                None,
+            )
+            .map_err(|e| Error::format(path, e.to_string()))?
+            .scaling
         }
-        other => return Err(Error::format(path, format!("{} = {other:?}: unknown rope scaling type (llmq reads none, linear, yarn)", key("rope.scaling.type")))),
+        other => {
+            return Err(Error::format(
+                path,
+                format!(
+                    "{} = {other:?}: unknown rope scaling type (llmq reads none, linear, yarn)",
+                    key("rope.scaling.type")
+                ),
+            ))
+        }
     };
     let factors = |name: &str| f.tensor(name).map(|t| f.read_f32(t));
-    if let (Some(short), Some(long)) = (factors("rope_factors_short.weight"), factors("rope_factors_long.weight")) {
+    if let (Some(short), Some(long)) = (
+        factors("rope_factors_short.weight"),
+        factors("rope_factors_long.weight"),
+    ) {
         let mut json = serde_json::json!({"rope_type": "longrope", "short_factor": short, "long_factor": long,
                                           "original_max_position_embeddings": original_max});
         if let Some(a) = num("rope.scaling.attn_factor") {
             json["attention_factor"] = a.into();
         }
-        let rope = rope::from_hf(Some(&json), &key("rope.scaling"), theta, dims, max_positions, None).map_err(|e| Error::format(path, e.to_string()))?;
-        return Ok(RopeConfig { theta, dims, scaling: rope.scaling });
+        let rope = rope::from_hf(
+            Some(&json),
+            &key("rope.scaling"),
+            theta,
+            dims,
+            max_positions,
+            None,
+        )
+        .map_err(|e| Error::format(path, e.to_string()))?;
+        return Ok(RopeConfig {
+            theta,
+            dims,
+            scaling: rope.scaling,
+        });
     }
     let scaling = match (f.tensor("rope_freqs.weight"), scaling) {
         (Some(t), RopeScaling::None) => {
             let factors = f.read_f32(t);
             if factors.len() != dims / 2 {
-                return Err(Error::format(path, format!("rope_freqs.weight has {} factors for {} rotary dimensions", factors.len(), dims)));
+                return Err(Error::format(
+                    path,
+                    format!(
+                        "rope_freqs.weight has {} factors for {} rotary dimensions",
+                        factors.len(),
+                        dims
+                    ),
+                ));
             }
             RopeScaling::Factors { factors }
         }
         (_, s) => s,
     };
-    Ok(RopeConfig { theta, dims, scaling })
+    Ok(RopeConfig {
+        theta,
+        dims,
+        scaling,
+    })
 }

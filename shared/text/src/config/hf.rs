@@ -3,8 +3,8 @@
 use std::path::Path;
 
 use crate::error::{Error, Result};
-use serde::Deserialize;
 use crate::rope::{self, RopeConfig};
+use serde::Deserialize;
 
 use super::{Arch, ModelConfig, MoeConfig};
 
@@ -54,20 +54,27 @@ struct HfConfig {
 
 pub fn from_hf_json(path: &Path) -> Result<ModelConfig> {
     let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-    let raw: HfConfig = serde_json::from_str(&text).map_err(|e| Error::format(path, e.to_string()))?;
+    let raw: HfConfig =
+        serde_json::from_str(&text).map_err(|e| Error::format(path, e.to_string()))?;
     let name = raw
         .model_type
         .clone()
         .or_else(|| raw.architectures.as_ref().and_then(|a| a.first().cloned()))
         .unwrap_or_default();
     let arch = match name.as_str() {
-        "llama" | "mistral" | "mixtral" | "LlamaForCausalLM" | "MistralForCausalLM" | "MixtralForCausalLM" => Arch::Llama,
+        "llama" | "mistral" | "mixtral" | "LlamaForCausalLM" | "MistralForCausalLM"
+        | "MixtralForCausalLM" => Arch::Llama,
         "qwen2" | "qwen2_moe" | "Qwen2ForCausalLM" | "Qwen2MoeForCausalLM" => Arch::Qwen2,
         "qwen3" | "qwen3_moe" | "Qwen3ForCausalLM" | "Qwen3MoeForCausalLM" => Arch::Qwen3,
         "phi3" | "Phi3ForCausalLM" => Arch::Phi3,
         "gemma2" | "Gemma2ForCausalLM" => Arch::Gemma2,
         "gemma3_text" | "Gemma3ForCausalLM" => Arch::Gemma3,
-        other => return Err(Error::UnsupportedArch { path: path.into(), arch: other.to_string() }),
+        other => {
+            return Err(Error::UnsupportedArch {
+                path: path.into(),
+                arch: other.to_string(),
+            })
+        }
     };
     let heads = raw.num_attention_heads;
     let head_dim = raw.head_dim.unwrap_or(raw.hidden_size / heads.max(1));
@@ -92,10 +99,25 @@ pub fn from_hf_json(path: &Path) -> Result<ModelConfig> {
             .collect(),
     };
     let moe = hf_moe(&raw, &name, layers);
-    let activation = raw.hidden_activation.as_deref().or(raw.hidden_act.as_deref()).unwrap_or(if arch.is_gemma() { "gelu_pytorch_tanh" } else { "silu" });
-    let expected = if arch.is_gemma() { "gelu_pytorch_tanh" } else { "silu" };
+    let activation = raw
+        .hidden_activation
+        .as_deref()
+        .or(raw.hidden_act.as_deref())
+        .unwrap_or(if arch.is_gemma() {
+            "gelu_pytorch_tanh"
+        } else {
+            "silu"
+        });
+    let expected = if arch.is_gemma() {
+        "gelu_pytorch_tanh"
+    } else {
+        "silu"
+    };
     if activation != expected && !(arch.is_gemma() && activation == "gelu_tanh") {
-        return Err(Error::format(path, format!("hidden_act = {activation:?}: this architecture runs {expected}")));
+        return Err(Error::format(
+            path,
+            format!("hidden_act = {activation:?}: this architecture runs {expected}"),
+        ));
     }
     let cfg = ModelConfig {
         arch,
@@ -142,8 +164,14 @@ fn hf_moe(raw: &HfConfig, name: &str, layers: usize) -> Option<MoeConfig> {
                 experts_per_token: raw.num_experts_per_tok.unwrap_or(0),
                 expert_size: raw.moe_intermediate_size.unwrap_or(0),
                 renormalize: raw.norm_topk_prob.unwrap_or(false),
-                sparse_layers: (0..layers).map(|i| !dense.contains(&i) && (i + 1) % step == 0).collect(),
-                shared_expert: if matches!(name, "qwen2_moe" | "Qwen2MoeForCausalLM") { raw.shared_expert_intermediate_size.filter(|&n| n > 0) } else { None },
+                sparse_layers: (0..layers)
+                    .map(|i| !dense.contains(&i) && (i + 1) % step == 0)
+                    .collect(),
+                shared_expert: if matches!(name, "qwen2_moe" | "Qwen2MoeForCausalLM") {
+                    raw.shared_expert_intermediate_size.filter(|&n| n > 0)
+                } else {
+                    None
+                },
             })
         }
         _ => None,
@@ -154,27 +182,67 @@ fn hf_moe(raw: &HfConfig, name: &str, layers: usize) -> Option<MoeConfig> {
 /// scaling together; Gemma 3's per layer type), else transformers 4's `rope_theta` with
 /// `rope_scaling` (and Gemma 3's `rope_local_base_freq`). Returns the rope of full-attention
 /// layers and, where it differs, that of sliding ones.
-fn hf_ropes(raw: &HfConfig, arch: Arch, head_dim: usize, max_positions: usize) -> std::result::Result<(RopeConfig, Option<RopeConfig>), rope::RopeError> {
+fn hf_ropes(
+    raw: &HfConfig,
+    arch: Arch,
+    head_dim: usize,
+    max_positions: usize,
+) -> std::result::Result<(RopeConfig, Option<RopeConfig>), rope::RopeError> {
     let params = raw.rope_parameters.as_ref().filter(|p| !p.is_null());
-    let num = |p: Option<&serde_json::Value>, k: &str| p.and_then(|p| p.get(k)).and_then(serde_json::Value::as_f64).map(|v| v as f32);
-    let partial = raw.partial_rotary_factor.or_else(|| num(params, "partial_rotary_factor")).unwrap_or(1.0);
+    let num = |p: Option<&serde_json::Value>, k: &str| {
+        p.and_then(|p| p.get(k))
+            .and_then(serde_json::Value::as_f64)
+            .map(|v| v as f32)
+    };
+    let partial = raw
+        .partial_rotary_factor
+        .or_else(|| num(params, "partial_rotary_factor"))
+        .unwrap_or(1.0);
     let dims = (head_dim as f32 * partial) as usize;
     let one = |field: &str, desc: Option<&serde_json::Value>, default_theta: f32| {
-        let theta = num(desc, "rope_theta").or(raw.rope_theta.filter(|_| field != "rope_parameters.sliding_attention")).unwrap_or(default_theta);
-        rope::from_hf(desc, field, theta, dims, max_positions, raw.original_max_position_embeddings)
+        let theta = num(desc, "rope_theta")
+            .or(raw
+                .rope_theta
+                .filter(|_| field != "rope_parameters.sliding_attention"))
+            .unwrap_or(default_theta);
+        rope::from_hf(
+            desc,
+            field,
+            theta,
+            dims,
+            max_positions,
+            raw.original_max_position_embeddings,
+        )
     };
     match (arch, params) {
-        (Arch::Gemma3, Some(p)) if p.get("full_attention").is_some() || p.get("sliding_attention").is_some() => {
-            let global = one("rope_parameters.full_attention", p.get("full_attention"), 1_000_000.0)?;
-            let local = one("rope_parameters.sliding_attention", p.get("sliding_attention"), 10_000.0)?;
+        (Arch::Gemma3, Some(p))
+            if p.get("full_attention").is_some() || p.get("sliding_attention").is_some() =>
+        {
+            let global = one(
+                "rope_parameters.full_attention",
+                p.get("full_attention"),
+                1_000_000.0,
+            )?;
+            let local = one(
+                "rope_parameters.sliding_attention",
+                p.get("sliding_attention"),
+                10_000.0,
+            )?;
             Ok((global, Some(local)))
         }
         (Arch::Gemma3, _) => {
-            let global = one("rope_scaling", raw.rope_scaling.as_ref().or(params), 1_000_000.0)?;
+            let global = one(
+                "rope_scaling",
+                raw.rope_scaling.as_ref().or(params),
+                1_000_000.0,
+            )?;
             let local = RopeConfig::plain(raw.rope_local_base_freq.unwrap_or(10_000.0), dims);
             Ok((global, Some(local)))
         }
         (_, Some(p)) => Ok((one("rope_parameters", Some(p), 10_000.0)?, None)),
-        (_, None) => Ok((one("rope_scaling", raw.rope_scaling.as_ref(), 10_000.0)?, None)),
+        (_, None) => Ok((
+            one("rope_scaling", raw.rope_scaling.as_ref(), 10_000.0)?,
+            None,
+        )),
     }
 }

@@ -89,7 +89,8 @@ pub struct ModelConfig {
 impl ModelConfig {
     /// A layer's attention window, None when it attends to everything before it.
     pub fn window(&self, layer: usize) -> Option<usize> {
-        self.sliding_window.filter(|_| self.sliding_layers.get(layer).copied().unwrap_or(false))
+        self.sliding_window
+            .filter(|_| self.sliding_layers.get(layer).copied().unwrap_or(false))
     }
 
     /// Whether any layer slides (its caches cannot rewind, and it decodes per sequence).
@@ -107,21 +108,44 @@ impl ModelConfig {
 
     pub fn validate(&self, path: &Path) -> Result<()> {
         let bad = |m: String| Err(Error::format(path, m));
-        if self.num_heads == 0 || self.num_kv_heads == 0 || self.num_heads % self.num_kv_heads != 0 {
-            return bad(format!("{} attention heads do not group over {} kv heads", self.num_heads, self.num_kv_heads));
+        if self.num_heads == 0 || self.num_kv_heads == 0 || self.num_heads % self.num_kv_heads != 0
+        {
+            return bad(format!(
+                "{} attention heads do not group over {} kv heads",
+                self.num_heads, self.num_kv_heads
+            ));
         }
-        if self.hidden_size == 0 || self.num_layers == 0 || self.vocab_size == 0 || self.head_dim == 0 {
+        if self.hidden_size == 0
+            || self.num_layers == 0
+            || self.vocab_size == 0
+            || self.head_dim == 0
+        {
             return bad("zero-sized model dimension".into());
         }
         if self.sliding_layers.len() != self.num_layers {
-            return bad(format!("{} layer types for {} layers", self.sliding_layers.len(), self.num_layers));
+            return bad(format!(
+                "{} layer types for {} layers",
+                self.sliding_layers.len(),
+                self.num_layers
+            ));
         }
         if let Some(m) = &self.moe {
-            if m.experts == 0 || m.experts_per_token == 0 || m.experts_per_token > m.experts || m.expert_size == 0 {
-                return bad(format!("{} of {} experts a token, {} wide", m.experts_per_token, m.experts, m.expert_size));
+            if m.experts == 0
+                || m.experts_per_token == 0
+                || m.experts_per_token > m.experts
+                || m.expert_size == 0
+            {
+                return bad(format!(
+                    "{} of {} experts a token, {} wide",
+                    m.experts_per_token, m.experts, m.expert_size
+                ));
             }
             if m.sparse_layers.len() != self.num_layers {
-                return bad(format!("{} expert layer flags for {} layers", m.sparse_layers.len(), self.num_layers));
+                return bad(format!(
+                    "{} expert layer flags for {} layers",
+                    m.sparse_layers.len(),
+                    self.num_layers
+                ));
             }
         }
         if self.sliding_window == Some(0) {

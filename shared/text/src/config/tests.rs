@@ -16,7 +16,9 @@ fn parse(name: &str, cfg: serde_json::Value) -> Result<ModelConfig> {
 fn base(model_type: &str, extra: serde_json::Value) -> serde_json::Value {
     let mut c = json!({"model_type": model_type, "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512,
                        "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2});
-    c.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+    c.as_object_mut()
+        .unwrap()
+        .extend(extra.as_object().unwrap().clone());
     c
 }
 
@@ -24,22 +26,54 @@ fn base(model_type: &str, extra: serde_json::Value) -> serde_json::Value {
 fn published_configs_of_each_family_parse_to_their_options() {
     let llama31 = parse("llama31", base("llama", json!({"rope_theta": 500000.0, "max_position_embeddings": 131072,
         "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192, "rope_type": "llama3"}}))).unwrap();
-    assert!(matches!(llama31.rope.scaling, RopeScaling::Llama3 { original_max: 8192, .. }));
+    assert!(matches!(
+        llama31.rope.scaling,
+        RopeScaling::Llama3 {
+            original_max: 8192,
+            ..
+        }
+    ));
     assert_eq!(llama31.rope.theta, 500000.0);
 
     let qwen_yarn = parse("yarn", base("qwen2", json!({"rope_theta": 1000000.0, "max_position_embeddings": 32768,
         "rope_scaling": {"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"}}))).unwrap();
-    assert!(matches!(qwen_yarn.rope.scaling, RopeScaling::Yarn { factor: 4.0, original_max: 32768, .. }));
+    assert!(matches!(
+        qwen_yarn.rope.scaling,
+        RopeScaling::Yarn {
+            factor: 4.0,
+            original_max: 32768,
+            ..
+        }
+    ));
 
     let phi4 = parse("phi4mini", base("phi3", json!({"max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
         "partial_rotary_factor": 0.75, "rope_scaling": {"type": "longrope", "short_factor": vec![1.0; 24], "long_factor": vec![2.0; 24]}}))).unwrap();
-    assert_eq!((phi4.arch, phi4.rope.dims, phi4.head_dim), (Arch::Phi3, 48, 64));
-    assert!(matches!(phi4.rope.scaling, RopeScaling::LongRope { original_max: 4096, .. }));
+    assert_eq!(
+        (phi4.arch, phi4.rope.dims, phi4.head_dim),
+        (Arch::Phi3, 48, 64)
+    );
+    assert!(matches!(
+        phi4.rope.scaling,
+        RopeScaling::LongRope {
+            original_max: 4096,
+            ..
+        }
+    ));
 
     let gemma2 = parse("gemma2", base("gemma2", json!({"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "head_dim": 256,
         "query_pre_attn_scalar": 256, "sliding_window": 4096, "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh"}))).unwrap();
-    assert_eq!(gemma2.sliding_layers, [true, false, true, false, true, false]);
-    assert_eq!((gemma2.attn_logit_softcap, gemma2.final_logit_softcap, gemma2.query_pre_attn_scalar), (Some(50.0), Some(30.0), Some(256.0)));
+    assert_eq!(
+        gemma2.sliding_layers,
+        [true, false, true, false, true, false]
+    );
+    assert_eq!(
+        (
+            gemma2.attn_logit_softcap,
+            gemma2.final_logit_softcap,
+            gemma2.query_pre_attn_scalar
+        ),
+        (Some(50.0), Some(30.0), Some(256.0))
+    );
     assert!(gemma2.tie_word_embeddings && gemma2.rope_local.is_none());
 
     let gemma3 = parse("gemma3", base("gemma3_text", json!({"rope_local_base_freq": 10000.0, "rope_theta": 1000000.0, "sliding_window": 512,
@@ -48,27 +82,71 @@ fn published_configs_of_each_family_parse_to_their_options() {
     assert_eq!(gemma3.rope_of(0).theta, 10000.0);
     assert_eq!(gemma3.rope_of(0).scaling, RopeScaling::None);
     assert_eq!(gemma3.rope_of(5).theta, 1000000.0);
-    assert_eq!(gemma3.rope_of(5).scaling, RopeScaling::Linear { factor: 8.0 });
+    assert_eq!(
+        gemma3.rope_of(5).scaling,
+        RopeScaling::Linear { factor: 8.0 }
+    );
 
-    let mixtral = parse("mixtral", base("mixtral", json!({"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": null}))).unwrap();
+    let mixtral = parse(
+        "mixtral",
+        base(
+            "mixtral",
+            json!({"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": null}),
+        ),
+    )
+    .unwrap();
     let m = mixtral.moe.clone().unwrap();
-    assert_eq!((m.experts, m.experts_per_token, m.expert_size, m.renormalize), (8, 2, 512, true));
+    assert_eq!(
+        (m.experts, m.experts_per_token, m.expert_size, m.renormalize),
+        (8, 2, 512, true)
+    );
     assert!(!mixtral.any_sliding());
 
-    let qwen3_moe = parse("qwen3moe", base("qwen3_moe", json!({"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
-        "norm_topk_prob": true, "decoder_sparse_step": 2, "mlp_only_layers": [5], "head_dim": 128}))).unwrap();
+    let qwen3_moe = parse(
+        "qwen3moe",
+        base(
+            "qwen3_moe",
+            json!({"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+        "norm_topk_prob": true, "decoder_sparse_step": 2, "mlp_only_layers": [5], "head_dim": 128}),
+        ),
+    )
+    .unwrap();
     assert_eq!(qwen3_moe.arch, Arch::Qwen3);
     let m = qwen3_moe.moe.unwrap();
-    assert_eq!((m.experts, m.experts_per_token, m.expert_size, m.renormalize), (128, 8, 768, true));
+    assert_eq!(
+        (m.experts, m.experts_per_token, m.expert_size, m.renormalize),
+        (128, 8, 768, true)
+    );
     assert_eq!(m.sparse_layers, [false, true, false, true, false, false]);
 }
 
 #[test]
 fn what_a_family_cannot_run_is_refused_with_the_field() {
-    let err = parse("act", base("llama", json!({"hidden_act": "gelu"}))).unwrap_err().to_string();
+    let err = parse("act", base("llama", json!({"hidden_act": "gelu"})))
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("hidden_act = \"gelu\""), "{err}");
-    let err = parse("rope", base("llama", json!({"rope_scaling": {"type": "su-scaled", "factor": 2.0}}))).unwrap_err().to_string();
-    assert!(err.contains("rope_scaling.rope_type = \"su-scaled\""), "{err}");
-    let err = parse("experts", base("qwen3_moe", json!({"num_experts": 4, "num_experts_per_tok": 8, "moe_intermediate_size": 64}))).unwrap_err().to_string();
+    let err = parse(
+        "rope",
+        base(
+            "llama",
+            json!({"rope_scaling": {"type": "su-scaled", "factor": 2.0}}),
+        ),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("rope_scaling.rope_type = \"su-scaled\""),
+        "{err}"
+    );
+    let err = parse(
+        "experts",
+        base(
+            "qwen3_moe",
+            json!({"num_experts": 4, "num_experts_per_tok": 8, "moe_intermediate_size": 64}),
+        ),
+    )
+    .unwrap_err()
+    .to_string();
     assert!(err.contains("8 of 4 experts"), "{err}");
 }
