@@ -6,7 +6,7 @@
 # binary at $LLMQ, mlx-lm importable (unpack-mlx-cuda.sh peer), SmolLM2's GGUF at $SMOL.
 set -uo pipefail
 LLMQ=${LLMQ:-.gpu/bin/llmq}
-PEER=${PEER:-.gpu/peer_mlx_lm.py}
+PEER=${PEER:-lab/peer/peer_mlx_lm.py}
 SMOL=${SMOL:-/tmp/smol/model.gguf}
 ROUNDS=${ROUNDS:-3}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader

@@ -3,7 +3,7 @@
 # experts of Qwen3-30B-A3B's shape (48 layers, 128 experts, 8 active, random bf16 weights) beside
 # mlx-lm's qwen3_moe on the same MLX build, and the dense 8b shape as the check that the dense
 # path did not slow. Expects the llmq binary and Debian's nats-server in .gpu/bin, the peer
-# script in .gpu/ and, for the peer, `eval "$(bash .gpu/unpack-mlx-cuda.sh peer .gpu/mlx/peer)"`.
+# script in .gpu/ and, for the peer, `eval "$(bash deploy/gpu/unpack-mlx-cuda.sh peer .gpu/mlx/peer)"`.
 # PARTS picks what runs (default: single batch burst dense).
 set -uo pipefail
 export PATH="$PWD/.gpu/bin:$PATH" LLMQ_LOG=${LLMQ_LOG:-error}
@@ -13,7 +13,7 @@ if [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head
 else
   KV="--kv-budget-bytes 8000000000"
 fi
-peer() { timeout 300 python3 .gpu/peer_mlx_lm.py "$@" | tail -n 1; }
+peer() { timeout 300 python3 lab/peer/peer_mlx_lm.py "$@" | tail -n 1; }
 for part in ${PARTS:-single batch burst dense}; do
   case $part in
     single)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine after the unpack steps (README: "Benchmarks on an H200"): the serving
 # scenarios through nats-server, intake and a worker, beside mlx-lm's BatchGenerator.
-# Expects the llmq binary and Debian's nats-server binary in .gpu/bin, the peer script in .gpu/,
-# and, for the peer, `eval "$(bash .gpu/unpack-mlx-cuda.sh peer .gpu/mlx/peer)"` done first.
+# Expects the llmq binary and Debian's nats-server binary in .gpu/bin, the peer script in lab/peer/,
+# and, for the peer, `eval "$(bash deploy/gpu/unpack-mlx-cuda.sh peer .gpu/mlx/peer)"` done first.
 # SHAPES (default 8b), and WORKERS/GPUS for the scale-out batch (e.g. WORKERS=2 GPUS=0,1).
 set -uo pipefail
 export PATH="$PWD/.gpu/bin:$PATH" LLMQ_LOG=${LLMQ_LOG:-error}
@@ -16,9 +16,9 @@ for shape in $SHAPES; do
     done
   done
   timeout 240 llmq bench burst --random-weights "$shape" --json $KV --no-interleave
-  timeout 240 python3 .gpu/peer_mlx_lm.py --shape "$shape" --scenarios burst | tail -n 1
+  timeout 240 python3 lab/peer/peer_mlx_lm.py --shape "$shape" --scenarios burst | tail -n 1
   timeout 240 llmq bench batch --random-weights "$shape" --json $KV --streams 64 --prompt-tokens 512 --output-tokens 256
-  timeout 240 python3 .gpu/peer_mlx_lm.py --shape "$shape" --scenarios batch | tail -n 1
+  timeout 240 python3 lab/peer/peer_mlx_lm.py --shape "$shape" --scenarios batch | tail -n 1
   for ahead in true false; do
     LLMQ__SCHEDULER__DECODE_AHEAD=$ahead timeout 240 llmq bench static --random-weights "$shape" --json $KV --streams 16 --prompt-tokens 512 --output-tokens 128
   done

@@ -1,4 +1,4 @@
-//! `llmq bench`: speed scenarios with the field names of shared/bench/peer_mlx_lm.py, so
+//! `llmq bench`: speed scenarios with the field names of lab/peer/peer_mlx_lm.py, so
 //! figures print side by side with the peer's. Weights may be random: only speed is measured.
 
 use std::time::Instant;

@@ -1,5 +1,5 @@
 //! The shapes of random-weight models, for speed measurements that need no files. They match
-//! ../shared/bench/peer_mlx_lm.py, so figures compare like for like.
+//! lab/peer/peer_mlx_lm.py, so figures compare like for like.
 
 use crate::config::{Arch, ModelConfig, MoeConfig};
 use crate::error::{Error, Result};

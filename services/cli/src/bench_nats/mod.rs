@@ -1,6 +1,6 @@
 //! `llmq bench burst|batch|static`: scenarios through the real stack (nats-server, intake, a
 //! worker and its scheduler actor), measured by a NATS client from the token events, with the
-//! field names of shared/bench/peer_mlx_lm.py.
+//! field names of lab/peer/peer_mlx_lm.py.
 //!
 //! - burst: `active` streams decode; then `burst` prompts of `burst_tokens` arrive at once. The
 //!   active streams' steady gap (median before), worst gap (during) and the time until the last
