@@ -48,8 +48,8 @@ check:
 	$(CARGO) test --release -p llmq-protocol -p llmq-config -p llmq-text -p llmq-scheduler -p llmq-gateway
 
 bench: build
-	$(LLMQ) bench single --local --model smollm2 --json
-	$(LLMQ) bench single --local --random-weights smollm2 --json
+	$(LLMQ) bench single --model smollm2 --json
+	$(LLMQ) bench single --random-weights smollm2 --json
 
 # Maintainers: remake the tiny checkpoints and transformers' reference outputs.
 fixtures:

@@ -12,7 +12,7 @@ ROUNDS=${ROUNDS:-3}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 for shape in 1b 8b; do
   for _ in $(seq "$ROUNDS"); do
-    "$LLMQ" bench single --local --random-weights "$shape" --json
+    "$LLMQ" bench single --random-weights "$shape" --json
     python3 "$PEER" --shape "$shape" --scenarios single | tail -n 1
   done
 done
@@ -20,5 +20,5 @@ if [ -f "$SMOL" ]; then
   q="What is the capital of France?"
   "$LLMQ" generate --local --model "$SMOL" --chat --prompt "$q" --max-tokens 24 --dtype f32 --json
   "$LLMQ" generate --local --model "$SMOL" --chat --prompt "$q" --max-tokens 24 --json
-  "$LLMQ" bench single --local --model "$SMOL" --json
+  "$LLMQ" bench single --model "$SMOL" --json
 fi

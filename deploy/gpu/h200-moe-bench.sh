@@ -17,7 +17,7 @@ peer() { timeout 300 python3 lab/peer/peer_mlx_lm.py "$@" | tail -n 1; }
 for part in ${PARTS:-single batch burst dense}; do
   case $part in
     single)
-      timeout 300 llmq bench single --local --random-weights moe --json
+      timeout 300 llmq bench single --random-weights moe --json
       peer --shape moe --scenarios single ;;
     batch)
       timeout 300 llmq bench batch --random-weights moe --json $KV --streams 64 --prompt-tokens 512 --output-tokens 256
@@ -26,7 +26,7 @@ for part in ${PARTS:-single batch burst dense}; do
       timeout 300 llmq bench burst --random-weights moe --json $KV
       peer --shape moe --scenarios burst ;;
     dense)
-      timeout 200 llmq bench single --local --random-weights 8b --json
+      timeout 200 llmq bench single --random-weights 8b --json
       peer --shape 8b --scenarios single
       timeout 240 llmq bench batch --random-weights 8b --json --kv-budget-bytes 60000000000 --streams 64 --prompt-tokens 512 --output-tokens 256 ;;
   esac

@@ -15,7 +15,7 @@ peer() { timeout 300 python3 lab/peer/peer_mlx_lm.py --shape "$SHAPE" --bits "$B
 for part in ${PARTS:-single batch dense burst}; do
   case $part in
     single)
-      timeout 200 llmq bench single --local --random-weights "$SHAPE" $Q --json
+      timeout 200 llmq bench single --random-weights "$SHAPE" $Q --json
       peer --scenarios single ;;
     batch)
       timeout 240 llmq bench batch --random-weights "$SHAPE" $Q --json $KV $BATCH

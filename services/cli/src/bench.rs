@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use anyhow::{bail, Result};
-use llmq_engine::generate::{generate, GenerateRequest};
+use llmq_engine::generate::{generate, LocalRequest};
 use llmq_engine::{load_model, on_gpu, shapes, Model};
 use llmq_text::resolve_model;
 use llmq_text::sampling::{Sampling, StopConditions};
@@ -16,62 +16,61 @@ const HBM_BYTES_PER_S: f64 = 4.8e12;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// single (in process), or burst, batch, static, prefix, gateway (through NATS and the
-    /// worker's actors; gateway also through the HTTP gateway)
-    scenario: String,
-    #[arg(long)]
-    local: bool,
+    #[command(subcommand)]
+    scenario: Scenario,
+}
+
+#[derive(clap::Subcommand)]
+enum Scenario {
+    /// One stream, greedy, in process (no NATS): ms per token at steady state.
+    Single(SingleArgs),
+    /// `--active` streams decode; then `--burst` prompts of `--burst-tokens` arrive at once:
+    /// the streams' steady and worst gaps, and the burst prompts' first tokens.
+    Burst(BurstArgs),
+    /// `--streams` requests submitted together: output tokens/s while all of them decode.
+    Batch(BatchArgs),
+    /// The same arrivals with continuous and with static batching: mean time to first token.
+    Static(RequestsArgs),
+    /// A long prefix, then requests resending it: time to first token, hits against misses.
+    Prefix(PrefixArgs),
+    /// Half the requests through NATS, half through the HTTP gateway: what the gateway adds.
+    Gateway(RequestsArgs),
+}
+
+/// The model a scenario runs, and how its results print.
+#[derive(clap::Args)]
+struct ModelArgs {
     /// A known model name or a path.
     #[arg(long, conflicts_with = "random_weights")]
     model: Option<String>,
-    /// A model shape with random weights: tiny, smollm2, 1b, 8b.
+    /// A model shape with random weights: tiny, smollm2, 1b, 8b, moe.
     #[arg(long)]
     random_weights: Option<String>,
-    #[arg(long, default_value_t = 128)]
-    prompt_tokens: usize,
-    #[arg(long, default_value_t = 256)]
-    output_tokens: usize,
     #[command(flatten)]
     weights: crate::generate::WeightArgs,
+    /// One JSON line (otherwise pretty-printed).
     #[arg(long)]
     json: bool,
-    /// burst: streams decoding when the burst arrives.
-    #[arg(long, default_value_t = 16)]
-    active: usize,
-    /// burst: prompts arriving at once.
-    #[arg(long, default_value_t = 4)]
-    burst: usize,
-    /// burst: tokens of each burst prompt.
-    #[arg(long, default_value_t = 8192)]
-    burst_tokens: usize,
-    /// burst: short prompts (64 tokens) arriving half a second after the burst.
-    #[arg(long, default_value_t = 0)]
-    short: usize,
-    /// Prefill tokens' worth of work per decode tick (`scheduler.prefill_chunk_tokens`; default:
-    /// the worker's, 256 on a GPU and 32 on a CPU).
-    #[arg(long)]
-    chunk: Option<usize>,
-    /// Ticks a chunk's layers are spread over (`scheduler.prefill_chunk_stages`; default: the
-    /// worker's, 4 on a GPU and 8 on a CPU).
-    #[arg(long)]
-    stages: Option<usize>,
-    /// Tick budget (`scheduler.tick_budget`; 0: off; default: the worker's, 1.3 on a GPU with
-    /// stages, 2.0 on a CPU).
-    #[arg(long)]
-    tick_budget: Option<f64>,
-    /// The synchronous baseline: prefill whole prompts at once, even while streams decode.
-    #[arg(long)]
-    no_interleave: bool,
-    /// prefix: tokens of the shared prefix.
-    #[arg(long, default_value_t = 4096)]
-    prefix_tokens: usize,
-    /// batch, static: number of requests; prefix: requests that reuse the prefix.
-    #[arg(long, default_value_t = 64)]
-    streams: usize,
+}
+
+impl ModelArgs {
+    /// The worker's `worker.model`: a name, a path or `random:<shape>`.
+    fn worker_model(&self) -> Result<String> {
+        match (&self.model, &self.random_weights) {
+            (_, Some(shape)) => Ok(format!("random:{shape}")),
+            (Some(m), None) => Ok(m.clone()),
+            (None, None) => bail!("give --model NAME or --random-weights SHAPE"),
+        }
+    }
+}
+
+/// The stack a NATS scenario runs on, and its workers' scheduling settings.
+#[derive(clap::Args)]
+struct StackArgs {
     /// Use a running stack instead of starting one.
     #[arg(long)]
     nats: Option<String>,
-    /// Workers in the stack the benchmark starts (burst, batch, static, prefix, gateway).
+    /// Workers in the stack the benchmark starts.
     #[arg(long, default_value_t = 1)]
     workers: usize,
     /// Prefill workers besides (the workers then decode only, their prompts prefilled by these).
@@ -83,10 +82,106 @@ pub struct Args {
     /// KV budget of the worker in bytes (default: the worker's).
     #[arg(long)]
     kv_budget_bytes: Option<u64>,
-    /// batch: run it again with every stream under a constraint of this kind (json) and
+    /// Prefill tokens' worth of work per decode tick (`scheduler.prefill_chunk_tokens`;
+    /// default: the worker's).
+    #[arg(long)]
+    chunk: Option<usize>,
+    /// Ticks a chunk's layers are spread over (`scheduler.prefill_chunk_stages`; default: the
+    /// worker's).
+    #[arg(long)]
+    stages: Option<usize>,
+    /// Tick budget (`scheduler.tick_budget`; 0: off; default: the worker's).
+    #[arg(long)]
+    tick_budget: Option<f64>,
+    /// The synchronous baseline: prefill whole prompts at once, even while streams decode.
+    #[arg(long)]
+    no_interleave: bool,
+}
+
+/// How many requests of what size.
+#[derive(clap::Args)]
+struct RequestsArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[command(flatten)]
+    stack: StackArgs,
+    /// Requests.
+    #[arg(long, default_value_t = 64)]
+    streams: usize,
+    #[arg(long, default_value_t = 128)]
+    prompt_tokens: usize,
+    #[arg(long, default_value_t = 256)]
+    output_tokens: usize,
+}
+
+impl RequestsArgs {
+    fn split(
+        self,
+        constrained: Option<String>,
+    ) -> (ModelArgs, StackArgs, crate::bench_nats::Knobs) {
+        let knobs = crate::bench_nats::Knobs {
+            streams: self.streams,
+            prompt_tokens: self.prompt_tokens,
+            output_tokens: self.output_tokens,
+            constrained,
+            ..Default::default()
+        };
+        (self.model, self.stack, knobs)
+    }
+}
+
+#[derive(clap::Args)]
+struct SingleArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[arg(long, default_value_t = 128)]
+    prompt_tokens: usize,
+    #[arg(long, default_value_t = 256)]
+    output_tokens: usize,
+}
+
+#[derive(clap::Args)]
+struct BurstArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[command(flatten)]
+    stack: StackArgs,
+    /// Streams decoding when the burst arrives.
+    #[arg(long, default_value_t = 16)]
+    active: usize,
+    /// Prompts arriving at once.
+    #[arg(long, default_value_t = 4)]
+    burst: usize,
+    /// Tokens of each burst prompt.
+    #[arg(long, default_value_t = 8192)]
+    burst_tokens: usize,
+    /// Short prompts (64 tokens) arriving half a second after the burst.
+    #[arg(long, default_value_t = 0)]
+    short: usize,
+}
+
+#[derive(clap::Args)]
+struct BatchArgs {
+    #[command(flatten)]
+    requests: RequestsArgs,
+    /// Run the batch again with every stream under a constraint of this kind (json) and
     /// report both (the model needs a tokenizer: a named model, or a shape with a vocabulary).
     #[arg(long)]
     constrained: Option<String>,
+}
+
+#[derive(clap::Args)]
+struct PrefixArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[command(flatten)]
+    stack: StackArgs,
+    /// Tokens of the shared prefix.
+    #[arg(long, default_value_t = 4096)]
+    prefix_tokens: usize,
+    /// Requests that reuse the prefix, one at a time.
+    #[arg(long, default_value_t = 64)]
+    streams: usize,
 }
 
 /// The peer's prompt: token ids drawn from [10, 4000), fixed seed.
@@ -104,8 +199,8 @@ pub(crate) fn random_prompt(n: usize, seed: u64) -> Vec<u32> {
         .collect()
 }
 
-fn single(model: &Model, a: &Args) -> Result<serde_json::Value> {
-    let req = GenerateRequest {
+fn single(model: &Model, a: &SingleArgs) -> Result<serde_json::Value> {
+    let req = LocalRequest {
         prompt_ids: random_prompt(a.prompt_tokens, 1),
         sampling: Sampling::default(),
         stop: StopConditions {
@@ -119,7 +214,7 @@ fn single(model: &Model, a: &Args) -> Result<serde_json::Value> {
     generate(
         model,
         None,
-        &GenerateRequest {
+        &LocalRequest {
             stop: StopConditions {
                 max_tokens: 16,
                 ..req.stop.clone()
@@ -146,114 +241,146 @@ fn single(model: &Model, a: &Args) -> Result<serde_json::Value> {
     }))
 }
 
-fn through_nats(a: &Args) -> Result<serde_json::Value> {
-    let model = match (&a.model, &a.random_weights) {
-        (_, Some(shape)) => format!("random:{shape}"),
-        (Some(m), None) => m.clone(),
-        (None, None) => bail!("give --model NAME or --random-weights SHAPE"),
-    };
+/// A scenario through NATS: the stack started (or the one at `--nats`) with the workers' settings
+/// the flags give.
+fn through_nats(
+    scenario: &str,
+    m: &ModelArgs,
+    st: &StackArgs,
+    shape: crate::bench_nats::Knobs,
+) -> Result<serde_json::Value> {
+    let model = m.worker_model()?;
     let mut worker_env = vec![];
-    let w = &a.weights;
+    let w = &m.weights;
     w.options()?; // refused here, before any process starts
+    let mut set = |key: &str, value: String| worker_env.push((key.to_string(), value));
     if let Some(d) = &w.dtype {
-        worker_env.push(("LLMQ__WORKER__DTYPE".to_string(), d.clone()));
+        set("LLMQ__WORKER__DTYPE", d.clone());
     }
     if let Some(bits) = w.quantize {
-        worker_env.push(("LLMQ__WORKER__QUANTIZE".to_string(), bits.to_string()));
-        worker_env.push((
-            "LLMQ__WORKER__QUANTIZE_GROUP_SIZE".to_string(),
+        set("LLMQ__WORKER__QUANTIZE", bits.to_string());
+        set(
+            "LLMQ__WORKER__QUANTIZE_GROUP_SIZE",
             w.group_size.to_string(),
-        ));
+        );
     }
     if let Some(k) = w.keep_quantized {
-        worker_env.push(("LLMQ__WORKER__KEEP_QUANTIZED".to_string(), k.to_string()));
+        set("LLMQ__WORKER__KEEP_QUANTIZED", k.to_string());
     }
-    if let Some(b) = a.kv_budget_bytes {
-        worker_env.push((
-            "LLMQ__SCHEDULER__KV_BUDGET_BYTES".to_string(),
-            b.to_string(),
-        ));
+    if let Some(b) = st.kv_budget_bytes {
+        set("LLMQ__SCHEDULER__KV_BUDGET_BYTES", b.to_string());
     }
-    if let Some(n) = a.stages {
-        worker_env.push((
-            "LLMQ__SCHEDULER__PREFILL_CHUNK_STAGES".to_string(),
-            n.to_string(),
-        ));
+    if let Some(n) = st.stages {
+        set("LLMQ__SCHEDULER__PREFILL_CHUNK_STAGES", n.to_string());
     }
-    if let Some(b) = a.tick_budget {
-        worker_env.push(("LLMQ__SCHEDULER__TICK_BUDGET".to_string(), b.to_string()));
+    if let Some(b) = st.tick_budget {
+        set("LLMQ__SCHEDULER__TICK_BUDGET", b.to_string());
     }
-    let most = a.streams.max(a.active + a.burst + a.short);
-    worker_env.push(("LLMQ__SCHEDULER__MAX_BATCH".to_string(), most.to_string()));
-    worker_env.push((
-        "LLMQ__WORKER__MAX_QUEUED".to_string(),
-        (2 * most).to_string(),
-    ));
+    if let Some(chunk) = st.chunk {
+        set("LLMQ__SCHEDULER__PREFILL_CHUNK_TOKENS", chunk.to_string());
+    }
+    set(
+        "LLMQ__SCHEDULER__INTERLEAVE",
+        (!st.no_interleave).to_string(),
+    );
+    let most = shape.streams.max(shape.active + shape.burst + shape.short);
+    set("LLMQ__SCHEDULER__MAX_BATCH", most.to_string());
+    set("LLMQ__WORKER__MAX_QUEUED", (2 * most).to_string());
     let knobs = crate::bench_nats::Knobs {
-        model: model.clone(),
-        active: a.active,
-        burst: a.burst,
-        burst_tokens: a.burst_tokens,
-        short: a.short,
-        chunk: a.chunk,
-        interleave: !a.no_interleave,
-        streams: a.streams,
-        prompt_tokens: a.prompt_tokens,
-        output_tokens: a.output_tokens,
-        prefix_tokens: a.prefix_tokens,
-        workers: a.workers.max(1),
-        prefill_workers: a.prefill_workers,
-        gpus: a.gpus.clone(),
-        gateway: (a.scenario == "gateway").then(|| "127.0.0.1:0".to_string()),
-        nats: a.nats.clone(),
+        model,
+        chunk: st.chunk,
+        interleave: !st.no_interleave,
+        workers: st.workers.max(1),
+        prefill_workers: st.prefill_workers,
+        gpus: st.gpus.clone(),
+        gateway: (scenario == "gateway").then(|| "127.0.0.1:0".to_string()),
+        nats: st.nats.clone(),
         worker_env,
-        constrained: a.constrained.clone(),
+        ..shape
     };
-    let mut v = crate::bench_nats::run(&a.scenario, &knobs)?;
+    let mut v = crate::bench_nats::run(scenario, &knobs)?;
     let obj = v.as_object_mut().expect("object");
-    let key = if a.random_weights.is_some() {
+    let key = if m.random_weights.is_some() {
         "shape"
     } else {
         "model"
     };
     obj.insert(
         key.into(),
-        a.random_weights.clone().or(a.model.clone()).into(),
+        m.random_weights.clone().or(m.model.clone()).into(),
     );
     obj.insert("engine".into(), "llmq".into());
     obj.insert(
         "prefill_stages".into(),
-        a.stages
+        st.stages
             .map_or_else(|| "worker default".into(), serde_json::Value::from),
     );
     obj.insert(
         "tick_budget".into(),
-        a.tick_budget
+        st.tick_budget
             .map_or_else(|| "worker default".into(), serde_json::Value::from),
     );
     Ok(v)
 }
 
+fn print(v: &serde_json::Value, json: bool) -> Result<()> {
+    if json {
+        println!("{v}");
+    } else {
+        println!("{}", serde_json::to_string_pretty(v)?);
+    }
+    Ok(())
+}
+
 pub fn run(a: Args) -> Result<()> {
-    if a.scenario != "single" {
-        let v = through_nats(&a)?;
-        if a.json {
-            println!("{v}");
-        } else {
-            println!("{}", serde_json::to_string_pretty(&v)?);
+    use crate::bench_nats::Knobs;
+    let (name, m, st, shape) = match a.scenario {
+        Scenario::Single(s) => return run_single(s),
+        Scenario::Burst(b) => (
+            "burst",
+            b.model,
+            b.stack,
+            Knobs {
+                active: b.active,
+                burst: b.burst,
+                burst_tokens: b.burst_tokens,
+                short: b.short,
+                ..Knobs::default()
+            },
+        ),
+        Scenario::Batch(b) => {
+            let (m, st, knobs) = b.requests.split(b.constrained);
+            ("batch", m, st, knobs)
         }
-        return Ok(());
-    }
-    if !a.local {
-        bail!(
-            "the {} scenario runs the engine in process: add --local",
-            a.scenario
-        );
-    }
-    let opts = a.weights.options()?;
+        Scenario::Static(r) => {
+            let (m, st, knobs) = r.split(None);
+            ("static", m, st, knobs)
+        }
+        Scenario::Gateway(r) => {
+            let (m, st, knobs) = r.split(None);
+            ("gateway", m, st, knobs)
+        }
+        Scenario::Prefix(p) => (
+            "prefix",
+            p.model,
+            p.stack,
+            Knobs {
+                prefix_tokens: p.prefix_tokens,
+                streams: p.streams,
+                ..Knobs::default()
+            },
+        ),
+    };
+    let v = through_nats(name, &m, &st, shape)?;
+    print(&v, m.json)
+}
+
+fn run_single(a: SingleArgs) -> Result<()> {
+    let m = &a.model;
+    let opts = m.weights.options()?;
     let dtype = opts.dtype;
     let t0 = Instant::now();
-    let (model, label, random) = match (&a.model, &a.random_weights) {
+    let (model, label, random) = match (&m.model, &m.random_weights) {
         (_, Some(shape)) => (shapes::random_model(shape, opts, 0)?, shape.clone(), true),
         (Some(name), None) => (
             load_model(&resolve_model(name)?, opts)?.model,
@@ -265,10 +392,7 @@ pub fn run(a: Args) -> Result<()> {
     let load_s = t0.elapsed().as_secs_f64();
     let nbytes = model.weight_bytes();
     let read_per_token = model.bytes_read_per_token();
-    let mut res = match a.scenario.as_str() {
-        "single" => single(&model, &a)?,
-        other => bail!("unknown scenario {other:?}: single, burst, batch, static, prefix, gateway"),
-    };
+    let mut res = single(&model, &a)?;
     let obj = res.as_object_mut().expect("object");
     let key = if random { "shape" } else { "model" };
     obj.insert(key.into(), label.into());
@@ -287,10 +411,5 @@ pub fn run(a: Args) -> Result<()> {
             ((roof / ms * 1e6).round() / 1e6).into(),
         );
     }
-    if a.json {
-        println!("{res}");
-    } else {
-        println!("{}", serde_json::to_string_pretty(&res)?);
-    }
-    Ok(())
+    print(&res, m.json)
 }

@@ -3,7 +3,7 @@
 use std::io::Write;
 
 use anyhow::{Context, Result};
-use llmq_engine::generate::{generate, GenerateRequest};
+use llmq_engine::generate::{generate, LocalRequest};
 use llmq_engine::{load_model, LoadOptions};
 use llmq_text::resolve_model;
 use llmq_text::sampling::{self, Sampling, StopConditions};
@@ -97,7 +97,7 @@ pub fn run(a: Args) -> Result<()> {
         .as_ref()
         .context("this model has no tokenizer")?;
     let prompt_ids = tok.prompt_ids(&a.prompt, a.chat)?;
-    let req = GenerateRequest {
+    let req = LocalRequest {
         prompt_ids: prompt_ids.clone(),
         sampling: Sampling {
             temperature: a.temperature,

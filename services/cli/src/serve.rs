@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
 use futures::StreamExt;
+use llmq_protocol::WorkerRole;
 
 #[derive(clap::Args)]
 pub struct ServiceArgs {
@@ -27,8 +28,8 @@ pub struct WorkerArgs {
     /// both: take jobs, prefill and decode them; decode: take jobs and have their prompts
     /// prefilled by a live prefill worker; prefill: compute prompt chunks for decode workers
     /// (`worker.role`; default: the configuration's, `both`).
-    #[arg(long, value_parser = ["both", "prefill", "decode"])]
-    role: Option<String>,
+    #[arg(long)]
+    role: Option<WorkerRole>,
 }
 
 pub fn worker(a: WorkerArgs) -> Result<()> {

@@ -86,7 +86,6 @@ fn bench_single_prints_the_peer_fields() {
     let out = llmq(&[
         "bench",
         "single",
-        "--local",
         "--random-weights",
         "tiny",
         "--output-tokens",
@@ -142,7 +141,7 @@ fn bad_arguments_are_clear_errors() {
         ),
         (vec!["generate", "--local", "--prompt", ""], "empty prompt"),
         (
-            vec!["bench", "single", "--local", "--random-weights", "3b"],
+            vec!["bench", "single", "--random-weights", "3b"],
             "unknown shape",
         ),
     ] {

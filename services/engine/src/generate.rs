@@ -21,7 +21,7 @@ use crate::error::{EngineError, Result};
 use crate::model::{host_f32, Model};
 
 #[derive(Debug, Clone)]
-pub struct GenerateRequest {
+pub struct LocalRequest {
     pub prompt_ids: Vec<u32>,
     pub sampling: Sampling,
     pub stop: StopConditions,
@@ -30,7 +30,7 @@ pub struct GenerateRequest {
 }
 
 #[derive(Debug, Clone)]
-pub struct GenerateOutput {
+pub struct LocalOutput {
     pub token_ids: Vec<u32>,
     pub text: String,
     pub finish_reason: FinishReason,
@@ -41,7 +41,7 @@ pub struct GenerateOutput {
     pub decode_time: Duration,
 }
 
-impl GenerateOutput {
+impl LocalOutput {
     pub fn ms_per_token(&self) -> f64 {
         let gaps = self.token_ids.len().saturating_sub(1).max(1);
         self.decode_time.as_secs_f64() * 1000.0 / gaps as f64
@@ -171,9 +171,9 @@ impl Finisher {
 pub fn generate(
     model: &Model,
     tok: Option<&Tokenizer>,
-    req: &GenerateRequest,
+    req: &LocalRequest,
     mut on_token: impl FnMut(u32, &str),
-) -> Result<GenerateOutput> {
+) -> Result<LocalOutput> {
     check_ids(model, &req.prompt_ids)?;
     let start = Instant::now();
     let mut cache = model.new_cache();
@@ -236,7 +236,7 @@ pub fn generate(
     }
     let now = Instant::now();
     let first_at = first_at.unwrap_or(now);
-    Ok(GenerateOutput {
+    Ok(LocalOutput {
         token_ids: out_ids,
         text: fin.text().to_string(),
         finish_reason: finish,

@@ -6,7 +6,7 @@
 mod common;
 
 use common::*;
-use llmq_engine::generate::{generate, GenerateRequest};
+use llmq_engine::generate::{generate, LocalRequest};
 use llmq_engine::load_model;
 use llmq_engine::model::host_f32;
 use llmq_text::resolve_model;
@@ -73,7 +73,7 @@ fn gemma3_270m_tokenizes_scores_and_continues_text_as_transformers_does() {
         );
 
         let want = ids(&case["greedy_ids"]);
-        let req = GenerateRequest {
+        let req = LocalRequest {
             prompt_ids,
             sampling: Sampling::default(),
             stop: StopConditions {

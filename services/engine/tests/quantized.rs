@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use common::*;
-use llmq_engine::generate::{generate, GenerateRequest};
+use llmq_engine::generate::{generate, LocalRequest};
 use llmq_engine::model::host_f32;
 use llmq_engine::{load_model, LoadOptions, LoadedModel, Model, QuantSpec};
 use llmq_text::resolve_model;
@@ -343,7 +343,7 @@ fn smollm2_q4_1_decodes_the_same_greedy_tokens_kept_quantized() {
         "def fibonacci(n):",
         "Once upon a time",
     ] {
-        let req = GenerateRequest {
+        let req = LocalRequest {
             prompt_ids: tok.prompt_ids(prompt, false).unwrap(),
             sampling: Sampling::default(),
             stop: StopConditions {
@@ -391,7 +391,7 @@ fn gemma3_q4_k_m_kept_quantized_stays_within_the_requantization_error() {
         let prompt = tok
             .prompt_ids(case["prompt"].as_str().unwrap(), false)
             .unwrap();
-        let req = GenerateRequest {
+        let req = LocalRequest {
             prompt_ids: prompt.clone(),
             sampling: Sampling::default(),
             stop: StopConditions {

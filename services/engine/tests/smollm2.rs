@@ -4,7 +4,7 @@
 mod common;
 
 use common::*;
-use llmq_engine::generate::{generate, GenerateRequest};
+use llmq_engine::generate::{generate, LocalRequest};
 use llmq_engine::load_model;
 use llmq_engine::model::host_f32;
 use llmq_text::resolve_model;
@@ -65,7 +65,7 @@ fn greedy_answer_says_paris_and_matches_transformers_tokens() {
         .iter()
         .map(|&v| v as u32)
         .collect();
-    let req = GenerateRequest {
+    let req = LocalRequest {
         prompt_ids: tok.prompt_ids(QUESTION, true).unwrap(),
         sampling: Sampling::default(),
         stop: StopConditions {

@@ -132,6 +132,16 @@ impl Measured {
     }
 }
 
+/// A tick whose time is known only when the next one starts.
+#[derive(Debug, Clone, Copy)]
+struct LastTick {
+    start: Duration,
+    decoded: usize,
+    chunk: usize,
+    /// The chunk's offset in its prompt.
+    at: usize,
+}
+
 #[derive(Debug, Clone, Default)]
 pub struct ChunkSizer {
     /// Allowed tick time over a decode-only tick's; 0: off (always `max`).
@@ -143,9 +153,8 @@ pub struct ChunkSizer {
     measured: Vec<Option<Measured>>,
     /// Per entry of `sizes`: chunk ticks measured since that size's own last measurement.
     age: Vec<u32>,
-    /// The last tick's start, rows decoded, chunk tokens and the chunk's offset, while the next
-    /// follows at once.
-    last: Option<(Duration, usize, usize, usize)>,
+    /// The last tick, while the next follows at once (its end is the next one's start).
+    last: Option<LastTick>,
     /// Shares judged as whole chunks are (see `with_cautious_shares`).
     cautious_shares: bool,
 }
@@ -191,7 +200,13 @@ impl ChunkSizer {
 
     /// A tick starts at `now`: times the previous one, if it ran right before.
     pub fn tick_started(&mut self, now: Duration) {
-        let Some((start, decoded, chunk, at)) = self.last.take() else {
+        let Some(LastTick {
+            start,
+            decoded,
+            chunk,
+            at,
+        }) = self.last.take()
+        else {
             return;
         };
         let ms = now.saturating_sub(start).as_secs_f64() * 1000.0;
@@ -249,7 +264,12 @@ impl ChunkSizer {
         at: usize,
         next_follows: bool,
     ) {
-        self.last = next_follows.then_some((start, decoded, chunk, at));
+        self.last = next_follows.then_some(LastTick {
+            start,
+            decoded,
+            chunk,
+            at,
+        });
     }
 
     /// Tokens to grant a prompt with `prefilled` positions done and `remaining` to go, beside a

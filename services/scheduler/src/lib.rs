@@ -1,16 +1,17 @@
 //! llmq's scheduling policy: the device's clock, with no model, no MLX and no actors.
 //!
 //! - `policy` the scheduler: decode first, then one bounded prefill chunk per tick, admission
-//!   against the KV budget, prefill order; it drives any `EngineOps`
-//! - `engine` what the scheduler asks of an engine (`EngineOps`) and what it gets back
+//!   against the KV budget, prefill order; it drives any `Executor`
+//! - [`executor`] what the scheduler asks of whatever runs its work ([`Executor`]) and what it
+//!   gets back
 //! - `budget` prefill chunks sized to a time budget per tick (measured decode and chunk times)
 //!
 //! The worker's scheduler actor owns a `Scheduler` and drives its role actors through
-//! `EngineOps`; the tests drive fakes with a fake clock.
+//! `Executor`; the tests drive fakes with a fake clock.
 
 pub mod budget;
-pub mod engine;
+pub mod executor;
 pub mod policy;
 
-pub use engine::*;
+pub use executor::*;
 pub use policy::*;

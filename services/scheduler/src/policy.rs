@@ -8,13 +8,13 @@
 //!    anything decodes (ending on a multiple of `prefill_chunk`, so a prefix hit off that grid
 //!    is first brought back onto it), `idle_prefill_chunk` when nothing does (the idle fast
 //!    path); a chunk
-//!    the engine has part-way through (its layers spread over ticks: `Prefilled::Pending`) is
+//!    the executor has part-way through (its layers spread over ticks: `Prefilled::Pending`) is
 //!    granted again until it is done; with a `tick_budget`, a chunk beside decoding streams is
 //!    sized to it from measured tick times instead (`budget`);
-//! 4. the active decode batch steps once and the chunk is prefilled, in one engine call (the
-//!    real engine runs both in one pass over the weights); every running stream's token is
+//! 4. the active decode batch steps once and the chunk is prefilled, in one executor call (the
+//!    real executor runs both in one pass over the weights); every running stream's token is
 //!    delivered first. A request whose prompt completes joins the decode batch at the next
-//!    tick; its first token comes with the chunk that completed the prompt or, from an engine
+//!    tick; its first token comes with the chunk that completed the prompt or, from an executor
 //!    that ran that chunk in a step queued ahead, with its first decode step.
 //!
 //! Prefill order: shortest remaining prompt first, with aging (a request's remaining tokens
@@ -26,8 +26,8 @@
 //! ends, so after all requests end the reservation is zero; a request that could never fit the
 //! budget is refused at once. The prefix cache lives in what the reservations leave: it is
 //! trimmed (least recently used first) to `budget - reserved` after every admission and tick.
-//! The scheduler never touches a model: `EngineOps` does the work, so the policy is tested
-//! against a fake engine and a fake clock.
+//! The scheduler never touches a model: `Executor` does the work, so the policy is tested
+//! against a fake executor and a fake clock.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -35,7 +35,7 @@ use std::time::Duration;
 use llmq_protocol::{ErrorClass, Event, FinishReason, Timings, Usage, WireError};
 
 use crate::budget::ChunkSizer;
-use crate::engine::{EngineOps, PrefillResult, Prefilled, StepOut};
+use crate::executor::{Executor, PrefillResult, Prefilled, StepOut};
 
 pub type ReqId = u64;
 
@@ -156,9 +156,9 @@ pub struct Scheduler {
     /// Requests to end at the next tick, with the error each ends with.
     cancels: HashMap<ReqId, WireError>,
     reserved: u64,
-    /// Ended, not yet released in the engine.
+    /// Ended, not yet released in the executor.
     ended: Vec<ReqId>,
-    /// The chunk the engine has part-way through (`Prefilled::Pending`): granted again until
+    /// The chunk the executor has part-way through (`Prefilled::Pending`): granted again until
     /// it is done, so only one prefill advances at a time.
     in_flight: Option<(ReqId, usize)>,
     sizer: ChunkSizer,
@@ -296,7 +296,7 @@ impl Scheduler {
         self.reserved
     }
 
-    /// Ends a request: its reservation is returned at once, and the engine frees what it
+    /// Ends a request: its reservation is returned at once, and the executor frees what it
     /// holds for it at the next `release_ended` (before any more work is handed out).
     fn finish(&mut self, id: ReqId, event: Event, out: &mut Vec<Emit>) {
         if let Some(r) = self.reqs.remove(&id) {
@@ -309,11 +309,11 @@ impl Scheduler {
         }
     }
 
-    /// Tells the engine to free the requests ended since the last call, in one call.
-    async fn release_ended(&mut self, engine: &mut impl EngineOps) {
+    /// Tells the executor to free the requests ended since the last call, in one call.
+    async fn release_ended(&mut self, executor: &mut impl Executor) {
         if !self.ended.is_empty() {
             let ids = std::mem::take(&mut self.ended);
-            engine.release(&ids).await;
+            executor.release(&ids).await;
         }
     }
 
@@ -362,7 +362,7 @@ impl Scheduler {
     /// One turn of the clock. `now` is the scheduler clock's time.
     pub async fn tick(
         &mut self,
-        engine: &mut impl EngineOps,
+        executor: &mut impl Executor,
         now: Duration,
     ) -> (Vec<Emit>, TickReport) {
         let mut out = Vec::new();
@@ -373,10 +373,10 @@ impl Scheduler {
         for (id, error) in std::mem::take(&mut self.cancels) {
             self.finish(id, Event::Error { error }, &mut out);
         }
-        self.release_ended(engine).await;
+        self.release_ended(executor).await;
 
         // 2. admission, in arrival order, within the KV budget and the batch limit
-        self.admit_waiting(engine, now, &mut out).await;
+        self.admit_waiting(executor, now, &mut out).await;
 
         // 3. exactly one prefill chunk, to one request: the one in flight, or a new one
         let in_flight = self
@@ -390,9 +390,9 @@ impl Scheduler {
             .map_or(0, |r| r.prefilled);
 
         // 4. the work: the decode batch steps (its tokens are delivered first), and the chunk
-        //    is prefilled, in one engine call
+        //    is prefilled, in one executor call
         let ids = self.decoding.clone();
-        let (results, prefilled) = engine.step(&ids, chunk).await;
+        let (results, prefilled) = executor.step(&ids, chunk).await;
         report.decoded = ids.len();
         for (id, res) in ids.into_iter().zip(results) {
             match res {
@@ -405,9 +405,9 @@ impl Scheduler {
             report.prefill_request = Some(id);
             report.prefill_done = self.prefilled(id, n, result, now, &mut out);
         }
-        self.release_ended(engine).await;
+        self.release_ended(executor).await;
         // Sequences that ended or completed their prompt this tick were remembered.
-        engine
+        executor
             .prefix_trim(self.cfg.kv_budget_bytes - self.reserved)
             .await;
         self.sizer.tick_ended(
@@ -424,7 +424,7 @@ impl Scheduler {
     /// (none behind one that does not fit); tells the rest their new places.
     async fn admit_waiting(
         &mut self,
-        engine: &mut impl EngineOps,
+        executor: &mut impl Executor,
         now: Duration,
         out: &mut Vec<Emit>,
     ) {
@@ -457,7 +457,7 @@ impl Scheduler {
                 && self.reserved + need <= self.cfg.kv_budget_bytes
             {
                 self.reserved += need;
-                let cached = engine
+                let cached = executor
                     .admit(id)
                     .await
                     .min(self.reqs[&id].a.prompt_tokens.saturating_sub(1));
@@ -467,7 +467,7 @@ impl Scheduler {
                 r.prefilled = cached;
                 r.cached = cached;
                 self.prefilling.push(id);
-                engine
+                executor
                     .prefix_trim(self.cfg.kv_budget_bytes - self.reserved)
                     .await;
             } else {
@@ -507,7 +507,7 @@ impl Scheduler {
     }
 
     /// Takes the outcome of `id`'s chunk of `n` tokens: progress, and on its prompt's end the
-    /// move to the decode batch (with the first token when the engine gave it). Returns the
+    /// move to the decode batch (with the first token when the executor gave it). Returns the
     /// prompt tokens done.
     fn prefilled(
         &mut self,

@@ -1,4 +1,4 @@
-//! Prefill on a fake engine with a fake clock: the decode batch steps every tick while one
+//! Prefill on a fake executor with a fake clock: the decode batch steps every tick while one
 //! chunk advances, the order of prompts, chunks in flight, on the grid and sized to the tick
 //! budget.
 
@@ -256,7 +256,7 @@ fn a_first_token_deferred_to_the_next_decode_step() {
     }
 }
 
-/// An engine that spreads each chunk's layers over two ticks: the stream decodes every tick,
+/// An executor that spreads each chunk's layers over two ticks: the stream decodes every tick,
 /// the chunk in flight is granted again until it is done (a shorter prompt arriving meanwhile
 /// waits for it), progress comes once per chunk, and the results match whole chunks.
 #[test]

@@ -1,4 +1,4 @@
-//! A request's life in the scheduler on a fake engine: admission against the KV budget and the
+//! A request's life in the scheduler on a fake executor: admission against the KV budget and the
 //! batch limit, static batching, cancels and ends, usage and timings.
 
 use llmq_protocol::{ErrorClass, Event, FinishReason, WireError};

@@ -28,7 +28,7 @@ struct Job<M> {
 }
 
 /// `M`: a job's message (JetStream's; anything cloneable in tests).
-pub struct Held<M = Message> {
+pub struct HeldJobs<M = Message> {
     jobs: Mutex<HashMap<String, Job<M>>>,
     /// Jobs given up whose terminal event has not come out of the actor yet.
     given_up: Mutex<HashSet<String>>,
@@ -38,9 +38,9 @@ pub struct Held<M = Message> {
     reply_within: Duration,
 }
 
-impl<M: Clone> Held<M> {
-    pub fn new(ack_wait: Duration) -> Held<M> {
-        Held {
+impl<M: Clone> HeldJobs<M> {
+    pub fn new(ack_wait: Duration) -> HeldJobs<M> {
+        HeldJobs {
             jobs: Mutex::default(),
             given_up: Mutex::default(),
             ours_for: ack_wait * 2 / 3,
@@ -135,7 +135,7 @@ mod tests {
 
     #[test]
     fn a_job_is_given_up_two_thirds_of_the_ack_wait_after_its_last_confirmed_ack() {
-        let held = Held::<u32>::new(Duration::from_secs(6));
+        let held = HeldJobs::<u32>::new(Duration::from_secs(6));
         let t0 = Instant::now();
         held.insert("a".into(), 1, tracing::Span::none(), t0);
         held.insert("b".into(), 2, tracing::Span::none(), t0);
@@ -157,7 +157,7 @@ mod tests {
 
     #[test]
     fn a_late_reply_or_an_ack_sent_after_the_job_was_lost_does_not_count() {
-        let held = Held::<u32>::new(Duration::from_secs(6));
+        let held = HeldJobs::<u32>::new(Duration::from_secs(6));
         let t0 = Instant::now();
         held.insert("a".into(), 1, tracing::Span::none(), t0);
         // Answered 2.1 s after its sending: the server may have processed it after redelivering.

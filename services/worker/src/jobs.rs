@@ -10,7 +10,7 @@ use futures::StreamExt;
 use llmq_config::Settings;
 use llmq_protocol::{subjects, Cancel, ErrorClass, Event, Job, StreamEvent, WireError};
 
-use crate::actor::{CancelRequest, EndAll, HandBack, Submit};
+use crate::actor::{CancelRequest, EndAll, HandBack, HandedBack, Submit};
 use crate::placement::Placement;
 use crate::service::{nats_err, Inflight, Scheduler, WorkerError};
 
@@ -122,7 +122,10 @@ impl Jobs<'_> {
         llmq_telemetry::extract(&span, msg.headers.as_ref());
         self.inflight
             .insert(job.request_id.clone(), msg, span, fetched);
-        self.actor.do_send(Submit(job, first_seq));
+        self.actor.do_send(Submit {
+            job: job,
+            first_seq: first_seq,
+        });
     }
 
     /// Ends a job delivered again because its first worker stopped without finishing it (and
@@ -159,9 +162,16 @@ impl Jobs<'_> {
 /// worker, or this one once restarted, to run. Nothing is lost and nothing waits for the drain.
 pub(crate) async fn hand_back(actor: &Scheduler, held: &Inflight, js: &jetstream::Context) {
     let back = actor.send(HandBack).await.unwrap_or_default();
-    for (request_id, seq) in &back {
+    for HandedBack {
+        request_id,
+        next_seq,
+    } in &back
+    {
         let marked = match js
-            .publish(subjects::handed_back(request_id), seq.to_string().into())
+            .publish(
+                subjects::handed_back(request_id),
+                next_seq.to_string().into(),
+            )
             .await
         {
             Ok(ack) => ack.await.map(|_| ()).map_err(|e| e.to_string()),

@@ -30,14 +30,14 @@ use llmq_protocol::{subjects, CacheCleared, Cancel, ClearCache, Event, WorkerRol
 use tokio::sync::mpsc;
 
 use crate::actor::{
-    CancelRequest, ClearPrefixCache, Outbound, SchedulerActor, WarmUp, WorkerEngine,
+    CancelRequest, ClearPrefixCache, Outbound, SchedulerActor, WarmUp, WorkerExecutor,
 };
-use crate::engine::{ActorEngine, EngineOptions};
-use crate::held::Held;
+use crate::disaggregated::decode_side::RemotePrefill;
+use crate::held::HeldJobs;
 use crate::host_memory;
 use crate::jobs::{drain, hand_back, jobs_consumer, replay_cancels, Jobs};
 use crate::placement::Placement;
-use crate::remote::RemotePrefill;
+use crate::roles::{PrefixOptions, RoleActors, RoleOptions};
 use llmq_scheduler::SchedulerConfig;
 
 #[derive(Debug, thiserror::Error)]
@@ -124,9 +124,9 @@ fn set_mlx_limits(memory: Option<u64>, cache: Option<u64>) -> Result<(), WorkerE
 }
 
 /// Jobs held here, by request id, until their terminal event is out, with their trace spans.
-pub(crate) type Inflight = Arc<Held>;
+pub(crate) type Inflight = Arc<HeldJobs>;
 
-pub(crate) type Scheduler = Addr<SchedulerActor<ActorEngine>>;
+pub(crate) type Scheduler = Addr<SchedulerActor<RoleActors>>;
 
 /// Runs a worker until `stop` completes (the binary passes SIGTERM or SIGINT): then it fetches
 /// no more jobs, finishes those it holds for up to `worker.drain_timeout_s`, ends what is left
@@ -138,7 +138,7 @@ pub async fn run(
 ) -> Result<(), WorkerError> {
     let worker_id = settings.worker.id.clone().unwrap_or_else(default_worker_id);
     let model_name = settings.worker.model.clone();
-    let role: WorkerRole = settings.worker.role.parse().unwrap_or_default();
+    let role = settings.worker.role;
     let client = llmq_protocol::connect(
         &settings.nats.url,
         settings.nats.ca_file.as_deref(),
@@ -147,7 +147,7 @@ pub async fn run(
     .await
     .map_err(nats_err)?;
     if role == WorkerRole::Prefill {
-        return crate::prefill_service::run(settings, client, worker_id, stop).await;
+        return crate::disaggregated::prefill_worker::run(settings, client, worker_id, stop).await;
     }
     let js = jetstream::new(client.clone());
     let consumer = jobs_consumer(&js, &settings).await?;
@@ -171,7 +171,7 @@ pub async fn run(
     // Whatever ends the serving (a stop, an error), the device thread is stopped before the
     // process may exit.
     let served: Result<(), WorkerError> = async {
-        let inflight = Arc::new(Held::new(Duration::from_millis(settings.worker.ack_wait_ms)));
+        let inflight = Arc::new(HeldJobs::new(Duration::from_millis(settings.worker.ack_wait_ms)));
         let placement = follow_peers(&client, &settings, &worker_id).await?;
         warm_up(&actor, &settings).await?;
         tracing::info!(%worker_id, model = %model_name, ?role, "worker ready");
@@ -184,8 +184,8 @@ pub async fn run(
                 addr => {
                     let (tx, rx) = mpsc::unbounded_channel();
                     let tls = settings.nats.ca_file.is_some() || settings.nats.url.starts_with("tls://");
-                    let at = crate::direct_kv::Listen { addr, advertise: settings.worker.kv_advertise.as_deref(), nats_url: &settings.nats.url, loopback_only: tls };
-                    match crate::direct_kv::listen(at, tx).await {
+                    let at = crate::disaggregated::kv_link::Listen { addr, advertise: settings.worker.kv_advertise.as_deref(), nats_url: &settings.nats.url, loopback_only: tls };
+                    match crate::disaggregated::kv_link::listen(at, tx).await {
                         Ok(offer) => {
                             tracing::info!(addr = %offer.addr, "direct KV connections accepted");
                             Some((offer, rx))
@@ -197,7 +197,7 @@ pub async fn run(
                     }
                 }
             };
-            let link = crate::remote::link(client.clone(), kv_client, end, worker_id.clone(), model_name.clone(), beat, direct);
+            let link = crate::disaggregated::decode_side::link(client.clone(), kv_client, end, worker_id.clone(), model_name.clone(), beat, direct);
             actix::spawn(async move {
                 if let Err(e) = link.await {
                     tracing::error!(error = %e, "remote prefill stopped; prefilling here");
@@ -282,7 +282,7 @@ async fn start_device(
             let mut model = m.model;
             // A chunk beside decoding streams spans the stages this model's decode actor runs
             // it in (fewer than asked for a sliding-window model, or one with fewer layers).
-            let chunk_stages = crate::decode::chunk_stages(&model, requested_stages);
+            let chunk_stages = crate::roles::decode::chunk_stages(&model, requested_stages);
             let kv_budget = sched
                 .kv_budget_bytes
                 .unwrap_or_else(|| auto_kv_budget(model.weight_bytes()));
@@ -301,8 +301,11 @@ async fn start_device(
             let mut sizes = cfg.chunk_sizes();
             sizes.push(cfg.idle_prefill_chunk);
             model.fit_chunk_grid(&sizes);
-            let prefix = prefix.enabled.then_some((prefix.block_tokens, prefix_max));
-            let opts = EngineOptions {
+            let prefix = prefix.enabled.then_some(PrefixOptions {
+                block_tokens: prefix.block_tokens,
+                max_bytes: prefix_max,
+            });
+            let opts = RoleOptions {
                 decode_ahead: sched.decode_ahead,
                 prefix,
                 chunk_stages,
@@ -310,15 +313,15 @@ async fn start_device(
                 stage_budget,
                 min_stage_tokens,
             };
-            let mut engine = ActorEngine::start(model, m.tokenizer, opts);
+            let mut roles = RoleActors::start(model, m.tokenizer, opts);
             if let Some(remote) = remote {
-                engine = engine.with_remote_prefill(remote);
+                roles = roles.with_remote_prefill(remote);
             }
             if reserve_host_memory {
                 let reserve = w.host_memory_reserve_bytes.unwrap_or_else(|| {
                     host_memory::default_reserve(
-                        engine.context_tokens(),
-                        engine.kv_bytes_per_token(),
+                        roles.context_tokens(),
+                        roles.kv_bytes_per_token(),
                         kv_budget,
                     )
                 });
@@ -332,7 +335,7 @@ async fn start_device(
                     Err(e) => tracing::warn!(error = %e, "host memory not faulted in"),
                 }
             }
-            SchedulerActor::new(engine, cfg, out, worker_id, w.model.clone())
+            SchedulerActor::new(roles, cfg, out, worker_id, w.model.clone())
                 .with_status_snapshot(snapshot)
                 .with_tick_log(w.tick_log.as_deref())
                 .start()

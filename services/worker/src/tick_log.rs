@@ -11,7 +11,7 @@ use std::io::Write;
 use std::path::Path;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use crate::messages::StepTimes;
+use crate::roles::messages::StepTimes;
 use llmq_scheduler::TickReport;
 
 pub struct TickLog {

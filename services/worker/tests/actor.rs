@@ -8,7 +8,7 @@ use actix::prelude::*;
 use llmq_protocol::*;
 use llmq_scheduler::*;
 use llmq_text::sampling::{Sampling, StopConditions};
-use llmq_worker::actor::WorkerEngine;
+use llmq_worker::actor::{CallTimes, WorkerExecutor};
 use llmq_worker::actor::{Outbound, SchedulerActor, Submit};
 use llmq_worker::seq::SeqSpec;
 
@@ -41,7 +41,7 @@ impl Fake {
     }
 }
 
-impl EngineOps for Fake {
+impl Executor for Fake {
     async fn prefill(&mut self, id: ReqId, n: usize) -> Result<Option<StepOut>, WireError> {
         let done = self.done.entry(id).or_default();
         *done += n;
@@ -79,7 +79,7 @@ impl EngineOps for Fake {
     }
 }
 
-impl WorkerEngine for Fake {
+impl WorkerExecutor for Fake {
     async fn register(&mut self, id: ReqId, spec: SeqSpec) -> Result<(), WireError> {
         self.prompt.insert(id, spec.prompt.len());
         self.max.insert(id, spec.stop.max_tokens as usize);
@@ -103,8 +103,8 @@ impl WorkerEngine for Fake {
     fn engine_ms(&self) -> f64 {
         0.0
     }
-    fn call_times(&self) -> (u64, f64, u64, f64) {
-        (0, 0.0, 0, 0.0)
+    fn call_times(&self) -> CallTimes {
+        CallTimes::default()
     }
 }
 
@@ -167,8 +167,14 @@ fn a_panic_in_a_tick_fails_the_held_requests_and_the_actor_goes_on() {
             ..Default::default()
         };
         let addr = SchedulerActor::new(Fake::default(), cfg, tx, "w".into(), "fake".into()).start();
-        addr.do_send(Submit(job("a", 5, 1000), 0));
-        addr.do_send(Submit(job("poison", 13, 1000), 0));
+        addr.do_send(Submit {
+            job: job("a", 5, 1000),
+            first_seq: 0,
+        });
+        addr.do_send(Submit {
+            job: job("poison", 13, 1000),
+            first_seq: 0,
+        });
         let mut seen = HashMap::new();
         for id in ["a", "poison"] {
             match until_terminal(&mut rx, id, &mut seen).await {
@@ -185,7 +191,10 @@ fn a_panic_in_a_tick_fails_the_held_requests_and_the_actor_goes_on() {
                 "{id}: exactly one terminal event"
             );
         }
-        addr.do_send(Submit(job("after", 5, 3), 0));
+        addr.do_send(Submit {
+            job: job("after", 5, 3),
+            first_seq: 0,
+        });
         assert!(
             matches!(
                 until_terminal(&mut rx, "after", &mut seen).await,
@@ -205,11 +214,14 @@ fn warm_up_leaves_nothing_behind() {
     let loaded = llmq_engine::load_model(&dir, mlx_rs::Dtype::Float32).unwrap();
     actix::System::new().block_on(async {
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-        let opts = llmq_worker::engine::EngineOptions {
-            prefix: Some((16, 1 << 30)),
+        let opts = llmq_worker::roles::RoleOptions {
+            prefix: Some(llmq_worker::roles::PrefixOptions {
+                block_tokens: 16,
+                max_bytes: 1 << 30,
+            }),
             ..Default::default()
         };
-        let engine = llmq_worker::engine::ActorEngine::start(loaded.model, loaded.tokenizer, opts);
+        let engine = llmq_worker::roles::RoleActors::start(loaded.model, loaded.tokenizer, opts);
         let cfg = SchedulerConfig {
             prefill_chunk: 16,
             kv_budget_bytes: 1 << 30,
@@ -260,7 +272,7 @@ fn a_panicking_role_actor_fails_its_own_requests_and_the_rest_go_on() {
     let loaded = llmq_engine::load_model(&dir, mlx_rs::Dtype::Float32).unwrap();
     actix::System::new().block_on(async {
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-        let engine = llmq_worker::engine::ActorEngine::start(
+        let engine = llmq_worker::roles::RoleActors::start(
             loaded.model,
             loaded.tokenizer,
             Default::default(),
@@ -294,16 +306,22 @@ fn a_panicking_role_actor_fails_its_own_requests_and_the_rest_go_on() {
             })
         };
 
-        addr.do_send(Submit(long_job("a", 10, 400), 0));
+        addr.do_send(Submit {
+            job: long_job("a", 10, 400),
+            first_seq: 0,
+        });
         while !until(&seen, "a", &|e| matches!(e, Event::Tokens { .. })) {
             pump(&mut rx, &mut seen).await;
         }
         // "c" prefills in 8-token chunks beside "a"'s decode; mid-prefill, the prefill actor panics.
-        addr.do_send(Submit(long_job("c", 480, 8), 0));
+        addr.do_send(Submit {
+            job: long_job("c", 480, 8),
+            first_seq: 0,
+        });
         while !until(&seen, "c", &|e| matches!(e, Event::PrefillProgress { .. })) {
             pump(&mut rx, &mut seen).await;
         }
-        prefill.do_send(llmq_worker::messages::InjectPanic);
+        prefill.do_send(llmq_worker::roles::messages::InjectPanic);
         let c = until_terminal(&mut rx, "c", &mut seen).await;
         match &c {
             Event::Error { error } => assert!(
@@ -321,7 +339,7 @@ fn a_panicking_role_actor_fails_its_own_requests_and_the_rest_go_on() {
             pump(&mut rx, &mut seen).await;
         }
         // Now the decode actor panics: "a" ends with an error.
-        decode.do_send(llmq_worker::messages::InjectPanic);
+        decode.do_send(llmq_worker::roles::messages::InjectPanic);
         match until_terminal(&mut rx, "a", &mut seen).await {
             Event::Error { error } => assert!(
                 error.class == ErrorClass::Internal && error.message.contains("fault in decode"),
@@ -330,7 +348,10 @@ fn a_panicking_role_actor_fails_its_own_requests_and_the_rest_go_on() {
             e => panic!("a ended with {e:?}"),
         }
         // The worker goes on, and holds nothing of the failed requests.
-        addr.do_send(Submit(long_job("d", 20, 5), 0));
+        addr.do_send(Submit {
+            job: long_job("d", 20, 5),
+            first_seq: 0,
+        });
         assert!(matches!(
             until_terminal(&mut rx, "d", &mut seen).await,
             Event::Done { .. }

@@ -8,14 +8,14 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use llmq_engine::generate::{generate, GenerateRequest};
+use llmq_engine::generate::{generate, LocalRequest};
 use llmq_engine::load_model;
 use llmq_protocol::{Constraint, ErrorClass, Event, FinishReason};
 use llmq_scheduler::{Admission, ReqId, Scheduler, SchedulerConfig};
 use llmq_text::resolve_model;
 use llmq_text::sampling::{Sampling, StopConditions};
-use llmq_worker::actor::WorkerEngine;
-use llmq_worker::engine::{ActorEngine, EngineOptions};
+use llmq_worker::actor::WorkerExecutor;
+use llmq_worker::roles::{PrefixOptions, RoleActors, RoleOptions};
 use llmq_worker::seq::SeqSpec;
 use mlx_rs::Dtype;
 use serde_json::{json, Value};
@@ -50,7 +50,7 @@ fn outcome(events: &[(ReqId, Event)], id: ReqId) -> (String, Option<Event>) {
 
 /// Registers and submits a request under the next id.
 async fn submit(
-    engine: &mut ActorEngine,
+    engine: &mut RoleActors,
     s: &mut Scheduler,
     next: &mut ReqId,
     spec: SeqSpec,
@@ -74,17 +74,20 @@ async fn submit(
 
 /// SmolLM2 behind the role actors with a prefix cache, and a scheduler granting chunks of 6
 /// tokens, each run in stages of 3 (two steps each), sharing steps queued ahead or not.
-fn staged_smollm2(decode_ahead: bool) -> (ActorEngine, Scheduler) {
+fn staged_smollm2(decode_ahead: bool) -> (RoleActors, Scheduler) {
     let fresh = load_model(&resolve_model("smollm2").unwrap(), Dtype::Float32).unwrap();
-    let opts = EngineOptions {
+    let opts = RoleOptions {
         decode_ahead,
-        prefix: Some((4, u64::MAX)),
+        prefix: Some(PrefixOptions {
+            block_tokens: 4,
+            max_bytes: u64::MAX,
+        }),
         chunk_stages: 2,
         stage_tokens: 3,
         stage_budget: 0.0,
         min_stage_tokens: 1,
     };
-    let engine = ActorEngine::start(fresh.model, fresh.tokenizer, opts);
+    let engine = RoleActors::start(fresh.model, fresh.tokenizer, opts);
     let kv_bytes_per_token = engine.kv_bytes_per_token();
     let s = Scheduler::new(SchedulerConfig {
         prefill_chunk: 6,
@@ -112,7 +115,7 @@ fn constrained_rows_decode_beside_free_ones_into_valid_documents() {
     let free_alone: Vec<Vec<u32>> = free_prompts
         .iter()
         .map(|p| {
-            let req = GenerateRequest {
+            let req = LocalRequest {
                 prompt_ids: p.clone(),
                 sampling: Sampling::default(),
                 stop: stop.clone(),
@@ -360,8 +363,7 @@ fn gemma_decodes_row_by_row_under_a_schema() {
     .collect();
     let schema = json!({"type": "object", "properties": {"country": {"type": "string", "maxLength": 20}, "capital": {"type": "string", "maxLength": 20}}, "required": ["country", "capital"], "additionalProperties": false});
     actix::System::new().block_on(async {
-        let mut engine =
-            ActorEngine::start(loaded.model, loaded.tokenizer, EngineOptions::default());
+        let mut engine = RoleActors::start(loaded.model, loaded.tokenizer, RoleOptions::default());
         let mut s = Scheduler::new(SchedulerConfig {
             kv_bytes_per_token: engine.kv_bytes_per_token(),
             kv_budget_bytes: 1 << 30,

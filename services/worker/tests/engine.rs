@@ -7,14 +7,14 @@
 
 use std::time::Instant;
 
-use llmq_engine::generate::{generate, GenerateRequest};
+use llmq_engine::generate::{generate, LocalRequest};
 use llmq_engine::load_model;
 use llmq_protocol::Event;
 use llmq_scheduler::{Admission, Scheduler, SchedulerConfig};
 use llmq_text::resolve_model;
 use llmq_text::sampling::{Sampling, StopConditions};
-use llmq_worker::actor::WorkerEngine;
-use llmq_worker::engine::{ActorEngine, EngineOptions};
+use llmq_worker::actor::WorkerExecutor;
+use llmq_worker::roles::{RoleActors, RoleOptions};
 use llmq_worker::seq::SeqSpec;
 use mlx_rs::Dtype;
 
@@ -36,7 +36,7 @@ fn chunked_interleaved_prefill_gives_the_same_greedy_tokens() {
     let alone: Vec<Vec<u32>> = prompts
         .iter()
         .map(|p| {
-            let req = GenerateRequest {
+            let req = LocalRequest {
                 prompt_ids: p.clone(),
                 sampling: Sampling::default(),
                 stop: stop.clone(),
@@ -105,7 +105,7 @@ impl Interleaved {
         } = *self;
         let fresh = load_model(&resolve_model("smollm2").unwrap(), Dtype::Float32).unwrap();
         // Chunks of 7 tokens: with `stages` stages, 7 / stages tokens (rounded up) a step.
-        let opts = EngineOptions {
+        let opts = RoleOptions {
             decode_ahead: ahead,
             prefix: None,
             chunk_stages: stages,
@@ -114,7 +114,7 @@ impl Interleaved {
             min_stage_tokens: 1,
         };
         let mut engine =
-            ActorEngine::start(fresh.model.with_chunk_grid(grid), fresh.tokenizer, opts);
+            RoleActors::start(fresh.model.with_chunk_grid(grid), fresh.tokenizer, opts);
         let bpt = engine.kv_bytes_per_token();
         let mut s = Scheduler::new(SchedulerConfig {
             prefill_chunk: 7,
@@ -181,7 +181,8 @@ impl Interleaved {
         self.check_tokens(&events, alone);
         // Chunks, and chunks that complete a prompt (its first token then comes with the next
         // decode step), ride in steps queued ahead.
-        let (chunks, completions) = engine.chunks_queued_ahead();
+        let queued = engine.chunks_queued_ahead();
+        let (chunks, completions) = (queued.run, queued.completed_prompt);
         if !with_sampled {
             assert_eq!(
                 chunks > 0,

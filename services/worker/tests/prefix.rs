@@ -7,13 +7,13 @@
 
 use std::time::Duration;
 
-use llmq_engine::generate::{generate, GenerateRequest};
+use llmq_engine::generate::{generate, LocalRequest};
 use llmq_engine::{load_model, Model};
 use llmq_protocol::Event;
 use llmq_scheduler::{Admission, ReqId, Scheduler, SchedulerConfig};
 use llmq_text::sampling::{Sampling, StopConditions};
-use llmq_worker::actor::WorkerEngine;
-use llmq_worker::engine::{ActorEngine, EngineOptions};
+use llmq_worker::actor::WorkerExecutor;
+use llmq_worker::roles::{PrefixOptions, RoleActors, RoleOptions};
 use llmq_worker::seq::SeqSpec;
 use mlx_rs::Dtype;
 
@@ -37,7 +37,7 @@ fn stop() -> StopConditions {
 
 /// Greedy tokens of `prompt` alone, no cache, one piece.
 fn alone(model: &Model, prompt: &[u32]) -> Vec<u32> {
-    let req = GenerateRequest {
+    let req = LocalRequest {
         prompt_ids: prompt.to_vec(),
         sampling: Sampling::default(),
         stop: stop(),
@@ -74,7 +74,7 @@ fn prompt(seed: u64, n: usize) -> Vec<u32> {
 
 /// A scheduler over the real engine with a prefix cache; requests by id, events collected.
 struct Rig {
-    engine: ActorEngine,
+    engine: RoleActors,
     s: Scheduler,
     now: Duration,
     events: Vec<(ReqId, Event)>,
@@ -86,11 +86,14 @@ struct Rig {
 impl Rig {
     fn new(model: Model, budget_tokens: u64, chunk: usize) -> Rig {
         let sys = actix::System::new();
-        let opts = EngineOptions {
-            prefix: Some((BLOCK, u64::MAX)),
+        let opts = RoleOptions {
+            prefix: Some(PrefixOptions {
+                block_tokens: BLOCK,
+                max_bytes: u64::MAX,
+            }),
             ..Default::default()
         };
-        let engine = sys.block_on(async { ActorEngine::start(model, None, opts) });
+        let engine = sys.block_on(async { RoleActors::start(model, None, opts) });
         let bpt = engine.kv_bytes_per_token();
         let s = Scheduler::new(SchedulerConfig {
             prefill_chunk: chunk,

@@ -5,6 +5,7 @@
 
 use std::path::Path;
 
+use llmq_protocol::WorkerRole;
 use serde::Deserialize;
 
 #[derive(Debug, thiserror::Error)]
@@ -166,7 +167,7 @@ pub struct WorkerSettings {
     /// `both`: takes jobs, prefills and decodes them; `decode`: takes jobs, and has their
     /// prompts prefilled by a live prefill worker of its model (itself when none is live);
     /// `prefill`: takes no jobs, computes prompt chunks for decode workers.
-    pub role: String,
+    pub role: WorkerRole,
     /// A decode worker prefills a prompt itself when a prefill worker has not computed a
     /// granted chunk, or its KV has not arrived, within this long.
     pub remote_prefill_timeout_ms: u64,
@@ -200,7 +201,7 @@ impl Default for WorkerSettings {
             host_memory_reserve_bytes: None,
             tick_log: None,
             drain_timeout_s: 30,
-            role: "both".into(),
+            role: WorkerRole::Both,
             remote_prefill_timeout_ms: 10_000,
             kv_listen: "127.0.0.1:0".into(),
             kv_advertise: None,
@@ -472,13 +473,6 @@ impl Settings {
                 "prefix_cache.block_tokens",
                 "0".into(),
                 "must be at least 1",
-            );
-        }
-        if !["both", "prefill", "decode"].contains(&self.worker.role.as_str()) {
-            return bad(
-                "worker.role",
-                self.worker.role.clone(),
-                "must be both, prefill or decode",
             );
         }
         if self.worker.remote_prefill_timeout_ms == 0 {

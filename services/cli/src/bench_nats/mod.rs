@@ -39,6 +39,8 @@ use crate::serve::{start_stack, wait_for_workers, StackSpec};
 use burst::burst;
 use constrained::constrained_batch;
 
+/// What a scenario runs: the stack, and the requests (each scenario reads its own fields; the
+/// others keep `llmq bench`'s defaults, which also size the worker's batch).
 pub struct Knobs {
     pub model: String,
     pub active: usize,
@@ -62,6 +64,31 @@ pub struct Knobs {
     pub worker_env: Vec<(String, String)>,
     /// batch: also run every stream under this kind of constraint (json), in the same stack.
     pub constrained: Option<String>,
+}
+
+impl Default for Knobs {
+    fn default() -> Self {
+        Knobs {
+            model: String::new(),
+            active: 16,
+            burst: 4,
+            burst_tokens: 8192,
+            short: 0,
+            chunk: None,
+            interleave: true,
+            streams: 64,
+            prompt_tokens: 128,
+            output_tokens: 256,
+            prefix_tokens: 4096,
+            gateway: None,
+            workers: 1,
+            prefill_workers: 0,
+            gpus: vec![],
+            nats: None,
+            worker_env: vec![],
+            constrained: None,
+        }
+    }
 }
 
 /// A token event as the client saw it.

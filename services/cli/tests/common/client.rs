@@ -188,7 +188,7 @@ pub fn local_greedy(prompt: &str, max_tokens: usize) -> Vec<u32> {
 pub fn local_greedy_of(model: &str, prompt: &str, max_tokens: usize) -> Vec<u32> {
     let m = llmq_engine::load_named(model, mlx_rs::Dtype::Float32).unwrap();
     let tok = m.tokenizer.as_ref().unwrap();
-    let r = llmq_engine::generate::GenerateRequest {
+    let r = llmq_engine::generate::LocalRequest {
         prompt_ids: tok.encode(prompt, true).unwrap(),
         sampling: Default::default(),
         stop: llmq_text::sampling::StopConditions {

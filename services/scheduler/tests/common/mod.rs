@@ -1,4 +1,4 @@
-//! The scheduler's test bench: a fake engine (one token per decode step, each request done after
+//! The scheduler's test bench: a fake executor (one token per decode step, each request done after
 //! its max_tokens; options for chunks in stages and first tokens deferred) and a harness with a
 //! fake clock. No model, no NATS.
 #![allow(dead_code)]
@@ -11,7 +11,7 @@ use llmq_scheduler::*;
 
 /// Produces one token per decode step and finishes each request after its max_tokens.
 #[derive(Default)]
-pub struct FakeEngine {
+pub struct FakeExecutor {
     pub max_tokens: HashMap<ReqId, usize>,
     pub produced: HashMap<ReqId, usize>,
     pub prefilled: HashMap<ReqId, usize>,
@@ -20,10 +20,10 @@ pub struct FakeEngine {
     pub released: Vec<ReqId>,
     pub prefill_calls: Vec<(ReqId, usize)>,
     pub decode_calls: Vec<Vec<ReqId>>,
-    /// Like an engine whose prefill chunks ride in decode steps queued ahead: a chunk that
+    /// Like an executor whose prefill chunks ride in decode steps queued ahead: a chunk that
     /// completes its prompt gives no token; the request's first decode step gives its first.
     pub defer_first: bool,
-    /// Like an engine that spreads a chunk's layers over this many ticks while rows decode:
+    /// Like an executor that spreads a chunk's layers over this many ticks while rows decode:
     /// the chunk is `Pending` until its last one.
     pub stages: usize,
     /// (request, stages run) of the chunk in flight.
@@ -34,7 +34,7 @@ pub struct FakeEngine {
     pub cached: HashMap<ReqId, usize>,
 }
 
-impl FakeEngine {
+impl FakeExecutor {
     fn token(&mut self, id: ReqId) -> StepOut {
         let n = self.produced.entry(id).or_default();
         *n += 1;
@@ -48,7 +48,7 @@ impl FakeEngine {
     }
 }
 
-impl EngineOps for FakeEngine {
+impl Executor for FakeExecutor {
     async fn admit(&mut self, id: ReqId) -> usize {
         let hit = self.cached.get(&id).copied().unwrap_or(0);
         if hit > 0 {
@@ -105,7 +105,7 @@ impl EngineOps for FakeEngine {
 
 pub struct Harness {
     pub s: Scheduler,
-    pub e: FakeEngine,
+    pub e: FakeExecutor,
     pub now: Duration,
     pub events: Vec<Emit>,
     pub reports: Vec<TickReport>,
@@ -119,7 +119,7 @@ impl Harness {
     pub fn new(cfg: SchedulerConfig) -> Self {
         Harness {
             s: Scheduler::new(cfg),
-            e: FakeEngine::default(),
+            e: FakeExecutor::default(),
             now: Duration::ZERO,
             events: vec![],
             reports: vec![],
@@ -204,7 +204,7 @@ impl Harness {
         assert_eq!(self.s.reserved_kv_bytes(), 0);
         assert!(
             self.e.live.is_empty(),
-            "engine still holds {:?}",
+            "executor still holds {:?}",
             self.e.live
         );
     }

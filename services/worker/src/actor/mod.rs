@@ -1,16 +1,16 @@
 //! The scheduler actor: owns the scheduler (the policy) on the device thread, and is the
 //! device's clock. It ticks while there is work and sleeps on its mailbox when there is none.
-//! A tick is one asynchronous exchange with the engine, the prefill, decode and cache actors
-//! (see `engine`), during which this actor handles no other message: `Submit` and
+//! A tick is one asynchronous exchange with the executor, the prefill, decode and cache actors
+//! (see `executor`), during which this actor handles no other message: `Submit` and
 //! `CancelRequest` are handled between ticks, so a cancel lands within one tick. Outgoing
 //! events leave through a channel to the NATS side, in order.
 //!
 //! Invariants: events of a request carry consecutive sequence numbers from 0; a panic inside a
-//! tick never escapes the actor: every request it held ends with an `Error` event, the engine
+//! tick never escapes the actor: every request it held ends with an `Error` event, the executor
 //! is reset (its actors drop every request's state), and the worker goes on.
 
 mod cancels;
-mod engine;
+mod executor;
 mod warm_up;
 
 use std::collections::HashMap;
@@ -25,7 +25,7 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use self::cancels::RecentCancels;
 pub use self::cancels::CANCEL_MEMORY;
-pub use self::engine::WorkerEngine;
+pub use self::executor::{CallTimes, KvReceived, WorkerExecutor};
 pub use self::warm_up::{warm_up_rows, WarmUp, WarmUpError};
 use crate::seq::{panic_text, SeqSpec};
 use crate::tick_log::TickLog;
@@ -47,19 +47,19 @@ struct Meta {
 }
 
 /// A job held here: its event stream, and its samples not ended yet.
-struct Held {
+struct JobStream {
     subject: String,
     seq: u64,
     ids: Vec<ReqId>,
 }
 
-pub struct SchedulerActor<E: WorkerEngine + Unpin + 'static> {
+pub struct SchedulerActor<E: WorkerExecutor + Unpin + 'static> {
     scheduler: Scheduler,
     /// None only while an exchange with it is under way (no other message is handled then).
-    engine: Option<E>,
+    executor: Option<E>,
     cfg: SchedulerConfig,
     meta: HashMap<ReqId, Meta>,
-    jobs: HashMap<String, Held>,
+    jobs: HashMap<String, JobStream>,
     next_id: ReqId,
     tick_pending: bool,
     /// Start of the tick in progress while the scheduler is busy.
@@ -83,18 +83,18 @@ pub struct SchedulerActor<E: WorkerEngine + Unpin + 'static> {
     pub model_name: String,
 }
 
-impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
+impl<E: WorkerExecutor + Unpin + 'static> SchedulerActor<E> {
     pub fn new(
-        engine: E,
+        executor: E,
         mut cfg: SchedulerConfig,
         out: UnboundedSender<Outbound>,
         worker_id: String,
         model_name: String,
     ) -> Self {
-        cfg.kv_bytes_per_token = engine.kv_bytes_per_token();
+        cfg.kv_bytes_per_token = executor.kv_bytes_per_token();
         SchedulerActor {
             scheduler: Scheduler::new(cfg.clone()),
-            engine: Some(engine),
+            executor: Some(executor),
             cfg,
             meta: HashMap::new(),
             jobs: HashMap::new(),
@@ -189,7 +189,7 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
         }
     }
 
-    /// After a panic (the engine already reset): end every held request with an error and
+    /// After a panic (the executor already reset): end every held request with an error and
     /// start from clean state.
     fn recover(&mut self, what: &str) {
         tracing::error!(
@@ -210,8 +210,8 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
         self.publish(emits);
     }
 
-    /// Runs `work` on the engine while this actor handles nothing else, then `then` with its
-    /// result (the engine is back in place by then); `busy` answers if the engine is away.
+    /// Runs `work` on the executor while this actor handles nothing else, then `then` with its
+    /// result (the executor is back in place by then); `busy` answers if the executor is away.
     fn exchange<T: 'static, R: 'static, F>(
         &mut self,
         busy: R,
@@ -221,20 +221,20 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
     where
         F: std::future::Future<Output = (E, T)> + 'static,
     {
-        let Some(engine) = self.engine.take() else {
-            tracing::error!("the engine is busy in another exchange");
+        let Some(executor) = self.executor.take() else {
+            tracing::error!("the executor is busy in another exchange");
             return AtomicResponse::new(Box::pin(actix::fut::ready(busy)));
         };
-        AtomicResponse::new(Box::pin(work(engine).into_actor(self).map(
-            move |(engine, r), act, ctx| {
-                act.engine = Some(engine);
+        AtomicResponse::new(Box::pin(work(executor).into_actor(self).map(
+            move |(executor, r), act, ctx| {
+                act.executor = Some(executor);
                 then(r, act, ctx)
             },
         )))
     }
 
     pub fn status(&self) -> WorkerStatus {
-        let Some(engine) = self.engine.as_ref() else {
+        let Some(executor) = self.executor.as_ref() else {
             // Mid-exchange (never seen by a message handler): the last snapshot.
             return self
                 .snapshot
@@ -242,16 +242,17 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
                 .and_then(|s| s.lock().ok().map(|g| g.clone()))
                 .unwrap_or_default();
         };
-        let used = engine.kv_bytes_in_use();
-        let prefix = engine.prefix_stats();
-        let (prefill_calls, prefill_ms, decode_calls, decode_ms) = engine.call_times();
-        let masks = engine.mask_times();
+        let used = executor.kv_bytes_in_use();
+        let prefix = executor.prefix_stats();
+        let calls = executor.call_times();
+        let received = executor.kv_received();
+        let masks = executor.mask_times();
         WorkerStatus {
             worker_id: self.worker_id.clone(),
             model: self.model_name.clone(),
-            kv_bytes_received: engine.kv_received().0,
-            kv_transfer_ms: engine.kv_received().1,
-            context_tokens: engine.context_tokens() as u32,
+            kv_bytes_received: received.bytes,
+            kv_transfer_ms: received.transfer_ms,
+            context_tokens: executor.context_tokens() as u32,
             active_streams: self.scheduler.active_streams() as u32,
             queued_requests: self.scheduler.queued_requests() as u32,
             ended_requests: self.ended,
@@ -261,7 +262,7 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
                 .cfg
                 .kv_budget_bytes
                 .saturating_sub(self.scheduler.reserved_kv_bytes()),
-            kv_bytes_per_token: engine.kv_bytes_per_token(),
+            kv_bytes_per_token: executor.kv_bytes_per_token(),
             max_batch: self.cfg.max_batch as u32,
             prefix_hit_rate: prefix.hit_rate(),
             prefix_bytes: prefix.held_bytes,
@@ -275,11 +276,11 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
                 + self.tick_started.map_or(Duration::ZERO, |s| s.elapsed()))
             .as_secs_f64()
                 * 1000.0,
-            engine_ms: engine.engine_ms(),
-            prefill_calls,
-            prefill_ms,
-            decode_calls,
-            decode_ms,
+            engine_ms: executor.engine_ms(),
+            prefill_calls: calls.prefill_calls,
+            prefill_ms: calls.prefill_ms,
+            decode_calls: calls.decode_calls,
+            decode_ms: calls.decode_ms,
             constrained_steps: masks.steps,
             constrained_rows: masks.rows,
             mask_ms: masks.mask_ms,
@@ -297,7 +298,7 @@ fn now() -> Duration {
         .unwrap_or_default()
 }
 
-impl<E: WorkerEngine + Unpin + 'static> Actor for SchedulerActor<E> {
+impl<E: WorkerExecutor + Unpin + 'static> Actor for SchedulerActor<E> {
     type Context = Context<Self>;
 }
 
@@ -309,16 +310,26 @@ struct Tick;
 /// that handed it back left off).
 #[derive(Message)]
 #[rtype(result = "()")]
-pub struct Submit(pub Job, pub u64);
+pub struct Submit {
+    pub job: Job,
+    pub first_seq: u64,
+}
 
 /// A stopping worker's: removes the requests not started yet (only `Queued` sent) and answers
 /// their ids with the `seq` their next event must have, for another worker to go on from.
 #[derive(Message)]
-#[rtype(result = "Vec<(String, u64)>")]
+#[rtype(result = "Vec<HandedBack>")]
 pub struct HandBack;
 
-impl<E: WorkerEngine + Unpin + 'static> Handler<HandBack> for SchedulerActor<E> {
-    type Result = Vec<(String, u64)>;
+/// A job handed back unstarted, and the `seq` its next event must have.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HandedBack {
+    pub request_id: String,
+    pub next_seq: u64,
+}
+
+impl<E: WorkerExecutor + Unpin + 'static> Handler<HandBack> for SchedulerActor<E> {
+    type Result = Vec<HandedBack>;
     fn handle(&mut self, _: HandBack, _: &mut Context<Self>) -> Self::Result {
         // A job's samples are taken together or not at all (see `Scheduler::take_waiting`).
         let taken = self.scheduler.take_waiting();
@@ -332,7 +343,10 @@ impl<E: WorkerEngine + Unpin + 'static> Handler<HandBack> for SchedulerActor<E> 
                 if job.ids.is_empty() {
                     let seq = job.seq;
                     self.jobs.remove(&m.request_id);
-                    back.push((m.request_id, seq));
+                    back.push(HandedBack {
+                        request_id: m.request_id,
+                        next_seq: seq,
+                    });
                 }
             }
         }
@@ -354,9 +368,9 @@ pub struct GetStatus;
 #[rtype(result = "u64")]
 pub struct ClearPrefixCache;
 
-impl<E: WorkerEngine + Unpin + 'static> Handler<Submit> for SchedulerActor<E> {
+impl<E: WorkerExecutor + Unpin + 'static> Handler<Submit> for SchedulerActor<E> {
     type Result = AtomicResponse<Self, ()>;
-    fn handle(&mut self, Submit(job, first_seq): Submit, _: &mut Context<Self>) -> Self::Result {
+    fn handle(&mut self, Submit { job, first_seq }: Submit, _: &mut Context<Self>) -> Self::Result {
         if self.jobs.contains_key(&job.request_id) {
             return AtomicResponse::new(Box::pin(actix::fut::ready(()))); // a duplicate delivery of a job already running here
         }
@@ -376,7 +390,7 @@ impl<E: WorkerEngine + Unpin + 'static> Handler<Submit> for SchedulerActor<E> {
         }
         self.jobs.insert(
             job.request_id.clone(),
-            Held {
+            JobStream {
                 subject: job.stream_subject.clone(),
                 seq: first_seq,
                 ids: ids.clone(),
@@ -416,19 +430,19 @@ impl<E: WorkerEngine + Unpin + 'static> Handler<Submit> for SchedulerActor<E> {
         let specs: Vec<SeqSpec> = (0..n).map(|i| SeqSpec::sample(&job, i)).collect();
         self.exchange(
             (),
-            move |mut engine| async move {
+            move |mut executor| async move {
                 let mut results = vec![];
                 for (&id, spec) in ids.iter().zip(specs) {
-                    let registered = AssertUnwindSafe(engine.register(id, spec))
+                    let registered = AssertUnwindSafe(executor.register(id, spec))
                         .catch_unwind()
                         .await;
                     if !matches!(registered, Ok(Ok(()))) {
-                        // Whatever the engine made of it goes.
-                        engine.release(&[id]).await;
+                        // Whatever the executor made of it goes.
+                        executor.release(&[id]).await;
                     }
                     results.push(registered);
                 }
-                (engine, results)
+                (executor, results)
             },
             move |results, act, ctx| {
                 let mut emits = vec![];
@@ -458,7 +472,7 @@ impl<E: WorkerEngine + Unpin + 'static> Handler<Submit> for SchedulerActor<E> {
     }
 }
 
-impl<E: WorkerEngine + Unpin + 'static> Handler<CancelRequest> for SchedulerActor<E> {
+impl<E: WorkerExecutor + Unpin + 'static> Handler<CancelRequest> for SchedulerActor<E> {
     type Result = ();
     fn handle(&mut self, CancelRequest(request_id): CancelRequest, ctx: &mut Context<Self>) {
         if let Some(job) = self.jobs.get(&request_id) {
@@ -479,7 +493,7 @@ impl<E: WorkerEngine + Unpin + 'static> Handler<CancelRequest> for SchedulerActo
 #[rtype(result = "()")]
 pub struct EndAll(pub WireError);
 
-impl<E: WorkerEngine + Unpin + 'static> Handler<EndAll> for SchedulerActor<E> {
+impl<E: WorkerExecutor + Unpin + 'static> Handler<EndAll> for SchedulerActor<E> {
     type Result = ();
     fn handle(&mut self, EndAll(error): EndAll, ctx: &mut Context<Self>) {
         self.scheduler.end_all(&error);
@@ -487,7 +501,7 @@ impl<E: WorkerEngine + Unpin + 'static> Handler<EndAll> for SchedulerActor<E> {
     }
 }
 
-impl<E: WorkerEngine + Unpin + 'static> Handler<Tick> for SchedulerActor<E> {
+impl<E: WorkerExecutor + Unpin + 'static> Handler<Tick> for SchedulerActor<E> {
     type Result = AtomicResponse<Self, ()>;
     fn handle(&mut self, _: Tick, _: &mut Context<Self>) -> Self::Result {
         self.tick_pending = false;
@@ -501,14 +515,14 @@ impl<E: WorkerEngine + Unpin + 'static> Handler<Tick> for SchedulerActor<E> {
         let mut scheduler = std::mem::take(&mut self.scheduler);
         self.exchange(
             (),
-            move |mut engine| async move {
-                let ticked = AssertUnwindSafe(scheduler.tick(&mut engine, now))
+            move |mut executor| async move {
+                let ticked = AssertUnwindSafe(scheduler.tick(&mut executor, now))
                     .catch_unwind()
                     .await;
                 if ticked.is_err() {
-                    engine.reset().await;
+                    executor.reset().await;
                 }
-                (engine, (scheduler, ticked))
+                (executor, (scheduler, ticked))
             },
             move |(scheduler, ticked), act, ctx| {
                 act.scheduler = scheduler;
@@ -530,7 +544,7 @@ impl<E: WorkerEngine + Unpin + 'static> Handler<Tick> for SchedulerActor<E> {
     }
 }
 
-impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
+impl<E: WorkerExecutor + Unpin + 'static> SchedulerActor<E> {
     /// Warns of a stall, and writes the tick's line to the tick log if there is one.
     fn log_tick(&mut self, started: std::time::Instant, report: &TickReport) {
         // A stall: a tick four times slower than the recent ones (and over 100 ms).
@@ -554,27 +568,27 @@ impl<E: WorkerEngine + Unpin + 'static> SchedulerActor<E> {
                 started,
                 ms,
                 report,
-                self.engine.as_ref().and_then(|e| e.last_step()),
+                self.executor.as_ref().and_then(|e| e.last_step()),
             );
         }
     }
 }
 
-impl<E: WorkerEngine + Unpin + 'static> Handler<GetStatus> for SchedulerActor<E> {
+impl<E: WorkerExecutor + Unpin + 'static> Handler<GetStatus> for SchedulerActor<E> {
     type Result = MessageResult<GetStatus>;
     fn handle(&mut self, _: GetStatus, _: &mut Context<Self>) -> Self::Result {
         MessageResult(self.status())
     }
 }
 
-impl<E: WorkerEngine + Unpin + 'static> Handler<ClearPrefixCache> for SchedulerActor<E> {
+impl<E: WorkerExecutor + Unpin + 'static> Handler<ClearPrefixCache> for SchedulerActor<E> {
     type Result = AtomicResponse<Self, u64>;
     fn handle(&mut self, _: ClearPrefixCache, _: &mut Context<Self>) -> Self::Result {
         self.exchange(
             0,
-            |mut engine| async move {
-                let freed = engine.prefix_clear().await;
-                (engine, freed)
+            |mut executor| async move {
+                let freed = executor.prefix_clear().await;
+                (executor, freed)
             },
             |freed, act, _| {
                 act.refresh_snapshot();

@@ -9,7 +9,7 @@ use llmq_protocol::{Event, WireError};
 use llmq_scheduler::{Admission, ReqId, Scheduler, SchedulerConfig};
 use llmq_text::sampling::{Sampling, StopConditions};
 
-use super::{now, SchedulerActor, WorkerEngine};
+use super::{now, SchedulerActor, WorkerExecutor};
 use crate::seq::{panic_text, SeqSpec};
 
 /// Runs dummy requests through a private scheduler before the worker takes jobs, so that MLX
@@ -33,7 +33,7 @@ pub struct WarmUp {
 /// Why a warm-up did not complete (the worker then serves anyway, its first requests slower).
 #[derive(Debug, thiserror::Error)]
 pub enum WarmUpError {
-    #[error("the engine is busy")]
+    #[error("the executor is busy")]
     Busy,
     #[error("a dummy request was refused: {0}")]
     Refused(WireError),
@@ -59,9 +59,9 @@ pub fn warm_up_rows(max_batch: usize) -> Vec<usize> {
     rows
 }
 
-/// The warm-up's dummy requests, through a private scheduler and `engine`, to their end.
-async fn warm_up<E: WorkerEngine>(
-    engine: &mut E,
+/// The warm-up's dummy requests, through a private scheduler and `executor`, to their end.
+async fn warm_up<E: WorkerExecutor>(
+    executor: &mut E,
     cfg: SchedulerConfig,
     w: WarmUp,
 ) -> Result<(), WarmUpError> {
@@ -73,8 +73,8 @@ async fn warm_up<E: WorkerEngine>(
     };
     let mut s = Scheduler::new(fixed(cfg.prefill_chunk));
     let sizes = cfg.chunk_sizes();
-    let context = engine.context_tokens().saturating_sub(8);
-    let fits = (cfg.kv_budget_bytes / engine.kv_bytes_per_token().max(1)) as usize;
+    let context = executor.context_tokens().saturating_sub(8);
+    let fits = (cfg.kv_budget_bytes / executor.kv_bytes_per_token().max(1)) as usize;
     let short = 16.min(context / 4).max(1);
     let most_rows = w
         .rows
@@ -85,14 +85,14 @@ async fn warm_up<E: WorkerEngine>(
         .clamp(1, cfg.max_batch.saturating_sub(2).max(1));
     // Ticks of one long prefill in chunks of `size` beside decoding rows (a chunk may take
     // several: its stages).
-    let ticks = |engine: &E, size: usize, tokens: usize| {
-        tokens.div_ceil(size.max(1)) * engine.chunk_ticks(size)
+    let ticks = |executor: &E, size: usize, tokens: usize| {
+        tokens.div_ceil(size.max(1)) * executor.chunk_ticks(size)
     };
     // The short ones' reservations, at most (their outputs last two long prefills in the
     // chunks that take the most ticks).
     let most_chunks = sizes
         .iter()
-        .map(|&size| ticks(engine, size, w.tokens))
+        .map(|&size| ticks(executor, size, w.tokens))
         .max()
         .unwrap_or(1);
     let short_room = most_rows * (short + 2 * most_chunks + 8 + most_rows);
@@ -103,7 +103,7 @@ async fn warm_up<E: WorkerEngine>(
         .max(1);
     // MLX plans kernels, cuDNN attention and matrix products once per shape, tens of ms each on
     // a GPU. The phases below make the shapes a burst of long prompts meets: a long prompt
-    // alone (the idle engine's large prefill steps); then, per round, short ones decoding
+    // alone (the idle executor's large prefill steps); then, per round, short ones decoding
     // throughout and two long ones together, the first chunked beside the short ones' decode,
     // then decoding as a length group of its own beside the second's chunks. One round per
     // size of the decode batch with the largest chunks, then one with each smaller chunk size
@@ -129,7 +129,7 @@ async fn warm_up<E: WorkerEngine>(
         vec![(vec![(long, 1)], false, cfg.prefill_chunk)];
     for (size, n) in rounds {
         let n = n.clamp(1, most_rows);
-        let chunks = ticks(engine, size, long);
+        let chunks = ticks(executor, size, long);
         phases.push((vec![(short, out(2 * chunks + 8 + n)); n], true, size));
         phases.push((vec![(long, out(chunks + 4)), (long, 4)], false, size));
     }
@@ -148,7 +148,7 @@ async fn warm_up<E: WorkerEngine>(
                 ignore_eos: true,
                 ..Default::default()
             };
-            engine
+            executor
                 .register(id, SeqSpec::new(prompt, Sampling::default(), stop))
                 .await
                 .map_err(WarmUpError::Refused)?;
@@ -171,7 +171,7 @@ async fn warm_up<E: WorkerEngine>(
         } else {
             !s.is_idle()
         } {
-            let (emits, _) = s.tick(engine, now()).await;
+            let (emits, _) = s.tick(executor, now()).await;
             if let Some(e) = emits
                 .into_iter()
                 .find(|e| matches!(e.event, Event::Error { .. }))
@@ -184,29 +184,29 @@ async fn warm_up<E: WorkerEngine>(
             }
         }
     }
-    engine.prefix_clear().await;
-    engine.reset_counters().await;
+    executor.prefix_clear().await;
+    executor.reset_counters().await;
     Ok(())
 }
 
-impl<E: WorkerEngine + Unpin + 'static> Handler<WarmUp> for SchedulerActor<E> {
+impl<E: WorkerExecutor + Unpin + 'static> Handler<WarmUp> for SchedulerActor<E> {
     type Result = AtomicResponse<Self, Result<f64, WarmUpError>>;
     fn handle(&mut self, w: WarmUp, _: &mut Context<Self>) -> Self::Result {
         let started = std::time::Instant::now();
         let cfg = self.cfg.clone();
         self.exchange(
             Err(WarmUpError::Busy),
-            move |mut engine| async move {
-                let run = AssertUnwindSafe(warm_up(&mut engine, cfg, w))
+            move |mut executor| async move {
+                let run = AssertUnwindSafe(warm_up(&mut executor, cfg, w))
                     .catch_unwind()
                     .await;
                 let run = run.unwrap_or_else(|p| Err(WarmUpError::Panic(panic_text(p))));
                 if run.is_err() {
                     // Nothing of it stays behind.
-                    engine.reset().await;
-                    engine.prefix_clear().await;
+                    executor.reset().await;
+                    executor.prefix_clear().await;
                 }
-                (engine, run)
+                (executor, run)
             },
             move |run, act, _| {
                 act.refresh_snapshot();

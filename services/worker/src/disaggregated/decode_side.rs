@@ -1,7 +1,7 @@
 //! Prefill by prefill workers, as a decode worker (`worker.role = "decode"`) sees it.
 //!
 //! The scheduler still grants one chunk a tick, and only one prompt advances at a time; for a
-//! request prefilled remotely the engine turns a granted chunk into a `PrefillGrant` to a prefill
+//! request prefilled remotely the role actors turn a granted chunk into a `PrefillGrant` to a prefill
 //! worker instead of running it (`RemotePrefill::plan`). The chunk counts as done when the prefill
 //! worker's first piece of its KV arrives (it sends only once the chunk is computed), so the
 //! next chunk is granted while the rest of this one's KV travels; the KV is written into the
@@ -15,7 +15,7 @@
 //!
 //! The NATS side is `link`: it picks a prefill worker per request (the least loaded live one
 //! by heartbeats, then the same one for every chunk), publishes orders (offering the worker's
-//! direct KV connection, `crate::direct_kv`, where it listens), reassembles the KV pieces or
+//! direct KV connection, `crate::disaggregated::kv_link`, where it listens), reassembles the KV pieces or
 //! takes the direct connections' chunks (checking sizes and the checksum), and tells the device
 //! thread what arrived.
 
@@ -31,7 +31,7 @@ use llmq_protocol::{subjects, WorkerRole, WorkerStatus};
 use llmq_scheduler::ReqId;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
-use crate::direct_kv::Received;
+use crate::disaggregated::kv_link::Received;
 
 /// From the device thread to the link.
 #[derive(Debug)]
@@ -62,7 +62,7 @@ pub enum Arrival {
     },
 }
 
-/// What the engine does with a granted chunk of a remote request.
+/// What the role actors do with a granted chunk of a remote request.
 #[derive(Debug, PartialEq)]
 pub enum Plan {
     /// Granted to the prefill worker (now or before) and not computed yet.
@@ -344,7 +344,7 @@ impl RemotePrefill {
 /// The NATS side of a decode worker's remote prefill: runs until the device end is dropped.
 /// The KV arrives on `kv_client`, a connection of its own, so that the worker's heartbeats,
 /// events and orders never wait behind it, or, where `direct` offers it, on direct connections
-/// (`crate::direct_kv`: the offer grants carry, and what those connections deliver).
+/// (`crate::disaggregated::kv_link`: the offer grants carry, and what those connections deliver).
 pub async fn link(
     client: async_nats::Client,
     kv_client: async_nats::Client,

@@ -14,7 +14,7 @@ use actix::prelude::*;
 use llmq_engine::prefix::{KvPrefix, PrefixCache};
 use mlx_rs::Array;
 
-use crate::messages::{Reply, Report, ResetCounters};
+use crate::roles::messages::{Reply, Report, ResetCounters};
 use crate::seq::{guarded, Busy};
 
 pub struct CacheActor {
@@ -23,11 +23,8 @@ pub struct CacheActor {
 }
 
 impl CacheActor {
-    /// `block` tokens per index block, hits in whole `reuse_unit`s, at most `max_bytes` held;
-    /// `None`: no prefix cache (every lookup misses, nothing is kept).
-    pub fn new(config: Option<(usize, usize, u64)>) -> Self {
-        let prefix =
-            config.map(|(block, unit, max)| PrefixCache::new(block, max).with_reuse_unit(unit));
+    /// An actor around `prefix`; `None`: no prefix cache (every lookup misses, nothing is kept).
+    pub fn new(prefix: Option<PrefixCache<KvPrefix>>) -> Self {
         CacheActor {
             prefix,
             busy: Busy::default(),

@@ -34,8 +34,10 @@ use self::ahead::Ahead;
 use self::chunk::InFlight;
 pub use self::chunk::{chunk_stages, stages_for, Grant, Lent, Staging};
 use self::copies::Copies;
-use crate::cache::{CacheActor, Remember};
-use crate::messages::{InjectPanic, Release, Reply, Report, Reset, ResetCounters, StepTimes};
+use crate::roles::cache::{CacheActor, Remember};
+use crate::roles::messages::{
+    ChunksAhead, InjectPanic, Release, Reply, Report, Reset, ResetCounters, Stage, StepTimes,
+};
 use crate::seq::{guarded, internal, unknown, Busy, MasksAhead, Seq, Shared};
 
 /// Length groups of the decode batches: a sequence joins the first group whose bound exceeds
@@ -74,7 +76,7 @@ pub struct DecodeActor {
     masks_ahead: Option<MasksAhead>,
     /// Whether decode steps are queued ahead at all.
     decode_ahead: bool,
-    chunks_ahead: (u64, u64),
+    chunks_ahead: ChunksAhead,
     /// Host time of the last step queued ahead's delivery (zeros for a synchronous one).
     times: StepTimes,
     /// The last queued step's host time building its graph and launching it (ms).
@@ -93,7 +95,7 @@ pub struct DecodeActor {
     /// The origin of the sizer's clock.
     clock: std::time::Instant,
     /// The last step's chunk stage: layers run and the work it carried (0 without a stage).
-    last_stage: (usize, usize),
+    last_stage: Stage,
     /// The chunk part-way through the model, between two of its stages.
     staged: Option<InFlight>,
     /// Stages that left their chunk part-way (for tests and the tick log).
@@ -169,7 +171,7 @@ impl DecodeActor {
             sizer: staging.sizer(),
             stage_work: staging.stage_tokens,
             clock: std::time::Instant::now(),
-            last_stage: (0, 0),
+            last_stage: Stage::default(),
             staged: None,
             stages_pending: 0,
             batches,
@@ -180,7 +182,7 @@ impl DecodeActor {
             ahead: None,
             masks_ahead: None,
             decode_ahead,
-            chunks_ahead: (0, 0),
+            chunks_ahead: ChunksAhead::default(),
             times: StepTimes::default(),
             launched: (0.0, 0.0),
             busy: Busy::default(),
@@ -233,13 +235,12 @@ impl DecodeActor {
             held,
             busy: self.busy,
             step: StepTimes {
-                stage_layers: self.last_stage.0,
-                stage_work: self.last_stage.1,
+                stage_layers: self.last_stage.layers,
+                stage_work: self.last_stage.work,
                 ..self.times
             },
             chunks_ahead: self.chunks_ahead,
             stages_pending: self.stages_pending,
-            stage: self.last_stage,
             copies_pending: self.copies.as_ref().map_or(0, |c| c.len()),
             ..Default::default()
         };
@@ -428,7 +429,7 @@ impl Handler<Step> for DecodeActor {
         // The step's time runs to the next `Step`; with rows decoding, the scheduler sends
         // that at once (it is never idle while streams decode), so the interval is their gap.
         let started = self.clock.elapsed();
-        self.last_stage = (0, 0);
+        self.last_stage = Stage::default();
         let chunk_id = chunk.as_ref().map(|g| match g {
             Grant::New(l) => l.id,
             Grant::Continue(id) => *id,
@@ -486,8 +487,13 @@ impl Handler<Step> for DecodeActor {
         }
         // The work of the stage this step ran (0 without one), at its chunk's offset (hopeful
         // shares' times are not moved along it: see `ChunkSizer::pick`).
-        self.sizer
-            .tick_ended(started, live.len(), self.last_stage.1, at, !live.is_empty());
+        self.sizer.tick_ended(
+            started,
+            live.len(),
+            self.last_stage.work,
+            at,
+            !live.is_empty(),
+        );
         MessageResult(self.reply(stepped))
     }
 }
@@ -553,7 +559,7 @@ impl Handler<ResetCounters> for DecodeActor {
     type Result = MessageResult<ResetCounters>;
     fn handle(&mut self, _: ResetCounters, _: &mut Context<Self>) -> Self::Result {
         self.busy = Busy::default();
-        self.chunks_ahead = (0, 0);
+        self.chunks_ahead = ChunksAhead::default();
         self.stages_pending = 0;
         MessageResult(self.reply(()))
     }

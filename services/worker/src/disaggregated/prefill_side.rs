@@ -20,7 +20,7 @@ use llmq_protocol::prefill::PrefillGrant;
 use llmq_protocol::WireError;
 use mlx_rs::Array;
 
-use crate::cache::{CacheActor, Lookup, Remember};
+use crate::roles::cache::{CacheActor, Lookup, Remember};
 use crate::seq::{guarded, internal, Busy, Shared};
 
 /// A session no grant has touched for this long is dropped.

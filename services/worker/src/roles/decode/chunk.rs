@@ -9,6 +9,7 @@ use llmq_scheduler::{PrefillResult, Prefilled, ReqId};
 use mlx_rs::Array;
 
 use super::DecodeActor;
+use crate::roles::messages::Stage;
 use crate::seq::{internal, run_chunk, Seq};
 
 /// Steps a prefill chunk of `n` tokens is spread over while rows decode: one per
@@ -212,7 +213,10 @@ impl DecodeActor {
         hidden: Option<Array>,
         logits: Option<&Array>,
     ) -> (PrefillResult, Option<Box<Seq>>) {
-        self.last_stage = (end.saturating_sub(c.next), self.stage_work);
+        self.last_stage = Stage {
+            layers: end.saturating_sub(c.next),
+            work: self.stage_work,
+        };
         if end < self.shared.model.num_layers() {
             c.next = end;
             c.hidden = hidden;
@@ -232,7 +236,7 @@ impl DecodeActor {
                 None,
             ),
             None => {
-                self.chunks_ahead.1 += 1;
+                self.chunks_ahead.completed_prompt += 1;
                 let ahead = self.ahead.as_mut().expect("a step was queued");
                 ahead.completing = Some((id, *seq));
                 (Ok(Prefilled::Done(None)), None)

@@ -19,16 +19,28 @@ pub struct Report {
     pub prefix: llmq_engine::prefix::PrefixStats,
     /// The decode actor's host time in the last step it delivered.
     pub step: StepTimes,
-    /// The decode actor's prefill chunks run in a step queued ahead, and of those the ones that
-    /// completed their prompt.
-    pub chunks_ahead: (u64, u64),
+    /// The decode actor's prefill chunks run in a step queued ahead.
+    pub chunks_ahead: ChunksAhead,
     /// The decode actor's chunk stages that left their chunk part-way through the model.
     pub stages_pending: u64,
-    /// The decode actor's last step's chunk stage: layers run and the work (tokens' worth) it
-    /// carried; (0, 0) without one.
-    pub stage: (usize, usize),
     /// The decode actor's completed prompts not yet copied whole for the prefix cache.
     pub copies_pending: usize,
+}
+
+/// Prefill chunks the decode actor ran in a step queued ahead (counted when their last layer
+/// ran), and of those the ones that completed their prompt.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ChunksAhead {
+    pub run: u64,
+    pub completed_prompt: u64,
+}
+
+/// A chunk stage: the layers a step ran a chunk through, and the work (tokens' worth) it
+/// carried; zeros without one.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Stage {
+    pub layers: usize,
+    pub work: usize,
 }
 
 /// The decode actor's host time (ms) in the step queued ahead that it last delivered: picking

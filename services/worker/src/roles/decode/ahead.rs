@@ -17,7 +17,7 @@ use mlx_rs::Array;
 
 use super::chunk::InFlight;
 use super::{ChunkOutcome, DecodeActor, Stepped};
-use crate::messages::StepTimes;
+use crate::roles::messages::StepTimes;
 use crate::seq::{
     argmax_rows, host_ids, internal, restricted_argmax, unknown, waited_after_masks, MasksAhead,
     Seq,
@@ -173,7 +173,7 @@ impl DecodeActor {
                     completing: None,
                 });
                 Ok(chunk.map(|c| {
-                    self.chunks_ahead.0 += (end == self.shared.model.num_layers()) as u64;
+                    self.chunks_ahead.run += (end == self.shared.model.num_layers()) as u64;
                     self.stage_done(c, end, hidden, None)
                 }))
             }

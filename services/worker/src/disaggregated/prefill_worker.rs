@@ -3,7 +3,7 @@
 //! (`subjects::prefill_orders(<its id>)`) one at a time, in the order they come, on its device
 //! thread (`prefill_server`), and sends each chunk's KV to its decoder in pieces from a task of
 //! its own, so the next grant is computed while the last chunk's KV is on the way: on the
-//! decoder's direct connection where its grant offers one (`crate::direct_kv`), else over NATS.
+//! decoder's direct connection where its grant offers one (`crate::disaggregated::kv_link`), else over NATS.
 //!
 //! It heartbeats like any worker (role `prefill`: sessions held, the grant's tokens in
 //! progress, KV bytes sent), so decode workers find it and see it go. When a decoder goes
@@ -16,6 +16,7 @@ use std::time::Duration;
 use actix::prelude::*;
 use futures::StreamExt;
 use llmq_config::Settings;
+use llmq_engine::prefix::PrefixCache;
 use llmq_protocol::prefill::{
     kv_checksum, kv_pieces, DirectKv, KvFrame, PrefillOrder, PrefillReply,
 };
@@ -23,9 +24,9 @@ use llmq_protocol::workers::WorkerTable;
 use llmq_protocol::{subjects, WireError, WorkerRole, WorkerStatus};
 use tokio::sync::mpsc;
 
-use crate::cache::CacheActor;
-use crate::direct_kv::Connections;
-use crate::prefill_server::{Forget, GetReport, PrefillServer, Serve};
+use crate::disaggregated::kv_link::Connections;
+use crate::disaggregated::prefill_side::{Forget, GetReport, PrefillServer, Serve};
+use crate::roles::cache::CacheActor;
 use crate::seq::Shared;
 use crate::service::{load_on_device, nats_err, stop_device, unix_ms, WorkerError};
 
@@ -140,11 +141,9 @@ async fn start_server(
             } else {
                 prefix.max_bytes.min(budget)
             };
-            let cache = CacheActor::new(prefix.enabled.then_some((
-                prefix.block_tokens,
-                model.chunk_grid(),
-                max,
-            )))
+            let cache = CacheActor::new(prefix.enabled.then(|| {
+                PrefixCache::new(prefix.block_tokens, max).with_reuse_unit(model.chunk_grid())
+            }))
             .start();
             let c = &model.config;
             let status = WorkerStatus {

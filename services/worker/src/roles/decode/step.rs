@@ -12,7 +12,7 @@ use mlx_rs::Array;
 use super::ahead::{launch_step, Ahead};
 use super::chunk::InFlight;
 use super::{DecodeActor, Stepped, SLOW_MS};
-use crate::messages::StepTimes;
+use crate::roles::messages::StepTimes;
 use crate::seq::{
     argmax_rows, choose, host_ids, internal, restricted_argmax, waited_after_masks, MasksAhead, Seq,
 };

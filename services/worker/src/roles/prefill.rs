@@ -19,8 +19,8 @@ use std::collections::HashMap;
 use actix::prelude::*;
 use llmq_protocol::WireError;
 
-use crate::cache::{CacheActor, Lookup, Remember};
-use crate::messages::{InjectPanic, Release, Reply, Report, Reset, ResetCounters};
+use crate::roles::cache::{CacheActor, Lookup, Remember};
+use crate::roles::messages::{InjectPanic, Release, Reply, Report, Reset, ResetCounters};
 use crate::seq::{guarded, internal, run_chunk, unknown, Busy, Seq, SeqSpec, Shared};
 use llmq_scheduler::{ReqId, StepOut};
 

@@ -1,7 +1,8 @@
-//! The engine the scheduler drives, made of the worker's three role actors: `PrefillActor`,
-//! `DecodeActor` and `CacheActor`, all on the device thread (MLX work of a worker runs on one
-//! thread; each actor still owns its state and is reached only by messages). `ActorEngine`
-//! turns the scheduler's calls into their messages:
+//! The executor the scheduler drives ([`llmq_scheduler::Executor`]), made of the worker's three
+//! role actors: [`prefill::PrefillActor`], [`decode::DecodeActor`] and [`cache::CacheActor`], all
+//! on the device thread (MLX work of a worker runs on one thread; each actor still owns its
+//! state and is reached only by messages). [`RoleActors`] turns the scheduler's calls into
+//! their messages ([`messages`]: what they share):
 //!
 //! - register and admit: the prefill actor (which asks the cache actor for a cached prefix);
 //! - a tick with decode rows: the granted chunk's sequence is lent by the prefill actor to the
@@ -11,34 +12,40 @@
 //! - a tick without decode rows: the prefill actor runs the chunk; a completed prompt's
 //!   sequence moves to the decode actor (`Join`);
 //! - releases go to both role actors (each forgets what it holds); trims to the cache actor;
-//! - on a decode worker (`remote`), a chunk of a request prefilled by a prefill worker is
+//! - on a decode worker ([`crate::disaggregated::decode_side`]), a chunk of a request prefilled by a prefill worker is
 //!   granted to it instead, and the KV that arrives is installed in the prefill actor.
 //!
 //! Invariants: every call waits for its answers, so the scheduler's next call sees their
 //! effects; a lost actor (its mailbox closed) turns into internal errors for the requests of
 //! the call, never a panic; the figures it reports are those of each actor's last answer.
 
+pub mod cache;
+pub mod decode;
+pub mod messages;
+pub mod prefill;
+
 use actix::prelude::*;
+use llmq_engine::prefix::PrefixCache;
 use llmq_engine::Model;
 use llmq_protocol::WireError;
 use llmq_text::Tokenizer;
 
-use crate::actor::WorkerEngine;
-use crate::cache::{self, CacheActor};
-use crate::decode::{self, DecodeActor, Grant, Lent, Step};
-use crate::messages::{Release, Reply, Report, Reset, ResetCounters, StepTimes};
-use crate::prefill::{self, Chunked, PrefillActor};
-use crate::remote::{Install, Plan, RemotePrefill};
+use crate::actor::{CallTimes, KvReceived, WorkerExecutor};
+use crate::disaggregated::decode_side::{Install, Plan, RemotePrefill};
 use crate::seq::{internal, MaskTimes, SeqSpec, Shared};
-use llmq_scheduler::{EngineOps, PrefillResult, Prefilled, ReqId, StepOut};
+use cache::CacheActor;
+use decode::{DecodeActor, Grant, Lent, Step};
+use llmq_scheduler::{Executor, PrefillResult, Prefilled, ReqId, StepOut};
+use messages::{ChunksAhead, Release, Reply, Report, Reset, ResetCounters, StepTimes};
+use prefill::{Chunked, PrefillActor};
 
 /// How the role actors are set up.
 #[derive(Debug, Clone)]
-pub struct EngineOptions {
+pub struct RoleOptions {
     /// Queue decode steps ahead on the device (see the decode actor's `Ahead`).
     pub decode_ahead: bool,
-    /// The prefix cache: tokens per index block and the most bytes it may hold; None: off.
-    pub prefix: Option<(usize, u64)>,
+    /// The prefix cache; None: off.
+    pub prefix: Option<PrefixOptions>,
     /// Steps a prefill chunk's layers are spread over at most while streams decode (1: every
     /// layer of a chunk in one step), and a chunk's tokens per step: a chunk of n tokens is
     /// spread over n / `stage_tokens` steps, rounded up, at most `chunk_stages`.
@@ -50,9 +57,16 @@ pub struct EngineOptions {
     pub min_stage_tokens: usize,
 }
 
-impl Default for EngineOptions {
+/// The prefix cache's shape: tokens per index block and the most bytes it may hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefixOptions {
+    pub block_tokens: usize,
+    pub max_bytes: u64,
+}
+
+impl Default for RoleOptions {
     fn default() -> Self {
-        EngineOptions {
+        RoleOptions {
             decode_ahead: true,
             prefix: None,
             chunk_stages: 1,
@@ -63,13 +77,13 @@ impl Default for EngineOptions {
     }
 }
 
-pub struct ActorEngine {
+pub struct RoleActors {
     pub prefill: Addr<PrefillActor>,
     pub decode: Addr<DecodeActor>,
     pub cache: Addr<CacheActor>,
     context_tokens: usize,
-    /// The last report of each actor: prefill, decode, cache.
-    reports: [Report; 3],
+    /// The last report of each actor.
+    reports: Reports,
     /// The request whose chunk the decode actor has part-way through the model.
     staged: Option<ReqId>,
     /// How the decode actor spreads a chunk over steps.
@@ -84,21 +98,56 @@ pub struct ActorEngine {
 /// How long a tick with nothing else to do waits for a prefill worker's KV.
 const REMOTE_POLL: std::time::Duration = std::time::Duration::from_millis(20);
 
-const PREFILL: usize = 0;
-const DECODE: usize = 1;
-const CACHE: usize = 2;
+/// One of the three role actors, naming whose report an answer carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    Prefill,
+    Decode,
+    Cache,
+}
 
-impl ActorEngine {
+impl Role {
+    fn name(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+            Role::Cache => "cache",
+        }
+    }
+}
+
+/// The last report each role actor sent with an answer.
+#[derive(Debug, Default)]
+struct Reports {
+    prefill: Report,
+    decode: Report,
+    cache: Report,
+}
+
+impl Reports {
+    fn of(&mut self, role: Role) -> &mut Report {
+        match role {
+            Role::Prefill => &mut self.prefill,
+            Role::Decode => &mut self.decode,
+            Role::Cache => &mut self.cache,
+        }
+    }
+
+    fn all(&self) -> [&Report; 3] {
+        [&self.prefill, &self.decode, &self.cache]
+    }
+}
+
+impl RoleActors {
     /// Starts the three actors on the current thread (the device thread) around `model`.
-    pub fn start(model: Model, tokenizer: Option<Tokenizer>, opts: EngineOptions) -> Self {
+    pub fn start(model: Model, tokenizer: Option<Tokenizer>, opts: RoleOptions) -> Self {
         let kv_layout = model.kv_layout();
         let context_tokens = model.config.max_position_embeddings;
         // Hits in whole chunk-grid blocks, so that the chunks after one start on the grid (see
         // `Model::chunk_grid`).
-        let cache = CacheActor::new(
-            opts.prefix
-                .map(|(block, max)| (block, model.chunk_grid(), max)),
-        )
+        let cache = CacheActor::new(opts.prefix.map(|p| {
+            PrefixCache::new(p.block_tokens, p.max_bytes).with_reuse_unit(model.chunk_grid())
+        }))
         .start();
         let shared = Shared::new(model, tokenizer, opts.prefix.is_some());
         let mask_times = shared.mask_times.clone();
@@ -111,7 +160,7 @@ impl ActorEngine {
             opts.min_stage_tokens,
         );
         let decode = DecodeActor::new(shared, cache.clone(), opts.decode_ahead, staging).start();
-        ActorEngine {
+        RoleActors {
             prefill,
             decode,
             cache,
@@ -153,7 +202,7 @@ impl ActorEngine {
                         layers,
                     })
                     .await;
-                self.take(PREFILL, answer, Err)
+                self.take(Role::Prefill, answer, Err)
             }
             Err(e) => Err(e),
         };
@@ -199,65 +248,65 @@ impl ActorEngine {
         (outs, Some(Ok(prefilled)))
     }
 
-    /// KV bytes installed from prefill workers since start, and the ms their pieces took.
-    pub fn kv_received(&self) -> (u64, f64) {
-        self.remote.as_ref().map_or((0, 0.0), |r| {
-            (r.received_bytes, r.transfer.as_secs_f64() * 1000.0)
-        })
+    /// KV installed from prefill workers since start.
+    pub fn kv_received(&self) -> KvReceived {
+        self.remote
+            .as_ref()
+            .map_or(KvReceived::default(), |r| KvReceived {
+                bytes: r.received_bytes,
+                transfer_ms: r.transfer.as_secs_f64() * 1000.0,
+            })
     }
 
     /// An answer's value, its report noted; a lost actor gives `lost`.
     fn take<T>(
         &mut self,
-        role: usize,
+        role: Role,
         answer: Result<Reply<T>, MailboxError>,
         lost: impl FnOnce(WireError) -> T,
     ) -> T {
         match answer {
             Ok(r) => {
-                self.reports[role] = r.report;
+                *self.reports.of(role) = r.report;
                 r.value
             }
-            Err(e) => lost(internal(format!(
-                "{} actor lost: {e}",
-                ["prefill", "decode", "cache"][role]
-            ))),
+            Err(e) => lost(internal(format!("{} actor lost: {e}", role.name()))),
         }
     }
 
     /// Requests held by the prefill and decode actors.
     pub fn held(&self) -> usize {
-        self.reports[PREFILL].held + self.reports[DECODE].held
+        self.reports.prefill.held + self.reports.decode.held
     }
 
     /// Prefill chunks run in a step queued ahead, and of those the ones that completed their
     /// prompt.
-    pub fn chunks_queued_ahead(&self) -> (u64, u64) {
-        self.reports[DECODE].chunks_ahead
+    pub fn chunks_queued_ahead(&self) -> ChunksAhead {
+        self.reports.decode.chunks_ahead
     }
 
     /// Chunk stages that left their chunk part-way through the model (its layers spread over
     /// steps).
     pub fn stages_pending(&self) -> u64 {
-        self.reports[DECODE].stages_pending
+        self.reports.decode.stages_pending
     }
 
     /// A chunk with no decode step beside it, run by the prefill actor; a completed prompt's
     /// sequence joins the decode batch.
     async fn prefill_alone(&mut self, id: ReqId, n: usize) -> Result<Option<StepOut>, WireError> {
         let answer = self.prefill.send(prefill::Chunk { id, n }).await;
-        match self.take(PREFILL, answer, Err)? {
+        match self.take(Role::Prefill, answer, Err)? {
             Chunked::Partial => Ok(None),
             Chunked::Complete { first, seq } => {
                 let answer = self.decode.send(decode::Join { id, seq }).await;
-                self.take(DECODE, answer, Err)?;
+                self.take(Role::Decode, answer, Err)?;
                 Ok(Some(first))
             }
         }
     }
 }
 
-impl EngineOps for ActorEngine {
+impl Executor for RoleActors {
     async fn prefill(&mut self, id: ReqId, n: usize) -> Result<Option<StepOut>, WireError> {
         self.prefill_alone(id, n).await
     }
@@ -283,12 +332,12 @@ impl EngineOps for ActorEngine {
 
     async fn admit(&mut self, id: ReqId) -> usize {
         // A prompt completed moments ago may be what this one starts with.
-        if self.reports[DECODE].copies_pending > 0 {
+        if self.reports.decode.copies_pending > 0 {
             let answer = self.decode.send(decode::FinishCopies).await;
-            self.take(DECODE, answer, |_| ());
+            self.take(Role::Decode, answer, |_| ());
         }
         let answer = self.prefill.send(prefill::Admit(id)).await;
-        let reused = self.take(PREFILL, answer, |_| 0);
+        let reused = self.take(Role::Prefill, answer, |_| 0);
         if let Some(remote) = self.remote.as_mut() {
             remote.admitted(id, reused);
         }
@@ -297,11 +346,11 @@ impl EngineOps for ActorEngine {
 
     async fn prefix_trim(&mut self, max_bytes: u64) -> u64 {
         let answer = self.cache.send(cache::Trim(max_bytes)).await;
-        self.take(CACHE, answer, |_| 0)
+        self.take(Role::Cache, answer, |_| 0)
     }
 }
 
-impl ActorEngine {
+impl RoleActors {
     /// A tick's work on this worker's device: the decode step, and the chunk in the same pass.
     async fn step_here(
         &mut self,
@@ -322,7 +371,7 @@ impl ActorEngine {
             (_, Some((id, _))) => Some(Grant::Continue(id)),
             (Some((id, n)), None) => {
                 let answer = self.prefill.send(prefill::Lend(id)).await;
-                match self.take(PREFILL, answer, Err) {
+                match self.take(Role::Prefill, answer, Err) {
                     Ok(seq) => Some(Grant::New(Lent { id, n, seq })),
                     Err(e) => {
                         lend_error = Some(e);
@@ -339,7 +388,7 @@ impl ActorEngine {
                 chunk: grant,
             })
             .await;
-        let stepped = self.take(DECODE, answer, |e| decode::Stepped {
+        let stepped = self.take(Role::Decode, answer, |e| decode::Stepped {
             outs: ids.iter().map(|_| Err(e.clone())).collect(),
             chunk: chunk.map(|_| (Err(e.clone()), None)),
         });
@@ -351,7 +400,7 @@ impl ActorEngine {
             (Some((result, back)), Some((id, _))) => {
                 if let Some(seq) = back {
                     let answer = self.prefill.send(prefill::Return { id, seq }).await;
-                    self.take(PREFILL, answer, |_| ());
+                    self.take(Role::Prefill, answer, |_| ());
                 }
                 Some(result)
             }
@@ -365,20 +414,20 @@ impl ActorEngine {
             self.staged = None;
         }
         let answer = self.prefill.send(Release(ids.to_vec())).await;
-        self.take(PREFILL, answer, |_| ());
+        self.take(Role::Prefill, answer, |_| ());
         let answer = self.decode.send(Release(ids.to_vec())).await;
-        self.take(DECODE, answer, |_| ());
+        self.take(Role::Decode, answer, |_| ());
     }
 }
 
-impl WorkerEngine for ActorEngine {
+impl WorkerExecutor for RoleActors {
     async fn register(&mut self, id: ReqId, spec: SeqSpec) -> Result<(), WireError> {
         let remote = self
             .remote
             .as_ref()
             .map(|_| (spec.prompt.clone(), spec.salt.clone()));
         let answer = self.prefill.send(prefill::Register { id, spec }).await;
-        self.take(PREFILL, answer, Err)?;
+        self.take(Role::Prefill, answer, Err)?;
         if let (Some(r), Some((prompt, salt))) = (self.remote.as_mut(), remote) {
             r.register(id, &prompt, salt);
         }
@@ -391,9 +440,9 @@ impl WorkerEngine for ActorEngine {
             remote.forget_all();
         }
         let answer = self.prefill.send(Reset).await;
-        self.take(PREFILL, answer, |_| ());
+        self.take(Role::Prefill, answer, |_| ());
         let answer = self.decode.send(Reset).await;
-        self.take(DECODE, answer, |_| ());
+        self.take(Role::Decode, answer, |_| ());
     }
 
     /// KV bytes one token takes across all layers (keys and values).
@@ -403,7 +452,7 @@ impl WorkerEngine for ActorEngine {
 
     /// KV bytes the actors held at their last answers.
     fn kv_bytes_in_use(&self) -> u64 {
-        self.reports.iter().map(|r| r.kv_bytes).sum()
+        self.reports.all().into_iter().map(|r| r.kv_bytes).sum()
     }
 
     fn context_tokens(&self) -> usize {
@@ -417,43 +466,47 @@ impl WorkerEngine for ActorEngine {
     /// Milliseconds of work in the three actors since start: prefill and decode calls, and the
     /// KV bookkeeping of admissions, joins, releases and prefix-cache trims.
     fn engine_ms(&self) -> f64 {
-        self.reports.iter().map(|r| r.busy.ms()).sum()
+        self.reports.all().into_iter().map(|r| r.busy.ms()).sum()
     }
 
-    /// (prefill calls, their ms, decode calls, their ms) since start.
     fn mask_times(&self) -> MaskTimes {
         self.mask_times.get()
     }
 
-    fn call_times(&self) -> (u64, f64, u64, f64) {
-        let (p, d) = (&self.reports[PREFILL].busy, &self.reports[DECODE].busy);
-        (p.calls, p.ms(), d.calls, d.ms())
+    fn call_times(&self) -> CallTimes {
+        let (p, d) = (&self.reports.prefill.busy, &self.reports.decode.busy);
+        CallTimes {
+            prefill_calls: p.calls,
+            prefill_ms: p.ms(),
+            decode_calls: d.calls,
+            decode_ms: d.ms(),
+        }
     }
 
     fn prefix_stats(&self) -> llmq_engine::prefix::PrefixStats {
-        self.reports[CACHE].prefix.clone()
+        self.reports.cache.prefix.clone()
     }
 
     async fn prefix_clear(&mut self) -> u64 {
         let answer = self.cache.send(cache::Clear).await;
-        self.take(CACHE, answer, |_| 0)
+        self.take(Role::Cache, answer, |_| 0)
     }
 
-    fn kv_received(&self) -> (u64, f64) {
-        ActorEngine::kv_received(self)
+    fn kv_received(&self) -> KvReceived {
+        RoleActors::kv_received(self)
     }
 
     fn last_step(&self) -> Option<StepTimes> {
-        Some(self.reports[DECODE].step)
+        Some(self.reports.decode.step)
     }
 
     async fn reset_counters(&mut self) {
         let answer = self.prefill.send(ResetCounters).await;
-        self.take(PREFILL, answer, |_| ());
+        self.take(Role::Prefill, answer, |_| ());
         let answer = self.decode.send(ResetCounters).await;
-        self.take(DECODE, answer, |_| ());
+        self.take(Role::Decode, answer, |_| ());
         let answer = self.cache.send(ResetCounters).await;
-        self.take(CACHE, answer, |_| ());
+        self.take(Role::Cache, answer, |_| ());
         self.mask_times.set(MaskTimes::default());
     }
 }

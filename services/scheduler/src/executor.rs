@@ -1,4 +1,4 @@
-//! What the scheduler asks of an engine (`EngineOps`) and what it gets back: a decode step's
+//! What the scheduler asks of an executor (`Executor`) and what it gets back: a decode step's
 //! outputs and a prefill chunk's outcome. The worker's role actors implement it through
 //! messages; the tests implement it with fakes.
 
@@ -18,13 +18,13 @@ pub struct StepOut {
 /// What a granted prefill chunk gave in a tick.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Prefilled {
-    /// The chunk is part-way through the model (an engine may spread a chunk's layers over
+    /// The chunk is part-way through the model (an executor may spread a chunk's layers over
     /// several ticks, each carrying a part of its work): none of its tokens is done yet, and
     /// the scheduler grants the same chunk again at the next tick.
     Pending,
     /// The chunk is done; with the first output token when it completed the prompt. A chunk
     /// that completed its prompt may also give `None`: its first token then comes as that
-    /// request's result of the next decode step (an engine that runs the chunk in a step queued
+    /// request's result of the next decode step (an executor that runs the chunk in a step queued
     /// ahead of the host does that).
     Done(Option<StepOut>),
 }
@@ -32,34 +32,34 @@ pub enum Prefilled {
 pub type PrefillResult = Result<Prefilled, WireError>;
 
 /// A tick's work done as two calls: the decode step, then the prefill chunk.
-pub async fn step_separately<E: EngineOps + ?Sized>(
-    engine: &mut E,
+pub async fn step_separately<E: Executor + ?Sized>(
+    executor: &mut E,
     decode: &[ReqId],
     prefill: Option<(ReqId, usize)>,
 ) -> (Vec<Result<StepOut, WireError>>, Option<PrefillResult>) {
     let outs = if decode.is_empty() {
         vec![]
     } else {
-        engine.decode(decode).await
+        executor.decode(decode).await
     };
     let pre = match prefill {
-        Some((id, n)) => Some(engine.prefill(id, n).await.map(Prefilled::Done)),
+        Some((id, n)) => Some(executor.prefill(id, n).await.map(Prefilled::Done)),
         None => None,
     };
     (outs, pre)
 }
 
 /// The work the scheduler hands out. Implemented by the worker's prefill, decode and cache
-/// actors (`engine::ActorEngine`, through messages) and by tests' fakes. Asynchronous because
+/// actors (`llmq_worker::roles::RoleActors`, through messages) and by tests' fakes. Asynchronous because
 /// the real work is done by other actors; a fake answers at once.
 #[allow(async_fn_in_trait)]
-pub trait EngineOps {
+pub trait Executor {
     /// Prefills the next `n` prompt tokens of `id`. When they complete the prompt, also samples
     /// the first output token and returns it (see `Prefilled::Done` for the one exception).
     async fn prefill(&mut self, id: ReqId, n: usize) -> Result<Option<StepOut>, WireError>;
     /// One batched decode step over `ids`; one result per id, in order.
     async fn decode(&mut self, ids: &[ReqId]) -> Vec<Result<StepOut, WireError>>;
-    /// A tick's work: one decode step over `decode` and the prefill chunk, if any. An engine
+    /// A tick's work: one decode step over `decode` and the prefill chunk, if any. An executor
     /// may run both in one pass (the decode results come first either way).
     async fn step(
         &mut self,
@@ -68,11 +68,11 @@ pub trait EngineOps {
     ) -> (Vec<Result<StepOut, WireError>>, Option<PrefillResult>) {
         step_separately(self, decode, prefill).await
     }
-    /// Frees everything held for `ids` (each request once, whatever its end; an id the engine
+    /// Frees everything held for `ids` (each request once, whatever its end; an id the executor
     /// does not hold is ignored).
     async fn release(&mut self, ids: &[ReqId]);
     /// Prepares an admitted request's prefill: returns how many of its prompt tokens were
-    /// reused from the prefix cache (less than the prompt). An engine without one reuses none.
+    /// reused from the prefix cache (less than the prompt). An executor without one reuses none.
     async fn admit(&mut self, _id: ReqId) -> usize {
         0
     }
