@@ -46,7 +46,7 @@ fn request(a: &Args, inbox: String) -> GenerateRequest {
         seed: a.seed,
         stop: a.stop.clone(),
         logprobs: a.top_logprobs > 0,
-        top_logprobs: a.top_logprobs as u32,
+        top_logprobs: a.top_logprobs,
         stream_subject: Some(inbox),
         ..Default::default()
     }

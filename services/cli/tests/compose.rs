@@ -739,11 +739,14 @@ fn faults_in_sequence(name: &str, faults: &[(u64, &[&str])]) {
         errors.sort_unstable();
         errors.dedup_by(|a, b| a == b);
         let gap = outcomes.iter().map(|(_, g)| *g).max().unwrap_or_default();
-        let refused = outcomes.iter().filter(|(o, _)| matches!(o, Outcome::Refused(_))).count();
+        let mut refusals: Vec<&str> = outcomes.iter().filter_map(|(o, _)| if let Outcome::Refused(why) = o { Some(why.as_str()) } else { None }).collect();
+        let refused = refusals.len();
+        refusals.sort_unstable();
+        refusals.dedup();
         let accepted = outcomes.len() - refused;
         let failed = accepted - finished - hung.len();
         eprintln!(
-            "{name}: {} requests, {refused} refused, {finished} finished, {failed} typed errors (kinds: {errors:?}), {} hung, longest silence {gap:?}",
+            "{name}: {} requests, {refused} refused (kinds: {refusals:?}), {finished} finished, {failed} typed errors (kinds: {errors:?}), {} hung, longest silence {gap:?}",
             outcomes.len(),
             hung.len()
         );

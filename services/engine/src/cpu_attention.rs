@@ -53,7 +53,7 @@ pub struct Shape {
 /// multiple of the kv heads.
 pub fn causal_attention(q: &[f32], k: &[f32], v: &[f32], s: Shape, scale: f32) -> Vec<f32> {
     assert!(
-        s.kv_heads > 0 && s.heads % s.kv_heads == 0 && s.t <= s.len && s.len <= s.cap,
+        s.kv_heads > 0 && s.heads.is_multiple_of(s.kv_heads) && s.t <= s.len && s.len <= s.cap,
         "{s:?}"
     );
     assert_eq!(q.len(), s.heads * s.t * s.d, "queries of {s:?}");
@@ -402,7 +402,7 @@ fn accumulate<const FMA: bool, const R: usize>(
     block: &[f32],
 ) {
     let keys = block.len() / d;
-    if d % WIDTH != 0 {
+    if !d.is_multiple_of(WIDTH) {
         for &r in &rows {
             let out = &mut acc[r * d..][..d];
             for o in out.iter_mut() {

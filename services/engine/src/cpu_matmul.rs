@@ -36,7 +36,7 @@ pub fn matmul_t(w: &Array, x: &Array) -> Option<mlx_rs::error::Result<Array>> {
         let x = x.reshape(&[rows as i32, k as i32])?;
         // (Taking the slices evaluates both.)
         let (Ok(xv), Ok(wv)) = (x.try_as_slice::<f32>(), w.try_as_slice::<f32>()) else {
-            return Ok(x.matmul(w.t())?.reshape(&out_shape(xs, n))?);
+            return x.matmul(w.t())?.reshape(&out_shape(xs, n));
         };
         let y = product(xv, wv, rows, n, k);
         Ok(Array::from_slice(&y, &out_shape(xs, n)))
@@ -228,7 +228,7 @@ mod avx2 {
         next: *const f32,
     ) -> [[f32; C]; R] {
         let k = ws[0].len();
-        assert!(k % 8 == 0 && ws.iter().chain(&xs).all(|s| s.len() == k));
+        assert!(k.is_multiple_of(8) && ws.iter().chain(&xs).all(|s| s.len() == k));
         let mut acc = [[_mm256_setzero_ps(); C]; R];
         for i in (0..k).step_by(8) {
             if i % 16 == 0 {

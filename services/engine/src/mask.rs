@@ -188,7 +188,7 @@ impl MaskLayout {
         Ok(select(&allowed, logits, &floor)?)
     }
 
-    /// Each row's greedy token among those its mask allows (int32 [rows]): on a GPU in llmq's
+    /// Each row's greedy token among those its mask allows (int32 `[rows]`): on a GPU in llmq's
     /// kernel (lazy), elsewhere on the host once the logits are computed (see `host_argmax`).
     pub fn argmax(&self, logits: &Array, masks: &[u32]) -> Result<Array> {
         let rows = logits.shape()[0];

@@ -211,7 +211,7 @@ impl Weights {
             Matrix::Quantized(q) => (Matrix::Dense(q.dequantize()?), self.dequantized(&from)),
             Matrix::Dense(a) => {
                 match self.opts.quantize {
-                    Some(spec) if shape[shape.len() - 1] % spec.group_size as usize == 0 => {
+                    Some(spec) if shape[shape.len() - 1].is_multiple_of(spec.group_size as usize) => {
                         let q = QTensor::quantize(&a, spec)?;
                         // Now, so that the full-precision tensor is freed before the next one.
                         mlx_rs::transforms::eval(q.parameters())?;
@@ -334,7 +334,7 @@ fn check_quantized(path: &Path, module: &str, q: &QTensor) -> Result<()> {
     let cols = shape[shape.len() - 1];
     let mut groups: Vec<i32> = shape.iter().map(|&d| d as i32).collect();
     *groups.last_mut().unwrap() = (cols / q.spec.group_size as usize) as i32;
-    if cols % q.spec.group_size as usize != 0
+    if !cols.is_multiple_of(q.spec.group_size as usize)
         || q.scales.shape() != groups
         || q.biases.shape() != groups
     {

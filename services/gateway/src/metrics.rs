@@ -108,72 +108,24 @@ impl Metrics {
                 "Between consecutive token chunks of a stream.",
             );
         }
-        let gauges: [(&str, &str, fn(&llmq_protocol::WorkerStatus) -> f64); 7] = [
-            (
-                "llmq_worker_queued_requests",
-                "Requests waiting for admission or prefill.",
-                |s| s.queued_requests as f64,
-            ),
-            (
-                "llmq_worker_queued_prefill_tokens",
-                "Prompt tokens still to prefill.",
-                |s| s.queued_prefill_tokens as f64,
-            ),
-            ("llmq_worker_active_streams", "Sequences decoding.", |s| {
+        let gauges = [
+            WorkerSeries::new("llmq_worker_queued_requests", "Requests waiting for admission or prefill.", |s| s.queued_requests as f64),
+            WorkerSeries::new("llmq_worker_queued_prefill_tokens", "Prompt tokens still to prefill.", |s| s.queued_prefill_tokens as f64),
+            WorkerSeries::new("llmq_worker_active_streams", "Sequences decoding.", |s| {
                 s.active_streams as f64
             }),
-            (
-                "llmq_worker_kv_bytes_used",
-                "KV cache bytes held (prefix cache included).",
-                |s| s.kv_bytes_used as f64,
-            ),
-            (
-                "llmq_worker_kv_bytes_free",
-                "KV budget not reserved by running requests.",
-                |s| s.kv_bytes_free as f64,
-            ),
-            (
-                "llmq_worker_prefix_cache_hit_rate",
-                "Prompt tokens reused over prompt tokens looked up.",
-                |s| s.prefix_hit_rate,
-            ),
-            (
-                "llmq_worker_prefix_cache_bytes",
-                "Bytes the prefix cache holds.",
-                |s| s.prefix_bytes as f64,
-            ),
+            WorkerSeries::new("llmq_worker_kv_bytes_used", "KV cache bytes held (prefix cache included).", |s| s.kv_bytes_used as f64),
+            WorkerSeries::new("llmq_worker_kv_bytes_free", "KV budget not reserved by running requests.", |s| s.kv_bytes_free as f64),
+            WorkerSeries::new("llmq_worker_prefix_cache_hit_rate", "Prompt tokens reused over prompt tokens looked up.", |s| s.prefix_hit_rate),
+            WorkerSeries::new("llmq_worker_prefix_cache_bytes", "Bytes the prefix cache holds.", |s| s.prefix_bytes as f64),
         ];
-        let counters: [(&str, &str, fn(&llmq_protocol::WorkerStatus) -> f64); 6] = [
-            (
-                "llmq_worker_requests_ended_total",
-                "Requests the worker has ended (done or error).",
-                |s| s.ended_requests as f64,
-            ),
-            (
-                "llmq_worker_prefix_cache_reused_tokens_total",
-                "Prompt tokens served from the prefix cache.",
-                |s| s.prefix_reused_tokens as f64,
-            ),
-            (
-                "llmq_worker_prefix_cache_evictions_total",
-                "Prefix-cache entries evicted.",
-                |s| s.prefix_evictions as f64,
-            ),
-            (
-                "llmq_worker_kv_bytes_sent_total",
-                "Prompt KV bytes a prefill worker sent to decode workers.",
-                |s| s.kv_bytes_sent as f64,
-            ),
-            (
-                "llmq_worker_kv_bytes_sent_direct_total",
-                "Of those, bytes sent on direct connections (worker.kv_listen), not over NATS.",
-                |s| s.kv_bytes_sent_direct as f64,
-            ),
-            (
-                "llmq_worker_kv_bytes_received_total",
-                "Prompt KV bytes a decode worker received from prefill workers.",
-                |s| s.kv_bytes_received as f64,
-            ),
+        let counters = [
+            WorkerSeries::new("llmq_worker_requests_ended_total", "Requests the worker has ended (done or error).", |s| s.ended_requests as f64),
+            WorkerSeries::new("llmq_worker_prefix_cache_reused_tokens_total", "Prompt tokens served from the prefix cache.", |s| s.prefix_reused_tokens as f64),
+            WorkerSeries::new("llmq_worker_prefix_cache_evictions_total", "Prefix-cache entries evicted.", |s| s.prefix_evictions as f64),
+            WorkerSeries::new("llmq_worker_kv_bytes_sent_total", "Prompt KV bytes a prefill worker sent to decode workers.", |s| s.kv_bytes_sent as f64),
+            WorkerSeries::new("llmq_worker_kv_bytes_sent_direct_total", "Of those, bytes sent on direct connections (worker.kv_listen), not over NATS.", |s| s.kv_bytes_sent_direct as f64),
+            WorkerSeries::new("llmq_worker_kv_bytes_received_total", "Prompt KV bytes a decode worker received from prefill workers.", |s| s.kv_bytes_received as f64),
         ];
         let mut live: Vec<&llmq_protocol::WorkerStatus> = workers.live().collect();
         live.sort_by(|a, b| a.worker_id.cmp(&b.worker_id));
@@ -181,7 +133,8 @@ impl Metrics {
             .iter()
             .map(|g| (g, "gauge"))
             .chain(counters.iter().map(|c| (c, "counter")));
-        for ((name, help, get), kind) in kinds {
+        for (series, kind) in kinds {
+            let (name, help) = (series.name, series.help);
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
             for s in &live {
                 let role = match s.role {
@@ -194,11 +147,45 @@ impl Metrics {
                     "{name}{{worker=\"{}\",model=\"{}\",role=\"{role}\"}} {}",
                     label(&s.worker_id),
                     label(&s.model),
-                    get(s)
+                    (series.value)(s)
                 );
             }
         }
         out
+    }
+}
+
+/// Tracks first-token and inter-token times of one request into the metrics.
+pub struct Clock {
+    pub started: Instant,
+    pub last: Option<Instant>,
+}
+
+impl Clock {
+    pub fn tokens(&mut self, m: &Metrics) {
+        let now = Instant::now();
+        match self.last {
+            None => m.first_token((now - self.started).as_secs_f64()),
+            Some(prev) => m.inter_token((now - prev).as_secs_f64()),
+        }
+        self.last = Some(now);
+    }
+}
+
+/// One per-worker series of /metrics: its name, help text, and its value in a heartbeat.
+struct WorkerSeries {
+    name: &'static str,
+    help: &'static str,
+    value: fn(&llmq_protocol::WorkerStatus) -> f64,
+}
+
+impl WorkerSeries {
+    const fn new(
+        name: &'static str,
+        help: &'static str,
+        value: fn(&llmq_protocol::WorkerStatus) -> f64,
+    ) -> Self {
+        WorkerSeries { name, help, value }
     }
 }
 
@@ -238,22 +225,5 @@ mod tests {
             "llmq_worker_prefix_cache_hit_rate{worker=\"w1\",model=\"m\",role=\"both\"} 0.5"
         ));
         assert!(text.contains("# TYPE llmq_worker_prefix_cache_evictions_total counter"));
-    }
-}
-
-/// Tracks first-token and inter-token times of one request into the metrics.
-pub struct Clock {
-    pub started: Instant,
-    pub last: Option<Instant>,
-}
-
-impl Clock {
-    pub fn tokens(&mut self, m: &Metrics) {
-        let now = Instant::now();
-        match self.last {
-            None => m.first_token((now - self.started).as_secs_f64()),
-            Some(prev) => m.inter_token((now - prev).as_secs_f64()),
-        }
-        self.last = Some(now);
     }
 }

@@ -284,7 +284,7 @@ impl ChunkSizer {
         }
         // Sizes that may start here.
         let aligned: Vec<usize> = (0..self.sizes.len())
-            .filter(|&i| prefilled % self.sizes[i] == 0)
+            .filter(|&i| prefilled.is_multiple_of(self.sizes[i]))
             .collect();
         self.choose(&aligned, prefilled, Mode::Whole)
             .min(remaining)

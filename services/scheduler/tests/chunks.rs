@@ -172,10 +172,8 @@ fn short_prompts_do_not_wait_behind_a_long_one_and_the_long_one_is_not_starved()
     h.submit(100, 4, 100_000);
     h.tick();
     h.submit(1, 8192, 2);
-    let mut next = 2;
-    for _ in 0..400 {
+    for next in 2..402 {
         h.submit(next, 300, 1);
-        next += 1;
         h.tick();
         if h.of(1).iter().any(|e| e.is_terminal()) {
             break;

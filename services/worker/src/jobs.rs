@@ -123,8 +123,8 @@ impl Jobs<'_> {
         self.inflight
             .insert(job.request_id.clone(), msg, span, fetched);
         self.actor.do_send(Submit {
-            job: job,
-            first_seq: first_seq,
+            job,
+            first_seq,
         });
     }
 

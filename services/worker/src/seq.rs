@@ -488,7 +488,7 @@ pub fn restrict_rows<'a>(
     })
 }
 
-/// Each row's greedy token among those its constraint allows (int32 [rows], lazy), as
+/// Each row's greedy token among those its constraint allows (int32 `[rows]`, lazy), as
 /// `argmax_rows` of `restrict_rows` but without the restricted logits (see `MaskLayout::argmax`).
 pub fn restricted_argmax<'a>(
     shared: &Shared,

@@ -24,7 +24,14 @@ struct Fake {
     made: HashMap<ReqId, usize>,
     done: HashMap<ReqId, usize>,
     stage: usize,
-    log: std::sync::Arc<std::sync::Mutex<Vec<(Vec<usize>, Option<usize>)>>>,
+    log: std::sync::Arc<std::sync::Mutex<Vec<TickSeen>>>,
+}
+
+/// A tick as the fake executor saw it: its decode rows' and its chunk's prompt lengths.
+#[derive(Debug, Clone)]
+struct TickSeen {
+    rows: Vec<usize>,
+    chunk: Option<usize>,
 }
 
 impl Fake {
@@ -62,7 +69,10 @@ impl Executor for Fake {
         self.log
             .lock()
             .unwrap()
-            .push((rows, prefill.map(|(id, _)| self.prompt[&id])));
+            .push(TickSeen {
+                rows,
+                chunk: prefill.map(|(id, _)| self.prompt[&id]),
+            });
         if prefill.is_some() && !decode.is_empty() {
             self.stage += 1;
             if self.stage < self.ticks {
@@ -400,16 +410,17 @@ fn the_warm_up_keeps_short_rows_decoding_through_long_prefills_in_staged_chunks(
         .unwrap();
         let log = log.lock().unwrap();
         let (long, short) = (64, 16);
-        let beside_rows: Vec<&(Vec<usize>, Option<usize>)> = log
+        let beside_rows: Vec<&Vec<usize>> = log
             .iter()
-            .filter(|(rows, chunk)| *chunk == Some(long) && !rows.is_empty())
+            .filter(|t| t.chunk == Some(long) && !t.rows.is_empty())
+            .map(|t| &t.rows)
             .collect();
         assert_eq!(
             beside_rows.len(),
             2 * 2 * 4 * 4,
             "two rounds of two long prompts, four chunks of four ticks each"
         );
-        for (rows, _) in &beside_rows {
+        for rows in &beside_rows {
             assert!(
                 rows.contains(&short),
                 "a long prompt's chunk with no short row decoding: {rows:?}"
@@ -417,7 +428,7 @@ fn the_warm_up_keeps_short_rows_decoding_through_long_prefills_in_staged_chunks(
         }
         let with_both = beside_rows
             .iter()
-            .filter(|(rows, _)| rows.contains(&long) && rows.contains(&short))
+            .filter(|rows| rows.contains(&long) && rows.contains(&short))
             .count();
         assert_eq!(
             with_both,

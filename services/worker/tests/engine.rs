@@ -256,8 +256,7 @@ impl Interleaved {
                 .collect();
             let end = events
                 .iter()
-                .filter(|e| e.id == i as u64)
-                .last()
+                .rfind(|e| e.id == i as u64)
                 .map(|e| &e.event);
             assert_eq!(&got, want, "request {i}, decode_ahead {ahead}, grid {grid}, with a sampled one {with_sampled}, stages {stages}, budget {budget}: ended with {end:?}");
             assert!(end.unwrap().is_terminal());

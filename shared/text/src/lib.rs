@@ -12,8 +12,7 @@
 //! - `detok`         incremental detokenization
 //! - `sampling`      sampling and stop parameters, their validation, the sampler
 //! - `constraint`    constrained decoding: JSON schemas, regular expressions and grammars as
-//!                   token masks (llguidance)
-//!                   (`json_keys`: no JSON object of such an output repeats a key)
+//!   token masks (llguidance); `json_keys`: no JSON object of such an output repeats a key
 //! - `schema`        JSON Schemas closed as OpenAI's strict mode reads them, and their layout
 //! - `tools`         tools in chat templates, and the grammar of a required call
 //!

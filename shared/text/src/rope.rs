@@ -429,7 +429,7 @@ mod tests {
         );
         assert!((r.inv_freq_at(4096)[5] * 4.0 - r.inv_freq_at(4095)[5]).abs() < 1e-9);
         // sqrt(1 + ln(32) / ln(4096))
-        assert!((r.attention_factor() - 1.190_238_9).abs() < 1e-5);
+        assert!((r.attention_factor() - 1.190_239).abs() < 1e-5);
         let d = from_hf(
             Some(&json!({"type": "dynamic", "factor": 2.0})),
             "rope_scaling",

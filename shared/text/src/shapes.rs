@@ -18,45 +18,69 @@ struct Shape {
     head_dim: usize,
     vocab: usize,
     tied: bool,
-    /// (experts, active, expert width): Qwen3-MoE layers (q/k norms, renormalised top-k).
-    experts: Option<(usize, usize, usize)>,
+    /// Qwen3-MoE layers (q/k norms, renormalised top-k).
+    experts: Option<Experts>,
 }
 
-const fn dense(
-    name: &'static str,
-    hidden: usize,
-    layers: usize,
-    intermediate: usize,
-    heads: usize,
-    kv_heads: usize,
-    vocab: usize,
-    tied: bool,
-) -> Shape {
-    Shape {
-        name,
-        vocabulary: None,
-        hidden,
-        layers,
-        intermediate,
-        heads,
-        kv_heads,
-        head_dim: hidden / heads,
-        vocab,
-        tied,
-        experts: None,
-    }
+/// A mixture of experts' shape: experts per layer, experts a token runs, an expert's width.
+struct Experts {
+    count: usize,
+    active: usize,
+    width: usize,
 }
 
 const SHAPES: &[Shape] = &[
-    dense("tiny", 256, 2, 512, 4, 2, 4096, true),
-    dense("smollm2", 576, 30, 1536, 9, 3, 49152, true),
     Shape {
-        vocabulary: Some("llama3"),
-        ..dense("1b", 2048, 16, 8192, 32, 8, 128256, true)
+        name: "tiny",
+        vocabulary: None,
+        hidden: 256,
+        layers: 2,
+        intermediate: 512,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 64,
+        vocab: 4096,
+        tied: true,
+        experts: None,
     },
     Shape {
+        name: "smollm2",
+        vocabulary: None,
+        hidden: 576,
+        layers: 30,
+        intermediate: 1536,
+        heads: 9,
+        kv_heads: 3,
+        head_dim: 64,
+        vocab: 49152,
+        tied: true,
+        experts: None,
+    },
+    Shape {
+        name: "1b",
         vocabulary: Some("llama3"),
-        ..dense("8b", 4096, 32, 14336, 32, 8, 128256, false)
+        hidden: 2048,
+        layers: 16,
+        intermediate: 8192,
+        heads: 32,
+        kv_heads: 8,
+        head_dim: 64,
+        vocab: 128256,
+        tied: true,
+        experts: None,
+    },
+    Shape {
+        name: "8b",
+        vocabulary: Some("llama3"),
+        hidden: 4096,
+        layers: 32,
+        intermediate: 14336,
+        heads: 32,
+        kv_heads: 8,
+        head_dim: 128,
+        vocab: 128256,
+        tied: false,
+        experts: None,
     },
     Shape {
         name: "tiny-moe",
@@ -69,7 +93,11 @@ const SHAPES: &[Shape] = &[
         head_dim: 64,
         vocab: 4096,
         tied: false,
-        experts: Some((8, 2, 128)),
+        experts: Some(Experts {
+            count: 8,
+            active: 2,
+            width: 128,
+        }),
     },
     // Qwen3-30B-A3B
     Shape {
@@ -83,7 +111,11 @@ const SHAPES: &[Shape] = &[
         head_dim: 128,
         vocab: 151936,
         tied: false,
-        experts: Some((128, 8, 768)),
+        experts: Some(Experts {
+            count: 128,
+            active: 8,
+            width: 768,
+        }),
     },
 ];
 
@@ -119,10 +151,10 @@ pub fn tokenizer(name: &str) -> Result<Option<crate::Tokenizer>> {
 
 pub fn config(name: &str) -> Result<ModelConfig> {
     let s = shape(name)?;
-    let moe = s.experts.map(|(experts, active, width)| MoeConfig {
-        experts,
-        experts_per_token: active,
-        expert_size: width,
+    let moe = s.experts.as_ref().map(|e| MoeConfig {
+        experts: e.count,
+        experts_per_token: e.active,
+        expert_size: e.width,
         renormalize: true,
         sparse_layers: vec![true; s.layers],
         shared_expert: None,

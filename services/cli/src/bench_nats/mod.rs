@@ -273,7 +273,7 @@ fn kv_room(before: &WorkerStatus, k: &Knobs) -> Value {
     let per_request = before.kv_bytes_per_token * (k.prompt_tokens + k.output_tokens) as u64;
     json!({
         "kv_budget_bytes": before.kv_bytes_free,
-        "requests_admitted": if per_request > 0 { before.kv_bytes_free / per_request } else { 0 },
+        "requests_admitted": before.kv_bytes_free.checked_div(per_request).unwrap_or(0),
     })
 }
 

@@ -531,7 +531,7 @@ impl Attention {
                 kv.1.index((r..r + 1, .., ..len, ..)),
             );
             parts.push(scaled_dot_product_attention(
-                &q.index(r..r + 1),
+                q.index(r..r + 1),
                 &k,
                 &v,
                 self.scale,

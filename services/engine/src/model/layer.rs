@@ -115,7 +115,8 @@ pub(super) struct Mlp {
 /// A layer's feed-forward part: one MLP, or experts chosen per token.
 pub(super) enum FeedForward {
     Dense(Mlp),
-    Experts(Experts),
+    /// Boxed: experts hold many more arrays than an MLP.
+    Experts(Box<Experts>),
 }
 
 impl FeedForward {
@@ -182,7 +183,7 @@ impl Layer {
             (None, norm(w, "post_attention_layernorm")?, None)
         };
         let mlp = match c.moe.as_ref().filter(|m| m.sparse_layers[i]) {
-            Some(m) => FeedForward::Experts(Experts::load(w, &p, h, m)?),
+            Some(m) => FeedForward::Experts(Box::new(Experts::load(w, &p, h, m)?)),
             None => FeedForward::Dense(Mlp::load(w, &format!("{p}.mlp"), h, f, opts.fused, gemma)?),
         };
         let rope = usize::from(c.rope_local.is_some() && c.window(i).is_some());

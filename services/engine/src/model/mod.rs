@@ -367,7 +367,7 @@ impl Model {
         self.layers.len()
     }
 
-    /// A decode step whose inputs are still on the device: `tokens` [rows] int32, the groups'
+    /// A decode step whose inputs are still on the device: `tokens` `[rows]` int32, the groups'
     /// rows in order (the tokens the previous step chose), so the step can be queued before
     /// the previous one's results reach the host. The groups' host token slices only give the
     /// row counts. A prefill chunk (host tokens) may share the pass, as in `step`.

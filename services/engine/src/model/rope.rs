@@ -42,7 +42,7 @@ pub(crate) struct Rotation {
 enum At {
     /// A sequence's chunk [1, heads, t, d] from this position on, through the kernel.
     Offset(i32),
-    /// Each row [n, heads, 1, d] at its own position [n], through the kernel.
+    /// Each row `[n, heads, 1, d]` at its own position `[n]`, through the kernel.
     Rows(Array),
     /// cos and sin [.., half] laid out to broadcast over the rows (attention factor included).
     Table(Array, Array),

@@ -110,6 +110,7 @@ async fn warm_up<E: WorkerExecutor>(
     // the tick budget may grant (its attention shapes; the decode batch's are met already; a
     // CPU plans nothing).
     let out = |n: usize| n.min(context.saturating_sub(long.max(short))).max(1);
+    // (chunk size, short requests decoding) per round
     let mut rounds: Vec<(usize, usize)> = w
         .rows
         .iter()
@@ -124,21 +125,38 @@ async fn warm_up<E: WorkerExecutor>(
                 .map(|&size| (size, 1)),
         );
     }
-    // (requests as (prompt, max tokens), whether the phase ends when they all decode, chunk)
-    let mut phases: Vec<(Vec<(usize, usize)>, bool, usize)> =
-        vec![(vec![(long, 1)], false, cfg.prefill_chunk)];
+    let dummy = |prompt, max_tokens| Dummy { prompt, max_tokens };
+    let mut phases = vec![Phase {
+        requests: vec![dummy(long, 1)],
+        until_decoding: false,
+        chunk: cfg.prefill_chunk,
+    }];
     for (size, n) in rounds {
         let n = n.clamp(1, most_rows);
         let chunks = ticks(executor, size, long);
-        phases.push((vec![(short, out(2 * chunks + 8 + n)); n], true, size));
-        phases.push((vec![(long, out(chunks + 4)), (long, 4)], false, size));
+        phases.push(Phase {
+            requests: vec![dummy(short, out(2 * chunks + 8 + n)); n],
+            until_decoding: true,
+            chunk: size,
+        });
+        phases.push(Phase {
+            requests: vec![dummy(long, out(chunks + 4)), dummy(long, 4)],
+            until_decoding: false,
+            chunk: size,
+        });
     }
-    let mut id = ReqId::MAX - (phases.iter().map(|p| p.0.len()).sum::<usize>() as ReqId) - 1;
-    for (phase, until_decoding, size) in &phases {
+    let dummies: usize = phases.iter().map(|p| p.requests.len()).sum();
+    let mut id = ReqId::MAX - dummies as ReqId - 1;
+    for phase in &phases {
+        let (until_decoding, size) = (&phase.until_decoding, &phase.chunk);
         if *size != s.config().prefill_chunk && s.is_idle() {
             s = Scheduler::new(fixed(*size));
         }
-        for &(len, max_tokens) in phase.iter() {
+        for &Dummy {
+            prompt: len,
+            max_tokens,
+        } in &phase.requests
+        {
             id += 1;
             let prompt: Vec<u32> = (0..len as u32)
                 .map(|i| 1 + (i * 7 + (id % 50) as u32) % 50)
@@ -214,6 +232,21 @@ impl<E: WorkerExecutor + Unpin + 'static> Handler<WarmUp> for SchedulerActor<E> 
             },
         )
     }
+}
+
+/// A dummy request of the warm-up: its prompt's tokens and the most it generates.
+#[derive(Debug, Clone, Copy)]
+struct Dummy {
+    prompt: usize,
+    max_tokens: usize,
+}
+
+/// Dummy requests submitted together; the phase ends when they all decode (`until_decoding`)
+/// or when they have all ended; `chunk`: the prefill chunk size the scheduler grants.
+struct Phase {
+    requests: Vec<Dummy>,
+    until_decoding: bool,
+    chunk: usize,
 }
 
 #[cfg(test)]

@@ -484,7 +484,7 @@ impl WorkerExecutor for RoleActors {
     }
 
     fn prefix_stats(&self) -> llmq_engine::prefix::PrefixStats {
-        self.reports.cache.prefix.clone()
+        self.reports.cache.prefix
     }
 
     async fn prefix_clear(&mut self) -> u64 {

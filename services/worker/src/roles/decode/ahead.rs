@@ -33,7 +33,7 @@ use crate::seq::{
 pub(super) struct Ahead {
     /// The requests it steps, in row order when it was queued.
     pub(super) order: Vec<ReqId>,
-    /// Their tokens [rows] (int32, being evaluated), then the chunk's greedy token if a chunk
+    /// Their tokens `[rows]` (int32, being evaluated), then the chunk's greedy token if a chunk
     /// shares the step; when `masked`, the step's logits instead (being evaluated), whose
     /// argmax is taken once its constrained rows' masks apply.
     pub(super) tokens: Array,
