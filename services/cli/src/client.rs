@@ -1,6 +1,6 @@
 //! `llmq generate` through NATS: subscribes to its own inbox first (so no event is missed),
 //! submits the job naming that inbox, streams the text; Ctrl-C sends a cancel. On a terminal,
-//! prefill progress shows as a bar on stderr. A `Watch` makes sure it ends: events lost on the
+//! prefill progress shows as a bar on stderr. A [`Watch`] makes sure it ends: events lost on the
 //! way, or a job gone without its terminal event, end it with `worker_lost` (and a cancel).
 
 use std::io::{IsTerminal, Write};
@@ -15,7 +15,7 @@ use llmq_protocol::{
 
 use crate::generate::Args;
 
-/// A stream silent this long is asked about (`Watch::silent`).
+/// A stream silent this long is asked about ([`Watch::silent`]).
 const SILENCE: Duration = Duration::from_secs(5);
 /// A stream that nothing showed alive for this long ends (the gateway's default).
 const SILENT_STREAM_TIMEOUT: Duration = Duration::from_secs(30);

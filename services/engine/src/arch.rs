@@ -16,7 +16,7 @@
 //! logits, Gemma 3 gives its sliding layers their own rope base.
 //!
 //! Rotary scaling (llama3, yarn, linear, dynamic, longrope) and partial rotation are the
-//! config's, whatever the arch (`llmq_text::rope`).
+//! config's, whatever the arch ([`llmq_text::rope`]).
 
 use llmq_text::config::Arch;
 

@@ -1,6 +1,6 @@
 //! KV caches: one trait for every architecture, two kinds of storage.
 //!
-//! A `SequenceCache` holds one `KvCache` per layer for one sequence. Sequences never share a
+//! A [`SequenceCache`] holds one [`KvCache`] per layer for one sequence. Sequences never share a
 //! buffer, so a sequence joins or leaves a batch without touching anybody else's cache.
 //! Invariants: `offset()` is the absolute position of the next token; `update` returns exactly
 //! the keys the new queries may see, with the mask that makes attention causal (and windowed).
@@ -295,7 +295,7 @@ pub struct SequenceCache {
 }
 
 impl SequenceCache {
-    /// Forgets the last `n` tokens in every layer (see `KvCache::rewind`).
+    /// Forgets the last `n` tokens in every layer (see [`KvCache::rewind`]).
     pub fn rewind(&mut self, n: usize) -> Result<()> {
         if n > 0 {
             self.layers.iter_mut().try_for_each(|l| l.rewind(n))?;
@@ -309,7 +309,7 @@ impl SequenceCache {
         self.layers.iter().map(|l| l.nbytes()).sum()
     }
     /// Every layer's keys and values of the last `n` positions written, if every layer still
-    /// keeps them (see `KvCache::last`).
+    /// keeps them (see [`KvCache::last`]).
     pub fn last(&self, n: usize) -> Option<Vec<(Array, Array)>> {
         self.layers
             .iter()
@@ -349,7 +349,7 @@ impl SequenceCache {
     pub fn contents(&self, l: usize) -> Option<(Array, Array)> {
         self.layers.get(l)?.contents()
     }
-    /// Every layer's whole buffers (see `KvCache::buffers`), shared, when each layer keeps its
+    /// Every layer's whole buffers (see [`KvCache::buffers`]), shared, when each layer keeps its
     /// positions in order in buffers of one capacity of at least `room` positions.
     pub fn buffers_with_room(&self, room: usize) -> Option<Vec<(Array, Array)>> {
         let layers: Vec<(Array, Array)> = self

@@ -390,7 +390,7 @@ const WIDTH: usize = 32;
 
 /// For the rows `rows` of `acc` ([rows, d]): `acc[r] = acc[r] * rescale[r] + sum_j p[r][j] v_j`
 /// over the block's values (`block`, [keys, d]; `p` is `scores`, zero past a row's last key).
-/// Each value vector is loaded once for `R` rows, `WIDTH` columns (or, where `d` is not a
+/// Each value vector is loaded once for `R` rows, [`WIDTH`] columns (or, where `d` is not a
 /// multiple of it, all of them) at a time.
 #[inline(always)]
 fn accumulate<const FMA: bool, const R: usize>(

@@ -1,4 +1,4 @@
-//! The engine's error type: a model's files (`llmq_text::Error`, naming the file), a call the
+//! The engine's error type: a model's files ([`llmq_text::Error`], naming the file), a call the
 //! engine cannot serve, or MLX's own failure, keeping MLX's message.
 
 #[derive(Debug, thiserror::Error)]

@@ -1,6 +1,6 @@
 //! One sequence from prompt to finish: chunked prefill, then decode with sampling and stop
 //! conditions. This is the in-process path (`llmq generate --local`, `llmq bench single`);
-//! the serving scheduler drives the same `Model::forward` tick by tick.
+//! the serving scheduler drives the same [`Model::forward`] tick by tick.
 //!
 //! Greedy decoding keeps one step in flight: the next step's graph is built on the device's
 //! not-yet-read token and queued before the host reads the current one, so graph building
@@ -167,7 +167,7 @@ impl Finisher {
 }
 
 /// Generates one sequence, calling `on_token` with each token id and the text it completes.
-/// The caller has validated the parameters (`llmq_text::sampling::validate`).
+/// The caller has validated the parameters ([`llmq_text::sampling::validate`]).
 pub fn generate(
     model: &Model,
     tok: Option<&Tokenizer>,

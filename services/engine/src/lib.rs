@@ -1,7 +1,7 @@
 //! llmq's engine: loads decoder-only LLMs and runs them through MLX (mlx-rs).
 //!
 //! Map of the crate:
-//! Model files' metadata, tokenizers and sampling parameters are `llmq_text`'s (no MLX there).
+//! Model files' metadata, tokenizers and sampling parameters are [`llmq_text`]'s (no MLX there).
 //!
 //! - `weights`   tensors by Hugging Face name, from safetensors (sharded or not) or GGUF
 //! - `quant`     weights kept quantized on the device (MLX's affine form)
@@ -24,7 +24,7 @@
 //! - `generate`  one sequence end to end, for the CLI and the single-stream benchmark
 //! - `shapes`    random-weight models of known shapes, for benchmarks
 //!
-//! All MLX work of one model runs on one thread: mlx-rs arrays are `Send` but not `Sync`.
+//! All MLX work of one model runs on one thread: mlx-rs arrays are [`Send`] but not [`Sync`].
 
 pub mod arch;
 pub mod batch;

@@ -220,7 +220,7 @@ impl MaskLayout {
     /// took 1.6-1.8 ms a step on an H100, where the kernel reading them took 0.12-0.16), and
     /// most of a constraint's words are alike (every token refused, or every one allowed): where
     /// it is fewer bytes, only the words that differ from their row's commoner kind cross, with
-    /// their places, and the device writes them over the rows' defaults (`Sparse`).
+    /// their places, and the device writes them over the rows' defaults ([`Sparse`]).
     fn packed(&self, logits: &Array, masks: &[u32]) -> Result<Array> {
         self.check(logits, masks)?;
         let (rows, words) = (logits.shape()[0], self.words() as i32);

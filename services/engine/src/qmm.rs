@@ -22,7 +22,7 @@
 //!
 //! Covers bf16 inputs, 4 and 8 bits, groups of 32, 64 and 128, a k-dimension that is a multiple
 //! of 64 and of the group, output columns a multiple of 8; the rest goes through
-//! `QTensor::matmul_t`'s other paths.
+//! [`QTensor::matmul_t`]'s other paths.
 
 use std::sync::OnceLock;
 
@@ -36,7 +36,7 @@ use crate::quant::QTensor;
 /// densely: see the module's figures).
 pub const MAX_ROWS: i32 = 32;
 
-/// Warps per block, rows and output columns a block takes (the kernel's `WARPS`, `BM`, `BN`).
+/// Warps per block, rows and output columns a block takes (the kernel's [`WARPS`], [`BM`], [`BN`]).
 const WARPS: i32 = 4;
 const BLOCK_ROWS: i32 = 64;
 const BLOCK_COLUMNS: i32 = 128;
@@ -44,7 +44,7 @@ const BLOCK_COLUMNS: i32 = 128;
 /// Blocks worth launching at least (two per SM of an H200), reached by splitting the k-range.
 const TARGET_BLOCKS: i32 = 264;
 
-/// k-values a chunk takes (the kernel's `CHUNK`).
+/// k-values a chunk takes (the kernel's [`CHUNK`]).
 const CHUNK: i32 = 64;
 
 /// Chunks a split keeps at least.

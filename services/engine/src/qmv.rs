@@ -10,7 +10,7 @@
 //! `scale * (q . x) + bias * sum(x)`, and reduce across the warp at the end.
 //!
 //! Covers widths of 2, 4 and 8 bits (a lane's 16 values fill whole words) and inputs of at most
-//! `MAX_ROWS` rows; other widths and larger steps go through MLX (`QTensor::matmul_t`).
+//! `MAX_ROWS` rows; other widths and larger steps go through MLX ([`QTensor::matmul_t`]).
 //!
 //! A second kernel dequantizes a whole matrix (for the products of many rows, which multiply
 //! densely): each thread turns 16 packed values into 16 of the output dtype with 16-byte

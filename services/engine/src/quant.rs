@@ -5,7 +5,7 @@
 //! weights, not a full-precision copy.
 //!
 //! Three sources end here: checkpoints written by mlx-lm (already in this form), GGUF blocks that
-//! are affine groups of 32 (`llmq_text::affine`, converted without changing a value), and
+//! are affine groups of 32 ([`llmq_text::affine`], converted without changing a value), and
 //! full-precision weights quantized at load (`--quantize`).
 //!
 //! Packing is MLX's: a row's integers form one little-endian bit stream, element j in bits
@@ -334,7 +334,7 @@ impl Matrix {
         }
     }
 
-    /// Joins matrices (see `QTensor::join`); any dense part makes the result dense.
+    /// Joins matrices (see [`QTensor::join`]); any dense part makes the result dense.
     pub fn join(parts: Vec<Matrix>, new_axis: bool) -> Result<Self> {
         if parts.len() == 1 && !new_axis {
             return Ok(parts.into_iter().next().unwrap());

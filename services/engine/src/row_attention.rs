@@ -20,7 +20,7 @@
 //! Invariants: the buffers are row-contiguous (MLX copies them otherwise, which is correct but
 //! slow, so callers pass the batches' own buffers); an item never reads past its group's
 //! capacity (its end is clamped to it); the output has the queries' shape and dtype. On a machine without CUDA,
-//! `RowAttention::new` gives `None` and callers use masked attention.
+//! [`RowAttention::new`] gives `None` and callers use masked attention.
 
 use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype};
@@ -30,7 +30,7 @@ use crate::kernel::Kernel;
 /// Warps per thread block.
 const WARPS: i32 = 8;
 
-/// Keys one block takes at most when rows are cut into items (see `RowAttention::plan`).
+/// Keys one block takes at most when rows are cut into items (see [`RowAttention::plan`]).
 const KEYS_PER_BLOCK: i32 = 512;
 
 /// Thread blocks that keep the GPU busy without splitting keys (an H200 has 132 SMs).
@@ -39,7 +39,7 @@ const ENOUGH_BLOCKS: i32 = 256;
 /// The part both attention kernels share: one block's item (keys `begin..end` of one row) for
 /// one kv head, accumulated with a running maximum by the warps in turn, then merged over the
 /// warps in shared memory, leaving in `m`, `total` and `o` the block's maximum score, softmax
-/// sum and weighted values (thread `t` holds dimension `t % D` of query head `t / D`). `SCALE`,
+/// sum and weighted values (thread `t` holds dimension `t % D` of query head `t / D`). [`SCALE`],
 /// `G` (query heads per kv head), `D` (head dim) and `T` (dtype) are set per model. Inputs: `q`
 /// [rows, heads, 1, D] (every group's rows in order), `work` [items, 3] int32, and each group's
 /// `k<i>`, `v<i>` [slots, kv_heads, cap, D]; `@SELECT@` becomes the choice of a row's group.
@@ -215,7 +215,7 @@ pub struct RowAttention {
     head_dim: i32,
 }
 
-/// A decode step's work for the kernels, made once a step (`RowAttention::plan`) and used by
+/// A decode step's work for the kernels, made once a step ([`RowAttention::plan`]) and used by
 /// every layer: the items, and with split rows each row's items.
 pub struct RowPlan {
     work: Array,

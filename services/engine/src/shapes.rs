@@ -1,4 +1,4 @@
-//! Random-weight models of known shapes (`llmq_text::shapes`): Llama's, and Qwen3-MoE's for
+//! Random-weight models of known shapes ([`llmq_text::shapes`]): Llama's, and Qwen3-MoE's for
 //! the mixture-of-experts shapes, for speed measurements that need no files.
 
 use llmq_text::shapes::config;

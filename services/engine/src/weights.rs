@@ -7,7 +7,7 @@
 //! 1 + w (`norms_include_one`); `take` checks shapes, so an architecture never runs on a
 //! tensor of the wrong size.
 //!
-//! What a projection's weight becomes is decided here, once (`LoadOptions`): quantized weights
+//! What a projection's weight becomes is decided here, once ([`LoadOptions`]): quantized weights
 //! stay quantized where `keep_quantized` says (else they are dequantized), and full-precision
 //! ones are quantized when `quantize` asks. Every decision is counted in `summary`.
 

@@ -1,5 +1,5 @@
 //! The OpenAI-compatible HTTP gateway: one more NATS client of llmq, like the CLI. It turns
-//! `POST /v1/chat/completions` and `POST /v1/completions` into `GenerateRequest`s on
+//! `POST /v1/chat/completions` and `POST /v1/completions` into [`GenerateRequest`]s on
 //! `llm.v1.generate` (with `require_worker`, so a model nobody serves is a 503 at once),
 //! and the request's events into OpenAI's responses: server-sent chunks ending with
 //! `data: [DONE]`, or one JSON body. `GET /v1/models` and `GET /health` come from the workers'
@@ -9,13 +9,13 @@
 //!
 //! Invariants: every accepted request ends in exactly one outcome counted in the metrics; a
 //! client that goes away before the end (a closed stream, a dropped connection while waiting for
-//! a non-streamed answer) causes one `Cancel` on `llm.v1.cancel` as soon as the gateway notices,
+//! a non-streamed answer) causes one [`Cancel`] on `llm.v1.cancel` as soon as the gateway notices,
 //! which is at once for a waiting handler and at the next event (within a tick) for a stream;
 //! errors leave as OpenAI error bodies with the status of their class; a request whose model
 //! has had no worker for `intake.no_worker_grace_ms` while the request waits ends with
 //! `worker_lost` (503) within `SILENCE` of that, instead of hanging (a restart of every worker
 //! is shorter than the grace: its requests wait for the workers to come back); and each request's
-//! `Watch` ends it with `worker_lost` when NATS lost its events or its job (a gap in the events,
+//! [`Watch`] ends it with `worker_lost` when NATS lost its events or its job (a gap in the events,
 //! a job gone without its terminal event, nothing alive for `gateway.silent_stream_timeout_ms`),
 //! while a silent stream whose job is still waiting or running gets `: alive` comments.
 
@@ -86,7 +86,7 @@ const MAX_BODY_BYTES: usize = 4 << 20;
 const INTAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// A request with no event for this long is checked: if no worker of its model has been heard
 /// from for the grace period, it ends with `worker_lost` instead of waiting for a worker that
-/// may never come; else its `Watch` asks where its job is (and a stream then gets a keep-alive).
+/// may never come; else its [`Watch`] asks where its job is (and a stream then gets a keep-alive).
 const SILENCE: Duration = Duration::from_secs(5);
 
 /// The end of a request whose model has lost every worker while it waited.
@@ -104,7 +104,7 @@ fn orphaned(state: &State, model: &str) -> Option<ApiError> {
     })
 }
 
-/// A request its `Watch` ended (events or its job lost on the way): logged, for the client.
+/// A request its [`Watch`] ended (events or its job lost on the way): logged, for the client.
 fn watch_ended(request_id: &str, e: &llmq_protocol::WireError) -> ApiError {
     tracing::warn!(request_id, reason = %e.message, "request ended by its watch");
     ApiError::from_wire(e)

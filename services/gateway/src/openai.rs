@@ -4,7 +4,7 @@
 //! are not text) and for fields the gateway does not implement (`unsupported`: refused with a
 //! 400 naming them, never dropped); everything else (ranges, unknown model, context length) is
 //! intake's job, and its typed errors are mapped to OpenAI-style error bodies and HTTP statuses
-//! by `ApiError`.
+//! by [`ApiError`].
 
 use actix_web::http::StatusCode;
 use llmq_protocol::{ChatMessage, Constraint, ErrorClass, GenerateRequest, WireError};

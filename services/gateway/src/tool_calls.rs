@@ -1,5 +1,5 @@
 //! Tool calls out of a model's output as it streams, in the syntax intake named
-//! (`ToolSyntax`): text becomes content and whole calls, each call released as soon as its
+//! ([`ToolSyntax`]): text becomes content and whole calls, each call released as soon as its
 //! JSON is complete, so a streamed answer carries each call in one delta.
 //!
 //! Invariants: text that may still turn out to be a call's marker is held back until it can

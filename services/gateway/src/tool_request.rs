@@ -1,7 +1,7 @@
 //! Tools in OpenAI's chat request (`tools`, `tool_choice`, `parallel_tool_calls`, an assistant
-//! message's `tool_calls`) and their translation to the protocol's `Tool`, `ToolChoice` and
-//! `ToolCall`. Which syntax the model writes its calls in, and their checks against the
-//! request's tools, are intake's (`llmq_text::tools`).
+//! message's `tool_calls`) and their translation to the protocol's [`Tool`], [`ToolChoice`] and
+//! [`ToolCall`]. Which syntax the model writes its calls in, and their checks against the
+//! request's tools, are intake's ([`llmq_text::tools`]).
 
 use llmq_protocol::{GenerateRequest, Tool, ToolCall, ToolChoice};
 use serde::Deserialize;

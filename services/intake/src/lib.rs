@@ -1,7 +1,7 @@
 //! Intake: the front door. Stateless; run as many as you like (they share the queue group).
 //!
-//! For each `GenerateRequest` on `llm.v1.generate` it decodes, validates, applies the chat
-//! template, tokenizes, checks the context limit, assigns the request id, puts the `Job` on the
+//! For each [`GenerateRequest`] on `llm.v1.generate` it decodes, validates, applies the chat
+//! template, tokenizes, checks the context limit, assigns the request id, puts the [`Job`] on the
 //! JetStream jobs stream (durable: a job accepted while no worker runs waits for one) and
 //! replies `Accepted` at once, or `Rejected` with a typed error. Bad input disturbs nothing.
 //!
@@ -351,8 +351,8 @@ pub async fn run(
     Ok(())
 }
 
-/// Answers a `JobQuery`: `Pending` while the job's message is in the jobs stream (a worker
-/// acknowledges it only once its terminal event is out), `Gone` once it is not. A stream that
+/// Answers a [`JobQuery`]: [`Pending`] while the job's message is in the jobs stream (a worker
+/// acknowledges it only once its terminal event is out), [`Gone`] once it is not. A stream that
 /// cannot be read gets no answer: the client cannot tell, and asks again.
 async fn answer_job_query(
     client: &async_nats::Client,

@@ -1,4 +1,4 @@
-//! Raw `GenerateRequest` in, validated `Job` out: the one place where client input is checked.
+//! Raw [`GenerateRequest`] in, validated [`Job`] out: the one place where client input is checked.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -1,4 +1,4 @@
-//! What the scheduler asks of an executor (`Executor`) and what it gets back: a decode step's
+//! What the scheduler asks of an executor ([`Executor`]) and what it gets back: a decode step's
 //! outputs and a prefill chunk's outcome. The worker's role actors implement it through
 //! messages; the tests implement it with fakes.
 
@@ -55,7 +55,7 @@ pub async fn step_separately<E: Executor + ?Sized>(
 #[allow(async_fn_in_trait)]
 pub trait Executor {
     /// Prefills the next `n` prompt tokens of `id`. When they complete the prompt, also samples
-    /// the first output token and returns it (see `Prefilled::Done` for the one exception).
+    /// the first output token and returns it (see [`Prefilled::Done`] for the one exception).
     async fn prefill(&mut self, id: ReqId, n: usize) -> Result<Option<StepOut>, WireError>;
     /// One batched decode step over `ids`; one result per id, in order.
     async fn decode(&mut self, ids: &[ReqId]) -> Vec<Result<StepOut, WireError>>;

@@ -8,7 +8,7 @@
 //!    anything decodes (ending on a multiple of `prefill_chunk`, so a prefix hit off that grid
 //!    is first brought back onto it), `idle_prefill_chunk` when nothing does (the idle fast
 //!    path); a chunk
-//!    the executor has part-way through (its layers spread over ticks: `Prefilled::Pending`) is
+//!    the executor has part-way through (its layers spread over ticks: [`Prefilled::Pending`]) is
 //!    granted again until it is done; with a `tick_budget`, a chunk beside decoding streams is
 //!    sized to it from measured tick times instead (`budget`);
 //! 4. the active decode batch steps once and the chunk is prefilled, in one executor call (the
@@ -26,7 +26,7 @@
 //! ends, so after all requests end the reservation is zero; a request that could never fit the
 //! budget is refused at once. The prefix cache lives in what the reservations leave: it is
 //! trimmed (least recently used first) to `budget - reserved` after every admission and tick.
-//! The scheduler never touches a model: `Executor` does the work, so the policy is tested
+//! The scheduler never touches a model: [`Executor`] does the work, so the policy is tested
 //! against a fake executor and a fake clock.
 
 use std::collections::HashMap;
@@ -158,7 +158,7 @@ pub struct Scheduler {
     reserved: u64,
     /// Ended, not yet released in the executor.
     ended: Vec<ReqId>,
-    /// The chunk the executor has part-way through (`Prefilled::Pending`): granted again until
+    /// The chunk the executor has part-way through ([`Prefilled::Pending`]): granted again until
     /// it is done, so only one prefill advances at a time.
     in_flight: Option<(ReqId, usize)>,
     sizer: ChunkSizer,

@@ -222,7 +222,7 @@ pub(crate) async fn drain(actor: &Scheduler, inflight: &Inflight, grace: Duratio
 }
 
 /// Hands every cancel the cancels stream holds to the actor (which remembers those of requests
-/// it does not hold, and ends such a job with `Cancelled` if it ever arrives). Returns how many.
+/// it does not hold, and ends such a job with [`Cancelled`] if it ever arrives). Returns how many.
 pub(crate) async fn replay_cancels(
     stream: &jetstream::stream::Stream,
     actor: &Scheduler,

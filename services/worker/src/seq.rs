@@ -2,7 +2,7 @@
 //! do on it: running a prompt chunk, choosing a token (within its constraint, if it has one),
 //! stop checks and incremental text.
 //!
-//! Invariants: a `Seq` is held by exactly one actor at a time (the prefill actor until its
+//! Invariants: a [`Seq`] is held by exactly one actor at a time (the prefill actor until its
 //! prompt is complete, the decode actor after; it moves between them only inside messages);
 //! its `next` is the token the next decode step feeds; `history` is the prompt and every token
 //! sampled so far; a constrained sequence's matcher has followed every token of its output.
@@ -41,7 +41,7 @@ pub struct Shared {
 
 /// Steps with constrained rows, those rows, the host's wall time computing their masks
 /// (wherever it ran), the device thread's time waiting for masks computed beside it
-/// (`MasksAhead`), and the time it then still waited for the step's tokens (the device's share
+/// ([`MasksAhead`]), and the time it then still waited for the step's tokens (the device's share
 /// left after the masks: masks are hidden behind the step as long as this stays above zero).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct MaskTimes {
@@ -79,7 +79,7 @@ impl Shared {
         }
     }
 
-    /// A copy of a sequence's KV (`layers`, as `Seq::layers` gives it) for the prefix cache, or
+    /// A copy of a sequence's KV (`layers`, as [`Seq::layers`] gives it) for the prefix cache, or
     /// `None` without one (or without KV to keep). The copy is queued on the device at once:
     /// queued before any later write to the buffers it reads, it leaves them with no other
     /// reader, so those writes stay in place (a view kept past them would make each one copy
@@ -165,7 +165,7 @@ pub struct Seq {
     /// The token taken last, which its matcher follows when the next mask is computed: the
     /// rows' matchers follow their tokens in parallel there, not one by one as tokens are taken.
     pub unfollowed: Option<u32>,
-    /// Its next token's mask, computed ahead (`MasksAhead`): its matcher has followed every
+    /// Its next token's mask, computed ahead ([`MasksAhead`]): its matcher has followed every
     /// token taken.
     pub mask: Option<Vec<u32>>,
     /// Why its constraint allows no next token (found while masking): its step fails with it.
@@ -252,7 +252,7 @@ impl Seq {
 
     /// Takes `id` as the sequence's next token and runs the stop checks.
     /// A constrained sequence's matcher follows the token later (or is following it already,
-    /// away in `MasksAhead`).
+    /// away in [`MasksAhead`]).
     pub fn take_token(
         &mut self,
         tok: Option<&Tokenizer>,
@@ -489,7 +489,7 @@ pub fn restrict_rows<'a>(
 }
 
 /// Each row's greedy token among those its constraint allows (int32 `[rows]`, lazy), as
-/// `argmax_rows` of `restrict_rows` but without the restricted logits (see `MaskLayout::argmax`).
+/// `argmax_rows` of `restrict_rows` but without the restricted logits (see [`MaskLayout::argmax`]).
 pub fn restricted_argmax<'a>(
     shared: &Shared,
     logits: &Array,

@@ -14,8 +14,8 @@
 //!   other ids for an hour, so a job cancelled while it still waited in the jobs stream ends with
 //!   `Cancelled` when it arrives instead of running. At start the worker replays the cancels the
 //!   server stored (stream `LLMQ_CANCELS_V1`), so this holds for workers started later too.
-//! - `llm.v1.cache.clear`: drops the cached prefixes (answers `CacheCleared` if asked).
-//! - heartbeats: `WorkerStatus` on `llm.v1.worker.<id>.status` every `worker.heartbeat_ms`: the
+//! - `llm.v1.cache.clear`: drops the cached prefixes (answers [`CacheCleared`] if asked).
+//! - heartbeats: [`WorkerStatus`] on `llm.v1.worker.<id>.status` every `worker.heartbeat_ms`: the
 //!   actor's latest status snapshot, so they keep coming during a long tick.
 
 use std::sync::{Arc, Mutex};
@@ -496,7 +496,7 @@ async fn forward_cancels(mut cancels: async_nats::Subscriber, actor: Scheduler) 
 }
 
 /// `llm.v1.cache.clear`: drops the cached prefixes of this worker's model (of every model if
-/// none is named), answering `CacheCleared` when asked.
+/// none is named), answering [`CacheCleared`] when asked.
 async fn clear_caches(
     mut clears: async_nats::Subscriber,
     actor: Scheduler,

@@ -4,7 +4,7 @@
 //!
 //! A line: the tick's start (ms since the log opened), its ms, rows decoded, chunk tokens, that
 //! prompt's tokens done, then `name=value` fields: the decode actor's host time in the step
-//! it delivered (`StepTimes`), the chunk stage the tick launched (`layers`, `work`), and MLX's
+//! it delivered ([`StepTimes`]), the chunk stage the tick launched (`layers`, `work`), and MLX's
 //! memory after the tick (`active_gb`, `cache_gb`).
 
 use std::io::Write;

@@ -3,7 +3,7 @@
 //! Invariants: payloads are MessagePack maps with named fields (`encode` uses
 //! `rmp_serde::to_vec_named`, so adding or moving a field never shifts another); `decode`
 //! refuses payloads over `MAX_MESSAGE_BYTES` before parsing; the version is in the subject, so
-//! a v2 can run beside v1. Raw client requests (`GenerateRequest`) and validated jobs (`Job`)
+//! a v2 can run beside v1. Raw client requests ([`GenerateRequest`]) and validated jobs ([`Job`])
 //! are different types: only intake turns one into the other. `workers` keeps the live
 //! workers a service has heard from (their heartbeats), for intake and the gateway. `connect`
 //! (feature `nats`) is how every llmq program connects: credentials, its own inboxes, TLS.

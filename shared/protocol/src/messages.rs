@@ -1,5 +1,5 @@
-//! The messages of protocol v1. Field ownership: clients write `GenerateRequest` and `Cancel`;
-//! intake writes `GenerateReply` and `Job`; workers write `StreamEvent` and `WorkerStatus`.
+//! The messages of protocol v1. Field ownership: clients write [`GenerateRequest`] and [`Cancel`];
+//! intake writes [`GenerateReply`] and [`Job`]; workers write [`StreamEvent`] and [`WorkerStatus`].
 
 use serde::{Deserialize, Serialize};
 
@@ -80,7 +80,7 @@ pub enum ToolSyntax {
     Mistral,
 }
 
-/// A client's job as submitted on `llm.v1.generate`. Unchecked: intake validates it into a `Job`.
+/// A client's job as submitted on `llm.v1.generate`. Unchecked: intake validates it into a [`Job`].
 /// Numbers are wide and signed here so that out-of-range values can be reported, not wrapped.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(default)]
@@ -117,7 +117,7 @@ pub struct GenerateRequest {
     /// needs honoured. A field intake does not know is ignored, as MessagePack maps allow (a
     /// newer client's field reaching an older intake), unless it is named here: then intake
     /// refuses the request (`invalid_request`, naming it) rather than generate something else.
-    /// A client sets a field added to the protocol after v1's first fields (`REQUIRABLE` lists
+    /// A client sets a field added to the protocol after v1's first fields ([`REQUIRABLE`] lists
     /// them) and names it here.
     pub requires: Vec<String>,
     /// Holds the output to a JSON schema, any JSON object, a regular expression or a Lark
@@ -211,7 +211,7 @@ pub struct JobQuery {
     pub job_seq: u64,
 }
 
-/// Intake's answer to a `JobQuery`.
+/// Intake's answer to a [`JobQuery`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum JobState {
@@ -315,7 +315,7 @@ impl Sampling {
     }
 }
 
-/// When a job's generation ends (besides a cancel), validated like `Sampling`.
+/// When a job's generation ends (besides a cancel), validated like [`Sampling`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StopConditions {
     pub max_tokens: u32,
@@ -464,7 +464,7 @@ pub struct Cancel {
 }
 
 /// Published on `llm.v1.cache.clear`: every worker (of `model`, or all) drops its cached
-/// prefixes and, when the message has a reply subject, answers with `CacheCleared`.
+/// prefixes and, when the message has a reply subject, answers with [`CacheCleared`].
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(default)]
 pub struct ClearCache {

@@ -1,17 +1,17 @@
 //! Prefill as a service: what a decode worker and a prefill worker exchange.
 //!
 //! The decode worker's scheduler stays the clock: it grants one chunk of a prompt at a time
-//! (`PrefillOrder::Grant`, on the prefill worker's `subjects::prefill_orders`), and the prefill
+//! ([`PrefillOrder::Grant`], on the prefill worker's `subjects::prefill_orders`), and the prefill
 //! worker answers on the decode worker's `subjects::prefill_kv` with the chunk's KV, every
-//! layer's keys and values for the chunk's positions, in pieces (`KvPiece`) small enough for
+//! layer's keys and values for the chunk's positions, in pieces ([`KvPiece`]) small enough for
 //! NATS, with a checksum of the whole chunk. Its first piece also says the chunk is computed,
 //! so the next grant can go out while the rest of its KV is still on the way.
 //!
-//! Where the grant offers it (`PrefillGrant::direct`), the prefill worker sends the chunk's KV on
+//! Where the grant offers it ([`PrefillGrant::direct`]), the prefill worker sends the chunk's KV on
 //! a TCP connection to the decode worker instead, with NATS still carrying the grants, drops,
 //! failures and heartbeats: NATS relays every byte through its server, a few hundred MB/s,
 //! where a prompt of 8,192 tokens at the 8b shape is a gigabyte of KV. On that connection each
-//! chunk is a `KvFrame` (its length, then the frame in MessagePack) followed by the chunk's
+//! chunk is a [`KvFrame`] (its length, then the frame in MessagePack) followed by the chunk's
 //! bytes; the frame's arrival says the chunk is computed, and it carries the decoder's token,
 //! known only from its grants.
 //!
@@ -20,7 +20,7 @@
 //! cache, or by computing the missing positions), so any grant can be served, in any state. A
 //! chunk's bytes are, layer after layer, that layer's keys then values, each
 //! `[kv_heads, n, head_dim]` row-major in the model's dtype. A session is dropped on
-//! `PrefillOrder::Drop`, and when its decoder goes silent.
+//! [`PrefillOrder::Drop`], and when its decoder goes silent.
 
 use serde::{Deserialize, Serialize};
 
@@ -76,11 +76,11 @@ pub struct KvFrame {
     pub n: u32,
     pub total_bytes: u64,
     pub checksum: u64,
-    /// As `KvPiece::sent_at_us`.
+    /// As [`KvPiece::sent_at_us`].
     pub sent_at_us: u64,
 }
 
-/// The longest encoded `KvFrame` a reader accepts.
+/// The longest encoded [`KvFrame`] a reader accepts.
 pub const MAX_KV_FRAME: usize = 1024;
 
 impl KvFrame {

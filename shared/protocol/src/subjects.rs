@@ -2,13 +2,13 @@
 
 /// Request/reply: a client submits a `GenerateRequest`, gets a `GenerateReply` at once.
 pub const GENERATE: &str = "llm.v1.generate";
-/// Queue group of the intake services on `GENERATE`.
+/// Queue group of the intake services on [`GENERATE`].
 pub const INTAKE_QUEUE: &str = "intake";
 /// Broadcast: `Cancel`. Whichever worker holds the request drops it. The server also stores
 /// cancels in the stream `CANCELS_STREAM` for an hour, so a worker that starts later ends a
 /// cancelled job that was still waiting instead of running it.
 pub const CANCEL: &str = "llm.v1.cancel";
-/// JetStream stream keeping recent cancels (subject `CANCEL`).
+/// JetStream stream keeping recent cancels (subject [`CANCEL`]).
 pub const CANCELS_STREAM: &str = "LLMQ_CANCELS_V1";
 /// Broadcast: `ClearCache`. Workers drop their cached prefixes (reply: `CacheCleared`).
 pub const CACHE_CLEAR: &str = "llm.v1.cache.clear";

@@ -1,4 +1,4 @@
-//! The workers a service has heard from: the latest `WorkerStatus` heartbeat of each, and which
+//! The workers a service has heard from: the latest [`WorkerStatus`] heartbeat of each, and which
 //! are alive (heard from within a timeout). Intake and the gateway keep one each.
 //!
 //! Invariant: a worker silent for longer than the timeout is not live, and is forgotten after

@@ -1,6 +1,6 @@
 //! Logging and tracing set-up shared by every llmq binary.
 //!
-//! - Logs: every binary reads the same variable (`LLMQ_LOG`, an `EnvFilter` directive such as
+//! - Logs: every binary reads the same variable (`LLMQ_LOG`, an [`EnvFilter`] directive such as
 //!   `info` or `llmq_engine=debug`) and logs to stderr, leaving stdout to the program's output.
 //! - Traces: when the standard OpenTelemetry variable `OTEL_EXPORTER_OTLP_ENDPOINT` (or
 //!   `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) is set, the same `tracing` spans are also exported

@@ -15,7 +15,7 @@ use crate::gguf::TensorType;
 pub const GROUP: usize = 32;
 
 /// A tensor's elements as unsigned integers of `bits` bits with one (scale, bias) per group of
-/// `GROUP` consecutive elements (row-major, so a group never spans two rows of a tensor whose
+/// [`GROUP`] consecutive elements (row-major, so a group never spans two rows of a tensor whose
 /// row length is a multiple of 32, as every GGML block type's is).
 #[derive(Debug, Default, Clone, PartialEq)]
 pub struct Affine {

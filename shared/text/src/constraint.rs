@@ -3,7 +3,7 @@
 //! vocabulary into a matcher; at each step the matcher gives the tokens that keep the output a
 //! prefix of a valid one (a bit mask over the vocabulary), and follows the token chosen.
 //!
-//! Invariants: one `Grammars` per model (its token trie is built once, then shared by every
+//! Invariants: one [`Grammars`] per model (its token trie is built once, then shared by every
 //! request's matcher); a mask never allows a token that would make the output invalid; the
 //! model's end-of-sequence tokens are allowed exactly where the output is complete; in JSON
 //! (a JSON constraint, or the `%json` parts of a grammar, as in tool calls) no object repeats a
@@ -180,7 +180,7 @@ pub struct Matcher {
 }
 
 impl Matcher {
-    /// The tokens allowed next, written into `mask` (`Grammars::mask_words` words): bit `i % 32`
+    /// The tokens allowed next, written into `mask` ([`Grammars::mask_words`] words): bit `i % 32`
     /// of word `i / 32` is set when token `i` is allowed. Once the output is complete only the
     /// end-of-sequence tokens are. An error: the output cannot be continued validly.
     pub fn allowed(&mut self, mask: &mut [u32]) -> Result<(), String> {

@@ -1,7 +1,7 @@
 //! Tools in the prompt and the grammar of a required call.
 //!
 //! A chat template decides how a model sees its tools and writes its calls: `support` reads
-//! which of the syntaxes llmq parses (`ToolSyntax`) a template uses. Templates that show no
+//! which of the syntaxes llmq parses ([`ToolSyntax`]) a template uses. Templates that show no
 //! tools (SmolLM2's, Gemma's) get llmq's own instructions in the system message, in the Hermes
 //! syntax, and their tool turns as plain text; a template with tools in a syntax llmq does not
 //! parse is refused rather than half served. Messages and tools reach a template as

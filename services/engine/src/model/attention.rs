@@ -31,7 +31,7 @@ pub(super) struct Attention {
     /// Scores soft-capped before the softmax (Gemma 2): attention then runs unfused.
     pub(super) softcap: Option<f32>,
     pub(super) eps: f32,
-    /// On a CPU, scores not soft-capped: attention in f32 runs in `crate::cpu_attention`.
+    /// On a CPU, scores not soft-capped: attention in f32 runs in [`crate::cpu_attention`].
     pub(super) cpu: bool,
 }
 
@@ -184,7 +184,7 @@ impl Attention {
     }
 
     /// On a CPU, queries [1, heads, t, d] in f32 over a cache that keeps its positions in
-    /// order, causal or unmasked, through llmq's attention (`crate::cpu_attention`); `None`
+    /// order, causal or unmasked, through llmq's attention ([`crate::cpu_attention`]); `None`
     /// elsewhere (soft-capped scores, explicit masks, a GPU, another dtype).
     fn attend_on_cpu(
         &self,
@@ -307,9 +307,9 @@ pub(super) struct GroupStep<'a> {
     pub(super) attend: GroupAttention,
 }
 
-/// How a group's rows attend (see `DecodeBatch::per_row_attention`).
+/// How a group's rows attend (see [`DecodeBatch::per_row_attention`]).
 pub(super) enum GroupAttention {
-    /// With every other group's, through the row attention kernel (`RowStep`).
+    /// With every other group's, through the row attention kernel ([`RowStep`]).
     Rows,
     /// All rows at once over the whole capacity, masked past each row's length.
     Masked(Array),
@@ -486,7 +486,7 @@ impl Attention {
     }
 
     /// On a CPU in f32, a group's rows [slots, heads, 1, d] over their buffers `kv`, each over
-    /// its first `lens` positions, through `crate::cpu_attention` (scratch rows zeros); `None`
+    /// its first `lens` positions, through [`crate::cpu_attention`] (scratch rows zeros); `None`
     /// elsewhere.
     fn rows_on_cpu(&self, q: &Array, kv: &(Array, Array), lens: &[i32]) -> Result<Option<Array>> {
         if !self.cpu || q.dtype() != Dtype::Float32 || kv.0.dtype() != Dtype::Float32 {

@@ -1,4 +1,4 @@
-//! A decoder layer's parts: projections (`Linear`), the feed-forward part (a dense MLP or
+//! A decoder layer's parts: projections ([`Linear`]), the feed-forward part (a dense MLP or
 //! experts), the norms around attention and MLP, the activations, and how a layer is loaded
 //! from a checkpoint's names.
 
@@ -154,7 +154,7 @@ pub(super) struct Layer {
     pub(super) mlp: FeedForward,
     /// Gemma: the MLP's output is normed before the residual add.
     pub(super) mlp_out_norm: Option<Array>,
-    /// Index of the layer's rope in `Model::ropes`.
+    /// Index of the layer's rope in [`Model::ropes`].
     pub(super) rope: usize,
 }
 
@@ -291,7 +291,7 @@ fn swiglu(g: &Array, u: &Array) -> Result<Array> {
 }
 
 /// `act(gate) * up` of a fused gate-and-up product `gu` [..., 2 size] (gate first): GELU's
-/// tanh form or SiLU. On a CPU in f32 through llmq's own loop (`crate::cpu_elementwise`).
+/// tanh form or SiLU. On a CPU in f32 through llmq's own loop ([`crate::cpu_elementwise`]).
 pub(super) fn gated(gu: &Array, size: i32, gelu: bool) -> Result<Array> {
     if let Some(y) = crate::cpu_elementwise::gated(gu, size as usize, gelu) {
         return Ok(y?);

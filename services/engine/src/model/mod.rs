@@ -43,7 +43,7 @@ pub fn host_f32(a: &Array) -> Result<Vec<f32>> {
 /// Cache growth step in tokens: decode reallocates once every this many tokens.
 const CACHE_STEP: usize = 256;
 
-/// On a GPU, prefill chunks end on multiples of this many positions (see `Model::chunk_grid`).
+/// On a GPU, prefill chunks end on multiples of this many positions (see [`Model::chunk_grid`]).
 pub const GPU_CHUNK_GRID: usize = 256;
 
 pub struct Model {
@@ -62,9 +62,9 @@ pub struct Model {
     /// Decode attention by row lengths (NVIDIA GPUs); None: masked attention.
     row_attention: Option<RowAttention>,
     /// On a CPU in f32 (scores not soft-capped): a sequence's attention and the decode rows'
-    /// run in `crate::cpu_attention`.
+    /// run in [`crate::cpu_attention`].
     cpu_attention: bool,
-    /// What the checkpoint's weights became at load (`Weights::summary`).
+    /// What the checkpoint's weights became at load ([`Weights::summary`]).
     weights: String,
 }
 
@@ -349,7 +349,7 @@ impl Model {
             .0)
     }
 
-    /// A step whose prefill chunk runs through only some of the layers (`ChunkStage`): a
+    /// A step whose prefill chunk runs through only some of the layers ([`ChunkStage`]): a
     /// chunk's layers can be spread over several steps, each then carrying a part of its
     /// work. Returns the logits (the groups' rows, then the chunk's last position when this
     /// stage ends at the last layer) and, when it does not, the chunk's hidden state for the

@@ -7,7 +7,7 @@
 //! With many (row, expert) pairs (a prefill chunk, a large decode batch) the pairs are sorted by
 //! expert first, so rows that picked the same expert share one read of its weights. On an NVIDIA
 //! GPU a step of up to `experts::MAX_PAIRS` pairs with full-precision experts goes through llmq's
-//! own kernels instead (`crate::experts`: routing and products grouped by expert, four launches).
+//! own kernels instead ([`crate::experts`]: routing and products grouped by expert, four launches).
 
 use mlx_rs::ops::indexing::{take_along_axis, IndexOp};
 use mlx_rs::ops::{argpartition_axis, argsort_axis, gather_mm, gather_qmm, sigmoid, softmax_axis};

@@ -1,4 +1,4 @@
-//! Rotary position embeddings on the device, for every scaling type of `llmq_text::rope`.
+//! Rotary position embeddings on the device, for every scaling type of [`llmq_text::rope`].
 //!
 //! Frequencies that are the same at every position (none, linear, llama3, yarn) go through
 //! MLX's fused kernel, at an offset (a sequence's chunk) or at each row's own position (a decode

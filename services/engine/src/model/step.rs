@@ -115,7 +115,7 @@ impl Model {
         Ok((logits, hidden_out))
     }
 
-    /// Per rope (`Model::ropes`), where a step's rows are rotated: the decode rows alone (each
+    /// Per rope ([`Model::ropes`]), where a step's rows are rotated: the decode rows alone (each
     /// slot at its length before this step's token, scratch slots 0), for the layers outside
     /// the chunk's stage (none when the stage is every layer); and the decode rows followed by
     /// the chunk's `positions`, for those within it (none without a chunk).

@@ -1,5 +1,5 @@
 //! Cancels of requests this worker does not hold (yet): a job still waiting in the jobs stream
-//! when its cancel went out is ended with `Cancelled` when it arrives, instead of run.
+//! when its cancel went out is ended with [`Cancelled`] when it arrives, instead of run.
 
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};

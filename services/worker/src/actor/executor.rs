@@ -1,5 +1,5 @@
-//! What the scheduler actor needs of an executor beyond the work itself (`WorkerExecutor`): the
-//! real one is `crate::roles::RoleActors`, tests use fakes.
+//! What the scheduler actor needs of an executor beyond the work itself ([`WorkerExecutor`]): the
+//! real one is [`crate::roles::RoleActors`], tests use fakes.
 
 use llmq_engine::prefix::PrefixStats;
 use llmq_protocol::WireError;

@@ -1,8 +1,8 @@
 //! The scheduler actor: owns the scheduler (the policy) on the device thread, and is the
 //! device's clock. It ticks while there is work and sleeps on its mailbox when there is none.
 //! A tick is one asynchronous exchange with the executor, the prefill, decode and cache actors
-//! (see `executor`), during which this actor handles no other message: `Submit` and
-//! `CancelRequest` are handled between ticks, so a cancel lands within one tick. Outgoing
+//! (see `executor`), during which this actor handles no other message: [`Submit`] and
+//! [`CancelRequest`] are handled between ticks, so a cancel lands within one tick. Outgoing
 //! events leave through a channel to the NATS side, in order.
 //!
 //! Invariants: events of a request carry consecutive sequence numbers from 0; a panic inside a
@@ -72,7 +72,7 @@ pub struct SchedulerActor<E: WorkerExecutor + Unpin + 'static> {
     tick_ema_ms: f64,
     out: UnboundedSender<Outbound>,
     /// Cancels of requests not held here (yet): a job still waiting in the jobs stream when its
-    /// cancel went out is ended with `Cancelled` when it arrives instead of run.
+    /// cancel went out is ended with [`Cancelled`] when it arrives instead of run.
     cancelled: RecentCancels,
     /// The latest status, refreshed after every message, for heartbeats that must not wait for
     /// a long tick (a worker busy in one is alive, not gone).

@@ -1,11 +1,11 @@
 //! Prefill by prefill workers, as a decode worker (`worker.role = "decode"`) sees it.
 //!
 //! The scheduler still grants one chunk a tick, and only one prompt advances at a time; for a
-//! request prefilled remotely the role actors turn a granted chunk into a `PrefillGrant` to a prefill
-//! worker instead of running it (`RemotePrefill::plan`). The chunk counts as done when the prefill
+//! request prefilled remotely the role actors turn a granted chunk into a [`PrefillGrant`] to a prefill
+//! worker instead of running it ([`RemotePrefill::plan`]). The chunk counts as done when the prefill
 //! worker's first piece of its KV arrives (it sends only once the chunk is computed), so the
 //! next chunk is granted while the rest of this one's KV travels; the KV is written into the
-//! request's cache as each chunk's last piece arrives (`Install`). The prompt's last token is
+//! request's cache as each chunk's last piece arrives ([`Install`]). The prompt's last token is
 //! always run here, in the chunk that completes the prompt: its logits give the first token,
 //! sampled by the request's own sampler, and the sequence then joins the decode batch as any.
 //!
@@ -15,7 +15,7 @@
 //!
 //! The NATS side is `link`: it picks a prefill worker per request (the least loaded live one
 //! by heartbeats, then the same one for every chunk), publishes orders (offering the worker's
-//! direct KV connection, `crate::disaggregated::kv_link`, where it listens), reassembles the KV pieces or
+//! direct KV connection, [`crate::disaggregated::kv_link`], where it listens), reassembles the KV pieces or
 //! takes the direct connections' chunks (checking sizes and the checksum), and tells the device
 //! thread what arrived.
 
@@ -86,7 +86,7 @@ pub struct Install {
 struct Remote {
     prompt: Vec<u32>,
     salt: Option<String>,
-    /// Positions the scheduler counts as prefilled (its chunks answered `Done`).
+    /// Positions the scheduler counts as prefilled (its chunks answered [`Done`]).
     counted: usize,
     /// Positions computed (by the prefill worker, or reused here from the prefix cache).
     computed: usize,
@@ -147,7 +147,7 @@ impl RemotePrefill {
         )
     }
 
-    /// The decoder's model's KV layout, which grants name (see `PrefillGrant::kv_layout`).
+    /// The decoder's model's KV layout, which grants name (see [`PrefillGrant::kv_layout`]).
     pub fn set_kv_layout(&mut self, layout: String) {
         self.kv_layout = layout;
     }
@@ -344,7 +344,7 @@ impl RemotePrefill {
 /// The NATS side of a decode worker's remote prefill: runs until the device end is dropped.
 /// The KV arrives on `kv_client`, a connection of its own, so that the worker's heartbeats,
 /// events and orders never wait behind it, or, where `direct` offers it, on direct connections
-/// (`crate::disaggregated::kv_link`: the offer grants carry, and what those connections deliver).
+/// ([`crate::disaggregated::kv_link`]: the offer grants carry, and what those connections deliver).
 pub async fn link(
     client: async_nats::Client,
     kv_client: async_nats::Client,

@@ -1,10 +1,10 @@
 //! Prompt KV on a direct TCP connection from a prefill worker to a decode worker, beside NATS
-//! (which keeps the grants, drops, failures and heartbeats; see `llmq_protocol::prefill`).
+//! (which keeps the grants, drops, failures and heartbeats; see [`llmq_protocol::prefill`]).
 //!
 //! The decode worker listens (`worker.kv_listen`, loopback by default: the prefill workers of
 //! `llmq up` on the same host) and offers its address (`worker.kv_advertise`, or the bound
 //! one, or for a wildcard its own address toward NATS) and a token of its own in every grant.
-//! A prefill worker connects once per decoder and writes each chunk as a `KvFrame` and its
+//! A prefill worker connects once per decoder and writes each chunk as a [`KvFrame`] and its
 //! bytes; where it cannot connect or write, it sends that chunk as NATS pieces, and tries the
 //! connection again after `RETRY_AFTER`. The decoder drops a connection whose frame is
 //! malformed or carries another token.

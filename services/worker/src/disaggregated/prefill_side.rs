@@ -1,13 +1,13 @@
 //! The prefill server: what a prefill worker (`worker.role = "prefill"`) runs on its device
 //! thread. It holds one session per request a decode worker has granted it chunks of: the
-//! prompt's KV cache as far as computed. A grant (`Serve`) brings the session to the chunk's
+//! prompt's KV cache as far as computed. A grant ([`Serve`]) brings the session to the chunk's
 //! start (from the prefix cache, or by computing the positions it lacks), computes the chunk,
-//! and answers with the chunk's KV as bytes (`llmq_engine::kv_bytes`), which the NATS side
+//! and answers with the chunk's KV as bytes ([`llmq_engine::kv_bytes`]), which the NATS side
 //! sends in pieces while the next grant is computed.
 //!
 //! Invariants: a session's cache holds exactly the prompt's first `offset` positions; a grant
 //! for a prompt other than its session's starts the session again; a session is dropped when
-//! its decoder says so (`Forget`), and when no grant has touched it for `SESSION_IDLE` (its
+//! its decoder says so ([`Forget`]), and when no grant has touched it for `SESSION_IDLE` (its
 //! decoder went away); a dropped session's KV goes to the prefix cache. A panic in a handler
 //! drops every session and becomes an error answer, never escapes.
 

@@ -3,7 +3,7 @@
 //! (`subjects::prefill_orders(<its id>)`) one at a time, in the order they come, on its device
 //! thread (`prefill_server`), and sends each chunk's KV to its decoder in pieces from a task of
 //! its own, so the next grant is computed while the last chunk's KV is on the way: on the
-//! decoder's direct connection where its grant offers one (`crate::disaggregated::kv_link`), else over NATS.
+//! decoder's direct connection where its grant offers one ([`crate::disaggregated::kv_link`]), else over NATS.
 //!
 //! It heartbeats like any worker (role `prefill`: sessions held, the grant's tokens in
 //! progress, KV bytes sent), so decode workers find it and see it go. When a decoder goes

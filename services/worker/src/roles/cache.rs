@@ -80,7 +80,7 @@ pub struct Lookup {
     pub prompt: Vec<u32>,
 }
 
-/// Keep the KV of `tokens` (a copy of its sequence's, see `crate::seq::Shared::prefix_copy`).
+/// Keep the KV of `tokens` (a copy of its sequence's, see [`crate::seq::Shared::prefix_copy`]).
 #[derive(Message)]
 #[rtype(result = "()")]
 pub struct Remember {

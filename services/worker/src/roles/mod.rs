@@ -215,7 +215,7 @@ impl RoleActors {
     }
 
     /// A tick's work on a decode worker: installs the KV that arrived; a chunk of a request
-    /// prefilled remotely is granted to its prefill worker (`Pending` until computed), or run
+    /// prefilled remotely is granted to its prefill worker ([`Pending`] until computed), or run
     /// here (its last position, or all of it after a fallback).
     async fn step_with_remote(
         &mut self,

@@ -1,16 +1,16 @@
 //! The prefill actor: owns every request whose prompt is not complete yet: its sequence, its
-//! own KV cache as it grows chunk by chunk, its sampler. A new request starts here (`Register`,
-//! then `Admit`, which asks the cache actor for a cached prefix to start from). A chunk runs
-//! here when nothing decodes (`Chunk`); while the decode batch runs, the chunk's sequence is
-//! lent to the decode actor (`Lend`), which runs the chunk in the same pass as its step over
-//! the weights and gives the sequence back (`Return`) unless that chunk completed the prompt.
+//! own KV cache as it grows chunk by chunk, its sampler. A new request starts here ([`Register`],
+//! then [`Admit`], which asks the cache actor for a cached prefix to start from). A chunk runs
+//! here when nothing decodes ([`Chunk`]); while the decode batch runs, the chunk's sequence is
+//! lent to the decode actor ([`Lend`]), which runs the chunk in the same pass as its step over
+//! the weights and gives the sequence back ([`Return`]) unless that chunk completed the prompt.
 //! A completed prompt's sequence leaves for the decode actor (which sends the prompt's KV to
 //! the cache actor); a released one's KV goes to the cache actor from here.
 //!
-//! A prompt prefilled by a prefill worker grows here by `Install`: its chunks' KV, written
+//! A prompt prefilled by a prefill worker grows here by [`Install`]: its chunks' KV, written
 //! into its cache as a chunk run here would write it.
 //!
-//! Invariants: a sequence is here from `Register` until its prompt completes or it is
+//! Invariants: a sequence is here from [`Register`] until its prompt completes or it is
 //! released, except while lent; a panic in a handler drops every sequence held here (their
 //! requests then fail with the fault at their next chunk) and never escapes.
 

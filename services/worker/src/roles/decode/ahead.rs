@@ -1,8 +1,8 @@
 //! The decode step queued ahead: launched from the previous step's greedy tokens while they
-//! are still on the device, delivered at the next `Step` (a completed prompt joining, the next
+//! are still on the device, delivered at the next [`Step`] (a completed prompt joining, the next
 //! step queued, then this one's tokens read). With constrained rows, the step is queued without
 //! its tokens: its logits wait for the rows' masks. Those are computed beside the device's
-//! thread (`MasksAhead`), from the tokens read just before the next step's launch (its graph
+//! thread ([`MasksAhead`]), from the tokens read just before the next step's launch (its graph
 //! built meanwhile), so they are ready at the next delivery and only their copy to the device
 //! stands between the step's logits and its tokens.
 
@@ -98,7 +98,7 @@ impl Built {
 }
 
 /// Builds and launches, without waiting for it, the decode step that follows one whose greedy
-/// tokens are `tokens` (see `build_step`, `Built::launch`).
+/// tokens are `tokens` (see `build_step`, [`Built::launch`]).
 pub(super) fn launch_step(
     model: &Model,
     rows: &[Vec<ReqId>],

@@ -35,7 +35,7 @@ pub fn chunk_stages(model: &Model, stages: usize) -> usize {
 /// per `stage_tokens` of it, at most `most`, the stages asked (`stages_for`). With a tick budget (`budget` > 0 and
 /// more than one stage), each step's share is sized to it instead: the work a step carries
 /// (tokens' worth through the whole model) is chosen between `min_tokens` and `stage_tokens`
-/// from measured step times (`ChunkSizer::pick`), so a chunk takes up to `most` steps. On a GPU
+/// from measured step times ([`ChunkSizer::pick`]), so a chunk takes up to `most` steps. On a GPU
 /// whose decode step is short, a 256-token share can cost more than the budget allows (it is
 /// the device's time, not the host's), and a smaller share keeps the streams' gap within it.
 #[derive(Debug, Clone, Copy)]
@@ -75,7 +75,7 @@ impl Staging {
 
     /// Shares for a device whose time for a share is its compute for the share's tokens (a
     /// CPU's): each share's layers carry the tokens' worth chosen (rounded down, at least one
-    /// layer), and the choice is judged as a whole chunk's (`ChunkSizer::with_cautious_shares`).
+    /// layer), and the choice is judged as a whole chunk's ([`ChunkSizer::with_cautious_shares`]).
     /// On a GPU a share's time is mostly the host's for its layers, and the layers are the
     /// chunk's spread evenly over its steps.
     pub fn cautious(mut self) -> Self {
@@ -174,7 +174,7 @@ impl InFlight {
     }
 
     /// Its stage up to layer `end` as the model takes it (`tokens`: the chunk's, from
-    /// `Seq::chunk`); the hidden state goes with it.
+    /// [`Seq::chunk`]); the hidden state goes with it.
     pub(super) fn stage<'a>(&'a mut self, tokens: &'a [u32], end: usize) -> ChunkStage<'a> {
         ChunkStage {
             tokens,
@@ -192,7 +192,7 @@ impl InFlight {
 
 impl DecodeActor {
     /// Where the stage of `c` that runs in a step ends: while rows decode, the layers that
-    /// carry this step's work (see `Staging`), every remaining layer otherwise.
+    /// carry this step's work (see [`Staging`]), every remaining layer otherwise.
     pub(super) fn stage_end(&self, c: &InFlight, rows: bool) -> usize {
         let layers = self.shared.model.num_layers();
         if rows {

@@ -1,9 +1,9 @@
 //! The decode actor: owns every request whose prompt is complete: the decode batches (rows of
 //! shared KV buffers, one batch per length group), each row's sequence and sampler, and the
-//! decode step queued ahead on the device. Each `Step` advances every row by one token; a
+//! decode step queued ahead on the device. Each [`Step`] advances every row by one token; a
 //! sequence lent by the prefill actor rides in the same pass over the weights for its chunk
 //! (and, when nothing needs the host in between, in the step queued ahead). A sequence whose
-//! prompt completes joins its length group here, by `Join` or in a `Step`; its prompt's KV goes
+//! prompt completes joins its length group here, by [`Join`] or in a [`Step`]; its prompt's KV goes
 //! to the cache actor (on a CPU copied from its row a few layers a step: `copies`), as does a
 //! sequence's KV when it is released.
 //!
@@ -88,7 +88,7 @@ pub struct DecodeActor {
     /// How a chunk's layers are spread over steps while rows decode.
     staging: Staging,
     /// With a tick budget, sizes each step's share of a chunk from the steps' times (the
-    /// interval from one `Step` to the next, while rows decode: the gap a stream sees).
+    /// interval from one [`Step`] to the next, while rows decode: the gap a stream sees).
     sizer: ChunkSizer,
     /// The work (tokens' worth) a stage of the current step carries.
     stage_work: usize,
