@@ -211,7 +211,9 @@ impl Weights {
             Matrix::Quantized(q) => (Matrix::Dense(q.dequantize()?), self.dequantized(&from)),
             Matrix::Dense(a) => {
                 match self.opts.quantize {
-                    Some(spec) if shape[shape.len() - 1].is_multiple_of(spec.group_size as usize) => {
+                    Some(spec)
+                        if shape[shape.len() - 1].is_multiple_of(spec.group_size as usize) =>
+                    {
                         let q = QTensor::quantize(&a, spec)?;
                         // Now, so that the full-precision tensor is freed before the next one.
                         mlx_rs::transforms::eval(q.parameters())?;

@@ -109,23 +109,71 @@ impl Metrics {
             );
         }
         let gauges = [
-            WorkerSeries::new("llmq_worker_queued_requests", "Requests waiting for admission or prefill.", |s| s.queued_requests as f64),
-            WorkerSeries::new("llmq_worker_queued_prefill_tokens", "Prompt tokens still to prefill.", |s| s.queued_prefill_tokens as f64),
+            WorkerSeries::new(
+                "llmq_worker_queued_requests",
+                "Requests waiting for admission or prefill.",
+                |s| s.queued_requests as f64,
+            ),
+            WorkerSeries::new(
+                "llmq_worker_queued_prefill_tokens",
+                "Prompt tokens still to prefill.",
+                |s| s.queued_prefill_tokens as f64,
+            ),
             WorkerSeries::new("llmq_worker_active_streams", "Sequences decoding.", |s| {
                 s.active_streams as f64
             }),
-            WorkerSeries::new("llmq_worker_kv_bytes_used", "KV cache bytes held (prefix cache included).", |s| s.kv_bytes_used as f64),
-            WorkerSeries::new("llmq_worker_kv_bytes_free", "KV budget not reserved by running requests.", |s| s.kv_bytes_free as f64),
-            WorkerSeries::new("llmq_worker_prefix_cache_hit_rate", "Prompt tokens reused over prompt tokens looked up.", |s| s.prefix_hit_rate),
-            WorkerSeries::new("llmq_worker_prefix_cache_bytes", "Bytes the prefix cache holds.", |s| s.prefix_bytes as f64),
+            WorkerSeries::new(
+                "llmq_worker_kv_bytes_used",
+                "KV cache bytes held (prefix cache included).",
+                |s| s.kv_bytes_used as f64,
+            ),
+            WorkerSeries::new(
+                "llmq_worker_kv_bytes_free",
+                "KV budget not reserved by running requests.",
+                |s| s.kv_bytes_free as f64,
+            ),
+            WorkerSeries::new(
+                "llmq_worker_prefix_cache_hit_rate",
+                "Prompt tokens reused over prompt tokens looked up.",
+                |s| s.prefix_hit_rate,
+            ),
+            WorkerSeries::new(
+                "llmq_worker_prefix_cache_bytes",
+                "Bytes the prefix cache holds.",
+                |s| s.prefix_bytes as f64,
+            ),
         ];
         let counters = [
-            WorkerSeries::new("llmq_worker_requests_ended_total", "Requests the worker has ended (done or error).", |s| s.ended_requests as f64),
-            WorkerSeries::new("llmq_worker_prefix_cache_reused_tokens_total", "Prompt tokens served from the prefix cache.", |s| s.prefix_reused_tokens as f64),
-            WorkerSeries::new("llmq_worker_prefix_cache_evictions_total", "Prefix-cache entries evicted.", |s| s.prefix_evictions as f64),
-            WorkerSeries::new("llmq_worker_kv_bytes_sent_total", "Prompt KV bytes a prefill worker sent to decode workers.", |s| s.kv_bytes_sent as f64),
-            WorkerSeries::new("llmq_worker_kv_bytes_sent_direct_total", "Of those, bytes sent on direct connections (worker.kv_listen), not over NATS.", |s| s.kv_bytes_sent_direct as f64),
-            WorkerSeries::new("llmq_worker_kv_bytes_received_total", "Prompt KV bytes a decode worker received from prefill workers.", |s| s.kv_bytes_received as f64),
+            WorkerSeries::new(
+                "llmq_worker_requests_ended_total",
+                "Requests the worker has ended (done or error).",
+                |s| s.ended_requests as f64,
+            ),
+            WorkerSeries::new(
+                "llmq_worker_prefix_cache_reused_tokens_total",
+                "Prompt tokens served from the prefix cache.",
+                |s| s.prefix_reused_tokens as f64,
+            ),
+            WorkerSeries::new(
+                "llmq_worker_prefix_cache_evictions_total",
+                "Prefix-cache entries evicted.",
+                |s| s.prefix_evictions as f64,
+            ),
+            WorkerSeries::new(
+                "llmq_worker_kv_bytes_sent_total",
+                "Prompt KV bytes a prefill worker sent to decode workers.",
+                |s| s.kv_bytes_sent as f64,
+            ),
+            WorkerSeries::new(
+                "llmq_worker_kv_bytes_sent_direct_total",
+                "Of those, bytes sent on direct connections (worker.kv_listen), not over NATS.",
+                |s| s.kv_bytes_sent_direct as f64,
+            ),
+            WorkerSeries::new(
+                "llmq_worker_kv_bytes_received_total",
+                "Prompt KV bytes a decode worker received from prefill workers.",
+                |s| s.kv_bytes_received as f64,
+            ),
         ];
         let mut live: Vec<&llmq_protocol::WorkerStatus> = workers.live().collect();
         live.sort_by(|a, b| a.worker_id.cmp(&b.worker_id));

@@ -122,10 +122,7 @@ impl Jobs<'_> {
         llmq_telemetry::extract(&span, msg.headers.as_ref());
         self.inflight
             .insert(job.request_id.clone(), msg, span, fetched);
-        self.actor.do_send(Submit {
-            job,
-            first_seq,
-        });
+        self.actor.do_send(Submit { job, first_seq });
     }
 
     /// Ends a job delivered again because its first worker stopped without finishing it (and

@@ -66,13 +66,10 @@ impl Executor for Fake {
         prefill: Option<(ReqId, usize)>,
     ) -> (Vec<Result<StepOut, WireError>>, Option<PrefillResult>) {
         let rows = decode.iter().map(|id| self.prompt[id]).collect();
-        self.log
-            .lock()
-            .unwrap()
-            .push(TickSeen {
-                rows,
-                chunk: prefill.map(|(id, _)| self.prompt[&id]),
-            });
+        self.log.lock().unwrap().push(TickSeen {
+            rows,
+            chunk: prefill.map(|(id, _)| self.prompt[&id]),
+        });
         if prefill.is_some() && !decode.is_empty() {
             self.stage += 1;
             if self.stage < self.ticks {

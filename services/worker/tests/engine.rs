@@ -254,10 +254,7 @@ impl Interleaved {
                     }
                 })
                 .collect();
-            let end = events
-                .iter()
-                .rfind(|e| e.id == i as u64)
-                .map(|e| &e.event);
+            let end = events.iter().rfind(|e| e.id == i as u64).map(|e| &e.event);
             assert_eq!(&got, want, "request {i}, decode_ahead {ahead}, grid {grid}, with a sampled one {with_sampled}, stages {stages}, budget {budget}: ended with {end:?}");
             assert!(end.unwrap().is_terminal());
         }

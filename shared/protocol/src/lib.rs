@@ -9,6 +9,8 @@
 //! (feature `nats`) is how every llmq program connects: credentials, its own inboxes, TLS.
 //! `watch` is how a client makes sure every request it follows ends, events lost or not.
 
+#![deny(missing_docs)]
+
 #[cfg(feature = "nats")]
 pub mod connect;
 pub mod messages;
@@ -29,12 +31,16 @@ use serde::{de::DeserializeOwned, Serialize};
 /// intake and gets a typed error instead of being dropped by the server.
 pub const MAX_MESSAGE_BYTES: usize = 512 << 10;
 
+/// Why a payload could not be encoded or decoded.
 #[derive(Debug, thiserror::Error)]
 pub enum ProtocolError {
+    /// Larger than [`MAX_MESSAGE_BYTES`] (its size).
     #[error("message of {0} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")]
     TooLarge(usize),
+    /// Not a MessagePack message of the expected type.
     #[error("undecodable message: {0}")]
     Decode(#[from] rmp_serde::decode::Error),
+    /// A value MessagePack cannot hold.
     #[error("unencodable message: {0}")]
     Encode(#[from] rmp_serde::encode::Error),
 }

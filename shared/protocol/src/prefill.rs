@@ -30,10 +30,13 @@ use crate::WireError;
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum PrefillOrder {
+    /// Compute a chunk of a prompt.
     Grant(PrefillGrant),
     /// The request is over (ended, cancelled, or prefilled elsewhere): forget its session.
     Drop {
+        /// The decode worker that granted it.
         decoder: String,
+        /// Its key for the request.
         key: u64,
     },
 }
@@ -47,8 +50,11 @@ pub struct PrefillGrant {
     pub key: u64,
     /// Prefixes are shared only between requests of the same salt.
     pub salt: Option<String>,
+    /// The whole prompt (so that the prefill worker can compute any positions before the chunk).
     pub prompt: Vec<u32>,
+    /// The chunk's first position.
     pub start: u32,
+    /// The chunk's tokens.
     pub n: u32,
     /// The decoder's KV layout (layers, KV heads, head size, dtype): a prefill worker whose
     /// model's differs refuses the grant.
@@ -63,18 +69,26 @@ pub struct PrefillGrant {
 /// frames must carry.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DirectKv {
+    /// `host:port` the decode worker listens on.
     pub addr: String,
+    /// The token each frame must carry (from this decode worker's grants).
     pub token: u64,
 }
 
 /// A chunk's KV on a direct connection: this frame, then `total_bytes` bytes.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct KvFrame {
+    /// The decode worker's token ([`DirectKv::token`]).
     pub token: u64,
+    /// The request's key ([`PrefillGrant::key`]).
     pub key: u64,
+    /// The chunk's first position.
     pub start: u32,
+    /// The chunk's tokens.
     pub n: u32,
+    /// Bytes that follow the frame.
     pub total_bytes: u64,
+    /// Their [`kv_checksum`].
     pub checksum: u64,
     /// As [`KvPiece::sent_at_us`].
     pub sent_at_us: u64,
@@ -104,11 +118,15 @@ impl KvFrame {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum PrefillReply {
+    /// A piece of a computed chunk's KV.
     Kv(KvPiece),
     /// The grant could not be served; the decode worker prefills the request itself.
     Failed {
+        /// The request's key.
         key: u64,
+        /// The chunk's first position.
         start: u32,
+        /// Why.
         error: WireError,
     },
 }
@@ -116,17 +134,24 @@ pub enum PrefillReply {
 /// One piece of a chunk's KV.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct KvPiece {
+    /// The request's key ([`PrefillGrant::key`]).
     pub key: u64,
+    /// The chunk's first position.
     pub start: u32,
+    /// The chunk's tokens.
     pub n: u32,
+    /// This piece's index (0: the chunk is computed).
     pub piece: u32,
+    /// Pieces of the chunk.
     pub pieces: u32,
     /// The whole chunk's bytes, and their `kv_checksum`.
     pub total_bytes: u64,
+    /// The chunk's [`kv_checksum`].
     pub checksum: u64,
     /// When the prefill worker started sending the chunk (UNIX microseconds): the decoder's
     /// receipt of the last piece less this is the chunk's transfer time.
     pub sent_at_us: u64,
+    /// This piece's bytes.
     pub data: Bytes,
 }
 
@@ -213,12 +238,28 @@ pub struct KvAssembly {
     checksum: u64,
 }
 
+/// Why a chunk's pieces do not make its KV.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum KvError {
     #[error("a piece does not belong with the others (piece {piece} of {pieces}, {total} bytes)")]
-    Mismatch { piece: u32, pieces: u32, total: u64 },
+    /// A piece of another chunk, or out of range.
+    Mismatch {
+        /// Its index.
+        piece: u32,
+        /// Pieces it says the chunk has.
+        pieces: u32,
+        /// Bytes it says the chunk has.
+        total: u64,
+    },
     #[error("the chunk's KV is {got} bytes, its pieces said {want}")]
-    Size { got: u64, want: u64 },
+    /// The pieces' bytes do not add up.
+    Size {
+        /// Bytes received.
+        got: u64,
+        /// Bytes announced.
+        want: u64,
+    },
+    /// The bytes do not match the checksum.
     #[error("the chunk's KV does not match its checksum")]
     Checksum,
 }

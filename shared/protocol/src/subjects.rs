@@ -21,6 +21,7 @@ pub const WORKER_STATUS_ALL: &str = "llm.v1.worker.*.status";
 pub const JOB_STATE: &str = "llm.v1.job.state";
 /// JetStream stream holding accepted jobs until a worker has finished them, and its subjects.
 pub const JOBS_STREAM: &str = "LLMQ_JOBS_V1";
+/// Every model's jobs subject.
 pub const JOBS_ALL: &str = "llm.v1.jobs.>";
 
 /// The default event stream of a request, when the client named no inbox of its own.
@@ -28,6 +29,7 @@ pub fn stream(request_id: &str) -> String {
     format!("llm.v1.stream.{request_id}")
 }
 
+/// A worker's heartbeats ([`crate::WorkerStatus`]).
 pub fn worker_status(worker_id: &str) -> String {
     format!("llm.v1.worker.{worker_id}.status")
 }
@@ -134,6 +136,7 @@ pub async fn cancels_stream(js: &async_nats::jetstream::Context) -> StreamResult
 /// `worker_lost`, and deletes the message.
 pub const HANDED_BACK_STREAM: &str = "LLMQ_HANDED_BACK_V1";
 
+/// The subject of a handed-back job's mark.
 pub fn handed_back(request_id: &str) -> String {
     format!("llm.v1.handed_back.{}", token(request_id))
 }

@@ -48,6 +48,8 @@ fn lost(message: String) -> WireError {
 }
 
 impl Watch {
+    /// Watches `request_id` (accepted as `job_seq` in the jobs stream, when intake named it); a
+    /// stream nothing shows alive for `bound` ends.
     pub fn new(request_id: &str, job_seq: Option<u64>, bound: Duration) -> Self {
         Watch {
             request_id: request_id.to_string(),

@@ -10,6 +10,8 @@ use std::time::{Duration, Instant};
 
 use crate::WorkerStatus;
 
+/// The workers a service has heard from, by their heartbeats: who is live, and which models are
+/// served.
 pub struct WorkerTable {
     seen: HashMap<String, (WorkerStatus, Instant)>,
     model_heard: HashMap<String, Instant>,
@@ -17,6 +19,7 @@ pub struct WorkerTable {
 }
 
 impl WorkerTable {
+    /// A table where a worker silent for `timeout` is no longer live.
     pub fn new(timeout: Duration) -> Self {
         WorkerTable {
             seen: HashMap::new(),
@@ -25,10 +28,12 @@ impl WorkerTable {
         }
     }
 
+    /// Notes a heartbeat, received now.
     pub fn update(&mut self, status: WorkerStatus) {
         self.update_at(status, Instant::now());
     }
 
+    /// Notes a heartbeat received at `at` (forgetting workers silent for ten timeouts).
     pub fn update_at(&mut self, status: WorkerStatus, at: Instant) {
         let forget = self.timeout * 10;
         self.seen
@@ -63,6 +68,7 @@ impl WorkerTable {
             .map(|(s, _)| s)
     }
 
+    /// Workers heard from within the timeout.
     pub fn live(&self) -> impl Iterator<Item = &WorkerStatus> {
         self.live_at(Instant::now())
     }

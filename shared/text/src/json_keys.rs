@@ -224,7 +224,8 @@ pub type QuoteTokens = Arc<Vec<(u32, Box<[u8]>)>>;
 pub fn quote_tokens<'a>(n: usize, bytes: impl Fn(u32) -> &'a [u8]) -> QuoteTokens {
     Arc::new(
         (0..n as u32)
-            .filter(|&id| bytes(id).contains(&b'"')).map(|id| (id, bytes(id).into()))
+            .filter(|&id| bytes(id).contains(&b'"'))
+            .map(|id| (id, bytes(id).into()))
             .collect(),
     )
 }

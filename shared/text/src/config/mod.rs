@@ -108,7 +108,9 @@ impl ModelConfig {
 
     pub fn validate(&self, path: &Path) -> Result<()> {
         let bad = |m: String| Err(Error::format(path, m));
-        if self.num_heads == 0 || self.num_kv_heads == 0 || !self.num_heads.is_multiple_of(self.num_kv_heads)
+        if self.num_heads == 0
+            || self.num_kv_heads == 0
+            || !self.num_heads.is_multiple_of(self.num_kv_heads)
         {
             return bad(format!(
                 "{} attention heads do not group over {} kv heads",
@@ -151,7 +153,10 @@ impl ModelConfig {
         if self.sliding_window == Some(0) {
             return bad("a sliding window of 0 tokens".into());
         }
-        if !self.rope.dims.is_multiple_of(2) || self.rope.dims == 0 || self.rope.dims > self.head_dim {
+        if !self.rope.dims.is_multiple_of(2)
+            || self.rope.dims == 0
+            || self.rope.dims > self.head_dim
+        {
             return bad(format!("{} rotary dimensions of a {}-wide head: rotary embeddings need pairs within the head", self.rope.dims, self.head_dim));
         }
         Ok(())
