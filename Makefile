@@ -4,9 +4,11 @@
 #   make image  llmq's Docker image, llmq:local, from the release build (no registry needed)
 #   make compose-test  docker-compose.yml on the Docker daemon: scale-out and faults
 #   make fuzz   each fuzz target (fuzz/) for FUZZ_SECONDS (60) with cargo-fuzz; fails on a crash
-#   make check  the tests that need no model, no MLX and no server (protocol, config, text,
-#               scheduling policy, gateway), without MLX's set-up
-.PHONY: setup build image demo test compose-test fuzz check bench fixtures clean
+#   make lint   rustfmt, clippy (warnings are errors), rustdoc (broken links are errors), and
+#               every path a document names
+#   make check  lint, then the tests that need no model and no server (protocol, config, text,
+#               scheduling policy, gateway)
+.PHONY: setup build image demo test lint compose-test fuzz check bench fixtures clean
 
 CARGO ?= cargo
 LLMQ := target/release/llmq
@@ -25,8 +27,19 @@ image: build
 	bash deploy/setup/setup.sh tls
 	bash deploy/docker/image.sh
 
-test: image
+test: image lint
 	$(CARGO) test --release --workspace
+
+# Release profile throughout, so that MLX's build (mlx-sys's build script) is shared with
+# `make build`.
+lint: setup
+	$(CARGO) fmt --all --check
+	cd fuzz && $(CARGO) fmt --all --check
+	cd lab/constraint-libraries && $(CARGO) fmt --all --check
+	$(CARGO) clippy --release --workspace --all-targets -- -D warnings
+	RUSTDOCFLAGS="-D rustdoc::broken_intra_doc_links -D rustdoc::private_intra_doc_links" \
+	  $(CARGO) doc --release --no-deps --workspace
+	python3 .ci/doc_paths.py
 
 compose-test: image
 	$(CARGO) test --release -p llmq --test compose
@@ -42,9 +55,7 @@ fuzz: setup
 	  RUSTC_BOOTSTRAP=1 $(CARGO) fuzz run -O $$t corpus/$$t -- -max_total_time=$(FUZZ_SECONDS) -max_len=4096 || exit 1; \
 	done
 
-# Only the sources set-up: the patched mlx-sys (the workspace names it) and the test tokenizers.
-check:
-	bash deploy/setup/setup.sh sources
+check: lint
 	$(CARGO) test --release -p llmq-protocol -p llmq-config -p llmq-text -p llmq-scheduler -p llmq-gateway
 
 bench: build
