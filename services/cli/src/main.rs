@@ -34,8 +34,8 @@ enum Command {
 
 fn main() -> std::process::ExitCode {
     // OpenBLAS chose its kernels when it loaded, before `main`: where it fell back to generic
-    // ones on a CPU it does not know, run again with better ones named (`llmq_engine::host_blas`).
-    if let Some(kernels) = llmq_engine::host_blas::kernels_to_ask() {
+    // ones on a CPU it does not know, run again with better ones named (`llmq_engine::kernels::cpu::blas`).
+    if let Some(kernels) = llmq_engine::kernels::cpu::blas::kernels_to_ask() {
         use std::os::unix::process::CommandExt;
         std::env::set_var("OPENBLAS_CORETYPE", kernels);
         let mut args = std::env::args_os();

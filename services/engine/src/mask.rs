@@ -13,7 +13,7 @@ use mlx_rs::ops::{floor_divide, remainder, select};
 use mlx_rs::{Array, Dtype};
 
 use crate::error::{EngineError, Result};
-use crate::kernel::Kernel;
+use crate::kernels::cuda::launch::Kernel;
 
 /// One block a row: each thread scans a stride of the vocabulary for its best allowed token
 /// (the lowest index among equals, as an argmax), then the block reduces the threads' bests.
@@ -70,7 +70,7 @@ const ARGMAX_THREADS: i32 = 1024;
 /// The masked argmax kernel, made once per process; None without CUDA.
 fn argmax_kernel() -> Option<&'static Kernel> {
     static KERNEL: OnceLock<Option<Kernel>> = OnceLock::new();
-    crate::kernel::once(&KERNEL, "the masked argmax kernel", || {
+    crate::kernels::cuda::launch::once(&KERNEL, "the masked argmax kernel", || {
         Kernel::new(
             "llmq_masked_argmax",
             &["logits", "masks"],

@@ -1,8 +1,8 @@
 //! Weights kept quantized on the device, in MLX's affine form: a matrix's rows are cut into
 //! groups of `group_size` elements, each element an unsigned `bits`-bit integer `q`, each group
-//! one scale and one bias (`w = scale * q + bias`). Projections multiply through MLX's quantized
-//! matmul and embeddings dequantize only the rows they look up, so a step reads the packed
-//! weights, not a full-precision copy.
+//! one scale and one bias (`w = scale * q + bias`). Products with them are [`crate::kernels`]'
+//! (through the packed weights where a kernel covers the shapes), and embeddings dequantize only
+//! the rows they look up, so a step reads the packed weights, not a full-precision copy.
 //!
 //! Three sources end here: checkpoints written by mlx-lm (already in this form), GGUF blocks that
 //! are affine groups of 32 ([`llmq_text::affine`], converted without changing a value), and
@@ -13,15 +13,12 @@
 
 use std::fmt;
 
-use mlx_rs::ops::{concatenate, dequantize, quantize, quantized_matmul, stack};
+use mlx_rs::ops::{concatenate, dequantize, quantize, stack};
 use mlx_rs::{Array, Dtype};
 
 use llmq_text::affine::Affine;
 
 use crate::error::{EngineError, Result};
-
-/// Rows from which a quantized matmul dequantizes its weights and multiplies densely.
-const DENSE_FROM_ROWS: usize = 8;
 
 /// A quantized form: integer width and group size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -123,46 +120,6 @@ impl QTensor {
 
     pub fn dtype(&self) -> Dtype {
         self.scales.dtype()
-    }
-
-    /// The full-precision matrix, in the scales' dtype (through llmq's kernel on a GPU).
-    pub fn dequantize(&self) -> Result<Array> {
-        if let Some(out) = crate::qmv::dequantize(self) {
-            return Ok(out?);
-        }
-        Ok(dequantize(
-            &self.w,
-            &self.scales,
-            &self.biases,
-            self.spec.group_size,
-            self.spec.bits,
-        )?)
-    }
-
-    /// `x @ W^T`: x [..., cols] to [..., rows]. A decode step's rows multiply reading only the
-    /// packed weights: on a GPU through llmq's kernels (`qmv` for a few rows, `qmm` on tensor
-    /// cores for up to `qmm::MAX_ROWS`), elsewhere through MLX's quantized matmul; from
-    /// `DENSE_FROM_ROWS` rows on (prefill chunks, or what the kernels do not cover) the weights
-    /// are dequantized into a temporary and multiplied densely, where MLX's quantized kernels
-    /// for many rows are far slower than its dense GEMM.
-    pub fn matmul_t(&self, x: &Array) -> Result<Array> {
-        if let Some(out) = crate::qmv::matmul_t(self, x).or_else(|| crate::qmm::matmul_t(self, x)) {
-            return Ok(out?);
-        }
-        let shape = x.shape();
-        let rows: i32 = shape[..shape.len() - 1].iter().product();
-        if rows as usize >= DENSE_FROM_ROWS {
-            return Ok(x.matmul(self.dequantize()?.t())?);
-        }
-        Ok(quantized_matmul(
-            x,
-            &self.w,
-            &self.scales,
-            &self.biases,
-            true,
-            self.spec.group_size,
-            self.spec.bits,
-        )?)
     }
 
     /// Rows `idx` (any shape) dequantized: [idx..., cols]. An embedding lookup.
@@ -293,14 +250,6 @@ impl Matrix {
         }
     }
 
-    /// Full precision (dequantized if needed).
-    pub fn into_dense(self) -> Result<Array> {
-        match self {
-            Matrix::Dense(a) => Ok(a),
-            Matrix::Quantized(q) => q.dequantize(),
-        }
-    }
-
     pub fn nbytes(&self) -> usize {
         match self {
             Matrix::Dense(a) => a.nbytes(),
@@ -312,17 +261,6 @@ impl Matrix {
         match self {
             Matrix::Dense(a) => vec![a],
             Matrix::Quantized(q) => q.parameters().to_vec(),
-        }
-    }
-
-    /// `x @ W^T`.
-    pub fn matmul_t(&self, x: &Array) -> Result<Array> {
-        match self {
-            Matrix::Dense(a) => match crate::cpu_matmul::matmul_t(a, x) {
-                Some(out) => Ok(out?),
-                None => Ok(x.matmul(a.t())?),
-            },
-            Matrix::Quantized(q) => q.matmul_t(x),
         }
     }
 

@@ -38,7 +38,7 @@ impl LoadOptions {
         LoadOptions {
             dtype,
             quantize: None,
-            keep_quantized: crate::on_gpu(),
+            keep_quantized: crate::device::on_gpu(),
         }
     }
 

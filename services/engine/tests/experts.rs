@@ -9,7 +9,7 @@
 
 mod common;
 
-use llmq_engine::experts;
+use llmq_engine::kernels::cuda::experts;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::{random, Array, Dtype};
 

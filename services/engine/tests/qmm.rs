@@ -9,6 +9,7 @@
 
 mod common;
 
+use llmq_engine::kernels::cuda::qmm;
 use llmq_engine::quant::{QTensor, QuantSpec};
 use mlx_rs::{random, Array, Dtype};
 
@@ -56,9 +57,11 @@ fn kernel_matches_dequantized_matmul() {
                 let dense = host(&q.dequantize().unwrap());
                 for rows in [9, 24, 32] {
                     let x = normal(&[rows, 1, k], Dtype::Bfloat16, 2 + rows as u64);
-                    let got = llmq_engine::qmm::matmul_t(&q, &x)
-                        .expect("the kernel applies")
-                        .unwrap();
+                    assert!(
+                        qmm::covers(&q, rows, Dtype::Bfloat16) && qmm::ready(),
+                        "the kernel applies"
+                    );
+                    let got = qmm::matmul_t(&q, &x).unwrap();
                     assert_eq!(got.shape(), &[rows, 1, n]);
                     assert_eq!(got.dtype(), Dtype::Bfloat16);
                     let want = reference(&host(&x), &dense, rows as usize, n as usize, k as usize);
@@ -89,28 +92,15 @@ fn kernel_declines_what_it_does_not_cover() {
         QuantSpec::new(4, 32).unwrap(),
     )
     .unwrap();
-    let x = |rows: i32, dtype| normal(&[rows, 256], dtype, 2);
-    assert!(
-        llmq_engine::qmm::matmul_t(&q, &x(8, Dtype::Bfloat16)).is_none(),
-        "8 rows (qmv's)"
-    );
-    assert!(
-        llmq_engine::qmm::matmul_t(&q, &x(33, Dtype::Bfloat16)).is_none(),
-        "33 rows"
-    );
-    assert!(
-        llmq_engine::qmm::matmul_t(&q, &x(16, Dtype::Float32)).is_none(),
-        "f32"
-    );
+    assert!(!qmm::covers(&q, 8, Dtype::Bfloat16), "8 rows (qmv's)");
+    assert!(!qmm::covers(&q, 33, Dtype::Bfloat16), "33 rows");
+    assert!(!qmm::covers(&q, 16, Dtype::Float32), "f32");
     let q = QTensor::quantize(
         &normal(&[64, 256], Dtype::Bfloat16, 1),
         QuantSpec::new(2, 32).unwrap(),
     )
     .unwrap();
-    assert!(
-        llmq_engine::qmm::matmul_t(&q, &x(16, Dtype::Bfloat16)).is_none(),
-        "2 bits"
-    );
+    assert!(!qmm::covers(&q, 16, Dtype::Bfloat16), "2 bits");
 }
 
 /// Not a test of speed (nothing here is asserted): prints the kernel's time beside the paths it
@@ -131,7 +121,7 @@ fn times() {
         let q = QTensor::quantize(&dense_w, spec).unwrap();
         for rows in [16, 32] {
             let x = normal(&[rows, k], Dtype::Bfloat16, 2);
-            let kernel = common::time_ms(&|| llmq_engine::qmm::matmul_t(&q, &x).unwrap().unwrap());
+            let kernel = common::time_ms(&|| qmm::matmul_t(&q, &x).unwrap());
             let dequant = common::time_ms(&|| x.matmul(q.dequantize().unwrap().t()).unwrap());
             let bf16 = common::time_ms(&|| x.matmul(dense_w.t()).unwrap());
             let gb = (n as f64 * k as f64 * (0.5 + 4.0 / 64.0)) / 1e9;

@@ -6,6 +6,7 @@
 //! These tests need CUDA: `cargo test -p llmq-engine --test qmv -- --ignored` on a GPU machine.
 //! On a CPU they are skipped by `#[ignore]`.
 
+use llmq_engine::kernels::cuda::qmv;
 use llmq_engine::quant::{QTensor, QuantSpec};
 use mlx_rs::{random, Array, Dtype};
 
@@ -36,9 +37,8 @@ fn kernel_matches_dequantized_matmul() {
                 let dense = host(&q.dequantize().unwrap());
                 for rows in [1, 3, 8] {
                     let x = normal(&[rows, 1, k], dtype, 2 + rows as u64);
-                    let got = llmq_engine::qmv::matmul_t(&q, &x)
-                        .expect("the kernel applies")
-                        .unwrap();
+                    assert!(qmv::covers(&q, &x) && qmv::ready(), "the kernel applies");
+                    let got = qmv::matmul_t(&q, &x).unwrap();
                     assert_eq!(got.shape(), &[rows, 1, n]);
                     assert_eq!(got.dtype(), dtype);
                     // The reference on the host in f64 (MLX's f32 matmul on a GPU may round
@@ -83,9 +83,11 @@ fn dequantize_kernel_gives_scale_times_q_plus_bias() {
             for group in [32, 64, 128] {
                 let spec = QuantSpec::new(bits, group).unwrap();
                 let q = QTensor::quantize(&normal(&[n, k], dtype, 3), spec).unwrap();
-                let got = llmq_engine::qmv::dequantize(&q)
-                    .expect("the kernel applies")
-                    .unwrap();
+                assert!(
+                    qmv::dequantize_covers(&q) && qmv::ready(),
+                    "the kernel applies"
+                );
+                let got = qmv::dequantize(&q).unwrap();
                 assert_eq!((got.shape(), got.dtype()), (&[n, k][..], dtype));
                 let words =
                     q.w.as_dtype(Dtype::Uint32)
@@ -125,7 +127,7 @@ fn kernel_declines_what_it_does_not_cover() {
     )
     .unwrap();
     assert!(
-        llmq_engine::qmv::matmul_t(&q, &normal(&[1, 256], Dtype::Bfloat16, 2)).is_none(),
+        !qmv::covers(&q, &normal(&[1, 256], Dtype::Bfloat16, 2)),
         "5 bits"
     );
     let q = QTensor::quantize(
@@ -134,7 +136,7 @@ fn kernel_declines_what_it_does_not_cover() {
     )
     .unwrap();
     assert!(
-        llmq_engine::qmv::matmul_t(&q, &normal(&[9, 256], Dtype::Bfloat16, 2)).is_none(),
+        !qmv::covers(&q, &normal(&[9, 256], Dtype::Bfloat16, 2)),
         "9 rows"
     );
 }

@@ -8,7 +8,7 @@
 //! These tests need CUDA: `cargo test -p llmq-engine --test row_attention -- --ignored` on a
 //! GPU machine. On a CPU they are skipped by `#[ignore]`.
 
-use llmq_engine::row_attention::RowAttention;
+use llmq_engine::kernels::cuda::row_attention::RowAttention;
 use mlx_rs::fast::scaled_dot_product_attention;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::{random, Array, Dtype};

@@ -13,9 +13,9 @@ use super::layer::{norm_weight, softcap, Linear};
 use super::rope::{Rope, Rotation};
 use crate::arch::ArchOptions;
 use crate::cache::{AttnMask, KvCache};
-use crate::cpu_attention::{causal_attention, rows_attention, Shape};
 use crate::error::{EngineError, Result};
-use crate::row_attention::{RowAttention, RowPlan};
+use crate::kernels::cpu::attention::{causal_attention, rows_attention, Shape};
+use crate::kernels::cuda::row_attention::{RowAttention, RowPlan};
 use crate::weights::Weights;
 
 pub(super) struct Attention {
@@ -31,7 +31,7 @@ pub(super) struct Attention {
     /// Scores soft-capped before the softmax (Gemma 2): attention then runs unfused.
     pub(super) softcap: Option<f32>,
     pub(super) eps: f32,
-    /// On a CPU, scores not soft-capped: attention in f32 runs in [`crate::cpu_attention`].
+    /// On a CPU, scores not soft-capped: attention in f32 runs in [`crate::kernels::cpu::attention`].
     pub(super) cpu: bool,
 }
 
@@ -90,7 +90,7 @@ impl Attention {
             scale: 1.0 / c.query_pre_attn_scalar.unwrap_or(d as f32).sqrt(),
             softcap: c.attn_logit_softcap,
             eps: c.rms_norm_eps,
-            cpu: !crate::on_gpu() && c.attn_logit_softcap.is_none(),
+            cpu: !crate::device::on_gpu() && c.attn_logit_softcap.is_none(),
         })
     }
 
@@ -184,7 +184,7 @@ impl Attention {
     }
 
     /// On a CPU, queries [1, heads, t, d] in f32 over a cache that keeps its positions in
-    /// order, causal or unmasked, through llmq's attention ([`crate::cpu_attention`]); `None`
+    /// order, causal or unmasked, through llmq's attention ([`crate::kernels::cpu::attention`]); `None`
     /// elsewhere (soft-capped scores, explicit masks, a GPU, another dtype).
     fn attend_on_cpu(
         &self,
@@ -486,7 +486,7 @@ impl Attention {
     }
 
     /// On a CPU in f32, a group's rows [slots, heads, 1, d] over their buffers `kv`, each over
-    /// its first `lens` positions, through [`crate::cpu_attention`] (scratch rows zeros); `None`
+    /// its first `lens` positions, through [`crate::kernels::cpu::attention`] (scratch rows zeros); `None`
     /// elsewhere.
     fn rows_on_cpu(&self, q: &Array, kv: &(Array, Array), lens: &[i32]) -> Result<Option<Array>> {
         if !self.cpu || q.dtype() != Dtype::Float32 || kv.0.dtype() != Dtype::Float32 {

@@ -3,8 +3,7 @@
 //! from a checkpoint's names.
 
 use mlx_rs::fast::rms_norm;
-use mlx_rs::ops::indexing::{Ellipsis, IndexOp};
-use mlx_rs::ops::{concatenate, sigmoid};
+use mlx_rs::ops::concatenate;
 use mlx_rs::{Array, Dtype};
 
 use llmq_text::config::ModelConfig;
@@ -13,6 +12,7 @@ use super::attention::Attention;
 use super::moe::Experts;
 use crate::arch::ArchOptions;
 use crate::error::Result;
+use crate::kernels::{dense_matmul_t, gated};
 use crate::quant::{Matrix, QTensor};
 use crate::weights::Weights;
 
@@ -23,7 +23,7 @@ pub(super) struct Linear {
 }
 
 enum Weight {
-    /// The checkpoint's [out, in] (row-contiguous: `cpu_matmul` reads it) and W^T, a view of
+    /// The checkpoint's [out, in] (row-contiguous: [`crate::kernels::cpu::matmul`] reads it) and W^T, a view of
     /// it, for MLX's matmul.
     Dense {
         w: Array,
@@ -81,10 +81,7 @@ impl Linear {
 
     pub(super) fn forward(&self, x: &Array) -> Result<Array> {
         let y = match &self.weight {
-            Weight::Dense { w, t } => match crate::cpu_matmul::matmul_t(w, x) {
-                Some(y) => y?,
-                None => x.matmul(t)?,
-            },
+            Weight::Dense { w, t } => dense_matmul_t(w, Some(t), x)?,
             Weight::Quantized(q) => q.matmul_t(x)?,
         };
         Ok(match &self.bias {
@@ -279,49 +276,6 @@ impl Mlp {
         self.down
             .forward(&gated(&gu, self.intermediate, self.gelu)?)
     }
-}
-
-/// silu(g) * u as one fused kernel (MLX compiles the element-wise graph once per shape class).
-fn swiglu(g: &Array, u: &Array) -> Result<Array> {
-    let f = |(g, u): (&Array, &Array)| -> std::result::Result<Array, mlx_rs::error::Exception> {
-        g.multiply(sigmoid(g)?)?.multiply(u)
-    };
-    let mut compiled = mlx_rs::transforms::compile::compile(f, true);
-    Ok(compiled((g, u))?)
-}
-
-/// `act(gate) * up` of a fused gate-and-up product `gu` [..., 2 size] (gate first): GELU's
-/// tanh form or SiLU. On a CPU in f32 through llmq's own loop ([`crate::cpu_elementwise`]).
-pub(super) fn gated(gu: &Array, size: i32, gelu: bool) -> Result<Array> {
-    if let Some(y) = crate::cpu_elementwise::gated(gu, size as usize, gelu) {
-        return Ok(y?);
-    }
-    let (g, u) = (gu.index((Ellipsis, ..size)), gu.index((Ellipsis, size..)));
-    if gelu {
-        geglu(&g, &u)
-    } else {
-        swiglu(&g, &u)
-    }
-}
-
-/// gelu_tanh(g) * u (Gemma's MLP), fused like `swiglu`:
-/// 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) u.
-fn geglu(g: &Array, u: &Array) -> Result<Array> {
-    let f = |(g, u): (&Array, &Array)| -> std::result::Result<Array, mlx_rs::error::Exception> {
-        let inner = g
-            .add(
-                g.multiply(g)?
-                    .multiply(g)?
-                    .multiply(Array::from_f32(0.044715))?,
-            )?
-            .multiply(Array::from_f32((2.0 / std::f32::consts::PI).sqrt()))?;
-        let cdf = mlx_rs::ops::tanh(&inner)?
-            .add(Array::from_f32(1.0))?
-            .multiply(Array::from_f32(0.5))?;
-        g.multiply(cdf)?.multiply(u)
-    };
-    let mut compiled = mlx_rs::transforms::compile::compile(f, true);
-    Ok(compiled((g, u))?)
 }
 
 /// `cap * tanh(x / cap)` (Gemma 2's soft-capping of scores and logits).

@@ -25,8 +25,8 @@ use crate::arch;
 use crate::batch::DecodeBatch;
 use crate::cache::{KvCache, RotatingCache, SequenceCache, StandardCache};
 use crate::error::{EngineError, Result};
+use crate::kernels::cuda::row_attention::RowAttention;
 use crate::quant::Matrix;
-use crate::row_attention::RowAttention;
 use crate::weights::Weights;
 
 /// Copies an array to the host as f32, materialising views and casting first.
@@ -62,7 +62,7 @@ pub struct Model {
     /// Decode attention by row lengths (NVIDIA GPUs); None: masked attention.
     row_attention: Option<RowAttention>,
     /// On a CPU in f32 (scores not soft-capped): a sequence's attention and the decode rows'
-    /// run in [`crate::cpu_attention`].
+    /// run in [`crate::kernels::cpu::attention`].
     cpu_attention: bool,
     /// What the checkpoint's weights became at load ([`Weights::summary`]).
     weights: String,
@@ -98,7 +98,7 @@ impl Model {
             Some(w.take_matrix("lm_head.weight", &[c.vocab_size, c.hidden_size])?)
         };
         let dtype = w.dtype();
-        let chunk_grid = if crate::on_gpu() && !config.any_sliding() {
+        let chunk_grid = if crate::device::on_gpu() && !config.any_sliding() {
             GPU_CHUNK_GRID
         } else {
             1

@@ -7,7 +7,7 @@
 //! With many (row, expert) pairs (a prefill chunk, a large decode batch) the pairs are sorted by
 //! expert first, so rows that picked the same expert share one read of its weights. On an NVIDIA
 //! GPU a step of up to `experts::MAX_PAIRS` pairs with full-precision experts goes through llmq's
-//! own kernels instead ([`crate::experts`]: routing and products grouped by expert, four launches).
+//! own kernels instead ([`crate::kernels::cuda::experts`]: routing and products grouped by expert, four launches).
 
 use mlx_rs::ops::indexing::{take_along_axis, IndexOp};
 use mlx_rs::ops::{argpartition_axis, argsort_axis, gather_mm, gather_qmm, sigmoid, softmax_axis};
@@ -15,9 +15,10 @@ use mlx_rs::{Array, Dtype};
 
 use llmq_text::config::MoeConfig;
 
-use super::layer::{gated, Linear, Mlp};
+use super::layer::{Linear, Mlp};
 use crate::error::Result;
-use crate::experts;
+use crate::kernels::cuda::experts;
+use crate::kernels::gated;
 use crate::quant::{Matrix, QTensor};
 use crate::weights::Weights;
 

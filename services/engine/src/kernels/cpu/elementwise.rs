@@ -15,18 +15,18 @@ use rayon::prelude::*;
 /// Gates per task (smaller products, a decode step's, run on the calling thread).
 const PER_TASK: usize = 16 * 1024;
 
-/// `act(gu[.., :size]) * gu[.., size:]` for `gu` [..., 2 size] in f32, on the host, where MLX
-/// computes on the CPU; None elsewhere (the caller's MLX graph).
-pub fn gated(gu: &Array, size: usize, gelu: bool) -> Option<mlx_rs::error::Result<Array>> {
+/// Whether [`gated`] takes `gu`: f32, `2 size` wide.
+pub fn covers(gu: &Array, size: usize) -> bool {
+    gu.dtype() == Dtype::Float32
+        && size > 0
+        && gu.shape().last().map(|&d| d as usize) == Some(2 * size)
+}
+
+/// `act(gu[.., :size]) * gu[.., size:]` for `gu` [..., 2 size] in f32, on the host (as
+/// [`covers`] takes).
+pub fn gated(gu: &Array, size: usize, gelu: bool) -> mlx_rs::error::Result<Array> {
     let shape = gu.shape();
-    if !crate::on_cpu_cached()
-        || gu.dtype() != Dtype::Float32
-        || size == 0
-        || shape.last().map(|&d| d as usize) != Some(2 * size)
     {
-        return None;
-    }
-    Some((|| {
         let gu = gu.contiguous()?;
         let Ok(values) = gu.try_as_slice::<f32>() else {
             return Err(mlx_rs::error::Exception::custom(
@@ -45,7 +45,7 @@ pub fn gated(gu: &Array, size: usize, gelu: bool) -> Option<mlx_rs::error::Resul
         let mut out_shape = shape.to_vec();
         *out_shape.last_mut().expect("not empty") = size as i32;
         Ok(Array::from_slice(&out, &out_shape))
-    })())
+    }
 }
 
 /// Whole rows of `gu` (gate then up, `size` each) into `out` (`size` a row).
@@ -178,7 +178,8 @@ mod tests {
                 .collect();
             let arr = Array::from_slice(&gu, &[1, n as i32, 2 * size as i32]);
             for gelu in [false, true] {
-                let out = gated(&arr, size, gelu).expect("f32 on a CPU").unwrap();
+                assert!(covers(&arr, size));
+                let out = gated(&arr, size, gelu).unwrap();
                 assert_eq!(out.shape(), &[1, n as i32, size as i32]);
                 let got = out.try_as_slice::<f32>().unwrap();
                 for r in 0..n {
@@ -191,7 +192,7 @@ mod tests {
             }
         }
         assert!(
-            gated(&Array::from_slice(&[1.0f32; 6], &[1, 6]), 2, false).is_none(),
+            !covers(&Array::from_slice(&[1.0f32; 6], &[1, 6]), 2),
             "not 2 x size wide"
         );
     }

@@ -30,7 +30,7 @@ use std::sync::OnceLock;
 use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype};
 
-use crate::kernel::Kernel;
+use crate::kernels::cuda::launch::Kernel;
 
 /// Most (row, expert) pairs a step may have to take the kernels.
 pub const MAX_PAIRS: i32 = 1024;
@@ -281,7 +281,7 @@ struct Kernels {
 
 fn kernels() -> Option<&'static Kernels> {
     static KERNELS: OnceLock<Option<Kernels>> = OnceLock::new();
-    crate::kernel::once(&KERNELS, "mixture-of-experts kernels", || {
+    crate::kernels::cuda::launch::once(&KERNELS, "mixture-of-experts kernels", || {
         let header =
             format!("constexpr int MAX_PAIRS = {MAX_PAIRS};\nconstexpr int ROWS = {ROWS};\n");
         Ok(Kernels {

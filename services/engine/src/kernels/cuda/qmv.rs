@@ -21,7 +21,7 @@ use std::sync::OnceLock;
 use mlx_rs::error::Exception;
 use mlx_rs::Array;
 
-use crate::kernel::Kernel;
+use crate::kernels::cuda::launch::{self, Kernel};
 use crate::quant::QTensor;
 
 /// Most rows of `x` one launch takes.
@@ -166,7 +166,7 @@ struct Kernels {
 
 fn kernels() -> Option<&'static Kernels> {
     static KERNELS: OnceLock<Option<Kernels>> = OnceLock::new();
-    crate::kernel::once(&KERNELS, "quantized matrix kernels", || {
+    crate::kernels::cuda::launch::once(&KERNELS, "quantized matrix kernels", || {
         let header = format!("constexpr int MAX_ROWS = {MAX_ROWS};\n");
         Ok(Kernels {
             qmv: Kernel::new(
@@ -194,13 +194,20 @@ fn covered(q: &QTensor) -> bool {
     [2, 4, 8].contains(&q.spec.bits) && q.w.ndim() == 2
 }
 
-/// The matrix dequantized through the kernel, in the scales' dtype; None where it does not
-/// apply (no CUDA, another width, a stack of matrices).
-pub fn dequantize(q: &QTensor) -> Option<Result<Array, Exception>> {
-    if !covered(q) {
-        return None;
-    }
-    let kernels = kernels()?;
+/// Whether the kernels are compiled and can run (a GPU with CUDA).
+pub fn ready() -> bool {
+    kernels().is_some()
+}
+
+/// Whether [`dequantize`] takes `q`: a single matrix of 2, 4 or 8 bits.
+pub fn dequantize_covers(q: &QTensor) -> bool {
+    covered(q)
+}
+
+/// The matrix dequantized through the kernel, in the scales' dtype (`q` as
+/// [`dequantize_covers`] takes).
+pub fn dequantize(q: &QTensor) -> Result<Array, Exception> {
+    let kernels = kernels().ok_or_else(launch::unavailable)?;
     let (n, words) = (q.w.shape()[0], q.w.shape()[1]);
     let k = words * 32 / q.spec.bits;
     let chunks = n as i64 * k as i64 / 16;
@@ -218,20 +225,23 @@ pub fn dequantize(q: &QTensor) -> Option<Result<Array, Exception>> {
         )?;
         Ok(out.into_iter().next().unwrap())
     };
-    Some(run())
+    run()
 }
 
-/// `x @ W^T` through the kernel, for `x` of at most `MAX_ROWS` rows (any leading shape); None
-/// where the kernel does not apply (no CUDA, another width, more rows, a dtype other than the
-/// scales').
-pub fn matmul_t(q: &QTensor, x: &Array) -> Option<Result<Array, Exception>> {
+/// Whether [`matmul_t`] takes `x @ W^T`: `x` of at most `MAX_ROWS` rows (any leading shape) in
+/// the scales' dtype, `q` a single matrix of 2, 4 or 8 bits.
+pub fn covers(q: &QTensor, x: &Array) -> bool {
+    let shape = x.shape();
+    let rows: i32 = shape[..shape.len() - 1].iter().product();
+    rows <= MAX_ROWS && covered(q) && x.dtype() == q.scales.dtype()
+}
+
+/// `x @ W^T` through the kernel (for what [`covers`] takes).
+pub fn matmul_t(q: &QTensor, x: &Array) -> Result<Array, Exception> {
     let shape = x.shape();
     let (k, lead) = (shape[shape.len() - 1], &shape[..shape.len() - 1]);
     let rows: i32 = lead.iter().product();
-    if rows > MAX_ROWS || !covered(q) || x.dtype() != q.scales.dtype() {
-        return None;
-    }
-    let kernel = &kernels()?.qmv;
+    let kernel = &kernels().ok_or_else(launch::unavailable)?.qmv;
     let n = q.w.shape()[0];
     let run = || -> Result<Array, Exception> {
         let x2 = x.reshape(&[rows, k])?;
@@ -249,5 +259,5 @@ pub fn matmul_t(q: &QTensor, x: &Array) -> Option<Result<Array, Exception>> {
         out_shape.push(n);
         out.into_iter().next().unwrap().reshape(&out_shape)
     };
-    Some(run())
+    run()
 }

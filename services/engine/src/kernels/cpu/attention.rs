@@ -19,7 +19,7 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
-use crate::cpu_elementwise::exp_le0;
+use crate::kernels::cpu::elementwise::exp_le0;
 
 /// Keys per block: the block's transposed keys and one row's scores stay in the L1 cache.
 const BLOCK: usize = 64;

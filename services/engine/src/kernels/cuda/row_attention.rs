@@ -25,7 +25,7 @@
 use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype};
 
-use crate::kernel::Kernel;
+use crate::kernels::cuda::launch::Kernel;
 
 /// Warps per thread block.
 const WARPS: i32 = 8;
@@ -230,7 +230,7 @@ impl RowAttention {
     /// do not cover (`head_dim` a multiple of 32 up to 256, `heads` a multiple of `kv_heads`),
     /// and when `LLMQ_MASKED_DECODE_ATTENTION` is set (to compare the two).
     pub fn new(heads: i32, kv_heads: i32, head_dim: i32, scale: f32, dtype: Dtype) -> Option<Self> {
-        if !crate::kernel::available() {
+        if !crate::kernels::cuda::launch::available() {
             return None;
         }
         if head_dim % 32 != 0 || head_dim > 256 || kv_heads <= 0 || heads % kv_heads != 0 {

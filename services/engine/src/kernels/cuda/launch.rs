@@ -1,7 +1,7 @@
 //! llmq's own CUDA kernels, compiled by MLX through NVRTC: a kernel's source, its inputs and
 //! outputs by name, and its launch (grid, block, template arguments) through mlx-c's custom
-//! kernel API. The kernels themselves live with their users (`row_attention`, `qmv`, `qmm`,
-//! `mask`).
+//! kernel API. The kernels themselves are in the modules beside this one, and the masked argmax in
+//! [`crate::mask`].
 
 use std::ffi::{c_char, CString};
 use std::sync::OnceLock;
@@ -13,7 +13,13 @@ use mlx_rs::{Array, Dtype, StreamOrDevice};
 pub(crate) fn available() -> bool {
     let mut cuda = false;
     let status = unsafe { mlx_sys::mlx_cuda_is_available(&mut cuda) };
-    status == 0 && cuda && crate::on_gpu()
+    status == 0 && cuda && crate::device::on_gpu()
+}
+
+/// The error of a kernel called where it cannot run (the dispatch in [`crate::kernels`] asks
+/// each kernel's `ready` first, so this names a mistake there).
+pub(crate) fn unavailable() -> Exception {
+    Exception::custom("llmq's CUDA kernels are not available on this device")
 }
 
 /// Kernels made once per process where llmq's kernels can run (`available`): `make`'s result

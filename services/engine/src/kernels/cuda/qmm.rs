@@ -29,7 +29,7 @@ use std::sync::OnceLock;
 use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype};
 
-use crate::kernel::Kernel;
+use crate::kernels::cuda::launch::{self, Kernel};
 use crate::quant::QTensor;
 
 /// Most rows one call takes (larger steps, prefill chunks among them, dequantize and multiply
@@ -256,7 +256,7 @@ struct Kernels {
 
 fn kernels() -> Option<&'static Kernels> {
     static KERNELS: OnceLock<Option<Kernels>> = OnceLock::new();
-    crate::kernel::once(&KERNELS, "the quantized tensor-core kernel", || {
+    crate::kernels::cuda::launch::once(&KERNELS, "the quantized tensor-core kernel", || {
         Ok(Kernels {
             qmm: Kernel::new(
                 "llmq_qmm",
@@ -296,16 +296,18 @@ pub fn covers(q: &QTensor, rows: i32, dtype: Dtype) -> bool {
         && n % 8 == 0
 }
 
+/// Whether the kernels are compiled and can run (a GPU with CUDA).
+pub fn ready() -> bool {
+    kernels().is_some()
+}
+
 /// `x @ W^T` through the kernel for `x` of more than `qmv::MAX_ROWS` and at most `MAX_ROWS`
-/// rows (any leading shape); None where it does not apply (see `covers`, and no CUDA).
-pub fn matmul_t(q: &QTensor, x: &Array) -> Option<Result<Array, Exception>> {
+/// rows (any leading shape), as [`covers`] takes.
+pub fn matmul_t(q: &QTensor, x: &Array) -> Result<Array, Exception> {
     let shape = x.shape();
     let (k, lead) = (shape[shape.len() - 1], &shape[..shape.len() - 1]);
     let rows: i32 = lead.iter().product();
-    if !covers(q, rows, x.dtype()) {
-        return None;
-    }
-    let kernels = kernels()?;
+    let kernels = kernels().ok_or_else(launch::unavailable)?;
     let n = q.w.shape()[0];
     let run = || -> Result<Array, Exception> {
         let x2 = x.reshape(&[rows, k])?;
@@ -352,7 +354,7 @@ pub fn matmul_t(q: &QTensor, x: &Array) -> Option<Result<Array, Exception>> {
         out_shape.push(n);
         out.into_iter().next().unwrap().reshape(&out_shape)
     };
-    Some(run())
+    run()
 }
 
 #[cfg(test)]

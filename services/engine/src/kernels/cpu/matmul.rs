@@ -15,32 +15,31 @@ pub const MAX_ROWS: usize = 24;
 /// Output columns per task.
 const COLS_PER_TASK: usize = 64;
 
-/// `x @ w^T` for `x` [..., k] f32 of at most `MAX_ROWS` rows and `w` [n, k] f32, on the host;
-/// None where this does not apply (then the caller's own product).
-pub fn matmul_t(w: &Array, x: &Array) -> Option<mlx_rs::error::Result<Array>> {
+/// Whether [`matmul_t`] takes `x @ w^T`: `x` [..., k] f32 of 1 to `MAX_ROWS` rows, `w` [n, k]
+/// f32, `k` a multiple of 8.
+pub fn covers(w: &Array, x: &Array) -> bool {
     let (ws, xs) = (w.shape(), x.shape());
-    if !crate::on_cpu_cached()
-        || w.dtype() != Dtype::Float32
-        || x.dtype() != Dtype::Float32
-        || ws.len() != 2
-        || xs.is_empty()
+    if w.dtype() != Dtype::Float32 || x.dtype() != Dtype::Float32 || ws.len() != 2 || xs.is_empty()
     {
-        return None;
+        return false;
     }
+    let k = ws[1] as usize;
+    let rows: usize = xs[..xs.len() - 1].iter().map(|&d| d as usize).product();
+    rows > 0 && rows <= MAX_ROWS && xs[xs.len() - 1] as usize == k && k.is_multiple_of(8)
+}
+
+/// `x @ w^T` on the host, for what [`covers`] takes.
+pub fn matmul_t(w: &Array, x: &Array) -> mlx_rs::error::Result<Array> {
+    let (ws, xs) = (w.shape(), x.shape());
     let (n, k) = (ws[0] as usize, ws[1] as usize);
     let rows: usize = xs[..xs.len() - 1].iter().map(|&d| d as usize).product();
-    if rows == 0 || rows > MAX_ROWS || xs[xs.len() - 1] as usize != k || k % 8 != 0 {
-        return None;
-    }
-    Some((|| {
-        let x = x.reshape(&[rows as i32, k as i32])?;
-        // (Taking the slices evaluates both.)
-        let (Ok(xv), Ok(wv)) = (x.try_as_slice::<f32>(), w.try_as_slice::<f32>()) else {
-            return x.matmul(w.t())?.reshape(&out_shape(xs, n));
-        };
-        let y = product(xv, wv, rows, n, k);
-        Ok(Array::from_slice(&y, &out_shape(xs, n)))
-    })())
+    let x = x.reshape(&[rows as i32, k as i32])?;
+    // (Taking the slices evaluates both.)
+    let (Ok(xv), Ok(wv)) = (x.try_as_slice::<f32>(), w.try_as_slice::<f32>()) else {
+        return x.matmul(w.t())?.reshape(&out_shape(xs, n));
+    };
+    let y = product(xv, wv, rows, n, k);
+    Ok(Array::from_slice(&y, &out_shape(xs, n)))
 }
 
 fn out_shape(xs: &[i32], n: usize) -> Vec<i32> {
@@ -291,7 +290,8 @@ mod tests {
             let rows = shape[..shape.len() - 1].iter().product::<i32>() as usize;
             let xv = random(rows * k);
             let x = Array::from_slice(&xv, &shape);
-            let y = matmul_t(&w, &x).expect("few rows").unwrap();
+            assert!(covers(&w, &x), "few rows");
+            let y = matmul_t(&w, &x).unwrap();
             assert_eq!(y.shape()[..shape.len() - 1], shape[..shape.len() - 1]);
             let yv = y.as_slice::<f32>();
             for r in 0..rows {
@@ -310,7 +310,7 @@ mod tests {
             &random((MAX_ROWS + 1) * k),
             &[MAX_ROWS as i32 + 1, k as i32],
         );
-        assert!(matmul_t(&w, &many).is_none(), "more rows go to the BLAS");
+        assert!(!covers(&w, &many), "more rows go to the BLAS");
     }
 
     /// The path of CPUs without AVX2 (here called directly) against the definition.
