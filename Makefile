@@ -4,8 +4,8 @@
 #   make image  llmq's Docker image, llmq:local, from the release build (no registry needed)
 #   make compose-test  docker-compose.yml on the Docker daemon: scale-out and faults
 #   make fuzz   each fuzz target (fuzz/) for FUZZ_SECONDS (60) with cargo-fuzz; fails on a crash
-#   make lint   rustfmt, clippy (warnings are errors), rustdoc (broken links are errors), and
-#               every path a document names
+#   make lint   rustfmt, clippy (warnings are errors), rustdoc (broken links are errors),
+#               every path a document names, and no file importing another that imports it
 #   make check  lint, then the tests that need no model and no server (protocol, config, text,
 #               scheduling policy, gateway)
 .PHONY: setup build image demo test lint compose-test fuzz check bench fixtures clean
@@ -40,6 +40,7 @@ lint: setup
 	RUSTDOCFLAGS="-D rustdoc::broken_intra_doc_links -D rustdoc::private_intra_doc_links" \
 	  $(CARGO) doc --release --no-deps --workspace
 	python3 .ci/doc_paths.py
+	python3 .ci/import_cycles.py
 
 compose-test: image
 	$(CARGO) test --release -p llmq --test compose

@@ -1,7 +1,6 @@
 //! `llmq`: the command line. Thin: parses arguments, sets up logging, hands off to a module.
 
 mod bench;
-mod bench_nats;
 mod client;
 mod generate;
 mod nats_server;

@@ -511,7 +511,7 @@ pub fn load_gguf(f: &GgufFile, cfg: &ModelConfig, opts: impl Into<LoadOptions>) 
             let cols = shape[shape.len() - 1] as usize;
             let rows = info.elements() as usize / cols;
             let kind = info.kind.name();
-            let (q, origin) = match f.read_affine(info) {
+            let (q, origin) = match llmq_text::affine::read(info.kind, f.bytes(info)) {
                 Some(a) => (
                     QTensor::from_affine(&a, rows, cols, a.bits as i32, w.dtype())?,
                     format!("{kind} (exact)"),

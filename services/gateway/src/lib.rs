@@ -20,6 +20,7 @@
 //! while a silent stream whose job is still waiting or running gets `: alive` comments.
 
 pub mod client;
+pub mod error;
 pub mod metrics;
 pub mod openai;
 pub mod response;
@@ -42,8 +43,9 @@ use llmq_protocol::{
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
+use error::ApiError;
 use metrics::{Clock, Metrics};
-use openai::{ApiError, Kind, Shape};
+use openai::{Kind, Shape};
 use response::{failed, finish_reason, parsers, tool_call, SseWriter};
 
 #[derive(Debug, thiserror::Error)]

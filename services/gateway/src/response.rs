@@ -5,7 +5,8 @@ use actix_web::web::Bytes;
 use llmq_protocol::{Event, FinishReason, TokenLogprob, ToolSyntax, Usage};
 use serde_json::{json, Value};
 
-use crate::openai::{ApiError, Kind, Shape};
+use crate::error::ApiError;
+use crate::openai::{Kind, Shape};
 use crate::tool_calls::{Call, ToolCallParser};
 
 /// One chunk of a stream in the endpoint's format, for choice `index`.

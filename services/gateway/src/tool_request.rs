@@ -7,7 +7,7 @@ use llmq_protocol::{GenerateRequest, Tool, ToolCall, ToolChoice};
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::openai::ApiError;
+use crate::error::ApiError;
 
 #[derive(Debug, Deserialize)]
 pub struct InToolCall {

@@ -4,7 +4,8 @@
 
 use llmq_protocol::{FinishReason, TokenLogprob, WireError};
 
-use crate::policy::ReqId;
+/// A request's id inside the scheduler and its executor (one per sample of a job).
+pub type ReqId = u64;
 
 /// What one decode step or the end of a prefill produced for one sequence.
 #[derive(Debug, Clone, Default, PartialEq)]

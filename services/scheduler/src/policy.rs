@@ -35,9 +35,7 @@ use std::time::Duration;
 use llmq_protocol::{ErrorClass, Event, FinishReason, Timings, Usage, WireError};
 
 use crate::budget::ChunkSizer;
-use crate::executor::{Executor, PrefillResult, Prefilled, StepOut};
-
-pub type ReqId = u64;
+use crate::executor::{Executor, PrefillResult, Prefilled, ReqId, StepOut};
 
 #[derive(Debug, Clone)]
 pub struct SchedulerConfig {

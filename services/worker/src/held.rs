@@ -19,6 +19,10 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::Message;
+use std::sync::Arc;
+
+/// Jobs held here, by request id, until their terminal event is out, with their trace spans.
+pub(crate) type Inflight = Arc<HeldJobs>;
 
 struct Job<M> {
     msg: M,

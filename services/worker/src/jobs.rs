@@ -12,7 +12,15 @@ use llmq_protocol::{subjects, Cancel, ErrorClass, Event, Job, StreamEvent, WireE
 
 use crate::actor::{CancelRequest, EndAll, HandBack, HandedBack, Submit};
 use crate::placement::Placement;
-use crate::service::{nats_err, Inflight, Scheduler, WorkerError};
+use actix::Addr;
+
+use crate::actor::SchedulerActor;
+use crate::error::{nats_err, WorkerError};
+use crate::held::Inflight;
+use crate::roles::RoleActors;
+
+/// The worker's scheduler actor, around its role actors.
+pub(crate) type Scheduler = Addr<SchedulerActor<RoleActors>>;
 
 /// How long one fetch waits for a job: also how late a stopping worker notices its stop.
 const FETCH_WAIT: Duration = Duration::from_millis(100);

@@ -15,15 +15,19 @@
 //! - [`placement`] how many jobs a worker holds, from its peers' heartbeats
 //! - [`held`] the jobs a worker holds, and when it must give them up (cut off from the server)
 //! - [`host_memory`] on a CPU, memory faulted in once and reused, so KV does not page-fault
-//! - [`service`] the worker process: the device thread, events out, cancels, cache clears,
-//!   heartbeats
+//! - [`service`] the worker process: the device thread started, events out, cancels, cache
+//!   clears, heartbeats
+//! - [`device`] the device thread's set-up (MLX's limits, the model) and end
+//! - [`error`] a worker's errors; [`time`] the protocol's wall-clock time
 //! - [`jobs`] the jobs stream: taking jobs while there is room, handing back, draining
 //! - [`tick_log`] one line per tick, for tuning (off unless `worker.tick_log` is set)
 //!
 //! All MLX work of a worker runs on one thread: the device thread, which runs the four actors.
 
 pub mod actor;
+pub mod device;
 pub mod disaggregated;
+pub mod error;
 pub mod held;
 pub mod host_memory;
 pub mod jobs;
@@ -32,3 +36,4 @@ pub mod roles;
 pub mod seq;
 pub mod service;
 pub mod tick_log;
+pub mod time;

@@ -24,48 +24,28 @@ use std::time::Duration;
 use actix::prelude::*;
 use async_nats::jetstream::{self, AckKind};
 use futures::StreamExt;
-use llmq_config::{SchedulerSettings, Settings, WorkerSettings};
-use llmq_engine::{load_named, LoadOptions, LoadedModel};
+use llmq_config::{SchedulerSettings, Settings};
 use llmq_protocol::{subjects, CacheCleared, Cancel, ClearCache, Event, WorkerRole, WorkerStatus};
 use tokio::sync::mpsc;
 
 use crate::actor::{
     CancelRequest, ClearPrefixCache, Outbound, SchedulerActor, WarmUp, WorkerExecutor,
 };
+use crate::device::{auto_kv_budget, load_on_device, stop_device};
 use crate::disaggregated::decode_side::RemotePrefill;
+use crate::error::nats_err;
+pub use crate::error::WorkerError;
 use crate::held::HeldJobs;
+use crate::held::Inflight;
 use crate::host_memory;
-use crate::jobs::{drain, hand_back, jobs_consumer, replay_cancels, Jobs};
+use crate::jobs::{drain, hand_back, jobs_consumer, replay_cancels, Jobs, Scheduler};
 use crate::placement::Placement;
 use crate::roles::{PrefixOptions, RoleActors, RoleOptions};
+use crate::time::unix_ms;
 use llmq_scheduler::SchedulerConfig;
-
-#[derive(Debug, thiserror::Error)]
-pub enum WorkerError {
-    #[error("loading the model {model}: {source}")]
-    Load {
-        model: String,
-        #[source]
-        source: llmq_engine::EngineError,
-    },
-    #[error("{setting}: {source}")]
-    MlxLimit {
-        setting: &'static str,
-        #[source]
-        source: mlx_rs::error::Exception,
-    },
-    #[error("the device thread stopped")]
-    DeviceStopped,
-    #[error("NATS: {0}")]
-    Nats(#[source] Box<dyn std::error::Error + Send + Sync>),
-}
 
 /// The default warm-up prompt on a GPU (capped by the model's context and the KV budget).
 const GPU_WARM_UP_TOKENS: usize = 8192;
-
-pub(crate) fn nats_err(e: impl std::error::Error + Send + Sync + 'static) -> WorkerError {
-    WorkerError::Nats(Box::new(e))
-}
 
 /// The scheduler's settings for a worker whose chunks beside decoding streams run in `stages`
 /// stages: such a chunk spans them; with stages, the tick budget sizes each tick's share of a
@@ -95,38 +75,6 @@ pub fn scheduler_config(
         min_prefill_chunk: c.min_chunk(gpu),
     }
 }
-
-/// The KV budget when `scheduler.kv_budget_bytes` is unset: half of what MLX's memory limit
-/// leaves beside the weights (the other half is for activations, the largest being a prefill
-/// chunk's logits, and for MLX's cache of freed buffers), at least 256 MiB. Quantized weights
-/// leave more, so the same device admits more streams.
-pub fn auto_kv_budget(weight_bytes: usize) -> u64 {
-    let limit = mlx_rs::memory::memory_limit().unwrap_or(0);
-    (limit.saturating_sub(weight_bytes) as u64 / 2).max(256 << 20)
-}
-
-/// Sets MLX's allocator limits (`worker.mlx_memory_limit_bytes`, `worker.mlx_cache_limit_bytes`)
-/// on the device thread, before the model loads; MLX keeps its own where a setting is absent.
-fn set_mlx_limits(memory: Option<u64>, cache: Option<u64>) -> Result<(), WorkerError> {
-    if let Some(b) = memory {
-        mlx_rs::memory::set_memory_limit(b as usize).map_err(|source| WorkerError::MlxLimit {
-            setting: "worker.mlx_memory_limit_bytes",
-            source,
-        })?;
-    }
-    if let Some(b) = cache {
-        mlx_rs::memory::set_cache_limit(b as usize).map_err(|source| WorkerError::MlxLimit {
-            setting: "worker.mlx_cache_limit_bytes",
-            source,
-        })?;
-    }
-    Ok(())
-}
-
-/// Jobs held here, by request id, until their terminal event is out, with their trace spans.
-pub(crate) type Inflight = Arc<HeldJobs>;
-
-pub(crate) type Scheduler = Addr<SchedulerActor<RoleActors>>;
 
 /// Runs a worker until `stop` completes (the binary passes SIGTERM or SIGINT): then it fetches
 /// no more jobs, finishes those it holds for up to `worker.drain_timeout_s`, ends what is left
@@ -238,19 +186,6 @@ pub async fn run(
     served
 }
 
-/// Stops the device thread and waits for it: its actors, the model and every array are
-/// dropped there, before the process exits. (Exiting with the thread alive runs MLX's static
-/// destructors while the thread still holds arrays: glibc saw the heap corrupted.)
-pub(crate) async fn stop_device(device: Arbiter) {
-    device.stop();
-    if tokio::task::spawn_blocking(move || device.join())
-        .await
-        .map_or(true, |r| r.is_err())
-    {
-        tracing::error!("the device thread panicked while stopping");
-    }
-}
-
 /// Starts the device thread: the model is loaded there, and it and its arrays never leave it;
 /// the scheduler actor and its role actors run there. Returns the scheduler actor and the
 /// thread (to stop at exit).
@@ -353,36 +288,6 @@ async fn start_device(
             Err(e)
         }
     }
-}
-
-/// On the device thread, before anything else runs there: MLX's limits, the host memory kept
-/// for reuse (on a CPU, when `reserve_host_memory`), then the model.
-pub(crate) fn load_on_device(
-    w: &WorkerSettings,
-    reserve_host_memory: bool,
-) -> Result<LoadedModel, WorkerError> {
-    set_mlx_limits(w.mlx_memory_limit_bytes, w.mlx_cache_limit_bytes)?;
-    if reserve_host_memory {
-        let kept = host_memory::keep_freed(w.mlx_cache_limit_bytes).map_err(|source| {
-            WorkerError::MlxLimit {
-                setting: "worker.host_memory_reserve_bytes",
-                source,
-            }
-        })?;
-        tracing::debug!(kept, "freed host memory kept for reuse");
-    }
-    let load = |source| WorkerError::Load {
-        model: w.model.clone(),
-        source,
-    };
-    let opts = LoadOptions::from_settings(
-        w.dtype.as_deref(),
-        w.quantize,
-        w.quantize_group_size,
-        w.keep_quantized,
-    )
-    .map_err(load)?;
-    load_named(&w.model, opts).map_err(load)
 }
 
 /// Follows the peers' heartbeats, from before the warm-up so that the peer set is known when
@@ -605,13 +510,6 @@ pub(crate) fn default_worker_id() -> String {
         if host.is_empty() { "w" } else { &host },
         rand_u32()
     )
-}
-
-pub(crate) fn unix_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_millis() as u64
 }
 
 fn rand_u32() -> u32 {

@@ -462,7 +462,8 @@ impl GgufFile {
         self.index.get(name).map(|&i| &self.tensors[i])
     }
 
-    fn bytes(&self, info: &TensorInfo) -> &[u8] {
+    /// A tensor's bytes as the file stores them (its blocks, for a quantized type).
+    pub fn bytes(&self, info: &TensorInfo) -> &[u8] {
         &self.map[info.offset as usize..(info.offset + info.nbytes) as usize]
     }
 
@@ -471,10 +472,5 @@ impl GgufFile {
         let mut out = Vec::with_capacity(info.elements() as usize);
         info.kind.decode(self.bytes(info), &mut out);
         out
-    }
-
-    /// A tensor as affine groups of 32 (`affine`), for the types that are exactly that.
-    pub fn read_affine(&self, info: &TensorInfo) -> Option<crate::affine::Affine> {
-        crate::affine::read(info.kind, self.bytes(info))
     }
 }

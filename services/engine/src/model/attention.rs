@@ -9,7 +9,7 @@ use mlx_rs::{Array, Dtype};
 
 use llmq_text::config::ModelConfig;
 
-use super::layer::{norm_weight, softcap, Linear};
+use super::parts::{norm_weight, softcap, Linear};
 use super::rope::{Rope, Rotation};
 use crate::arch::ArchOptions;
 use crate::cache::{AttnMask, KvCache};

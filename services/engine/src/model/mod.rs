@@ -8,6 +8,7 @@
 mod attention;
 mod layer;
 mod moe;
+mod parts;
 mod rope;
 mod step;
 
@@ -15,7 +16,8 @@ use mlx_rs::fast::rms_norm;
 use mlx_rs::ops::concatenate;
 use mlx_rs::ops::indexing::IndexOp;
 
-use self::layer::{norm_weight, softcap, Layer};
+use self::layer::Layer;
+use self::parts::{norm_weight, softcap};
 use self::rope::Rope;
 use mlx_rs::{Array, Dtype};
 

@@ -15,7 +15,7 @@ use mlx_rs::{Array, Dtype};
 
 use llmq_text::config::MoeConfig;
 
-use super::layer::{Linear, Mlp};
+use super::parts::{Linear, Mlp};
 use crate::error::Result;
 use crate::kernels::cuda::experts;
 use crate::kernels::gated;

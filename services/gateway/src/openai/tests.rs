@@ -1,6 +1,8 @@
 //! The request shapes' translation to the protocol and the errors' statuses.
 
 use super::*;
+use actix_web::http::StatusCode;
+use llmq_protocol::{ErrorClass, WireError};
 
 fn chat(v: Value) -> Result<(GenerateRequest, Shape), ApiError> {
     chat_request(serde_json::from_value(v).unwrap())

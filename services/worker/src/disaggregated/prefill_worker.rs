@@ -24,11 +24,13 @@ use llmq_protocol::workers::WorkerTable;
 use llmq_protocol::{subjects, WireError, WorkerRole, WorkerStatus};
 use tokio::sync::mpsc;
 
+use crate::device::{auto_kv_budget, load_on_device, stop_device};
 use crate::disaggregated::kv_link::Connections;
 use crate::disaggregated::prefill_side::{Forget, GetReport, PrefillServer, Serve};
+use crate::error::{nats_err, WorkerError};
 use crate::roles::cache::CacheActor;
 use crate::seq::Shared;
-use crate::service::{load_on_device, nats_err, stop_device, unix_ms, WorkerError};
+use crate::time::unix_ms;
 
 /// A served grant's answer, on its way to its decoder.
 struct Answer {
@@ -134,8 +136,7 @@ async fn start_server(
         let loaded = load_on_device(&w, false);
         let _ = ready_tx.send(loaded.map(|m| {
             let model = m.model;
-            let budget =
-                kv_budget.unwrap_or_else(|| crate::service::auto_kv_budget(model.weight_bytes()));
+            let budget = kv_budget.unwrap_or_else(|| auto_kv_budget(model.weight_bytes()));
             let max = if prefix.max_bytes == 0 {
                 budget
             } else {

@@ -9,7 +9,8 @@ use anyhow::{bail, Result};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use super::{median, prompt, round, Client, Knobs, Seen};
+use super::measure::{median, random_prompt as prompt, round};
+use super::stack::{Client, Knobs, Seen};
 
 /// Streams of the gateway scenario that go through HTTP are numbered from here.
 const HTTP_STREAMS: usize = 1 << 20;

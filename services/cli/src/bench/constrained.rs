@@ -6,7 +6,9 @@ use llmq_protocol::Constraint;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use super::{batch, round, Client, Knobs, Seen};
+use super::batch::batch;
+use super::measure::round;
+use super::stack::{Client, Knobs, Seen};
 
 /// A constraint no stream completes within `output_tokens`: a JSON array of at least that many
 /// records (an integer, a short string, a boolean each), so that every stream decodes its

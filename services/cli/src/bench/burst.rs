@@ -9,8 +9,8 @@ use anyhow::{bail, Result};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use super::{median, overhead, round, Client, Knobs, Seen};
-use crate::bench::random_prompt as prompt;
+use super::measure::{median, random_prompt as prompt, round};
+use super::stack::{overhead, Client, Knobs, Seen};
 
 pub(super) async fn burst(
     (mut c, mut rx): (Client, mpsc::UnboundedReceiver<Seen>),

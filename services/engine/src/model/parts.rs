@@ -1,0 +1,178 @@
+//! The building blocks of a decoder layer: projections ([`Linear`], full precision or kept
+//! quantized), the gated MLP ([`Mlp`]), soft-capping, and norms' weights as a checkpoint stores
+//! them.
+
+use mlx_rs::ops::concatenate;
+use mlx_rs::{Array, Dtype};
+
+use crate::error::Result;
+use crate::kernels::{dense_matmul_t, gated};
+use crate::quant::{Matrix, QTensor};
+use crate::weights::Weights;
+
+/// A projection: `x @ W^T + b`, the weight full precision (held transposed) or quantized.
+pub(super) struct Linear {
+    weight: Weight,
+    pub(super) bias: Option<Array>,
+}
+
+enum Weight {
+    /// The checkpoint's [out, in] (row-contiguous: [`crate::kernels::cpu::matmul`] reads it) and W^T, a view of
+    /// it, for MLX's matmul.
+    Dense {
+        w: Array,
+        t: Array,
+    },
+    Quantized(QTensor),
+}
+
+impl Linear {
+    /// Loads projections that read the same input as one: their weights are stacked along the
+    /// output dimension, so one matmul (one kernel) computes them all. `parts` are
+    /// (weight prefix, output size); callers split the output back by those sizes.
+    pub(super) fn load_fused(
+        w: &mut Weights,
+        parts: &[(String, usize)],
+        in_dim: usize,
+        bias: bool,
+    ) -> Result<Self> {
+        let mut weights = Vec::with_capacity(parts.len());
+        let mut biases = Vec::with_capacity(parts.len());
+        for (prefix, out_dim) in parts {
+            weights.push(w.take_matrix(&format!("{prefix}.weight"), &[*out_dim, in_dim])?);
+            if bias {
+                biases.push(w.take(&format!("{prefix}.bias"), &[*out_dim])?);
+            }
+        }
+        let weight = match Matrix::join(weights, false)? {
+            Matrix::Dense(w) => {
+                let t = w.t();
+                Weight::Dense { w, t }
+            }
+            Matrix::Quantized(q) => Weight::Quantized(q),
+        };
+        let bias = if bias {
+            Some(if biases.len() == 1 {
+                biases.remove(0)
+            } else {
+                concatenate(&biases, 0)?
+            })
+        } else {
+            None
+        };
+        Ok(Linear { weight, bias })
+    }
+
+    pub(super) fn load(
+        w: &mut Weights,
+        prefix: &str,
+        out_dim: usize,
+        in_dim: usize,
+        bias: bool,
+    ) -> Result<Self> {
+        Self::load_fused(w, &[(prefix.to_string(), out_dim)], in_dim, bias)
+    }
+
+    pub(super) fn forward(&self, x: &Array) -> Result<Array> {
+        let y = match &self.weight {
+            Weight::Dense { w, t } => dense_matmul_t(w, Some(t), x)?,
+            Weight::Quantized(q) => q.matmul_t(x)?,
+        };
+        Ok(match &self.bias {
+            Some(b) => y.add(b)?,
+            None => y,
+        })
+    }
+
+    pub(super) fn parameters(&self) -> Vec<&Array> {
+        let mut p = match &self.weight {
+            Weight::Dense { w, .. } => vec![w],
+            Weight::Quantized(q) => q.parameters().to_vec(),
+        };
+        p.extend(self.bias.as_ref());
+        p
+    }
+}
+
+pub(super) struct Mlp {
+    /// gate and up projections fused: [intermediate | intermediate] outputs.
+    gate_up: Linear,
+    intermediate: i32,
+    down: Linear,
+    /// GELU (tanh approximation) on the gate instead of SiLU (Gemma).
+    gelu: bool,
+}
+
+impl Mlp {
+    /// `{prefix}.gate_proj`, `up_proj` (or, `fused`, `gate_up_proj`) and `down_proj`, `size` wide.
+    pub(super) fn load(
+        w: &mut Weights,
+        prefix: &str,
+        hidden: usize,
+        size: usize,
+        fused: bool,
+        gelu: bool,
+    ) -> Result<Self> {
+        let gate_up = if fused {
+            Linear::load(
+                w,
+                &format!("{prefix}.gate_up_proj"),
+                2 * size,
+                hidden,
+                false,
+            )?
+        } else {
+            Linear::load_fused(
+                w,
+                &[
+                    (format!("{prefix}.gate_proj"), size),
+                    (format!("{prefix}.up_proj"), size),
+                ],
+                hidden,
+                false,
+            )?
+        };
+        Ok(Mlp {
+            gate_up,
+            intermediate: size as i32,
+            down: Linear::load(w, &format!("{prefix}.down_proj"), hidden, size, false)?,
+            gelu,
+        })
+    }
+
+    pub(super) fn parameters(&self) -> Vec<&Array> {
+        [&self.gate_up, &self.down]
+            .into_iter()
+            .flat_map(Linear::parameters)
+            .collect()
+    }
+
+    pub(super) fn forward(&self, x: &Array) -> Result<Array> {
+        let gu = self.gate_up.forward(x)?;
+        self.down
+            .forward(&gated(&gu, self.intermediate, self.gelu)?)
+    }
+}
+
+/// `cap * tanh(x / cap)` (Gemma 2's soft-capping of scores and logits).
+pub(super) fn softcap(x: &Array, cap: f32) -> Result<Array> {
+    Ok(mlx_rs::ops::tanh(&x.divide(Array::from_f32(cap))?)?.multiply(Array::from_f32(cap))?)
+}
+
+/// A norm's weight as the layer multiplies by it: Gemma stores `w` for `1 + w` (computed in
+/// f32, as transformers does, then cast).
+pub(super) fn norm_weight(
+    w: &mut Weights,
+    name: &str,
+    size: usize,
+    plus_one: bool,
+) -> Result<Array> {
+    let a = w.take(name, &[size])?;
+    if !plus_one || w.norms_include_one() {
+        return Ok(a);
+    }
+    let dtype = a.dtype();
+    Ok(a.as_dtype(Dtype::Float32)?
+        .add(Array::from_f32(1.0))?
+        .as_dtype(dtype)?)
+}
