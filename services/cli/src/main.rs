@@ -50,11 +50,10 @@ fn main() -> std::process::ExitCode {
     if std::env::var_os("MLX_CUDA_GRAPH_CACHE_SIZE").is_none() {
         std::env::set_var("MLX_CUDA_GRAPH_CACHE_SIZE", "8192");
     }
-    // MLX's CUDA graphs off: each new graph structure costs 20-80 ms to instantiate, and a
+    // MLX's CUDA graphs off: each new graph structure takes tens of ms to instantiate, and a
     // serving engine meets new structures all the time (a long prompt joining, another length
-    // group decoding beside a chunk), so with them on the streams stalled 70-90 ms in the burst
-    // scenario, against 30-38 ms off. Off costs about 13% of steady
-    // decode throughput at 64 streams; `MLX_USE_CUDA_GRAPHS=1` trades back.
+    // group decoding beside a chunk), so with them on the streams stall in a burst. Off costs
+    // some steady decode throughput (BENCHMARKS.md); `MLX_USE_CUDA_GRAPHS=1` trades back.
     if std::env::var_os("MLX_USE_CUDA_GRAPHS").is_none() {
         std::env::set_var("MLX_USE_CUDA_GRAPHS", "0");
     }

@@ -142,12 +142,10 @@ impl KvCache for StandardCache {
         values.try_index_mut((.., .., o..e, ..), v)?;
         self.offset = end;
         // New tokens attend over the keys up to their end, a chunk bottom-right causal: MLX
-        // runs that as one fused (cuDNN) attention. An explicit mask over the buffer took MLX's
-        // unfused path:
-        // 15.9 ms against 2.5 ms for 32 layers of a 256-token chunk at position 7168 of an
-        // 8192-token buffer on an H200. The fused kernel is planned once per shape
-        // (40-70 ms the first time), which is why the model pads chunks to a grid of positions
-        // on a GPU (`Model::chunk_grid`).
+        // runs that as one fused (cuDNN) attention, where an explicit mask over the buffer
+        // would take MLX's unfused path, several times slower. The fused kernel is planned once
+        // per shape, which is why the model pads chunks to a grid of positions on a GPU
+        // (`Model::chunk_grid`).
         let mask = if t == 1 {
             AttnMask::None
         } else {
@@ -330,8 +328,8 @@ impl SequenceCache {
             cache.update(k, v)?;
         }
         // Written now, on the device: left lazy, every chunk appended so far would be read
-        // from the host's memory by the step that completes the prompt (on an H100, 0.75 s for
-        // the 1 GB of an 8,192-token prompt at 8b, stalling that step's streams).
+        // from the host's memory by the step that completes the prompt, stalling that step's
+        // streams.
         let written: Vec<Array> = self
             .layers
             .iter()

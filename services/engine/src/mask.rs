@@ -84,9 +84,8 @@ fn argmax_kernel() -> Option<&'static Kernel> {
 
 /// Each row's best allowed token (the lowest index among equals, as an argmax; 0 where the
 /// mask allows none, as the kernel): `logits` and `masks` row after row. Where the logits are
-/// in host memory this beats unpacking the masks through MLX's CPU operations (about 5 ms
-/// for 8 rows of SmolLM2's 49,152 tokens, on every step's path, against well under one), and
-/// it skips the words that allow nothing, most of a constraint's.
+/// in host memory this beats unpacking the masks through MLX's CPU operations, which would be
+/// on every step's path, and it skips the words that allow nothing, most of a constraint's.
 fn host_argmax(logits: &[f32], masks: &[u32], vocab: usize, words: usize) -> Vec<i32> {
     logits
         .chunks(vocab)
@@ -216,9 +215,8 @@ impl MaskLayout {
     }
 
     /// The masks as an array [rows, words], checked against the layout and the logits' rows.
-    /// Host memory reaches a GPU at a cost by the byte (64 rows of Llama 3's 128k tokens, 1 MB,
-    /// took 1.6-1.8 ms a step on an H100, where the kernel reading them took 0.12-0.16), and
-    /// most of a constraint's words are alike (every token refused, or every one allowed): where
+    /// Host memory reaches a GPU at a cost by the byte (more than the kernel that reads the
+    /// masks takes), and most of a constraint's words are alike (every token refused, or every one allowed): where
     /// it is fewer bytes, only the words that differ from their row's commoner kind cross, with
     /// their places, and the device writes them over the rows' defaults ([`Sparse`]).
     fn packed(&self, logits: &Array, masks: &[u32]) -> Result<Array> {

@@ -3,56 +3,33 @@
 //! A tick that carries prefill work beside the decode batch takes a decode step's time plus
 //! the work's, and that tick is the gap every running stream sees between two tokens. With a
 //! budget `b`, the work is sized so that such a tick takes at most `b` times a tick of the
-//! decode batch alone. Two users: the scheduler sizes whole chunks (`size`, chunks in one tick),
-//! and the decode actor sizes each tick's share of a chunk spread over ticks (`pick`, in tokens'
-//! worth through the whole model; its clock is the interval between its steps). Both times are
-//! measured:
+//! decode batch alone. Two users: the scheduler sizes whole chunks ([`ChunkSizer::size`], a
+//! chunk in one tick), and the decode actor sizes each tick's share of a chunk spread over
+//! ticks ([`ChunkSizer::pick`], in tokens' worth through the whole model).
 //!
-//! - a tick's time is the interval from its start to the next tick's start (what a stream sees
-//!   between two tokens), taken only when the next tick followed at once (the scheduler was not
-//!   idle in between);
-//! - `decode_ms`: moving average of decode-only ticks;
-//! - `extra_ms[size]`: moving average, per chunk size, of a chunk tick's time beyond
-//!   `decode_ms`.
+//! Rules:
 //!
-//! A chunk's time is not proportional to its tokens: it has fixed costs (its attention, its KV
-//! writes: on an H200 most of a 256-token chunk's time at 8b), and a size can even be slower
-//! than a larger one. So each size's time is measured, not derived from a per-token rate. A size
-//! not measured yet is estimated from a measured one in proportion to their tokens (from a
-//! smaller size upward, an upper bound when costs are partly fixed; downward, a guess to try).
-//! The sizer grants the largest size expected to fit the budget; when none is, a share takes
-//! the size with the shortest expected tick (it does not shrink shares that cost as much as
-//! larger ones) and a whole chunk the smallest. While no share fits, a smaller size whose time was last measured `REMEASURE_TICKS` chunk ticks
-//! ago or more is granted once to measure it again (the largest such; the sizes below it count
-//! as measured then too), and that sample replaces its old time: a
-//! size abandoned after a few slow ticks (a host hiccup, a tick with an extra length group)
-//! would otherwise never be tried again, though it may fit now. A smaller size costs little to
-//! try: at worst about what the size it replaces costs.
-//!
-//! A chunk's time also grows with the prompt's offset (each of its tokens attends to every
-//! position before it): on a 2-core CPU, SmolLM2's tokens cost several times more at position
-//! 3,000 than at 0. Each sample keeps the offset it was taken at, and one slope shared by all
-//! sizes, the per-token time added by each position of offset, is fitted to how each size's
-//! per-token time moved with its offsets (a slowly forgetting least-squares fit within each
-//! size); a whole chunk's time is moved along that slope to the offset asked about. So a long
-//! prompt's chunks shrink as it advances, ahead of their measured times, and the next prompt's
-//! start (offset 0 again) is not judged by the last one's end.
-//!
-//! Whole chunks (`size`) are committed in one tick, so they are judged cautiously: before any
-//! time is known they start at the smallest size and grow as measured times allow (on a CPU a
-//! chunk's time is close to proportional to its tokens, and one too large is a stall of
-//! seconds); a size's own time, however old, counts over what smaller sizes suggest (at
-//! large offsets a size can cost more than twice the size below it: a stale time is measured
-//! again only through the retry above, when no size fits); and a size's time counts with twice
-//! its samples' mean deviation added (`WHOLE_DEVIATIONS`): on a 2-core CPU shared with the
-//! decode batch's other threads the same chunk takes a third more or less from one tick to the
-//! next, and the streams see the slow ticks. A tick's share of a chunk spread over ticks (`pick`) is chosen again every tick, so
-//! it starts at the largest and takes the most hopeful estimate.
-//!
-//! Sizes: `min`, `2·min`, `4·min`, ... below `max`, then `max`. A chunk of size `s` starts at a
-//! multiple of `s` of the prompt's positions, so that on a GPU each size meets one attention
-//! shape per position on its own grid (MLX plans a new shape for tens of ms; the worker's
-//! warm-up runs every size once).
+//! - Times are measured, never derived from a per-token rate: a tick's time is the interval to
+//!   the next tick's start (taken only when the next followed at once); `decode_ms` averages
+//!   decode-only ticks; each size keeps its own chunk ticks' time beyond `decode_ms`, since a
+//!   chunk has fixed costs (its attention, its KV writes) and a size can cost as much as a
+//!   larger one. A size not measured yet is estimated from a measured one in proportion.
+//! - A chunk's time grows with its offset in the prompt (each token attends to every position
+//!   before it): samples keep their offsets, one slope over positions is fitted to all sizes,
+//!   and a whole chunk's time is moved along it to the offset asked about, so a long prompt's
+//!   chunks shrink as it advances.
+//! - The largest size expected to fit is granted. When none fits, a share takes the size with
+//!   the shortest expected tick and a whole chunk the smallest; and a smaller size last
+//!   measured `REMEASURE_TICKS` chunk ticks ago or more is granted once to measure it again,
+//!   so that a few slow ticks do not rule it out for good.
+//! - Whole chunks are committed in one tick, so they are judged cautiously: they start at the
+//!   smallest size, a size's own time (however old) counts over what smaller sizes suggest,
+//!   and its samples' mean deviation counts twice (`WHOLE_DEVIATIONS`): the streams see the
+//!   slow ticks. Shares are chosen again every tick, so they start at the largest and take the
+//!   most hopeful estimate.
+//! - Sizes are `min`, `2·min`, `4·min`, ... below `max`, then `max`; a chunk of size `s` starts
+//!   at a multiple of `s`, so that on a GPU each size meets one attention shape per position
+//!   (MLX plans each new shape; the worker's warm-up runs every size once).
 //!
 //! Invariants: a granted chunk is never empty and never more than `max` tokens, so a prefill
 //! always advances; a prompt position that is not a multiple of `min` (a prefix-cache hit off
@@ -332,9 +309,8 @@ impl ChunkSizer {
                     return pick;
                 }
                 // None fits. A whole chunk takes the smallest size: a larger one's time, measured
-                // at another offset and moved along the slope, is the less certain (at a
-                // CPU's position 2,800 a 16-token chunk judged that way took 276 ms beside a
-                // 70 ms decode tick).
+                // at another offset and moved along the slope, is the less certain, and a whole
+                // chunk too large is a stall of its whole time.
                 if mode == Mode::Whole {
                     return expected.last().map_or(first, |(s, _)| *s);
                 }
@@ -400,9 +376,10 @@ impl ChunkSizer {
     /// time alone once it has one); unmeasured, a larger size's scaled down (each moved to
     /// `at`; for a whole chunk, `cautious`).
     fn expected_ms(&self, i: usize, at: usize, mode: Mode) -> Option<f64> {
-        // A share's time is not moved along the slope: on an H200 (8b, four 8k-token prompts
-        // arriving) moving it made the shares smaller and the last prompt's first token came
-        // at 3.0-3.3 s instead of 2.0-2.2 s, for no better gaps.
+        // A share's time is not moved along the slope: on a GPU a share's time is mostly the
+        // host's launch of its layers, and moving it made the shares smaller and the prompts'
+        // first tokens later for no better gaps (BENCHMARKS.md, the burst after the KV-cache
+        // changes).
         let (n, slope) = (
             self.sizes[i],
             if mode == Mode::Whole {

@@ -1,16 +1,14 @@
 //! Host memory when the device is a CPU. There MLX's buffers are the process's heap, and a
 //! buffer of memory the process has not touched before costs a page fault per 4 KB page: a
-//! long prompt's KV (SmolLM2, 3,000 tokens: 140 MB, 1,152 faults a layer) took 13-15 ms a
-//! layer at its first chunk, 0.4-0.5 s of one tick, while the decoding streams shared the two
-//! cores. MLX's cache of freed buffers reuses a buffer only for a request of nearly its size,
+//! long prompt's KV met fresh memory at its first chunk, a stall of one tick on the cores the
+//! streams decode on (BENCHMARKS.md, "A long prompt arriving while streams decode"). MLX's cache of freed buffers reuses a buffer only for a request of nearly its size,
 //! so a new prompt length meets fresh memory again.
 //!
 //! So on a CPU the worker (1) keeps freed memory in the process: glibc serves buffers up to
 //! 32 MB from its heap and keeps up to 2 GB of freed heap instead of giving it back; (2) gives
 //! every thread that one heap: glibc otherwise gives threads that allocate at the same time
 //! heaps (arenas) of their own, and a buffer made on a thread whose heap is not the reserve's
-//! meets fresh memory (the decode batch's growth when rows join: 60,000 faults in a few ticks of
-//! a SmolLM2 burst, 0 with one heap); (3) lets MLX free buffers at once (cache limit 0), so that
+//! meets fresh memory (the decode batch's growth when rows join); (3) lets MLX free buffers at once (cache limit 0), so that
 //! glibc reuses them for any size; (4) faults its reserve in once at start, through MLX's own
 //! allocations, so that the first long prompt finds it.
 

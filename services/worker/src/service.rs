@@ -320,12 +320,11 @@ async fn follow_peers(
 }
 
 /// Runs the warm-up before the worker takes jobs. On a GPU a long warm-up prompt pays for
-/// every cache size a burst of long prompts reaches (each new size's first chunk costs 100+ ms
-/// there), in one round for every size of the decode batch (a step's shapes follow it); on a
+/// every cache size a burst of long prompts reaches (each new size's first chunk stalls while
+/// MLX plans it), in one round for every size of the decode batch (a step's shapes follow it); on a
 /// CPU one round of a short one is enough, its long prompts one tick's prefill work and a few
 /// tokens (a chunk's shares take up to a tick a layer there, and the warm-up keeps the short
-/// one decoding through the most: 5.2-5.7 s of SmolLM2 on a 2-core CPU, against 10.6 s with
-/// prompts of a whole 256-token chunk).
+/// one decoding through the most: prompts of a whole chunk would double its time).
 async fn warm_up(actor: &Scheduler, settings: &Settings) -> Result<(), WorkerError> {
     let sched = &settings.scheduler;
     let (default_tokens, rows) = if llmq_engine::on_gpu() {

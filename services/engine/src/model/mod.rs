@@ -203,7 +203,7 @@ impl Model {
     /// Prefill chunks end on multiples of this many positions: a chunk that would end between
     /// two is padded with copies of its last token, run, and its cache rewound past the
     /// padding (the padding's keys are overwritten by the tokens that follow). A GPU plans its
-    /// fused attention once per shape (40-70 ms each on an H200), and a chunk's shape is its
+    /// fused attention once per shape (tens of ms each), and a chunk's shape is its
     /// length and where it ends: on the grid, a prompt's chunks reuse a few shapes instead of
     /// planning a new one for every prompt length. 1 (no padding) on a CPU, where padding is
     /// pure extra work, and for sliding-window caches, which cannot rewind.

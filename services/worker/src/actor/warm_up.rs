@@ -18,9 +18,8 @@ use crate::seq::{panic_text, SeqSpec};
 /// `rows`: that many short ones prefilled and decoding, and two long ones prefilled chunk by
 /// chunk in the same steps as their decode, the first then decoding in a length group of its
 /// own beside the second's chunks, everything to its end. On a GPU the first step of each new
-/// shape otherwise costs 10-180 ms (seen in the burst benchmark: its first chunks, and the
-/// tick in which the first long prompt joins 16 decoding streams when the warm-up had only
-/// one). Answers with the milliseconds it took. Leaves nothing behind.
+/// shape otherwise stalls the streams while MLX plans it (a burst's first chunks, the tick in
+/// which a long prompt joins many decoding streams). Answers with the milliseconds it took. Leaves nothing behind.
 #[derive(Message)]
 #[rtype(result = "Result<f64, WarmUpError>")]
 pub struct WarmUp {

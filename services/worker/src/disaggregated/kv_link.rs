@@ -33,7 +33,7 @@ pub enum Received {
     /// A chunk's frame: the chunk is computed, its bytes follow.
     Frame(KvFrame),
     /// The chunk's bytes, and whether they are the size and checksum the frame announced
-    /// (checked on a blocking thread: 30-60 ms for a 134 MB chunk on a slow CPU, which the
+    /// (checked on a blocking thread: the checksum of a large chunk takes tens of ms, which the
     /// worker's runtime thread, where token events go out, does not wait for).
     Bytes(KvFrame, Vec<u8>, Result<(), KvError>),
 }

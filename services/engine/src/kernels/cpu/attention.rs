@@ -1,9 +1,8 @@
 //! llmq's attention on a CPU: a sequence's new queries over its cache, causal, in f32.
 //!
 //! MLX's CPU attention computes the whole score matrix and its softmax unfused, and on x86 its
-//! `exp` runs one element at a time through libm's `fmaf`: 10-17 ns a score on the project's
-//! 2-core machine, most of a long prompt's prefill (a 3,100-token prompt: 31 s in 256-token
-//! chunks, 47 s in one piece, for SmolLM2's 135M parameters), and the reason a chunk beside
+//! `exp` runs one element at a time through libm's `fmaf`: most of a long prompt's prefill
+//! (BENCHMARKS.md, "The 2-core CPU"), and the reason a chunk beside
 //! decoding streams costs more the further into its prompt it is. This kernel streams over
 //! the keys in blocks with a running softmax (no score matrix), with the 8-wide FMAs of AVX2
 //! where the CPU has them and an `exp` of plain arithmetic the compiler vectorizes, one task

@@ -3,9 +3,8 @@
 //! share.
 //!
 //! MLX's CPU build compiles such element-wise graphs at run time for one element at a time,
-//! its `exp` through libm's `fmaf`: about 10 ms for the 393,216 gates of a 256-token chunk of
-//! SmolLM2 in one layer, on a 2-core machine where the rest of that layer's share of the chunk
-//! takes a few times that. Here `e^x` is plain arithmetic the compiler vectorizes (with AVX2
+//! its `exp` through libm's `fmaf`: a sizeable part of a chunk's share of a layer
+//! (BENCHMARKS.md, "An MLP's gated activation on the CPU"). Here `e^x` is plain arithmetic the compiler vectorizes (with AVX2
 //! and FMA where the CPU has them), for `x <= 0` only, which is all a sigmoid or a tanh needs:
 //! each is written over `e^-|x|`.
 

@@ -4,9 +4,8 @@
 //!
 //! MLX's gathered matmul runs each (row, expert) pair as its own matrix-vector product when the
 //! pairs are unsorted, and a grouped GEMM of tensor-core tiles when they are sorted; for a decode
-//! step both read an expert's weights at a small fraction of the memory's speed (Qwen3-30B-A3B's
-//! shape: 64 rows took 90-99 ms a step where reading the weights once takes 12.7), and the
-//! routing around them (softmax, partition, gathers, sorts) is a dozen small operations a layer.
+//! step both read an expert's weights at a small fraction of the memory's speed (BENCHMARKS.md,
+//! "Mixture of experts"), and the routing around them (softmax, partition, gathers, sorts) is a dozen small operations a layer.
 //! Here a layer's experts are four launches:
 //!
 //! - `route`: one warp a row takes the router's logits, their softmax and its k largest (ties to

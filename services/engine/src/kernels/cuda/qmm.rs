@@ -4,8 +4,8 @@
 //!
 //! A decode step of 64 rows at 8b multiplies every weight by 64 rows: the tensor cores' work is
 //! small, the read is what costs. Dequantizing the whole matrix into a bf16 temporary and
-//! multiplying densely (the path before this kernel) reads 4.5 GB, writes 16 GB and reads the
-//! 16 GB again, more than the bf16 model's own step. Here a block of 4 warps takes up to 64 rows
+//! multiplying densely reads the packed weights, writes the full-precision ones and reads them
+//! again: more than the bf16 model's own step. Here a block of 4 warps takes up to 64 rows
 //! of `x` and 128 output columns (32 a warp): each k-chunk of 64, the rows' chunk goes through
 //! shared memory (double-buffered, the next chunk's loads issued before this one's products) and
 //! each lane turns its own 16 packed values of a column into bf16 pairs laid out as
@@ -13,10 +13,9 @@
 //! blocks to fill the GPU, the k-range is split across blocks and a second kernel sums their f32
 //! partials in a fixed order (so results do not depend on timing).
 //!
-//! Used up to `MAX_ROWS` rows, where it was measured faster than dequantizing and multiplying
-//! densely (on an H200, the 8b shape's four products of a layer at 4 bits in groups of 64, each
-//! queued 50 times back to back: 0.39 against 0.77 ms at 16 rows, 0.385 against 0.385 at 32,
-//! 0.49 against 0.43 at 64). Its time barely moves with the rows: a block's chunks are
+//! Used up to `MAX_ROWS` rows, where it was measured at least as fast as dequantizing and
+//! multiplying densely (BENCHMARKS.md, "quantized to 4 bits"). Its time barely moves with the
+//! rows: a block's chunks are
 //! latency-bound (32 bytes of each weight row per chunk, one chunk of loads in flight), which is
 //! where it has to get faster before it can take a batch of 64.
 //!

@@ -1,9 +1,9 @@
 //! Quantized matrix products of a few rows (a decode step of up to `MAX_ROWS` streams), as a
 //! CUDA kernel (NVIDIA GPUs only): `out[m, n] = sum_k x[m, k] * (scale * q[n, k] + bias)`.
 //!
-//! Decode is a read of the weights: at 4 bits an 8B model's step reads 4.5 GB where bf16 reads
-//! 16. MLX's own kernel for this read the packed weights on an H200 at about a third of the
-//! memory's speed, leaving 4-bit decode as slow as bf16. This kernel gives each warp one output
+//! Decode is a read of the weights: at 4 bits a step reads about a quarter of the bf16 bytes.
+//! MLX's own kernel for this reads the packed weights at a fraction of the memory's speed,
+//! leaving 4-bit decode as slow as bf16 (BENCHMARKS.md, "quantized to 4 bits"). This kernel gives each warp one output
 //! row: its lanes take 16 consecutive packed values at a time (one 8- or 16-byte load, the warp's
 //! loads contiguous; four such loads issued before the first is used, to keep the memory busy),
 //! multiply them against every row of `x` (read through the cache, shared by all warps) as
@@ -14,7 +14,7 @@
 //!
 //! A second kernel dequantizes a whole matrix (for the products of many rows, which multiply
 //! densely): each thread turns 16 packed values into 16 of the output dtype with 16-byte
-//! stores, about twice as fast as MLX's own on an H200.
+//! stores, faster than MLX's own.
 
 use std::sync::OnceLock;
 

@@ -3,9 +3,8 @@
 //! A decode step's rows live in one or more decode batches (length groups), each with its own
 //! KV buffers [slots, kv_heads, capacity, head_dim]; each row attends over its own first `len`
 //! keys. MLX's fused attention takes no per-row lengths: with a mask array it falls back to
-//! unfused matrix products over the whole capacity, which on an H200 cost 18.9 ms a step for
-//! 64 rows over 1024 slots at the 8b shape against 2.9 ms unmasked, and a group attending
-//! apart costs a dozen more operations a layer on the host.
+//! unfused matrix products over the whole capacity, several times the unmasked time, and a
+//! group attending apart costs a dozen more operations a layer on the host.
 //! These kernels attend every row of every group in one launch, reading only each row's keys.
 //!
 //! The kernels (our own source, compiled by MLX through NVRTC when the model loads): the
@@ -203,8 +202,8 @@ fn select_group(groups: usize) -> String {
 /// over several items, then `merge`). Both attention kernels take `MAX_GROUPS` groups' buffers;
 /// a step with fewer passes `spare` (one zero slot, never read) for the rest, so each kernel
 /// has one form, compiled when the model loads (`new` runs each once): a kernel's first run
-/// costs about 1.4 s on an H200 (NVRTC), which a form first met while serving would stall
-/// every stream for.
+/// compiles it (NVRTC, about a second), which a form first met while serving would stall every
+/// stream for.
 pub struct RowAttention {
     whole: Kernel,
     split: Kernel,

@@ -1,7 +1,6 @@
 //! A completed prompt's KV copied for the prefix cache a few layers a step, on a CPU. There a
-//! copy is the cores' own time, and all of a long prompt's at once was most of a tick: 140 MB
-//! for 3,000 tokens of SmolLM2, a 220 ms tick against a 60 ms decode tick on the 2-core
-//! machine. The rows' later writes are past the prompt, so each layer's prompt positions are
+//! copy is the cores' own time, and all of a long prompt's at once was most of a tick, several
+//! times a decode tick. The rows' later writes are past the prompt, so each layer's prompt positions are
 //! the same whenever they are copied; a copy is evaluated at once, so no view of a row's
 //! buffers outlives its step (a write to a buffer with another reader would copy it whole).
 //!
@@ -15,7 +14,7 @@ use llmq_scheduler::ReqId;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::Array;
 
-/// Layers copied per step (SmolLM2: about 5 MB each for a 3,000-token prompt).
+/// Layers copied per step: a few, so that a step's copies stay small beside its decode.
 const LAYERS_PER_STEP: usize = 4;
 
 struct Copy {
