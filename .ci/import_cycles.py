@@ -112,27 +112,12 @@ def cycles(edges):
     return out
 
 
-# Known cycles, each with its reason; the check fails on any other, and on one of these growing.
-KNOWN = {
-    # One actor's methods, split over files by concern (the step queued ahead, a lent chunk):
-    # each file's `impl DecodeActor` block names the actor's module, which names their types.
-    (
-        "services/worker/src/roles/decode/ahead.rs",
-        "services/worker/src/roles/decode/chunk.rs",
-        "services/worker/src/roles/decode/mod.rs",
-    ),
-}
-
-
 def main():
     found = []
     for src in sorted(ROOT.glob("services/*/src")) + sorted(ROOT.glob("shared/*/src")):
         files, edges = crate_graph(src)
         for comp in cycles(edges):
             names = sorted(str(files[m].relative_to(ROOT)) for m in comp)
-            if tuple(names) in KNOWN:
-                print("import_cycles: known: " + ", ".join(names))
-                continue
             found.append(names)
     for names in found:
         print("import_cycles: files that import each other: " + ", ".join(names))

@@ -18,6 +18,8 @@
 mod ahead;
 mod chunk;
 mod copies;
+mod queued;
+mod staging;
 mod step;
 
 use std::collections::HashMap;
@@ -30,10 +32,10 @@ use llmq_scheduler::budget::ChunkSizer;
 use llmq_scheduler::{PrefillResult, ReqId, StepOut};
 use mlx_rs::Array;
 
-use self::ahead::Ahead;
-use self::chunk::InFlight;
-pub use self::chunk::{chunk_stages, stages_for, Grant, Lent, Staging};
 use self::copies::Copies;
+use self::queued::Ahead;
+use self::staging::InFlight;
+pub use self::staging::{chunk_stages, stages_for, Grant, Lent, Staging};
 use crate::roles::cache::{CacheActor, Remember};
 use crate::roles::messages::{
     ChunksAhead, InjectPanic, Release, Reply, Report, Reset, ResetCounters, Stage, StepTimes,

@@ -9,8 +9,8 @@ use llmq_scheduler::{ReqId, StepOut};
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::Array;
 
-use super::ahead::{launch_step, Ahead};
-use super::chunk::InFlight;
+use super::queued::{launch_step, Ahead};
+use super::staging::InFlight;
 use super::{DecodeActor, Stepped, SLOW_MS};
 use crate::roles::messages::StepTimes;
 use crate::seq::{
