@@ -8,6 +8,7 @@
 //! workers a service has heard from (their heartbeats), for intake and the gateway. `connect`
 //! (feature `nats`) is how every llmq program connects: credentials, its own inboxes, TLS.
 //! `watch` is how a client makes sure every request it follows ends, events lost or not.
+//! [`schema`] is the protocol as JSON Schema, generated from these types.
 
 #![deny(missing_docs)]
 
@@ -15,6 +16,7 @@
 pub mod connect;
 pub mod messages;
 pub mod prefill;
+pub mod schema;
 pub mod subjects;
 #[cfg(feature = "nats")]
 pub mod watch;

@@ -1,10 +1,11 @@
 //! The messages of protocol v1. Field ownership: clients write [`GenerateRequest`] and [`Cancel`];
 //! intake writes [`GenerateReply`] and [`Job`]; workers write [`StreamEvent`] and [`WorkerStatus`].
 
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// One chat message (OpenAI / Hugging Face roles: system, user, assistant, tool).
-#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, JsonSchema)]
 pub struct ChatMessage {
     /// `system` (or `developer`), `user`, `assistant` or `tool`.
     pub role: String,
@@ -34,7 +35,7 @@ impl ChatMessage {
 }
 
 /// A function the model may call: rendered into the prompt through the model's chat template.
-#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, JsonSchema)]
 pub struct Tool {
     /// 1 to 64 of `a-z A-Z 0-9 _ -`.
     pub name: String,
@@ -47,7 +48,7 @@ pub struct Tool {
 }
 
 /// One call of a tool, as the model made it.
-#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, JsonSchema)]
 pub struct ToolCall {
     /// The call's id (9 letters and digits), which the `tool` turn answering it names.
     pub id: String,
@@ -58,7 +59,7 @@ pub struct ToolCall {
 }
 
 /// Whether and which tools the model may call (OpenAI's `tool_choice`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ToolChoice {
     /// No call: the tools are not shown to the model.
@@ -76,7 +77,7 @@ pub enum ToolChoice {
 
 /// How the model writes its tool calls in its output text (decided by its chat template):
 /// intake names it in `Accepted` so that a client can parse the calls out of the stream.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum ToolSyntax {
     /// `<tool_call>\n{"name": .., "arguments": {..}}\n</tool_call>`, one block per call
@@ -91,7 +92,7 @@ pub enum ToolSyntax {
 
 /// A client's job as submitted on `llm.v1.generate`. Unchecked: intake validates it into a [`Job`].
 /// Numbers are wide and signed here so that out-of-range values can be reported, not wrapped.
-#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, JsonSchema)]
 #[serde(default)]
 pub struct GenerateRequest {
     /// A model a worker serves (as `intake.models` names it).
@@ -167,7 +168,7 @@ pub const MAX_CHOICES: u32 = 16;
 /// What a constrained request's output must match, from its first token to its end: the
 /// sequence ends (end of sequence) only where the output is complete, and every token chosen
 /// keeps it a prefix of some valid output.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Constraint {
     /// Any JSON object (OpenAI's `response_format: {"type": "json_object"}`).
@@ -216,7 +217,7 @@ pub const REQUIRABLE: &[&str] = &[
 ];
 
 /// Intake's immediate answer on the request's reply subject.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum GenerateReply {
     /// The job is in the jobs stream; its events will come on `stream_subject`.
@@ -241,7 +242,7 @@ pub enum GenerateReply {
 }
 
 /// Asks intake whether an accepted job is still in the jobs stream (`subjects::JOB_STATE`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct JobQuery {
     /// The accepted request's id.
     pub request_id: String,
@@ -250,7 +251,7 @@ pub struct JobQuery {
 }
 
 /// Intake's answer to a [`JobQuery`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum JobState {
     /// In the jobs stream: waiting for a worker, or held by one that has not finished it.
@@ -260,7 +261,7 @@ pub enum JobState {
 }
 
 /// An error as it crosses the wire: classified once, near its cause.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct WireError {
     /// What kind of error, for a client to act on.
     pub class: ErrorClass,
@@ -285,7 +286,7 @@ impl std::fmt::Display for WireError {
 }
 
 /// The kinds of error a client may act on; each ends a request (or refuses it).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum ErrorClass {
     /// Undecodable payload or a parameter out of range.
@@ -313,7 +314,7 @@ pub enum ErrorClass {
 
 /// Sampling parameters of a validated job: checked once, where they enter the system (intake,
 /// or the CLI's in-process generation), by `llmq_text::sampling::validate`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct Sampling {
     /// 0 means greedy.
     pub temperature: f32,
@@ -363,7 +364,7 @@ impl Sampling {
 }
 
 /// When a job's generation ends (besides a cancel), validated like [`Sampling`].
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct StopConditions {
     /// Most tokens to generate.
     pub max_tokens: u32,
@@ -391,7 +392,7 @@ impl Default for StopConditions {
 }
 
 /// A validated, tokenized job: what intake puts on the jobs stream for a worker.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct Job {
     /// The request's id, as [`GenerateReply::Accepted`] named it.
     pub request_id: String,
@@ -430,7 +431,7 @@ fn is_zero(v: &u32) -> bool {
 pub const SEQ_FROM_ANOTHER_WORKER: u64 = u64::MAX;
 
 /// One event of a request's stream. `seq` starts at 0 and grows by one per event.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct StreamEvent {
     /// The request the event is about.
     pub request_id: String,
@@ -445,7 +446,7 @@ pub struct StreamEvent {
 }
 
 /// What a stream carries: progress, tokens, and one terminal event per sample.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Event {
     /// Waiting for admission; `position` 0 is next.
@@ -494,7 +495,7 @@ impl Event {
 }
 
 /// A token's log-probability, and the likeliest alternatives at its position.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct TokenLogprob {
     /// The token chosen.
     pub token: u32,
@@ -512,7 +513,7 @@ pub struct TokenLogprob {
 }
 
 /// Why a sample ended normally.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum FinishReason {
     /// End of sequence, a stop token or a stop string.
@@ -522,7 +523,7 @@ pub enum FinishReason {
 }
 
 /// Tokens of a sample.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
 pub struct Usage {
     /// Prompt tokens.
     pub prompt: u32,
@@ -533,7 +534,7 @@ pub struct Usage {
 }
 
 /// Where a request's time went, in milliseconds.
-#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize, JsonSchema)]
 pub struct Timings {
     /// From acceptance to the start of its prefill.
     pub queue_ms: f64,
@@ -544,7 +545,7 @@ pub struct Timings {
 }
 
 /// Broadcast on `llm.v1.cancel`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct Cancel {
     /// The request to cancel.
     pub request_id: String,
@@ -552,7 +553,7 @@ pub struct Cancel {
 
 /// Published on `llm.v1.cache.clear`: every worker (of `model`, or all) drops its cached
 /// prefixes and, when the message has a reply subject, answers with [`CacheCleared`].
-#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, JsonSchema)]
 #[serde(default)]
 pub struct ClearCache {
     /// The model whose workers clear their caches (none: every model).
@@ -560,7 +561,7 @@ pub struct ClearCache {
 }
 
 /// A worker's answer to [`ClearCache`].
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct CacheCleared {
     /// Who answers.
     pub worker_id: String,
@@ -571,7 +572,7 @@ pub struct CacheCleared {
 /// What a worker does: `Both` takes jobs and prefills and decodes them; `Decode` takes jobs
 /// and has their prompts prefilled by a live `Prefill` worker (itself when none is live);
 /// `Prefill` takes no jobs, and computes prompt chunks for decode workers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum WorkerRole {
     /// Takes jobs, prefills and decodes them.
@@ -605,7 +606,7 @@ impl std::str::FromStr for WorkerRole {
 }
 
 /// A worker's heartbeat on `llm.v1.worker.<id>.status`; intake routes by it.
-#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, JsonSchema)]
 #[serde(default)]
 pub struct WorkerStatus {
     /// The worker's id (unique while it lives).

@@ -22,12 +22,13 @@
 //! `[kv_heads, n, head_dim]` row-major in the model's dtype. A session is dropped on
 //! [`PrefillOrder::Drop`], and when its decoder goes silent.
 
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::WireError;
 
 /// From a decode worker to a prefill worker.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum PrefillOrder {
     /// Compute a chunk of a prompt.
@@ -42,7 +43,7 @@ pub enum PrefillOrder {
 }
 
 /// Compute positions `[start, start + n)` of `prompt` and send their KV to `decoder`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct PrefillGrant {
     /// The decode worker's id: the KV goes to `subjects::prefill_kv(decoder)`.
     pub decoder: String,
@@ -67,7 +68,7 @@ pub struct PrefillGrant {
 
 /// A decode worker's direct KV connection: where it listens (`host:port`) and the token its
 /// frames must carry.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct DirectKv {
     /// `host:port` the decode worker listens on.
     pub addr: String,
@@ -76,7 +77,7 @@ pub struct DirectKv {
 }
 
 /// A chunk's KV on a direct connection: this frame, then `total_bytes` bytes.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct KvFrame {
     /// The decode worker's token ([`DirectKv::token`]).
     pub token: u64,
@@ -115,7 +116,7 @@ impl KvFrame {
 }
 
 /// From a prefill worker to a decode worker.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum PrefillReply {
     /// A piece of a computed chunk's KV.
@@ -132,7 +133,7 @@ pub enum PrefillReply {
 }
 
 /// One piece of a chunk's KV.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct KvPiece {
     /// The request's key ([`PrefillGrant::key`]).
     pub key: u64,
@@ -158,6 +159,19 @@ pub struct KvPiece {
 /// Bytes as MessagePack's binary type (a `Vec<u8>` would be an array of integers).
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Bytes(pub Vec<u8>);
+
+impl JsonSchema for Bytes {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "Bytes".into()
+    }
+
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({
+            "description": "Raw bytes: MessagePack's bin type (no JSON type holds them).",
+            "x-msgpack": "bin"
+        })
+    }
+}
 
 impl Serialize for Bytes {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
