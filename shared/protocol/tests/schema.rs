@@ -4,6 +4,28 @@
 
 use std::path::PathBuf;
 
+/// The document with every object's keys sorted: serde_json keeps insertion order when another
+/// crate of the build turns on its `preserve_order` (llguidance does, in the workspace), and
+/// sorted order otherwise; the committed copies must not depend on which crates are built.
+fn canonical(v: serde_json::Value) -> serde_json::Value {
+    match v {
+        serde_json::Value::Object(m) => {
+            let mut entries: Vec<_> = m.into_iter().collect();
+            entries.sort_by(|a, b| a.0.cmp(&b.0));
+            serde_json::Value::Object(
+                entries
+                    .into_iter()
+                    .map(|(k, v)| (k, canonical(v)))
+                    .collect(),
+            )
+        }
+        serde_json::Value::Array(a) => {
+            serde_json::Value::Array(a.into_iter().map(canonical).collect())
+        }
+        other => other,
+    }
+}
+
 fn dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../docs/protocol")
 }
@@ -18,7 +40,7 @@ fn the_committed_schemas_are_the_types_schemas() {
         .collect();
     documents.push(("asyncapi.json".into(), llmq_protocol::schema::asyncapi()));
     for (name, document) in documents {
-        let text = serde_json::to_string_pretty(&document).unwrap() + "\n";
+        let text = serde_json::to_string_pretty(&canonical(document)).unwrap() + "\n";
         let path = dir().join(&name);
         if write {
             std::fs::create_dir_all(path.parent().unwrap()).unwrap();
