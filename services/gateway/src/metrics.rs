@@ -142,6 +142,16 @@ impl Metrics {
                 "Bytes the prefix cache holds.",
                 |s| s.prefix_bytes as f64,
             ),
+            WorkerSeries::new(
+                "llmq_worker_kv_blocks",
+                "Blocks of the worker's KV pool.",
+                |s| s.kv_blocks_total as f64,
+            ),
+            WorkerSeries::new(
+                "llmq_worker_kv_blocks_used",
+                "Blocks of the KV pool running requests hold.",
+                |s| s.kv_blocks_used as f64,
+            ),
         ];
         let counters = [
             WorkerSeries::new(
@@ -153,6 +163,11 @@ impl Metrics {
                 "llmq_worker_prefix_cache_reused_tokens_total",
                 "Prompt tokens served from the prefix cache.",
                 |s| s.prefix_reused_tokens as f64,
+            ),
+            WorkerSeries::new(
+                "llmq_worker_preemptions_total",
+                "Requests preempted because the KV pool ran out (prefilled again later).",
+                |s| s.preemptions as f64,
             ),
             WorkerSeries::new(
                 "llmq_worker_prefix_cache_evictions_total",

@@ -53,7 +53,8 @@ impl ModelInfo {
 
 pub struct Validator {
     models: HashMap<String, ModelInfo>,
-    default_max_tokens: u32,
+    /// Caps the tokens of a request that gives no `max_tokens` (None: the rest of the context).
+    default_max_tokens: Option<u32>,
     schema_objects: SchemaObjects,
     counter: AtomicU64,
     salt: u64,
@@ -82,7 +83,7 @@ fn f32_param(name: &str, v: Option<f64>, default: f32) -> Result<f32, WireError>
 impl Validator {
     pub fn new(
         models: HashMap<String, ModelInfo>,
-        default_max_tokens: u32,
+        default_max_tokens: Option<u32>,
         schema_objects: SchemaObjects,
     ) -> Self {
         let t = std::time::SystemTime::now()
@@ -152,12 +153,11 @@ impl Validator {
             )
         })?;
         let r = self.read_schemas(r);
-        let max_tokens = match r.max_tokens {
-            None => self.default_max_tokens as i64,
+        let asked = match r.max_tokens {
             Some(n) if n <= 0 => {
                 return Err(invalid(format!("max_tokens must be at least 1, got {n}")))
             }
-            Some(n) => n,
+            asked => asked,
         };
         let sampling = sampling_of(&r)?;
         llmq_text::tools::check(&r.tools, r.tool_choice.as_ref()).map_err(text_invalid)?;
@@ -174,6 +174,13 @@ impl Validator {
             &r.tools[..]
         };
         let (prompt_ids, tool_syntax) = prompt_ids_of(model, &r, tools)?;
+        // Without max_tokens, the answer may run to the end of the context (as OpenAI's), or
+        // to the intake's cap when one is set.
+        let max_tokens = asked.unwrap_or_else(|| {
+            let rest = model.context_tokens.saturating_sub(prompt_ids.len()).max(1) as i64;
+            self.default_max_tokens
+                .map_or(rest, |cap| rest.min(cap as i64))
+        });
         let mut stop = StopConditions {
             max_tokens: max_tokens.min(u32::MAX as i64) as u32,
             stop: r.stop.clone(),

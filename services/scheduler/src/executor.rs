@@ -72,6 +72,11 @@ pub trait Executor {
     /// Frees everything held for `ids` (each request once, whatever its end; an id the executor
     /// does not hold is ignored).
     async fn release(&mut self, ids: &[ReqId]);
+    /// Drops the KV of `ids` but keeps everything else of them (sampler, constraint, the
+    /// tokens generated): each is admitted again later ([`Executor::admit`]) and prefilled
+    /// anew over its prompt and the tokens it generated before its next decode step. A chunk
+    /// of theirs part-way through the model is abandoned.
+    async fn preempt(&mut self, ids: &[ReqId]);
     /// Prepares an admitted request's prefill: returns how many of its prompt tokens were
     /// reused from the prefix cache (less than the prompt). An executor without one reuses none.
     async fn admit(&mut self, _id: ReqId) -> usize {

@@ -21,19 +21,31 @@
 //! count down by `aging_tokens_per_s` for every second it has waited), so short prompts do not
 //! wait behind a long one and a long one is not starved.
 //!
+//! Memory: the KV budget is a pool of blocks of `block_tokens` positions ([`BlockPool`]). A
+//! request is admitted when the blocks for its prompt plus `lookahead_tokens` are free, not for
+//! what it might generate; a decoding sequence's table grows a block at a time, before the step
+//! that needs it. When the pool cannot grow a sequence, the request that arrived last among
+//! those running is preempted: its blocks are freed, the executor keeps its state
+//! ([`Executor::preempt`]), and it waits again in its arrival place, to be prefilled anew from
+//! its prompt and the tokens it generated (through the prefix cache where that kept them), so
+//! its stream sees only a longer gap. The oldest request is never preempted for a younger one,
+//! so requests finish in arrival order however small the pool; one alone that outgrows the
+//! whole pool ends with `length`. No request is admitted in a tick that preempted.
+//!
 //! Invariants: every admitted request ends with exactly one terminal event (`Done` or `Error`);
-//! KV bytes are reserved at admission for prompt + max_tokens and returned when the request
-//! ends, so after all requests end the reservation is zero; a request that could never fit the
-//! budget is refused at once. The prefix cache lives in what the reservations leave: it is
-//! trimmed (least recently used first) to `budget - reserved` after every admission and tick.
-//! The scheduler never touches a model: [`Executor`] does the work, so the policy is tested
-//! against a fake executor and a fake clock.
+//! a request holds blocks from admission until it ends or is preempted, so after all requests
+//! end no block is held; a request whose prompt could never fit the pool is refused at once.
+//! The prefix cache lives in what the tables leave: it is trimmed (least recently used first)
+//! to the free blocks' bytes after every admission and tick. The scheduler never touches a
+//! model: [`Executor`] does the work, so the policy is tested against a fake executor and a
+//! fake clock.
 
 use std::collections::HashMap;
 use std::time::Duration;
 
 use llmq_protocol::{ErrorClass, Event, FinishReason, Timings, Usage, WireError};
 
+use crate::blocks::BlockPool;
 use crate::budget::ChunkSizer;
 use crate::executor::{Executor, PrefillResult, Prefilled, ReqId, StepOut};
 
@@ -45,10 +57,15 @@ pub struct SchedulerConfig {
     pub idle_prefill_chunk: usize,
     /// Most sequences decoding and prefilling at once.
     pub max_batch: usize,
-    /// KV memory the scheduler may reserve.
+    /// KV memory the pool's blocks take, in all.
     pub kv_budget_bytes: u64,
     /// KV bytes one token takes in every layer (keys and values).
     pub kv_bytes_per_token: u64,
+    /// Positions per KV block.
+    pub block_tokens: usize,
+    /// Positions a running sequence holds beyond the tokens it has: the next step's write and
+    /// one step the executor may run ahead.
+    pub lookahead_tokens: usize,
     /// Aging of waiting prefills, in prompt tokens per second waited.
     pub aging_tokens_per_s: f64,
     /// False: the synchronous baseline, whole prompts prefilled in one go even while streams
@@ -73,6 +90,8 @@ impl Default for SchedulerConfig {
             max_batch: 64,
             kv_budget_bytes: 4 << 30,
             kv_bytes_per_token: 1,
+            block_tokens: 64,
+            lookahead_tokens: 2,
             aging_tokens_per_s: 1000.0,
             interleave: true,
             continuous: true,
@@ -109,7 +128,11 @@ pub struct Admission {
 #[derive(Debug)]
 struct Req {
     a: Admission,
-    reserved: u64,
+    /// Tokens to prefill: the prompt, or after a preemption the prompt and the tokens generated
+    /// before it.
+    target: usize,
+    /// Times preempted.
+    preempted: u32,
     prefilled: usize,
     /// Prompt tokens reused from the prefix cache (known at admission).
     cached: usize,
@@ -120,7 +143,11 @@ struct Req {
 
 impl Req {
     fn remaining(&self) -> usize {
-        self.a.prompt_tokens - self.prefilled
+        self.target - self.prefilled
+    }
+    /// Arrival order: the oldest request first.
+    fn arrival(&self) -> (Duration, ReqId) {
+        (self.a.accepted_at, self.a.id)
     }
 }
 
@@ -139,6 +166,8 @@ pub struct TickReport {
     pub prefill_request: Option<ReqId>,
     /// That request's prompt tokens done after the chunk.
     pub prefill_done: usize,
+    /// Requests preempted in this tick.
+    pub preempted: usize,
 }
 
 #[derive(Default)]
@@ -153,7 +182,11 @@ pub struct Scheduler {
     decoding: Vec<ReqId>,
     /// Requests to end at the next tick, with the error each ends with.
     cancels: HashMap<ReqId, WireError>,
-    reserved: u64,
+    pool: BlockPool,
+    /// Preemptions since start.
+    preemptions: u64,
+    /// Preempted in this tick, not yet told to the executor.
+    to_preempt: Vec<ReqId>,
     /// Ended, not yet released in the executor.
     ended: Vec<ReqId>,
     /// The chunk the executor has part-way through ([`Prefilled::Pending`]): granted again until
@@ -165,9 +198,13 @@ pub struct Scheduler {
 impl Scheduler {
     pub fn new(cfg: SchedulerConfig) -> Self {
         let sizer = ChunkSizer::new(cfg.tick_budget, cfg.min_prefill_chunk, cfg.prefill_chunk);
+        let block_tokens = cfg.block_tokens.max(1);
+        let block_bytes = (block_tokens as u64 * cfg.kv_bytes_per_token).max(1);
+        let pool = BlockPool::new((cfg.kv_budget_bytes / block_bytes) as usize, block_tokens);
         Scheduler {
             cfg,
             sizer,
+            pool,
             ..Default::default()
         }
     }
@@ -176,22 +213,32 @@ impl Scheduler {
         &self.cfg
     }
 
-    fn reservation(&self, a: &Admission) -> u64 {
-        (a.prompt_tokens + a.max_tokens) as u64 * self.cfg.kv_bytes_per_token
+    /// The block pool's books.
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
     }
 
-    /// Why a request can never run here (it could never fit the KV budget, or its prompt is
-    /// empty), if so.
+    fn block_bytes(&self) -> u64 {
+        self.pool.block_tokens() as u64 * self.cfg.kv_bytes_per_token
+    }
+
+    /// Why a request can never run here (its prompt could never fit the pool, or it is empty),
+    /// if so.
     pub fn refusal(&self, a: &Admission) -> Option<WireError> {
-        let need = self.reservation(a);
+        let need = self
+            .pool
+            .blocks_for(a.prompt_tokens + self.cfg.lookahead_tokens);
         if a.prompt_tokens == 0 {
             Some(WireError::new(ErrorClass::InvalidRequest, "empty prompt"))
-        } else if need > self.cfg.kv_budget_bytes {
+        } else if need > self.pool.total() {
             Some(WireError::new(
                 ErrorClass::NeverFits,
                 format!(
-                    "needs {need} KV bytes, more than the worker's whole budget of {}",
-                    self.cfg.kv_budget_bytes
+                    "a prompt of {} tokens needs {need} KV blocks of {} positions, more than \
+                     the worker's whole pool of {}",
+                    a.prompt_tokens,
+                    self.pool.block_tokens(),
+                    self.pool.total()
                 ),
             ))
         } else {
@@ -213,8 +260,9 @@ impl Scheduler {
         self.reqs.insert(
             id,
             Req {
+                target: a.prompt_tokens,
+                preempted: 0,
                 a,
-                reserved: 0,
                 prefilled: 0,
                 cached: 0,
                 completion: 0,
@@ -254,14 +302,15 @@ impl Scheduler {
     /// them, in arrival order: a stopping worker hands them back to the jobs stream.
     pub fn take_waiting(&mut self) -> Vec<ReqId> {
         // Those being cancelled stay, to end with their own error; so do samples whose first
-        // sample runs here (they share its prompt).
+        // sample runs here (they share its prompt), and preempted requests (their streams have
+        // begun).
         let mut taken: Vec<ReqId> = vec![];
         let mut keep = vec![];
         for &id in &self.waiting {
             let after = self.reqs[&id].a.after;
             let leader_stays =
                 after.is_some_and(|l| self.reqs.contains_key(&l) && !taken.contains(&l));
-            if self.cancels.contains_key(&id) || leader_stays {
+            if self.cancels.contains_key(&id) || leader_stays || self.reqs[&id].preempted > 0 {
                 keep.push(id);
             } else {
                 taken.push(id);
@@ -290,18 +339,26 @@ impl Scheduler {
             .map(|id| self.reqs[id].remaining() as u64)
             .sum()
     }
-    pub fn reserved_kv_bytes(&self) -> u64 {
-        self.reserved
+    /// KV bytes in the blocks requests hold.
+    pub fn held_kv_bytes(&self) -> u64 {
+        self.pool.used() as u64 * self.block_bytes()
+    }
+    /// Requests preempted since start.
+    pub fn preemptions(&self) -> u64 {
+        self.preemptions
     }
 
-    /// Ends a request: its reservation is returned at once, and the executor frees what it
-    /// holds for it at the next `release_ended` (before any more work is handed out).
+    /// Ends a request: its blocks are returned at once, and the executor frees what it holds
+    /// for it at the next `release_ended` (before any more work is handed out).
     fn finish(&mut self, id: ReqId, event: Event, out: &mut Vec<Emit>) {
-        if let Some(r) = self.reqs.remove(&id) {
-            self.reserved -= r.reserved;
+        if self.reqs.remove(&id).is_some() {
+            self.pool.release(id);
             self.waiting.retain(|&x| x != id);
             self.prefilling.retain(|&x| x != id);
             self.decoding.retain(|&x| x != id);
+            if self.in_flight.is_some_and(|(f, _)| f == id) {
+                self.in_flight = None;
+            }
             self.ended.push(id);
             out.push(Emit { id, event });
         }
@@ -318,6 +375,8 @@ impl Scheduler {
     fn done_event(&self, id: ReqId, reason: FinishReason, now: Duration) -> Event {
         let r = &self.reqs[&id];
         let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+        // A preempted request's usage counts its prompt once, and what the prefix cache gave
+        // it at its first admission.
         let acc = r.a.accepted_at;
         Event::Done {
             finish_reason: reason,
@@ -373,8 +432,17 @@ impl Scheduler {
         }
         self.release_ended(executor).await;
 
-        // 2. admission, in arrival order, within the KV budget and the batch limit
-        self.admit_waiting(executor, now, &mut out).await;
+        // 2. the decode batch's tables grow for this step, preempting the youngest where the
+        //    pool runs out; then admission, in arrival order, within the free blocks and the
+        //    batch limit (none in a tick that preempted: memory is short)
+        report.preempted = self.grow_tables(now, &mut out);
+        self.release_ended(executor).await;
+        if report.preempted > 0 {
+            let ids = std::mem::take(&mut self.to_preempt);
+            executor.preempt(&ids).await;
+        } else {
+            self.admit_waiting(executor, now, &mut out).await;
+        }
 
         // 3. exactly one prefill chunk, to one request: the one in flight, or a new one
         let in_flight = self
@@ -405,9 +473,7 @@ impl Scheduler {
         }
         self.release_ended(executor).await;
         // Sequences that ended or completed their prompt this tick were remembered.
-        executor
-            .prefix_trim(self.cfg.kv_budget_bytes - self.reserved)
-            .await;
+        executor.prefix_trim(self.free_kv_bytes()).await;
         self.sizer.tick_ended(
             now,
             report.decoded,
@@ -416,6 +482,65 @@ impl Scheduler {
             !self.is_idle(),
         );
         (out, report)
+    }
+
+    fn free_kv_bytes(&self) -> u64 {
+        self.pool.free() as u64 * self.block_bytes()
+    }
+
+    /// Grows each decoding sequence's table to hold its tokens and the lookahead, oldest
+    /// first; where the pool runs short, preempts the youngest running request (possibly the
+    /// one growing) until it fits, and ends a sequence that the whole pool cannot hold with
+    /// `length`. Returns the requests preempted.
+    fn grow_tables(&mut self, now: Duration, out: &mut Vec<Emit>) -> usize {
+        let mut order = self.decoding.clone();
+        order.sort_by_key(|id| self.reqs[id].arrival());
+        let mut preempted = 0;
+        for id in order {
+            while let Some(r) = self.reqs.get(&id).filter(|_| self.decoding.contains(&id)) {
+                let need = r.a.prompt_tokens + r.completion + self.cfg.lookahead_tokens;
+                if self.pool.reserve(id, need).is_ok() {
+                    break;
+                }
+                let victim = self
+                    .decoding
+                    .iter()
+                    .chain(&self.prefilling)
+                    .copied()
+                    .max_by_key(|v| self.reqs[v].arrival())
+                    .expect("the growing sequence runs");
+                if victim == id && self.decoding.len() + self.prefilling.len() == 1 {
+                    let ev = self.done_event(id, FinishReason::Length, now);
+                    self.finish(id, ev, out);
+                    break;
+                }
+                self.preempt(victim);
+                preempted += 1;
+            }
+        }
+        preempted
+    }
+
+    /// Takes a running request back to the waiting queue, in its arrival place, with its
+    /// blocks freed: it will be prefilled again from its prompt and the tokens it generated.
+    fn preempt(&mut self, id: ReqId) {
+        self.pool.release(id);
+        self.decoding.retain(|&x| x != id);
+        self.prefilling.retain(|&x| x != id);
+        if self.in_flight.is_some_and(|(f, _)| f == id) {
+            self.in_flight = None;
+        }
+        let r = self.reqs.get_mut(&id).expect("running ids are held");
+        r.target = r.a.prompt_tokens + r.completion;
+        r.prefilled = 0;
+        r.preempted += 1;
+        let arrival = r.arrival();
+        let at = self
+            .waiting
+            .partition_point(|w| self.reqs[w].arrival() < arrival);
+        self.waiting.insert(at, id);
+        self.to_preempt.push(id);
+        self.preemptions += 1;
     }
 
     /// Admits waiting requests in arrival order while the KV budget and the batch limit allow
@@ -447,27 +572,25 @@ impl Scheduler {
                 still_waiting.push(id);
                 continue;
             }
-            let need = self.reservation(&self.reqs[&id].a);
+            let need = self.reqs[&id].target + self.cfg.lookahead_tokens;
             let running = self.decoding.len() + self.prefilling.len();
             if batch_open
                 && !blocked
                 && running < self.cfg.max_batch
-                && self.reserved + need <= self.cfg.kv_budget_bytes
+                && self.pool.reserve(id, need).is_ok()
             {
-                self.reserved += need;
                 let cached = executor
                     .admit(id)
                     .await
-                    .min(self.reqs[&id].a.prompt_tokens.saturating_sub(1));
+                    .min(self.reqs[&id].target.saturating_sub(1));
                 let r = self.reqs.get_mut(&id).expect("waiting ids are held");
-                r.reserved = need;
-                r.admitted_at = Some(now);
+                r.admitted_at.get_or_insert(now);
                 r.prefilled = cached;
-                r.cached = cached;
+                if r.preempted == 0 {
+                    r.cached = cached;
+                }
                 self.prefilling.push(id);
-                executor
-                    .prefix_trim(self.cfg.kv_budget_bytes - self.reserved)
-                    .await;
+                executor.prefix_trim(self.free_kv_bytes()).await;
             } else {
                 blocked = true;
                 still_waiting.push(id);
@@ -475,6 +598,10 @@ impl Scheduler {
         }
         if still_waiting.len() != self.waiting.len() {
             for (pos, &id) in still_waiting.iter().enumerate() {
+                // A preempted request's stream has begun: it sees a longer gap, nothing else.
+                if self.reqs[&id].preempted > 0 {
+                    continue;
+                }
                 out.push(Emit {
                     id,
                     event: Event::Queued {
@@ -526,11 +653,14 @@ impl Scheduler {
             Ok(Prefilled::Done(first)) if self.reqs.contains_key(&id) => {
                 let r = self.reqs.get_mut(&id).expect("checked");
                 r.prefilled += n;
-                let (done, total) = (r.prefilled as u32, r.a.prompt_tokens as u32);
-                out.push(Emit {
-                    id,
-                    event: Event::PrefillProgress { done, total },
-                });
+                let (done, total) = (r.prefilled as u32, r.target as u32);
+                // A resumed request's stream sees no prefill again, only a longer gap.
+                if r.preempted == 0 {
+                    out.push(Emit {
+                        id,
+                        event: Event::PrefillProgress { done, total },
+                    });
+                }
                 if done == total {
                     self.prefilling.retain(|&x| x != id);
                     self.decoding.push(id);

@@ -403,5 +403,5 @@ fn chunks_are_sized_to_the_tick_budget() {
     h.run_until_idle(20_000);
     h.s.cancel(1);
     h.run_until_idle(10);
-    assert_eq!(h.s.reserved_kv_bytes(), 0);
+    assert_eq!(h.s.held_kv_bytes(), 0);
 }

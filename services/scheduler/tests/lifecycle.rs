@@ -17,7 +17,7 @@ fn cancel_while_queued_mid_prefill_and_decoding_frees_everything() {
     h.submit(1, 10, 40); // decoding
     h.tick();
     h.submit(2, 1000, 10); // prefilling (chunks of 256)
-    h.submit(3, 500, 1500); // must wait: 50 + 1010 + 2000 > 3000
+    h.submit(3, 2000, 10); // must wait: 1 + 63 + 126 blocks > 187
     h.submit(4, 10, 20); // behind 3 in the queue
     h.tick();
     assert!(h.of(3).iter().any(|e| matches!(e, Event::Queued { .. })));
@@ -57,7 +57,7 @@ fn end_all_ends_every_request_once_with_its_error() {
     h.submit(1, 10, 40); // decoding
     h.tick();
     h.submit(2, 1000, 10); // prefilling
-    h.submit(3, 500, 1500); // queued: does not fit beside 1 and 2
+    h.submit(3, 2000, 10); // queued: does not fit beside 1 and 2
     h.tick();
     h.s.cancel(1);
     h.s.end_all(&WireError::new(ErrorClass::WorkerLost, "stopping"));
@@ -82,14 +82,16 @@ fn end_all_ends_every_request_once_with_its_error() {
 }
 
 #[test]
-fn kv_budget_queues_and_refuses_what_can_never_fit() {
+fn the_pool_admits_by_prompt_and_refuses_prompts_that_never_fit() {
+    // 1000 bytes at 1 byte a token: 62 blocks of 16 positions.
     let mut h = Harness::new(SchedulerConfig {
         kv_budget_bytes: 1000,
         ..cfg()
     });
-    h.submit(1, 600, 100);
-    h.submit(2, 300, 100); // 700 + 400 > 1000: waits
-    h.submit(3, 900, 200); // 1100 > 1000: never fits
+    assert_eq!(h.s.pool().total(), 62);
+    h.submit(1, 600, 100); // 602 positions: 38 blocks
+    h.submit(2, 400, 100); // 26 more blocks than the 24 left: waits
+    h.submit(3, 1000, 10); // 63 blocks > 62: never fits
     assert!(matches!(h.of(3)[0], Event::Error { error } if error.class == ErrorClass::NeverFits));
     assert!(matches!(h.of(2)[0], Event::Queued { position: 1 }));
     h.tick();
@@ -97,9 +99,10 @@ fn kv_budget_queues_and_refuses_what_can_never_fit() {
         h.of(2).last(),
         Some(Event::Queued { position: 0 })
     ));
-    assert!(h.s.reserved_kv_bytes() <= 1000);
+    assert_eq!(h.s.pool().used(), 38);
     h.run_until_idle(2000);
     h.assert_all_ended(&[1, 2, 3]);
+    assert!(h.e.preempted.is_empty());
 }
 
 #[test]
@@ -187,7 +190,7 @@ fn a_stopping_worker_takes_back_only_what_has_not_started() {
         before,
         "nothing more for the requests taken back"
     );
-    assert_eq!(h.s.reserved_kv_bytes(), 0);
+    assert_eq!(h.s.held_kv_bytes(), 0);
 }
 
 /// Samples of one prompt: the others wait for the first one's prompt (its KV is then cached)

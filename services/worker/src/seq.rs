@@ -276,6 +276,16 @@ impl Seq {
         })
     }
 
+    /// After a preemption: its KV is gone; it is prefilled again over everything it has
+    /// seen (its prompt and the tokens it generated), and the chunk that completes that samples
+    /// its next token, as a decode step would have.
+    pub fn start_over(&mut self, model: &Model) {
+        self.prompt = self.history.clone();
+        self.prefilled = 0;
+        self.row = None;
+        self.cache = model.new_cache_for(self.prompt.len() + 1);
+    }
+
     /// Samples the first output token from the prompt's last logits.
     pub fn first_token(&mut self, logits: &Array, shared: &Shared) -> Result<StepOut, WireError> {
         let (t, lp) = choose(logits, &mut [&mut *self], shared)?

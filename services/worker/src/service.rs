@@ -68,6 +68,8 @@ pub fn scheduler_config(
         max_batch: c.max_batch,
         kv_budget_bytes,
         kv_bytes_per_token: 1,
+        block_tokens: c.kv_block_tokens,
+        lookahead_tokens: c.kv_lookahead_tokens,
         aging_tokens_per_s: c.aging_tokens_per_s,
         interleave: c.interleave,
         continuous: c.continuous,

@@ -49,6 +49,11 @@ impl Fake {
 }
 
 impl Executor for Fake {
+    async fn preempt(&mut self, ids: &[ReqId]) {
+        for id in ids {
+            self.done.remove(id);
+        }
+    }
     async fn prefill(&mut self, id: ReqId, n: usize) -> Result<Option<StepOut>, WireError> {
         let done = self.done.entry(id).or_default();
         *done += n;

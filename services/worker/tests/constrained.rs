@@ -216,7 +216,7 @@ fn constrained_rows_decode_beside_free_ones_into_valid_documents() {
                 doomed,
             );
             assert_eq!(engine.held(), 0);
-            assert_eq!(s.reserved_kv_bytes(), 0);
+            assert_eq!(s.held_kv_bytes(), 0);
             let masks = engine.mask_times();
             assert!(masks.steps > 0 && masks.rows >= masks.steps, "{masks:?}");
             assert_eq!(

@@ -205,7 +205,7 @@ impl Interleaved {
         );
         assert_eq!(engine.held(), 0);
         assert_eq!(engine.kv_bytes_in_use(), 0, "decode_ahead {ahead}");
-        assert_eq!(s.reserved_kv_bytes(), 0);
+        assert_eq!(s.held_kv_bytes(), 0);
     }
 
     /// Every greedy request got the tokens it gets alone and ended once; the sampled one ended

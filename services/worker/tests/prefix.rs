@@ -149,7 +149,7 @@ impl Rig {
         self.events
             .extend(emits.into_iter().map(|e| (e.id, e.event)));
         // The cache lives in what the running requests' reservations leave over.
-        let left = self.s.config().kv_budget_bytes - self.s.reserved_kv_bytes();
+        let left = self.s.config().kv_budget_bytes - self.s.held_kv_bytes();
         assert!(
             self.engine.prefix_stats().held_bytes <= left,
             "prefix cache over the budget"
@@ -207,7 +207,7 @@ impl Rig {
     fn check_memory_returns(&mut self) {
         assert!(self.s.is_idle());
         assert_eq!(self.engine.held(), 0);
-        assert_eq!(self.s.reserved_kv_bytes(), 0);
+        assert_eq!(self.s.held_kv_bytes(), 0);
         let held = self.engine.prefix_stats().held_bytes;
         assert_eq!(self.engine.kv_bytes_in_use(), held);
         assert_eq!(self.sys.block_on(self.engine.prefix_clear()), held);

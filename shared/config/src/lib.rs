@@ -220,9 +220,15 @@ pub struct SchedulerSettings {
     /// meanwhile in soon).
     pub idle_prefill_chunk_tokens: Option<usize>,
     pub max_batch: usize,
-    /// KV memory reserved for requests (prompt + max_tokens each). Default: from what the
-    /// device's memory leaves beside the weights (the worker's `auto_kv_budget`).
+    /// KV memory of the block pool (requests hold blocks for what they have, not for what they
+    /// might generate). Default: from what the device's memory leaves beside the weights (the
+    /// worker's `auto_kv_budget`).
     pub kv_budget_bytes: Option<u64>,
+    /// Positions per KV block.
+    pub kv_block_tokens: usize,
+    /// Positions a running sequence holds beyond its tokens (the next step's, and a step
+    /// queued ahead).
+    pub kv_lookahead_tokens: usize,
     pub aging_tokens_per_s: f64,
     /// false: whole prompts are prefilled at once (the synchronous baseline).
     pub interleave: bool,
@@ -332,6 +338,8 @@ impl Default for SchedulerSettings {
             idle_prefill_chunk_tokens: None,
             max_batch: 64,
             kv_budget_bytes: None,
+            kv_block_tokens: 64,
+            kv_lookahead_tokens: 2,
             aging_tokens_per_s: 1000.0,
             interleave: true,
             continuous: true,
@@ -354,7 +362,9 @@ pub struct IntakeSettings {
     /// when no worker of its model has been heard from for this long; until then it waits in
     /// the jobs stream, so restarting every worker fails no request.
     pub no_worker_grace_ms: u64,
-    pub default_max_tokens: u32,
+    /// The most tokens a request that gives no `max_tokens` may generate. Default (None): the
+    /// rest of the model's context, as OpenAI's API.
+    pub default_max_tokens: Option<u32>,
     /// Requests waiting in the live workers of a model (their heartbeats' queued requests)
     /// beyond which new ones are refused with `queue_full`.
     pub max_queued_requests: u64,
@@ -380,7 +390,7 @@ impl Default for IntakeSettings {
             models: vec!["smollm2".into()],
             worker_timeout_ms: 3000,
             no_worker_grace_ms: 60_000,
-            default_max_tokens: 256,
+            default_max_tokens: None,
             max_queued_requests: 4096,
             schema_objects: SchemaObjects::Closed,
         }
@@ -460,6 +470,13 @@ impl Settings {
         }
         if s.kv_budget_bytes == Some(0) {
             return bad("scheduler.kv_budget_bytes", "0".into(), "must be positive");
+        }
+        if s.kv_block_tokens == 0 {
+            return bad(
+                "scheduler.kv_block_tokens",
+                "0".into(),
+                "must be at least 1",
+            );
         }
         if !(s.aging_tokens_per_s.is_finite() && s.aging_tokens_per_s >= 0.0) {
             return bad(

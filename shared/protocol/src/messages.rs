@@ -103,7 +103,8 @@ pub struct GenerateRequest {
     pub messages: Option<Vec<ChatMessage>>,
     /// An already tokenized prompt (instead of `prompt` or `messages`).
     pub prompt_ids: Option<Vec<u32>>,
-    /// Most tokens to generate (default `intake.default_max_tokens`).
+    /// Most tokens to generate (default: the rest of the context, or `intake.default_max_tokens`
+    /// where that is set and smaller).
     pub max_tokens: Option<i64>,
     /// Sampling temperature, at least 0 (0, the default: greedy).
     pub temperature: Option<f64>,
@@ -637,8 +638,15 @@ pub struct WorkerStatus {
     pub queued_prefill_tokens: u64,
     /// KV bytes held (running requests and the prefix cache).
     pub kv_bytes_used: u64,
-    /// KV budget not reserved by running requests.
+    /// KV budget in blocks no running request holds.
     pub kv_bytes_free: u64,
+    /// Blocks of the KV pool, and those running requests hold now.
+    pub kv_blocks_total: u64,
+    /// Blocks running requests hold now.
+    pub kv_blocks_used: u64,
+    /// Requests preempted (their KV freed, to be prefilled again) because the KV pool ran out,
+    /// since start.
+    pub preemptions: u64,
     /// KV bytes one token of a sequence takes (every layer's keys and values).
     pub kv_bytes_per_token: u64,
     /// Most sequences the worker runs at once (`scheduler.max_batch`).

@@ -135,6 +135,20 @@ pub(super) struct BatchArgs {
 }
 
 #[derive(clap::Args)]
+pub(super) struct CapacityArgs {
+    #[command(flatten)]
+    pub(super) model: ModelArgs,
+    #[command(flatten)]
+    pub(super) stack: StackArgs,
+    /// Chat requests, submitted together.
+    #[arg(long, default_value_t = 32)]
+    pub(super) streams: usize,
+    /// The max_tokens each asks for (its answer stops at end of sequence, far sooner).
+    #[arg(long, default_value_t = 4096)]
+    pub(super) max_tokens: usize,
+}
+
+#[derive(clap::Args)]
 pub(super) struct PrefixArgs {
     #[command(flatten)]
     pub(super) model: ModelArgs,

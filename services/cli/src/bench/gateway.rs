@@ -43,6 +43,7 @@ fn http_submit(
                     tokens: usize::from(!terminal),
                     terminal,
                     cached: None,
+                    prompt: None,
                 });
             }
         })
@@ -55,6 +56,7 @@ fn http_submit(
                 tokens: 0,
                 terminal: true,
                 cached: None,
+                prompt: None,
             });
         }
     });

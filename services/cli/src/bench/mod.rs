@@ -16,16 +16,20 @@
 //! - gateway: `streams` requests of `prompt_tokens`, `output_tokens` each, half through NATS and
 //!   half through the HTTP gateway (streamed completions), submitted alternately in one run:
 //!   time to first token and inter-token gap of each half, and what the gateway adds.
+//! - capacity: `streams` chat requests allowing `max_tokens` each, far more than their answers
+//!   take, against the KV budget: the most streams decoding at once, output tokens/s,
+//!   preemptions, and what reserving prompt + max_tokens per request would have admitted.
 //! - prefix: one request with a `prefix_tokens` prefix, then `streams` requests, one at a time,
 //!   that resend it with short different suffixes: median time to first token with the prefix
 //!   cache (hits) and on a stack with the cache off (misses: the same prompts recomputed).
 //!
 //! Files: [`single`]; [`stack`] (the stack and its client) and the scenarios on it, [`burst`],
-//! [`batch`] (and static), [`constrained`], [`gateway`], [`prefix`]; [`measure`].
+//! [`batch`] (and static), [`capacity`], [`constrained`], [`gateway`], [`prefix`]; [`measure`].
 
 mod args;
 mod batch;
 mod burst;
+mod capacity;
 mod constrained;
 mod gateway;
 mod measure;
@@ -36,7 +40,9 @@ mod stack;
 use anyhow::{bail, Result};
 use serde_json::{json, Value};
 
-use args::{BatchArgs, BurstArgs, ModelArgs, PrefixArgs, RequestsArgs, SingleArgs, StackArgs};
+use args::{
+    BatchArgs, BurstArgs, CapacityArgs, ModelArgs, PrefixArgs, RequestsArgs, SingleArgs, StackArgs,
+};
 use measure::{print, round};
 use stack::{twice, with_stack, Knobs};
 
@@ -55,6 +61,9 @@ enum Scenario {
     Burst(BurstArgs),
     /// `--streams` requests submitted together: output tokens/s while all of them decode.
     Batch(BatchArgs),
+    /// Chat requests allowing far more tokens than they take, against the KV budget: the most
+    /// decoding at once, output tokens/s and preemptions.
+    Capacity(CapacityArgs),
     /// The same arrivals with continuous and with static batching: mean time to first token.
     Static(RequestsArgs),
     /// A long prefix, then requests resending it: time to first token, hits against misses.
@@ -105,6 +114,15 @@ fn through_nats(
         "LLMQ__SCHEDULER__INTERLEAVE",
         (!st.no_interleave).to_string(),
     );
+    if scenario == "capacity" {
+        if m.random_weights.is_some() {
+            bail!("capacity needs a model whose answers end (--model), not random weights");
+        }
+        set(
+            "LLMQ__WORKER__HEARTBEAT_MS",
+            capacity::HEARTBEAT_MS.to_string(),
+        );
+    }
     let most = shape.streams.max(shape.active + shape.burst + shape.short);
     set("LLMQ__SCHEDULER__MAX_BATCH", most.to_string());
     set("LLMQ__WORKER__MAX_QUEUED", (2 * most).to_string());
@@ -165,6 +183,16 @@ pub fn run(a: Args) -> Result<()> {
             let (m, st, knobs) = b.requests.split(b.constrained);
             ("batch", m, st, knobs)
         }
+        Scenario::Capacity(c) => (
+            "capacity",
+            c.model,
+            c.stack,
+            Knobs {
+                streams: c.streams,
+                output_tokens: c.max_tokens,
+                ..Knobs::default()
+            },
+        ),
         Scenario::Static(r) => {
             let (m, st, knobs) = r.split(None);
             ("static", m, st, knobs)
@@ -230,6 +258,9 @@ fn run_on_stack(scenario: &str, k: &Knobs) -> Result<Value> {
                 "static_over_continuous": round(s / c, 2),
             }))
         }
+        "capacity" => rt.block_on(with_stack(k, &env, |(mut c, mut rx)| {
+            Box::pin(async move { capacity::capacity(&mut c, &mut rx, k).await })
+        })),
         "gateway" => rt.block_on(with_stack(k, &env, |c| Box::pin(gateway::gateway(c, k)))),
         "prefix" => {
             let (hit, miss, h, m) = twice(

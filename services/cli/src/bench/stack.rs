@@ -75,6 +75,8 @@ pub(super) struct Seen {
     pub(super) terminal: bool,
     /// Done's usage.cached.
     pub(super) cached: Option<u32>,
+    /// Done's usage.prompt.
+    pub(super) prompt: Option<u32>,
 }
 
 pub(super) struct Client {
@@ -88,16 +90,14 @@ pub(super) struct Client {
 }
 
 impl Client {
-    /// Submits one request; its events feed the shared channel tagged with its index.
+    /// Submits one request of `prompt_ids` that generates `max_tokens` (past end of sequence,
+    /// unless constrained); its events feed the shared channel tagged with its index.
     pub(super) async fn submit(
         &mut self,
         model: &str,
         prompt_ids: Vec<u32>,
         max_tokens: usize,
     ) -> Result<usize> {
-        let idx = self.ids.len();
-        let inbox = self.nc.new_inbox();
-        let mut sub = self.nc.subscribe(inbox.clone()).await?;
         let req = GenerateRequest {
             model: model.into(),
             prompt_ids: Some(prompt_ids),
@@ -105,7 +105,6 @@ impl Client {
             // A constrained stream ends only where its constraint is complete (see
             // `bench_constraint`: not within max_tokens).
             ignore_eos: self.constraint.is_none(),
-            stream_subject: Some(inbox),
             constraint: self.constraint.clone(),
             requires: self
                 .constraint
@@ -114,6 +113,16 @@ impl Client {
                 .collect(),
             ..Default::default()
         };
+        self.submit_request(req).await
+    }
+
+    /// Submits `req` (its stream subject set here); its events feed the shared channel tagged
+    /// with its index.
+    pub(super) async fn submit_request(&mut self, mut req: GenerateRequest) -> Result<usize> {
+        let idx = self.ids.len();
+        let inbox = self.nc.new_inbox();
+        let mut sub = self.nc.subscribe(inbox.clone()).await?;
+        req.stream_subject = Some(inbox);
         let reply = self
             .nc
             .request(subjects::GENERATE, llmq_protocol::encode(&req)?.into())
@@ -130,10 +139,9 @@ impl Client {
                 let Ok(ev) = llmq_protocol::decode::<StreamEvent>(&m.payload) else {
                     continue;
                 };
-                let cached = if let Event::Done { usage, .. } = &ev.event {
-                    Some(usage.cached)
-                } else {
-                    None
+                let (cached, prompt) = match &ev.event {
+                    Event::Done { usage, .. } => (Some(usage.cached), Some(usage.prompt)),
+                    _ => (None, None),
                 };
                 let (tokens, terminal) = match &ev.event {
                     Event::Tokens { ids, .. } => (ids.len(), false),
@@ -153,6 +161,7 @@ impl Client {
                     tokens,
                     terminal,
                     cached,
+                    prompt,
                 });
                 if terminal {
                     break;

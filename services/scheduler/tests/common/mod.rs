@@ -32,9 +32,17 @@ pub struct FakeExecutor {
     pub grants: Vec<(ReqId, usize, bool)>,
     /// Prompt tokens a request finds in the prefix cache at admission.
     pub cached: HashMap<ReqId, usize>,
+    /// Every preemption, in order.
+    pub preempted: Vec<ReqId>,
+    /// A preempted request's tokens to prefill again: its prompt and what it generated.
+    pub resume: HashMap<ReqId, usize>,
 }
 
 impl FakeExecutor {
+    /// Tokens `id`'s prefill must reach.
+    fn target(&self, id: ReqId) -> usize {
+        self.resume.get(&id).copied().unwrap_or(self.prompt[&id])
+    }
     fn token(&mut self, id: ReqId) -> StepOut {
         let n = self.produced.entry(id).or_default();
         *n += 1;
@@ -50,6 +58,7 @@ impl FakeExecutor {
 
 impl Executor for FakeExecutor {
     async fn admit(&mut self, id: ReqId) -> usize {
+        self.live.insert(id);
         let hit = self.cached.get(&id).copied().unwrap_or(0);
         if hit > 0 {
             self.prefilled.insert(id, hit);
@@ -61,8 +70,10 @@ impl Executor for FakeExecutor {
         self.prefill_calls.push((id, n));
         let done = self.prefilled.entry(id).or_default();
         *done += n;
-        assert!(*done <= self.prompt[&id], "prefilled past the prompt");
-        let complete = *done == self.prompt[&id];
+        let done = *done;
+        let target = self.target(id);
+        assert!(done <= target, "prefilled past the prompt");
+        let complete = done == target;
         Ok((complete && !self.defer_first).then(|| self.token(id)))
     }
     async fn decode(&mut self, ids: &[ReqId]) -> Vec<Result<StepOut, WireError>> {
@@ -91,6 +102,21 @@ impl Executor for FakeExecutor {
             self.grants.push((id, n, false));
         }
         step_separately(self, decode, prefill).await
+    }
+    async fn preempt(&mut self, ids: &[ReqId]) {
+        for &id in ids {
+            assert!(
+                self.live.contains(&id),
+                "preempted {id}, which holds nothing"
+            );
+            self.preempted.push(id);
+            let produced = self.produced.get(&id).copied().unwrap_or(0);
+            self.resume.insert(id, self.prompt[&id] + produced);
+            self.prefilled.insert(id, 0);
+            if self.stage.is_some_and(|(s, _)| s == id) {
+                self.stage = None;
+            }
+        }
     }
     async fn release(&mut self, ids: &[ReqId]) {
         for &id in ids {
@@ -201,7 +227,8 @@ impl Harness {
                 "request {id}: terminal not last"
             );
         }
-        assert_eq!(self.s.reserved_kv_bytes(), 0);
+        assert_eq!(self.s.held_kv_bytes(), 0);
+        assert_eq!(self.s.pool().used(), 0);
         assert!(
             self.e.live.is_empty(),
             "executor still holds {:?}",
@@ -214,6 +241,7 @@ pub fn cfg() -> SchedulerConfig {
     SchedulerConfig {
         kv_bytes_per_token: 1,
         kv_budget_bytes: 1 << 20,
+        block_tokens: 16,
         ..Default::default()
     }
 }

@@ -261,8 +261,11 @@ impl<E: WorkerExecutor + Unpin + 'static> SchedulerActor<E> {
             kv_bytes_free: self
                 .cfg
                 .kv_budget_bytes
-                .saturating_sub(self.scheduler.reserved_kv_bytes()),
+                .saturating_sub(self.scheduler.held_kv_bytes()),
             kv_bytes_per_token: executor.kv_bytes_per_token(),
+            kv_blocks_total: self.scheduler.pool().total() as u64,
+            kv_blocks_used: self.scheduler.pool().used() as u64,
+            preemptions: self.scheduler.preemptions(),
             max_batch: self.cfg.max_batch as u32,
             prefix_hit_rate: prefix.hit_rate(),
             prefix_bytes: prefix.held_bytes,

@@ -27,6 +27,18 @@ pub struct Report {
     pub copies_pending: usize,
 }
 
+/// Drop these requests' KV (what they fed the model stays reusable in the prefix cache) but
+/// keep their sequences, to be prefilled again ([`llmq_scheduler::Executor::preempt`]). The
+/// decode actor answers with the sequences it held; the prefill actor takes them back with its
+/// own.
+#[derive(Message)]
+#[rtype(result = "Reply<Vec<(ReqId, Box<crate::seq::Seq>)>>")]
+pub struct Preempt {
+    pub ids: Vec<ReqId>,
+    /// The sequences the decode actor gave back (empty when sent to the decode actor).
+    pub back: Vec<(ReqId, Box<crate::seq::Seq>)>,
+}
+
 /// Prefill chunks the decode actor ran in a step queued ahead (counted when their last layer
 /// ran), and of those the ones that completed their prompt.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

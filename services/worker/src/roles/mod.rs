@@ -36,7 +36,7 @@ use crate::seq::{internal, MaskTimes, SeqSpec, Shared};
 use cache::CacheActor;
 use decode::{DecodeActor, Grant, Lent, Step};
 use llmq_scheduler::{Executor, PrefillResult, Prefilled, ReqId, StepOut};
-use messages::{ChunksAhead, Release, Reply, Report, Reset, ResetCounters, StepTimes};
+use messages::{ChunksAhead, Preempt, Release, Reply, Report, Reset, ResetCounters, StepTimes};
 use prefill::{Chunked, PrefillActor};
 
 /// How the role actors are set up.
@@ -328,6 +328,27 @@ impl Executor for RoleActors {
             ids.iter().for_each(|&id| remote.forget(id));
         }
         self.release_here(ids).await
+    }
+
+    async fn preempt(&mut self, ids: &[ReqId]) {
+        if let Some(remote) = self.remote.as_mut() {
+            // It starts over here: its prompt is now its prompt and what it generated.
+            ids.iter().for_each(|&id| remote.forget(id));
+        }
+        if self.staged.is_some_and(|s| ids.contains(&s)) {
+            self.staged = None;
+        }
+        let ids = ids.to_vec();
+        let answer = self
+            .decode
+            .send(Preempt {
+                ids: ids.clone(),
+                back: vec![],
+            })
+            .await;
+        let back = self.take(Role::Decode, answer, |_| vec![]);
+        let answer = self.prefill.send(Preempt { ids, back }).await;
+        self.take(Role::Prefill, answer, |_| vec![]);
     }
 
     async fn admit(&mut self, id: ReqId) -> usize {

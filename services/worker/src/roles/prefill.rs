@@ -20,7 +20,7 @@ use actix::prelude::*;
 use llmq_protocol::WireError;
 
 use crate::roles::cache::{CacheActor, Lookup, Remember};
-use crate::roles::messages::{InjectPanic, Release, Reply, Report, Reset, ResetCounters};
+use crate::roles::messages::{InjectPanic, Preempt, Release, Reply, Report, Reset, ResetCounters};
 use crate::seq::{guarded, internal, run_chunk, unknown, Busy, Seq, SeqSpec, Shared};
 use llmq_scheduler::{ReqId, StepOut};
 
@@ -329,6 +329,35 @@ impl Handler<Release> for PrefillActor {
             Ok(())
         });
         MessageResult(self.reply(()))
+    }
+}
+
+impl Handler<Preempt> for PrefillActor {
+    type Result = MessageResult<Preempt>;
+    fn handle(&mut self, Preempt { ids, back }: Preempt, _: &mut Context<Self>) -> Self::Result {
+        let _ = self.work(false, |a| {
+            let model = a.shared.model.clone();
+            for id in &ids {
+                a.lent.remove(id);
+                // Prefilling here, in its own cache: what it fed the model stays reusable.
+                if let Some(mut seq) = a.seqs.remove(id) {
+                    if seq.cache.offset() > 0 {
+                        a.remember(&seq, seq.cache.offset());
+                    }
+                    seq.start_over(&model);
+                    a.seqs.insert(*id, seq);
+                }
+            }
+            // The decode actor's (remembered there, if whole).
+            for (id, mut seq) in back {
+                if !a.lost.contains_key(&id) {
+                    seq.start_over(&model);
+                    a.seqs.insert(id, *seq);
+                }
+            }
+            Ok(())
+        });
+        MessageResult(self.reply(vec![]))
     }
 }
 

@@ -38,7 +38,8 @@ use self::staging::InFlight;
 pub use self::staging::{chunk_stages, stages_for, Grant, Lent, Staging};
 use crate::roles::cache::{CacheActor, Remember};
 use crate::roles::messages::{
-    ChunksAhead, InjectPanic, Release, Reply, Report, Reset, ResetCounters, Stage, StepTimes,
+    ChunksAhead, InjectPanic, Preempt, Release, Reply, Report, Reset, ResetCounters, Stage,
+    StepTimes,
 };
 use crate::seq::{guarded, internal, unknown, Busy, MasksAhead, Seq, Shared};
 
@@ -351,7 +352,12 @@ impl DecodeActor {
     }
 
     /// Releases one sequence held here: what it fed the model stays reusable; its row leaves.
-    fn release_seq(&mut self, seq: Seq) {
+    fn release_seq(&mut self, mut seq: Seq) {
+        self.leave(&mut seq);
+    }
+
+    /// What a sequence fed the model is remembered and its row leaves its decode batch.
+    fn leave(&mut self, seq: &mut Seq) {
         let layers = self.shared.model.config.num_layers;
         let (fed, kv) = match (seq.row, self.batches.as_ref()) {
             (Some((g, row)), Some(b)) => (
@@ -379,6 +385,38 @@ impl DecodeActor {
                 Err(e) => tracing::error!(error = %e, "leaving the decode batch"),
             }
         }
+        seq.row = None;
+    }
+
+    /// Takes the sequences of `ids` out (decoding, completing in the step queued ahead, or
+    /// part-way through a chunk), their KV remembered where it is whole and their rows gone:
+    /// they go back to the prefill actor to start over. The tokens of a step queued ahead that
+    /// they were in are never delivered (the sequences have not taken them).
+    fn preempt(&mut self, ids: Vec<ReqId>) -> Vec<(ReqId, Box<Seq>)> {
+        // Constrained rows' matchers come home first.
+        self.finish_masks();
+        let mut back = vec![];
+        for id in ids {
+            if self.staged.as_ref().is_some_and(|c| c.lent.id == id) {
+                // Part-way through the model: nothing of it is remembered.
+                let c = self.staged.take().expect("checked");
+                back.push((id, c.lent.seq));
+                continue;
+            }
+            let seq = self.seqs.remove(&id).or_else(|| {
+                self.ahead
+                    .as_mut()
+                    .filter(|a| a.completing.as_ref().is_some_and(|(c, _)| *c == id))
+                    .and_then(|a| a.completing.take())
+                    .map(|(_, seq)| seq)
+            });
+            if let Some(mut seq) = seq {
+                self.leave(&mut seq);
+                back.push((id, Box::new(seq)));
+            }
+        }
+        self.discard_ahead_if_unused();
+        back
     }
 
     fn release(&mut self, ids: Vec<ReqId>) {
@@ -401,6 +439,10 @@ impl DecodeActor {
                 }
             }
         }
+        self.discard_ahead_if_unused();
+    }
+
+    fn discard_ahead_if_unused(&mut self) {
         let joining = self.ahead.as_ref().is_some_and(|a| a.completing.is_some());
         if self.rows.iter().all(|g| g.is_empty()) && !joining {
             // Nobody is left to consume a step queued ahead.
@@ -520,6 +562,18 @@ impl Handler<Release> for DecodeActor {
         // A panic restarts the actor: nothing of it is left to release.
         let _ = self.work(false, |a| a.release(ids));
         MessageResult(self.reply(()))
+    }
+}
+
+impl Handler<Preempt> for DecodeActor {
+    type Result = MessageResult<Preempt>;
+    fn handle(&mut self, Preempt { ids, .. }: Preempt, _: &mut Context<Self>) -> Self::Result {
+        if let Some(copies) = self.copies.as_mut() {
+            ids.iter().for_each(|&id| copies.forget(id));
+        }
+        // A panic restarts the actor: those requests are lost, and fail when they run again.
+        let back = self.work(false, |a| a.preempt(ids)).unwrap_or_default();
+        MessageResult(self.reply(back))
     }
 }
 
