@@ -33,6 +33,8 @@ LLAMACPP_PKG=llama-cpp-python==0.3.36
 TEMPLATES="meta-llama-Llama-3.1-8B-Instruct Qwen-Qwen2.5-7B-Instruct NousResearch-Hermes-3-Llama-3.1-8B-tool_use mistralai-Mistral-Nemo-Instruct-2407"
 OPENAI_PKG=openai==3.57.0
 JSONSCHEMA_PKG=jsonschema==4.26.0
+# The Python client's own dependencies (clients/python).
+PYCLIENT_PKGS="nats-py==2.16.0 msgpack==1.2.4"
 # Agent frameworks pin an older openai (instructor wants jiter < 0.15): a venv of their own.
 AGENT_PKGS="instructor==1.17.0 langchain-openai==1.7.4 langchain-core==1.8.3 openai==3.3.0 jiter==0.14.0 pydantic==2.14.4"
 GEMMA3_VERSION=1.0.0
@@ -191,11 +193,14 @@ step_templates() {
 step_clients() {
   local venv="$cache/pyclient"
   [ -x "$venv/bin/python" ] || python3 -m venv "$venv" || die "python3 -m venv (Debian package python3-venv)"
-  "$venv/bin/python" -c "import openai, jsonschema; assert openai.__version__ == '${OPENAI_PKG#openai==}'; \
-    from importlib.metadata import version; assert version('jsonschema') == '${JSONSCHEMA_PKG#jsonschema==}'" 2>/dev/null && return
-  say "installing $OPENAI_PKG and $JSONSCHEMA_PKG into $venv"
-  "$venv/bin/pip" install -q "$OPENAI_PKG" "$JSONSCHEMA_PKG" >/dev/null 2>&1 \
-    || die "could not install $OPENAI_PKG and $JSONSCHEMA_PKG from PyPI into $venv"
+  local want="$OPENAI_PKG $JSONSCHEMA_PKG $PYCLIENT_PKGS"
+  "$venv/bin/python" -c "import openai, jsonschema, nats, msgpack" 2>/dev/null \
+    && [ "$(cat "$venv/.installed" 2>/dev/null)" = "$want" ] && return
+  say "installing $want into $venv"
+  # shellcheck disable=SC2086
+  "$venv/bin/pip" install -q $want >/dev/null 2>&1 \
+    || die "could not install $want from PyPI into $venv"
+  echo "$want" > "$venv/.installed"
 }
 
 step_agents() {

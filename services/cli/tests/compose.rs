@@ -527,6 +527,29 @@ fn nats_over_tls_from_the_services_and_from_the_host() {
         assert!(matches!(run.last(), Event::Done { .. }), "{:?}", run.last());
         let (status, text) = chat(&addr, 1).await;
         assert_eq!(status, 200, "{text}");
+        // The Python client as an application would use it: its own NATS user, reading only
+        // its own inbox prefix, over TLS.
+        let url = format!("tls://{}", stack.nats);
+        let ca = ca.display().to_string();
+        let out = common::python::run_python_client(
+            &[
+                &url,
+                "smollm2",
+                "--user",
+                "client2",
+                "--password",
+                stack.password("client2"),
+                "--tls-ca",
+                &ca,
+                "--inbox-prefix",
+                "_INBOX.client2",
+                "--only",
+                "streaming,cancel,errors",
+            ],
+            || {},
+        )
+        .await;
+        assert!(out.contains("streaming:"), "{out}");
     });
 }
 

@@ -160,15 +160,19 @@ impl Compose {
         self.nats_url_as("client1")
     }
 
-    /// NATS's URL with the credentials of `user`.
-    pub fn nats_url_as(&self, user: &str) -> String {
-        let password = &self
+    /// The NATS password of `user` (a user of nats.conf).
+    pub fn password(&self, user: &str) -> &str {
+        &self
             .passwords
             .iter()
             .find(|(u, _)| *u == user)
             .expect("a user of nats.conf")
-            .1;
-        format!("nats://{user}:{password}@{}", self.nats)
+            .1
+    }
+
+    /// NATS's URL with the credentials of `user`.
+    pub fn nats_url_as(&self, user: &str) -> String {
+        format!("nats://{user}:{}@{}", self.password(user), self.nats)
     }
 
     /// The ids of a service's running containers.

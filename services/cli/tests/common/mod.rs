@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 pub mod client;
 pub mod compose;
+pub mod python;
 
 // How `llmq up` starts nats-server (the binary crate has no library to import from).
 #[path = "../../src/nats_server.rs"]
