@@ -1,7 +1,9 @@
 //! Distributed tracing end to end: gateway, intake and worker processes export their spans over
-//! OTLP/HTTP (JSON) to a collector played by this test, and one HTTP request must give one trace:
+//! OTLP/HTTP (protobuf, the exporters' default) to a receiver played by this test, which decodes
+//! them with OpenTelemetry's own message types (`opentelemetry-proto`). One HTTP request sent
+//! with a client's `traceparent` must give one trace: the client's span as parent of
 //! `gateway.request` -> `intake.accept` -> `worker.request`, parent to child across NATS, with
-//! the request's outcome on the worker's span.
+//! the attributes docs/configuration.md lists and the request's outcome on the worker's span.
 
 mod common;
 
@@ -13,13 +15,17 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use llmq_gateway::client;
+use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
+use opentelemetry_proto::tonic::common::v1::any_value::Value as Any;
+use prost::Message;
 use serde_json::Value;
 
-/// A minimal OTLP/HTTP collector: accepts POSTs (keep-alive), keeps each JSON body.
-fn collector() -> (String, Arc<Mutex<Vec<Value>>>) {
+/// An OTLP/HTTP receiver: accepts POSTs (keep-alive) and keeps each body's spans, decoded from
+/// protobuf.
+fn collector() -> (String, Arc<Mutex<Vec<ExportTraceServiceRequest>>>) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
-    let bodies: Arc<Mutex<Vec<Value>>> = Arc::default();
+    let bodies: Arc<Mutex<Vec<ExportTraceServiceRequest>>> = Arc::default();
     let keep = bodies.clone();
     std::thread::spawn(move || {
         for conn in listener.incoming().flatten() {
@@ -51,10 +57,12 @@ fn collector() -> (String, Arc<Mutex<Vec<Value>>>) {
                     if r.read_exact(&mut body).is_err() {
                         return;
                     }
-                    if let Ok(v) = serde_json::from_slice(&body) {
-                        keep.lock().unwrap().push(v);
+                    match ExportTraceServiceRequest::decode(body.as_slice()) {
+                        Ok(r) => keep.lock().unwrap().push(r),
+                        Err(e) => panic!("an OTLP payload that is not protobuf: {e}"),
                     }
-                    let ok = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}";
+                    // An empty ExportTraceServiceResponse.
+                    let ok = "HTTP/1.1 200 OK\r\ncontent-type: application/x-protobuf\r\ncontent-length: 0\r\n\r\n";
                     if w.write_all(ok.as_bytes()).is_err() {
                         return;
                     }
@@ -65,7 +73,7 @@ fn collector() -> (String, Arc<Mutex<Vec<Value>>>) {
     (url, bodies)
 }
 
-/// A received span: its service and its OTLP JSON fields.
+/// A received span: its service, ids (hex) and attributes.
 #[derive(Debug, Clone)]
 struct Span {
     service: String,
@@ -73,39 +81,39 @@ struct Span {
     trace: String,
     id: String,
     parent: String,
-    attrs: HashMap<String, Value>,
+    attrs: HashMap<String, Any>,
 }
 
-fn spans(bodies: &[Value]) -> Vec<Span> {
-    let s = |v: &Value| v.as_str().unwrap_or_default().to_string();
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn spans(bodies: &[ExportTraceServiceRequest]) -> Vec<Span> {
     let mut out = vec![];
-    for b in bodies {
-        for rs in b["resourceSpans"].as_array().into_iter().flatten() {
-            let service = rs["resource"]["attributes"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .find(|a| a["key"] == "service.name")
-                .map(|a| s(&a["value"]["stringValue"]))
-                .unwrap_or_default();
-            for ss in rs["scopeSpans"].as_array().into_iter().flatten() {
-                for sp in ss["spans"].as_array().into_iter().flatten() {
-                    let attrs = sp["attributes"]
-                        .as_array()
-                        .into_iter()
-                        .flatten()
-                        .map(|a| (s(&a["key"]), a["value"].clone()))
-                        .collect();
-                    out.push(Span {
-                        service: service.clone(),
-                        name: s(&sp["name"]),
-                        trace: s(&sp["traceId"]),
-                        id: s(&sp["spanId"]),
-                        parent: s(&sp["parentSpanId"]),
-                        attrs,
-                    });
-                }
-            }
+    for rs in bodies.iter().flat_map(|b| &b.resource_spans) {
+        let service = rs
+            .resource
+            .iter()
+            .flat_map(|r| &r.attributes)
+            .find(|a| a.key == "service.name")
+            .and_then(|a| match a.value.as_ref()?.value.as_ref()? {
+                Any::StringValue(s) => Some(s.clone()),
+                _ => None,
+            })
+            .unwrap_or_default();
+        for sp in rs.scope_spans.iter().flat_map(|ss| &ss.spans) {
+            out.push(Span {
+                service: service.clone(),
+                name: sp.name.clone(),
+                trace: hex(&sp.trace_id),
+                id: hex(&sp.span_id),
+                parent: hex(&sp.parent_span_id),
+                attrs: sp
+                    .attributes
+                    .iter()
+                    .filter_map(|a| Some((a.key.clone(), a.value.as_ref()?.value.clone()?)))
+                    .collect(),
+            });
         }
     }
     out
@@ -116,7 +124,7 @@ fn one_request_is_one_trace_from_gateway_to_worker() {
     let (url, bodies) = collector();
     let otel = [
         ("OTEL_EXPORTER_OTLP_ENDPOINT", url.as_str()),
-        ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json"),
+        ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
         ("OTEL_BSP_SCHEDULE_DELAY", "100"),
         (
             "LLMQ_LOG",
@@ -146,9 +154,15 @@ fn one_request_is_one_trace_from_gateway_to_worker() {
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        let r = client::request(&addr, "POST", "/v1/completions", Some(&body.to_string()))
-            .await
-            .unwrap();
+        let r = client::request_with(
+            &addr,
+            "POST",
+            "/v1/completions",
+            Some(&body.to_string()),
+            &[("traceparent", CLIENT_TRACEPARENT)],
+        )
+        .await
+        .unwrap();
         (r.status, r.body)
     });
     assert_eq!(status, 200, "{answer}");
@@ -185,10 +199,11 @@ fn one_request_is_one_trace_from_gateway_to_worker() {
         ),
         ("llmq-gateway", "llmq-intake", "llmq-worker")
     );
-    assert_eq!(gateway.trace.len(), 32, "{gateway:?}");
-    assert!(
-        gateway.parent.is_empty(),
-        "the gateway's span is the root: {gateway:?}"
+    // The client's span is the parent of the gateway's, in the client's trace.
+    assert_eq!(
+        (gateway.trace.as_str(), gateway.parent.as_str()),
+        (CLIENT_TRACE, CLIENT_SPAN),
+        "the gateway under the client: {gateway:?}"
     );
     assert_eq!(
         (intake.trace.as_str(), intake.parent.as_str()),
@@ -200,25 +215,37 @@ fn one_request_is_one_trace_from_gateway_to_worker() {
         (gateway.trace.as_str(), intake.id.as_str()),
         "worker under intake"
     );
-    let attr = |s: &Span, k: &str| s.attrs.get(k).cloned().unwrap_or(Value::Null);
-    let text = |v: Value| {
-        v["stringValue"]
-            .as_str()
-            .map(str::to_string)
-            .unwrap_or_default()
+    let attr = |s: &Span, k: &str| s.attrs.get(k).cloned();
+    let text = |v: Option<Any>| match v {
+        Some(Any::StringValue(s)) => s,
+        other => format!("{other:?}"),
+    };
+    let int = |v: Option<Any>| match v {
+        Some(Any::IntValue(i)) => i,
+        other => panic!("not an integer: {other:?}"),
     };
     for s in [&gateway, &intake, &worker] {
         assert_eq!(text(attr(s, "request_id")), request_id, "{s:?}");
     }
+    assert_eq!(text(attr(&gateway, "model")), fixture(), "{gateway:?}");
+    assert_eq!(int(attr(&worker, "completion_tokens")), 5, "{worker:?}");
     assert_eq!(
-        attr(&worker, "completion_tokens")["intValue"],
-        Value::from("5"),
-        "{worker:?}"
+        int(attr(&worker, "prompt_tokens")),
+        int(attr(&intake, "prompt_tokens"))
     );
-    assert_eq!(
-        attr(&worker, "prompt_tokens"),
-        attr(&intake, "prompt_tokens")
-    );
+    assert!(int(attr(&intake, "prompt_tokens")) > 0, "{intake:?}");
     assert_eq!(text(attr(&worker, "finish_reason")), "Length");
-    assert!(attr(&worker, "error").is_null(), "{worker:?}");
+    assert!(attr(&worker, "error").is_none(), "{worker:?}");
+    assert_eq!(int(attr(&worker, "cached_tokens")), 0, "{worker:?}");
+    for timing in ["queue_ms", "ttft_ms"] {
+        assert!(
+            matches!(attr(&worker, timing), Some(Any::DoubleValue(ms)) if ms >= 0.0),
+            "{timing}: {worker:?}"
+        );
+    }
 }
+
+/// The client's own trace and span, as it sends them in `traceparent`.
+const CLIENT_TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+const CLIENT_SPAN: &str = "00f067aa0ba902b7";
+const CLIENT_TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";

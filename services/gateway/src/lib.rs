@@ -160,11 +160,17 @@ struct Accepted {
 }
 
 /// Submits to intake, subscribed to the request's inbox first so that no event is missed. The
-/// request's span (`gateway.request`) is the parent of intake's and the worker's (its trace
+/// request's span (`gateway.request`) is the child of the HTTP client's trace context, when it
+/// sent one (`trace`: its W3C headers), and the parent of intake's and the worker's (its trace
 /// context travels in the NATS headers).
-async fn submit(state: &State, mut g: GenerateRequest) -> Result<Accepted, ApiError> {
+async fn submit(
+    state: &State,
+    mut g: GenerateRequest,
+    trace: &[(String, String)],
+) -> Result<Accepted, ApiError> {
     let started = Instant::now();
     let span = tracing::info_span!("gateway.request", model = %g.model, request_id = tracing::field::Empty, error = tracing::field::Empty);
+    llmq_telemetry::extract_pairs(&span, trace);
     let inbox = state.nc.new_inbox();
     let events = state
         .nc
@@ -402,14 +408,26 @@ async fn collect(state: &State, shape: &Shape, mut acc: Accepted) -> Result<Valu
     ))
 }
 
+/// The W3C trace context headers of an HTTP request.
+fn trace_headers(req: &actix_web::HttpRequest) -> Vec<(String, String)> {
+    llmq_telemetry::W3C_HEADERS
+        .iter()
+        .filter_map(|&k| {
+            let v = req.headers().get(k)?.to_str().ok()?;
+            Some((k.to_string(), v.to_string()))
+        })
+        .collect()
+}
+
 async fn serve(
     state: web::Data<State>,
     g: Result<(GenerateRequest, Shape), ApiError>,
     kind: Kind,
+    trace: Vec<(String, String)>,
 ) -> Result<HttpResponse, ApiError> {
     let result: Result<(HttpResponse, Option<&'static str>), ApiError> = async {
         let (g, shape) = g?;
-        let acc = submit(&state, g).await?;
+        let acc = submit(&state, g, &trace).await?;
         if shape.stream {
             let (tx, rx) = mpsc::channel::<Bytes>(256);
             actix_web::rt::spawn(stream_events(state.clone().into_inner(), shape, acc, tx));
@@ -445,19 +463,29 @@ async fn serve(
 
 async fn chat(
     state: web::Data<State>,
+    req: actix_web::HttpRequest,
     body: web::Json<openai::ChatRequest>,
 ) -> Result<HttpResponse, ApiError> {
-    serve(state, openai::chat_request(body.into_inner()), Kind::Chat).await
+    let trace = trace_headers(&req);
+    serve(
+        state,
+        openai::chat_request(body.into_inner()),
+        Kind::Chat,
+        trace,
+    )
+    .await
 }
 
 async fn completions(
     state: web::Data<State>,
+    req: actix_web::HttpRequest,
     body: web::Json<openai::CompletionRequest>,
 ) -> Result<HttpResponse, ApiError> {
     serve(
         state,
         openai::completion_request(body.into_inner()),
         Kind::Completion,
+        trace_headers(&req),
     )
     .await
 }

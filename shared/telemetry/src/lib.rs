@@ -126,6 +126,32 @@ pub fn extract(span: &tracing::Span, headers: Option<&async_nats::HeaderMap>) {
     }
 }
 
+struct PairsReader<'a>(&'a [(String, String)]);
+
+impl Extractor for PairsReader<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        self.0
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(key))
+            .map(|(_, v)| v.as_str())
+    }
+    fn keys(&self) -> Vec<&str> {
+        self.0.iter().map(|(k, _)| k.as_str()).collect()
+    }
+}
+
+/// The W3C trace context headers (`traceparent`, `tracestate`) an HTTP client may send.
+pub const W3C_HEADERS: [&str; 2] = ["traceparent", "tracestate"];
+
+/// Makes `span` a child of the trace context in `headers` (name, value) as an HTTP client sends
+/// them ([`W3C_HEADERS`]), if any.
+pub fn extract_pairs(span: &tracing::Span, headers: &[(String, String)]) {
+    if !headers.is_empty() {
+        let cx = TraceContextPropagator::new().extract(&PairsReader(headers));
+        let _ = span.set_parent(cx);
+    }
+}
+
 /// NATS headers carrying `span`'s trace context.
 pub fn headers_for(span: &tracing::Span) -> async_nats::HeaderMap {
     let mut h = async_nats::HeaderMap::new();
