@@ -227,40 +227,50 @@ step_reference() {
 # its recipe, so a changed recipe makes a new one.
 BASE_SUITE=bookworm
 BASE_PACKAGES=libopenblas0-pthread,libstdc++6,nats-server
+# Prometheus for the compose stack's metrics overlay (deploy/docker/prometheus.yml): an image of
+# its own, made the same way, so that the services' image stays lean.
+PROMETHEUS_PACKAGES=prometheus
 BASE_MIRRORS=("deb http://deb.debian.org/debian $BASE_SUITE main"
               "deb http://deb.debian.org/debian-security $BASE_SUITE-security main")
 step_image() {
   command -v docker >/dev/null || die "docker is not installed (Debian package docker.io)"
   docker info >/dev/null 2>&1 || die "no Docker daemon answers (docker info failed): start it"
-  local recipe tag
-  recipe=$(printf '%s\n' "$BASE_SUITE" "$BASE_PACKAGES" "${BASE_MIRRORS[@]}" | sha256sum | cut -c1-12)
-  tag="llmq-base:$recipe"
-  if ! docker image inspect "$tag" >/dev/null 2>&1; then make_base_image "$recipe" "$tag"; fi
-  docker tag "$tag" llmq-base:latest
+  debian_image llmq-base "$BASE_PACKAGES"
+  debian_image llmq-prometheus "$PROMETHEUS_PACKAGES"
 }
 
-make_base_image() { # recipe tag
-  local recipe=$1 tag=$2 tar
+# Tags NAME:latest as an image of Debian's essential packages and PACKAGES, made (and its root
+# file system cached) unless an image of the same recipe exists.
+debian_image() { # name packages
+  local name=$1 packages=$2 recipe tag
+  recipe=$(printf '%s\n' "$BASE_SUITE" "$packages" "${BASE_MIRRORS[@]}" | sha256sum | cut -c1-12)
+  tag="$name:$recipe"
+  if ! docker image inspect "$tag" >/dev/null 2>&1; then make_debian_image "$recipe" "$tag" "$packages"; fi
+  docker tag "$tag" "$name:latest"
+}
+
+make_debian_image() { # recipe tag packages
+  local recipe=$1 tag=$2 packages=$3 tar
   tar="$cache/image/base-$recipe.tar"
   if [ ! -s "$tar" ]; then
     dpkg-query -W -f='${Status}' mmdebstrap 2>/dev/null | grep -q "install ok installed" || {
       say "installing apt package: mmdebstrap"
       need_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mmdebstrap >/dev/null || die "apt package mmdebstrap"
     }
-    say "making the base image's root file system ($BASE_SUITE: $BASE_PACKAGES)"
+    say "making the root file system of $tag ($BASE_SUITE: $packages)"
     mkdir -p "$cache/image"
-    need_root mmdebstrap --quiet --format=tar --variant=essential --mode=root --include="$BASE_PACKAGES" \
+    need_root mmdebstrap --quiet --format=tar --variant=essential --mode=root --include="$packages" \
       --hook-dir=/usr/share/mmdebstrap/hooks/merged-usr \
       --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/doc/*' \
       --dpkgopt='path-exclude=/usr/share/locale/*' --dpkgopt='path-exclude=/usr/share/info/*' \
       --dpkgopt='path-exclude=/usr/lib/x86_64-linux-gnu/gconv/*' \
       --customize-hook='rm -rf "$1"/var/lib/apt/lists/* "$1"/var/cache/apt/* "$1"/var/log/*' \
       "$BASE_SUITE" "$tar.tmp" "${BASE_MIRRORS[@]}" >"$cache/image/mmdebstrap.log" 2>&1 \
-      || die "mmdebstrap could not make the base image ($BASE_PACKAGES); see $cache/image/mmdebstrap.log"
+      || die "mmdebstrap could not make the image $tag ($packages); see $cache/image/mmdebstrap.log"
     mv "$tar.tmp" "$tar"
   fi
   docker import "$tar" "$tag" >/dev/null || die "docker import $tar"
-  say "base image $tag: $(docker image inspect -f '{{.Size}}' "$tag" | numfmt --to=si)B"
+  say "image $tag: $(docker image inspect -f '{{.Size}}' "$tag" | numfmt --to=si)B"
 }
 
 # A private CA and the NATS server's certificate, for the compose stack's TLS overlay

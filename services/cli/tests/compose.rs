@@ -811,3 +811,107 @@ fn a_nats_restart_then_a_killed_worker_and_its_return_leave_no_stream_hanging() 
         ],
     );
 }
+
+/// Prometheus's answer to an instant query: each series' labels and value.
+async fn prometheus_query(addr: &str, query: &str) -> Vec<(serde_json::Value, f64)> {
+    let path = format!("/api/v1/query?query={query}");
+    let Ok(r) = client::request(addr, "GET", &path, None).await else {
+        return vec![];
+    };
+    let v: serde_json::Value = serde_json::from_str(&r.body).unwrap_or_default();
+    v["data"]["result"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|s| {
+            let value = s["value"][1].as_str().and_then(|x| x.parse().ok());
+            (s["metric"].clone(), value.unwrap_or(f64::NAN))
+        })
+        .collect()
+}
+
+#[test]
+fn prometheus_scrapes_every_worker_s_series_and_loads_the_alerting_rules() {
+    let prometheus = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .to_string();
+    let stack = Compose::up_full(
+        "prom",
+        2,
+        &["deploy/docker/prometheus.yml"],
+        &[("LLMQ_PROMETHEUS_PUBLISH", &prometheus)],
+    );
+    common::client::rt().block_on(async {
+        let addr = stack.wait_workers(2).await;
+        for i in 0..4 {
+            let (status, text) = chat(&addr, i).await;
+            assert_eq!(status, 200, "{text}");
+        }
+        // Within a few scrapes: both workers' series, labelled, and the gateway's requests.
+        let t = Instant::now();
+        loop {
+            let ended = prometheus_query(&prometheus, "llmq_worker_requests_ended_total").await;
+            let ok = prometheus_query(&prometheus, "llmq_gateway_requests_total").await;
+            let live = prometheus_query(&prometheus, "llmq_gateway_live_workers").await;
+            let chats_ok: f64 = ok
+                .iter()
+                .filter(|(m, _)| m["endpoint"] == "chat" && m["outcome"] == "ok")
+                .map(|(_, v)| v)
+                .sum();
+            let labelled = ended.len() == 2
+                && ended.iter().all(|(m, _)| {
+                    m["model"] == "smollm2"
+                        && m["role"] == "both"
+                        && m["worker"].as_str().is_some_and(|w| !w.is_empty())
+                        && m["job"] == "llmq-gateway"
+                });
+            let ended_sum: f64 = ended.iter().map(|(_, v)| v).sum();
+            if labelled
+                && ended_sum >= 4.0
+                && chats_ok >= 4.0
+                && live.first().map(|x| x.1) == Some(2.0)
+            {
+                break;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(90),
+                "Prometheus: ended {ended:?}, requests {ok:?}, live {live:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        // The alerting rules are loaded and evaluate cleanly.
+        let r = client::request(&prometheus, "GET", "/api/v1/rules", None)
+            .await
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+        let rules: Vec<(String, String)> = v["data"]["groups"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .flat_map(|g| g["rules"].as_array().cloned().unwrap_or_default())
+            .map(|r| {
+                (
+                    r["name"].as_str().unwrap_or_default().to_string(),
+                    r["health"].as_str().unwrap_or_default().to_string(),
+                )
+            })
+            .collect();
+        let names: Vec<&str> = rules.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "LlmqNoLiveWorker",
+                "LlmqQueueGrowing",
+                "LlmqKvFull",
+                "LlmqErrorRate"
+            ],
+            "{v}"
+        );
+        assert!(
+            rules.iter().all(|(_, h)| h == "ok" || h == "unknown"),
+            "{rules:?}"
+        );
+    });
+}

@@ -192,6 +192,13 @@ impl Metrics {
         ];
         let mut live: Vec<&llmq_protocol::WorkerStatus> = workers.live().collect();
         live.sort_by(|a, b| a.worker_id.cmp(&b.worker_id));
+        // Always present, so that an alert can fire on zero (the per-worker series vanish with
+        // their workers).
+        let _ = writeln!(
+            out,
+            "# HELP llmq_gateway_live_workers Workers heard from lately (any model, any role).\n# TYPE llmq_gateway_live_workers gauge\nllmq_gateway_live_workers {}",
+            live.len()
+        );
         let kinds = gauges
             .iter()
             .map(|g| (g, "gauge"))
@@ -281,6 +288,7 @@ mod tests {
         assert!(text.contains("llmq_gateway_time_to_first_token_seconds_bucket{le=\"0.0025\"} 0"));
         assert!(text.contains("llmq_gateway_time_to_first_token_seconds_bucket{le=\"0.005\"} 1"));
         assert!(text.contains("llmq_gateway_inter_token_latency_seconds_count 1"));
+        assert!(text.contains("llmq_gateway_live_workers 1"), "{text}");
         assert!(
             text.contains("llmq_worker_queued_requests{worker=\"w1\",model=\"m\",role=\"both\"} 3")
         );
