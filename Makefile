@@ -8,7 +8,7 @@
 #               every path a document names, and no file importing another that imports it
 #   make check  lint, then the tests that need no model and no server (protocol, config, text,
 #               scheduling policy, gateway)
-.PHONY: setup build image demo test lint compose-test fuzz check bench fixtures clean
+.PHONY: setup build image demo test lint compose-test soak fuzz check bench fixtures clean
 
 CARGO ?= cargo
 LLMQ := target/release/llmq
@@ -44,6 +44,13 @@ lint: setup
 
 compose-test: image
 	$(CARGO) test --release -p llmq --test compose
+
+# Not part of `make test`: the compose stack with three workers under a mixed load for
+# SOAK_SECONDS (default 1800), workers killed and restarted, NATS restarted once; a report.
+SOAK_SECONDS ?= 1800
+soak: image
+	bash deploy/setup/setup.sh clients
+	.cache/pyclient/bin/python deploy/soak/soak.py --seconds $(SOAK_SECONDS)
 
 # cargo-fuzz needs the sanitizer flags of a nightly compiler: RUSTC_BOOTSTRAP lets the stable
 # one accept them. The corpus in fuzz/corpus grows with each run (minimize: cargo fuzz cmin).
