@@ -9,7 +9,8 @@ requests that resend a long shared prefix (prefix cache reuse).
 
 The report: requests sent, completed, typed errors by class, refused, cancelled or disconnected
 as asked, and lost (accepted, yet no terminal event within `--lost-after-s`: must be 0); each
-service's resident memory at the start of the load and at the end; time to first token and
+service's resident memory at the start of the load and at the end, beside each worker's KV
+bytes held and its prefix cache's share (what the memory growth is made of); time to first token and
 total time percentiles per phase (steady, the minute after a worker fault, the minute after the
 NATS restart). Written to .cache/soak/report-<time>.json and printed.
 
@@ -102,6 +103,21 @@ class Stack:
         except OSError:
             return ""
 
+    def kv_mib(self) -> dict:
+        """Each live worker's KV bytes held (its sequences and its prefix cache) and its prefix
+        cache's share, from the gateway's /metrics (MiB)."""
+        out = {}
+        for line in self.metrics().splitlines():
+            for name, key in [
+                ("llmq_worker_kv_bytes_used{", "kv_held"),
+                ("llmq_worker_prefix_cache_bytes{", "prefix_cache"),
+            ]:
+                if line.startswith(name):
+                    worker = line.split('worker="', 1)[1].split('"', 1)[0]
+                    mib = round(float(line.rsplit(" ", 1)[1]) / 2**20, 1)
+                    out.setdefault(worker, {})[key] = mib
+        return out
+
     def live_workers(self) -> int:
         for line in self.metrics().splitlines():
             if line.startswith("llmq_gateway_live_workers "):
@@ -166,13 +182,13 @@ class Soak:
             bound_s=120,
         )
         http = openai.AsyncOpenAI(base_url=f"http://{self.stack.gateway}/v1", api_key="none", max_retries=0)
-        rss_start = self.stack.rss()
+        rss_start = (self.stack.rss(), self.stack.kv_mib())
         self.end_at = time.monotonic() + self.args.seconds
         faults = asyncio.ensure_future(self.faults())
         clients = [asyncio.ensure_future(self.client(i, nc, http)) for i in range(self.args.clients)]
         await asyncio.gather(*clients)
         faults.cancel()
-        rss_end = self.stack.rss()
+        rss_end = (self.stack.rss(), self.stack.kv_mib())
         await nc.close()
         return rss_start, rss_end
 
@@ -323,8 +339,10 @@ def main():
         "refused": tally.refused,
         "ended_as_asked": tally.asked_ends,
         "lost": len(tally.lost),
-        "rss_mib_start": rss_start,
-        "rss_mib_end": rss_end,
+        "rss_mib_start": rss_start[0],
+        "rss_mib_end": rss_end[0],
+        "kv_mib_start": rss_start[1],
+        "kv_mib_end": rss_end[1],
         "phases": {
             phase: {
                 "ttft_s": percentiles([a for a, _ in xs]),

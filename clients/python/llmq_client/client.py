@@ -199,6 +199,9 @@ class Job:
                 if isinstance(ev, dict) and ev.get("type") == "error":
                     self._open.discard(choice)
                     err = ev["error"]
+                    if self._open:
+                        # The other samples would run on for nobody.
+                        await self.cancel()
                     self._end()
                     raise JobFailed(err["class"], err["message"], self.request_id, choice)
                 if isinstance(ev, Done):

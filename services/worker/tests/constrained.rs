@@ -5,10 +5,13 @@
 //! `jsonschema` crate); the free rows' tokens are those they get alone; all KV comes back. And
 //! Gemma 3 (a GGUF vocabulary of 262k tokens; sliding-window layers, so rows decode one by one).
 
+mod common;
+
+use common::greedy_alone;
+
 use std::collections::HashMap;
 use std::time::Instant;
 
-use llmq_engine::generate::{generate, LocalRequest};
 use llmq_engine::load_model;
 use llmq_protocol::{Constraint, ErrorClass, Event, FinishReason};
 use llmq_scheduler::{Admission, ReqId, Scheduler, SchedulerConfig};
@@ -112,20 +115,7 @@ fn constrained_rows_decode_beside_free_ones_into_valid_documents() {
         ask("What is the capital of France?"),
         ask("Write one sentence about the sea."),
     ];
-    let free_alone: Vec<Vec<u32>> = free_prompts
-        .iter()
-        .map(|p| {
-            let req = LocalRequest {
-                prompt_ids: p.clone(),
-                sampling: Sampling::default(),
-                stop: stop.clone(),
-                prefill_chunk: 4096,
-            };
-            generate(&loaded.model, Some(tok), &req, |_, _| {})
-                .unwrap()
-                .token_ids
-        })
-        .collect();
+    let free_alone = greedy_alone(&loaded.model, tok, &free_prompts, &stop);
     let questions = [
         "Describe a cat as JSON.",
         "Name two colours as JSON.",

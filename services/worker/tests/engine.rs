@@ -5,9 +5,12 @@
 //! queuing ahead off while it decodes), and all KV memory comes back. The engine is the
 //! worker's: its prefill, decode and cache actors, driven through their messages.
 
+mod common;
+
+use common::greedy_alone;
+
 use std::time::Instant;
 
-use llmq_engine::generate::{generate, LocalRequest};
 use llmq_engine::load_model;
 use llmq_protocol::Event;
 use llmq_scheduler::{Admission, Scheduler, SchedulerConfig};
@@ -33,20 +36,7 @@ fn chunked_interleaved_prefill_gives_the_same_greedy_tokens() {
         max_tokens: 12,
         ..Default::default()
     };
-    let alone: Vec<Vec<u32>> = prompts
-        .iter()
-        .map(|p| {
-            let req = LocalRequest {
-                prompt_ids: p.clone(),
-                sampling: Sampling::default(),
-                stop: stop.clone(),
-                prefill_chunk: 4096,
-            };
-            generate(&loaded.model, Some(tok), &req, |_, _| {})
-                .unwrap()
-                .token_ids
-        })
-        .collect();
+    let alone = greedy_alone(&loaded.model, tok, &prompts, &stop);
 
     // With decode steps queued ahead (the default; prefill chunks then share the queued steps),
     // without, with chunks padded to a grid as on a GPU, and with a sampled request among the

@@ -5,9 +5,12 @@
 //! ahead and without, with the prefix cache (a resumed request finds what it fed the model
 //! before) and without.
 
+mod common;
+
+use common::greedy_alone;
+
 use std::time::Instant;
 
-use llmq_engine::generate::{generate, LocalRequest};
 use llmq_engine::load_model;
 use llmq_protocol::Event;
 use llmq_scheduler::{Admission, Emit, Scheduler, SchedulerConfig};
@@ -49,20 +52,7 @@ fn preempted_requests_resume_with_the_same_greedy_tokens() {
         ignore_eos: true,
         ..Default::default()
     };
-    let alone: Vec<Vec<u32>> = prompts
-        .iter()
-        .map(|p| {
-            let req = LocalRequest {
-                prompt_ids: p.clone(),
-                sampling: Sampling::default(),
-                stop: stop.clone(),
-                prefill_chunk: 4096,
-            };
-            generate(&loaded.model, Some(tok), &req, |_, _| {})
-                .unwrap()
-                .token_ids
-        })
-        .collect();
+    let alone = greedy_alone(&loaded.model, tok, &prompts, &stop);
     // Blocks for the longest request alone at its end, and one more: two cannot both finish
     // side by side.
     let longest = prompts.iter().map(|p| p.len()).max().unwrap() + MAX_TOKENS + 2;
