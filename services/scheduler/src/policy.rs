@@ -145,6 +145,10 @@ impl Req {
     fn remaining(&self) -> usize {
         self.target - self.prefilled
     }
+    /// Tokens it has: its prompt and those it generated.
+    fn tokens(&self) -> usize {
+        self.a.prompt_tokens + self.completion
+    }
     /// Arrival order: the oldest request first.
     fn arrival(&self) -> (Duration, ReqId) {
         (self.a.accepted_at, self.a.id)
@@ -498,7 +502,7 @@ impl Scheduler {
         let mut preempted = 0;
         for id in order {
             while let Some(r) = self.reqs.get(&id).filter(|_| self.decoding.contains(&id)) {
-                let need = r.a.prompt_tokens + r.completion + self.cfg.lookahead_tokens;
+                let need = r.tokens() + self.cfg.lookahead_tokens;
                 if self.pool.reserve(id, need).is_ok() {
                     break;
                 }
@@ -531,7 +535,7 @@ impl Scheduler {
             self.in_flight = None;
         }
         let r = self.reqs.get_mut(&id).expect("running ids are held");
-        r.target = r.a.prompt_tokens + r.completion;
+        r.target = r.tokens();
         r.prefilled = 0;
         r.preempted += 1;
         let arrival = r.arrival();

@@ -403,14 +403,7 @@ impl DecodeActor {
                 back.push((id, c.lent.seq));
                 continue;
             }
-            let seq = self.seqs.remove(&id).or_else(|| {
-                self.ahead
-                    .as_mut()
-                    .filter(|a| a.completing.as_ref().is_some_and(|(c, _)| *c == id))
-                    .and_then(|a| a.completing.take())
-                    .map(|(_, seq)| seq)
-            });
-            if let Some(mut seq) = seq {
+            if let Some(mut seq) = self.take_held(id) {
                 self.leave(&mut seq);
                 back.push((id, Box::new(seq)));
             }
@@ -427,19 +420,23 @@ impl DecodeActor {
                 // is remembered.
                 self.staged = None;
             }
-            if let Some(seq) = self.seqs.remove(&id) {
+            if let Some(seq) = self.take_held(id) {
                 self.release_seq(seq);
-            } else if let Some(a) = self
-                .ahead
-                .as_mut()
-                .filter(|a| a.completing.as_ref().is_some_and(|(c, _)| *c == id))
-            {
-                if let Some((_, seq)) = a.completing.take() {
-                    self.release_seq(seq);
-                }
             }
         }
         self.discard_ahead_if_unused();
+    }
+
+    /// Takes `id`'s sequence out: a decoding row's, or one whose prompt the step queued ahead
+    /// completes (it would join at the next step).
+    fn take_held(&mut self, id: ReqId) -> Option<Seq> {
+        self.seqs.remove(&id).or_else(|| {
+            self.ahead
+                .as_mut()
+                .filter(|a| a.completing.as_ref().is_some_and(|(c, _)| *c == id))
+                .and_then(|a| a.completing.take())
+                .map(|(_, seq)| seq)
+        })
     }
 
     fn discard_ahead_if_unused(&mut self) {
