@@ -13,7 +13,10 @@ pub mod cuda;
 
 use mlx_rs::ops::indexing::{Ellipsis, IndexOp};
 use mlx_rs::ops::{dequantize, quantized_matmul, sigmoid, tanh};
+use mlx_rs::error::Exception;
+use mlx_rs::transforms::compile::compile;
 use mlx_rs::Array;
+use std::cell::RefCell;
 
 use crate::device::{current, Device};
 use crate::error::Result;
@@ -117,31 +120,43 @@ pub fn gated(gu: &Array, size: i32, gelu: bool) -> Result<Array> {
     }
 }
 
-/// silu(g) * u as one fused kernel (MLX compiles the element-wise graph once per shape class).
-fn swiglu(g: &Array, u: &Array) -> Result<Array> {
-    let f = |(g, u): (&Array, &Array)| -> std::result::Result<Array, mlx_rs::error::Exception> {
-        g.multiply(sigmoid(g)?)?.multiply(u)
-    };
-    let mut compiled = mlx_rs::transforms::compile::compile(f, true);
-    Ok(compiled((g, u))?)
+/// A compiled MLX function of two arrays, kept for the life of the thread that built it.
+type Compiled2 =
+    Box<dyn for<'a> FnMut((&'a Array, &'a Array)) -> std::result::Result<Array, Exception>>;
+
+thread_local! {
+    // Kept, not rebuilt per call: mlx-rs gives each compiled function a fresh id and erases
+    // MLX's trace of it when dropped, so a function compiled anew on every call is traced anew
+    // on every call (tens of µs of the host's time, each layer of each step).
+    static SWIGLU: RefCell<Compiled2> = RefCell::new(Box::new(compile(swiglu_graph, true)));
+    static GEGLU: RefCell<Compiled2> = RefCell::new(Box::new(compile(geglu_graph, true)));
 }
 
-/// gelu_tanh(g) * u (Gemma's MLP), fused like `swiglu`:
-/// 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) u.
+/// silu(g) * u as one fused kernel (MLX compiles the element-wise graph once per shape class).
+fn swiglu(g: &Array, u: &Array) -> Result<Array> {
+    Ok(SWIGLU.with(|f| (f.borrow_mut())((g, u)))?)
+}
+
+/// gelu_tanh(g) * u (Gemma's MLP), fused like `swiglu`.
 fn geglu(g: &Array, u: &Array) -> Result<Array> {
-    let f = |(g, u): (&Array, &Array)| -> std::result::Result<Array, mlx_rs::error::Exception> {
-        let inner = g
-            .add(
-                g.multiply(g)?
-                    .multiply(g)?
-                    .multiply(Array::from_f32(0.044715))?,
-            )?
-            .multiply(Array::from_f32((2.0 / std::f32::consts::PI).sqrt()))?;
-        let cdf = tanh(&inner)?
-            .add(Array::from_f32(1.0))?
-            .multiply(Array::from_f32(0.5))?;
-        g.multiply(cdf)?.multiply(u)
-    };
-    let mut compiled = mlx_rs::transforms::compile::compile(f, true);
-    Ok(compiled((g, u))?)
+    Ok(GEGLU.with(|f| (f.borrow_mut())((g, u)))?)
+}
+
+fn swiglu_graph((g, u): (&Array, &Array)) -> std::result::Result<Array, Exception> {
+    g.multiply(sigmoid(g)?)?.multiply(u)
+}
+
+/// 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) u.
+fn geglu_graph((g, u): (&Array, &Array)) -> std::result::Result<Array, Exception> {
+    let inner = g
+        .add(
+            g.multiply(g)?
+                .multiply(g)?
+                .multiply(Array::from_f32(0.044715))?,
+        )?
+        .multiply(Array::from_f32((2.0 / std::f32::consts::PI).sqrt()))?;
+    let cdf = tanh(&inner)?
+        .add(Array::from_f32(1.0))?
+        .multiply(Array::from_f32(0.5))?;
+    g.multiply(cdf)?.multiply(u)
 }

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine: the timeline of llmq's decode step (issue 52's breakdown), each
+# scenario under deploy/gpu/timeline/record.sh, each binary named in $BINS (default .gpu/bin/llmq)
+# in turn, plus each binary's single-stream figure without the recorder (its overhead).
+# Expects MLX's CUDA build unpacked (LD_LIBRARY_PATH), the recorder built into $TL
+# (deploy/gpu/timeline/build.sh), nats-server on PATH for the batch, and $RESULTS for the
+# summaries (.txt) and Chrome traces (.json.xz); the records themselves stay in $WORK.
+#   SCENARIOS: any of single,q4,moe,batch (default all)
+set -uo pipefail
+BINS=${BINS:-.gpu/bin/llmq}
+TL=${TL:-.gpu/tl}
+WORK=${WORK:-/tmp/timeline}
+RESULTS=${RESULTS:-${OUT:-/tmp/timeline-results}}
+SCENARIOS=${SCENARIOS:-single,q4,moe,batch}
+rec=deploy/gpu/timeline/record.sh
+mkdir -p "$WORK" "$RESULTS"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+has() { [[ ",$SCENARIOS," == *",$1,"* ]]; }
+for bin in $BINS; do
+  b=$(basename "$bin")
+  echo "== $b: single 8b bf16 without the recorder"
+  "$bin" bench single --random-weights 8b --json
+  if has single; then
+    "$rec" "$TL" "$WORK/$b-single-8b" -- "$bin" bench single --random-weights 8b --json --output-tokens 64
+  fi
+  if has q4; then
+    "$rec" "$TL" "$WORK/$b-single-8b-q4" -- "$bin" bench single --random-weights 8b --quantize 4 \
+      --group-size 64 --json --output-tokens 64
+  fi
+  if has moe; then
+    "$rec" "$TL" "$WORK/$b-single-moe" -- "$bin" bench single --random-weights moe --json --output-tokens 64
+  fi
+  if has batch; then
+    "$rec" "$TL" "$WORK/$b-batch-8b" -- "$bin" bench batch --random-weights 8b --json \
+      --kv-budget-bytes 60000000000 --streams 64 --prompt-tokens 512 --output-tokens 128
+  fi
+done
+cp "$WORK"/*.txt "$RESULTS"/ 2>/dev/null
+for j in "$WORK"/*.json; do [ -f "$j" ] && xz -T0 -c "$j" >"$RESULTS/$(basename "$j").xz"; done
+ls -la "$RESULTS"
