@@ -11,9 +11,9 @@
 pub mod cpu;
 pub mod cuda;
 
+use mlx_rs::error::Exception;
 use mlx_rs::ops::indexing::{Ellipsis, IndexOp};
 use mlx_rs::ops::{dequantize, quantized_matmul, sigmoid, tanh};
-use mlx_rs::error::Exception;
 use mlx_rs::transforms::compile::compile;
 use mlx_rs::Array;
 use std::cell::RefCell;
