@@ -57,6 +57,13 @@ fn main() -> std::process::ExitCode {
     if std::env::var_os("MLX_USE_CUDA_GRAPHS").is_none() {
         std::env::set_var("MLX_USE_CUDA_GRAPHS", "0");
     }
+    // MLX's CUDA caches (graphs, cuDNN attention plans, convolutions) count their misses over
+    // the process's whole life and throw once the count passes twice their size, failing every
+    // later step: a worker that serves for days meets that many shapes in the end. Without the
+    // check a miss only costs the time to plan again (a user's own setting wins).
+    if std::env::var_os("MLX_ENABLE_CACHE_THRASHING_CHECK").is_none() {
+        std::env::set_var("MLX_ENABLE_CACHE_THRASHING_CHECK", "0");
+    }
     let command = Cli::parse().command;
     // A CPU worker's buffers come from the memory it faulted in at start, which only works
     // when every thread allocates from the same heap (`host_memory`).
