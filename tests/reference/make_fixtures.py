@@ -26,6 +26,8 @@ at position 100 with rope_theta 1e6, which would hide real errors of that size.
                                  not renormalised), q/k norms, bf16
   tests/fixtures/tiny-qwen2-moe/ Qwen2-MoE: 4 experts, top 2 not renormalised, and a shared expert
                                  (96 wide) behind its own sigmoid gate; q/k/v biases, f32
+  tests/fixtures/tiny-lfm2/      LFM2: short gated convolutions (kernel 3, with bias) in three
+                                 layers, grouped-query attention with q/k norms in one, f32
   tests/fixtures/tiny-llama.gguf the tiny Llama as GGUF: F32, F16, BF16, Q8_0, Q4_0, Q4_1 tensors,
                                  Q/K rows permuted as llama.cpp stores them, GPT-2 style BPE
   tests/fixtures/tiny-mixtral.gguf, tiny-qwen3-moe.gguf, tiny-phi3.gguf: those fixtures as GGUF
@@ -569,6 +571,18 @@ def moe_families():
     }
 
 
+def hybrid_families():
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    return {
+        "tiny-lfm2": lambda: build(
+            Lfm2Config, Lfm2ForCausalLM, "tiny-lfm2", torch.float32, seeded=True,
+            num_hidden_layers=4, layer_types=["conv", "full_attention", "conv", "conv"], conv_L_cache=3,
+            conv_bias=True, block_auto_adjust_ff_dim=False, norm_eps=1e-5, tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    }
+
+
 GEMMA3_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at", "Café, naïve, 東京:"]
 
 
@@ -600,7 +614,7 @@ def main(only):
     from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
                               Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
-    later = {**rope_families(), **gemma_families(), **moe_families(), "gemma3-270m": gemma3_reference,
+    later = {**rope_families(), **gemma_families(), **moe_families(), **hybrid_families(), "gemma3-270m": gemma3_reference,
              "tiny-mixtral.gguf": lambda: gguf_moe("tiny-mixtral"), "tiny-qwen3-moe.gguf": lambda: gguf_moe("tiny-qwen3-moe"),
              "tiny-phi3.gguf": gguf_phi3}
     if only:

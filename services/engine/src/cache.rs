@@ -287,6 +287,63 @@ impl KvCache for RotatingCache {
     }
 }
 
+/// The state of a short causal convolution (LFM2's conv layers): the last `kernel - 1` inputs
+/// it has seen, zeros before the sequence's start. Its "keys" are those inputs ([1, 1, T,
+/// hidden]); `update` returns the window a chunk convolves over: the state followed by the
+/// chunk, [1, 1, kernel - 1 + T, hidden] (the values are the same; the mask says nothing).
+///
+/// Unlike keys and values, the state of a longer sequence cannot be cut back to a prefix, so
+/// this cache hands out no contents and cannot rewind: a prefix-cache entry or a padded chunk
+/// would need the state as it was.
+pub struct ConvCache {
+    state: Option<Array>,
+    offset: usize,
+    kernel: usize,
+}
+
+impl ConvCache {
+    pub fn new(kernel: usize) -> Self {
+        ConvCache {
+            state: None,
+            offset: 0,
+            kernel: kernel.max(1),
+        }
+    }
+}
+
+impl KvCache for ConvCache {
+    fn offset(&self) -> usize {
+        self.offset
+    }
+
+    fn update(&mut self, k: &Array, _v: &Array) -> Result<(Array, Array, AttnMask)> {
+        let s = k.shape();
+        let keep = self.kernel as i32 - 1;
+        let window = match &self.state {
+            Some(state) => concatenate(&[state, k], 2)?,
+            None if keep > 0 => {
+                let zeros = zeros_dtype(&[1, s[1], keep, s[3]], k.dtype())?;
+                concatenate(&[&zeros, k], 2)?
+            }
+            None => k.clone(),
+        };
+        if keep > 0 {
+            let len = window.shape()[2];
+            self.state = Some(window.index((.., .., len - keep.., ..)));
+        }
+        self.offset += s[2] as usize;
+        Ok((window.clone(), window, AttnMask::None))
+    }
+
+    fn nbytes(&self) -> usize {
+        self.state.as_ref().map_or(0, |s| s.nbytes())
+    }
+
+    fn last(&self, _n: usize) -> Option<(Array, Array)> {
+        None
+    }
+}
+
 /// One sequence's caches, one per layer.
 pub struct SequenceCache {
     pub(crate) layers: Vec<Box<dyn KvCache>>,

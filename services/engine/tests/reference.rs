@@ -28,6 +28,7 @@ const MODELS: &[&str] = &[
     "tiny-phi3",
     "tiny-gemma2",
     "tiny-gemma3",
+    "tiny-lfm2",
 ];
 /// Without a sliding window: these decode in batches and pad chunks to a grid.
 const FULL_ATTENTION: &[&str] = &[

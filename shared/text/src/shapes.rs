@@ -189,6 +189,7 @@ pub fn config(name: &str) -> Result<ModelConfig> {
         attn_logit_softcap: None,
         final_logit_softcap: None,
         moe,
+        conv: None,
         max_position_embeddings: 131072,
     })
 }

@@ -73,14 +73,30 @@ impl Attention {
         };
         Ok(Attention {
             qkv: Linear::load_fused(w, &parts, c.hidden_size, o.qkv_bias)?,
-            o: Linear::load(w, &format!("{p}.o_proj"), c.hidden_size, h * d, false)?,
+            o: Linear::load(
+                w,
+                &format!("{p}.{}", o.names.attn_out),
+                c.hidden_size,
+                h * d,
+                false,
+            )?,
             q_norm: if o.qk_norm {
-                Some(norm_weight(w, &format!("{p}.q_norm.weight"), d, gemma)?)
+                Some(norm_weight(
+                    w,
+                    &format!("{p}.{}.weight", o.names.q_norm),
+                    d,
+                    gemma,
+                )?)
             } else {
                 None
             },
             k_norm: if o.qk_norm {
-                Some(norm_weight(w, &format!("{p}.k_norm.weight"), d, gemma)?)
+                Some(norm_weight(
+                    w,
+                    &format!("{p}.{}.weight", o.names.k_norm),
+                    d,
+                    gemma,
+                )?)
             } else {
                 None
             },

@@ -1,6 +1,6 @@
-//! A decoder layer: its attention, its feed-forward part (a dense MLP or experts), the norms
-//! around them, and how a layer is loaded from a checkpoint's names. The building blocks are in
-//! [`super::parts`].
+//! A decoder layer: its mixer (attention, or LFM2's short convolution), its feed-forward part
+//! (a dense MLP or experts), the norms around them, and how a layer is loaded from a
+//! checkpoint's names. The building blocks are in [`super::parts`].
 
 use mlx_rs::fast::rms_norm;
 use mlx_rs::Array;
@@ -8,10 +8,11 @@ use mlx_rs::Array;
 use llmq_text::config::ModelConfig;
 
 use super::attention::Attention;
+use super::conv::ShortConv;
 use super::moe::Experts;
 use super::parts::{norm_weight, Mlp};
 use crate::arch::ArchOptions;
-use crate::error::Result;
+use crate::error::{EngineError, Result};
 use crate::weights::Weights;
 
 /// A layer's feed-forward part: one MLP, or experts chosen per token.
@@ -45,9 +46,15 @@ impl FeedForward {
     }
 }
 
+/// How a layer mixes positions.
+pub(super) enum Mixer {
+    Attention(Attention),
+    Conv(ShortConv),
+}
+
 pub(super) struct Layer {
     pub(super) input_norm: Array,
-    pub(super) attn: Attention,
+    pub(super) mixer: Mixer,
     /// Gemma: the attention's output is normed before the residual add.
     pub(super) attn_out_norm: Option<Array>,
     /// The norm before the MLP (Llama's `post_attention_layernorm`, Gemma's
@@ -73,8 +80,12 @@ impl Layer {
         let (h, f) = (c.hidden_size, c.intermediate_size);
         let norm =
             |w: &mut Weights, name: &str| norm_weight(w, &format!("{p}.{name}.weight"), h, gemma);
-        let input_norm = norm(w, "input_layernorm")?;
-        let attn = Attention::load(w, &format!("{p}.self_attn"), c, opts)?;
+        let names = opts.names;
+        let input_norm = norm(w, names.input_norm)?;
+        let mixer = match c.conv.as_ref().filter(|_| c.conv_layer(i)) {
+            Some(conv) => Mixer::Conv(ShortConv::load(w, &p, c, conv)?),
+            None => Mixer::Attention(Attention::load(w, &format!("{p}.self_attn"), c, opts)?),
+        };
         let (attn_out_norm, mlp_norm, mlp_out_norm) = if gemma {
             (
                 Some(norm(w, "post_attention_layernorm")?),
@@ -82,16 +93,24 @@ impl Layer {
                 Some(norm(w, "post_feedforward_layernorm")?),
             )
         } else {
-            (None, norm(w, "post_attention_layernorm")?, None)
+            (None, norm(w, names.mlp_norm)?, None)
         };
         let mlp = match c.moe.as_ref().filter(|m| m.sparse_layers[i]) {
             Some(m) => FeedForward::Experts(Box::new(Experts::load(w, &p, h, m)?)),
-            None => FeedForward::Dense(Mlp::load(w, &format!("{p}.mlp"), h, f, opts.fused, gemma)?),
+            None => FeedForward::Dense(Mlp::load(
+                w,
+                &format!("{p}.{}", names.mlp),
+                h,
+                f,
+                opts.fused,
+                names,
+                gemma,
+            )?),
         };
         let rope = usize::from(c.rope_local.is_some() && c.window(i).is_some());
         Ok(Layer {
             input_norm,
-            attn,
+            mixer,
             attn_out_norm,
             mlp_norm,
             mlp,
@@ -104,13 +123,28 @@ impl Layer {
     pub(super) fn parameters(&self) -> Vec<&Array> {
         let mut p = vec![&self.input_norm, &self.mlp_norm];
         p.extend(self.attn_out_norm.iter().chain(&self.mlp_out_norm));
-        let a = &self.attn;
-        p.extend(a.qkv.parameters());
-        p.extend(a.o.parameters());
+        match &self.mixer {
+            Mixer::Attention(a) => {
+                p.extend(a.qkv.parameters());
+                p.extend(a.o.parameters());
+                p.extend(a.q_norm.as_ref());
+                p.extend(a.k_norm.as_ref());
+            }
+            Mixer::Conv(c) => p.extend(c.parameters()),
+        }
         p.extend(self.mlp.parameters());
-        p.extend(a.q_norm.as_ref());
-        p.extend(a.k_norm.as_ref());
         p
+    }
+
+    /// The layer's attention, for the paths that only attention layers take (a decode batch's
+    /// step: models with convolution layers decode per sequence).
+    pub(super) fn attention(&self) -> Result<&Attention> {
+        match &self.mixer {
+            Mixer::Attention(a) => Ok(a),
+            Mixer::Conv(_) => Err(EngineError::InvalidRequest(
+                "a convolution layer in a decode batch's step".into(),
+            )),
+        }
     }
     /// `x` plus the attention's output `h` (normed first where the arch says).
     pub(super) fn add_attention(&self, x: &Array, h: Array, eps: f32) -> Result<Array> {

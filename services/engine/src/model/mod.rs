@@ -6,6 +6,7 @@
 //! sequence against that sequence's own cache, so nothing is padded to the longest sequence.
 
 mod attention;
+mod conv;
 mod layer;
 mod moe;
 mod parts;
@@ -16,7 +17,7 @@ use mlx_rs::fast::rms_norm;
 use mlx_rs::ops::concatenate;
 use mlx_rs::ops::indexing::IndexOp;
 
-use self::layer::Layer;
+use self::layer::{Layer, Mixer};
 use self::parts::{norm_weight, softcap};
 use self::rope::Rope;
 use mlx_rs::{Array, Dtype};
@@ -25,7 +26,7 @@ use llmq_text::config::ModelConfig;
 
 use crate::arch;
 use crate::batch::DecodeBatch;
-use crate::cache::{KvCache, RotatingCache, SequenceCache, StandardCache};
+use crate::cache::{ConvCache, KvCache, RotatingCache, SequenceCache, StandardCache};
 use crate::error::{EngineError, Result};
 use crate::kernels::cuda::row_attention::RowAttention;
 use crate::quant::Matrix;
@@ -93,19 +94,23 @@ impl Model {
         let layers = (0..c.num_layers)
             .map(|i| Layer::load(&mut w, c, i, opts))
             .collect::<Result<Vec<_>>>()?;
-        let norm = norm_weight(&mut w, "model.norm.weight", c.hidden_size, gemma)?;
+        let norm = norm_weight(&mut w, opts.names.final_norm, c.hidden_size, gemma)?;
         let lm_head = if c.tie_word_embeddings && !w.contains("lm_head.weight") {
             None
         } else {
             Some(w.take_matrix("lm_head.weight", &[c.vocab_size, c.hidden_size])?)
         };
         let dtype = w.dtype();
-        let chunk_grid = if crate::device::on_gpu() && !config.any_sliding() {
+        let chunk_grid = if crate::device::on_gpu() && config.caches_rewind() {
             GPU_CHUNK_GRID
         } else {
             1
         };
-        let scale = layers.first().map_or(1.0, |l| l.attn.scale);
+        let attention = |l: &Layer| match &l.mixer {
+            Mixer::Attention(a) => Some((a.scale, a.cpu)),
+            Mixer::Conv(_) => None,
+        };
+        let scale = layers.iter().find_map(attention).map_or(1.0, |(s, _)| s);
         // Soft-capped scores are not what the kernel computes.
         let row_attention = RowAttention::new(
             c.num_heads as i32,
@@ -127,7 +132,11 @@ impl Model {
         );
         let weights = w.summary();
         tracing::info!(source = %w.source().display(), %weights, "weights loaded");
-        let cpu_attention = layers.first().is_some_and(|l| l.attn.cpu) && dtype == Dtype::Float32;
+        let cpu_attention = layers
+            .iter()
+            .find_map(attention)
+            .is_some_and(|(_, cpu)| cpu)
+            && dtype == Dtype::Float32;
         let model = Model {
             config,
             embed,
@@ -187,7 +196,7 @@ impl Model {
     pub fn kv_layout(&self) -> crate::kv_bytes::KvLayout {
         let c = &self.config;
         crate::kv_bytes::KvLayout {
-            layers: c.num_layers,
+            layers: c.attention_layers(),
             kv_heads: c.num_kv_heads,
             head_dim: c.head_dim,
             dtype: self.dtype,
@@ -206,14 +215,15 @@ impl Model {
     /// fused attention once per shape (tens of ms each), and a chunk's shape is its
     /// length and where it ends: on the grid, a prompt's chunks reuse a few shapes instead of
     /// planning a new one for every prompt length. 1 (no padding) on a CPU, where padding is
-    /// pure extra work, and for sliding-window caches, which cannot rewind.
+    /// pure extra work, and for sliding-window caches and convolution states, which cannot
+    /// rewind.
     pub fn chunk_grid(&self) -> usize {
         self.chunk_grid
     }
 
     /// The same model with another chunk grid (tests check padding on a CPU with it).
     pub fn with_chunk_grid(mut self, grid: usize) -> Self {
-        self.chunk_grid = if self.config.any_sliding() {
+        self.chunk_grid = if !self.config.caches_rewind() {
             1
         } else {
             grid.max(1)
@@ -268,9 +278,10 @@ impl Model {
     pub fn new_cache_for(&self, positions: usize) -> SequenceCache {
         let layers = (0..self.config.num_layers)
             .map(|i| -> Box<dyn KvCache> {
-                match self.config.window(i) {
-                    Some(w) => Box::new(RotatingCache::new(w)),
-                    None => Box::new(StandardCache::with_room(CACHE_STEP, positions)),
+                match (&self.config.conv, self.config.window(i)) {
+                    (Some(c), _) if self.config.conv_layer(i) => Box::new(ConvCache::new(c.kernel)),
+                    (_, Some(w)) => Box::new(RotatingCache::new(w)),
+                    (_, None) => Box::new(StandardCache::with_room(CACHE_STEP, positions)),
                 }
             })
             .collect();
@@ -286,6 +297,11 @@ impl Model {
         n: usize,
         capacity: usize,
     ) -> Result<SequenceCache> {
+        if self.config.recurrent() {
+            return Err(crate::EngineError::InvalidRequest(
+                "a convolution's state cannot resume from a prefix's keys and values".into(),
+            ));
+        }
         if kv.len() != self.config.num_layers {
             return Err(crate::EngineError::InvalidRequest(format!(
                 "a prefix of {} layers for a model of {}",
@@ -306,11 +322,12 @@ impl Model {
         Ok(SequenceCache { layers })
     }
 
-    /// An empty decode batch for this model, or None for sliding-window models (their caches
-    /// decode per sequence) and soft-capped attention (which the batch's kernels do not compute).
+    /// An empty decode batch for this model, or None for sliding-window and convolution models
+    /// (their caches decode per sequence) and soft-capped attention (which the batch's kernels
+    /// do not compute).
     pub fn new_decode_batch(&self) -> Option<DecodeBatch> {
         let c = &self.config;
-        (!c.any_sliding() && c.attn_logit_softcap.is_none())
+        (c.caches_rewind() && c.attn_logit_softcap.is_none())
             .then(|| DecodeBatch::new(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype))
     }
 
@@ -430,11 +447,11 @@ impl Model {
         for (li, layer) in self.layers.iter().enumerate() {
             let mut per_seq: Vec<&mut (dyn KvCache + 'static)> =
                 caches.iter_mut().map(|c| &mut *c.layers[li]).collect();
-            let h = layer.attn.forward(
-                &rms_norm(&x, Some(&layer.input_norm), eps)?,
-                &self.ropes[layer.rope],
-                &mut per_seq,
-            )?;
+            let normed = rms_norm(&x, Some(&layer.input_norm), eps)?;
+            let h = match &layer.mixer {
+                Mixer::Attention(a) => a.forward(&normed, &self.ropes[layer.rope], &mut per_seq)?,
+                Mixer::Conv(c) => c.forward(&normed, &mut per_seq)?,
+            };
             x = layer.add_attention(&x, h, eps)?;
             x = layer.add_mlp(&x, eps)?;
         }

@@ -16,6 +16,7 @@ use mlx_rs::{Array, Dtype};
 use llmq_text::config::MoeConfig;
 
 use super::parts::{Linear, Mlp};
+use crate::arch::Names;
 use crate::error::Result;
 use crate::kernels::cuda::experts;
 use crate::kernels::gated;
@@ -130,7 +131,15 @@ impl Experts {
         };
         let shared = match m.shared_expert {
             Some(size) => Some((
-                Mlp::load(w, &format!("{p}.shared_expert"), hidden, size, false, false)?,
+                Mlp::load(
+                    w,
+                    &format!("{p}.shared_expert"),
+                    hidden,
+                    size,
+                    false,
+                    Names::HF,
+                    false,
+                )?,
                 Linear::load(w, &format!("{p}.shared_expert_gate"), 1, hidden, false)?,
             )),
             None => None,

@@ -5,6 +5,7 @@
 use mlx_rs::ops::concatenate;
 use mlx_rs::{Array, Dtype};
 
+use crate::arch::Names;
 use crate::error::Result;
 use crate::kernels::{dense_matmul_t, gated};
 use crate::quant::{Matrix, QTensor};
@@ -104,13 +105,15 @@ pub(super) struct Mlp {
 }
 
 impl Mlp {
-    /// `{prefix}.gate_proj`, `up_proj` (or, `fused`, `gate_up_proj`) and `down_proj`, `size` wide.
+    /// `{prefix}.gate_proj`, `up_proj` (or, `fused`, `gate_up_proj`) and `down_proj` (or the
+    /// arch's names for them), `size` wide.
     pub(super) fn load(
         w: &mut Weights,
         prefix: &str,
         hidden: usize,
         size: usize,
         fused: bool,
+        n: Names,
         gelu: bool,
     ) -> Result<Self> {
         let gate_up = if fused {
@@ -125,8 +128,8 @@ impl Mlp {
             Linear::load_fused(
                 w,
                 &[
-                    (format!("{prefix}.gate_proj"), size),
-                    (format!("{prefix}.up_proj"), size),
+                    (format!("{prefix}.{}", n.gate), size),
+                    (format!("{prefix}.{}", n.up), size),
                 ],
                 hidden,
                 false,
@@ -135,7 +138,7 @@ impl Mlp {
         Ok(Mlp {
             gate_up,
             intermediate: size as i32,
-            down: Linear::load(w, &format!("{prefix}.down_proj"), hidden, size, false)?,
+            down: Linear::load(w, &format!("{prefix}.{}", n.down), hidden, size, false)?,
             gelu,
         })
     }

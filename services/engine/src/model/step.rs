@@ -87,7 +87,7 @@ impl Model {
             }
             .get(layer.rope)
             .expect("built for these layers");
-            let h = layer.attn.forward_grouped(
+            let h = layer.attention()?.forward_grouped(
                 &rms_norm(&x, Some(&layer.input_norm), eps)?,
                 li,
                 &mut steps,

@@ -90,6 +90,7 @@ pub fn from_gguf(f: &GgufFile) -> Result<ModelConfig> {
         attn_logit_softcap: float("attn_logit_softcapping").filter(|_| arch == Arch::Gemma2),
         final_logit_softcap: float("final_logit_softcapping").filter(|_| arch.is_gemma()),
         moe: gguf_moe(f, &key, layers)?,
+        conv: None,
         max_position_embeddings: max_positions,
     };
     cfg.validate(path)?;

@@ -6,7 +6,7 @@ use crate::error::{Error, Result};
 use crate::rope::{self, RopeConfig};
 use serde::Deserialize;
 
-use super::{Arch, ModelConfig, MoeConfig};
+use super::{Arch, ConvConfig, ModelConfig, MoeConfig};
 
 #[derive(Deserialize)]
 struct HfConfig {
@@ -14,12 +14,16 @@ struct HfConfig {
     model_type: Option<String>,
     vocab_size: usize,
     hidden_size: usize,
-    intermediate_size: usize,
+    intermediate_size: Option<usize>,
+    /// LFM2's name for `intermediate_size` in its own checkpoints.
+    block_ff_dim: Option<usize>,
     num_hidden_layers: usize,
     num_attention_heads: usize,
     num_key_value_heads: Option<usize>,
     head_dim: Option<usize>,
     rms_norm_eps: Option<f32>,
+    /// LFM2's name for `rms_norm_eps`.
+    norm_eps: Option<f32>,
     rope_theta: Option<f32>,
     /// transformers 5: the rope's base, type and scaling in one object.
     rope_parameters: Option<serde_json::Value>,
@@ -28,6 +32,8 @@ struct HfConfig {
     partial_rotary_factor: Option<f32>,
     original_max_position_embeddings: Option<usize>,
     tie_word_embeddings: Option<bool>,
+    /// LFM2's name for `tie_word_embeddings`.
+    tie_embedding: Option<bool>,
     sliding_window: Option<usize>,
     use_sliding_window: Option<bool>,
     max_window_layers: Option<usize>,
@@ -50,6 +56,15 @@ struct HfConfig {
     decoder_sparse_step: Option<usize>,
     mlp_only_layers: Option<Vec<usize>>,
     max_position_embeddings: Option<usize>,
+    /// LFM2: the convolution's length and biases, the layers that attend (when `layer_types`
+    /// does not say), and how its MLP's width follows from `intermediate_size`.
+    #[serde(rename = "conv_L_cache")]
+    conv_l_cache: Option<usize>,
+    conv_bias: Option<bool>,
+    full_attn_idxs: Option<Vec<usize>>,
+    block_auto_adjust_ff_dim: Option<bool>,
+    block_ffn_dim_multiplier: Option<f32>,
+    block_multiple_of: Option<usize>,
 }
 
 pub fn from_hf_json(path: &Path) -> Result<ModelConfig> {
@@ -69,6 +84,7 @@ pub fn from_hf_json(path: &Path) -> Result<ModelConfig> {
         "phi3" | "Phi3ForCausalLM" => Arch::Phi3,
         "gemma2" | "Gemma2ForCausalLM" => Arch::Gemma2,
         "gemma3_text" | "Gemma3ForCausalLM" => Arch::Gemma3,
+        "lfm2" | "Lfm2ForCausalLM" => Arch::Lfm2,
         other => {
             return Err(Error::UnsupportedArch {
                 path: path.into(),
@@ -98,7 +114,23 @@ pub fn from_hf_json(path: &Path) -> Result<ModelConfig> {
             })
             .collect(),
     };
-    let moe = hf_moe(&raw, &name, layers);
+    let intermediate_size = match (arch, raw.intermediate_size.or(raw.block_ff_dim)) {
+        (Arch::Lfm2, Some(n)) => lfm2_mlp_width(&raw, n),
+        (_, Some(n)) => n,
+        (_, None) => {
+            return Err(Error::format(path, "no intermediate_size".to_string()));
+        }
+    };
+    let conv = (arch == Arch::Lfm2).then(|| ConvConfig {
+        kernel: raw.conv_l_cache.unwrap_or(3),
+        bias: raw.conv_bias.unwrap_or(false),
+        layers: match (&raw.layer_types, &raw.full_attn_idxs) {
+            (Some(types), _) => types.iter().map(|t| t == "conv").collect(),
+            (None, Some(attn)) => (0..layers).map(|i| !attn.contains(&i)).collect(),
+            (None, None) => vec![false; layers],
+        },
+    });
+    let moe = hf_moe(&raw, &name, layers, intermediate_size);
     let activation = raw
         .hidden_activation
         .as_deref()
@@ -123,14 +155,17 @@ pub fn from_hf_json(path: &Path) -> Result<ModelConfig> {
         arch,
         vocab_size: raw.vocab_size,
         hidden_size: raw.hidden_size,
-        intermediate_size: raw.intermediate_size,
+        intermediate_size,
         num_layers: raw.num_hidden_layers,
         num_heads: heads,
         num_kv_heads: raw.num_key_value_heads.unwrap_or(heads),
         head_dim,
-        rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-6),
+        rms_norm_eps: raw.rms_norm_eps.or(raw.norm_eps).unwrap_or(1e-6),
         rope,
-        tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(arch.is_gemma()),
+        tie_word_embeddings: raw
+            .tie_word_embeddings
+            .or(raw.tie_embedding)
+            .unwrap_or(arch.is_gemma() || arch == Arch::Lfm2),
         sliding_window,
         sliding_layers,
         rope_local,
@@ -138,6 +173,7 @@ pub fn from_hf_json(path: &Path) -> Result<ModelConfig> {
         attn_logit_softcap: raw.attn_logit_softcapping.filter(|_| arch == Arch::Gemma2),
         final_logit_softcap: raw.final_logit_softcapping.filter(|_| arch.is_gemma()),
         moe,
+        conv,
         max_position_embeddings: max_positions,
     };
     cfg.validate(path)?;
@@ -146,12 +182,12 @@ pub fn from_hf_json(path: &Path) -> Result<ModelConfig> {
 
 /// Mixtral's experts (every layer, renormalised) or Qwen3-MoE's (every `decoder_sparse_step`-th
 /// layer not in `mlp_only_layers`, renormalised with `norm_topk_prob`).
-fn hf_moe(raw: &HfConfig, name: &str, layers: usize) -> Option<MoeConfig> {
+fn hf_moe(raw: &HfConfig, name: &str, layers: usize, dense_size: usize) -> Option<MoeConfig> {
     match name {
         "mixtral" | "MixtralForCausalLM" => Some(MoeConfig {
             experts: raw.num_local_experts.unwrap_or(8),
             experts_per_token: raw.num_experts_per_tok.unwrap_or(2),
-            expert_size: raw.intermediate_size,
+            expert_size: dense_size,
             renormalize: true,
             sparse_layers: vec![true; layers],
             shared_expert: None,
@@ -176,6 +212,18 @@ fn hf_moe(raw: &HfConfig, name: &str, layers: usize) -> Option<MoeConfig> {
         }
         _ => None,
     }
+}
+
+/// LFM2's MLP width: with `block_auto_adjust_ff_dim` (its default), two thirds of the stated
+/// size, times `block_ffn_dim_multiplier` (1), rounded up to a multiple of `block_multiple_of`
+/// (256).
+fn lfm2_mlp_width(raw: &HfConfig, stated: usize) -> usize {
+    if !raw.block_auto_adjust_ff_dim.unwrap_or(true) {
+        return stated;
+    }
+    let scaled = (raw.block_ffn_dim_multiplier.unwrap_or(1.0) * (2 * stated / 3) as f32) as usize;
+    let multiple = raw.block_multiple_of.unwrap_or(256).max(1);
+    scaled.div_ceil(multiple) * multiple
 }
 
 /// The ropes of a Hugging Face config: transformers 5's `rope_parameters` (base, type and

@@ -31,6 +31,9 @@ pub enum Arch {
     /// Gemma 3 text: Gemma 2's layer without soft-capping, with q/k norms, five sliding layers
     /// (their own rope base) to one global.
     Gemma3,
+    /// LFM2: short gated convolutions in most layers ([`ConvConfig`]), grouped-query attention
+    /// with q/k norms in the others.
+    Lfm2,
 }
 
 impl Arch {
@@ -55,6 +58,19 @@ pub struct MoeConfig {
     /// A shared expert every token runs beside its k, this wide, its output scaled by a sigmoid
     /// gate of its own (Qwen2-MoE).
     pub shared_expert: Option<usize>,
+}
+
+/// Layers that mix positions by a short causal convolution instead of attention (LFM2): the
+/// layer's input projected to B, C and x, `C * conv(B * x)` over the last `kernel` positions,
+/// one filter per channel. Such a layer keeps the last `kernel - 1` inputs of its convolution
+/// per sequence, not keys and values.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConvConfig {
+    pub kernel: usize,
+    /// The projections and the convolution carry biases.
+    pub bias: bool,
+    /// Which layers convolve (one entry a layer).
+    pub layers: Vec<bool>,
 }
 
 #[derive(Debug, Clone)]
@@ -83,6 +99,8 @@ pub struct ModelConfig {
     pub final_logit_softcap: Option<f32>,
     /// Mixture-of-experts layers (Mixtral, Qwen3-MoE).
     pub moe: Option<MoeConfig>,
+    /// Convolution layers (LFM2).
+    pub conv: Option<ConvConfig>,
     pub max_position_embeddings: usize,
 }
 
@@ -93,9 +111,37 @@ impl ModelConfig {
             .filter(|_| self.sliding_layers.get(layer).copied().unwrap_or(false))
     }
 
+    /// Whether every layer's cache can rewind and be cut back to a prefix: no layer slides and
+    /// none keeps a recurrent state. Such a model decodes in batches and pads chunks to a grid.
+    pub fn caches_rewind(&self) -> bool {
+        !self.any_sliding() && !self.recurrent()
+    }
+
     /// Whether any layer slides (its caches cannot rewind, and it decodes per sequence).
     pub fn any_sliding(&self) -> bool {
         self.sliding_window.is_some() && self.sliding_layers.iter().any(|&s| s)
+    }
+
+    /// Whether layer `layer` convolves instead of attending.
+    pub fn conv_layer(&self, layer: usize) -> bool {
+        self.conv
+            .as_ref()
+            .is_some_and(|c| c.layers.get(layer).copied().unwrap_or(false))
+    }
+
+    /// Whether some layer keeps a recurrent state instead of keys and values (a state that
+    /// cannot be cut back to a shorter prefix, nor rewound).
+    pub fn recurrent(&self) -> bool {
+        self.conv
+            .as_ref()
+            .is_some_and(|c| c.layers.iter().any(|&l| l))
+    }
+
+    /// Layers that attend (and hold keys and values).
+    pub fn attention_layers(&self) -> usize {
+        (0..self.num_layers)
+            .filter(|&i| !self.conv_layer(i))
+            .count()
     }
 
     /// A layer's rope.
@@ -146,6 +192,16 @@ impl ModelConfig {
                 return bad(format!(
                     "{} expert layer flags for {} layers",
                     m.sparse_layers.len(),
+                    self.num_layers
+                ));
+            }
+        }
+        if let Some(c) = &self.conv {
+            if c.kernel == 0 || c.layers.len() != self.num_layers {
+                return bad(format!(
+                    "a convolution of {} positions with {} layer flags for {} layers",
+                    c.kernel,
+                    c.layers.len(),
                     self.num_layers
                 ));
             }

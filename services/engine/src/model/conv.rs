@@ -1,0 +1,117 @@
+//! LFM2's short gated convolution, the mixer of its layers that do not attend: the layer's input
+//! projected to B, C and x (one projection, three parts), `y = C * conv(B * x)` where `conv` is
+//! causal over the last `kernel` positions with one filter per channel, then projected out.
+//!
+//! Its per-sequence state is the last `kernel - 1` values of `B * x`, kept by a
+//! [`ConvCache`](crate::cache::ConvCache): a chunk of any length convolves at once over that
+//! state followed by the chunk (`kernel` shifted products, not a loop over positions).
+
+use mlx_rs::ops::concatenate;
+use mlx_rs::ops::indexing::IndexOp;
+use mlx_rs::Array;
+
+use llmq_text::config::{ConvConfig, ModelConfig};
+
+use super::parts::Linear;
+use crate::cache::KvCache;
+use crate::error::Result;
+use crate::weights::Weights;
+
+pub(super) struct ShortConv {
+    /// B, C and x together: [3 hidden] outputs.
+    in_proj: Linear,
+    out_proj: Linear,
+    /// The filters as [kernel, hidden]: row j weighs the position `kernel - 1 - j` back.
+    taps: Array,
+    bias: Option<Array>,
+    hidden: i32,
+    kernel: i32,
+}
+
+impl ShortConv {
+    /// `{p}.conv.in_proj`, `{p}.conv.out_proj` and the filters `{p}.conv.conv.weight` [hidden, 1,
+    /// kernel] (with `.bias` where the config says).
+    pub(super) fn load(
+        w: &mut Weights,
+        p: &str,
+        c: &ModelConfig,
+        conv: &ConvConfig,
+    ) -> Result<Self> {
+        let h = c.hidden_size;
+        let filters = w.take(&format!("{p}.conv.conv.weight"), &[h, 1, conv.kernel])?;
+        Ok(ShortConv {
+            in_proj: Linear::load(w, &format!("{p}.conv.in_proj"), 3 * h, h, conv.bias)?,
+            out_proj: Linear::load(w, &format!("{p}.conv.out_proj"), h, h, conv.bias)?,
+            taps: filters
+                .reshape(&[h as i32, conv.kernel as i32])?
+                .t()
+                .contiguous()?,
+            bias: if conv.bias {
+                Some(w.take(&format!("{p}.conv.conv.bias"), &[h])?)
+            } else {
+                None
+            },
+            hidden: h as i32,
+            kernel: conv.kernel as i32,
+        })
+    }
+
+    pub(super) fn parameters(&self) -> Vec<&Array> {
+        let mut p = self.in_proj.parameters();
+        p.extend(self.out_proj.parameters());
+        p.push(&self.taps);
+        p.extend(self.bias.as_ref());
+        p
+    }
+
+    /// `x` [B, T, hidden]: B sequences of T new positions each, sequence i continuing from its
+    /// state in `caches[i]` (which takes the new positions' `B * x`). Returns [B, T, hidden].
+    pub(super) fn forward(
+        &self,
+        x: &Array,
+        caches: &mut [&mut (dyn KvCache + 'static)],
+    ) -> Result<Array> {
+        let (b, t, h) = (x.shape()[0], x.shape()[1], self.hidden);
+        let bcx = self.in_proj.forward(x)?;
+        let parts = bcx.split_equal(3, -1)?;
+        let (gate_in, gate_out, input) = (&parts[0], &parts[1], &parts[2]);
+        let bx = gate_in.multiply(input)?;
+        let mut outs = Vec::with_capacity(caches.len());
+        for (i, cache) in caches.iter_mut().enumerate() {
+            let rows = if b == 1 {
+                bx.clone()
+            } else {
+                let i = i as i32;
+                bx.index(i..i + 1)
+            };
+            let (window, _, _) = cache.update(&rows.reshape(&[1, 1, t, h])?, &rows)?;
+            outs.push(self.convolve(&window.reshape(&[1, -1, h])?, t)?);
+        }
+        let conv = if outs.len() == 1 {
+            outs.pop().expect("one")
+        } else {
+            concatenate(&outs, 0)?
+        };
+        self.out_proj.forward(&gate_out.multiply(&conv)?)
+    }
+
+    /// The convolution's output [1, t, hidden] for the last `t` positions of `window` [1,
+    /// kernel - 1 + t, hidden] (the state, then the new positions).
+    fn convolve(&self, window: &Array, t: i32) -> Result<Array> {
+        let mut acc: Option<Array> = None;
+        for j in 0..self.kernel {
+            let term = window
+                .index((.., j..j + t, ..))
+                .multiply(self.taps.index(j))?;
+            acc = Some(match acc {
+                Some(a) => a.add(&term)?,
+                None => term,
+            });
+        }
+        let out = acc.expect("a kernel of at least one position");
+        Ok(match &self.bias {
+            Some(b) => out.add(b)?,
+            None => out,
+        })
+    }
+}
