@@ -43,6 +43,7 @@ const MODELS: &[&str] = &[
     "tiny-phi3",
     "tiny-gemma2",
     "tiny-gemma3",
+    "tiny-lfm2",
 ];
 
 fn f32_opts() -> LoadOptions {

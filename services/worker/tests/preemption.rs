@@ -3,7 +3,8 @@
 //! starts over from its prompt and the tokens it generated; every request still gets exactly
 //! the greedy tokens it gets alone, and all KV memory comes back. With decode steps queued
 //! ahead and without, with the prefix cache (a resumed request finds what it fed the model
-//! before) and without.
+//! before) and without. The same for LFM2 (tiny-lfm2), whose convolution states restart with
+//! the sequence and are never resumed from the prefix cache.
 
 mod common;
 
@@ -35,9 +36,28 @@ fn tokens_of(events: &[Emit], id: u64) -> Vec<u32> {
         .collect()
 }
 
+fn model_path(name: &str) -> std::path::PathBuf {
+    match name {
+        "smollm2" => resolve_model(name).unwrap(),
+        fixture => std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures")
+            .join(fixture),
+    }
+}
+
 #[test]
 fn preempted_requests_resume_with_the_same_greedy_tokens() {
-    let loaded = load_model(&resolve_model("smollm2").unwrap(), Dtype::Float32).unwrap();
+    check_preemption("smollm2");
+}
+
+#[test]
+fn preempted_convolution_states_restart_with_the_same_greedy_tokens() {
+    check_preemption("tiny-lfm2");
+}
+
+fn check_preemption(name: &str) {
+    let loaded = load_model(&model_path(name), Dtype::Float32).unwrap();
+    let recurrent = loaded.model.config.recurrent();
     let tok = loaded.tokenizer.as_ref().unwrap();
     let prompts: Vec<Vec<u32>> = [
         "Count from one to twenty in words.",
@@ -59,7 +79,7 @@ fn preempted_requests_resume_with_the_same_greedy_tokens() {
     let blocks = longest.div_ceil(BLOCK) + 1;
     for (ahead, prefix) in [(true, false), (false, false), (true, true), (false, true)] {
         actix::System::new().block_on(async {
-            let fresh = load_model(&resolve_model("smollm2").unwrap(), Dtype::Float32).unwrap();
+            let fresh = load_model(&model_path(name), Dtype::Float32).unwrap();
             let opts = RoleOptions {
                 decode_ahead: ahead,
                 prefix: prefix.then_some(PrefixOptions {
@@ -100,7 +120,7 @@ fn preempted_requests_resume_with_the_same_greedy_tokens() {
                 s.pool().check().unwrap();
             }
             assert!(s.is_idle());
-            let case = format!("decode_ahead {ahead}, prefix cache {prefix}");
+            let case = format!("{name}: decode_ahead {ahead}, prefix cache {prefix}");
             assert!(s.preemptions() > 0, "{case}: the pool ran out");
             for (i, want) in alone.iter().enumerate() {
                 let id = i as u64;
@@ -120,12 +140,17 @@ fn preempted_requests_resume_with_the_same_greedy_tokens() {
                 .collect();
             assert_eq!(done, vec![0, 1, 2], "{case}");
             assert_eq!(engine.held(), 0, "{case}");
-            // Only the prefix cache's entries are left (the KV requests fed the model).
+            // Only the prefix cache's entries are left (the KV requests fed the model; none
+            // for a model with convolution states, which cannot be resumed from a prefix).
             let cached = engine.prefix_stats().held_bytes;
-            assert_eq!(cached > 0, prefix, "{case}");
+            assert_eq!(cached > 0, prefix && !recurrent, "{case}");
             // A resumed request starts from what it fed the model before (the prompts share
             // nothing else).
-            assert_eq!(engine.prefix_stats().reused_tokens > 0, prefix, "{case}");
+            assert_eq!(
+                engine.prefix_stats().reused_tokens > 0,
+                prefix && !recurrent,
+                "{case}"
+            );
             assert_eq!(engine.kv_bytes_in_use(), cached, "{case}");
             assert_eq!(s.held_kv_bytes(), 0, "{case}");
         });

@@ -340,6 +340,29 @@ fn sliding_window_prefixes_are_reused_only_before_the_window_wraps() {
     }
 }
 
+/// LFM2's convolution layers keep a state that cannot be cut back to a shorter prefix: its
+/// prompts are never reused from the prefix cache (nothing is remembered), and a prompt that
+/// extends an earlier one gets the tokens it gets alone, in chunks of every size.
+#[test]
+fn convolution_states_are_never_resumed_from_a_prefix() {
+    let model = tiny("tiny-lfm2");
+    assert!(model.config.recurrent());
+    let first = prompt(11, 20);
+    let (after, want_after) = pick(&model, |s| [&first[..], &prompt(s, 6)].concat());
+    let want_first = alone(&model, &first);
+    for chunk in [1, 5, 64] {
+        let mut rig = Rig::new(tiny("tiny-lfm2"), 100_000, chunk);
+        let a = rig.submit(&first, None);
+        rig.run();
+        let b = rig.submit(&after, None);
+        rig.run();
+        assert_eq!(rig.tokens(a), want_first, "chunk {chunk}");
+        assert_eq!(rig.tokens(b), want_after, "chunk {chunk}");
+        assert_eq!(rig.cached(b), 0, "chunk {chunk}");
+        rig.check_memory_returns();
+    }
+}
+
 #[test]
 fn salts_keep_prefixes_apart() {
     let model = tiny("tiny-llama");
