@@ -1,5 +1,6 @@
-//! Random-weight models of known shapes ([`llmq_text::shapes`]): Llama's, and Qwen3-MoE's for
-//! the mixture-of-experts shapes, for speed measurements that need no files.
+//! Random-weight models of known shapes ([`llmq_text::shapes`]): Llama's, Qwen3-MoE's for the
+//! mixture-of-experts shapes and LFM2's for its shapes, for speed measurements that need no
+//! files.
 
 use llmq_text::shapes::config;
 use mlx_rs::random;
@@ -33,34 +34,42 @@ pub fn random_model(name: &str, opts: impl Into<LoadOptions>, seed: u64) -> Resu
         "model.embed_tokens.weight".into(),
         &[c.vocab_size, c.hidden_size],
     )?;
+    let names = crate::arch::options(c.arch).names;
     for i in 0..c.num_layers {
         let p = format!("model.layers.{i}");
         let (h, f, d) = (c.hidden_size, c.intermediate_size, c.head_dim);
-        add(&mut w, format!("{p}.input_layernorm.weight"), &[h])?;
-        add(&mut w, format!("{p}.post_attention_layernorm.weight"), &[h])?;
-        add(
-            &mut w,
-            format!("{p}.self_attn.q_proj.weight"),
-            &[c.num_heads * d, h],
-        )?;
-        add(
-            &mut w,
-            format!("{p}.self_attn.k_proj.weight"),
-            &[c.num_kv_heads * d, h],
-        )?;
-        add(
-            &mut w,
-            format!("{p}.self_attn.v_proj.weight"),
-            &[c.num_kv_heads * d, h],
-        )?;
-        add(
-            &mut w,
-            format!("{p}.self_attn.o_proj.weight"),
-            &[h, c.num_heads * d],
-        )?;
-        if crate::arch::options(c.arch).qk_norm {
-            add(&mut w, format!("{p}.self_attn.q_norm.weight"), &[d])?;
-            add(&mut w, format!("{p}.self_attn.k_norm.weight"), &[d])?;
+        add(&mut w, format!("{p}.{}.weight", names.input_norm), &[h])?;
+        add(&mut w, format!("{p}.{}.weight", names.mlp_norm), &[h])?;
+        if let Some(conv) = c.conv.as_ref().filter(|_| c.conv_layer(i)) {
+            add(&mut w, format!("{p}.conv.in_proj.weight"), &[3 * h, h])?;
+            add(&mut w, format!("{p}.conv.out_proj.weight"), &[h, h])?;
+            add(
+                &mut w,
+                format!("{p}.conv.conv.weight"),
+                &[h, 1, conv.kernel],
+            )?;
+        } else {
+            let a = format!("{p}.self_attn");
+            add(&mut w, format!("{a}.q_proj.weight"), &[c.num_heads * d, h])?;
+            add(
+                &mut w,
+                format!("{a}.k_proj.weight"),
+                &[c.num_kv_heads * d, h],
+            )?;
+            add(
+                &mut w,
+                format!("{a}.v_proj.weight"),
+                &[c.num_kv_heads * d, h],
+            )?;
+            add(
+                &mut w,
+                format!("{a}.{}.weight", names.attn_out),
+                &[h, c.num_heads * d],
+            )?;
+            if crate::arch::options(c.arch).qk_norm {
+                add(&mut w, format!("{a}.{}.weight", names.q_norm), &[d])?;
+                add(&mut w, format!("{a}.{}.weight", names.k_norm), &[d])?;
+            }
         }
         match &c.moe {
             Some(m) => {
@@ -84,13 +93,14 @@ pub fn random_model(name: &str, opts: impl Into<LoadOptions>, seed: u64) -> Resu
                 }
             }
             None => {
-                add(&mut w, format!("{p}.mlp.gate_proj.weight"), &[f, h])?;
-                add(&mut w, format!("{p}.mlp.up_proj.weight"), &[f, h])?;
-                add(&mut w, format!("{p}.mlp.down_proj.weight"), &[h, f])?;
+                let m = format!("{p}.{}", names.mlp);
+                add(&mut w, format!("{m}.{}.weight", names.gate), &[f, h])?;
+                add(&mut w, format!("{m}.{}.weight", names.up), &[f, h])?;
+                add(&mut w, format!("{m}.{}.weight", names.down), &[h, f])?;
             }
         }
     }
-    add(&mut w, "model.norm.weight".into(), &[c.hidden_size])?;
+    add(&mut w, names.final_norm.into(), &[c.hidden_size])?;
     if !c.tie_word_embeddings {
         add(
             &mut w,

@@ -1,7 +1,7 @@
 //! The shapes of random-weight models, for speed measurements that need no files. They match
 //! lab/peer/peer_mlx_lm.py, so figures compare like for like.
 
-use crate::config::{Arch, ModelConfig, MoeConfig};
+use crate::config::{Arch, ConvConfig, ModelConfig, MoeConfig};
 use crate::error::{Error, Result};
 use crate::rope::RopeConfig;
 
@@ -20,6 +20,8 @@ struct Shape {
     tied: bool,
     /// Qwen3-MoE layers (q/k norms, renormalised top-k).
     experts: Option<Experts>,
+    /// LFM2: the layers that attend; every other one is a short convolution (3 positions).
+    attention_layers: Option<&'static [usize]>,
 }
 
 /// A mixture of experts' shape: experts per layer, experts a token runs, an expert's width.
@@ -42,6 +44,7 @@ const SHAPES: &[Shape] = &[
         vocab: 4096,
         tied: true,
         experts: None,
+        attention_layers: None,
     },
     Shape {
         name: "smollm2",
@@ -55,6 +58,7 @@ const SHAPES: &[Shape] = &[
         vocab: 49152,
         tied: true,
         experts: None,
+        attention_layers: None,
     },
     Shape {
         name: "1b",
@@ -68,6 +72,7 @@ const SHAPES: &[Shape] = &[
         vocab: 128256,
         tied: true,
         experts: None,
+        attention_layers: None,
     },
     Shape {
         name: "8b",
@@ -81,6 +86,7 @@ const SHAPES: &[Shape] = &[
         vocab: 128256,
         tied: false,
         experts: None,
+        attention_layers: None,
     },
     Shape {
         name: "tiny-moe",
@@ -98,6 +104,7 @@ const SHAPES: &[Shape] = &[
             active: 2,
             width: 128,
         }),
+        attention_layers: None,
     },
     // Qwen3-30B-A3B
     Shape {
@@ -116,6 +123,38 @@ const SHAPES: &[Shape] = &[
             active: 8,
             width: 768,
         }),
+        attention_layers: None,
+    },
+    // LFM2 as the peer builds it: the MLP's stated 768 is 512 after LFM2's adjustment.
+    Shape {
+        name: "tiny-lfm2",
+        vocabulary: None,
+        hidden: 256,
+        layers: 4,
+        intermediate: 512,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 64,
+        vocab: 4096,
+        tied: true,
+        experts: None,
+        attention_layers: Some(&[2]),
+    },
+    // LiquidAI's LFM2-1.2B: 10 convolution layers and 6 attention layers, the MLP's stated
+    // 12288 adjusted to 8192.
+    Shape {
+        name: "lfm2",
+        vocabulary: None,
+        hidden: 2048,
+        layers: 16,
+        intermediate: 8192,
+        heads: 32,
+        kv_heads: 8,
+        head_dim: 64,
+        vocab: 65536,
+        tied: true,
+        experts: None,
+        attention_layers: Some(&[2, 5, 8, 10, 12, 14]),
     },
 ];
 
@@ -159,11 +198,16 @@ pub fn config(name: &str) -> Result<ModelConfig> {
         sparse_layers: vec![true; s.layers],
         shared_expert: None,
     });
+    let conv = s.attention_layers.map(|attn| ConvConfig {
+        kernel: 3,
+        bias: false,
+        layers: (0..s.layers).map(|i| !attn.contains(&i)).collect(),
+    });
     Ok(ModelConfig {
-        arch: if moe.is_some() {
-            Arch::Qwen3
-        } else {
-            Arch::Llama
+        arch: match (&moe, &conv) {
+            (Some(_), _) => Arch::Qwen3,
+            (_, Some(_)) => Arch::Lfm2,
+            _ => Arch::Llama,
         },
         vocab_size: s.vocab,
         hidden_size: s.hidden,
@@ -174,7 +218,7 @@ pub fn config(name: &str) -> Result<ModelConfig> {
         head_dim: s.head_dim,
         rms_norm_eps: 1e-5,
         rope: RopeConfig::plain(
-            if moe.is_some() {
+            if moe.is_some() || conv.is_some() {
                 1_000_000.0
             } else {
                 500_000.0
@@ -189,7 +233,7 @@ pub fn config(name: &str) -> Result<ModelConfig> {
         attn_logit_softcap: None,
         final_logit_softcap: None,
         moe,
-        conv: None,
+        conv,
         max_position_embeddings: 131072,
     })
 }
