@@ -10,6 +10,10 @@
 //! computed and ignored. With no sequence left, the buffers are freed. A batch of long rows
 //! (one that attends row by row) starts at one row: its first sequence's KV, with room to
 //! grow, becomes its buffers (nothing else is allocated, zeroed or copied for it).
+//!
+//! A convolution layer (LFM2) holds each row's convolution state instead of keys and values:
+//! [slots, 1, kernel - 1, hidden] (its pair's second array is the same one), which grows in
+//! rows only and which a step replaces whole (every row's state shifted by one input).
 
 use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
 use mlx_rs::ops::{broadcast_to, concatenate, zeros_dtype};
@@ -36,6 +40,9 @@ pub struct DecodeBatch {
     head_dim: i32,
     dtype: Dtype,
     num_layers: usize,
+    /// Per layer, for a convolution layer: the positions its state keeps (kernel - 1) and its
+    /// width.
+    conv: Vec<Option<(i32, i32)>>,
     /// While the batch has at most this many rows, they attend row by row over each row's own
     /// length (no mask, MLX's fused vector kernel) instead of in one masked attention over every
     /// row's whole capacity, which MLX runs unfused and which is slow for long rows. 0: never.
@@ -43,7 +50,15 @@ pub struct DecodeBatch {
 }
 
 impl DecodeBatch {
-    pub(crate) fn new(num_layers: usize, kv_heads: usize, head_dim: usize, dtype: Dtype) -> Self {
+    /// `conv`: per layer, the positions a convolution layer's state keeps and its width (None
+    /// for an attention layer); empty when every layer attends.
+    pub(crate) fn new(
+        num_layers: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        dtype: Dtype,
+        conv: Vec<Option<(i32, i32)>>,
+    ) -> Self {
         DecodeBatch {
             layers: vec![],
             lens: vec![],
@@ -53,8 +68,18 @@ impl DecodeBatch {
             head_dim: head_dim as i32,
             dtype,
             num_layers,
+            conv: if conv.is_empty() {
+                vec![None; num_layers]
+            } else {
+                conv
+            },
             per_row_up_to: 0,
         }
+    }
+
+    /// Whether layer `l` keeps convolution states.
+    fn is_conv(&self, l: usize) -> bool {
+        self.conv.get(l).is_some_and(Option::is_some)
     }
 
     /// Rows attend one by one while there are at most `rows` of them (see `per_row_up_to`).
@@ -92,7 +117,8 @@ impl DecodeBatch {
     pub fn nbytes(&self) -> usize {
         self.layers
             .iter()
-            .map(|(k, v)| k.nbytes() + v.nbytes())
+            .enumerate()
+            .map(|(l, (k, v))| k.nbytes() + if self.is_conv(l) { 0 } else { v.nbytes() })
             .sum()
     }
 
@@ -101,6 +127,26 @@ impl DecodeBatch {
             &[slots as i32, self.kv_heads, capacity as i32, self.head_dim],
             self.dtype,
         )?)
+    }
+
+    /// Layer `l`'s zeros for `slots` rows of `capacity` positions (a convolution layer's: its
+    /// state's positions, whatever the capacity).
+    fn zeros_of(&self, l: usize, slots: usize, capacity: usize) -> Result<Array> {
+        match self.conv.get(l).copied().flatten() {
+            Some((keep, width)) => Ok(zeros_dtype(&[slots as i32, 1, keep, width], self.dtype)?),
+            None => self.zeros(slots, capacity),
+        }
+    }
+
+    /// A new layer pair of zeros (a convolution layer's two arrays are one).
+    fn zero_pair(&self, l: usize, slots: usize, capacity: usize) -> Result<(Array, Array)> {
+        let k = self.zeros_of(l, slots, capacity)?;
+        let v = if self.is_conv(l) {
+            k.clone()
+        } else {
+            self.zeros_of(l, slots, capacity)?
+        };
+        Ok((k, v))
     }
 
     /// Evaluates the buffers (for timing what a join costs).
@@ -128,27 +174,34 @@ impl DecodeBatch {
             return Ok(());
         }
         if self.layers.is_empty() {
-            for _ in 0..self.num_layers {
-                self.layers
-                    .push((self.zeros(slots, capacity)?, self.zeros(slots, capacity)?));
+            for l in 0..self.num_layers {
+                let pair = self.zero_pair(l, slots, capacity)?;
+                self.layers.push(pair);
             }
         } else {
             let (old_slots, old_cap) = (self.slots, self.capacity);
             let grown: Result<Vec<(Array, Array)>> = self
                 .layers
                 .iter()
-                .map(|(k, v)| {
+                .enumerate()
+                .map(|(l, (k, v))| {
+                    let conv = self.is_conv(l);
                     let grow = |a: &Array| -> Result<Array> {
                         let mut a = a.clone();
-                        if capacity > old_cap {
+                        if capacity > old_cap && !conv {
                             a = concatenate(&[a, self.zeros(old_slots, capacity - old_cap)?], 2)?;
                         }
                         if slots > old_slots {
-                            a = concatenate(&[a, self.zeros(slots - old_slots, capacity)?], 0)?;
+                            a = concatenate(
+                                &[a, self.zeros_of(l, slots - old_slots, capacity)?],
+                                0,
+                            )?;
                         }
                         Ok(a)
                     };
-                    Ok((grow(k)?, grow(v)?))
+                    let k = grow(k)?;
+                    let v = if conv { k.clone() } else { grow(v)? };
+                    Ok((k, v))
                 })
                 .collect();
             self.layers = grown?;
@@ -162,6 +215,23 @@ impl DecodeBatch {
     pub fn join(&mut self, cache: &SequenceCache) -> Result<usize> {
         let len = cache.offset();
         let row = self.lens.len();
+        // A convolution layer's row is the sequence's state (zeros before its first input).
+        let states: Vec<Option<Array>> = (0..self.num_layers)
+            .map(|l| {
+                if !self.is_conv(l) {
+                    return Ok(None);
+                }
+                Ok(Some(match cache.state(l) {
+                    Some(s) => s,
+                    None => self.zeros_of(l, 1, 0)?,
+                }))
+            })
+            .collect::<Result<_>>()?;
+        let state = |l: usize| -> Result<Array> {
+            states[l]
+                .clone()
+                .ok_or_else(|| EngineError::InvalidRequest(format!("layer {l} has no state")))
+        };
         let contents = |l: usize| {
             cache.contents(l).ok_or_else(|| {
                 EngineError::InvalidRequest(
@@ -185,6 +255,10 @@ impl DecodeBatch {
             let room = self.zeros(1, capacity - len)?;
             self.layers = (0..self.num_layers)
                 .map(|l| {
+                    if self.is_conv(l) {
+                        let s = state(l)?;
+                        return Ok((s.clone(), s));
+                    }
                     let (ck, cv) = contents(l)?;
                     Ok((
                         concatenate(&[&ck, &room], 2)?,
@@ -198,8 +272,16 @@ impl DecodeBatch {
         }
         self.reserve(row + 1, len + 1)?;
         let r = row as i32;
-        for (l, (k, v)) in self.layers.iter_mut().enumerate() {
+        for l in 0..self.num_layers {
+            if self.is_conv(l) {
+                let s = state(l)?;
+                let (k, _) = &mut self.layers[l];
+                k.try_index_mut((r..r + 1, .., .., ..), &s)?;
+                self.layers[l].1 = self.layers[l].0.clone();
+                continue;
+            }
             let (ck, cv) = contents(l)?;
+            let (k, v) = &mut self.layers[l];
             k.try_index_mut((r..r + 1, .., 0..len as i32, ..), &ck)?;
             v.try_index_mut((r..r + 1, .., 0..len as i32, ..), &cv)?;
         }
@@ -207,8 +289,12 @@ impl DecodeBatch {
         Ok(row)
     }
 
-    /// Row `row`'s keys and values per layer, [1, kv_heads, len, head_dim] (lazy views).
+    /// Row `row`'s keys and values per layer, [1, kv_heads, len, head_dim] (lazy views); None
+    /// when some layer keeps convolution states (they cannot be cut back to a prefix).
     pub fn row_contents(&self, row: usize) -> Option<Vec<(Array, Array)>> {
+        if self.conv.iter().any(Option::is_some) {
+            return None;
+        }
         let len = *self.lens.get(row)? as i32;
         let r = row as i32;
         Some(
@@ -240,10 +326,14 @@ impl DecodeBatch {
         }
         let moved = if row != last {
             let (r, e) = (row as i32, last as i32);
-            for (k, v) in self.layers.iter_mut() {
+            for (l, (k, v)) in self.layers.iter_mut().enumerate() {
                 let lk = k.index((e..e + 1, .., .., ..));
-                let lv = v.index((e..e + 1, .., .., ..));
                 k.try_index_mut((r..r + 1, .., .., ..), &lk)?;
+                if self.conv.get(l).is_some_and(Option::is_some) {
+                    *v = k.clone();
+                    continue;
+                }
+                let lv = v.index((e..e + 1, .., .., ..));
                 v.try_index_mut((r..r + 1, .., .., ..), &lv)?;
             }
             self.lens[row] = self.lens[last];

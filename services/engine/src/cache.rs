@@ -44,6 +44,11 @@ pub trait KvCache: Send {
     /// The keys and values of the last `n` positions written [1, kv_heads, n, head_dim], when
     /// this cache still keeps them (a sliding window keeps its last `window - 1`).
     fn last(&self, n: usize) -> Option<(Array, Array)>;
+    /// A recurrent layer's state as the decode batch keeps a row of it ([1, 1, kernel - 1,
+    /// hidden] for a convolution), None for keys and values or before any input.
+    fn state(&self) -> Option<Array> {
+        None
+    }
     /// The whole buffers [1, kv_heads, capacity, head_dim] whose first `offset` positions are
     /// written, when this cache keeps positions in order in such buffers (what llmq's CPU
     /// attention reads).
@@ -342,6 +347,20 @@ impl KvCache for ConvCache {
     fn last(&self, _n: usize) -> Option<(Array, Array)> {
         None
     }
+
+    fn state(&self) -> Option<Array> {
+        self.state.clone()
+    }
+
+    /// Only by nothing: the inputs a state has shifted out are gone.
+    fn rewind(&mut self, n: usize) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        Err(crate::EngineError::InvalidRequest(
+            "a convolution's state cannot rewind".into(),
+        ))
+    }
 }
 
 /// One sequence's caches, one per layer.
@@ -399,6 +418,10 @@ impl SequenceCache {
             .collect();
         mlx_rs::transforms::async_eval(written.iter())?;
         Ok(())
+    }
+    /// Layer `l`'s recurrent state (see [`KvCache::state`]).
+    pub fn state(&self, l: usize) -> Option<Array> {
+        self.layers.get(l)?.state()
     }
     /// Layer `l`'s keys and values for every position, if this cache keeps them all.
     pub fn contents(&self, l: usize) -> Option<(Array, Array)> {

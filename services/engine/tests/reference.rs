@@ -30,7 +30,8 @@ const MODELS: &[&str] = &[
     "tiny-gemma3",
     "tiny-lfm2",
 ];
-/// Without a sliding window: these decode in batches and pad chunks to a grid.
+/// Without a sliding window: these decode in batches and (but LFM2, whose convolution states
+/// cannot rewind) pad chunks to a grid.
 const FULL_ATTENTION: &[&str] = &[
     "tiny-llama",
     "tiny-qwen2",
@@ -43,6 +44,7 @@ const FULL_ATTENTION: &[&str] = &[
     "tiny-llama-dynamic",
     "tiny-qwen2-yarn",
     "tiny-phi3",
+    "tiny-lfm2",
 ];
 /// Rotary scaling past the original context in the longer cases: llama3 (bf16), yarn, and the
 /// position-dependent dynamic and longrope (with partial rotation).

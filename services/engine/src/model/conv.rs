@@ -12,6 +12,7 @@ use mlx_rs::Array;
 
 use llmq_text::config::{ConvConfig, ModelConfig};
 
+use super::attention::GroupStep;
 use super::parts::Linear;
 use crate::cache::KvCache;
 use crate::error::Result;
@@ -95,7 +96,48 @@ impl ShortConv {
         self.out_proj.forward(&gate_out.multiply(&conv)?)
     }
 
-    /// The convolution's output [1, t, hidden] for the last `t` positions of `window` [1,
+    /// A step's rows `x` [n, 1, hidden]: every group's slots, each continuing its row's state in
+    /// the group's layer `layer` (replaced by the state shifted by the row's input), then, with
+    /// `chunk`, the last `t` rows are a prefill chunk continuing its sequence's state. Returns
+    /// [n, 1, hidden].
+    pub(super) fn forward_rows(
+        &self,
+        x: &Array,
+        layer: usize,
+        groups: &mut [GroupStep<'_>],
+        chunk: Option<(&mut (dyn KvCache + 'static), i32)>,
+    ) -> Result<Array> {
+        let (n, h) = (x.shape()[0], self.hidden);
+        let bcx = self.in_proj.forward(x)?;
+        let parts = bcx.split_equal(3, -1)?;
+        let (gate_in, gate_out, input) = (&parts[0], &parts[1], &parts[2]);
+        let bx = gate_in.multiply(input)?;
+        let mut outs = Vec::with_capacity(groups.len() + 1);
+        for g in groups.iter_mut() {
+            let rows = bx
+                .index(g.offset..g.offset + g.slots)
+                .reshape(&[g.slots, 1, 1, h])?;
+            let state = &mut g.kv[layer];
+            let window = concatenate(&[&state.0, &rows], 2)?;
+            outs.push(self.convolve(&window.reshape(&[g.slots, self.kernel, h])?, 1)?);
+            let shifted = window.index((.., .., 1.., ..));
+            *state = (shifted.clone(), shifted);
+        }
+        if let Some((cache, t)) = chunk {
+            let rows = bx.index(n - t..).reshape(&[1, 1, t, h])?;
+            let (window, _, _) = cache.update(&rows, &rows)?;
+            let out = self.convolve(&window.reshape(&[1, -1, h])?, t)?;
+            outs.push(out.reshape(&[t, 1, h])?);
+        }
+        let conv = if outs.len() == 1 {
+            outs.pop().expect("one")
+        } else {
+            concatenate(&outs, 0)?
+        };
+        self.out_proj.forward(&gate_out.multiply(&conv)?)
+    }
+
+    /// The convolution's output [rows, t, hidden] for the last `t` positions of `window` [rows,
     /// kernel - 1 + t, hidden] (the state, then the new positions).
     fn convolve(&self, window: &Array, t: i32) -> Result<Array> {
         let mut acc: Option<Array> = None;

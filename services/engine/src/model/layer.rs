@@ -12,7 +12,7 @@ use super::conv::ShortConv;
 use super::moe::Experts;
 use super::parts::{norm_weight, Mlp};
 use crate::arch::ArchOptions;
-use crate::error::{EngineError, Result};
+use crate::error::Result;
 use crate::weights::Weights;
 
 /// A layer's feed-forward part: one MLP, or experts chosen per token.
@@ -136,16 +136,6 @@ impl Layer {
         p
     }
 
-    /// The layer's attention, for the paths that only attention layers take (a decode batch's
-    /// step: models with convolution layers decode per sequence).
-    pub(super) fn attention(&self) -> Result<&Attention> {
-        match &self.mixer {
-            Mixer::Attention(a) => Ok(a),
-            Mixer::Conv(_) => Err(EngineError::InvalidRequest(
-                "a convolution layer in a decode batch's step".into(),
-            )),
-        }
-    }
     /// `x` plus the attention's output `h` (normed first where the arch says).
     pub(super) fn add_attention(&self, x: &Array, h: Array, eps: f32) -> Result<Array> {
         let h = match &self.attn_out_norm {

@@ -322,13 +322,21 @@ impl Model {
         Ok(SequenceCache { layers })
     }
 
-    /// An empty decode batch for this model, or None for sliding-window and convolution models
-    /// (their caches decode per sequence) and soft-capped attention (which the batch's kernels
-    /// do not compute).
+    /// An empty decode batch for this model (a convolution layer's rows hold its states), or
+    /// None for sliding-window models (their caches decode per sequence) and soft-capped
+    /// attention (which the batch's kernels do not compute).
     pub fn new_decode_batch(&self) -> Option<DecodeBatch> {
         let c = &self.config;
-        (c.caches_rewind() && c.attn_logit_softcap.is_none())
-            .then(|| DecodeBatch::new(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype))
+        let conv = (0..c.num_layers)
+            .map(|l| {
+                c.conv
+                    .as_ref()
+                    .filter(|_| c.conv_layer(l))
+                    .map(|k| (k.kernel as i32 - 1, c.hidden_size as i32))
+            })
+            .collect();
+        (!c.any_sliding() && c.attn_logit_softcap.is_none())
+            .then(|| DecodeBatch::new(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, conv))
     }
 
     /// One decode step for every sequence of the batch: `tokens[i]` is row i's next input.

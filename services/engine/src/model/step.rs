@@ -9,6 +9,7 @@ use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::{Array, Dtype};
 
 use super::attention::{GroupAttention, GroupStep, RowStep};
+use super::layer::Mixer;
 use super::rope::{Layout, Rotation};
 use super::{ChunkStage, Model};
 use crate::batch::DecodeBatch;
@@ -87,14 +88,13 @@ impl Model {
             }
             .get(layer.rope)
             .expect("built for these layers");
-            let h = layer.attention()?.forward_grouped(
-                &rms_norm(&x, Some(&layer.input_norm), eps)?,
-                li,
-                &mut steps,
-                rows_step.as_ref(),
-                rotation,
-                part,
-            )?;
+            let normed = rms_norm(&x, Some(&layer.input_norm), eps)?;
+            let h = match &layer.mixer {
+                Mixer::Attention(a) => {
+                    a.forward_grouped(&normed, li, &mut steps, rows_step.as_ref(), rotation, part)?
+                }
+                Mixer::Conv(c) => c.forward_rows(&normed, li, &mut steps, part)?,
+            };
             x = layer.add_attention(&x, h, eps)?;
             x = layer.add_mlp(&x, eps)?;
             if in_stage && li + 1 == range.end && !last_stage {
