@@ -400,6 +400,11 @@ impl SequenceCache {
                 self.layers.len()
             )));
         }
+        if self.layers.iter().any(|l| l.state().is_some()) {
+            return Err(crate::EngineError::InvalidRequest(
+                "keys and values computed elsewhere cannot continue a convolution's state".into(),
+            ));
+        }
         for (cache, (k, v)) in self.layers.iter_mut().zip(layers) {
             cache.update(k, v)?;
         }
