@@ -49,6 +49,10 @@ pub trait KvCache: Send {
     fn state(&self) -> Option<Array> {
         None
     }
+    /// Whether this cache keeps a recurrent state (which keys and values cannot continue).
+    fn recurrent(&self) -> bool {
+        false
+    }
     /// The whole buffers [1, kv_heads, capacity, head_dim] whose first `offset` positions are
     /// written, when this cache keeps positions in order in such buffers (what llmq's CPU
     /// attention reads).
@@ -352,6 +356,10 @@ impl KvCache for ConvCache {
         self.state.clone()
     }
 
+    fn recurrent(&self) -> bool {
+        true
+    }
+
     /// Only by nothing: the inputs a state has shifted out are gone.
     fn rewind(&mut self, n: usize) -> Result<()> {
         if n == 0 {
@@ -400,7 +408,7 @@ impl SequenceCache {
                 self.layers.len()
             )));
         }
-        if self.layers.iter().any(|l| l.state().is_some()) {
+        if self.layers.iter().any(|l| l.recurrent()) {
             return Err(crate::EngineError::InvalidRequest(
                 "keys and values computed elsewhere cannot continue a convolution's state".into(),
             ));

@@ -73,10 +73,7 @@ impl ShortConv {
         caches: &mut [&mut (dyn KvCache + 'static)],
     ) -> Result<Array> {
         let (b, t, h) = (x.shape()[0], x.shape()[1], self.hidden);
-        let bcx = self.in_proj.forward(x)?;
-        let parts = bcx.split_equal(3, -1)?;
-        let (gate_in, gate_out, input) = (&parts[0], &parts[1], &parts[2]);
-        let bx = gate_in.multiply(input)?;
+        let (bx, gate_out) = self.gated_input(x)?;
         let mut outs = Vec::with_capacity(caches.len());
         for (i, cache) in caches.iter_mut().enumerate() {
             let rows = if b == 1 {
@@ -88,6 +85,18 @@ impl ShortConv {
             let (window, _, _) = cache.update(&rows.reshape(&[1, 1, t, h])?, &rows)?;
             outs.push(self.convolve(&window.reshape(&[1, -1, h])?, t)?);
         }
+        self.output(outs, &gate_out)
+    }
+
+    /// `B * x` and `C` of the layer's input.
+    fn gated_input(&self, x: &Array) -> Result<(Array, Array)> {
+        let parts = self.in_proj.forward(x)?.split_equal(3, -1)?;
+        Ok((parts[0].multiply(&parts[2])?, parts[1].clone()))
+    }
+
+    /// The layer's output from the convolution's outputs `outs` (in the order of the rows) and
+    /// `C`.
+    fn output(&self, mut outs: Vec<Array>, gate_out: &Array) -> Result<Array> {
         let conv = if outs.len() == 1 {
             outs.pop().expect("one")
         } else {
@@ -108,10 +117,7 @@ impl ShortConv {
         chunk: Option<(&mut (dyn KvCache + 'static), i32)>,
     ) -> Result<Array> {
         let (n, h) = (x.shape()[0], self.hidden);
-        let bcx = self.in_proj.forward(x)?;
-        let parts = bcx.split_equal(3, -1)?;
-        let (gate_in, gate_out, input) = (&parts[0], &parts[1], &parts[2]);
-        let bx = gate_in.multiply(input)?;
+        let (bx, gate_out) = self.gated_input(x)?;
         let mut outs = Vec::with_capacity(groups.len() + 1);
         for g in groups.iter_mut() {
             let rows = bx
@@ -129,12 +135,7 @@ impl ShortConv {
             let out = self.convolve(&window.reshape(&[1, -1, h])?, t)?;
             outs.push(out.reshape(&[t, 1, h])?);
         }
-        let conv = if outs.len() == 1 {
-            outs.pop().expect("one")
-        } else {
-            concatenate(&outs, 0)?
-        };
-        self.out_proj.forward(&gate_out.multiply(&conv)?)
+        self.output(outs, &gate_out)
     }
 
     /// The convolution's output [rows, t, hidden] for the last `t` positions of `window` [rows,
