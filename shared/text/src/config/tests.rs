@@ -150,3 +150,40 @@ fn what_a_family_cannot_run_is_refused_with_the_field() {
     .to_string();
     assert!(err.contains("8 of 4 experts"), "{err}");
 }
+
+/// LFM2-1.2B's own config.json: its names for the MLP's width, the norm's epsilon and the tied
+/// embedding, the attention layers by index, and the MLP width rule (12288 stated, 8192 used).
+#[test]
+fn lfm2_s_published_config_parses_to_its_layers_and_widths() {
+    let c = parse(
+        "lfm2",
+        json!({"architectures": ["Lfm2ForCausalLM"], "model_type": "lfm2", "vocab_size": 65536,
+               "hidden_size": 2048, "block_ff_dim": 12288, "block_auto_adjust_ff_dim": true,
+               "block_ffn_dim_multiplier": 1.0, "block_multiple_of": 256, "num_hidden_layers": 16,
+               "num_attention_heads": 32, "num_key_value_heads": 8, "norm_eps": 1e-5,
+               "conv_L_cache": 3, "conv_bias": false, "full_attn_idxs": [2, 5, 8, 10, 12, 14],
+               "rope_theta": 1000000.0, "tie_embedding": true, "max_position_embeddings": 128000}),
+    )
+    .unwrap();
+    assert_eq!(c.arch, Arch::Lfm2);
+    assert_eq!(c.intermediate_size, 8192);
+    assert_eq!(c.rms_norm_eps, 1e-5);
+    assert!(c.tie_word_embeddings);
+    assert_eq!(c.head_dim, 64);
+    let conv = c.conv.as_ref().unwrap();
+    assert_eq!((conv.kernel, conv.bias), (3, false));
+    let attention: Vec<usize> = (0..16).filter(|&i| !c.conv_layer(i)).collect();
+    assert_eq!(attention, vec![2, 5, 8, 10, 12, 14]);
+    assert_eq!(c.attention_layers(), 6);
+    assert!(c.recurrent() && !c.caches_rewind());
+    // A multiplier other than 1 scales two thirds of the stated width before the rounding up.
+    let scaled = parse(
+        "lfm2-scaled",
+        base("lfm2", json!({"intermediate_size": 3000, "block_ffn_dim_multiplier": 1.5,
+                            "block_multiple_of": 128, "layer_types": ["conv", "full_attention", "conv",
+                            "conv", "full_attention", "conv"]})),
+    )
+    .unwrap();
+    assert_eq!(scaled.intermediate_size, 3072); // 2000 * 1.5 = 3000, up to 24 * 128
+    assert_eq!(scaled.attention_layers(), 2);
+}
