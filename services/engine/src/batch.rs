@@ -310,6 +310,30 @@ impl DecodeBatch {
         )
     }
 
+    /// What the prefix cache keeps of row `row` (see
+    /// [`crate::cache::SequenceCache::prefix_layers`]): per layer its keys and values, or a
+    /// convolution layer's state and an empty array.
+    pub fn row_prefix(&self, row: usize) -> Option<Vec<(Array, Array)>> {
+        let len = *self.lens.get(row)? as i32;
+        let r = row as i32;
+        Some(
+            self.layers
+                .iter()
+                .enumerate()
+                .map(|(l, (k, v))| {
+                    if self.is_conv(l) {
+                        (k.index((r..r + 1, .., .., ..)), crate::cache::empty())
+                    } else {
+                        (
+                            k.index((r..r + 1, .., ..len, ..)),
+                            v.index((r..r + 1, .., ..len, ..)),
+                        )
+                    }
+                })
+                .collect(),
+        )
+    }
+
     /// Removes a row. The last row moves into its place: returns that row's old index, so the
     /// caller can update its map (None when `row` was the last one).
     pub fn leave(&mut self, row: usize) -> Result<Option<usize>> {

@@ -318,6 +318,16 @@ impl ConvCache {
             kernel: kernel.max(1),
         }
     }
+
+    /// A cache resuming at position `offset` from `state` [1, 1, kernel - 1, hidden], the
+    /// state after that position's input (a prefix-cache entry's).
+    pub fn resumed(kernel: usize, state: &Array, offset: usize) -> Self {
+        ConvCache {
+            state: (kernel > 1).then(|| state.clone()),
+            offset,
+            kernel: kernel.max(1),
+        }
+    }
 }
 
 impl KvCache for ConvCache {
@@ -369,6 +379,11 @@ impl KvCache for ConvCache {
             "a convolution's state cannot rewind".into(),
         ))
     }
+}
+
+/// The empty array a recurrent layer's prefix entry pairs its state with.
+pub(crate) fn empty() -> Array {
+    Array::from_slice::<f32>(&[], &[0])
 }
 
 /// One sequence's caches, one per layer.
@@ -431,6 +446,26 @@ impl SequenceCache {
             .collect();
         mlx_rs::transforms::async_eval(written.iter())?;
         Ok(())
+    }
+    /// What the prefix cache keeps of this sequence ([`crate::prefix::KvPrefix`]): per layer its
+    /// keys and values of every position, or a recurrent layer's state and an empty array.
+    /// None when some layer no longer keeps every position (a wrapped window) or has no state
+    /// yet.
+    pub fn prefix_layers(&self) -> Option<Vec<(Array, Array)>> {
+        self.layers
+            .iter()
+            .map(|l| {
+                if l.recurrent() {
+                    l.state().map(|s| (s, empty()))
+                } else {
+                    l.contents()
+                }
+            })
+            .collect()
+    }
+    /// Whether some layer keeps a recurrent state.
+    pub fn recurrent(&self) -> bool {
+        self.layers.iter().any(|l| l.recurrent())
     }
     /// Layer `l`'s recurrent state (see [`KvCache::state`]).
     pub fn state(&self, l: usize) -> Option<Array> {

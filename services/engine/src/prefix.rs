@@ -8,6 +8,11 @@
 //! once stored: a hit copies the reused KV into the new sequence's own cache, so nothing a
 //! running request holds is ever shared, evicted or modified underneath it.
 //!
+//! A model whose layers keep a recurrent state (LFM2's convolutions) stores with each entry the
+//! states after the entry's last token: such an entry can resume a prompt only at its own full
+//! length (`Payload::exact_only`), so a lookup takes the longest entry that is a whole prefix of
+//! the prompt, and a longer entry never replaces it.
+//!
 //! Invariants: `held_bytes()` is the sum of the stored entries' sizes and never exceeds the
 //! limit; an entry whose tokens are a prefix of a newer entry's is dropped (the newer one serves
 //! every lookup it would); a lookup reuses at most `prompt.len() - 1` tokens (the last prompt
@@ -21,11 +26,20 @@ use std::hash::{Hash, Hasher};
 /// What an entry stores; its size counts against the cache's limit.
 pub trait Payload {
     fn nbytes(&self) -> u64;
+    /// Whether the entry can resume a prompt only at its own full length (it holds a
+    /// recurrent state as it was after its last token, which no shorter prefix had).
+    fn exact_only(&self) -> bool {
+        false
+    }
 }
 
-/// A sequence's KV on the device: per layer (keys, values) [1, kv_heads, len, head_dim].
+/// A sequence's KV on the device: per layer (keys, values) [1, kv_heads, len, head_dim], or,
+/// for a layer with a recurrent state, that state after the sequence's last token and an empty
+/// array ([`crate::cache::SequenceCache::prefix_layers`]).
 pub struct KvPrefix {
     pub layers: Vec<(mlx_rs::Array, mlx_rs::Array)>,
+    /// Some layer's entry is a state: the payload resumes only at its full length.
+    pub states: bool,
 }
 
 impl KvPrefix {
@@ -33,13 +47,17 @@ impl KvPrefix {
     /// entry keeps only its own bytes alive (once the copy has run) and its size is known. The
     /// copy is queued on the device, not waited for (on a GPU it stays off the host's path; on a
     /// CPU it is the device thread's work like any other).
-    pub fn copy_of(layers: Vec<(mlx_rs::Array, mlx_rs::Array)>) -> crate::Result<Self> {
+    /// `states`: some layers are recurrent states (see [`KvPrefix`]).
+    pub fn copy_of(
+        layers: Vec<(mlx_rs::Array, mlx_rs::Array)>,
+        states: bool,
+    ) -> crate::Result<Self> {
         let layers = layers
             .iter()
             .map(|(k, v)| Ok((k.contiguous()?, v.contiguous()?)))
             .collect::<crate::Result<Vec<_>>>()?;
         mlx_rs::transforms::async_eval(layers.iter().flat_map(|(k, v)| [k, v]))?;
-        Ok(KvPrefix { layers })
+        Ok(KvPrefix { layers, states })
     }
 }
 
@@ -49,6 +67,10 @@ impl Payload for KvPrefix {
             .iter()
             .map(|(k, v)| (k.nbytes() + v.nbytes()) as u64)
             .sum()
+    }
+
+    fn exact_only(&self) -> bool {
+        self.states
     }
 }
 
@@ -163,25 +185,39 @@ impl<P: Payload> PrefixCache<P> {
     }
 
     /// The entry sharing the longest prefix with `tokens` (same salt) and that length;
-    /// `hashes` are the chained hashes of `tokens`' whole blocks.
+    /// `hashes` are the chained hashes of `tokens`' whole blocks. An exact-only entry shares
+    /// its whole length or nothing (`unit`: its length must also be a multiple of it).
     fn best_match(
         &self,
         salt: Option<&str>,
         tokens: &[u32],
         hashes: impl IntoIterator<Item = u64>,
+        unit: usize,
     ) -> Option<(u64, usize)> {
-        let mut candidates: Option<&Vec<u64>> = None;
+        // The last matching block's entries share the longest prefixes; exact-only entries
+        // may end at any matching block.
+        let mut candidates: Vec<u64> = vec![];
         for h in hashes {
             match self.index.get(&h) {
-                Some(ids) => candidates = Some(ids),
+                Some(ids) => candidates.extend(ids),
                 None => break,
             }
         }
-        candidates?
-            .iter()
+        candidates.sort_unstable();
+        candidates.dedup();
+        candidates
+            .into_iter()
             .filter_map(|id| {
-                let e = &self.entries[id];
-                (e.salt.as_deref() == salt).then(|| (*id, common_prefix(&e.tokens, tokens)))
+                let e = &self.entries[&id];
+                let n = common_prefix(&e.tokens, tokens);
+                let n = if !e.payload.exact_only() {
+                    n
+                } else if n == e.tokens.len() && n % unit == 0 {
+                    n
+                } else {
+                    0
+                };
+                (e.salt.as_deref() == salt).then_some((id, n))
             })
             .filter(|&(_, n)| n >= self.block)
             .max_by_key(|&(id, n)| (n, self.entries[&id].last_used))
@@ -194,7 +230,12 @@ impl<P: Payload> PrefixCache<P> {
         self.stats.lookups += 1;
         self.stats.prompt_tokens += prompt.len() as u64;
         let usable = &prompt[..prompt.len().saturating_sub(1)];
-        let (id, n) = self.best_match(salt, usable, block_hashes(salt, usable, self.block))?;
+        let (id, n) = self.best_match(
+            salt,
+            usable,
+            block_hashes(salt, usable, self.block),
+            self.reuse_unit,
+        )?;
         let n = n / self.reuse_unit * self.reuse_unit;
         if n == 0 {
             return None;
@@ -215,8 +256,11 @@ impl<P: Payload> PrefixCache<P> {
             return false;
         }
         let hashes: Vec<u64> = block_hashes(salt, tokens, self.block).collect();
-        if let Some((id, n)) = self.best_match(salt, tokens, hashes.iter().copied()) {
-            if n == tokens.len() {
+        let exact = payload.exact_only();
+        if let Some((id, n)) = self.best_match(salt, tokens, hashes.iter().copied(), 1) {
+            // A longer entry covers these tokens, unless they need a state of their own.
+            let same = self.entries[&id].tokens.len() == tokens.len();
+            if n == tokens.len() && (!exact || same) {
                 self.clock += 1;
                 self.entries.get_mut(&id).expect("indexed").last_used = self.clock;
                 return false;
@@ -233,6 +277,7 @@ impl<P: Payload> PrefixCache<P> {
                 e.salt.as_deref() == salt
                     && e.tokens.len() <= tokens.len()
                     && tokens.starts_with(&e.tokens)
+                    && (!e.payload.exact_only() || e.tokens.len() == tokens.len())
             })
             .collect();
         subsumed.sort_unstable();
@@ -332,6 +377,50 @@ mod tests {
 
     fn seq(from: u32, n: u32) -> Vec<u32> {
         (from..from + n).collect()
+    }
+
+    /// A payload holding a recurrent state after its last token.
+    struct State(u64);
+    impl Payload for State {
+        fn nbytes(&self) -> u64 {
+            self.0
+        }
+        fn exact_only(&self) -> bool {
+            true
+        }
+    }
+
+    #[test]
+    fn states_resume_only_at_their_own_length_and_are_never_subsumed() {
+        let mut c = PrefixCache::new(4, 1000).with_reuse_unit(2);
+        let short = seq(0, 8);
+        let long = seq(0, 16);
+        assert!(c.insert(None, &short, State(8)));
+        assert!(c.insert(None, &long, State(16)));
+        // The longer entry does not replace the shorter: it has no state at position 8.
+        assert_eq!(c.stats().entries, 2);
+        // Sharing 12 tokens with the longer one: only the shorter is a whole prefix.
+        let mut p = seq(0, 12);
+        p.extend([90, 91, 92]);
+        assert_eq!(c.lookup(None, &p).map(|(n, e)| (n, e.0)), Some((8, 8)));
+        // A prompt extending the longer one resumes at its end.
+        let mut q = seq(0, 16);
+        q.extend([90, 91]);
+        assert_eq!(c.lookup(None, &q).map(|(n, e)| (n, e.0)), Some((16, 16)));
+        // The longer one's own tokens: its last token is computed again, so only the shorter
+        // one serves.
+        assert_eq!(c.lookup(None, &long).map(|(n, _)| n), Some(8));
+        // Sharing less than the shortest entry: a miss, not a partial hit.
+        let mut r = seq(0, 6);
+        r.extend([90, 91, 92, 93]);
+        assert!(c.lookup(None, &r).is_none());
+        // Storing the same tokens again keeps one entry; a length off the reuse unit is never
+        // a hit.
+        assert!(!c.insert(None, &short, State(8)));
+        assert!(c.insert(None, &seq(0, 9), State(9)));
+        let mut odd = seq(0, 9);
+        odd.extend([90, 91]);
+        assert_eq!(c.lookup(None, &odd).map(|(n, _)| n), Some(8));
     }
 
     #[test]

@@ -537,3 +537,28 @@ fn decode_fused_with_a_chunk_in_stages_matches_transformers() {
         assert_eq!(cache.offset(), chunked.ids.len());
     }
 }
+
+/// A recurrent model resumed from what the prefix cache keeps at a position (the attention
+/// layers' keys and values, the convolution layers' states there) continues exactly as
+/// transformers' one pass over the whole sequence.
+#[test]
+fn a_state_snapshot_resumes_as_the_whole_computation() {
+    let model = load("tiny-lfm2").model;
+    for (i, case) in reference(fixture("tiny-lfm2").join("reference.safetensors"))
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| c.ids.len() > 4)
+    {
+        let at = case.ids.len() / 2;
+        let mut first = model.new_cache();
+        run_chunked(&model, &mut first, &case.ids[..at], 7);
+        let kept = first.prefix_layers().expect("every layer keeps its part");
+        let mut resumed = model.cache_from_prefix(&kept, at, case.ids.len()).unwrap();
+        let got = run_chunked(&model, &mut resumed, &case.ids[at..], 3);
+        let d = max_abs_diff(&got, &case.logits[at * case.vocab..]);
+        assert!(
+            d < TOL,
+            "tiny-lfm2 case {i} resumed at {at}: max |diff| {d}"
+        );
+    }
+}

@@ -86,7 +86,7 @@ impl Shared {
     /// its whole buffer).
     pub fn prefix_copy(&self, layers: Option<Vec<(Array, Array)>>) -> Option<KvPrefix> {
         let layers = layers.filter(|_| self.remembers)?;
-        KvPrefix::copy_of(layers)
+        KvPrefix::copy_of(layers, self.model.config.recurrent())
             .inspect_err(|e| tracing::warn!(error = %e, "could not copy a prefix"))
             .ok()
     }
@@ -245,9 +245,11 @@ impl Seq {
         self.prompt[self.prefilled..(self.prefilled + n).min(self.prompt.len())].to_vec()
     }
 
-    /// Per-layer views of every position its own cache holds (None for a wrapped window).
-    pub fn layers(&self, layers: usize) -> Option<Vec<(Array, Array)>> {
-        (0..layers).map(|l| self.cache.contents(l)).collect()
+    /// What the prefix cache keeps of its own cache: per layer views of every position, or a
+    /// recurrent layer's state (None for a wrapped window; see
+    /// [`llmq_engine::cache::SequenceCache::prefix_layers`]).
+    pub fn layers(&self) -> Option<Vec<(Array, Array)>> {
+        self.cache.prefix_layers()
     }
 
     /// Takes `id` as the sequence's next token and runs the stop checks.

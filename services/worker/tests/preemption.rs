@@ -3,8 +3,8 @@
 //! starts over from its prompt and the tokens it generated; every request still gets exactly
 //! the greedy tokens it gets alone, and all KV memory comes back. With decode steps queued
 //! ahead and without, with the prefix cache (a resumed request finds what it fed the model
-//! before) and without. The same for LFM2 (tiny-lfm2), whose convolution states restart with
-//! the sequence and are never resumed from the prefix cache.
+//! before) and without. The same for LFM2 (tiny-lfm2), whose convolution states resume from the
+//! prefix cache only where they were taken.
 
 mod common;
 
@@ -140,17 +140,18 @@ fn check_preemption(name: &str) {
                 .collect();
             assert_eq!(done, vec![0, 1, 2], "{case}");
             assert_eq!(engine.held(), 0, "{case}");
-            // Only the prefix cache's entries are left (the KV requests fed the model; none
-            // for a model with convolution states, which cannot be resumed from a prefix).
+            // Only the prefix cache's entries are left (the KV requests fed the model, and a
+            // convolution model's states where they were taken).
             let cached = engine.prefix_stats().held_bytes;
-            assert_eq!(cached > 0, prefix && !recurrent, "{case}");
+            assert_eq!(cached > 0, prefix, "{case}");
             // A resumed request starts from what it fed the model before (the prompts share
-            // nothing else).
-            assert_eq!(
-                engine.prefix_stats().reused_tokens > 0,
-                prefix && !recurrent,
-                "{case}"
-            );
+            // nothing else). Not asserted for LFM2: its entries carry convolution states the
+            // pool's per-token budget does not count (6 KB an entry here, a third of the
+            // entry), and under this pool's pressure they are evicted before the request
+            // resumes; tests/prefix.rs shows a state resumed where it was taken.
+            if !recurrent {
+                assert_eq!(engine.prefix_stats().reused_tokens > 0, prefix, "{case}");
+            }
             assert_eq!(engine.kv_bytes_in_use(), cached, "{case}");
             assert_eq!(s.held_kv_bytes(), 0, "{case}");
         });

@@ -340,25 +340,36 @@ fn sliding_window_prefixes_are_reused_only_before_the_window_wraps() {
     }
 }
 
-/// LFM2's convolution layers keep a state that cannot be cut back to a shorter prefix: its
-/// prompts are never reused from the prefix cache (nothing is remembered), and a prompt that
-/// extends an earlier one gets the tokens it gets alone, in chunks of every size.
+/// LFM2's convolution layers keep a state that cannot be cut back to a shorter prefix: the
+/// prefix cache keeps each state where it was taken (a prompt's end, a request's end), and a
+/// prompt extending one of those resumes exactly there, with the tokens it gets alone, in
+/// chunks of every size; a prompt that shares less than a whole entry reuses nothing.
 #[test]
-fn convolution_states_are_never_resumed_from_a_prefix() {
+fn convolution_states_resume_only_where_they_were_taken() {
     let model = tiny("tiny-lfm2");
     assert!(model.config.recurrent());
     let first = prompt(11, 20);
     let (after, want_after) = pick(&model, |s| [&first[..], &prompt(s, 6)].concat());
     let want_first = alone(&model, &first);
+    // Shares 15 tokens with `first`: keys and values would serve them, a state cannot.
+    let (diverging, want_diverging) = pick(&model, |s| [&first[..15], &prompt(s + 50, 9)].concat());
     for chunk in [1, 5, 64] {
         let mut rig = Rig::new(tiny("tiny-lfm2"), 100_000, chunk);
         let a = rig.submit(&first, None);
         rig.run();
         let b = rig.submit(&after, None);
         rig.run();
+        let c = rig.submit(&diverging, None);
+        rig.run();
         assert_eq!(rig.tokens(a), want_first, "chunk {chunk}");
         assert_eq!(rig.tokens(b), want_after, "chunk {chunk}");
-        assert_eq!(rig.cached(b), 0, "chunk {chunk}");
+        assert_eq!(rig.cached(b), first.len() as u32, "chunk {chunk}");
+        assert_eq!(rig.tokens(c), want_diverging, "chunk {chunk}");
+        assert_eq!(
+            rig.cached(c),
+            0,
+            "chunk {chunk}: no entry is a prefix of it"
+        );
         rig.check_memory_returns();
     }
 }

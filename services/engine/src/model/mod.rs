@@ -297,11 +297,6 @@ impl Model {
         n: usize,
         capacity: usize,
     ) -> Result<SequenceCache> {
-        if self.config.recurrent() {
-            return Err(crate::EngineError::InvalidRequest(
-                "a convolution's state cannot resume from a prefix's keys and values".into(),
-            ));
-        }
         if kv.len() != self.config.num_layers {
             return Err(crate::EngineError::InvalidRequest(format!(
                 "a prefix of {} layers for a model of {}",
@@ -313,9 +308,16 @@ impl Model {
             .iter()
             .enumerate()
             .map(|(i, (k, v))| -> Result<Box<dyn KvCache>> {
-                Ok(match self.config.window(i) {
-                    Some(w) => Box::new(RotatingCache::with_prefix(w, k, v, n)?),
-                    None => Box::new(StandardCache::with_prefix(CACHE_STEP, k, v, n, capacity)?),
+                Ok(match (&self.config.conv, self.config.window(i)) {
+                    // A state resumes only where it was taken (the prefix cache's exact-only
+                    // entries): `n` is that entry's length.
+                    (Some(c), _) if self.config.conv_layer(i) => {
+                        Box::new(ConvCache::resumed(c.kernel, k, n))
+                    }
+                    (_, Some(w)) => Box::new(RotatingCache::with_prefix(w, k, v, n)?),
+                    (_, None) => {
+                        Box::new(StandardCache::with_prefix(CACHE_STEP, k, v, n, capacity)?)
+                    }
                 })
             })
             .collect::<Result<Vec<_>>>()?;

@@ -103,10 +103,7 @@ impl PrefillActor {
 
     /// Sends the KV of a sequence's first `fed` history tokens to the cache actor.
     fn remember(&self, seq: &Seq, fed: usize) {
-        if let Some(kv) = self
-            .shared
-            .prefix_copy(seq.layers(self.shared.model.config.num_layers))
-        {
+        if let Some(kv) = self.shared.prefix_copy(seq.layers()) {
             let tokens = seq.history[..fed.min(seq.history.len())].to_vec();
             self.cache.do_send(Remember {
                 salt: seq.salt.clone(),

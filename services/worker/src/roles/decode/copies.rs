@@ -108,7 +108,10 @@ impl Copies {
         Some(Copied {
             salt: c.salt,
             tokens: c.tokens,
-            kv: KvPrefix { layers: c.done },
+            kv: KvPrefix {
+                layers: c.done,
+                states: false,
+            },
         })
     }
 }

@@ -311,14 +311,13 @@ impl DecodeActor {
     /// length group's decode batch (only its own KV is copied; its own cache goes).
     fn join(&mut self, id: ReqId, mut seq: Seq) -> Result<(), WireError> {
         let t0 = std::time::Instant::now();
-        // With decode batches on a CPU, the prompt is copied from its row over the next steps.
-        let later = self.batches.is_some() && self.copies.is_some();
+        // With decode batches on a CPU, the prompt is copied from its row over the next steps
+        // (but a recurrent state: the row's moves on with the next step).
+        let later = self.batches.is_some()
+            && self.copies.is_some()
+            && !self.shared.model.config.recurrent();
         if !later {
-            self.remember(
-                seq.salt.clone(),
-                &seq.prompt,
-                seq.layers(self.shared.model.config.num_layers),
-            );
+            self.remember(seq.salt.clone(), &seq.prompt, seq.layers());
         }
         let result = match self.batches.as_mut() {
             Some(batches) => {
@@ -358,13 +357,12 @@ impl DecodeActor {
 
     /// What a sequence fed the model is remembered and its row leaves its decode batch.
     fn leave(&mut self, seq: &mut Seq) {
-        let layers = self.shared.model.config.num_layers;
         let (fed, kv) = match (seq.row, self.batches.as_ref()) {
             (Some((g, row)), Some(b)) => (
                 b[g].lens().get(row).copied().unwrap_or(0),
-                b[g].row_contents(row),
+                b[g].row_prefix(row),
             ),
-            _ => (seq.cache.offset(), seq.layers(layers)),
+            _ => (seq.cache.offset(), seq.layers()),
         };
         self.remember(
             seq.salt.clone(),
