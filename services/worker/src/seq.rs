@@ -37,6 +37,10 @@ pub struct Shared {
     pub mask_times: Rc<Cell<MaskTimes>>,
     /// Whether the worker keeps a prefix cache (sequences' KV is then copied for it).
     pub remembers: bool,
+    /// For a model with recurrent states and a prefix cache of blocks of this many tokens: a
+    /// prompt's states are also kept where a prefill chunk ends at this many tokens times a
+    /// power of two (see [`Shared::snapshot_at`]).
+    pub snapshot_block: Option<usize>,
 }
 
 /// Steps with constrained rows, those rows, the host's wall time computing their masks
@@ -76,7 +80,24 @@ impl Shared {
             constraints: Rc::new(constraints),
             mask_times: Rc::default(),
             remembers,
+            snapshot_block: None,
         }
+    }
+
+    /// Keeps recurrent states at chunk ends too (see `snapshot_block`).
+    pub fn with_snapshots(mut self, block: usize) -> Self {
+        self.snapshot_block =
+            (self.remembers && self.model.config.recurrent()).then_some(block.max(1));
+        self
+    }
+
+    /// Whether a prompt prefilled up to `at` keeps its states there: `at` is the block size
+    /// times a power of two. A prefix shared by many prompts (a system prompt) then resumes
+    /// from at least half its length, and a prompt's snapshots together copy at most about
+    /// twice its keys and values (each holds the attention layers' keys and values up to it).
+    pub fn snapshot_at(&self, at: usize) -> bool {
+        self.snapshot_block
+            .is_some_and(|b| at > 0 && at.is_multiple_of(b) && (at / b).is_power_of_two())
     }
 
     /// A copy of a sequence's KV (`layers`, as [`Seq::layers`] gives it) for the prefix cache, or

@@ -341,9 +341,9 @@ fn sliding_window_prefixes_are_reused_only_before_the_window_wraps() {
 }
 
 /// LFM2's convolution layers keep a state that cannot be cut back to a shorter prefix: the
-/// prefix cache keeps each state where it was taken (a prompt's end, a request's end), and a
-/// prompt extending one of those resumes exactly there, with the tokens it gets alone, in
-/// chunks of every size; a prompt that shares less than a whole entry reuses nothing.
+/// prefix cache keeps each state where it was taken (a prompt's end, a request's end, some
+/// chunks' ends), and a prompt extending one of those resumes exactly there, with the tokens it
+/// gets alone, in chunks of every size; nothing is reused between two such positions.
 #[test]
 fn convolution_states_resume_only_where_they_were_taken() {
     let model = tiny("tiny-lfm2");
@@ -351,7 +351,8 @@ fn convolution_states_resume_only_where_they_were_taken() {
     let first = prompt(11, 20);
     let (after, want_after) = pick(&model, |s| [&first[..], &prompt(s, 6)].concat());
     let want_first = alone(&model, &first);
-    // Shares 15 tokens with `first`: keys and values would serve them, a state cannot.
+    // Shares 15 tokens with `first`: keys and values would serve them all, a state serves only
+    // where one was kept.
     let (diverging, want_diverging) = pick(&model, |s| [&first[..15], &prompt(s + 50, 9)].concat());
     for chunk in [1, 5, 64] {
         let mut rig = Rig::new(tiny("tiny-lfm2"), 100_000, chunk);
@@ -365,13 +366,31 @@ fn convolution_states_resume_only_where_they_were_taken() {
         assert_eq!(rig.tokens(b), want_after, "chunk {chunk}");
         assert_eq!(rig.cached(b), first.len() as u32, "chunk {chunk}");
         assert_eq!(rig.tokens(c), want_diverging, "chunk {chunk}");
-        assert_eq!(
-            rig.cached(c),
-            0,
-            "chunk {chunk}: no entry is a prefix of it"
-        );
+        // Of `first`'s states, only those kept where its chunks ended at 4 times a power of
+        // two lie within the 15 shared tokens: at 8 with chunks of 1, none with chunks of 5
+        // (ends 5, 10, 15) or 64 (one chunk).
+        let deepest = if chunk == 1 { 8 } else { 0 };
+        assert_eq!(rig.cached(c), deepest, "chunk {chunk}");
         rig.check_memory_returns();
     }
+}
+
+/// A long LFM2 prompt also keeps its states where prefill chunks end at the block size times a
+/// power of two (chunks of 8, blocks of 4: at 8, 16 and 32 of 40): a prompt sharing its first 35
+/// tokens resumes at 32, with the tokens it gets alone.
+#[test]
+fn a_shared_beginning_resumes_from_the_deepest_state_kept_within_it() {
+    let model = tiny("tiny-lfm2");
+    let long = prompt(21, 40);
+    let (other, want) = pick(&model, |s| [&long[..35], &prompt(s + 80, 6)].concat());
+    let mut rig = Rig::new(model, 100_000, 8);
+    rig.submit(&long, None);
+    rig.run();
+    let b = rig.submit(&other, None);
+    rig.run();
+    assert_eq!(rig.tokens(b), want);
+    assert_eq!(rig.cached(b), 32);
+    rig.check_memory_returns();
 }
 
 #[test]

@@ -149,7 +149,8 @@ impl RoleActors {
             PrefixCache::new(p.block_tokens, p.max_bytes).with_reuse_unit(model.chunk_grid())
         }))
         .start();
-        let shared = Shared::new(model, tokenizer, opts.prefix.is_some());
+        let block = opts.prefix.map_or(1, |p| p.block_tokens);
+        let shared = Shared::new(model, tokenizer, opts.prefix.is_some()).with_snapshots(block);
         let mask_times = shared.mask_times.clone();
         let prefill = PrefillActor::new(shared.clone(), cache.clone()).start();
         let staging = decode::Staging::new(

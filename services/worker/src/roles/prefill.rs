@@ -221,6 +221,10 @@ impl Handler<Chunk> for PrefillActor {
             let mut seq = a.take_seq(id)?;
             match run_chunk(&a.shared.model, &mut seq, n) {
                 Ok(None) => {
+                    let at = seq.cache.offset();
+                    if a.shared.snapshot_at(at) {
+                        a.remember(&seq, at);
+                    }
                     a.seqs.insert(id, seq);
                     Ok(Chunked::Partial)
                 }
