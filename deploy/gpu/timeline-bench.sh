@@ -5,7 +5,8 @@
 # Expects MLX's CUDA build unpacked (LD_LIBRARY_PATH), the recorder built into $TL
 # (deploy/gpu/timeline/build.sh), nats-server on PATH for the batch, and $RESULTS for the
 # summaries (.txt) and Chrome traces (.json.xz); the records themselves stay in $WORK.
-#   SCENARIOS: any of single,q4,moe,batch (default all)
+#   SCENARIOS: any of single,q4,moe,batch (default all); PLAIN=0 skips the figure without the
+#   recorder
 set -uo pipefail
 BINS=${BINS:-.gpu/bin/llmq}
 TL=${TL:-.gpu/tl}
@@ -18,8 +19,10 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 has() { [[ ",$SCENARIOS," == *",$1,"* ]]; }
 for bin in $BINS; do
   b=$(basename "$bin")
-  echo "== $b: single 8b bf16 without the recorder"
-  "$bin" bench single --random-weights 8b --json
+  if [ "${PLAIN:-1}" = 1 ]; then
+    echo "== $b: single 8b bf16 without the recorder"
+    "$bin" bench single --random-weights 8b --json
+  fi
   if has single; then
     "$rec" "$TL" "$WORK/$b-single-8b" -- "$bin" bench single --random-weights 8b --json --output-tokens 64
   fi
