@@ -210,9 +210,8 @@ impl<P: Payload> PrefixCache<P> {
             .filter_map(|id| {
                 let e = &self.entries[&id];
                 let n = common_prefix(&e.tokens, tokens);
-                let n = if !e.payload.exact_only() {
-                    n
-                } else if n == e.tokens.len() && n % unit == 0 {
+                let whole = n == e.tokens.len() && n.is_multiple_of(unit);
+                let n = if !e.payload.exact_only() || whole {
                     n
                 } else {
                     0
