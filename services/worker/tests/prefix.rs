@@ -383,14 +383,23 @@ fn a_shared_beginning_resumes_from_the_deepest_state_kept_within_it() {
     let model = tiny("tiny-lfm2");
     let long = prompt(21, 40);
     let (other, want) = pick(&model, |s| [&long[..35], &prompt(s + 80, 6)].concat());
-    let mut rig = Rig::new(model, 100_000, 8);
-    rig.submit(&long, None);
-    rig.run();
-    let b = rig.submit(&other, None);
-    rig.run();
-    assert_eq!(rig.tokens(b), want);
-    assert_eq!(rig.cached(b), 32);
-    rig.check_memory_returns();
+    // Alone (its chunks run in the prefill actor), and beside a decoding request (its chunks
+    // share the decode actor's steps).
+    for beside in [false, true] {
+        let mut rig = Rig::new(tiny("tiny-lfm2"), 100_000, 8);
+        if beside {
+            rig.submit(&prompt(5, 6), None);
+            rig.tick();
+            rig.tick();
+        }
+        rig.submit(&long, None);
+        rig.run();
+        let b = rig.submit(&other, None);
+        rig.run();
+        assert_eq!(rig.tokens(b), want, "beside a decoding request: {beside}");
+        assert_eq!(rig.cached(b), 32, "beside a decoding request: {beside}");
+        rig.check_memory_returns();
+    }
 }
 
 #[test]

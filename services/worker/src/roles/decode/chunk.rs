@@ -22,6 +22,16 @@ impl DecodeActor {
         }
     }
 
+    /// A prompt part-way through prefill keeps its recurrent states where its chunk ended, if
+    /// that is a snapshot position ([`crate::seq::Shared::snapshot_at`]), as the prefill actor's
+    /// chunks do.
+    fn snapshot(&self, seq: &Seq) {
+        let at = seq.cache.offset();
+        if self.shared.snapshot_at(at) && at <= seq.prompt.len() {
+            self.remember(seq.salt.clone(), &seq.prompt[..at], seq.layers());
+        }
+    }
+
     /// A chunk's stage is done (its work queued or run; `logits`: the chunk's last position's,
     /// after its last stage): part-way, it stays here; done, its prompt advances and it goes back
     /// to the prefill actor, or its completed prompt joins the batch now (`logits` given) or
@@ -47,6 +57,7 @@ impl DecodeActor {
         let Lent { id, n, mut seq } = c.lent;
         seq.prefilled = (seq.prefilled + n).min(seq.prompt.len());
         if seq.prefilled < seq.prompt.len() {
+            self.snapshot(&seq);
             return (Ok(Prefilled::Done(None)), Some(seq));
         }
         match logits {
@@ -72,7 +83,10 @@ impl DecodeActor {
         if c.next == 0 {
             let Lent { id, n, mut seq } = c.lent;
             return match run_chunk(&self.shared.model, &mut seq, n) {
-                Ok(None) => (Ok(Prefilled::Done(None)), Some(seq)),
+                Ok(None) => {
+                    self.snapshot(&seq);
+                    (Ok(Prefilled::Done(None)), Some(seq))
+                }
                 Ok(Some(logits)) => (
                     self.complete(id, *seq, &logits)
                         .map(|first| Prefilled::Done(Some(first))),
