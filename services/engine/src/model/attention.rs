@@ -3,13 +3,12 @@
 //! chunk (`forward_grouped`: through the row attention kernel, masked, or row by row).
 
 use mlx_rs::fast::{rms_norm, scaled_dot_product_attention, ScaledDotProductAttentionMask};
-use mlx_rs::ops::concatenate;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::{Array, Dtype};
 
 use llmq_text::config::ModelConfig;
 
-use super::parts::{norm_weight, softcap, Linear};
+use super::parts::{concat_rows, norm_weight, sequence_rows, softcap, Linear};
 use super::rope::{Rope, Rotation};
 use crate::arch::ArchOptions;
 use crate::cache::{AttnMask, KvCache};
@@ -120,19 +119,10 @@ impl Attention {
         let qkv = self.qkv.forward(x)?;
         let mut outs = Vec::with_capacity(caches.len());
         for (i, cache) in caches.iter_mut().enumerate() {
-            let rows = if b == 1 {
-                qkv.clone()
-            } else {
-                let i = i as i32;
-                qkv.index(i..i + 1)
-            };
+            let rows = sequence_rows(&qkv, b, i);
             outs.push(self.attend_sequence(&rows, rope, &mut **cache)?);
         }
-        let o = if outs.len() == 1 {
-            outs.pop().unwrap()
-        } else {
-            concatenate(&outs, 0)?
-        };
+        let o = concat_rows(outs)?;
         self.o.forward(&o)
     }
 }
@@ -493,11 +483,7 @@ impl Attention {
                 .transpose_axes(&[2, 0, 1, 3])?;
             outs.push(o);
         }
-        let o = if outs.len() == 1 {
-            outs.pop().unwrap()
-        } else {
-            concatenate(&outs, 0)?
-        };
+        let o = concat_rows(outs)?;
         self.o.forward(&o.reshape(&[n, 1, self.heads * d])?)
     }
 
@@ -562,10 +548,6 @@ impl Attention {
                 q.dtype(),
             )?);
         }
-        Ok(if parts.len() == 1 {
-            parts.pop().expect("one")
-        } else {
-            concatenate(&parts, 0)?
-        })
+        concat_rows(parts)
     }
 }

@@ -13,7 +13,7 @@ use mlx_rs::Array;
 use llmq_text::config::{ConvConfig, ModelConfig};
 
 use super::attention::GroupStep;
-use super::parts::Linear;
+use super::parts::{concat_rows, sequence_rows, Linear};
 use crate::cache::KvCache;
 use crate::error::Result;
 use crate::weights::Weights;
@@ -76,12 +76,7 @@ impl ShortConv {
         let (bx, gate_out) = self.gated_input(x)?;
         let mut outs = Vec::with_capacity(caches.len());
         for (i, cache) in caches.iter_mut().enumerate() {
-            let rows = if b == 1 {
-                bx.clone()
-            } else {
-                let i = i as i32;
-                bx.index(i..i + 1)
-            };
+            let rows = sequence_rows(&bx, b, i);
             let (window, _, _) = cache.update(&rows.reshape(&[1, 1, t, h])?, &rows)?;
             outs.push(self.convolve(&window.reshape(&[1, -1, h])?, t)?);
         }
@@ -96,13 +91,9 @@ impl ShortConv {
 
     /// The layer's output from the convolution's outputs `outs` (in the order of the rows) and
     /// `C`.
-    fn output(&self, mut outs: Vec<Array>, gate_out: &Array) -> Result<Array> {
-        let conv = if outs.len() == 1 {
-            outs.pop().expect("one")
-        } else {
-            concatenate(&outs, 0)?
-        };
-        self.out_proj.forward(&gate_out.multiply(&conv)?)
+    fn output(&self, outs: Vec<Array>, gate_out: &Array) -> Result<Array> {
+        self.out_proj
+            .forward(&gate_out.multiply(&concat_rows(outs)?)?)
     }
 
     /// A step's rows `x` [n, 1, hidden]: every group's slots, each continuing its row's state in

@@ -3,6 +3,7 @@
 //! them.
 
 use mlx_rs::ops::concatenate;
+use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::{Array, Dtype};
 
 use crate::arch::Names;
@@ -155,6 +156,26 @@ impl Mlp {
         self.down
             .forward(&gated(&gu, self.intermediate, self.gelu)?)
     }
+}
+
+/// Sequence `i`'s rows [1, ...] of `x`, a batch of `b` sequences along the first axis (`x`
+/// itself when it holds one: no slice is built).
+pub(super) fn sequence_rows(x: &Array, b: i32, i: usize) -> Array {
+    if b == 1 {
+        x.clone()
+    } else {
+        let i = i as i32;
+        x.index(i..i + 1)
+    }
+}
+
+/// `parts` joined along the first axis (the one part itself when there is one).
+pub(super) fn concat_rows(mut parts: Vec<Array>) -> Result<Array> {
+    Ok(if parts.len() == 1 {
+        parts.pop().expect("one")
+    } else {
+        concatenate(&parts, 0)?
+    })
 }
 
 /// `cap * tanh(x / cap)` (Gemma 2's soft-capping of scores and logits).
