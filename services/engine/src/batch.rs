@@ -51,7 +51,7 @@ pub struct DecodeBatch {
 
 impl DecodeBatch {
     /// `conv`: per layer, the positions a convolution layer's state keeps and its width (None
-    /// for an attention layer); empty when every layer attends.
+    /// for an attention layer).
     pub(crate) fn new(
         num_layers: usize,
         kv_heads: usize,
@@ -68,11 +68,7 @@ impl DecodeBatch {
             head_dim: head_dim as i32,
             dtype,
             num_layers,
-            conv: if conv.is_empty() {
-                vec![None; num_layers]
-            } else {
-                conv
-            },
+            conv,
             per_row_up_to: 0,
         }
     }
@@ -215,22 +211,13 @@ impl DecodeBatch {
     pub fn join(&mut self, cache: &SequenceCache) -> Result<usize> {
         let len = cache.offset();
         let row = self.lens.len();
-        // A convolution layer's row is the sequence's state (zeros before its first input).
-        let states: Vec<Option<Array>> = (0..self.num_layers)
-            .map(|l| {
-                if !self.is_conv(l) {
-                    return Ok(None);
-                }
-                Ok(Some(match cache.state(l) {
-                    Some(s) => s,
-                    None => self.zeros_of(l, 1, 0)?,
-                }))
+        // A convolution layer's row is the sequence's state (which it has from its first input).
+        let state = |l: usize| {
+            cache.state(l).ok_or_else(|| {
+                EngineError::InvalidRequest(format!(
+                    "layer {l}'s convolution has no state: a sequence with no input cannot join"
+                ))
             })
-            .collect::<Result<_>>()?;
-        let state = |l: usize| -> Result<Array> {
-            states[l]
-                .clone()
-                .ok_or_else(|| EngineError::InvalidRequest(format!("layer {l} has no state")))
         };
         let contents = |l: usize| {
             cache.contents(l).ok_or_else(|| {

@@ -323,7 +323,7 @@ impl ConvCache {
     /// state after that position's input (a prefix-cache entry's).
     pub fn resumed(kernel: usize, state: &Array, offset: usize) -> Self {
         ConvCache {
-            state: (kernel > 1).then(|| state.clone()),
+            state: Some(state.clone()),
             offset,
             kernel: kernel.max(1),
         }
@@ -340,16 +340,14 @@ impl KvCache for ConvCache {
         let keep = self.kernel as i32 - 1;
         let window = match &self.state {
             Some(state) => concatenate(&[state, k], 2)?,
-            None if keep > 0 => {
+            None => {
                 let zeros = zeros_dtype(&[1, s[1], keep, s[3]], k.dtype())?;
                 concatenate(&[&zeros, k], 2)?
             }
-            None => k.clone(),
         };
-        if keep > 0 {
-            let len = window.shape()[2];
-            self.state = Some(window.index((.., .., len - keep.., ..)));
-        }
+        // Kept from the first input on, even empty (a kernel of one position).
+        let len = window.shape()[2];
+        self.state = Some(window.index((.., .., len - keep.., ..)));
         self.offset += s[2] as usize;
         Ok((window.clone(), window, AttnMask::None))
     }
@@ -423,7 +421,7 @@ impl SequenceCache {
                 self.layers.len()
             )));
         }
-        if self.layers.iter().any(|l| l.recurrent()) {
+        if self.recurrent() {
             return Err(crate::EngineError::InvalidRequest(
                 "keys and values computed elsewhere cannot continue a convolution's state".into(),
             ));

@@ -34,13 +34,14 @@ pub fn random_model(name: &str, opts: impl Into<LoadOptions>, seed: u64) -> Resu
         "model.embed_tokens.weight".into(),
         &[c.vocab_size, c.hidden_size],
     )?;
-    let names = crate::arch::options(c.arch).names;
+    let opts = crate::arch::options(c.arch);
+    let names = opts.names;
     for i in 0..c.num_layers {
         let p = format!("model.layers.{i}");
         let (h, f, d) = (c.hidden_size, c.intermediate_size, c.head_dim);
         add(&mut w, format!("{p}.{}.weight", names.input_norm), &[h])?;
         add(&mut w, format!("{p}.{}.weight", names.mlp_norm), &[h])?;
-        if let Some(conv) = c.conv.as_ref().filter(|_| c.conv_layer(i)) {
+        if let Some(conv) = c.conv_at(i) {
             add(&mut w, format!("{p}.conv.in_proj.weight"), &[3 * h, h])?;
             add(&mut w, format!("{p}.conv.out_proj.weight"), &[h, h])?;
             add(
@@ -66,7 +67,7 @@ pub fn random_model(name: &str, opts: impl Into<LoadOptions>, seed: u64) -> Resu
                 format!("{a}.{}.weight", names.attn_out),
                 &[h, c.num_heads * d],
             )?;
-            if crate::arch::options(c.arch).qk_norm {
+            if opts.qk_norm {
                 add(&mut w, format!("{a}.{}.weight", names.q_norm), &[d])?;
                 add(&mut w, format!("{a}.{}.weight", names.k_norm), &[d])?;
             }

@@ -82,7 +82,7 @@ impl Layer {
             |w: &mut Weights, name: &str| norm_weight(w, &format!("{p}.{name}.weight"), h, gemma);
         let names = opts.names;
         let input_norm = norm(w, names.input_norm)?;
-        let mixer = match c.conv.as_ref().filter(|_| c.conv_layer(i)) {
+        let mixer = match c.conv_at(i) {
             Some(conv) => Mixer::Conv(ShortConv::load(w, &p, c, conv)?),
             None => Mixer::Attention(Attention::load(w, &format!("{p}.self_attn"), c, opts)?),
         };
@@ -136,7 +136,8 @@ impl Layer {
         p
     }
 
-    /// `x` plus the attention's output `h` (normed first where the arch says).
+    /// `x` plus the mixer's output `h` (attention's or the convolution's; normed first where the
+    /// arch says).
     pub(super) fn add_attention(&self, x: &Array, h: Array, eps: f32) -> Result<Array> {
         let h = match &self.attn_out_norm {
             Some(n) => rms_norm(&h, Some(n), eps)?,

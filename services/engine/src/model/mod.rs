@@ -278,8 +278,8 @@ impl Model {
     pub fn new_cache_for(&self, positions: usize) -> SequenceCache {
         let layers = (0..self.config.num_layers)
             .map(|i| -> Box<dyn KvCache> {
-                match (&self.config.conv, self.config.window(i)) {
-                    (Some(c), _) if self.config.conv_layer(i) => Box::new(ConvCache::new(c.kernel)),
+                match (self.config.conv_at(i), self.config.window(i)) {
+                    (Some(c), _) => Box::new(ConvCache::new(c.kernel)),
                     (_, Some(w)) => Box::new(RotatingCache::new(w)),
                     (_, None) => Box::new(StandardCache::with_room(CACHE_STEP, positions)),
                 }
@@ -308,12 +308,10 @@ impl Model {
             .iter()
             .enumerate()
             .map(|(i, (k, v))| -> Result<Box<dyn KvCache>> {
-                Ok(match (&self.config.conv, self.config.window(i)) {
+                Ok(match (self.config.conv_at(i), self.config.window(i)) {
                     // A state resumes only where it was taken (the prefix cache's exact-only
                     // entries): `n` is that entry's length.
-                    (Some(c), _) if self.config.conv_layer(i) => {
-                        Box::new(ConvCache::resumed(c.kernel, k, n))
-                    }
+                    (Some(c), _) => Box::new(ConvCache::resumed(c.kernel, k, n)),
                     (_, Some(w)) => Box::new(RotatingCache::with_prefix(w, k, v, n)?),
                     (_, None) => {
                         Box::new(StandardCache::with_prefix(CACHE_STEP, k, v, n, capacity)?)
@@ -331,9 +329,7 @@ impl Model {
         let c = &self.config;
         let conv = (0..c.num_layers)
             .map(|l| {
-                c.conv
-                    .as_ref()
-                    .filter(|_| c.conv_layer(l))
+                c.conv_at(l)
                     .map(|k| (k.kernel as i32 - 1, c.hidden_size as i32))
             })
             .collect();

@@ -122,11 +122,16 @@ impl ModelConfig {
         self.sliding_window.is_some() && self.sliding_layers.iter().any(|&s| s)
     }
 
-    /// Whether layer `layer` convolves instead of attending.
-    pub fn conv_layer(&self, layer: usize) -> bool {
+    /// Layer `layer`'s convolution, when it convolves instead of attending.
+    pub fn conv_at(&self, layer: usize) -> Option<&ConvConfig> {
         self.conv
             .as_ref()
-            .is_some_and(|c| c.layers.get(layer).copied().unwrap_or(false))
+            .filter(|c| c.layers.get(layer).copied().unwrap_or(false))
+    }
+
+    /// Whether layer `layer` convolves instead of attending.
+    pub fn conv_layer(&self, layer: usize) -> bool {
+        self.conv_at(layer).is_some()
     }
 
     /// Whether some layer keeps a recurrent state instead of keys and values (a state that
