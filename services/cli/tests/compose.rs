@@ -291,7 +291,10 @@ fn a_worker_cut_off_for_20_s_neither_repeats_nor_drops_tokens() {
         let nats = Client::connect(&stack.nats_url()).await;
         let n = 200;
         let mut runs = vec![];
-        for i in 0..6 {
+        // At least six streams, and more until each worker holds one: which worker pulls a job
+        // is NATS's choice, and the test needs streams on both sides of the cut.
+        let held = loop {
+            let i = runs.len();
             let (_, mut sub) = nats
                 .start(GenerateRequest {
                     ignore_eos: true,
@@ -300,7 +303,20 @@ fn a_worker_cut_off_for_20_s_neither_repeats_nor_drops_tokens() {
                 .await;
             let first = Client::first_tokens(&mut sub).await.len();
             runs.push((first, sub));
-        }
+            if runs.len() < 6 {
+                continue;
+            }
+            let held = streams_held(&stack, runs.len()).await;
+            if held.len() == 2 && held.iter().all(|(_, k)| *k > 0) || runs.len() == 12 {
+                break held;
+            }
+        };
+        assert!(
+            held.len() == 2 && held.iter().all(|(_, k)| *k > 0),
+            "{} streams never spread over both workers: {held:?}",
+            runs.len()
+        );
+        let started = runs.len();
         let network = format!("{}_default", stack.project);
         let cut = stack.containers("worker")[0].clone();
         docker(&["network", "disconnect", &network, &cut]);
@@ -381,8 +397,38 @@ fn a_worker_cut_off_for_20_s_neither_repeats_nor_drops_tokens() {
                 );
             }
         }
-        assert!(lost > 0 && lost < 6, "{lost} of 6 streams lost");
+        assert!(
+            lost > 0 && lost < started,
+            "{lost} of {started} streams lost ({held:?})"
+        );
     });
+}
+
+/// Each live worker's id with the streams it holds (decoding or queued), once the gateway's
+/// /metrics accounts for all `started` of them (or after 5 s, as they stand).
+async fn streams_held(stack: &Compose, started: usize) -> Vec<(String, usize)> {
+    let until = Instant::now() + Duration::from_secs(5);
+    loop {
+        let page = client::request(&stack.gateway, "GET", "/metrics", None)
+            .await
+            .map(|r| r.body)
+            .unwrap_or_default();
+        let mut held: Vec<(String, usize)> = metric(&page, "llmq_worker_active_streams")
+            .into_iter()
+            .map(|(labels, v)| {
+                let queued = metric(&page, "llmq_worker_queued_requests")
+                    .into_iter()
+                    .find(|(l, _)| *l == labels)
+                    .map_or(0.0, |(_, q)| q);
+                (labels, (v + queued) as usize)
+            })
+            .collect();
+        held.sort();
+        if held.iter().map(|(_, k)| k).sum::<usize>() >= started || Instant::now() > until {
+            return held;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// Connects as `url`'s user, collecting what the server reports about this connection
