@@ -164,9 +164,11 @@ def randomize(model, scale=0.08):
                 p.copy_(scale * torch.randn_like(p))
 
 
-def build(cls_cfg, cls_model, name, dtype, shards=1, seeded=False, incremental=False, **extra):
+def build(cls_cfg, cls_model, name, dtype, shards=1, seeded=False, incremental=False, adjust=None,
+          **extra):
     """seeded: the weights drawn from a seed of the fixture's own (fixtures added later do not
-    change the earlier ones' random stream)."""
+    change the earlier ones' random stream); adjust: redraws what `randomize` would make
+    unlike a trained model of the family."""
     if seeded:
         torch.manual_seed(zlib.crc32(name.encode()))
     dest = tiny_dir(name)
@@ -176,6 +178,8 @@ def build(cls_cfg, cls_model, name, dtype, shards=1, seeded=False, incremental=F
     cfg._attn_implementation = "eager"
     model = cls_model(cfg)
     randomize(model)
+    if adjust:
+        adjust(model)
     model = save_hf(model, dest, dtype, shards)
     write_reference(vocab, dest, incremental)
     return model, tok, cfg
@@ -571,10 +575,31 @@ def moe_families():
     }
 
 
+def qwen35_decays(model):
+    """Gated DeltaNet's decays drawn as a trained model has them (most channels remember for
+    tens of tokens, some forget fast), not from `randomize`'s scale, which would forget nearly
+    everything at every token and hide a state carried wrongly."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(0.02, 0.5).log())
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.randn_like(p) - 2.0)
+
+
 def hybrid_families():
-    from transformers import Lfm2Config, Lfm2ForCausalLM
+    from transformers import Lfm2Config, Lfm2ForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     return {
+        "tiny-qwen35": lambda: build(
+            Qwen3_5TextConfig, Qwen3_5ForCausalLM, "tiny-qwen35", torch.float32, seeded=True,
+            adjust=qwen35_decays, num_hidden_layers=4, head_dim=16, tie_word_embeddings=False,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+            linear_value_head_dim=16, linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                             "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1],
+                             "mrope_interleaved": True}),
         "tiny-lfm2": lambda: build(
             Lfm2Config, Lfm2ForCausalLM, "tiny-lfm2", torch.float32, seeded=True,
             num_hidden_layers=4, layer_types=["conv", "full_attention", "conv", "conv"], conv_L_cache=3,

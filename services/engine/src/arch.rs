@@ -10,6 +10,7 @@
 //! | gemma2 | no         | no           | no                   | every other layer | Gemma 2                      |
 //! | gemma3 | no         | yes          | no                   | 5 of every 6 layers | Gemma 3 (text)             |
 //! | lfm2   | no         | yes          | no                   | none              | LFM2 (most layers convolve) |
+//! | qwen35 | no         | yes          | no                   | none              | Qwen3.5 text (3 of 4 layers DeltaNet) |
 //!
 //! Gemma's layers differ beyond these options (`ModelConfig::arch.is_gemma()`): norms after
 //! attention and MLP too, norm weights as 1 + w, GELU (tanh), embeddings scaled by
@@ -17,7 +18,8 @@
 //! logits, Gemma 3 gives its sliding layers their own rope base.
 //!
 //! LFM2's layers mostly mix positions by a short gated convolution ([`crate::model`]'s `conv`)
-//! instead of attention, and its weights have names of their own ([`Names`]).
+//! instead of attention, and its weights have names of their own ([`Names`]). Qwen3.5's mostly
+//! by a gated DeltaNet (`delta`); its attention gates its output, and its norms scale by 1 + w.
 //!
 //! Rotary scaling (llama3, yarn, linear, dynamic, longrope) and partial rotation are the
 //! config's, whatever the arch ([`llmq_text::rope`]).
@@ -115,6 +117,12 @@ pub fn options(arch: Arch) -> ArchOptions {
             names: Names::HF,
         },
         Arch::Gemma3 => ArchOptions {
+            qkv_bias: false,
+            qk_norm: true,
+            fused: false,
+            names: Names::HF,
+        },
+        Arch::Qwen35 => ArchOptions {
             qkv_bias: false,
             qk_norm: true,
             fused: false,

@@ -11,9 +11,10 @@
 //! (one that attends row by row) starts at one row: its first sequence's KV, with room to
 //! grow, becomes its buffers (nothing else is allocated, zeroed or copied for it).
 //!
-//! A convolution layer (LFM2) holds each row's convolution state instead of keys and values:
-//! [slots, 1, kernel - 1, hidden] (its pair's second array is the same one), which grows in
-//! rows only and which a step replaces whole (every row's state shifted by one input).
+//! A recurrent layer holds each row's state instead of keys and values ([`RowState`]): the
+//! convolution's kept inputs [slots, 1, kernel - 1, width] and, for a DeltaNet layer, its
+//! memory [slots, heads, key_dim, value_dim] float32 as the pair's second array (else the
+//! pair's second array is the first). They grow in rows only, and a step replaces them whole.
 
 use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
 use mlx_rs::ops::{broadcast_to, concatenate, zeros_dtype};
@@ -29,6 +30,16 @@ fn whole_steps(tokens: usize) -> usize {
     tokens.div_ceil(CAPACITY_STEP) * CAPACITY_STEP
 }
 
+/// What a recurrent layer keeps per row (see the module's notes).
+#[derive(Debug, Clone, Copy)]
+pub struct RowState {
+    /// The convolution's kept inputs (kernel - 1) and their width.
+    pub keep: i32,
+    pub width: i32,
+    /// A DeltaNet layer's memory per row: [heads, key_dim, value_dim].
+    pub memory: Option<[i32; 3]>,
+}
+
 pub struct DecodeBatch {
     /// Per layer: (keys, values), each [slots, kv_heads, capacity, head_dim].
     pub(crate) layers: Vec<(Array, Array)>,
@@ -40,9 +51,8 @@ pub struct DecodeBatch {
     head_dim: i32,
     dtype: Dtype,
     num_layers: usize,
-    /// Per layer, for a convolution layer: the positions its state keeps (kernel - 1) and its
-    /// width.
-    conv: Vec<Option<(i32, i32)>>,
+    /// Per layer, for a recurrent layer: what it keeps per row.
+    conv: Vec<Option<RowState>>,
     /// While the batch has at most this many rows, they attend row by row over each row's own
     /// length (no mask, MLX's fused vector kernel) instead of in one masked attention over every
     /// row's whole capacity, which MLX runs unfused and which is slow for long rows. 0: never.
@@ -50,14 +60,13 @@ pub struct DecodeBatch {
 }
 
 impl DecodeBatch {
-    /// `conv`: per layer, the positions a convolution layer's state keeps and its width (None
-    /// for an attention layer).
+    /// `conv`: per layer, what a recurrent layer keeps per row (None for an attention layer).
     pub(crate) fn new(
         num_layers: usize,
         kv_heads: usize,
         head_dim: usize,
         dtype: Dtype,
-        conv: Vec<Option<(i32, i32)>>,
+        conv: Vec<Option<RowState>>,
     ) -> Self {
         DecodeBatch {
             layers: vec![],
@@ -73,9 +82,18 @@ impl DecodeBatch {
         }
     }
 
-    /// Whether layer `l` keeps convolution states.
+    /// Whether layer `l` keeps recurrent states.
     fn is_conv(&self, l: usize) -> bool {
         self.conv.get(l).is_some_and(Option::is_some)
+    }
+
+    /// Whether layer `l`'s pair holds one array twice (a convolution's state alone).
+    fn shares_pair(&self, l: usize) -> bool {
+        self.conv
+            .get(l)
+            .copied()
+            .flatten()
+            .is_some_and(|s| s.memory.is_none())
     }
 
     /// Rows attend one by one while there are at most `rows` of them (see `per_row_up_to`).
@@ -114,7 +132,7 @@ impl DecodeBatch {
         self.layers
             .iter()
             .enumerate()
-            .map(|(l, (k, v))| k.nbytes() + if self.is_conv(l) { 0 } else { v.nbytes() })
+            .map(|(l, (k, v))| k.nbytes() + if self.shares_pair(l) { 0 } else { v.nbytes() })
             .sum()
     }
 
@@ -125,22 +143,29 @@ impl DecodeBatch {
         )?)
     }
 
-    /// Layer `l`'s zeros for `slots` rows of `capacity` positions (a convolution layer's: its
-    /// state's positions, whatever the capacity).
-    fn zeros_of(&self, l: usize, slots: usize, capacity: usize) -> Result<Array> {
+    /// Layer `l`'s zeros for `slots` rows of `capacity` positions (a recurrent layer's: its
+    /// state's positions, whatever the capacity), first or second of its pair.
+    fn zeros_of(&self, l: usize, second: bool, slots: usize, capacity: usize) -> Result<Array> {
         match self.conv.get(l).copied().flatten() {
-            Some((keep, width)) => Ok(zeros_dtype(&[slots as i32, 1, keep, width], self.dtype)?),
+            Some(RowState {
+                memory: Some([h, dk, dv]),
+                ..
+            }) if second => Ok(zeros_dtype(&[slots as i32, h, dk, dv], Dtype::Float32)?),
+            Some(s) => Ok(zeros_dtype(
+                &[slots as i32, 1, s.keep, s.width],
+                self.dtype,
+            )?),
             None => self.zeros(slots, capacity),
         }
     }
 
     /// A new layer pair of zeros (a convolution layer's two arrays are one).
     fn zero_pair(&self, l: usize, slots: usize, capacity: usize) -> Result<(Array, Array)> {
-        let k = self.zeros_of(l, slots, capacity)?;
-        let v = if self.is_conv(l) {
+        let k = self.zeros_of(l, false, slots, capacity)?;
+        let v = if self.shares_pair(l) {
             k.clone()
         } else {
-            self.zeros_of(l, slots, capacity)?
+            self.zeros_of(l, true, slots, capacity)?
         };
         Ok((k, v))
     }
@@ -182,21 +207,25 @@ impl DecodeBatch {
                 .enumerate()
                 .map(|(l, (k, v))| {
                     let conv = self.is_conv(l);
-                    let grow = |a: &Array| -> Result<Array> {
+                    let grow = |a: &Array, second: bool| -> Result<Array> {
                         let mut a = a.clone();
                         if capacity > old_cap && !conv {
                             a = concatenate(&[a, self.zeros(old_slots, capacity - old_cap)?], 2)?;
                         }
                         if slots > old_slots {
                             a = concatenate(
-                                &[a, self.zeros_of(l, slots - old_slots, capacity)?],
+                                &[a, self.zeros_of(l, second, slots - old_slots, capacity)?],
                                 0,
                             )?;
                         }
                         Ok(a)
                     };
-                    let k = grow(k)?;
-                    let v = if conv { k.clone() } else { grow(v)? };
+                    let k = grow(k, false)?;
+                    let v = if self.shares_pair(l) {
+                        k.clone()
+                    } else {
+                        grow(v, true)?
+                    };
                     Ok((k, v))
                 })
                 .collect();
@@ -211,11 +240,11 @@ impl DecodeBatch {
     pub fn join(&mut self, cache: &SequenceCache) -> Result<usize> {
         let len = cache.offset();
         let row = self.lens.len();
-        // A convolution layer's row is the sequence's state (which it has from its first input).
+        // A recurrent layer's row is the sequence's state (which it has from its first input).
         let state = |l: usize| {
             cache.state(l).ok_or_else(|| {
                 EngineError::InvalidRequest(format!(
-                    "layer {l}'s convolution has no state: a sequence with no input cannot join"
+                    "layer {l}'s recurrent state is missing: a sequence with no input cannot join"
                 ))
             })
         };
@@ -243,8 +272,12 @@ impl DecodeBatch {
             self.layers = (0..self.num_layers)
                 .map(|l| {
                     if self.is_conv(l) {
-                        let s = state(l)?;
-                        return Ok((s.clone(), s));
+                        let (s, m) = state(l)?;
+                        return Ok(if self.shares_pair(l) {
+                            (s.clone(), s)
+                        } else {
+                            (s, m)
+                        });
                     }
                     let (ck, cv) = contents(l)?;
                     Ok((
@@ -261,10 +294,15 @@ impl DecodeBatch {
         let r = row as i32;
         for l in 0..self.num_layers {
             if self.is_conv(l) {
-                let s = state(l)?;
-                let (k, _) = &mut self.layers[l];
+                let (s, m) = state(l)?;
+                let shared = self.shares_pair(l);
+                let (k, v) = &mut self.layers[l];
                 k.try_index_mut((r..r + 1, .., .., ..), &s)?;
-                self.layers[l].1 = self.layers[l].0.clone();
+                if shared {
+                    *v = k.clone();
+                } else {
+                    v.try_index_mut((r..r + 1, .., .., ..), &m)?;
+                }
                 continue;
             }
             let (ck, cv) = contents(l)?;
@@ -277,7 +315,7 @@ impl DecodeBatch {
     }
 
     /// Row `row`'s keys and values per layer, [1, kv_heads, len, head_dim] (lazy views); None
-    /// when some layer keeps convolution states (they cannot be cut back to a prefix).
+    /// when some layer keeps recurrent states (they cannot be cut back to a prefix).
     pub fn row_contents(&self, row: usize) -> Option<Vec<(Array, Array)>> {
         if self.conv.iter().any(Option::is_some) {
             return None;
@@ -299,7 +337,7 @@ impl DecodeBatch {
 
     /// What the prefix cache keeps of row `row` (see
     /// [`crate::cache::SequenceCache::prefix_layers`]): per layer its keys and values, or a
-    /// convolution layer's state and an empty array.
+    /// recurrent layer's state ([`crate::cache::KvCache::state`]).
     pub fn row_prefix(&self, row: usize) -> Option<Vec<(Array, Array)>> {
         let len = *self.lens.get(row)? as i32;
         let r = row as i32;
@@ -308,8 +346,13 @@ impl DecodeBatch {
                 .iter()
                 .enumerate()
                 .map(|(l, (k, v))| {
-                    if self.is_conv(l) {
+                    if self.shares_pair(l) {
                         (k.index((r..r + 1, .., .., ..)), crate::cache::empty())
+                    } else if self.is_conv(l) {
+                        (
+                            k.index((r..r + 1, .., .., ..)),
+                            v.index((r..r + 1, .., .., ..)),
+                        )
                     } else {
                         (
                             k.index((r..r + 1, .., ..len, ..)),
@@ -337,10 +380,11 @@ impl DecodeBatch {
         }
         let moved = if row != last {
             let (r, e) = (row as i32, last as i32);
+            let shared: Vec<bool> = (0..self.num_layers).map(|l| self.shares_pair(l)).collect();
             for (l, (k, v)) in self.layers.iter_mut().enumerate() {
                 let lk = k.index((e..e + 1, .., .., ..));
                 k.try_index_mut((r..r + 1, .., .., ..), &lk)?;
-                if self.conv.get(l).is_some_and(Option::is_some) {
+                if shared[l] {
                     *v = k.clone();
                     continue;
                 }

@@ -44,10 +44,23 @@ pub trait KvCache: Send {
     /// The keys and values of the last `n` positions written [1, kv_heads, n, head_dim], when
     /// this cache still keeps them (a sliding window keeps its last `window - 1`).
     fn last(&self, n: usize) -> Option<(Array, Array)>;
-    /// A recurrent layer's state as the decode batch keeps a row of it ([1, 1, kernel - 1,
-    /// hidden] for a convolution), None for keys and values or before any input.
-    fn state(&self) -> Option<Array> {
+    /// A recurrent layer's state as the decode batch keeps a row of it: the convolution's kept
+    /// inputs [1, 1, kernel - 1, width] and, for a DeltaNet layer, its memory [1, heads,
+    /// key_dim, value_dim] (else an empty array); None for keys and values or before any input.
+    fn state(&self) -> Option<(Array, Array)> {
         None
+    }
+    /// A DeltaNet layer's memory (see [`ConvCache`]), None elsewhere or before any input.
+    fn memory(&self) -> Option<&Array> {
+        None
+    }
+    /// Replaces a DeltaNet layer's memory with the one after the positions its last update
+    /// took.
+    fn set_memory(&mut self, memory: Array) -> Result<()> {
+        let _ = memory;
+        Err(crate::EngineError::InvalidRequest(
+            "this cache keeps no recurrent memory".into(),
+        ))
     }
     /// Whether this cache keeps a recurrent state (which keys and values cannot continue).
     fn recurrent(&self) -> bool {
@@ -296,16 +309,20 @@ impl KvCache for RotatingCache {
     }
 }
 
-/// The state of a short causal convolution (LFM2's conv layers): the last `kernel - 1` inputs
-/// it has seen, zeros before the sequence's start. Its "keys" are those inputs ([1, 1, T,
-/// hidden]); `update` returns the window a chunk convolves over: the state followed by the
-/// chunk, [1, 1, kernel - 1 + T, hidden] (the values are the same; the mask says nothing).
+/// The state of a short causal convolution (LFM2's conv layers, and the convolution in front of
+/// a gated DeltaNet): the last `kernel - 1` inputs it has seen, zeros before the sequence's
+/// start. Its "keys" are those inputs ([1, 1, T, width]); `update` returns the window a chunk
+/// convolves over: the state followed by the chunk, [1, 1, kernel - 1 + T, width] (the values
+/// are the same; the mask says nothing). A DeltaNet layer also keeps its memory here (the
+/// matrices its rule updates, [1, heads, key_dim, value_dim] float32), which the layer reads
+/// and replaces itself.
 ///
 /// Unlike keys and values, the state of a longer sequence cannot be cut back to a prefix, so
 /// this cache hands out no contents and cannot rewind: a prefix-cache entry or a padded chunk
 /// would need the state as it was.
 pub struct ConvCache {
     state: Option<Array>,
+    memory: Option<Array>,
     offset: usize,
     kernel: usize,
 }
@@ -314,16 +331,19 @@ impl ConvCache {
     pub fn new(kernel: usize) -> Self {
         ConvCache {
             state: None,
+            memory: None,
             offset: 0,
             kernel: kernel.max(1),
         }
     }
 
-    /// A cache resuming at position `offset` from `state` [1, 1, kernel - 1, hidden], the
-    /// state after that position's input (a prefix-cache entry's).
-    pub fn resumed(kernel: usize, state: &Array, offset: usize) -> Self {
+    /// A cache resuming at position `offset` from `state` [1, 1, kernel - 1, width], the
+    /// state after that position's input (a prefix-cache entry's), and a DeltaNet layer's
+    /// `memory` as it was then.
+    pub fn resumed(kernel: usize, state: &Array, memory: Option<&Array>, offset: usize) -> Self {
         ConvCache {
             state: Some(state.clone()),
+            memory: memory.cloned(),
             offset,
             kernel: kernel.max(1),
         }
@@ -353,15 +373,29 @@ impl KvCache for ConvCache {
     }
 
     fn nbytes(&self) -> usize {
-        self.state.as_ref().map_or(0, |s| s.nbytes())
+        self.state
+            .iter()
+            .chain(&self.memory)
+            .map(|s| s.nbytes())
+            .sum()
     }
 
     fn last(&self, _n: usize) -> Option<(Array, Array)> {
         None
     }
 
-    fn state(&self) -> Option<Array> {
-        self.state.clone()
+    fn state(&self) -> Option<(Array, Array)> {
+        let state = self.state.clone()?;
+        Some((state, self.memory.clone().unwrap_or_else(empty)))
+    }
+
+    fn memory(&self) -> Option<&Array> {
+        self.memory.as_ref()
+    }
+
+    fn set_memory(&mut self, memory: Array) -> Result<()> {
+        self.memory = Some(memory);
+        Ok(())
     }
 
     fn recurrent(&self) -> bool {
@@ -446,7 +480,7 @@ impl SequenceCache {
         Ok(())
     }
     /// What the prefix cache keeps of this sequence ([`crate::prefix::KvPrefix`]): per layer its
-    /// keys and values of every position, or a recurrent layer's state and an empty array.
+    /// keys and values of every position, or a recurrent layer's state ([`KvCache::state`]).
     /// None when some layer no longer keeps every position (a wrapped window) or has no state
     /// yet.
     pub fn prefix_layers(&self) -> Option<Vec<(Array, Array)>> {
@@ -454,7 +488,7 @@ impl SequenceCache {
             .iter()
             .map(|l| {
                 if l.recurrent() {
-                    l.state().map(|s| (s, empty()))
+                    l.state()
                 } else {
                     l.contents()
                 }
@@ -466,7 +500,7 @@ impl SequenceCache {
         self.layers.iter().any(|l| l.recurrent())
     }
     /// Layer `l`'s recurrent state (see [`KvCache::state`]).
-    pub fn state(&self, l: usize) -> Option<Array> {
+    pub fn state(&self, l: usize) -> Option<(Array, Array)> {
         self.layers.get(l)?.state()
     }
     /// Layer `l`'s keys and values for every position, if this cache keeps them all.

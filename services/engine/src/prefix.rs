@@ -34,8 +34,8 @@ pub trait Payload {
 }
 
 /// A sequence's KV on the device: per layer (keys, values) [1, kv_heads, len, head_dim], or,
-/// for a layer with a recurrent state, that state after the sequence's last token and an empty
-/// array ([`crate::cache::SequenceCache::prefix_layers`]).
+/// for a layer with a recurrent state, that state after the sequence's last token
+/// ([`crate::cache::KvCache::state`]).
 pub struct KvPrefix {
     pub layers: Vec<(mlx_rs::Array, mlx_rs::Array)>,
     /// Some layer's entry is a state: the payload resumes only at its full length.

@@ -29,9 +29,10 @@ const MODELS: &[&str] = &[
     "tiny-gemma2",
     "tiny-gemma3",
     "tiny-lfm2",
+    "tiny-qwen35",
 ];
-/// Without a sliding window: these decode in batches and (but LFM2, whose convolution states
-/// cannot rewind) pad chunks to a grid.
+/// Without a sliding window: these decode in batches and (but LFM2 and Qwen3.5, whose
+/// recurrent states cannot rewind) pad chunks to a grid.
 const FULL_ATTENTION: &[&str] = &[
     "tiny-llama",
     "tiny-qwen2",
@@ -45,6 +46,7 @@ const FULL_ATTENTION: &[&str] = &[
     "tiny-qwen2-yarn",
     "tiny-phi3",
     "tiny-lfm2",
+    "tiny-qwen35",
 ];
 /// Rotary scaling past the original context in the longer cases: llama3 (bf16), yarn, and the
 /// position-dependent dynamic and longrope (with partial rotation).
@@ -539,26 +541,25 @@ fn decode_fused_with_a_chunk_in_stages_matches_transformers() {
 }
 
 /// A recurrent model resumed from what the prefix cache keeps at a position (the attention
-/// layers' keys and values, the convolution layers' states there) continues exactly as
+/// layers' keys and values, the recurrent layers' states there) continues exactly as
 /// transformers' one pass over the whole sequence.
 #[test]
 fn a_state_snapshot_resumes_as_the_whole_computation() {
-    let model = load("tiny-lfm2").model;
-    for (i, case) in reference(fixture("tiny-lfm2").join("reference.safetensors"))
-        .iter()
-        .enumerate()
-        .filter(|(_, c)| c.ids.len() > 4)
-    {
-        let at = case.ids.len() / 2;
-        let mut first = model.new_cache();
-        run_chunked(&model, &mut first, &case.ids[..at], 7);
-        let kept = first.prefix_layers().expect("every layer keeps its part");
-        let mut resumed = model.cache_from_prefix(&kept, at, case.ids.len()).unwrap();
-        let got = run_chunked(&model, &mut resumed, &case.ids[at..], 3);
-        let d = max_abs_diff(&got, &case.logits[at * case.vocab..]);
-        assert!(
-            d < TOL,
-            "tiny-lfm2 case {i} resumed at {at}: max |diff| {d}"
-        );
+    for name in ["tiny-lfm2", "tiny-qwen35"] {
+        let model = load(name).model;
+        for (i, case) in reference(fixture(name).join("reference.safetensors"))
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| c.ids.len() > 4)
+        {
+            let at = case.ids.len() / 2;
+            let mut first = model.new_cache();
+            run_chunked(&model, &mut first, &case.ids[..at], 7);
+            let kept = first.prefix_layers().expect("every layer keeps its part");
+            let mut resumed = model.cache_from_prefix(&kept, at, case.ids.len()).unwrap();
+            let got = run_chunked(&model, &mut resumed, &case.ids[at..], 3);
+            let d = max_abs_diff(&got, &case.logits[at * case.vocab..]);
+            assert!(d < TOL, "{name} case {i} resumed at {at}: max |diff| {d}");
+        }
     }
 }

@@ -234,6 +234,8 @@ pub fn config(name: &str) -> Result<ModelConfig> {
         final_logit_softcap: None,
         moe,
         conv,
+        delta: None,
+        attn_output_gate: false,
         max_position_embeddings: 131072,
     })
 }

@@ -32,6 +32,9 @@ pub(super) struct Attention {
     pub(super) eps: f32,
     /// On a CPU, scores not soft-capped: attention in f32 runs in [`crate::kernels::cpu::attention`].
     pub(super) cpu: bool,
+    /// The output is gated per head by a sigmoid of q_proj's second half (Qwen3.5): q_proj's
+    /// rows are then, per head, d of the query and d of the gate.
+    pub(super) gated: bool,
 }
 
 /// An f32 array's data on the host (evaluated first).
@@ -60,12 +63,13 @@ pub(super) fn heads_first(
 impl Attention {
     pub(super) fn load(w: &mut Weights, p: &str, c: &ModelConfig, o: ArchOptions) -> Result<Self> {
         let (h, kvh, d) = (c.num_heads, c.num_kv_heads, c.head_dim);
-        let gemma = c.arch.is_gemma();
+        let gemma = c.arch.norms_add_one();
+        let q_rows = if c.attn_output_gate { 2 * h * d } else { h * d };
         let parts = if o.fused {
             vec![(format!("{p}.qkv_proj"), (h + 2 * kvh) * d)]
         } else {
             vec![
-                (format!("{p}.q_proj"), h * d),
+                (format!("{p}.q_proj"), q_rows),
                 (format!("{p}.k_proj"), kvh * d),
                 (format!("{p}.v_proj"), kvh * d),
             ]
@@ -106,6 +110,56 @@ impl Attention {
             softcap: c.attn_logit_softcap,
             eps: c.rms_norm_eps,
             cpu: !crate::device::on_gpu() && c.attn_logit_softcap.is_none(),
+            gated: c.attn_output_gate,
+        })
+    }
+
+    /// Queries [b, heads, t, d] (normed), keys and values [b, kv_heads, t, d] (keys normed),
+    /// not yet rotated, and the output gate [b, t, heads * d] where the model has one, from the
+    /// fused projections `qkv` [b, t, ...].
+    fn project_heads(
+        &self,
+        qkv: &Array,
+        b: i32,
+        t: i32,
+    ) -> Result<(Array, Array, Array, Option<Array>)> {
+        let (h, kvh, d) = (self.heads, self.kv_heads, self.head_dim);
+        let qe = if self.gated { 2 * h * d } else { h * d };
+        let ke = qe + kvh * d;
+        let (q, gate) = if self.gated {
+            let qg = qkv.index((.., .., ..qe)).reshape(&[b, t, h, 2 * d])?;
+            let gate = qg.index((.., .., .., d..)).reshape(&[b, t, h * d])?;
+            (qg.index((.., .., .., ..d)), Some(gate))
+        } else {
+            (qkv.index((.., .., ..qe)), None)
+        };
+        let q = heads_first(q, b, t, h, d, self.q_norm.as_ref(), self.eps)?;
+        let k = heads_first(
+            qkv.index((.., .., qe..ke)),
+            b,
+            t,
+            kvh,
+            d,
+            self.k_norm.as_ref(),
+            self.eps,
+        )?;
+        let v = heads_first(
+            qkv.index((.., .., ke..ke + kvh * d)),
+            b,
+            t,
+            kvh,
+            d,
+            None,
+            self.eps,
+        )?;
+        Ok((q, k, v, gate))
+    }
+
+    /// The attention's output `o` [b, t, heads * d] times its gate's sigmoid, where it has one.
+    fn gated_output(o: Array, gate: Option<Array>) -> Result<Array> {
+        Ok(match gate {
+            Some(g) => o.multiply(&mlx_rs::ops::sigmoid(&g)?)?,
+            None => o,
         })
     }
 
@@ -137,40 +191,14 @@ impl Attention {
         cache: &mut (dyn KvCache + 'static),
     ) -> Result<Array> {
         let t = qkv.shape()[1];
-        let d = self.head_dim;
-        let (qe, ke) = (self.heads * d, (self.heads + self.kv_heads) * d);
-        let q = heads_first(
-            qkv.index((.., .., ..qe)),
-            1,
-            t,
-            self.heads,
-            d,
-            self.q_norm.as_ref(),
-            self.eps,
-        )?;
-        let k = heads_first(
-            qkv.index((.., .., qe..ke)),
-            1,
-            t,
-            self.kv_heads,
-            d,
-            self.k_norm.as_ref(),
-            self.eps,
-        )?;
-        let v = heads_first(
-            qkv.index((.., .., ke..)),
-            1,
-            t,
-            self.kv_heads,
-            d,
-            None,
-            self.eps,
-        )?;
+        let (q, k, v, gate) = self.project_heads(qkv, 1, t)?;
         let rotation = rope.at_offset(cache.offset() as i32, t)?;
         let (q, k) = (rotation.apply(&q)?, rotation.apply(&k)?);
         let o = self.attend_cached(&q, &k, &v, cache)?;
-        Ok(o.transpose_axes(&[0, 2, 1, 3])?
-            .reshape(&[1, t, self.heads * d])?)
+        let o = o
+            .transpose_axes(&[0, 2, 1, 3])?
+            .reshape(&[1, t, self.heads * self.head_dim])?;
+        Self::gated_output(o, gate)
     }
 
     /// One sequence's new queries, keys and values [1, heads, t, d] (rotated): the keys and
@@ -334,44 +362,17 @@ pub(super) struct RowStep<'a> {
 impl Attention {
     /// Rows' queries, keys and values [b, heads, 1, d] from their fused projections `rows`
     /// [b, 1, ...] (a row: a decode slot's token or one of a prefill chunk's), each rotated at
-    /// its own position (`rotation`, laid out as rows).
+    /// its own position (`rotation`, laid out as rows), and their output gate [b, 1, heads * d]
+    /// where the model has one.
     pub(super) fn row_heads(
         &self,
         rows: &Array,
         b: i32,
         rotation: &Rotation,
-    ) -> Result<(Array, Array, Array)> {
-        let d = self.head_dim;
-        let (qe, ke) = (self.heads * d, (self.heads + self.kv_heads) * d);
-        let q = heads_first(
-            rows.index((.., .., ..qe)),
-            b,
-            1,
-            self.heads,
-            d,
-            self.q_norm.as_ref(),
-            self.eps,
-        )?;
-        let k = heads_first(
-            rows.index((.., .., qe..ke)),
-            b,
-            1,
-            self.kv_heads,
-            d,
-            self.k_norm.as_ref(),
-            self.eps,
-        )?;
-        let v = heads_first(
-            rows.index((.., .., ke..)),
-            b,
-            1,
-            self.kv_heads,
-            d,
-            None,
-            self.eps,
-        )?;
+    ) -> Result<(Array, Array, Array, Option<Array>)> {
+        let (q, k, v, gate) = self.project_heads(rows, b, 1)?;
         let (q, k) = (rotation.apply(&q)?, rotation.apply(&k)?);
-        Ok((q, k, v))
+        Ok((q, k, v, gate))
     }
 
     /// Attention output [b, heads, 1, d] as rows [b, 1, heads, d].
@@ -402,7 +403,7 @@ impl Attention {
         let qkv = self.qkv.forward(x)?;
         // Every row's heads in one pass, each rotated at its own position (a chunk's rows at
         // theirs): one rotation of the queries and one of the keys a layer.
-        let (q, k, v) = self.row_heads(&qkv, n, rotation)?;
+        let (q, k, v, gate) = self.row_heads(&qkv, n, rotation)?;
         let mut outs = Vec::with_capacity(groups.len() + 1);
         // With the row attention kernel, the rows' keys and values are cut once into each
         // group's share and the chunk's (one split, not a slice per piece: each graph node
@@ -483,8 +484,8 @@ impl Attention {
                 .transpose_axes(&[2, 0, 1, 3])?;
             outs.push(o);
         }
-        let o = concat_rows(outs)?;
-        self.o.forward(&o.reshape(&[n, 1, self.heads * d])?)
+        let o = concat_rows(outs)?.reshape(&[n, 1, self.heads * d])?;
+        self.o.forward(&Self::gated_output(o, gate)?)
     }
 
     /// On a CPU in f32, a group's rows [slots, heads, 1, d] over their buffers `kv`, each over

@@ -1,4 +1,4 @@
-//! A decoder layer: its mixer (attention, or LFM2's short convolution), its feed-forward part
+//! A decoder layer: its mixer (attention, LFM2's short convolution or a gated DeltaNet), its feed-forward part
 //! (a dense MLP or experts), the norms around them, and how a layer is loaded from a
 //! checkpoint's names. The building blocks are in [`super::parts`].
 
@@ -9,6 +9,7 @@ use llmq_text::config::ModelConfig;
 
 use super::attention::Attention;
 use super::conv::ShortConv;
+use super::delta::DeltaNet;
 use super::moe::Experts;
 use super::parts::{norm_weight, Mlp};
 use crate::arch::ArchOptions;
@@ -50,6 +51,7 @@ impl FeedForward {
 pub(super) enum Mixer {
     Attention(Attention),
     Conv(ShortConv),
+    Delta(DeltaNet),
 }
 
 pub(super) struct Layer {
@@ -76,15 +78,18 @@ impl Layer {
         opts: ArchOptions,
     ) -> Result<Self> {
         let gemma = c.arch.is_gemma();
+        let plus_one = c.arch.norms_add_one();
         let p = format!("model.layers.{i}");
         let (h, f) = (c.hidden_size, c.intermediate_size);
-        let norm =
-            |w: &mut Weights, name: &str| norm_weight(w, &format!("{p}.{name}.weight"), h, gemma);
+        let norm = |w: &mut Weights, name: &str| {
+            norm_weight(w, &format!("{p}.{name}.weight"), h, plus_one)
+        };
         let names = opts.names;
         let input_norm = norm(w, names.input_norm)?;
-        let mixer = match c.conv_at(i) {
-            Some(conv) => Mixer::Conv(ShortConv::load(w, &p, c, conv)?),
-            None => Mixer::Attention(Attention::load(w, &format!("{p}.self_attn"), c, opts)?),
+        let mixer = match (c.conv_at(i), c.delta_at(i)) {
+            (Some(conv), _) => Mixer::Conv(ShortConv::load(w, &p, c, conv)?),
+            (_, Some(d)) => Mixer::Delta(DeltaNet::load(w, &p, c, d)?),
+            _ => Mixer::Attention(Attention::load(w, &format!("{p}.self_attn"), c, opts)?),
         };
         let (attn_out_norm, mlp_norm, mlp_out_norm) = if gemma {
             (
@@ -131,6 +136,7 @@ impl Layer {
                 p.extend(a.k_norm.as_ref());
             }
             Mixer::Conv(c) => p.extend(c.parameters()),
+            Mixer::Delta(d) => p.extend(d.parameters()),
         }
         p.extend(self.mlp.parameters());
         p

@@ -7,6 +7,7 @@
 
 mod attention;
 mod conv;
+mod delta;
 mod layer;
 mod moe;
 mod parts;
@@ -25,7 +26,7 @@ use mlx_rs::{Array, Dtype};
 use llmq_text::config::ModelConfig;
 
 use crate::arch;
-use crate::batch::DecodeBatch;
+use crate::batch::{DecodeBatch, RowState};
 use crate::cache::{ConvCache, KvCache, RotatingCache, SequenceCache, StandardCache};
 use crate::error::{EngineError, Result};
 use crate::kernels::cuda::row_attention::RowAttention;
@@ -94,7 +95,12 @@ impl Model {
         let layers = (0..c.num_layers)
             .map(|i| Layer::load(&mut w, c, i, opts))
             .collect::<Result<Vec<_>>>()?;
-        let norm = norm_weight(&mut w, opts.names.final_norm, c.hidden_size, gemma)?;
+        let norm = norm_weight(
+            &mut w,
+            opts.names.final_norm,
+            c.hidden_size,
+            c.arch.norms_add_one(),
+        )?;
         let lm_head = if c.tie_word_embeddings && !w.contains("lm_head.weight") {
             None
         } else {
@@ -108,7 +114,7 @@ impl Model {
         };
         let attention = |l: &Layer| match &l.mixer {
             Mixer::Attention(a) => Some((a.scale, a.cpu)),
-            Mixer::Conv(_) => None,
+            Mixer::Conv(_) | Mixer::Delta(_) => None,
         };
         let scale = layers.iter().find_map(attention).map_or(1.0, |(s, _)| s);
         // Soft-capped scores are not what the kernel computes.
@@ -278,8 +284,8 @@ impl Model {
     pub fn new_cache_for(&self, positions: usize) -> SequenceCache {
         let layers = (0..self.config.num_layers)
             .map(|i| -> Box<dyn KvCache> {
-                match (self.config.conv_at(i), self.config.window(i)) {
-                    (Some(c), _) => Box::new(ConvCache::new(c.kernel)),
+                match (self.recurrent_kernel(i), self.config.window(i)) {
+                    (Some(k), _) => Box::new(ConvCache::new(k)),
                     (_, Some(w)) => Box::new(RotatingCache::new(w)),
                     (_, None) => Box::new(StandardCache::with_room(CACHE_STEP, positions)),
                 }
@@ -308,10 +314,14 @@ impl Model {
             .iter()
             .enumerate()
             .map(|(i, (k, v))| -> Result<Box<dyn KvCache>> {
-                Ok(match (self.config.conv_at(i), self.config.window(i)) {
+                Ok(match (self.recurrent_kernel(i), self.config.window(i)) {
                     // A state resumes only where it was taken (the prefix cache's exact-only
-                    // entries): `n` is that entry's length.
-                    (Some(c), _) => Box::new(ConvCache::resumed(c.kernel, k, n)),
+                    // entries): `n` is that entry's length. A DeltaNet layer's memory is the
+                    // pair's second array.
+                    (Some(kernel), _) => {
+                        let memory = self.config.delta_at(i).map(|_| v);
+                        Box::new(ConvCache::resumed(kernel, k, memory, n))
+                    }
                     (_, Some(w)) => Box::new(RotatingCache::with_prefix(w, k, v, n)?),
                     (_, None) => {
                         Box::new(StandardCache::with_prefix(CACHE_STEP, k, v, n, capacity)?)
@@ -322,19 +332,37 @@ impl Model {
         Ok(SequenceCache { layers })
     }
 
-    /// An empty decode batch for this model (a convolution layer's rows hold its states), or
+    /// The convolution length of layer `layer`'s recurrent state (LFM2's convolution, or the
+    /// one in front of a DeltaNet), None for attention.
+    fn recurrent_kernel(&self, layer: usize) -> Option<usize> {
+        let c = &self.config;
+        c.conv_at(layer)
+            .map(|k| k.kernel)
+            .or_else(|| c.delta_at(layer).map(|d| d.conv_kernel))
+    }
+
+    /// An empty decode batch for this model (a recurrent layer's rows hold its states), or
     /// None for sliding-window models (their caches decode per sequence) and soft-capped
     /// attention (which the batch's kernels do not compute).
     pub fn new_decode_batch(&self) -> Option<DecodeBatch> {
         let c = &self.config;
-        let conv = (0..c.num_layers)
-            .map(|l| {
-                c.conv_at(l)
-                    .map(|k| (k.kernel as i32 - 1, c.hidden_size as i32))
+        let states = (0..c.num_layers)
+            .map(|l| match (c.conv_at(l), c.delta_at(l)) {
+                (Some(k), _) => Some(RowState {
+                    keep: k.kernel as i32 - 1,
+                    width: c.hidden_size as i32,
+                    memory: None,
+                }),
+                (_, Some(d)) => Some(RowState {
+                    keep: d.conv_kernel as i32 - 1,
+                    width: d.conv_channels() as i32,
+                    memory: Some([d.value_heads as i32, d.key_dim as i32, d.value_dim as i32]),
+                }),
+                _ => None,
             })
             .collect();
         (!c.any_sliding() && c.attn_logit_softcap.is_none())
-            .then(|| DecodeBatch::new(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, conv))
+            .then(|| DecodeBatch::new(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, states))
     }
 
     /// One decode step for every sequence of the batch: `tokens[i]` is row i's next input.
@@ -457,6 +485,7 @@ impl Model {
             let h = match &layer.mixer {
                 Mixer::Attention(a) => a.forward(&normed, &self.ropes[layer.rope], &mut per_seq)?,
                 Mixer::Conv(c) => c.forward(&normed, &mut per_seq)?,
+                Mixer::Delta(d) => d.forward(&normed, &mut per_seq)?,
             };
             x = layer.add_attention(&x, h, eps)?;
             x = layer.add_mlp(&x, eps)?;

@@ -94,6 +94,7 @@ impl Model {
                     a.forward_grouped(&normed, li, &mut steps, rows_step.as_ref(), rotation, part)?
                 }
                 Mixer::Conv(c) => c.forward_rows(&normed, li, &mut steps, part)?,
+                Mixer::Delta(d) => d.forward_rows(&normed, li, &mut steps, part)?,
             };
             x = layer.add_attention(&x, h, eps)?;
             x = layer.add_mlp(&x, eps)?;

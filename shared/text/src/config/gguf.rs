@@ -91,6 +91,8 @@ pub fn from_gguf(f: &GgufFile) -> Result<ModelConfig> {
         final_logit_softcap: float("final_logit_softcapping").filter(|_| arch.is_gemma()),
         moe: gguf_moe(f, &key, layers)?,
         conv: None,
+        delta: None,
+        attn_output_gate: false,
         max_position_embeddings: max_positions,
     };
     cfg.validate(path)?;

@@ -6,7 +6,7 @@ use crate::error::{Error, Result};
 use crate::rope::{self, RopeConfig};
 use serde::Deserialize;
 
-use super::{Arch, ConvConfig, ModelConfig, MoeConfig};
+use super::{Arch, ConvConfig, DeltaNetConfig, ModelConfig, MoeConfig};
 
 #[derive(Deserialize)]
 struct HfConfig {
@@ -65,12 +65,42 @@ struct HfConfig {
     block_auto_adjust_ff_dim: Option<bool>,
     block_ffn_dim_multiplier: Option<f32>,
     block_multiple_of: Option<usize>,
+    /// Qwen3.5's gated DeltaNet layers (`layer_types` "linear_attention", else every layer but
+    /// each `full_attention_interval`-th).
+    linear_num_key_heads: Option<usize>,
+    linear_num_value_heads: Option<usize>,
+    linear_key_head_dim: Option<usize>,
+    linear_value_head_dim: Option<usize>,
+    linear_conv_kernel_dim: Option<usize>,
+    full_attention_interval: Option<usize>,
+}
+
+/// A config's text model: the whole config, or, for a multimodal checkpoint of a family served
+/// as text (Qwen3.5's, `model_type` "qwen3_5"), its `text_config`, which takes the outer
+/// `tie_word_embeddings` where it has none.
+fn text_model(mut v: serde_json::Value) -> serde_json::Value {
+    let multimodal = v.get("model_type").and_then(|t| t.as_str()) == Some("qwen3_5");
+    match v
+        .get_mut("text_config")
+        .filter(|_| multimodal)
+        .map(serde_json::Value::take)
+    {
+        Some(mut text) => {
+            if let (Some(t), Some(tie)) = (text.as_object_mut(), v.get("tie_word_embeddings")) {
+                t.entry("tie_word_embeddings").or_insert(tie.clone());
+            }
+            text
+        }
+        None => v,
+    }
 }
 
 pub fn from_hf_json(path: &Path) -> Result<ModelConfig> {
     let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-    let raw: HfConfig =
-        serde_json::from_str(&text).map_err(|e| Error::format(path, e.to_string()))?;
+    let raw: HfConfig = serde_json::from_str(&text)
+        .map(text_model)
+        .and_then(serde_json::from_value)
+        .map_err(|e| Error::format(path, e.to_string()))?;
     let name = raw
         .model_type
         .clone()
@@ -85,6 +115,7 @@ pub fn from_hf_json(path: &Path) -> Result<ModelConfig> {
         "gemma2" | "Gemma2ForCausalLM" => Arch::Gemma2,
         "gemma3_text" | "Gemma3ForCausalLM" => Arch::Gemma3,
         "lfm2" | "Lfm2ForCausalLM" => Arch::Lfm2,
+        "qwen3_5_text" | "Qwen3_5ForCausalLM" => Arch::Qwen35,
         other => {
             return Err(Error::UnsupportedArch {
                 path: path.into(),
@@ -128,6 +159,20 @@ pub fn from_hf_json(path: &Path) -> Result<ModelConfig> {
             (Some(types), _) => types.iter().map(|t| t == "conv").collect(),
             (None, Some(attn)) => (0..layers).map(|i| !attn.contains(&i)).collect(),
             (None, None) => vec![false; layers],
+        },
+    });
+    let delta = (arch == Arch::Qwen35).then(|| DeltaNetConfig {
+        key_heads: raw.linear_num_key_heads.unwrap_or(16),
+        value_heads: raw.linear_num_value_heads.unwrap_or(32),
+        key_dim: raw.linear_key_head_dim.unwrap_or(128),
+        value_dim: raw.linear_value_head_dim.unwrap_or(128),
+        conv_kernel: raw.linear_conv_kernel_dim.unwrap_or(4),
+        layers: match &raw.layer_types {
+            Some(types) => types.iter().map(|t| t == "linear_attention").collect(),
+            None => {
+                let every = raw.full_attention_interval.unwrap_or(4).max(1);
+                (0..layers).map(|i| (i + 1) % every != 0).collect()
+            }
         },
     });
     let moe = hf_moe(&raw, &name, layers, intermediate_size);
@@ -174,6 +219,8 @@ pub fn from_hf_json(path: &Path) -> Result<ModelConfig> {
         final_logit_softcap: raw.final_logit_softcapping.filter(|_| arch.is_gemma()),
         moe,
         conv,
+        delta,
+        attn_output_gate: arch == Arch::Qwen35,
         max_position_embeddings: max_positions,
     };
     cfg.validate(path)?;

@@ -34,11 +34,21 @@ pub enum Arch {
     /// LFM2: short gated convolutions in most layers ([`ConvConfig`]), grouped-query attention
     /// with q/k norms in the others.
     Lfm2,
+    /// Qwen3.5 (text): gated DeltaNet in three layers of four ([`DeltaNetConfig`]), gated
+    /// attention (q_proj also yields a sigmoid gate on the output; q/k norms; partial rope) in
+    /// the others; every RMS norm but DeltaNet's own scales by 1 + w.
+    Qwen35,
 }
 
 impl Arch {
     pub fn is_gemma(self) -> bool {
         matches!(self, Arch::Gemma2 | Arch::Gemma3)
+    }
+
+    /// Whether the model's RMS norms (around layers, and q/k norms) scale by 1 + w rather
+    /// than w.
+    pub fn norms_add_one(self) -> bool {
+        self.is_gemma() || self == Arch::Qwen35
     }
 }
 
@@ -73,6 +83,30 @@ pub struct ConvConfig {
     pub layers: Vec<bool>,
 }
 
+/// Gated DeltaNet layers (Qwen3.5): linear attention whose per-sequence state is a matrix per
+/// value head, updated by the gated delta rule at every position. The layer's input is projected
+/// to q, k, v (passed through a causal depthwise convolution of `conv_kernel` positions and
+/// SiLU), a gate z, and per value head a write strength (beta) and a decay. A layer keeps per
+/// sequence the convolution's last `conv_kernel - 1` inputs and the state [value_heads,
+/// key_dim, value_dim] in float32.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeltaNetConfig {
+    pub key_heads: usize,
+    pub value_heads: usize,
+    pub key_dim: usize,
+    pub value_dim: usize,
+    pub conv_kernel: usize,
+    /// Which layers are DeltaNet layers (one entry a layer).
+    pub layers: Vec<bool>,
+}
+
+impl DeltaNetConfig {
+    /// The convolution's channels: q, k and v side by side.
+    pub fn conv_channels(&self) -> usize {
+        2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct ModelConfig {
     pub arch: Arch,
@@ -101,6 +135,10 @@ pub struct ModelConfig {
     pub moe: Option<MoeConfig>,
     /// Convolution layers (LFM2).
     pub conv: Option<ConvConfig>,
+    /// Gated DeltaNet layers (Qwen3.5).
+    pub delta: Option<DeltaNetConfig>,
+    /// Attention's output is gated per head by a sigmoid of a second half of q_proj (Qwen3.5).
+    pub attn_output_gate: bool,
     pub max_position_embeddings: usize,
 }
 
@@ -134,18 +172,29 @@ impl ModelConfig {
         self.conv_at(layer).is_some()
     }
 
+    /// Layer `layer`'s gated DeltaNet, when it is one.
+    pub fn delta_at(&self, layer: usize) -> Option<&DeltaNetConfig> {
+        self.delta
+            .as_ref()
+            .filter(|d| d.layers.get(layer).copied().unwrap_or(false))
+    }
+
+    /// Whether layer `layer` keeps a recurrent state (a convolution's, a DeltaNet's) instead of
+    /// keys and values.
+    pub fn recurrent_layer(&self, layer: usize) -> bool {
+        self.conv_at(layer).is_some() || self.delta_at(layer).is_some()
+    }
+
     /// Whether some layer keeps a recurrent state instead of keys and values (a state that
     /// cannot be cut back to a shorter prefix, nor rewound).
     pub fn recurrent(&self) -> bool {
-        self.conv
-            .as_ref()
-            .is_some_and(|c| c.layers.iter().any(|&l| l))
+        (0..self.num_layers).any(|l| self.recurrent_layer(l))
     }
 
     /// Layers that attend (and hold keys and values).
     pub fn attention_layers(&self) -> usize {
         (0..self.num_layers)
-            .filter(|&i| !self.conv_layer(i))
+            .filter(|&i| !self.recurrent_layer(i))
             .count()
     }
 
@@ -207,6 +256,27 @@ impl ModelConfig {
                     "a convolution of {} positions with {} layer flags for {} layers",
                     c.kernel,
                     c.layers.len(),
+                    self.num_layers
+                ));
+            }
+        }
+        if let Some(d) = &self.delta {
+            if d.conv_kernel == 0
+                || d.key_heads == 0
+                || !d.value_heads.is_multiple_of(d.key_heads)
+                || d.key_dim == 0
+                || d.value_dim == 0
+                || d.layers.len() != self.num_layers
+            {
+                return bad(format!(
+                    "gated DeltaNet of {} key heads ({} wide), {} value heads ({} wide), a \
+                     convolution of {} positions, {} layer flags for {} layers",
+                    d.key_heads,
+                    d.key_dim,
+                    d.value_heads,
+                    d.value_dim,
+                    d.conv_kernel,
+                    d.layers.len(),
                     self.num_layers
                 ));
             }
