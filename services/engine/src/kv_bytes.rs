@@ -24,12 +24,17 @@ impl KvLayout {
     }
 
     fn elem_bytes(&self) -> usize {
-        match self.dtype {
-            Dtype::Float32 | Dtype::Int32 | Dtype::Uint32 => 4,
-            Dtype::Float64 | Dtype::Int64 | Dtype::Uint64 | Dtype::Complex64 => 8,
-            Dtype::Bool | Dtype::Int8 | Dtype::Uint8 => 1,
-            _ => 2,
-        }
+        dtype_bytes(self.dtype)
+    }
+}
+
+/// Bytes of one element of `dtype`.
+pub(crate) fn dtype_bytes(dtype: Dtype) -> usize {
+    match dtype {
+        Dtype::Float32 | Dtype::Int32 | Dtype::Uint32 => 4,
+        Dtype::Float64 | Dtype::Int64 | Dtype::Uint64 | Dtype::Complex64 => 8,
+        Dtype::Bool | Dtype::Int8 | Dtype::Uint8 => 1,
+        _ => 2,
     }
 }
 

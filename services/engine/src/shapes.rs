@@ -1,6 +1,6 @@
 //! Random-weight models of known shapes ([`llmq_text::shapes`]): Llama's, Qwen3-MoE's for the
-//! mixture-of-experts shapes and LFM2's for its shapes, for speed measurements that need no
-//! files.
+//! mixture-of-experts shapes, LFM2's and Qwen3.5's for theirs, for speed measurements that need
+//! no files.
 
 use llmq_text::shapes::config;
 use mlx_rs::random;
@@ -49,9 +49,26 @@ pub fn random_model(name: &str, opts: impl Into<LoadOptions>, seed: u64) -> Resu
                 format!("{p}.conv.conv.weight"),
                 &[h, 1, conv.kernel],
             )?;
+        } else if let Some(dn) = c.delta_at(i) {
+            let a = format!("{p}.linear_attn");
+            let (channels, hv, dv) = (dn.conv_channels(), dn.value_heads, dn.value_dim);
+            add(&mut w, format!("{a}.in_proj_qkv.weight"), &[channels, h])?;
+            add(&mut w, format!("{a}.in_proj_z.weight"), &[hv * dv, h])?;
+            add(&mut w, format!("{a}.in_proj_b.weight"), &[hv, h])?;
+            add(&mut w, format!("{a}.in_proj_a.weight"), &[hv, h])?;
+            add(
+                &mut w,
+                format!("{a}.conv1d.weight"),
+                &[channels, 1, dn.conv_kernel],
+            )?;
+            add(&mut w, format!("{a}.A_log"), &[hv])?;
+            add(&mut w, format!("{a}.dt_bias"), &[hv])?;
+            add(&mut w, format!("{a}.norm.weight"), &[dv])?;
+            add(&mut w, format!("{a}.out_proj.weight"), &[h, hv * dv])?;
         } else {
             let a = format!("{p}.self_attn");
-            add(&mut w, format!("{a}.q_proj.weight"), &[c.num_heads * d, h])?;
+            let q_rows = if c.attn_output_gate { 2 } else { 1 } * c.num_heads * d;
+            add(&mut w, format!("{a}.q_proj.weight"), &[q_rows, h])?;
             add(
                 &mut w,
                 format!("{a}.k_proj.weight"),

@@ -44,6 +44,7 @@ const MODELS: &[&str] = &[
     "tiny-gemma2",
     "tiny-gemma3",
     "tiny-lfm2",
+    "tiny-qwen35",
 ];
 
 fn f32_opts() -> LoadOptions {

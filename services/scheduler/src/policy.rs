@@ -22,8 +22,9 @@
 //! wait behind a long one and a long one is not starved.
 //!
 //! Memory: the KV budget is a pool of blocks of `block_tokens` positions ([`BlockPool`]). A
-//! request is admitted when the blocks for its prompt plus `lookahead_tokens` are free, not for
-//! what it might generate; a decoding sequence's table grows a block at a time, before the step
+//! request is admitted when the blocks for its prompt plus `lookahead_tokens` (plus, for a model
+//! with recurrent layers, `state_tokens`: its state's bytes counted as positions) are free, not
+//! for what it might generate; a decoding sequence's table grows a block at a time, before the step
 //! that needs it. When the pool cannot grow a sequence, the request that arrived last among
 //! those running is preempted: its blocks are freed, the executor keeps its state
 //! ([`Executor::preempt`]), and it waits again in its arrival place, to be prefilled anew from
@@ -66,6 +67,10 @@ pub struct SchedulerConfig {
     /// Positions a running sequence holds beyond the tokens it has: the next step's write and
     /// one step the executor may run ahead.
     pub lookahead_tokens: usize,
+    /// Positions' worth of KV a running sequence's recurrent state takes (a hybrid model's
+    /// convolution and DeltaNet states, whatever its length; 0 for attention alone): its table
+    /// holds blocks for them beside its tokens, so states count in the same pool.
+    pub state_tokens: usize,
     /// Aging of waiting prefills, in prompt tokens per second waited.
     pub aging_tokens_per_s: f64,
     /// False: the synchronous baseline, whole prompts prefilled in one go even while streams
@@ -92,6 +97,7 @@ impl Default for SchedulerConfig {
             kv_bytes_per_token: 1,
             block_tokens: 64,
             lookahead_tokens: 2,
+            state_tokens: 0,
             aging_tokens_per_s: 1000.0,
             interleave: true,
             continuous: true,
@@ -222,6 +228,12 @@ impl Scheduler {
         &self.pool
     }
 
+    /// Positions a running sequence's table covers with `tokens` of its own: them, the
+    /// lookahead and its recurrent state's worth.
+    fn need(&self, tokens: usize) -> usize {
+        tokens + self.cfg.lookahead_tokens + self.cfg.state_tokens
+    }
+
     fn block_bytes(&self) -> u64 {
         self.pool.block_tokens() as u64 * self.cfg.kv_bytes_per_token
     }
@@ -229,9 +241,7 @@ impl Scheduler {
     /// Why a request can never run here (its prompt could never fit the pool, or it is empty),
     /// if so.
     pub fn refusal(&self, a: &Admission) -> Option<WireError> {
-        let need = self
-            .pool
-            .blocks_for(a.prompt_tokens + self.cfg.lookahead_tokens);
+        let need = self.pool.blocks_for(self.need(a.prompt_tokens));
         if a.prompt_tokens == 0 {
             Some(WireError::new(ErrorClass::InvalidRequest, "empty prompt"))
         } else if need > self.pool.total() {
@@ -502,7 +512,7 @@ impl Scheduler {
         let mut preempted = 0;
         for id in order {
             while let Some(r) = self.reqs.get(&id).filter(|_| self.decoding.contains(&id)) {
-                let need = r.tokens() + self.cfg.lookahead_tokens;
+                let need = self.need(r.tokens());
                 if self.pool.reserve(id, need).is_ok() {
                     break;
                 }
@@ -576,7 +586,7 @@ impl Scheduler {
                 still_waiting.push(id);
                 continue;
             }
-            let need = self.reqs[&id].target + self.cfg.lookahead_tokens;
+            let need = self.need(self.reqs[&id].target);
             let running = self.decoding.len() + self.prefilling.len();
             if batch_open
                 && !blocked

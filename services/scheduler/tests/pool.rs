@@ -76,6 +76,41 @@ fn requests_are_admitted_for_their_prompt_not_their_max_tokens() {
 }
 
 #[test]
+fn recurrent_states_hold_blocks_beside_the_tokens() {
+    // 20 blocks; a sequence's recurrent state counts as 30 positions: each prompt of 16 then
+    // takes 16 + 2 + 30 positions (3 blocks), so 6 run at once, not 8 as without states.
+    let mut h = Harness::new(SchedulerConfig {
+        state_tokens: 30,
+        ..pool_of(20)
+    });
+    for id in 1..=8 {
+        h.submit(id, 16, 4);
+    }
+    h.tick();
+    assert_eq!(h.s.pool().used(), 18);
+    assert_eq!(h.s.pool().holders().count(), 6);
+    for _ in 0..40 {
+        h.tick();
+        h.s.pool().check().unwrap();
+    }
+    assert!(h.s.is_idle());
+    assert_eq!(h.s.pool().used(), 0, "every state's blocks came back");
+    // A prompt whose tokens fit the pool (320 positions) but not with its state is refused at
+    // once.
+    let mut h = Harness::new(SchedulerConfig {
+        state_tokens: 310,
+        ..pool_of(20)
+    });
+    h.submit(1, 16, 4);
+    h.tick();
+    assert!(
+        matches!(h.of(1).last(), Some(Event::Error { .. })),
+        "{:?}",
+        h.of(1)
+    );
+}
+
+#[test]
 fn a_pool_too_small_for_all_finishes_them_all_in_arrival_order() {
     // 12 blocks; each request alone needs 20 + 60 + 2 positions (6 blocks) at its end.
     let mut h = Harness::new(pool_of(12));

@@ -67,7 +67,9 @@ pub fn scheduler_config(
         idle_prefill_chunk: c.idle_chunk(gpu),
         max_batch: c.max_batch,
         kv_budget_bytes,
+        // Both set from the executor by the scheduler actor.
         kv_bytes_per_token: 1,
+        state_tokens: 0,
         block_tokens: c.kv_block_tokens,
         lookahead_tokens: c.kv_lookahead_tokens,
         aging_tokens_per_s: c.aging_tokens_per_s,

@@ -3,8 +3,8 @@
 //! starts over from its prompt and the tokens it generated; every request still gets exactly
 //! the greedy tokens it gets alone, and all KV memory comes back. With decode steps queued
 //! ahead and without, with the prefix cache (a resumed request finds what it fed the model
-//! before) and without. The same for LFM2 (tiny-lfm2), whose convolution states resume from the
-//! prefix cache only where they were taken.
+//! before) and without. The same for LFM2 (tiny-lfm2) and Qwen3.5 (tiny-qwen35), whose recurrent
+//! states resume from the prefix cache only where they were taken.
 
 mod common;
 
@@ -17,7 +17,7 @@ use llmq_protocol::Event;
 use llmq_scheduler::{Admission, Emit, Scheduler, SchedulerConfig};
 use llmq_text::resolve_model;
 use llmq_text::sampling::{Sampling, StopConditions};
-use llmq_worker::actor::WorkerExecutor;
+use llmq_worker::actor::{state_tokens, WorkerExecutor};
 use llmq_worker::roles::{PrefixOptions, RoleActors, RoleOptions};
 use llmq_worker::seq::SeqSpec;
 use mlx_rs::Dtype;
@@ -55,6 +55,11 @@ fn preempted_convolution_states_restart_with_the_same_greedy_tokens() {
     check_preemption("tiny-lfm2");
 }
 
+#[test]
+fn preempted_deltanet_states_restart_with_the_same_greedy_tokens() {
+    check_preemption("tiny-qwen35");
+}
+
 fn check_preemption(name: &str) {
     let loaded = load_model(&model_path(name), Dtype::Float32).unwrap();
     let recurrent = loaded.model.config.recurrent();
@@ -73,10 +78,7 @@ fn check_preemption(name: &str) {
         ..Default::default()
     };
     let alone = greedy_alone(&loaded.model, tok, &prompts, &stop);
-    // Blocks for the longest request alone at its end, and one more: two cannot both finish
-    // side by side.
     let longest = prompts.iter().map(|p| p.len()).max().unwrap() + MAX_TOKENS + 2;
-    let blocks = longest.div_ceil(BLOCK) + 1;
     for (ahead, prefix) in [(true, false), (false, false), (true, true), (false, true)] {
         actix::System::new().block_on(async {
             let fresh = load_model(&model_path(name), Dtype::Float32).unwrap();
@@ -90,12 +92,18 @@ fn check_preemption(name: &str) {
             };
             let mut engine = RoleActors::start(fresh.model, fresh.tokenizer, opts);
             let bpt = engine.kv_bytes_per_token();
+            // Blocks for the longest request alone at its end (its recurrent states counted as
+            // positions), one more, and a second request's states: two start side by side but
+            // cannot both finish so.
+            let state = state_tokens(&engine);
+            let blocks = (longest + state).div_ceil(BLOCK) + 1 + state.div_ceil(BLOCK);
             let mut s = Scheduler::new(SchedulerConfig {
                 prefill_chunk: 8,
                 idle_prefill_chunk: 16,
                 kv_bytes_per_token: bpt,
                 kv_budget_bytes: (blocks * BLOCK) as u64 * bpt,
                 block_tokens: BLOCK,
+                state_tokens: state,
                 ..Default::default()
             });
             let start = Instant::now();
@@ -145,9 +153,9 @@ fn check_preemption(name: &str) {
             let cached = engine.prefix_stats().held_bytes;
             assert_eq!(cached > 0, prefix, "{case}");
             // A resumed request starts from what it fed the model before (the prompts share
-            // nothing else). Not asserted for LFM2: its entries carry convolution states the
-            // pool's per-token budget does not count (6 KB an entry here, a third of the
-            // entry), and under this pool's pressure they are evicted before the request
+            // nothing else). Not asserted for the recurrent models: an entry carries the
+            // sequence's states (for tiny-qwen35 as much as 66 positions of KV, more than the
+            // entry's tokens), and under this pool's pressure it is evicted before the request
             // resumes; tests/prefix.rs shows a state resumed where it was taken.
             if !recurrent {
                 assert_eq!(engine.prefix_stats().reused_tokens > 0, prefix, "{case}");

@@ -100,6 +100,7 @@ impl Rig {
             idle_prefill_chunk: chunk,
             kv_bytes_per_token: bpt,
             kv_budget_bytes: budget_tokens * bpt,
+            state_tokens: llmq_worker::actor::state_tokens(&engine),
             ..Default::default()
         });
         Rig {
@@ -340,65 +341,82 @@ fn sliding_window_prefixes_are_reused_only_before_the_window_wraps() {
     }
 }
 
-/// LFM2's convolution layers keep a state that cannot be cut back to a shorter prefix: the
-/// prefix cache keeps each state where it was taken (a prompt's end, a request's end, some
-/// chunks' ends), and a prompt extending one of those resumes exactly there, with the tokens it
-/// gets alone, in chunks of every size; nothing is reused between two such positions.
+/// LFM2's convolution layers and Qwen3.5's DeltaNet layers keep a state that cannot be cut back
+/// to a shorter prefix: the prefix cache keeps each state where it was taken (a prompt's end, a
+/// request's end, some chunks' ends), and a prompt extending one of those resumes exactly there,
+/// with the tokens it gets alone, in chunks of every size; nothing is reused between two such
+/// positions.
 #[test]
-fn convolution_states_resume_only_where_they_were_taken() {
-    let model = tiny("tiny-lfm2");
-    assert!(model.config.recurrent());
-    let first = prompt(11, 20);
-    let (after, want_after) = pick(&model, |s| [&first[..], &prompt(s, 6)].concat());
-    let want_first = alone(&model, &first);
-    // Shares 15 tokens with `first`: keys and values would serve them all, a state serves only
-    // where one was kept.
-    let (diverging, want_diverging) = pick(&model, |s| [&first[..15], &prompt(s + 50, 9)].concat());
-    for chunk in [1, 5, 64] {
-        let mut rig = Rig::new(tiny("tiny-lfm2"), 100_000, chunk);
-        let a = rig.submit(&first, None);
-        rig.run();
-        let b = rig.submit(&after, None);
-        rig.run();
-        let c = rig.submit(&diverging, None);
-        rig.run();
-        assert_eq!(rig.tokens(a), want_first, "chunk {chunk}");
-        assert_eq!(rig.tokens(b), want_after, "chunk {chunk}");
-        assert_eq!(rig.cached(b), first.len() as u32, "chunk {chunk}");
-        assert_eq!(rig.tokens(c), want_diverging, "chunk {chunk}");
-        // Of `first`'s states, only those kept where its chunks ended at 4 times a power of
-        // two lie within the 15 shared tokens: at 8 with chunks of 1, none with chunks of 5
-        // (ends 5, 10, 15) or 64 (one chunk).
-        let deepest = if chunk == 1 { 8 } else { 0 };
-        assert_eq!(rig.cached(c), deepest, "chunk {chunk}");
-        rig.check_memory_returns();
+fn recurrent_states_resume_only_where_they_were_taken() {
+    for name in RECURRENT {
+        let model = tiny(name);
+        assert!(model.config.recurrent());
+        let first = prompt(11, 20);
+        let (after, want_after) = pick(&model, |s| [&first[..], &prompt(s, 6)].concat());
+        let want_first = alone(&model, &first);
+        // Shares 15 tokens with `first`: keys and values would serve them all, a state serves
+        // only where one was kept.
+        let (diverging, want_diverging) =
+            pick(&model, |s| [&first[..15], &prompt(s + 50, 9)].concat());
+        for chunk in [1, 5, 64] {
+            let mut rig = Rig::new(tiny(name), 100_000, chunk);
+            let a = rig.submit(&first, None);
+            rig.run();
+            let b = rig.submit(&after, None);
+            rig.run();
+            let c = rig.submit(&diverging, None);
+            rig.run();
+            assert_eq!(rig.tokens(a), want_first, "{name} chunk {chunk}");
+            assert_eq!(rig.tokens(b), want_after, "{name} chunk {chunk}");
+            assert_eq!(rig.cached(b), first.len() as u32, "{name} chunk {chunk}");
+            assert_eq!(rig.tokens(c), want_diverging, "{name} chunk {chunk}");
+            // Of `first`'s states, only those kept where its chunks ended at 4 times a power
+            // of two lie within the 15 shared tokens: at 8 with chunks of 1, none with chunks
+            // of 5 (ends 5, 10, 15) or 64 (one chunk).
+            let deepest = if chunk == 1 { 8 } else { 0 };
+            assert_eq!(rig.cached(c), deepest, "{name} chunk {chunk}");
+            rig.check_memory_returns();
+        }
     }
 }
 
-/// A long LFM2 prompt also keeps its states where prefill chunks end at the block size times a
-/// power of two (chunks of 8, blocks of 4: at 8, 16 and 32 of 40): a prompt sharing its first 35
-/// tokens resumes at 32, with the tokens it gets alone.
+/// The recurrent fixtures: LFM2's convolutions, Qwen3.5's gated DeltaNet.
+const RECURRENT: [&str; 2] = ["tiny-lfm2", "tiny-qwen35"];
+
+/// A long prompt of a recurrent model also keeps its states where prefill chunks end at the
+/// block size times a power of two (chunks of 8, blocks of 4: at 8, 16 and 32 of 40): a prompt
+/// sharing its first 35 tokens resumes at 32, with the tokens it gets alone.
 #[test]
 fn a_shared_beginning_resumes_from_the_deepest_state_kept_within_it() {
-    let model = tiny("tiny-lfm2");
-    let long = prompt(21, 40);
-    let (other, want) = pick(&model, |s| [&long[..35], &prompt(s + 80, 6)].concat());
-    // Alone (its chunks run in the prefill actor), and beside a decoding request (its chunks
-    // share the decode actor's steps).
-    for beside in [false, true] {
-        let mut rig = Rig::new(tiny("tiny-lfm2"), 100_000, 8);
-        if beside {
-            rig.submit(&prompt(5, 6), None);
-            rig.tick();
-            rig.tick();
+    for name in RECURRENT {
+        let model = tiny(name);
+        let long = prompt(21, 40);
+        let (other, want) = pick(&model, |s| [&long[..35], &prompt(s + 80, 6)].concat());
+        // Alone (its chunks run in the prefill actor), and beside a decoding request (its
+        // chunks share the decode actor's steps).
+        for beside in [false, true] {
+            let mut rig = Rig::new(tiny(name), 100_000, 8);
+            if beside {
+                rig.submit(&prompt(5, 6), None);
+                rig.tick();
+                rig.tick();
+            }
+            rig.submit(&long, None);
+            rig.run();
+            let b = rig.submit(&other, None);
+            rig.run();
+            assert_eq!(
+                rig.tokens(b),
+                want,
+                "{name} beside a decoding request: {beside}"
+            );
+            assert_eq!(
+                rig.cached(b),
+                32,
+                "{name} beside a decoding request: {beside}"
+            );
+            rig.check_memory_returns();
         }
-        rig.submit(&long, None);
-        rig.run();
-        let b = rig.submit(&other, None);
-        rig.run();
-        assert_eq!(rig.tokens(b), want, "beside a decoding request: {beside}");
-        assert_eq!(rig.cached(b), 32, "beside a decoding request: {beside}");
-        rig.check_memory_returns();
     }
 }
 

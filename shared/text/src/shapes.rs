@@ -1,7 +1,7 @@
 //! The shapes of random-weight models, for speed measurements that need no files. They match
 //! lab/peer/peer_mlx_lm.py, so figures compare like for like.
 
-use crate::config::{Arch, ConvConfig, ModelConfig, MoeConfig};
+use crate::config::{Arch, ConvConfig, DeltaNetConfig, ModelConfig, MoeConfig};
 use crate::error::{Error, Result};
 use crate::rope::RopeConfig;
 
@@ -22,6 +22,17 @@ struct Shape {
     experts: Option<Experts>,
     /// LFM2: the layers that attend; every other one is a short convolution (3 positions).
     attention_layers: Option<&'static [usize]>,
+    /// Qwen3.5: gated DeltaNet in every layer but each fourth (gated attention, a quarter of
+    /// the head rotated, rope base 10^7).
+    delta: Option<Delta>,
+}
+
+/// A gated DeltaNet's shape: key heads, value heads, their widths (convolution of 4).
+struct Delta {
+    key_heads: usize,
+    value_heads: usize,
+    key_dim: usize,
+    value_dim: usize,
 }
 
 /// A mixture of experts' shape: experts per layer, experts a token runs, an expert's width.
@@ -45,6 +56,7 @@ const SHAPES: &[Shape] = &[
         tied: true,
         experts: None,
         attention_layers: None,
+        delta: None,
     },
     Shape {
         name: "smollm2",
@@ -59,6 +71,7 @@ const SHAPES: &[Shape] = &[
         tied: true,
         experts: None,
         attention_layers: None,
+        delta: None,
     },
     Shape {
         name: "1b",
@@ -73,6 +86,7 @@ const SHAPES: &[Shape] = &[
         tied: true,
         experts: None,
         attention_layers: None,
+        delta: None,
     },
     Shape {
         name: "8b",
@@ -87,6 +101,7 @@ const SHAPES: &[Shape] = &[
         tied: false,
         experts: None,
         attention_layers: None,
+        delta: None,
     },
     Shape {
         name: "tiny-moe",
@@ -105,6 +120,7 @@ const SHAPES: &[Shape] = &[
             width: 128,
         }),
         attention_layers: None,
+        delta: None,
     },
     // Qwen3-30B-A3B
     Shape {
@@ -124,6 +140,7 @@ const SHAPES: &[Shape] = &[
             width: 768,
         }),
         attention_layers: None,
+        delta: None,
     },
     // LFM2 as the peer builds it: the MLP's stated 768 is 512 after LFM2's adjustment.
     Shape {
@@ -139,6 +156,7 @@ const SHAPES: &[Shape] = &[
         tied: true,
         experts: None,
         attention_layers: Some(&[2]),
+        delta: None,
     },
     // LiquidAI's LFM2-1.2B: 10 convolution layers and 6 attention layers, the MLP's stated
     // 12288 adjusted to 8192.
@@ -155,6 +173,48 @@ const SHAPES: &[Shape] = &[
         tied: true,
         experts: None,
         attention_layers: Some(&[2, 5, 8, 10, 12, 14]),
+        delta: None,
+    },
+    Shape {
+        name: "tiny-qwen35",
+        vocabulary: None,
+        hidden: 256,
+        layers: 4,
+        intermediate: 512,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 64,
+        vocab: 4096,
+        tied: true,
+        experts: None,
+        attention_layers: None,
+        delta: Some(Delta {
+            key_heads: 2,
+            value_heads: 4,
+            key_dim: 64,
+            value_dim: 64,
+        }),
+    },
+    // Qwen3.5-9B's text model: 24 DeltaNet layers and 8 of gated attention.
+    Shape {
+        name: "qwen35",
+        vocabulary: None,
+        hidden: 4096,
+        layers: 32,
+        intermediate: 12288,
+        heads: 16,
+        kv_heads: 4,
+        head_dim: 256,
+        vocab: 248320,
+        tied: false,
+        experts: None,
+        attention_layers: None,
+        delta: Some(Delta {
+            key_heads: 16,
+            value_heads: 32,
+            key_dim: 128,
+            value_dim: 128,
+        }),
     },
 ];
 
@@ -203,10 +263,24 @@ pub fn config(name: &str) -> Result<ModelConfig> {
         bias: false,
         layers: (0..s.layers).map(|i| !attn.contains(&i)).collect(),
     });
+    let delta = s.delta.as_ref().map(|d| DeltaNetConfig {
+        key_heads: d.key_heads,
+        value_heads: d.value_heads,
+        key_dim: d.key_dim,
+        value_dim: d.value_dim,
+        conv_kernel: 4,
+        layers: (0..s.layers).map(|i| (i + 1) % 4 != 0).collect(),
+    });
+    let rope = match (&moe, &conv, &delta) {
+        (_, _, Some(_)) => RopeConfig::plain(10_000_000.0, s.head_dim / 4),
+        (Some(_), _, _) | (_, Some(_), _) => RopeConfig::plain(1_000_000.0, s.head_dim),
+        _ => RopeConfig::plain(500_000.0, s.head_dim),
+    };
     Ok(ModelConfig {
-        arch: match (&moe, &conv) {
-            (Some(_), _) => Arch::Qwen3,
-            (_, Some(_)) => Arch::Lfm2,
+        arch: match (&moe, &conv, &delta) {
+            (Some(_), _, _) => Arch::Qwen3,
+            (_, Some(_), _) => Arch::Lfm2,
+            (_, _, Some(_)) => Arch::Qwen35,
             _ => Arch::Llama,
         },
         vocab_size: s.vocab,
@@ -216,15 +290,8 @@ pub fn config(name: &str) -> Result<ModelConfig> {
         num_heads: s.heads,
         num_kv_heads: s.kv_heads,
         head_dim: s.head_dim,
-        rms_norm_eps: 1e-5,
-        rope: RopeConfig::plain(
-            if moe.is_some() || conv.is_some() {
-                1_000_000.0
-            } else {
-                500_000.0
-            },
-            s.head_dim,
-        ),
+        rms_norm_eps: if delta.is_some() { 1e-6 } else { 1e-5 },
+        rope,
         tie_word_embeddings: s.tied,
         sliding_window: None,
         sliding_layers: vec![false; s.layers],
@@ -234,8 +301,8 @@ pub fn config(name: &str) -> Result<ModelConfig> {
         final_logit_softcap: None,
         moe,
         conv,
-        delta: None,
-        attn_output_gate: false,
+        attn_output_gate: delta.is_some(),
+        delta,
         max_position_embeddings: 131072,
     })
 }

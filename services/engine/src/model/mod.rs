@@ -199,6 +199,23 @@ impl Model {
     }
 
     /// What one position's KV is made of (every layer's keys and values, in the model's dtype).
+    /// Bytes of one sequence's recurrent states: every convolution's kept inputs (in the
+    /// model's dtype) and every DeltaNet's memory (float32); 0 for attention alone.
+    pub fn state_bytes(&self) -> usize {
+        let c = &self.config;
+        let elem = crate::kv_bytes::dtype_bytes(self.dtype);
+        (0..c.num_layers)
+            .map(|l| match (c.conv_at(l), c.delta_at(l)) {
+                (Some(k), _) => (k.kernel - 1) * c.hidden_size * elem,
+                (_, Some(d)) => {
+                    (d.conv_kernel - 1) * d.conv_channels() * elem
+                        + 4 * d.value_heads * d.key_dim * d.value_dim
+                }
+                _ => 0,
+            })
+            .sum()
+    }
+
     pub fn kv_layout(&self) -> crate::kv_bytes::KvLayout {
         let c = &self.config;
         crate::kv_bytes::KvLayout {

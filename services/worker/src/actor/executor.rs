@@ -37,6 +37,10 @@ pub trait WorkerExecutor: Executor {
     /// its prefix cache aside).
     async fn reset(&mut self);
     fn kv_bytes_per_token(&self) -> u64;
+    /// Bytes of one sequence's recurrent states (a hybrid model's; 0 for attention alone).
+    fn state_bytes_per_sequence(&self) -> u64 {
+        0
+    }
     fn kv_bytes_in_use(&self) -> u64;
     /// Ticks a prefill chunk of `n` tokens takes beside decoding rows (an executor that spreads
     /// a chunk's layers over steps takes more than one).

@@ -83,6 +83,14 @@ pub struct SchedulerActor<E: WorkerExecutor + Unpin + 'static> {
     pub model_name: String,
 }
 
+/// A sequence's recurrent states counted as positions of KV (see
+/// [`SchedulerConfig::state_tokens`]).
+pub fn state_tokens(executor: &impl WorkerExecutor) -> usize {
+    executor
+        .state_bytes_per_sequence()
+        .div_ceil(executor.kv_bytes_per_token().max(1)) as usize
+}
+
 impl<E: WorkerExecutor + Unpin + 'static> SchedulerActor<E> {
     pub fn new(
         executor: E,
@@ -92,6 +100,7 @@ impl<E: WorkerExecutor + Unpin + 'static> SchedulerActor<E> {
         model_name: String,
     ) -> Self {
         cfg.kv_bytes_per_token = executor.kv_bytes_per_token();
+        cfg.state_tokens = state_tokens(&executor);
         SchedulerActor {
             scheduler: Scheduler::new(cfg.clone()),
             executor: Some(executor),

@@ -93,6 +93,8 @@ pub struct RoleActors {
     /// Prefill by prefill workers (a decode worker's).
     remote: Option<RemotePrefill>,
     kv_layout: llmq_engine::kv_bytes::KvLayout,
+    /// Bytes of one sequence's recurrent states.
+    state_bytes: usize,
 }
 
 /// How long a tick with nothing else to do waits for a prefill worker's KV.
@@ -142,6 +144,7 @@ impl RoleActors {
     /// Starts the three actors on the current thread (the device thread) around `model`.
     pub fn start(model: Model, tokenizer: Option<Tokenizer>, opts: RoleOptions) -> Self {
         let kv_layout = model.kv_layout();
+        let state_bytes = model.state_bytes();
         let context_tokens = model.config.max_position_embeddings;
         // Hits in whole chunk-grid blocks, so that the chunks after one start on the grid (see
         // `Model::chunk_grid`).
@@ -172,6 +175,7 @@ impl RoleActors {
             mask_times,
             remote: None,
             kv_layout,
+            state_bytes,
         }
     }
 
@@ -470,6 +474,10 @@ impl WorkerExecutor for RoleActors {
     /// KV bytes one token takes across all layers (keys and values).
     fn kv_bytes_per_token(&self) -> u64 {
         self.kv_layout.bytes(1) as u64
+    }
+
+    fn state_bytes_per_sequence(&self) -> u64 {
+        self.state_bytes as u64
     }
 
     /// KV bytes the actors held at their last answers.
