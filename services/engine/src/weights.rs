@@ -116,6 +116,34 @@ impl Weights {
         self.norms_include_one
     }
 
+    /// Says the norms' weights are stored with their 1 already added (as mlx-lm's conversions
+    /// of Qwen3.5 store them).
+    pub fn set_norms_include_one(&mut self, yes: bool) {
+        self.norms_include_one = yes;
+    }
+
+    /// A tensor's shape, without taking it.
+    pub fn shape_of(&self, name: &str) -> Option<Vec<usize>> {
+        self.map.get(name).map(Matrix::shape)
+    }
+
+    /// Removes and returns a depthwise convolution's filters as taps [kernel, channels] (row j
+    /// weighs the position `kernel - 1 - j` back), from Hugging Face's layout [channels, 1,
+    /// kernel] or mlx-lm's [channels, kernel, 1].
+    pub fn take_conv_taps(&mut self, name: &str, channels: usize, kernel: usize) -> Result<Array> {
+        let mlx_layout = self.shape_of(name) == Some(vec![channels, kernel, 1]) && kernel > 1;
+        let shape = if mlx_layout {
+            [channels, kernel, 1]
+        } else {
+            [channels, 1, kernel]
+        };
+        let filters = self.take(name, &shape)?;
+        Ok(filters
+            .reshape(&[channels as i32, kernel as i32])?
+            .t()
+            .contiguous()?)
+    }
+
     pub fn dtype(&self) -> Dtype {
         self.opts.dtype
     }
@@ -311,12 +339,39 @@ pub fn load_hf_dir(dir: &Path, opts: impl Into<LoadOptions>) -> Result<Weights> 
             spec,
         };
         check_quantized(dir, &module, &q)?;
-        w.insert_quantized(format!("{module}.weight"), q, format!("mlx {spec}"))?;
+        if let Some(module) = text_model_name(&module) {
+            w.insert_quantized(format!("{module}.weight"), q, format!("mlx {spec}"))?;
+        }
     }
     for (name, a) in arrays {
-        w.insert(name, a)?;
+        if let Some(name) = text_model_name(&name) {
+            w.insert(name, a)?;
+        }
     }
     Ok(w)
+}
+
+/// A tensor's name as the text model reads it: a multimodal checkpoint's language model
+/// (`model.language_model.*` in Hugging Face's, `language_model.model.*` and
+/// `language_model.lm_head` in mlx-lm's) under the text model's names; None for what the text
+/// model does not run (a vision tower, a multi-token-prediction head).
+fn text_model_name(name: &str) -> Option<String> {
+    const SKIPPED: [&str; 4] = ["model.visual.", "visual.", "vision_tower.", "mtp."];
+    if SKIPPED.iter().any(|p| name.starts_with(p)) {
+        return None;
+    }
+    Some(
+        match name
+            .strip_prefix("model.language_model.")
+            .or_else(|| name.strip_prefix("language_model.model."))
+        {
+            Some(rest) => format!("model.{rest}"),
+            None => name
+                .strip_prefix("language_model.")
+                .unwrap_or(name)
+                .to_string(),
+        },
+    )
 }
 
 fn read_json(path: &Path) -> Result<serde_json::Value> {

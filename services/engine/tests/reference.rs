@@ -563,3 +563,81 @@ fn a_state_snapshot_resumes_as_the_whole_computation() {
         }
     }
 }
+
+/// `fixture` rewritten as mlx-lm's conversion writes it (its `sanitize`): the convolutions'
+/// filters as [channels, kernel, 1]; for Qwen3.5, whose checkpoints are multimodal, the text
+/// model's names under `language_model.`, the config nested in `text_config`, and the norms
+/// (all but DeltaNet's own) stored with their 1 added.
+fn write_as_mlx_lm(name: &str) -> std::path::PathBuf {
+    let src = fixture(name);
+    let dir = std::env::temp_dir().join(format!("llmq-mlx-lm-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let qwen35 = name == "tiny-qwen35";
+    let norms = [
+        ".input_layernorm.weight",
+        ".post_attention_layernorm.weight",
+        "model.norm.weight",
+        ".q_norm.weight",
+        ".k_norm.weight",
+    ];
+    let mut out = std::collections::HashMap::new();
+    for (key, a) in Array::load_safetensors(src.join("model.safetensors")).unwrap() {
+        let a = if key.ends_with("conv.conv.weight") || key.ends_with("conv1d.weight") {
+            a.swap_axes(1, 2).unwrap()
+        } else if qwen35 && norms.iter().any(|n| key.ends_with(n)) {
+            a.add(Array::from_f32(1.0)).unwrap()
+        } else {
+            a
+        };
+        let key = if qwen35 {
+            format!("language_model.{key}")
+        } else {
+            key
+        };
+        out.insert(key, a);
+    }
+    Array::save_safetensors(out, None, dir.join("model.safetensors")).unwrap();
+    for f in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ] {
+        std::fs::copy(src.join(f), dir.join(f)).unwrap();
+    }
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    let config = if qwen35 {
+        serde_json::json!({
+            "model_type": "qwen3_5",
+            "tie_word_embeddings": config["tie_word_embeddings"],
+            "text_config": config,
+        })
+    } else {
+        config
+    };
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    dir
+}
+
+/// The hybrid families' checkpoints as mlx-lm converts them load into the same model:
+/// transformers' logits.
+#[test]
+fn mlx_lm_conversions_of_the_hybrids_match_transformers() {
+    for name in ["tiny-lfm2", "tiny-qwen35"] {
+        let dir = write_as_mlx_lm(name);
+        let model = llmq_engine::load_model(&dir, mlx_rs::Dtype::Float32)
+            .unwrap_or_else(|e| panic!("{name}: {e}"))
+            .model;
+        for (i, case) in reference(fixture(name).join("reference.safetensors"))
+            .iter()
+            .enumerate()
+        {
+            let mut cache = model.new_cache();
+            let got = run_chunked(&model, &mut cache, &case.ids, 16);
+            let d = max_abs_diff(&got, &case.logits);
+            assert!(d < TOL, "{name} (mlx-lm's layout) case {i}: max |diff| {d}");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -13,7 +13,7 @@ use mlx_rs::Array;
 use llmq_text::config::{ConvConfig, ModelConfig};
 
 use super::attention::GroupStep;
-use super::parts::{concat_rows, sequence_rows, Linear};
+use super::parts::{causal_depthwise, concat_rows, sequence_rows, Linear};
 use crate::cache::KvCache;
 use crate::error::Result;
 use crate::weights::Weights;
@@ -31,7 +31,7 @@ pub(super) struct ShortConv {
 
 impl ShortConv {
     /// `{p}.conv.in_proj`, `{p}.conv.out_proj` and the filters `{p}.conv.conv.weight` [hidden, 1,
-    /// kernel] (with `.bias` where the config says).
+    /// kernel] (or mlx-lm's [hidden, kernel, 1]; with `.bias` where the config says).
     pub(super) fn load(
         w: &mut Weights,
         p: &str,
@@ -39,14 +39,10 @@ impl ShortConv {
         conv: &ConvConfig,
     ) -> Result<Self> {
         let h = c.hidden_size;
-        let filters = w.take(&format!("{p}.conv.conv.weight"), &[h, 1, conv.kernel])?;
         Ok(ShortConv {
             in_proj: Linear::load(w, &format!("{p}.conv.in_proj"), 3 * h, h, conv.bias)?,
             out_proj: Linear::load(w, &format!("{p}.conv.out_proj"), h, h, conv.bias)?,
-            taps: filters
-                .reshape(&[h as i32, conv.kernel as i32])?
-                .t()
-                .contiguous()?,
+            taps: w.take_conv_taps(&format!("{p}.conv.conv.weight"), h, conv.kernel)?,
             bias: if conv.bias {
                 Some(w.take(&format!("{p}.conv.conv.bias"), &[h])?)
             } else {
@@ -132,17 +128,7 @@ impl ShortConv {
     /// The convolution's output [rows, t, hidden] for the last `t` positions of `window` [rows,
     /// kernel - 1 + t, hidden] (the state, then the new positions).
     fn convolve(&self, window: &Array, t: i32) -> Result<Array> {
-        let mut acc: Option<Array> = None;
-        for j in 0..self.kernel {
-            let term = window
-                .index((.., j..j + t, ..))
-                .multiply(self.taps.index(j))?;
-            acc = Some(match acc {
-                Some(a) => a.add(&term)?,
-                None => term,
-            });
-        }
-        let out = acc.expect("a kernel of at least one position");
+        let out = causal_depthwise(window, &self.taps, t)?;
         Ok(match &self.bias {
             Some(b) => out.add(b)?,
             None => out,

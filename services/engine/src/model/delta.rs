@@ -27,7 +27,7 @@ use mlx_rs::{Array, Dtype};
 use llmq_text::config::{DeltaNetConfig, ModelConfig};
 
 use super::attention::GroupStep;
-use super::parts::{concat_rows, sequence_rows, Linear};
+use super::parts::{causal_depthwise, concat_rows, sequence_rows, Linear};
 use crate::cache::KvCache;
 use crate::error::Result;
 use crate::weights::Weights;
@@ -69,7 +69,8 @@ struct RuleInputs {
 }
 
 impl DeltaNet {
-    /// `{p}.linear_attn.*` of a Hugging Face checkpoint.
+    /// `{p}.linear_attn.*` of a Hugging Face checkpoint (or mlx-lm's conversion: the
+    /// convolution's filters in its layout).
     pub(super) fn load(
         w: &mut Weights,
         p: &str,
@@ -80,7 +81,6 @@ impl DeltaNet {
         let p = format!("{p}.linear_attn");
         let channels = d.conv_channels();
         let (hv, dv) = (d.value_heads, d.value_dim);
-        let filters = w.take(&format!("{p}.conv1d.weight"), &[channels, 1, d.conv_kernel])?;
         let f32_of = |a: Array| -> Result<Array> { Ok(a.as_dtype(Dtype::Float32)?) };
         let a_log = f32_of(w.take(&format!("{p}.A_log"), &[hv])?)?;
         Ok(DeltaNet {
@@ -96,10 +96,7 @@ impl DeltaNet {
                 false,
             )?,
             out_proj: Linear::load(w, &format!("{p}.out_proj"), h, hv * dv, false)?,
-            taps: filters
-                .reshape(&[channels as i32, d.conv_kernel as i32])?
-                .t()
-                .contiguous()?,
+            taps: w.take_conv_taps(&format!("{p}.conv1d.weight"), channels, d.conv_kernel)?,
             neg_a: a_log.exp()?.negative()?,
             dt_bias: f32_of(w.take(&format!("{p}.dt_bias"), &[hv])?)?,
             norm: w.take(&format!("{p}.norm.weight"), &[dv])?,
@@ -177,18 +174,7 @@ impl DeltaNet {
     /// SiLU of the convolution's output [rows, t, channels] for the last `t` positions of
     /// `window` [rows, kernel - 1 + t, channels] (the kept inputs, then the new ones).
     fn convolve(&self, window: &Array, t: i32) -> Result<Array> {
-        let mut acc: Option<Array> = None;
-        for j in 0..self.kernel {
-            let term = window
-                .index((.., j..j + t, ..))
-                .multiply(self.taps.index(j))?;
-            acc = Some(match acc {
-                Some(a) => a.add(&term)?,
-                None => term,
-            });
-        }
-        let out = acc.expect("a kernel of at least one position");
-        Ok(mlx_rs::nn::silu(&out)?)
+        Ok(mlx_rs::nn::silu(causal_depthwise(window, &self.taps, t)?)?)
     }
 
     /// The rule's inputs for `n` rows of `t` positions each, from the convolution's output

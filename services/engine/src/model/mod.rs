@@ -90,6 +90,14 @@ impl Model {
     pub fn load(config: ModelConfig, mut w: Weights) -> Result<Self> {
         let c = &config;
         let opts = arch::options(c.arch);
+        // mlx-lm's conversions of Qwen3.5 store the convolution's filters in its own layout
+        // [channels, kernel, 1] and the norms with their 1 added.
+        if let Some((l, d)) = (0..c.num_layers).find_map(|l| c.delta_at(l).map(|d| (l, d))) {
+            let name = format!("model.layers.{l}.linear_attn.conv1d.weight");
+            if w.shape_of(&name) == Some(vec![d.conv_channels(), d.conv_kernel, 1]) {
+                w.set_norms_include_one(true);
+            }
+        }
         let embed = w.take_matrix("model.embed_tokens.weight", &[c.vocab_size, c.hidden_size])?;
         let gemma = c.arch.is_gemma();
         let layers = (0..c.num_layers)

@@ -178,6 +178,23 @@ pub(super) fn concat_rows(mut parts: Vec<Array>) -> Result<Array> {
     })
 }
 
+/// A causal depthwise convolution's output [rows, t, channels] for the last `t` positions of
+/// `window` [rows, kernel - 1 + t, channels] (the kept inputs, then the new ones), with `taps`
+/// [kernel, channels] (row j weighs the position `kernel - 1 - j` back): `kernel` shifted
+/// products, not a loop over positions.
+pub(super) fn causal_depthwise(window: &Array, taps: &Array, t: i32) -> Result<Array> {
+    let kernel = taps.shape()[0];
+    let mut acc: Option<Array> = None;
+    for j in 0..kernel {
+        let term = window.index((.., j..j + t, ..)).multiply(taps.index(j))?;
+        acc = Some(match acc {
+            Some(a) => a.add(&term)?,
+            None => term,
+        });
+    }
+    Ok(acc.expect("a kernel of at least one position"))
+}
+
 /// `cap * tanh(x / cap)` (Gemma 2's soft-capping of scores and logits).
 pub(super) fn softcap(x: &Array, cap: f32) -> Result<Array> {
     Ok(mlx_rs::ops::tanh(&x.divide(Array::from_f32(cap))?)?.multiply(Array::from_f32(cap))?)
