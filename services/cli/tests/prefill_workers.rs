@@ -45,7 +45,12 @@ async fn statuses(c: &Client, roles: &[WorkerRole]) -> HashMap<WorkerRole, Worke
 /// A stack whose one job-taking worker decodes and has a prefill worker; returns it with the
 /// prefill worker's index.
 fn split_stack(extra: &[(&str, &str)]) -> (Stack, usize) {
-    let mut stack = Stack::nats_only();
+    split_stack_of(&fixture(), extra)
+}
+
+/// `split_stack` serving `model` (a path).
+fn split_stack_of(model: &str, extra: &[(&str, &str)]) -> (Stack, usize) {
+    let mut stack = Stack::nats_for(model);
     stack.spawn("intake", &[]);
     let with = |role: &'static str| -> Vec<(&str, &str)> {
         CHUNKS
@@ -62,22 +67,58 @@ fn split_stack(extra: &[(&str, &str)]) -> (Stack, usize) {
 
 #[test]
 fn a_prompt_prefilled_by_a_prefill_worker_decodes_as_on_one_worker() {
-    prefilled_remotely_decodes_as_on_one_worker(&[], true);
+    prefilled_remotely_decodes_as_on_one_worker(&fixture(), &[], true);
 }
 
 #[test]
 fn the_kv_comes_over_nats_where_the_decoder_offers_no_direct_connection() {
-    prefilled_remotely_decodes_as_on_one_worker(&[("LLMQ__WORKER__KV_LISTEN", "off")], false);
+    prefilled_remotely_decodes_as_on_one_worker(
+        &fixture(),
+        &[("LLMQ__WORKER__KV_LISTEN", "off")],
+        false,
+    );
+}
+
+/// The hybrid families' chunks carry their recurrent layers' states after the chunk beside the
+/// attention layers' keys and values, on the direct connection and in NATS pieces.
+#[test]
+fn hybrid_models_prefilled_by_a_prefill_worker_decode_as_on_one_worker() {
+    for name in ["tiny-qwen35", "tiny-lfm2"] {
+        let model = fixture_path(name);
+        prefilled_remotely_decodes_as_on_one_worker(&model, &[], true);
+    }
+    prefilled_remotely_decodes_as_on_one_worker(
+        &fixture_path("tiny-qwen35"),
+        &[("LLMQ__WORKER__KV_LISTEN", "off")],
+        false,
+    );
+}
+
+fn fixture_path(name: &str) -> String {
+    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name)
+        .canonicalize()
+        .unwrap()
+        .display()
+        .to_string()
 }
 
 /// Prompts prefilled by the prefill worker get the same greedy tokens as in one process; the
 /// KV comes on the direct connection (`direct`: no piece of it on NATS) or in NATS pieces.
-fn prefilled_remotely_decodes_as_on_one_worker(extra: &[(&str, &str)], direct: bool) {
+fn prefilled_remotely_decodes_as_on_one_worker(model: &str, extra: &[(&str, &str)], direct: bool) {
     let prompts: Vec<String> = (1..=3)
         .map(|i| format!("{i}: {}", LONG.repeat(3 + 2 * i)))
         .collect();
-    let want: Vec<Vec<u32>> = prompts.iter().map(|p| local_greedy(p, 12)).collect();
-    let (stack, _) = split_stack(extra);
+    let want: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| local_greedy_of(model, p, 12))
+        .collect();
+    let req = |p: &str, n| GenerateRequest {
+        model: model.to_string(),
+        ..req(p, n)
+    };
+    let (stack, _) = split_stack_of(model, extra);
     rt().block_on(async {
         let c = Client::connect(&stack.url).await;
         let s = statuses(&c, &[WorkerRole::Decode, WorkerRole::Prefill]).await;

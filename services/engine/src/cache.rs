@@ -54,6 +54,14 @@ pub trait KvCache: Send {
     fn memory(&self) -> Option<&Array> {
         None
     }
+    /// Takes a recurrent layer's state after `n` more positions, computed elsewhere (another
+    /// worker's prefill): the pair [`KvCache::state`] gives.
+    fn install_state(&mut self, state: &(Array, Array), n: usize) -> Result<()> {
+        let _ = (state, n);
+        Err(crate::EngineError::InvalidRequest(
+            "this cache keeps keys and values, not a recurrent state".into(),
+        ))
+    }
     /// Replaces a DeltaNet layer's memory with the one after the positions its last update
     /// took.
     fn set_memory(&mut self, memory: Array) -> Result<()> {
@@ -393,6 +401,15 @@ impl KvCache for ConvCache {
         self.memory.as_ref()
     }
 
+    fn install_state(&mut self, (inputs, memory): &(Array, Array), n: usize) -> Result<()> {
+        self.state = Some(inputs.clone());
+        if memory.size() > 0 {
+            self.memory = Some(memory.clone());
+        }
+        self.offset += n;
+        Ok(())
+    }
+
     fn set_memory(&mut self, memory: Array) -> Result<()> {
         self.memory = Some(memory);
         Ok(())
@@ -445,9 +462,11 @@ impl SequenceCache {
             .map(|l| if n == 0 { None } else { l.last(n) })
             .collect()
     }
-    /// Appends keys and values computed elsewhere (another worker's prefill): one
-    /// [1, kv_heads, n, head_dim] pair per layer, written as a chunk run here would write them.
-    pub fn append(&mut self, layers: &[(Array, Array)]) -> Result<()> {
+    /// Appends `n` positions computed elsewhere (another worker's prefill), one pair per layer
+    /// as [`SequenceCache::chunk_layers`] gives them: an attention layer's keys and values
+    /// [1, kv_heads, n, head_dim], written as a chunk run here would write them, or a recurrent
+    /// layer's state after those positions, which replaces its own.
+    pub fn append(&mut self, layers: &[(Array, Array)], n: usize) -> Result<()> {
         if layers.len() != self.layers.len() {
             return Err(crate::EngineError::InvalidRequest(format!(
                 "KV of {} layers for a cache of {}",
@@ -455,13 +474,12 @@ impl SequenceCache {
                 self.layers.len()
             )));
         }
-        if self.recurrent() {
-            return Err(crate::EngineError::InvalidRequest(
-                "keys and values computed elsewhere cannot continue a convolution's state".into(),
-            ));
-        }
         for (cache, (k, v)) in self.layers.iter_mut().zip(layers) {
-            cache.update(k, v)?;
+            if cache.recurrent() {
+                cache.install_state(&(k.clone(), v.clone()), n)?;
+            } else {
+                cache.update(k, v)?;
+            }
         }
         // Written now, on the device: left lazy, every chunk appended so far would be read
         // from the host's memory by the step that completes the prompt, stalling that step's
@@ -478,6 +496,16 @@ impl SequenceCache {
             .collect();
         mlx_rs::transforms::async_eval(written.iter())?;
         Ok(())
+    }
+    /// What another worker continuing this sequence needs of its last `n` positions (see
+    /// [`SequenceCache::append`]): per layer their keys and values, or a recurrent layer's
+    /// state after them. None when some layer no longer keeps them (a sliding window shorter
+    /// than `n`) or has no state yet.
+    pub fn chunk_layers(&self, n: usize) -> Option<Vec<(Array, Array)>> {
+        self.layers
+            .iter()
+            .map(|l| if l.recurrent() { l.state() } else { l.last(n) })
+            .collect()
     }
     /// What the prefix cache keeps of this sequence ([`crate::prefix::KvPrefix`]): per layer its
     /// keys and values of every position, or a recurrent layer's state ([`KvCache::state`]).

@@ -1,5 +1,7 @@
-//! A chunk's KV as bytes, to travel between workers: every layer's keys then values for the
-//! chunk's positions, each `[kv_heads, n, head_dim]` row-major in the model's dtype.
+//! A chunk's KV as bytes, to travel between workers: layer after layer, an attention layer's
+//! keys then values for the chunk's positions, each `[kv_heads, n, head_dim]` row-major in the
+//! model's dtype; a recurrent layer's state after the chunk, whole (the convolution's kept
+//! inputs in the model's dtype, then a DeltaNet's memory in float32).
 //!
 //! Invariant: `from_bytes(to_bytes(kv), ..)` gives arrays equal to `kv` bit for bit.
 
@@ -8,19 +10,48 @@ use mlx_rs::{Array, Dtype};
 use crate::error::Result;
 use crate::EngineError;
 
-/// What one token's KV is made of, for a model.
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// What one token's KV, and a chunk's, are made of, for a model.
+#[derive(Debug, Clone, PartialEq)]
 pub struct KvLayout {
+    /// Layers holding keys and values.
     pub layers: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
     pub dtype: Dtype,
+    /// For a model with recurrent layers, every layer in order: None for attention, else the
+    /// shapes of the state a chunk carries (empty when every layer attends).
+    pub states: Vec<Option<StateShapes>>,
+}
+
+/// A recurrent layer's state as a chunk carries it: the convolution's kept inputs (in the
+/// model's dtype) and a DeltaNet's memory (float32).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StateShapes {
+    pub inputs: [i32; 4],
+    pub memory: Option<[i32; 4]>,
 }
 
 impl KvLayout {
-    /// Bytes of `n` positions' KV.
+    /// Bytes of `n` positions' keys and values (states not included).
     pub fn bytes(&self, n: usize) -> usize {
         2 * self.layers * self.kv_heads * n * self.head_dim * self.elem_bytes()
+    }
+
+    /// Bytes of a chunk of `n` positions: their keys and values, and the recurrent layers'
+    /// states after them.
+    pub fn chunk_bytes(&self, n: usize) -> usize {
+        self.bytes(n)
+            + self
+                .states
+                .iter()
+                .flatten()
+                .map(|s| self.state_bytes(s))
+                .sum::<usize>()
+    }
+
+    fn state_bytes(&self, s: &StateShapes) -> usize {
+        let count = |d: &[i32; 4]| d.iter().map(|&x| x as usize).product::<usize>();
+        count(&s.inputs) * self.elem_bytes() + s.memory.as_ref().map_or(0, |m| 4 * count(m))
     }
 
     fn elem_bytes(&self) -> usize {
@@ -44,15 +75,26 @@ impl std::fmt::Display for KvLayout {
             f,
             "{} layers x {} KV heads x {} ({:?})",
             self.layers, self.kv_heads, self.head_dim, self.dtype
-        )
+        )?;
+        for (l, s) in self.states.iter().enumerate() {
+            if let Some(s) = s {
+                write!(f, "; layer {l} state {:?}", s.inputs)?;
+                if let Some(m) = s.memory {
+                    write!(f, " + {m:?} (Float32)")?;
+                }
+            }
+        }
+        Ok(())
     }
 }
 
-/// The bytes of `layers` (one [1, kv_heads, n, head_dim] pair per layer), evaluated here.
+/// The bytes of `layers` (a chunk's pair per layer, see [`from_bytes`]; a recurrent layer's
+/// empty second array has none), evaluated here.
 pub fn to_bytes(layers: &[(Array, Array)]) -> Result<Vec<u8>> {
     let parts: Vec<Array> = layers
         .iter()
         .flat_map(|(k, v)| [k, v])
+        .filter(|a| a.size() > 0)
         .map(|a| a.contiguous())
         .collect::<std::result::Result<_, _>>()?;
     mlx_rs::transforms::eval(parts.iter())?;
@@ -67,27 +109,102 @@ pub fn to_bytes(layers: &[(Array, Array)]) -> Result<Vec<u8>> {
     Ok(out)
 }
 
-/// `n` positions' KV back from their bytes.
-pub fn from_bytes(bytes: &[u8], layout: KvLayout, n: usize) -> Result<Vec<(Array, Array)>> {
-    if bytes.len() != layout.bytes(n) {
+/// A chunk of `n` positions back from its bytes: per layer (keys, values) [1, kv_heads, n,
+/// head_dim], or a recurrent layer's state pair (its memory, or an empty array).
+pub fn from_bytes(bytes: &[u8], layout: &KvLayout, n: usize) -> Result<Vec<(Array, Array)>> {
+    if bytes.len() != layout.chunk_bytes(n) {
         return Err(EngineError::InvalidRequest(format!(
             "{} bytes of KV for {n} positions, which take {}",
             bytes.len(),
-            layout.bytes(n)
+            layout.chunk_bytes(n)
         )));
     }
-    let shape = [1, layout.kv_heads as i32, n as i32, layout.head_dim as i32];
-    let each = bytes.len() / (2 * layout.layers);
-    let arrays: Vec<Array> = bytes
-        .chunks_exact(each.max(1))
-        // SAFETY: each chunk holds exactly the bytes of `shape` in `dtype` (checked above), and
-        // MLX copies them into an array of its own.
-        .map(|c| unsafe {
-            Array::from_raw_data(c.as_ptr() as *const std::ffi::c_void, &shape, layout.dtype)
+    let kv = [1, layout.kv_heads as i32, n as i32, layout.head_dim as i32];
+    let layers: Vec<Option<StateShapes>> = if layout.states.is_empty() {
+        vec![None; layout.layers]
+    } else {
+        layout.states.clone()
+    };
+    let mut rest = bytes;
+    let mut take = |shape: &[i32], dtype: Dtype| -> Array {
+        let len = shape.iter().map(|&d| d as usize).product::<usize>() * dtype_bytes(dtype);
+        let (head, tail) = rest.split_at(len);
+        rest = tail;
+        // SAFETY: `head` holds exactly the bytes of `shape` in `dtype` (the total was checked
+        // above and each part is cut to its own size), and MLX copies them into an array of
+        // its own.
+        unsafe { Array::from_raw_data(head.as_ptr() as *const std::ffi::c_void, shape, dtype) }
+    };
+    Ok(layers
+        .iter()
+        .map(|l| match l {
+            None => (take(&kv, layout.dtype), take(&kv, layout.dtype)),
+            Some(s) => (
+                take(&s.inputs, layout.dtype),
+                s.memory
+                    .map_or_else(crate::cache::empty, |m| take(&m, Dtype::Float32)),
+            ),
         })
-        .collect();
-    Ok(arrays
-        .chunks_exact(2)
-        .map(|kv| (kv[0].clone(), kv[1].clone()))
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A hybrid chunk (attention, a convolution's state, a DeltaNet's state and memory) comes
+    /// back bit for bit.
+    #[test]
+    fn a_chunk_with_states_comes_back_as_it_went() {
+        let layout = KvLayout {
+            layers: 1,
+            kv_heads: 2,
+            head_dim: 4,
+            dtype: Dtype::Bfloat16,
+            states: vec![
+                None,
+                Some(StateShapes {
+                    inputs: [1, 1, 2, 8],
+                    memory: None,
+                }),
+                Some(StateShapes {
+                    inputs: [1, 1, 3, 6],
+                    memory: Some([1, 2, 4, 4]),
+                }),
+            ],
+        };
+        let n = 5;
+        let key = mlx_rs::random::key(7).unwrap();
+        let normal = |shape: &[i32], dtype: Dtype| {
+            mlx_rs::random::normal::<f32>(shape, None, None, &key)
+                .unwrap()
+                .as_dtype(dtype)
+                .unwrap()
+        };
+        let layers = vec![
+            (
+                normal(&[1, 2, n, 4], Dtype::Bfloat16),
+                normal(&[1, 2, n, 4], Dtype::Bfloat16),
+            ),
+            (
+                normal(&[1, 1, 2, 8], Dtype::Bfloat16),
+                crate::cache::empty(),
+            ),
+            (
+                normal(&[1, 1, 3, 6], Dtype::Bfloat16),
+                normal(&[1, 2, 4, 4], Dtype::Float32),
+            ),
+        ];
+        let bytes = to_bytes(&layers).unwrap();
+        assert_eq!(bytes.len(), layout.chunk_bytes(n as usize));
+        let back = from_bytes(&bytes, &layout, n as usize).unwrap();
+        for ((a, b), (c, d)) in layers.iter().zip(&back) {
+            for (x, y) in [(a, c), (b, d)] {
+                assert_eq!(x.shape(), y.shape());
+                assert_eq!(x.dtype(), y.dtype());
+                assert!(x.size() == 0 || x.eq_values(y).unwrap());
+            }
+        }
+        assert!(from_bytes(&bytes[1..], &layout, n as usize).is_err());
+    }
 }

@@ -252,17 +252,9 @@ async fn start_device(
                 stage_budget,
                 min_stage_tokens,
             };
-            // A prefill worker answers with keys and values only: a model whose layers keep a
-            // recurrent state (LFM2's convolutions) prefills here until states travel too.
-            let recurrent = model.config.recurrent();
             let mut roles = RoleActors::start(model, m.tokenizer, opts);
-            match remote {
-                Some(_) if recurrent => tracing::warn!(
-                    "this model keeps a recurrent state that prefill workers do not send: \
-                     its prompts are prefilled here"
-                ),
-                Some(remote) => roles = roles.with_remote_prefill(remote),
-                None => {}
+            if let Some(remote) = remote {
+                roles = roles.with_remote_prefill(remote);
             }
             if reserve_host_memory {
                 let reserve = w.host_memory_reserve_bytes.unwrap_or_else(|| {

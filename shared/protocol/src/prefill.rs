@@ -19,7 +19,9 @@
 //! worker holds a session per (decoder, key) and brings it to `start` first (from its prefix
 //! cache, or by computing the missing positions), so any grant can be served, in any state. A
 //! chunk's bytes are, layer after layer, that layer's keys then values, each
-//! `[kv_heads, n, head_dim]` row-major in the model's dtype. A session is dropped on
+//! `[kv_heads, n, head_dim]` row-major in the model's dtype, or for a recurrent layer (a hybrid
+//! model's) its state after the chunk, whole (`kv_layout` names its shapes). A session is
+//! dropped on
 //! [`PrefillOrder::Drop`], and when its decoder goes silent.
 
 use schemars::JsonSchema;

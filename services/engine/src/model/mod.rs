@@ -210,27 +210,32 @@ impl Model {
     /// Bytes of one sequence's recurrent states: every convolution's kept inputs (in the
     /// model's dtype) and every DeltaNet's memory (float32); 0 for attention alone.
     pub fn state_bytes(&self) -> usize {
-        let c = &self.config;
-        let elem = crate::kv_bytes::dtype_bytes(self.dtype);
-        (0..c.num_layers)
-            .map(|l| match (c.conv_at(l), c.delta_at(l)) {
-                (Some(k), _) => (k.kernel - 1) * c.hidden_size * elem,
-                (_, Some(d)) => {
-                    (d.conv_kernel - 1) * d.conv_channels() * elem
-                        + 4 * d.value_heads * d.key_dim * d.value_dim
-                }
-                _ => 0,
-            })
-            .sum()
+        self.kv_layout().chunk_bytes(0)
     }
 
+    /// What a chunk's KV is made of, as it travels between workers (see
+    /// [`crate::kv_bytes`]).
     pub fn kv_layout(&self) -> crate::kv_bytes::KvLayout {
         let c = &self.config;
+        let states = if c.recurrent() {
+            (0..c.num_layers)
+                .map(|l| {
+                    self.state_of_layer(l)
+                        .map(|s| crate::kv_bytes::StateShapes {
+                            inputs: [1, 1, s.keep, s.width],
+                            memory: s.memory.map(|[h, dk, dv]| [1, h, dk, dv]),
+                        })
+                })
+                .collect()
+        } else {
+            vec![]
+        };
         crate::kv_bytes::KvLayout {
             layers: c.attention_layers(),
             kv_heads: c.num_kv_heads,
             head_dim: c.head_dim,
             dtype: self.dtype,
+            states,
         }
     }
 
@@ -366,26 +371,30 @@ impl Model {
             .or_else(|| c.delta_at(layer).map(|d| d.conv_kernel))
     }
 
+    /// What recurrent layer `layer` keeps per sequence (None for attention).
+    fn state_of_layer(&self, layer: usize) -> Option<RowState> {
+        let c = &self.config;
+        match (c.conv_at(layer), c.delta_at(layer)) {
+            (Some(k), _) => Some(RowState {
+                keep: k.kernel as i32 - 1,
+                width: c.hidden_size as i32,
+                memory: None,
+            }),
+            (_, Some(d)) => Some(RowState {
+                keep: d.conv_kernel as i32 - 1,
+                width: d.conv_channels() as i32,
+                memory: Some([d.value_heads as i32, d.key_dim as i32, d.value_dim as i32]),
+            }),
+            _ => None,
+        }
+    }
+
     /// An empty decode batch for this model (a recurrent layer's rows hold its states), or
     /// None for sliding-window models (their caches decode per sequence) and soft-capped
     /// attention (which the batch's kernels do not compute).
     pub fn new_decode_batch(&self) -> Option<DecodeBatch> {
         let c = &self.config;
-        let states = (0..c.num_layers)
-            .map(|l| match (c.conv_at(l), c.delta_at(l)) {
-                (Some(k), _) => Some(RowState {
-                    keep: k.kernel as i32 - 1,
-                    width: c.hidden_size as i32,
-                    memory: None,
-                }),
-                (_, Some(d)) => Some(RowState {
-                    keep: d.conv_kernel as i32 - 1,
-                    width: d.conv_channels() as i32,
-                    memory: Some([d.value_heads as i32, d.key_dim as i32, d.value_dim as i32]),
-                }),
-                _ => None,
-            })
-            .collect();
+        let states = (0..c.num_layers).map(|l| self.state_of_layer(l)).collect();
         (!c.any_sliding() && c.attn_logit_softcap.is_none())
             .then(|| DecodeBatch::new(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, states))
     }

@@ -2,7 +2,8 @@
 //! thread. It holds one session per request a decode worker has granted it chunks of: the
 //! prompt's KV cache as far as computed. A grant ([`Serve`]) brings the session to the chunk's
 //! start (from the prefix cache, or by computing the positions it lacks), computes the chunk,
-//! and answers with the chunk's KV as bytes ([`llmq_engine::kv_bytes`]), which the NATS side
+//! and answers with the chunk's KV as bytes ([`llmq_engine::kv_bytes`]: for a hybrid model, its
+//! recurrent layers' states after the chunk too), which the NATS side
 //! sends in pieces while the next grant is computed.
 //!
 //! Invariants: a session's cache holds exactly the prompt's first `offset` positions; a grant
@@ -76,10 +77,7 @@ impl PrefillServer {
     fn drop_session(&mut self, key: &(String, u64)) {
         if let Some(s) = self.sessions.remove(key) {
             let n = s.cache.offset();
-            let layers = (0..self.shared.model.config.num_layers)
-                .map(|l| s.cache.contents(l))
-                .collect();
-            if let Some(kv) = self.shared.prefix_copy(layers) {
+            if let Some(kv) = self.shared.prefix_copy(s.cache.prefix_layers()) {
                 self.cache.do_send(Remember {
                     salt: s.salt,
                     tokens: s.prompt[..n.min(s.prompt.len())].to_vec(),
@@ -122,7 +120,7 @@ impl PrefillServer {
             .forward(&x, &mut [&mut session.cache], true)
             .map_err(internal)?;
         drop(logits);
-        let kv = session.cache.last(end - start).ok_or_else(|| {
+        let kv = session.cache.chunk_layers(end - start).ok_or_else(|| {
             internal(format!(
                 "the chunk [{start}, {end}) does not fit this model's sliding window"
             ))
@@ -209,8 +207,12 @@ impl Handler<Serve> for PrefillServer {
                         (Some(s), _) => s,
                         (None, hit) => {
                             let capacity = g.prompt.len() + 1;
+                            // Keys and values serve any shorter prefix; a recurrent state only
+                            // its own length.
+                            let recurrent = a.shared.model.config.recurrent();
                             let cache = hit
                                 .flatten()
+                                .filter(|(n, _)| !recurrent || *n <= g.start as usize)
                                 .map(|(n, layers)| (n.min(g.start as usize), layers))
                                 .filter(|(n, _)| *n > 0)
                                 .and_then(|(n, layers)| {

@@ -195,7 +195,8 @@ impl RoleActors {
             bytes,
             transfer,
         } = i;
-        let layers = llmq_engine::kv_bytes::from_bytes(&bytes, self.kv_layout, n).map_err(internal);
+        let layers =
+            llmq_engine::kv_bytes::from_bytes(&bytes, &self.kv_layout, n).map_err(internal);
         let installed = match layers {
             Ok(layers) => {
                 let answer = self

@@ -284,7 +284,7 @@ impl Handler<Install> for PrefillActor {
                     seq.prefilled
                 )));
             }
-            seq.cache.append(&layers).map_err(internal)?;
+            seq.cache.append(&layers, n).map_err(internal)?;
             seq.prefilled += n;
             Ok(())
         });
