@@ -680,3 +680,103 @@ fn heartbeats_continue_through_a_long_tick() {
         assert!(busy_seen, "heartbeats during the tick count the request");
     });
 }
+
+/// The hybrid families through NATS (tiny-qwen35: gated DeltaNet and gated attention): seeded
+/// samples of one prompt each end once and repeat, a JSON schema holds its output, and a request
+/// cancelled while it decodes ends with `Cancelled` beside the others.
+#[test]
+fn a_hybrid_model_serves_samples_constraints_and_cancels() {
+    let model = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/tiny-qwen35")
+        .canonicalize()
+        .unwrap()
+        .display()
+        .to_string();
+    let mut stack = Stack::nats_for(&model);
+    stack.spawn("intake", &[]);
+    stack.spawn("worker", &[]);
+    rt().block_on(async {
+        let c = Client::connect(&stack.url).await;
+        let of = |prompt: &str, n: i64| GenerateRequest {
+            model: model.clone(),
+            ..req(prompt, n)
+        };
+        let samples = GenerateRequest {
+            n: Some(3),
+            requires: vec!["n".into()],
+            temperature: Some(1.0),
+            seed: Some(42),
+            ..of(&LONG.repeat(3), 12)
+        };
+        let mut runs = vec![];
+        for _ in 0..2 {
+            let (id, sub) = c.start(samples.clone()).await;
+            runs.push(Client::finish_choices(id, sub, 3, |_| {}).await);
+        }
+        for choice in 0..3u32 {
+            let of_choice = |run: &Run| -> (Vec<u32>, Vec<Event>) {
+                let evs: Vec<Event> = run
+                    .events
+                    .iter()
+                    .filter(|e| e.choice == choice)
+                    .map(|e| e.event.clone())
+                    .collect();
+                let ids = evs
+                    .iter()
+                    .flat_map(|e| match e {
+                        Event::Tokens { ids, .. } => ids.clone(),
+                        _ => vec![],
+                    })
+                    .collect();
+                (ids, evs)
+            };
+            let (first, evs) = of_choice(&runs[0]);
+            assert_eq!(evs.iter().filter(|e| e.is_terminal()).count(), 1);
+            assert!(matches!(evs.last(), Some(Event::Done { .. })), "{evs:?}");
+            assert_eq!(first.len(), 12, "choice {choice}");
+            assert_eq!(of_choice(&runs[1]).0, first, "seeded choice {choice} repeats");
+        }
+        let schema = serde_json::json!({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": false});
+        let run = c
+            .run(GenerateRequest {
+                constraint: Some(Constraint::JsonSchema {
+                    schema: schema.to_string(),
+                }),
+                requires: vec!["constraint".into()],
+                temperature: Some(1.0),
+                seed: Some(3),
+                ..of("Answer:", 64)
+            })
+            .await;
+        let doc: serde_json::Value = serde_json::from_str(&run.text())
+            .unwrap_or_else(|e| panic!("{:?}: {e}", run.text()));
+        assert!(doc["ok"].is_boolean(), "{doc}");
+        // A long request cancelled once it decodes, beside a short one that finishes.
+        let (id, sub) = c.start(of("Count:", 400)).await;
+        let short = c.run(of("Hello", 8));
+        let nc = c.nc.clone();
+        let mut sent = false;
+        let cancelled = Client::finish(id.clone(), sub, move |e| {
+            if !sent && matches!(e.event, Event::Tokens { .. }) {
+                sent = true;
+                let (nc, id) = (nc.clone(), id.clone());
+                tokio::spawn(async move {
+                    nc.publish(
+                        subjects::CANCEL,
+                        encode(&Cancel { request_id: id }).unwrap().into(),
+                    )
+                    .await
+                    .unwrap()
+                });
+            }
+        });
+        let (cancelled, short) = futures::join!(cancelled, short);
+        assert!(
+            matches!(cancelled.last(), Event::Error { error } if error.class == ErrorClass::Cancelled),
+            "{:?}",
+            cancelled.last()
+        );
+        assert!(cancelled.tokens().len() < 400);
+        assert!(matches!(short.last(), Event::Done { .. }), "{:?}", short.last());
+    });
+}

@@ -10,7 +10,8 @@ pub(super) struct ModelArgs {
     /// A known model name or a path.
     #[arg(long, conflicts_with = "random_weights")]
     pub(super) model: Option<String>,
-    /// A model shape with random weights: tiny, smollm2, 1b, 8b, moe.
+    /// A model shape with random weights: tiny, smollm2, 1b, 8b, tiny-moe, moe, tiny-lfm2, lfm2,
+    /// tiny-qwen35, qwen35.
     #[arg(long)]
     pub(super) random_weights: Option<String>,
     #[command(flatten)]
