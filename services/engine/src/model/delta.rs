@@ -12,7 +12,7 @@
 //! value_heads / key_heads consecutive value heads. The output is RMS-normed per head, times
 //! silu(z), then projected out.
 //!
-//! A chunk of T positions is computed in blocks of [`BLOCK`] at once (the chunked form of the
+//! A chunk of T positions is computed in blocks of positions at once (`block`) (the chunked form of the
 //! rule: within a block the corrections are one triangular system, solved by products of the
 //! system's powers, and the state is read and written once a block); only the blocks follow one
 //! another. A decode step updates every row's state in one pass. States are float32.
@@ -33,8 +33,17 @@ use crate::error::Result;
 use crate::weights::Weights;
 
 /// Positions computed together in the chunked form: larger blocks do more work per position
-/// (the triangular system grows as the square) but follow one another fewer times.
-const BLOCK: i32 = 64;
+/// (the triangular system grows as the square) but follow one another fewer times. On the CPU,
+/// where each block's work is small and the ops are cheap to issue, 16 prefilled a 4096-token
+/// prompt fastest (BENCHMARKS.md); on a GPU, where each block's steps are launches the host
+/// pays for, 64 (the chunk of the reference kernels), not yet measured there.
+fn block() -> i32 {
+    if crate::device::on_gpu() {
+        64
+    } else {
+        16
+    }
+}
 
 pub(super) struct DeltaNet {
     /// q|k|v (the convolution's channels), z, b and a together.
@@ -231,9 +240,9 @@ impl DeltaNet {
         let hv = self.value_heads;
         let (dk, dv) = (self.key_dim, self.value_dim);
         let t = x.q.shape()[2];
-        // Blocks of BLOCK positions (one of t when shorter); the last padded with positions
+        // Blocks of `block()` positions (one of t when shorter); the last padded with positions
         // that neither write (beta 0, k 0) nor decay (g 0).
-        let size = t.min(BLOCK);
+        let size = t.min(block());
         let blocks = (t + size - 1) / size;
         let pad = blocks * size - t;
         let padded = |a: &Array, width: Option<i32>| -> Result<Array> {
