@@ -58,6 +58,11 @@ pub(super) struct DeltaNet {
     dt_bias: Array,
     /// The per-head output norm's weight [value_dim].
     norm: Array,
+    /// q's and k's L2 norms as RMS norms ([`Self::rule_inputs`]): their weights (1/key_dim and
+    /// key_dim^-1/2 in every place, q's also scaling it by key_dim^-1/2) and epsilon.
+    q_weight: Array,
+    k_weight: Array,
+    l2_eps: f32,
     eps: f32,
     key_heads: i32,
     value_heads: i32,
@@ -109,6 +114,15 @@ impl DeltaNet {
             neg_a: a_log.exp()?.negative()?,
             dt_bias: f32_of(w.take(&format!("{p}.dt_bias"), &[hv])?)?,
             norm: w.take(&format!("{p}.norm.weight"), &[dv])?,
+            q_weight: mlx_rs::ops::full::<f32>(
+                &[d.key_dim as i32],
+                Array::from_f32(1.0 / d.key_dim as f32),
+            )?,
+            k_weight: mlx_rs::ops::full::<f32>(
+                &[d.key_dim as i32],
+                Array::from_f32(1.0 / (d.key_dim as f32).sqrt()),
+            )?,
+            l2_eps: 1e-6 / d.key_dim as f32,
             eps: c.rms_norm_eps,
             key_heads: d.key_heads as i32,
             value_heads: hv as i32,
@@ -122,6 +136,7 @@ impl DeltaNet {
         let mut p = self.in_proj.parameters();
         p.extend(self.out_proj.parameters());
         p.extend([&self.taps, &self.neg_a, &self.dt_bias, &self.norm]);
+        p.extend([&self.q_weight, &self.k_weight]);
         p
     }
 
@@ -209,15 +224,17 @@ impl DeltaNet {
         let v = qkv.pop().expect("three parts");
         let k = qkv.pop().expect("three parts");
         let q = qkv.pop().expect("three parts");
-        // Each key head serves `hv / hk` consecutive value heads.
-        let heads = |x: Array| -> Result<Array> {
+        // `x * rsqrt(sum(x^2) + 1e-6)` (the reference's L2 norm) is an RMS norm with epsilon
+        // 1e-6 / dk and weight dk^-1/2: one fused op (q's weight also holds its scale). Each
+        // key head serves `hv / hk` consecutive value heads.
+        let heads = |x: Array, weight: &Array| -> Result<Array> {
             let x = x.reshape(&[n, t, hk, 1, dk])?;
-            let x = l2_normed(&x)?;
+            let x = mlx_rs::fast::rms_norm(&x, Some(weight), self.l2_eps)?;
             let x = broadcast_to(&x, &[n, t, hk, hv / hk, dk])?.reshape(&[n, t, hv, dk])?;
             Ok(x.transpose_axes(&[0, 2, 1, 3])?)
         };
-        let q = heads(q)?.multiply(Array::from_f32(1.0 / (dk as f32).sqrt()))?;
-        let k = heads(k)?;
+        let q = heads(q, &self.q_weight)?;
+        let k = heads(k, &self.k_weight)?;
         let v = v.reshape(&[n, t, hv, dv])?.transpose_axes(&[0, 2, 1, 3])?;
         let beta = mlx_rs::ops::sigmoid(&b.as_dtype(Dtype::Float32)?)?;
         let softplus = mlx_rs::ops::logaddexp(
@@ -375,13 +392,6 @@ impl DeltaNet {
         }
         self.out_proj.forward(&concat_rows(outs)?)
     }
-}
-
-/// `x * rsqrt(sum(x^2) + 1e-6)` over the last axis (as the reference implementations norm q
-/// and k).
-fn l2_normed(x: &Array) -> Result<Array> {
-    let sq = x.square()?.sum_axis(-1, true)?;
-    Ok(x.multiply(&sq.add(Array::from_f32(1e-6))?.rsqrt()?)?)
 }
 
 /// (I + L)^-1 for strictly lower triangular `l` [.., size, size]: with M = -L nilpotent

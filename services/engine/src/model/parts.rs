@@ -183,6 +183,10 @@ pub(super) fn concat_rows(mut parts: Vec<Array>) -> Result<Array> {
 /// [kernel, channels] (row j weighs the position `kernel - 1 - j` back): `kernel` shifted
 /// products, not a loop over positions.
 pub(super) fn causal_depthwise(window: &Array, taps: &Array, t: i32) -> Result<Array> {
+    if t == 1 {
+        // One position (a decode step's): the window is the kernel's span.
+        return Ok(window.multiply(taps)?.sum_axis(1, true)?);
+    }
     let kernel = taps.shape()[0];
     let mut acc: Option<Array> = None;
     for j in 0..kernel {
