@@ -357,19 +357,6 @@ fn cancel_while_queued_mid_prefill_and_decoding() {
         // C is cancelled while queued, B once it has prefilled 4 tokens, A once it has streamed 5
         // tokens; the streams are read at the same time, so each cancel goes out as its trigger
         // arrives.
-        let cancel_when = |id: String, nc: async_nats::Client, trigger: fn(&Event, &mut u32) -> bool| {
-            let mut n = 0u32;
-            let mut sent = false;
-            move |e: &StreamEvent| {
-                if !sent && trigger(&e.event, &mut n) {
-                    sent = true;
-                    let (nc, id) = (nc.clone(), id.clone());
-                    tokio::spawn(async move {
-                        nc.publish(subjects::CANCEL, encode(&Cancel { request_id: id }).unwrap().into()).await.unwrap();
-                    });
-                }
-            }
-        };
         let mut on_b_cancel = cancel_when(b.clone(), c.nc.clone(), |e, _| matches!(e, Event::PrefillProgress { done: 4, .. }));
         // C waits (in the worker's queue or still in the jobs stream: both slots are taken) from
         // B's first chunk on; it is cancelled then.
@@ -754,22 +741,10 @@ fn a_hybrid_model_serves_samples_constraints_and_cancels() {
         // A long request cancelled once it decodes, beside a short one that finishes.
         let (id, sub) = c.start(of("Count:", 400)).await;
         let short = c.run(of("Hello", 8));
-        let nc = c.nc.clone();
-        let mut sent = false;
-        let cancelled = Client::finish(id.clone(), sub, move |e| {
-            if !sent && matches!(e.event, Event::Tokens { .. }) {
-                sent = true;
-                let (nc, id) = (nc.clone(), id.clone());
-                tokio::spawn(async move {
-                    nc.publish(
-                        subjects::CANCEL,
-                        encode(&Cancel { request_id: id }).unwrap().into(),
-                    )
-                    .await
-                    .unwrap()
-                });
-            }
+        let on = cancel_when(id.clone(), c.nc.clone(), |e, _| {
+            matches!(e, Event::Tokens { .. })
         });
+        let cancelled = Client::finish(id, sub, on);
         let (cancelled, short) = futures::join!(cancelled, short);
         assert!(
             matches!(cancelled.last(), Event::Error { error } if error.class == ErrorClass::Cancelled),

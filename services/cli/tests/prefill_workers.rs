@@ -190,23 +190,12 @@ fn a_cancelled_request_frees_both_workers() {
         statuses(&c, &[WorkerRole::Decode, WorkerRole::Prefill]).await;
         tokio::time::sleep(Duration::from_millis(600)).await;
         let (id, sub) = c.start(req(&LONG.repeat(20), 50)).await;
-        let nc = c.nc.clone();
-        let mut sent = false;
-        let run = Client::finish(id.clone(), sub, move |e| {
-            if !sent && matches!(e.event, Event::PrefillProgress { done, .. } if done >= 20) {
-                sent = true;
-                let (nc, id) = (nc.clone(), id.clone());
-                tokio::spawn(async move {
-                    nc.publish(
-                        subjects::CANCEL,
-                        encode(&Cancel { request_id: id }).unwrap().into(),
-                    )
-                    .await
-                    .unwrap()
-                });
-            }
-        })
-        .await;
+        let on = cancel_when(
+            id.clone(),
+            c.nc.clone(),
+            |e, _| matches!(e, Event::PrefillProgress { done, .. } if *done >= 20),
+        );
+        let run = Client::finish(id, sub, on).await;
         assert!(
             matches!(run.last(), Event::Error { error } if error.class == ErrorClass::Cancelled),
             "{:?}",

@@ -8,14 +8,13 @@
 
 mod common;
 
-use common::greedy_alone;
+use common::{greedy_alone, model_path};
 
 use std::time::Instant;
 
 use llmq_engine::load_model;
 use llmq_protocol::Event;
 use llmq_scheduler::{Admission, Scheduler, SchedulerConfig};
-use llmq_text::resolve_model;
 use llmq_text::sampling::{Sampling, StopConditions};
 use llmq_worker::actor::WorkerExecutor;
 use llmq_worker::roles::{RoleActors, RoleOptions};
@@ -33,15 +32,6 @@ fn chunked_interleaved_prefill_gives_the_same_greedy_tokens() {
 fn chunked_interleaved_prefill_of_hybrid_models_gives_the_same_greedy_tokens() {
     check_interleaved("tiny-lfm2");
     check_interleaved("tiny-qwen35");
-}
-
-fn model_path(name: &str) -> std::path::PathBuf {
-    match name {
-        "smollm2" => resolve_model(name).unwrap(),
-        fixture => std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../tests/fixtures")
-            .join(fixture),
-    }
 }
 
 fn check_interleaved(model: &'static str) {

@@ -8,14 +8,13 @@
 
 mod common;
 
-use common::greedy_alone;
+use common::{greedy_alone, model_path};
 
 use std::time::Instant;
 
 use llmq_engine::load_model;
 use llmq_protocol::Event;
 use llmq_scheduler::{Admission, Emit, Scheduler, SchedulerConfig};
-use llmq_text::resolve_model;
 use llmq_text::sampling::{Sampling, StopConditions};
 use llmq_worker::actor::{state_tokens, WorkerExecutor};
 use llmq_worker::roles::{PrefixOptions, RoleActors, RoleOptions};
@@ -34,15 +33,6 @@ fn tokens_of(events: &[Emit], id: u64) -> Vec<u32> {
             _ => vec![],
         })
         .collect()
-}
-
-fn model_path(name: &str) -> std::path::PathBuf {
-    match name {
-        "smollm2" => resolve_model(name).unwrap(),
-        fixture => std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../tests/fixtures")
-            .join(fixture),
-    }
 }
 
 #[test]

@@ -173,6 +173,31 @@ pub fn req(prompt: &str, max_tokens: i64) -> GenerateRequest {
     }
 }
 
+/// A stream's event handler that publishes a cancel of `id` once `trigger` (given each event
+/// and a counter of its own) says so, and only once.
+pub fn cancel_when(
+    id: String,
+    nc: async_nats::Client,
+    mut trigger: impl FnMut(&Event, &mut u32) -> bool,
+) -> impl FnMut(&StreamEvent) {
+    let mut n = 0u32;
+    let mut sent = false;
+    move |e: &StreamEvent| {
+        if !sent && trigger(&e.event, &mut n) {
+            sent = true;
+            let (nc, id) = (nc.clone(), id.clone());
+            tokio::spawn(async move {
+                nc.publish(
+                    subjects::CANCEL,
+                    encode(&Cancel { request_id: id }).unwrap().into(),
+                )
+                .await
+                .unwrap()
+            });
+        }
+    }
+}
+
 pub fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -29,3 +29,13 @@ pub fn greedy_alone(
         })
         .collect()
 }
+
+/// A named model (`smollm2`) or a fixture of tests/fixtures.
+pub fn model_path(name: &str) -> std::path::PathBuf {
+    match name {
+        "smollm2" => llmq_text::resolve_model(name).unwrap(),
+        fixture => std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures")
+            .join(fixture),
+    }
+}
