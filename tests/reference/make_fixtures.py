@@ -28,6 +28,10 @@ at position 100 with rope_theta 1e6, which would hide real errors of that size.
                                  (96 wide) behind its own sigmoid gate; q/k/v biases, f32
   tests/fixtures/tiny-lfm2/      LFM2: short gated convolutions (kernel 3, with bias) in three
                                  layers, grouped-query attention with q/k norms in one, f32
+  tests/fixtures/tiny-qwen35/    Qwen3.5 text: gated DeltaNet in three layers (2 key heads, 4
+                                 value heads, convolution of 4; decays drawn as trained ones
+                                 have them), gated attention with q/k norms and half of each
+                                 head rotated in one, untied output, f32
   tests/fixtures/tiny-llama.gguf the tiny Llama as GGUF: F32, F16, BF16, Q8_0, Q4_0, Q4_1 tensors,
                                  Q/K rows permuted as llama.cpp stores them, GPT-2 style BPE
   tests/fixtures/tiny-mixtral.gguf, tiny-qwen3-moe.gguf, tiny-phi3.gguf: those fixtures as GGUF
