@@ -12,10 +12,10 @@
 //! value_heads / key_heads consecutive value heads. The output is RMS-normed per head, times
 //! silu(z), then projected out.
 //!
-//! A chunk of T positions is computed in blocks of positions at once (`block`) (the chunked form of the
-//! rule: within a block the corrections are one triangular system, solved by products of the
-//! system's powers, and the state is read and written once a block); only the blocks follow one
-//! another. A decode step updates every row's state in one pass. States are float32.
+//! A chunk of T positions is computed in blocks of positions at once (`block`; the chunked form
+//! of the rule: within a block the corrections are one triangular system, solved by products of
+//! the system's powers, and the state is read and written once a block); only the blocks follow
+//! one another. A decode step updates every row's state in one pass. States are float32.
 //!
 //! Per sequence a layer keeps the convolution's last `kernel - 1` inputs and S, in a
 //! [`ConvCache`](crate::cache::ConvCache) with a memory.

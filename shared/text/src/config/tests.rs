@@ -187,3 +187,40 @@ fn lfm2_s_published_config_parses_to_its_layers_and_widths() {
     assert_eq!(scaled.intermediate_size, 3072); // 2000 * 1.5 = 3000, up to 24 * 128
     assert_eq!(scaled.attention_layers(), 2);
 }
+
+/// Qwen3.5-9B's config.json as published (a multimodal checkpoint): the text model in
+/// `text_config`, three gated DeltaNet layers to one of gated attention, a quarter of each head
+/// rotated; the vision config beside it is ignored.
+#[test]
+fn qwen3_5_s_published_config_parses_its_text_model() {
+    let c = parse(
+        "qwen3_5",
+        json!({"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+               "tie_word_embeddings": false, "vision_config": {"depth": 27, "hidden_size": 1152},
+               "text_config": {"model_type": "qwen3_5_text", "vocab_size": 248320,
+               "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 32,
+               "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256,
+               "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+               "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+               "linear_conv_kernel_dim": 4, "full_attention_interval": 4, "rms_norm_eps": 1e-6,
+               "hidden_act": "silu", "max_position_embeddings": 262144,
+               "rope_parameters": {"rope_type": "default", "rope_theta": 10000000,
+                                   "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
+                                   "mrope_interleaved": true}}}),
+    )
+    .unwrap();
+    assert_eq!(c.arch, Arch::Qwen35);
+    assert!(c.arch.norms_add_one() && c.attn_output_gate);
+    assert!(!c.tie_word_embeddings);
+    assert_eq!((c.num_heads, c.num_kv_heads, c.head_dim), (16, 4, 256));
+    assert_eq!(c.rope.dims, 64);
+    let d = c.delta.as_ref().unwrap();
+    assert_eq!(
+        (d.key_heads, d.value_heads, d.key_dim, d.value_dim, d.conv_kernel),
+        (16, 32, 128, 128, 4)
+    );
+    assert_eq!(d.conv_channels(), 8192);
+    let attention: Vec<usize> = (0..32).filter(|&i| !c.recurrent_layer(i)).collect();
+    assert_eq!(attention, vec![3, 7, 11, 15, 19, 23, 27, 31]);
+    assert!(c.recurrent() && !c.caches_rewind());
+}
