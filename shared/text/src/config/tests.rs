@@ -216,7 +216,13 @@ fn qwen3_5_s_published_config_parses_its_text_model() {
     assert_eq!(c.rope.dims, 64);
     let d = c.delta.as_ref().unwrap();
     assert_eq!(
-        (d.key_heads, d.value_heads, d.key_dim, d.value_dim, d.conv_kernel),
+        (
+            d.key_heads,
+            d.value_heads,
+            d.key_dim,
+            d.value_dim,
+            d.conv_kernel
+        ),
         (16, 32, 128, 128, 4)
     );
     assert_eq!(d.conv_channels(), 8192);
