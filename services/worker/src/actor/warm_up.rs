@@ -94,12 +94,12 @@ async fn warm_up<E: WorkerExecutor>(
         .map(|&size| ticks(executor, size, w.tokens))
         .max()
         .unwrap_or(1);
-    let short_room = most_rows * (short + 2 * most_chunks + 8 + most_rows);
-    let long = w
-        .tokens
-        .min(context)
-        .min(fits.saturating_sub(short_room) * 3 / 8)
-        .max(1);
+    // Each running request's recurrent states count as `state_tokens` positions too.
+    let short_room = most_rows * (short + 2 * most_chunks + 8 + most_rows + cfg.state_tokens);
+    let long_room = fits
+        .saturating_sub(short_room)
+        .saturating_sub(2 * cfg.state_tokens);
+    let long = w.tokens.min(context).min(long_room * 3 / 8).max(1);
     // MLX plans kernels, cuDNN attention and matrix products once per shape, tens of ms each on
     // a GPU. The phases below make the shapes a burst of long prompts meets: a long prompt
     // alone (the idle executor's large prefill steps); then, per round, short ones decoding
