@@ -30,14 +30,32 @@ fn whole_steps(tokens: usize) -> usize {
     tokens.div_ceil(CAPACITY_STEP) * CAPACITY_STEP
 }
 
-/// What a recurrent layer keeps per row (see the module's notes).
-#[derive(Debug, Clone, Copy)]
+/// What a recurrent layer keeps per sequence (a row of the batch, a prefix-cache entry, a chunk
+/// sent between workers): see the module's notes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RowState {
     /// The convolution's kept inputs (kernel - 1) and their width.
     pub keep: i32,
     pub width: i32,
     /// A DeltaNet layer's memory per row: [heads, key_dim, value_dim].
     pub memory: Option<[i32; 3]>,
+}
+
+impl RowState {
+    /// The length of the convolution whose inputs it keeps.
+    pub fn kernel(&self) -> usize {
+        self.keep as usize + 1
+    }
+
+    /// The convolution's kept inputs of `rows` rows: [rows, 1, keep, width].
+    pub fn inputs_shape(&self, rows: i32) -> [i32; 4] {
+        [rows, 1, self.keep, self.width]
+    }
+
+    /// A DeltaNet's memory of `rows` rows: [rows, heads, key_dim, value_dim] (float32).
+    pub fn memory_shape(&self, rows: i32) -> Option<[i32; 4]> {
+        self.memory.map(|[h, dk, dv]| [rows, h, dk, dv])
+    }
 }
 
 pub struct DecodeBatch {
@@ -52,7 +70,7 @@ pub struct DecodeBatch {
     dtype: Dtype,
     num_layers: usize,
     /// Per layer, for a recurrent layer: what it keeps per row.
-    conv: Vec<Option<RowState>>,
+    states: Vec<Option<RowState>>,
     /// While the batch has at most this many rows, they attend row by row over each row's own
     /// length (no mask, MLX's fused vector kernel) instead of in one masked attention over every
     /// row's whole capacity, which MLX runs unfused and which is slow for long rows. 0: never.
@@ -60,13 +78,13 @@ pub struct DecodeBatch {
 }
 
 impl DecodeBatch {
-    /// `conv`: per layer, what a recurrent layer keeps per row (None for an attention layer).
+    /// `states`: per layer, what a recurrent layer keeps per row (None for an attention layer).
     pub(crate) fn new(
         num_layers: usize,
         kv_heads: usize,
         head_dim: usize,
         dtype: Dtype,
-        conv: Vec<Option<RowState>>,
+        states: Vec<Option<RowState>>,
     ) -> Self {
         DecodeBatch {
             layers: vec![],
@@ -77,19 +95,19 @@ impl DecodeBatch {
             head_dim: head_dim as i32,
             dtype,
             num_layers,
-            conv,
+            states,
             per_row_up_to: 0,
         }
     }
 
     /// Whether layer `l` keeps recurrent states.
-    fn is_conv(&self, l: usize) -> bool {
-        self.conv.get(l).is_some_and(Option::is_some)
+    fn is_recurrent(&self, l: usize) -> bool {
+        self.states.get(l).is_some_and(Option::is_some)
     }
 
     /// Whether layer `l`'s pair holds one array twice (a convolution's state alone).
     fn shares_pair(&self, l: usize) -> bool {
-        self.conv
+        self.states
             .get(l)
             .copied()
             .flatten()
@@ -146,15 +164,12 @@ impl DecodeBatch {
     /// Layer `l`'s zeros for `slots` rows of `capacity` positions (a recurrent layer's: its
     /// state's positions, whatever the capacity), first or second of its pair.
     fn zeros_of(&self, l: usize, second: bool, slots: usize, capacity: usize) -> Result<Array> {
-        match self.conv.get(l).copied().flatten() {
-            Some(RowState {
-                memory: Some([h, dk, dv]),
-                ..
-            }) if second => Ok(zeros_dtype(&[slots as i32, h, dk, dv], Dtype::Float32)?),
-            Some(s) => Ok(zeros_dtype(
-                &[slots as i32, 1, s.keep, s.width],
-                self.dtype,
-            )?),
+        let rows = slots as i32;
+        match self.states.get(l).copied().flatten() {
+            Some(s) => match s.memory_shape(rows).filter(|_| second) {
+                Some(memory) => Ok(zeros_dtype(&memory, Dtype::Float32)?),
+                None => Ok(zeros_dtype(&s.inputs_shape(rows), self.dtype)?),
+            },
             None => self.zeros(slots, capacity),
         }
     }
@@ -206,10 +221,10 @@ impl DecodeBatch {
                 .iter()
                 .enumerate()
                 .map(|(l, (k, v))| {
-                    let conv = self.is_conv(l);
+                    let recurrent = self.is_recurrent(l);
                     let grow = |a: &Array, second: bool| -> Result<Array> {
                         let mut a = a.clone();
-                        if capacity > old_cap && !conv {
+                        if capacity > old_cap && !recurrent {
                             a = concatenate(&[a, self.zeros(old_slots, capacity - old_cap)?], 2)?;
                         }
                         if slots > old_slots {
@@ -271,7 +286,7 @@ impl DecodeBatch {
             let room = self.zeros(1, capacity - len)?;
             self.layers = (0..self.num_layers)
                 .map(|l| {
-                    if self.is_conv(l) {
+                    if self.is_recurrent(l) {
                         let (s, m) = state(l)?;
                         return Ok(if self.shares_pair(l) {
                             (s.clone(), s)
@@ -293,7 +308,7 @@ impl DecodeBatch {
         self.reserve(row + 1, len + 1)?;
         let r = row as i32;
         for l in 0..self.num_layers {
-            if self.is_conv(l) {
+            if self.is_recurrent(l) {
                 let (s, m) = state(l)?;
                 let shared = self.shares_pair(l);
                 let (k, v) = &mut self.layers[l];
@@ -317,7 +332,7 @@ impl DecodeBatch {
     /// Row `row`'s keys and values per layer, [1, kv_heads, len, head_dim] (lazy views); None
     /// when some layer keeps recurrent states (they cannot be cut back to a prefix).
     pub fn row_contents(&self, row: usize) -> Option<Vec<(Array, Array)>> {
-        if self.conv.iter().any(Option::is_some) {
+        if self.states.iter().any(Option::is_some) {
             return None;
         }
         let len = *self.lens.get(row)? as i32;
@@ -348,7 +363,7 @@ impl DecodeBatch {
                 .map(|(l, (k, v))| {
                     if self.shares_pair(l) {
                         (k.index((r..r + 1, .., .., ..)), crate::cache::empty())
-                    } else if self.is_conv(l) {
+                    } else if self.is_recurrent(l) {
                         (
                             k.index((r..r + 1, .., .., ..)),
                             v.index((r..r + 1, .., .., ..)),

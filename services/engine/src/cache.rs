@@ -56,8 +56,8 @@ pub trait KvCache: Send {
     }
     /// Takes a recurrent layer's state after `n` more positions, computed elsewhere (another
     /// worker's prefill): the pair [`KvCache::state`] gives.
-    fn install_state(&mut self, state: &(Array, Array), n: usize) -> Result<()> {
-        let _ = (state, n);
+    fn install_state(&mut self, inputs: &Array, memory: &Array, n: usize) -> Result<()> {
+        let _ = (inputs, memory, n);
         Err(crate::EngineError::InvalidRequest(
             "this cache keeps keys and values, not a recurrent state".into(),
         ))
@@ -401,7 +401,7 @@ impl KvCache for ConvCache {
         self.memory.as_ref()
     }
 
-    fn install_state(&mut self, (inputs, memory): &(Array, Array), n: usize) -> Result<()> {
+    fn install_state(&mut self, inputs: &Array, memory: &Array, n: usize) -> Result<()> {
         self.state = Some(inputs.clone());
         if memory.size() > 0 {
             self.memory = Some(memory.clone());
@@ -476,7 +476,7 @@ impl SequenceCache {
         }
         for (cache, (k, v)) in self.layers.iter_mut().zip(layers) {
             if cache.recurrent() {
-                cache.install_state(&(k.clone(), v.clone()), n)?;
+                cache.install_state(k, v, n)?;
             } else {
                 cache.update(k, v)?;
             }

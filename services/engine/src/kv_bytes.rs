@@ -7,6 +7,7 @@
 
 use mlx_rs::{Array, Dtype};
 
+use crate::batch::RowState;
 use crate::error::Result;
 use crate::EngineError;
 
@@ -19,16 +20,8 @@ pub struct KvLayout {
     pub head_dim: usize,
     pub dtype: Dtype,
     /// For a model with recurrent layers, every layer in order: None for attention, else the
-    /// shapes of the state a chunk carries (empty when every layer attends).
-    pub states: Vec<Option<StateShapes>>,
-}
-
-/// A recurrent layer's state as a chunk carries it: the convolution's kept inputs (in the
-/// model's dtype) and a DeltaNet's memory (float32).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct StateShapes {
-    pub inputs: [i32; 4],
-    pub memory: Option<[i32; 4]>,
+    /// state a chunk carries, one sequence's (empty when every layer attends).
+    pub states: Vec<Option<RowState>>,
 }
 
 impl KvLayout {
@@ -38,7 +31,7 @@ impl KvLayout {
     }
 
     /// Bytes of a chunk of `n` positions: their keys and values, and the recurrent layers'
-    /// states after them.
+    /// states after them (of 0 positions: one sequence's states alone).
     pub fn chunk_bytes(&self, n: usize) -> usize {
         self.bytes(n)
             + self
@@ -49,9 +42,9 @@ impl KvLayout {
                 .sum::<usize>()
     }
 
-    fn state_bytes(&self, s: &StateShapes) -> usize {
-        let count = |d: &[i32; 4]| d.iter().map(|&x| x as usize).product::<usize>();
-        count(&s.inputs) * self.elem_bytes() + s.memory.as_ref().map_or(0, |m| 4 * count(m))
+    fn state_bytes(&self, s: &RowState) -> usize {
+        let count = |d: [i32; 4]| d.iter().map(|&x| x as usize).product::<usize>();
+        count(s.inputs_shape(1)) * self.elem_bytes() + s.memory_shape(1).map_or(0, |m| 4 * count(m))
     }
 
     fn elem_bytes(&self) -> usize {
@@ -78,8 +71,8 @@ impl std::fmt::Display for KvLayout {
         )?;
         for (l, s) in self.states.iter().enumerate() {
             if let Some(s) = s {
-                write!(f, "; layer {l} state {:?}", s.inputs)?;
-                if let Some(m) = s.memory {
+                write!(f, "; layer {l} state {:?}", s.inputs_shape(1))?;
+                if let Some(m) = s.memory_shape(1) {
                     write!(f, " + {m:?} (Float32)")?;
                 }
             }
@@ -120,7 +113,7 @@ pub fn from_bytes(bytes: &[u8], layout: &KvLayout, n: usize) -> Result<Vec<(Arra
         )));
     }
     let kv = [1, layout.kv_heads as i32, n as i32, layout.head_dim as i32];
-    let layers: Vec<Option<StateShapes>> = if layout.states.is_empty() {
+    let layers: Vec<Option<RowState>> = if layout.states.is_empty() {
         vec![None; layout.layers]
     } else {
         layout.states.clone()
@@ -140,8 +133,8 @@ pub fn from_bytes(bytes: &[u8], layout: &KvLayout, n: usize) -> Result<Vec<(Arra
         .map(|l| match l {
             None => (take(&kv, layout.dtype), take(&kv, layout.dtype)),
             Some(s) => (
-                take(&s.inputs, layout.dtype),
-                s.memory
+                take(&s.inputs_shape(1), layout.dtype),
+                s.memory_shape(1)
                     .map_or_else(crate::cache::empty, |m| take(&m, Dtype::Float32)),
             ),
         })
@@ -163,13 +156,15 @@ mod tests {
             dtype: Dtype::Bfloat16,
             states: vec![
                 None,
-                Some(StateShapes {
-                    inputs: [1, 1, 2, 8],
+                Some(RowState {
+                    keep: 2,
+                    width: 8,
                     memory: None,
                 }),
-                Some(StateShapes {
-                    inputs: [1, 1, 3, 6],
-                    memory: Some([1, 2, 4, 4]),
+                Some(RowState {
+                    keep: 3,
+                    width: 6,
+                    memory: Some([2, 4, 4]),
                 }),
             ],
         };

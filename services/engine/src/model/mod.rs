@@ -206,27 +206,12 @@ impl Model {
         self.dtype
     }
 
-    /// What one position's KV is made of (every layer's keys and values, in the model's dtype).
-    /// Bytes of one sequence's recurrent states: every convolution's kept inputs (in the
-    /// model's dtype) and every DeltaNet's memory (float32); 0 for attention alone.
-    pub fn state_bytes(&self) -> usize {
-        self.kv_layout().chunk_bytes(0)
-    }
-
     /// What a chunk's KV is made of, as it travels between workers (see
     /// [`crate::kv_bytes`]).
     pub fn kv_layout(&self) -> crate::kv_bytes::KvLayout {
         let c = &self.config;
         let states = if c.recurrent() {
-            (0..c.num_layers)
-                .map(|l| {
-                    self.state_of_layer(l)
-                        .map(|s| crate::kv_bytes::StateShapes {
-                            inputs: [1, 1, s.keep, s.width],
-                            memory: s.memory.map(|[h, dk, dv]| [1, h, dk, dv]),
-                        })
-                })
-                .collect()
+            (0..c.num_layers).map(|l| self.state_of_layer(l)).collect()
         } else {
             vec![]
         };
@@ -314,8 +299,8 @@ impl Model {
     pub fn new_cache_for(&self, positions: usize) -> SequenceCache {
         let layers = (0..self.config.num_layers)
             .map(|i| -> Box<dyn KvCache> {
-                match (self.recurrent_kernel(i), self.config.window(i)) {
-                    (Some(k), _) => Box::new(ConvCache::new(k)),
+                match (self.state_of_layer(i), self.config.window(i)) {
+                    (Some(s), _) => Box::new(ConvCache::new(s.kernel())),
                     (_, Some(w)) => Box::new(RotatingCache::new(w)),
                     (_, None) => Box::new(StandardCache::with_room(CACHE_STEP, positions)),
                 }
@@ -344,13 +329,13 @@ impl Model {
             .iter()
             .enumerate()
             .map(|(i, (k, v))| -> Result<Box<dyn KvCache>> {
-                Ok(match (self.recurrent_kernel(i), self.config.window(i)) {
+                Ok(match (self.state_of_layer(i), self.config.window(i)) {
                     // A state resumes only where it was taken (the prefix cache's exact-only
                     // entries): `n` is that entry's length. A DeltaNet layer's memory is the
                     // pair's second array.
-                    (Some(kernel), _) => {
-                        let memory = self.config.delta_at(i).map(|_| v);
-                        Box::new(ConvCache::resumed(kernel, k, memory, n))
+                    (Some(s), _) => {
+                        let memory = s.memory.map(|_| v);
+                        Box::new(ConvCache::resumed(s.kernel(), k, memory, n))
                     }
                     (_, Some(w)) => Box::new(RotatingCache::with_prefix(w, k, v, n)?),
                     (_, None) => {
@@ -360,15 +345,6 @@ impl Model {
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(SequenceCache { layers })
-    }
-
-    /// The convolution length of layer `layer`'s recurrent state (LFM2's convolution, or the
-    /// one in front of a DeltaNet), None for attention.
-    fn recurrent_kernel(&self, layer: usize) -> Option<usize> {
-        let c = &self.config;
-        c.conv_at(layer)
-            .map(|k| k.kernel)
-            .or_else(|| c.delta_at(layer).map(|d| d.conv_kernel))
     }
 
     /// What recurrent layer `layer` keeps per sequence (None for attention).

@@ -93,8 +93,6 @@ pub struct RoleActors {
     /// Prefill by prefill workers (a decode worker's).
     remote: Option<RemotePrefill>,
     kv_layout: llmq_engine::kv_bytes::KvLayout,
-    /// Bytes of one sequence's recurrent states.
-    state_bytes: usize,
 }
 
 /// How long a tick with nothing else to do waits for a prefill worker's KV.
@@ -144,7 +142,6 @@ impl RoleActors {
     /// Starts the three actors on the current thread (the device thread) around `model`.
     pub fn start(model: Model, tokenizer: Option<Tokenizer>, opts: RoleOptions) -> Self {
         let kv_layout = model.kv_layout();
-        let state_bytes = model.state_bytes();
         let context_tokens = model.config.max_position_embeddings;
         // Hits in whole chunk-grid blocks, so that the chunks after one start on the grid (see
         // `Model::chunk_grid`).
@@ -175,7 +172,6 @@ impl RoleActors {
             mask_times,
             remote: None,
             kv_layout,
-            state_bytes,
         }
     }
 
@@ -478,7 +474,7 @@ impl WorkerExecutor for RoleActors {
     }
 
     fn state_bytes_per_sequence(&self) -> u64 {
-        self.state_bytes as u64
+        self.kv_layout.chunk_bytes(0) as u64
     }
 
     /// KV bytes the actors held at their last answers.
