@@ -38,6 +38,9 @@ at position 100 with rope_theta 1e6, which would hide real errors of that size.
                                  (gguf_moe: experts stacked and quantized; gguf_phi3: fused
                                  projections, long RoPE's factors as tensors), each with its
                                  -gguf-reference.safetensors
+  tests/fixtures/tiny-qwen35.gguf, tiny-lfm2.gguf: the hybrids as llama.cpp's own converter
+                                 writes them, F32 (gguf_hybrids: LFM2 without its convolution
+                                 bias, with its -gguf-reference.safetensors)
   each dir's reference.safetensors: for every case, the prompt ids and the logits of every position
   tests/fixtures/tokenizers-reference.json: reference encodings and chat templates of the real
                                  Llama-3, Qwen3 and Mistral tokenizers (tokenizers_reference.py)
@@ -146,8 +149,8 @@ def save_hf(model, dest, dtype, shards=1):
     return model.double()
 
 
-def tiny_dir(name):
-    dest = os.path.join(FIX, name)
+def tiny_dir(name, root=FIX):
+    dest = os.path.join(root, name)
     shutil.rmtree(dest, ignore_errors=True)
     os.makedirs(dest)
     return dest
@@ -169,13 +172,13 @@ def randomize(model, scale=0.08):
 
 
 def build(cls_cfg, cls_model, name, dtype, shards=1, seeded=False, incremental=False, adjust=None,
-          **extra):
+          root=FIX, **extra):
     """seeded: the weights drawn from a seed of the fixture's own (fixtures added later do not
     change the earlier ones' random stream); adjust: redraws what `randomize` would make
-    unlike a trained model of the family."""
+    unlike a trained model of the family; root: where the fixture's directory goes."""
     if seeded:
         torch.manual_seed(zlib.crc32(name.encode()))
-    dest = tiny_dir(name)
+    dest = tiny_dir(name, root)
     tok = make_tokenizer(dest)
     vocab = tok.get_vocab_size()
     cfg = cls_cfg(vocab_size=vocab, **{**COMMON, **extra})
@@ -591,25 +594,73 @@ def qwen35_decays(model):
                 p.copy_(torch.randn_like(p) - 2.0)
 
 
+QWEN35 = dict(
+    num_hidden_layers=4, head_dim=16, tie_word_embeddings=False,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+    linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.5,
+                     "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+LFM2 = dict(
+    num_hidden_layers=4, layer_types=["conv", "full_attention", "conv", "conv"], conv_L_cache=3,
+    block_auto_adjust_ff_dim=False, norm_eps=1e-5, tie_word_embeddings=True,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+
+
 def hybrid_families():
     from transformers import Lfm2Config, Lfm2ForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     return {
-        "tiny-qwen35": lambda: build(
-            Qwen3_5TextConfig, Qwen3_5ForCausalLM, "tiny-qwen35", torch.float32, seeded=True,
-            adjust=qwen35_decays, num_hidden_layers=4, head_dim=16, tie_word_embeddings=False,
-            layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
-            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-            linear_value_head_dim=16, linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
-                             "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1],
-                             "mrope_interleaved": True}),
-        "tiny-lfm2": lambda: build(
-            Lfm2Config, Lfm2ForCausalLM, "tiny-lfm2", torch.float32, seeded=True,
-            num_hidden_layers=4, layer_types=["conv", "full_attention", "conv", "conv"], conv_L_cache=3,
-            conv_bias=True, block_auto_adjust_ff_dim=False, norm_eps=1e-5, tie_word_embeddings=True,
-            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+        "tiny-qwen35": lambda: build(Qwen3_5TextConfig, Qwen3_5ForCausalLM, "tiny-qwen35", torch.float32,
+                                     seeded=True, adjust=qwen35_decays, **QWEN35),
+        "tiny-lfm2": lambda: build(Lfm2Config, Lfm2ForCausalLM, "tiny-lfm2", torch.float32, seeded=True,
+                                   conv_bias=True, **LFM2),
     }
+
+
+def llama_cpp_convert(src, dest, *flags):
+    """llama.cpp's own converter (convert_hf_to_gguf.py in the llama-cpp-python source package
+    that set-up fetches for its chat templates) on a Hugging Face directory, tensors in F32. The
+    tiny fixtures' tokenizer is not in its table of known pre-tokenizers: it is told GPT-2's."""
+    import subprocess
+    import tarfile
+    import tempfile
+
+    downloads = os.path.join(ROOT, ".cache", "downloads")
+    sdist = next((f for f in sorted(os.listdir(downloads)) if f.startswith("llama_cpp_python-")), None)
+    if sdist is None:
+        sys.exit("llama-cpp-python's source package is not in .cache/downloads: run deploy/setup/setup.sh")
+    with tempfile.TemporaryDirectory() as tmp:
+        with tarfile.open(os.path.join(downloads, sdist)) as tar:
+            tar.extractall(tmp, filter="data")
+        top = os.path.join(tmp, os.listdir(tmp)[0], "vendor", "llama.cpp")
+        run = ("import sys; sys.path[:0] = ['.', 'gguf-py']; import conversion.base as b; "
+               "b.TextModel.get_vocab_base_pre = lambda self, tok: 'gpt-2'; import convert_hf_to_gguf as c; "
+               "sys.argv = ['convert', *sys.argv[1:]]; c.main()")
+        done = subprocess.run([sys.executable, "-c", run, src, "--outfile", dest, "--outtype", "f32", *flags],
+                              cwd=top, capture_output=True, text=True)
+        if done.returncode != 0:
+            sys.exit(f"llama.cpp's converter failed on {src}:\n{done.stderr[-3000:]}")
+
+
+def gguf_hybrids():
+    """tests/fixtures/tiny-qwen35.gguf: the Qwen3.5 fixture as llama.cpp converts it (norms
+    stored with their 1 added, A as -exp(A_log), value heads reordered, projections renamed);
+    its logits are the fixture's reference. tests/fixtures/tiny-lfm2.gguf: LFM2 as published,
+    without a convolution bias (llama.cpp's format has none), with its own
+    -gguf-reference.safetensors."""
+    import tempfile
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    # Without the multi-token-prediction head (the fixture has none; llmq does not use it).
+    llama_cpp_convert(os.path.join(FIX, "tiny-qwen35"), os.path.join(FIX, "tiny-qwen35.gguf"), "--no-mtp")
+    with tempfile.TemporaryDirectory() as tmp:
+        build(Lfm2Config, Lfm2ForCausalLM, "tiny-lfm2", torch.float32, seeded=True, root=tmp, conv_bias=False,
+              **LFM2)
+        src = os.path.join(tmp, "tiny-lfm2")
+        llama_cpp_convert(src, os.path.join(FIX, "tiny-lfm2.gguf"))
+        shutil.copy(os.path.join(src, "reference.safetensors"),
+                    os.path.join(FIX, "tiny-lfm2-gguf-reference.safetensors"))
 
 
 GEMMA3_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at", "Café, naïve, 東京:"]
@@ -645,7 +696,7 @@ def main(only):
 
     later = {**rope_families(), **gemma_families(), **moe_families(), **hybrid_families(), "gemma3-270m": gemma3_reference,
              "tiny-mixtral.gguf": lambda: gguf_moe("tiny-mixtral"), "tiny-qwen3-moe.gguf": lambda: gguf_moe("tiny-qwen3-moe"),
-             "tiny-phi3.gguf": gguf_phi3}
+             "tiny-phi3.gguf": gguf_phi3, "hybrids.gguf": gguf_hybrids}
     if only:
         for name in only:
             later[name]()

@@ -129,13 +129,11 @@ impl Weights {
 
     /// Removes and returns a depthwise convolution's filters as taps [kernel, channels] (row j
     /// weighs the position `kernel - 1 - j` back), from Hugging Face's layout [channels, 1,
-    /// kernel] or mlx-lm's [channels, kernel, 1].
+    /// kernel], mlx-lm's [channels, kernel, 1] or GGUF's [channels, kernel].
     pub fn take_conv_taps(&mut self, name: &str, channels: usize, kernel: usize) -> Result<Array> {
-        let mlx_layout = self.shape_of(name) == Some(vec![channels, kernel, 1]) && kernel > 1;
-        let shape = if mlx_layout {
-            [channels, kernel, 1]
-        } else {
-            [channels, 1, kernel]
+        let shape = match self.shape_of(name) {
+            Some(s) if kernel > 1 && (s == [channels, kernel, 1] || s == [channels, kernel]) => s,
+            _ => vec![channels, 1, kernel],
         };
         let filters = self.take(name, &shape)?;
         Ok(filters
@@ -474,6 +472,8 @@ fn gguf_to_hf(name: &str, arch: Arch) -> Option<String> {
     let fixed = match name {
         "token_embd.weight" => Some("model.embed_tokens.weight"),
         "output_norm.weight" => Some("model.norm.weight"),
+        // LFM2's norm after the last layer (Hugging Face's `embedding_norm`).
+        "token_embd_norm.weight" if arch == Arch::Lfm2 => Some("model.embedding_norm.weight"),
         "output.weight" => Some("lm_head.weight"),
         _ => None,
     };
@@ -483,7 +483,39 @@ fn gguf_to_hf(name: &str, arch: Arch) -> Option<String> {
     let rest = name.strip_prefix("blk.")?;
     let (layer, part) = rest.split_once('.')?;
     let layer: usize = layer.parse().ok()?;
+    // Qwen3.5's decay rates (stored as A = -exp(A_log), without a suffix) and time-step bias.
+    match (arch, part) {
+        (Arch::Qwen35, "ssm_a") => return Some(format!("model.layers.{layer}.linear_attn.A_log")),
+        (Arch::Qwen35, "ssm_dt.bias") => {
+            return Some(format!("model.layers.{layer}.linear_attn.dt_bias"))
+        }
+        _ => {}
+    }
     let (stem, suffix) = part.rsplit_once('.')?;
+    let own = match (arch, stem) {
+        (Arch::Lfm2, "attn_norm") => Some("operator_norm"),
+        (Arch::Lfm2, "ffn_norm") => Some("ffn_norm"),
+        (Arch::Lfm2, "shortconv.conv") => Some("conv.conv"),
+        (Arch::Lfm2, "shortconv.in_proj") => Some("conv.in_proj"),
+        (Arch::Lfm2, "shortconv.out_proj") => Some("conv.out_proj"),
+        (Arch::Lfm2, "attn_output") => Some("self_attn.out_proj"),
+        (Arch::Lfm2, "attn_q_norm") => Some("self_attn.q_layernorm"),
+        (Arch::Lfm2, "attn_k_norm") => Some("self_attn.k_layernorm"),
+        (Arch::Lfm2, "ffn_gate") => Some("feed_forward.w1"),
+        (Arch::Lfm2, "ffn_up") => Some("feed_forward.w3"),
+        (Arch::Lfm2, "ffn_down") => Some("feed_forward.w2"),
+        (Arch::Qwen35, "attn_qkv") => Some("linear_attn.in_proj_qkv"),
+        (Arch::Qwen35, "attn_gate") => Some("linear_attn.in_proj_z"),
+        (Arch::Qwen35, "ssm_beta") => Some("linear_attn.in_proj_b"),
+        (Arch::Qwen35, "ssm_alpha") => Some("linear_attn.in_proj_a"),
+        (Arch::Qwen35, "ssm_out") => Some("linear_attn.out_proj"),
+        (Arch::Qwen35, "ssm_norm") => Some("linear_attn.norm"),
+        (Arch::Qwen35, "ssm_conv1d") => Some("linear_attn.conv1d"),
+        _ => None,
+    };
+    if let Some(hf) = own {
+        return Some(format!("model.layers.{layer}.{hf}.{suffix}"));
+    }
     let hf = match stem {
         "attn_norm" => "input_layernorm",
         // Gemma's norm before the MLP; Llama's, named after the attention it follows.
@@ -533,8 +565,8 @@ const REQUANTIZED_BITS: i32 = 8;
 
 pub fn load_gguf(f: &GgufFile, cfg: &ModelConfig, opts: impl Into<LoadOptions>) -> Result<Weights> {
     let mut w = Weights::new(f.path(), opts);
-    // llama.cpp stores Gemma's norm weights as 1 + w.
-    w.norms_include_one = cfg.arch.is_gemma();
+    // llama.cpp stores the norms of Gemma and Qwen3.5 (zero-centred weights) as 1 + w.
+    w.norms_include_one = cfg.arch.norms_add_one();
     let keep = w.opts.keep_quantized;
     for info in &f.tensors {
         let Some(hf) = gguf_to_hf(&info.name, cfg.arch) else {
@@ -593,7 +625,11 @@ pub fn load_gguf(f: &GgufFile, cfg: &ModelConfig, opts: impl Into<LoadOptions>) 
             };
             w.insert_quantized(hf, q, origin)?;
         } else {
-            let a = reorder(Array::from_slice(&f.read_f32(info), &shape))?;
+            let mut a = reorder(Array::from_slice(&f.read_f32(info), &shape))?;
+            if hf.ends_with(".linear_attn.A_log") {
+                // Stored as A = -exp(A_log).
+                a = a.negative()?.log()?;
+            }
             if quantized {
                 w.origin.insert(hf.clone(), info.kind.name().to_string());
             }

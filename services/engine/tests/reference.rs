@@ -191,6 +191,37 @@ fn gguf_of_experts_and_phi3_matches_transformers() {
     }
 }
 
+/// The hybrids as llama.cpp's own converter writes them (make_fixtures.py, `gguf_hybrids`):
+/// LFM2 with its KV heads per layer (0: a convolution layer), Qwen3.5 with its DeltaNet
+/// projections renamed, A stored as -exp(A_log), norms with their 1 added and value heads tiled
+/// over the key heads; in one piece, in chunks and a token at a time.
+#[test]
+fn gguf_of_the_hybrids_matches_transformers() {
+    for (name, reference_file) in [
+        ("tiny-lfm2", "tiny-lfm2-gguf-reference.safetensors"),
+        ("tiny-qwen35", "tiny-qwen35/reference.safetensors"),
+    ] {
+        let m = load(&format!("{name}.gguf"));
+        let c = &m.model.config;
+        let recurrent: Vec<bool> = (0..c.num_layers).map(|l| c.recurrent_layer(l)).collect();
+        assert_eq!(recurrent, [true, false, true, true], "{name}: layer kinds");
+        if let Some(d) = &c.delta {
+            assert!(d.value_heads_tiled && d.key_heads < d.value_heads);
+        }
+        for (i, case) in reference(fixture(reference_file)).iter().enumerate() {
+            for chunk in [1, 7, 4096] {
+                let mut cache = m.model.new_cache();
+                let got = run_chunked(&m.model, &mut cache, &case.ids, chunk);
+                let d = max_abs_diff(&got, &case.logits);
+                assert!(
+                    d < TOL,
+                    "{name} gguf case {i} chunk {chunk}: max |diff| {d}"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn gguf_tokenizer_matches_transformers() {
     let m = load("tiny-llama.gguf");

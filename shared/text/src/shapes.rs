@@ -270,6 +270,7 @@ pub fn config(name: &str) -> Result<ModelConfig> {
         value_dim: d.value_dim,
         conv_kernel: 4,
         layers: (0..s.layers).map(|i| (i + 1) % 4 != 0).collect(),
+        value_heads_tiled: false,
     });
     let rope = match (&moe, &conv, &delta) {
         (_, _, Some(_)) => RopeConfig::plain(10_000_000.0, s.head_dim / 4),

@@ -69,6 +69,9 @@ pub(super) struct DeltaNet {
     key_dim: i32,
     value_dim: i32,
     kernel: i32,
+    /// Value heads tile the key heads (head j reads key head j % key_heads) instead of grouping
+    /// (j / (value_heads / key_heads)): llama.cpp's order.
+    tiled: bool,
 }
 
 /// A chunk's inputs to the rule, heads first: q, k [1, value_heads, T, key_dim] (normed,
@@ -129,6 +132,7 @@ impl DeltaNet {
             key_dim: d.key_dim as i32,
             value_dim: dv as i32,
             kernel: d.conv_kernel as i32,
+            tiled: d.value_heads_tiled,
         })
     }
 
@@ -226,11 +230,15 @@ impl DeltaNet {
         let q = qkv.pop().expect("three parts");
         // `x * rsqrt(sum(x^2) + 1e-6)` (the reference's L2 norm) is an RMS norm with epsilon
         // 1e-6 / dk and weight dk^-1/2: one fused op (q's weight also holds its scale). Each
-        // key head serves `hv / hk` consecutive value heads.
+        // key head serves `hv / hk` value heads, consecutive ones or (tiled) every hk-th.
         let heads = |x: Array, weight: &Array| -> Result<Array> {
-            let x = x.reshape(&[n, t, hk, 1, dk])?;
-            let x = mlx_rs::fast::rms_norm(&x, Some(weight), self.l2_eps)?;
-            let x = broadcast_to(&x, &[n, t, hk, hv / hk, dk])?.reshape(&[n, t, hv, dk])?;
+            let (normed, repeated) = if self.tiled {
+                ([n, t, 1, hk, dk], [n, t, hv / hk, hk, dk])
+            } else {
+                ([n, t, hk, 1, dk], [n, t, hk, hv / hk, dk])
+            };
+            let x = mlx_rs::fast::rms_norm(&x.reshape(&normed)?, Some(weight), self.l2_eps)?;
+            let x = broadcast_to(&x, &repeated)?.reshape(&[n, t, hv, dk])?;
             Ok(x.transpose_axes(&[0, 2, 1, 3])?)
         };
         let q = heads(q, &self.q_weight)?;

@@ -4,7 +4,7 @@ use crate::error::{Error, Result};
 use crate::gguf::{GgufFile, Value};
 use crate::rope::{self, RopeConfig, RopeScaling};
 
-use super::{Arch, ModelConfig, MoeConfig};
+use super::{Arch, ConvConfig, DeltaNetConfig, ModelConfig, MoeConfig};
 
 pub fn from_gguf(f: &GgufFile) -> Result<ModelConfig> {
     let path = f.path();
@@ -20,6 +20,8 @@ pub fn from_gguf(f: &GgufFile) -> Result<ModelConfig> {
         "phi3" => Arch::Phi3,
         "gemma2" => Arch::Gemma2,
         "gemma3" => Arch::Gemma3,
+        "lfm2" => Arch::Lfm2,
+        "qwen35" => Arch::Qwen35,
         _ => {
             return Err(Error::UnsupportedArch {
                 path: path.into(),
@@ -66,6 +68,33 @@ pub fn from_gguf(f: &GgufFile) -> Result<ModelConfig> {
         })
         .collect();
     let float = |k: &str| f.get(&key(k)).and_then(Value::as_f64).map(|v| v as f32);
+    // LFM2's files give each layer its KV heads, 0 for a convolution layer.
+    let kv_heads_per_layer: Option<Vec<usize>> = f
+        .get(&key("attention.head_count_kv"))
+        .and_then(Value::as_array)
+        .map(|a| {
+            a.iter()
+                .filter_map(Value::as_u64)
+                .map(|v| v as usize)
+                .collect()
+        });
+    let num_kv_heads = match &kv_heads_per_layer {
+        Some(per_layer) => per_layer.iter().copied().max().unwrap_or(heads),
+        None => opt_uint("attention.head_count_kv").unwrap_or(heads),
+    };
+    let conv = (arch == Arch::Lfm2).then(|| ConvConfig {
+        kernel: opt_uint("shortconv.l_cache").unwrap_or(3),
+        // llama.cpp's LFM2 has no convolution biases (nor have the published checkpoints).
+        bias: false,
+        layers: match &kv_heads_per_layer {
+            Some(per_layer) => per_layer.iter().map(|&n| n == 0).collect(),
+            None => vec![false; layers],
+        },
+    });
+    let delta = match arch {
+        Arch::Qwen35 => Some(gguf_delta(f, &key, layers)?),
+        _ => None,
+    };
     let cfg = ModelConfig {
         arch,
         vocab_size: vocab,
@@ -73,7 +102,7 @@ pub fn from_gguf(f: &GgufFile) -> Result<ModelConfig> {
         intermediate_size: uint("feed_forward_length")?,
         num_layers: uint("block_count")?,
         num_heads: heads,
-        num_kv_heads: opt_uint("attention.head_count_kv").unwrap_or(heads),
+        num_kv_heads,
         head_dim,
         rms_norm_eps: f
             .get(&key("attention.layer_norm_rms_epsilon"))
@@ -90,13 +119,48 @@ pub fn from_gguf(f: &GgufFile) -> Result<ModelConfig> {
         attn_logit_softcap: float("attn_logit_softcapping").filter(|_| arch == Arch::Gemma2),
         final_logit_softcap: float("final_logit_softcapping").filter(|_| arch.is_gemma()),
         moe: gguf_moe(f, &key, layers)?,
-        conv: None,
-        delta: None,
-        attn_output_gate: false,
+        conv,
+        delta,
+        attn_output_gate: arch == Arch::Qwen35,
         max_position_embeddings: max_positions,
     };
     cfg.validate(path)?;
     Ok(cfg)
+}
+
+/// Gated DeltaNet of llama.cpp's `qwen35` metadata: `ssm.group_count` key heads of
+/// `ssm.state_size`, `ssm.time_step_rank` value heads sharing `ssm.inner_size`, the convolution's
+/// `ssm.conv_kernel`; the recurrent layers from `attention.recurrent_layers`, or every layer but
+/// each `full_attention_interval`-th. Its converter tiles the value heads over the key heads.
+fn gguf_delta(f: &GgufFile, key: &dyn Fn(&str) -> String, layers: usize) -> Result<DeltaNetConfig> {
+    let path = f.path();
+    let uint = |k: &str| {
+        f.get(&key(k))
+            .and_then(Value::as_u64)
+            .map(|v| v as usize)
+            .ok_or_else(|| Error::format(path, format!("missing metadata {}", key(k))))
+    };
+    let value_heads = uint("ssm.time_step_rank")?;
+    let recurrent: Option<Vec<bool>> = f
+        .get(&key("attention.recurrent_layers"))
+        .and_then(Value::as_array)
+        .map(|a| a.iter().map(|v| v.as_bool().unwrap_or(false)).collect());
+    let layers = match recurrent {
+        Some(r) => r,
+        None => {
+            let every = uint("full_attention_interval")?.max(1);
+            (0..layers).map(|i| (i + 1) % every != 0).collect()
+        }
+    };
+    Ok(DeltaNetConfig {
+        key_heads: uint("ssm.group_count")?,
+        value_heads,
+        key_dim: uint("ssm.state_size")?,
+        value_dim: uint("ssm.inner_size")? / value_heads.max(1),
+        conv_kernel: uint("ssm.conv_kernel")?,
+        layers,
+        value_heads_tiled: true,
+    })
 }
 
 /// Experts of GGUF metadata: `expert_count` and `expert_used_count` (Mixtral's files are arch

@@ -174,6 +174,7 @@ pub fn from_hf_json(path: &Path) -> Result<ModelConfig> {
                 (0..layers).map(|i| (i + 1) % every != 0).collect()
             }
         },
+        value_heads_tiled: false,
     });
     let moe = hf_moe(&raw, &name, layers, intermediate_size);
     let activation = raw

@@ -98,6 +98,10 @@ pub struct DeltaNetConfig {
     pub conv_kernel: usize,
     /// Which layers are DeltaNet layers (one entry a layer).
     pub layers: Vec<bool>,
+    /// How value heads share key heads: Hugging Face's checkpoints group them (value head j
+    /// reads key head j / (value_heads / key_heads)); llama.cpp's GGUF files reorder every
+    /// value-head axis so that they tile (j reads key head j % key_heads).
+    pub value_heads_tiled: bool,
 }
 
 impl DeltaNetConfig {
