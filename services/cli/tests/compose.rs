@@ -301,7 +301,18 @@ fn a_worker_cut_off_for_20_s_neither_repeats_nor_drops_tokens() {
                     ..request(&format!("Essay {i}:"), n)
                 })
                 .await;
-            let first = Client::first_tokens(&mut sub).await.len();
+            let first = match tokio::time::timeout(
+                Duration::from_secs(100),
+                Client::first_tokens(&mut sub),
+            )
+            .await
+            {
+                Ok(ids) => ids.len(),
+                Err(_) => panic!(
+                    "stream {i} had no tokens within 100 s of its start; the workers say {}",
+                    worker_heartbeats(&nats).await
+                ),
+            };
             runs.push((first, sub));
             if runs.len() < 6 {
                 continue;
@@ -402,6 +413,33 @@ fn a_worker_cut_off_for_20_s_neither_repeats_nor_drops_tokens() {
             "{lost} of {started} streams lost ({held:?})"
         );
     });
+}
+
+/// What each worker's heartbeats say over 3 s (streams held, queued, ended, ticks run), for a
+/// failure's message: a worker whose ticks stand still while it holds streams is stuck.
+async fn worker_heartbeats(nats: &Client) -> String {
+    let mut sub = nats
+        .nc
+        .subscribe(llmq_protocol::subjects::WORKER_STATUS_ALL)
+        .await
+        .unwrap();
+    let mut seen = vec![];
+    let until = tokio::time::Instant::now() + Duration::from_secs(3);
+    while let Ok(Some(m)) = tokio::time::timeout_at(until, futures::StreamExt::next(&mut sub)).await
+    {
+        if let Ok(s) = llmq_protocol::decode::<llmq_protocol::WorkerStatus>(&m.payload) {
+            seen.push(format!(
+                "{} at {}: {} active, {} queued, {} ended, {} ticks",
+                s.worker_id,
+                s.sent_at_ms,
+                s.active_streams,
+                s.queued_requests,
+                s.ended_requests,
+                s.ticks
+            ));
+        }
+    }
+    seen.join("; ")
 }
 
 /// Each live worker's id with the streams it holds (decoding or queued), once the gateway's

@@ -131,16 +131,25 @@ impl Client {
         Run { id, events }
     }
 
-    /// Reads a started stream's events up to its first tokens; returns their ids.
+    /// Reads a started stream's events up to its first tokens; returns their ids. Waiting more
+    /// than 120 s fails with the events that did come (queued? prefilled?).
     pub async fn first_tokens(sub: &mut async_nats::Subscriber) -> Vec<u32> {
+        let began = Instant::now();
+        let mut seen = vec![];
         loop {
-            let m = tokio::time::timeout(Duration::from_secs(120), sub.next())
-                .await
-                .expect("tokens within 120 s")
-                .unwrap();
-            match decode::<StreamEvent>(&m.payload).unwrap().event {
+            let Ok(m) = tokio::time::timeout(Duration::from_secs(120), sub.next()).await else {
+                panic!(
+                    "no tokens {:?} after the start; events so far: {seen:?}",
+                    began.elapsed()
+                );
+            };
+            let ev = decode::<StreamEvent>(&m.unwrap().payload).unwrap();
+            match ev.event {
                 Event::Tokens { ids, .. } => return ids,
-                e => assert!(!e.is_terminal(), "ended before its first tokens: {e:?}"),
+                e => {
+                    assert!(!e.is_terminal(), "ended before its first tokens: {e:?}");
+                    seen.push((began.elapsed(), ev.request_id, e));
+                }
             }
         }
     }
