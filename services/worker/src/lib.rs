@@ -21,6 +21,7 @@
 //! - [`error`] a worker's errors; [`time`] the protocol's wall-clock time
 //! - [`jobs`] the jobs stream: taking jobs while there is room, handing back, draining
 //! - [`tick_log`] one line per tick, for tuning (off unless `worker.tick_log` is set)
+//! - [`stall`] the device thread's watchdog: a worker stuck in a call exits, its jobs go to others
 //!
 //! All MLX work of a worker runs on one thread: the device thread, which runs the four actors.
 
@@ -35,5 +36,6 @@ pub mod placement;
 pub mod roles;
 pub mod seq;
 pub mod service;
+pub mod stall;
 pub mod tick_log;
 pub mod time;

@@ -41,6 +41,7 @@ use crate::host_memory;
 use crate::jobs::{drain, hand_back, jobs_consumer, replay_cancels, Jobs, Scheduler};
 use crate::placement::Placement;
 use crate::roles::{PrefixOptions, RoleActors, RoleOptions};
+use crate::stall::Watchdog;
 use crate::time::unix_ms;
 use llmq_scheduler::SchedulerConfig;
 
@@ -446,10 +447,29 @@ fn heartbeats(
     let beat_every = Duration::from_millis(settings.worker.heartbeat_ms);
     let progress_every = Duration::from_millis(settings.worker.ack_wait_ms / 6);
     let subject = subjects::worker_status(worker_id);
+    let stall_limit = Duration::from_secs(settings.worker.stall_exit_s);
     async move {
         let mut last_progress = tokio::time::Instant::now();
         let mut last_beat: Option<tokio::time::Instant> = None;
+        let mut watchdog = Watchdog::new(stall_limit, std::time::Instant::now());
         loop {
+            // Work: what the scheduler last reported, or jobs held while the server hears this
+            // worker (during an outage the ended jobs' acks wait for it, and the ticks rest).
+            let (ticks, work) = {
+                let s = snapshot.lock().unwrap();
+                (s.ticks, s.active_streams + s.queued_requests > 0)
+            };
+            let connected = client.connection_state() == async_nats::connection::State::Connected;
+            let now = std::time::Instant::now();
+            if watchdog.stuck(ticks, work || (connected && !inflight.is_empty()), now) {
+                tracing::error!(
+                    stalled_s = watchdog.stalled_for(now).as_secs(),
+                    jobs = inflight.len(),
+                    "the device thread has run no tick for worker.stall_exit_s while holding \
+                     jobs: exiting, its jobs unacknowledged for other workers to end"
+                );
+                std::process::exit(70);
+            }
             if last_progress.elapsed() >= progress_every {
                 last_progress = tokio::time::Instant::now();
                 let sent = std::time::Instant::now();

@@ -164,6 +164,11 @@ pub struct WorkerSettings {
     /// On SIGTERM a worker stops fetching jobs and finishes those it holds for up to this long;
     /// what is left then ends with `worker_lost`.
     pub drain_timeout_s: u64,
+    /// A worker whose scheduler has work but has finished no tick for this long is stuck in a
+    /// call that does not return: it exits with an error, its jobs unacknowledged, so that other
+    /// workers end them with `worker_lost` and the orchestrator restarts it. Longer than any
+    /// tick can take (a whole idle prefill chunk of a large model on a CPU); 0: never.
+    pub stall_exit_s: u64,
     /// `both`: takes jobs, prefills and decodes them; `decode`: takes jobs, and has their
     /// prompts prefilled by a live prefill worker of its model (itself when none is live);
     /// `prefill`: takes no jobs, computes prompt chunks for decode workers.
@@ -201,6 +206,7 @@ impl Default for WorkerSettings {
             host_memory_reserve_bytes: None,
             tick_log: None,
             drain_timeout_s: 30,
+            stall_exit_s: 300,
             role: WorkerRole::Both,
             remote_prefill_timeout_ms: 10_000,
             kv_listen: "127.0.0.1:0".into(),
