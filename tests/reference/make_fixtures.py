@@ -39,8 +39,10 @@ at position 100 with rope_theta 1e6, which would hide real errors of that size.
                                  projections, long RoPE's factors as tensors), each with its
                                  -gguf-reference.safetensors
   tests/fixtures/tiny-qwen35.gguf, tiny-lfm2.gguf: the hybrids as llama.cpp's own converter
-                                 writes them, F32 (gguf_hybrids: LFM2 without its convolution
-                                 bias, with its -gguf-reference.safetensors)
+                                 writes them (gguf_hybrids): Qwen3.5's fixture in F32; an LFM2
+                                 without convolution biases in Q8_0, with its
+                                 -gguf-reference.safetensors (+ .json) from transformers' GGUF
+                                 loader
   each dir's reference.safetensors: for every case, the prompt ids and the logits of every position
   tests/fixtures/tokenizers-reference.json: reference encodings and chat templates of the real
                                  Llama-3, Qwen3 and Mistral tokenizers (tokenizers_reference.py)
@@ -618,10 +620,11 @@ def hybrid_families():
     }
 
 
-def llama_cpp_convert(src, dest, *flags):
+def llama_cpp_convert(src, dest, outtype, *flags):
     """llama.cpp's own converter (convert_hf_to_gguf.py in the llama-cpp-python source package
-    that set-up fetches for its chat templates) on a Hugging Face directory, tensors in F32. The
-    tiny fixtures' tokenizer is not in its table of known pre-tokenizers: it is told GPT-2's."""
+    that set-up fetches for its chat templates) on a Hugging Face directory, tensors of
+    `outtype` (f32, q8_0, ...). The tiny fixtures' tokenizer is not in its table of known
+    pre-tokenizers: it is told GPT-2's."""
     import subprocess
     import tarfile
     import tempfile
@@ -637,7 +640,7 @@ def llama_cpp_convert(src, dest, *flags):
         run = ("import sys; sys.path[:0] = ['.', 'gguf-py']; import conversion.base as b; "
                "b.TextModel.get_vocab_base_pre = lambda self, tok: 'gpt-2'; import convert_hf_to_gguf as c; "
                "sys.argv = ['convert', *sys.argv[1:]]; c.main()")
-        done = subprocess.run([sys.executable, "-c", run, src, "--outfile", dest, "--outtype", "f32", *flags],
+        done = subprocess.run([sys.executable, "-c", run, src, "--outfile", dest, "--outtype", outtype, *flags],
                               cwd=top, capture_output=True, text=True)
         if done.returncode != 0:
             sys.exit(f"llama.cpp's converter failed on {src}:\n{done.stderr[-3000:]}")
@@ -645,22 +648,20 @@ def llama_cpp_convert(src, dest, *flags):
 
 def gguf_hybrids():
     """tests/fixtures/tiny-qwen35.gguf: the Qwen3.5 fixture as llama.cpp converts it (norms
-    stored with their 1 added, A as -exp(A_log), value heads reordered, projections renamed);
-    its logits are the fixture's reference. tests/fixtures/tiny-lfm2.gguf: LFM2 as published,
-    without a convolution bias (llama.cpp's format has none), with its own
-    -gguf-reference.safetensors."""
+    stored with their 1 added, A as -exp(A_log), value heads reordered, projections renamed),
+    F32; its logits are the fixture's reference. tests/fixtures/tiny-lfm2.gguf: LFM2 as
+    published, without a convolution bias (llama.cpp's format has none), in Q8_0, with
+    -gguf-reference.safetensors from transformers' own GGUF loader (which dequantizes it)."""
     import tempfile
     from transformers import Lfm2Config, Lfm2ForCausalLM
 
     # Without the multi-token-prediction head (the fixture has none; llmq does not use it).
-    llama_cpp_convert(os.path.join(FIX, "tiny-qwen35"), os.path.join(FIX, "tiny-qwen35.gguf"), "--no-mtp")
+    llama_cpp_convert(os.path.join(FIX, "tiny-qwen35"), os.path.join(FIX, "tiny-qwen35.gguf"), "f32", "--no-mtp")
     with tempfile.TemporaryDirectory() as tmp:
         build(Lfm2Config, Lfm2ForCausalLM, "tiny-lfm2", torch.float32, seeded=True, root=tmp, conv_bias=False,
               **LFM2)
-        src = os.path.join(tmp, "tiny-lfm2")
-        llama_cpp_convert(src, os.path.join(FIX, "tiny-lfm2.gguf"))
-        shutil.copy(os.path.join(src, "reference.safetensors"),
-                    os.path.join(FIX, "tiny-lfm2-gguf-reference.safetensors"))
+        llama_cpp_convert(os.path.join(tmp, "tiny-lfm2"), os.path.join(FIX, "tiny-lfm2.gguf"), "q8_0")
+    reference_gguf(FIX, "tiny-lfm2.gguf", os.path.join(FIX, "tiny-lfm2-gguf-reference"))
 
 
 GEMMA3_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at", "Café, naïve, 東京:"]

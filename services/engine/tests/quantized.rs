@@ -279,8 +279,9 @@ fn quantizing_at_load_equals_loading_the_quantized_checkpoint() {
 }
 
 /// The GGUF fixtures (the tiny Llama's Q8_0, Q4_0 and Q4_1 matrices in llama.cpp's Q/K row
-/// order; the MoE ones' stacked experts in Q8_0, Q4_0, Q4_1 and Q5_0; Phi-3's fused projections)
-/// kept as affine groups give the dequantized model's logits.
+/// order; the MoE ones' stacked experts in Q8_0, Q4_0, Q4_1 and Q5_0; Phi-3's fused projections;
+/// LFM2's convolution projections as llama.cpp's converter writes them) kept as affine groups
+/// give the dequantized model's logits.
 #[test]
 fn gguf_blocks_kept_quantized_match_their_dequantized_weights() {
     for (name, kinds) in [
@@ -304,6 +305,7 @@ fn gguf_blocks_kept_quantized_match_their_dequantized_weights() {
             "tiny-phi3",
             &["Q5_0 (exact) -> 5-bit", "Q8_0 (exact) -> 8-bit"][..],
         ),
+        ("tiny-lfm2", &["Q8_0 (exact) -> 8-bit"][..]),
     ] {
         let path = fixture(&format!("{name}.gguf"));
         let kept = load_with(&path, f32_opts().keep_quantized(true));

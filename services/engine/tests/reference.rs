@@ -192,9 +192,11 @@ fn gguf_of_experts_and_phi3_matches_transformers() {
 }
 
 /// The hybrids as llama.cpp's own converter writes them (make_fixtures.py, `gguf_hybrids`):
-/// LFM2 with its KV heads per layer (0: a convolution layer), Qwen3.5 with its DeltaNet
-/// projections renamed, A stored as -exp(A_log), norms with their 1 added and value heads tiled
-/// over the key heads; in one piece, in chunks and a token at a time.
+/// LFM2 in Q8_0 with its KV heads per layer (0: a convolution layer), against transformers'
+/// own GGUF loader; Qwen3.5 in F32 with its DeltaNet projections renamed, A stored as
+/// -exp(A_log), norms with their 1 added and value heads tiled over the key heads, against
+/// transformers on the checkpoint it was converted from; in one piece, in chunks and a token
+/// at a time.
 #[test]
 fn gguf_of_the_hybrids_matches_transformers() {
     for (name, reference_file) in [
@@ -224,22 +226,25 @@ fn gguf_of_the_hybrids_matches_transformers() {
 
 #[test]
 fn gguf_tokenizer_matches_transformers() {
-    let m = load("tiny-llama.gguf");
-    let tok = m.tokenizer.as_ref().unwrap();
-    let meta: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(fixture("tiny-llama-gguf-reference.json")).unwrap(),
-    )
-    .unwrap();
-    for t in meta["tokenizer"].as_array().unwrap() {
-        let text = t["text"].as_str().unwrap();
-        let want: Vec<u32> = t["ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_u64().unwrap() as u32)
-            .collect();
-        assert_eq!(tok.encode(text, false).unwrap(), want, "{text:?}");
-        assert_eq!(tok.decode(&want, false).unwrap(), text);
+    // Ours, and llama.cpp's converter's.
+    for name in ["tiny-llama", "tiny-lfm2"] {
+        let m = load(&format!("{name}.gguf"));
+        let tok = m.tokenizer.as_ref().unwrap();
+        let meta: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(fixture(&format!("{name}-gguf-reference.json"))).unwrap(),
+        )
+        .unwrap();
+        for t in meta["tokenizer"].as_array().unwrap() {
+            let text = t["text"].as_str().unwrap();
+            let want: Vec<u32> = t["ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap() as u32)
+                .collect();
+            assert_eq!(tok.encode(text, false).unwrap(), want, "{name}: {text:?}");
+            assert_eq!(tok.decode(&want, false).unwrap(), text);
+        }
     }
 }
 
