@@ -174,19 +174,27 @@ fn gguf_of_experts_and_phi3_matches_transformers() {
             name != "tiny-phi3",
             "{name}: experts from the metadata"
         );
-        for (i, case) in reference(fixture(&format!("{name}-gguf-reference.safetensors")))
-            .iter()
-            .enumerate()
-        {
-            for chunk in [7, 4096] {
-                let mut cache = m.model.new_cache();
-                let got = run_chunked(&m.model, &mut cache, &case.ids, chunk);
-                let d = max_abs_diff(&got, &case.logits);
-                assert!(
-                    d < TOL,
-                    "{name} gguf case {i} chunk {chunk}: max |diff| {d}"
-                );
-            }
+        let cases = reference(fixture(&format!("{name}-gguf-reference.safetensors")));
+        check_gguf_cases(name, &m.model, &cases, &[7, 4096]);
+    }
+}
+
+/// A GGUF model's logits against each reference case's, prefilled in chunks of each size.
+fn check_gguf_cases(
+    name: &str,
+    model: &llmq_engine::model::Model,
+    cases: &[Case],
+    chunks: &[usize],
+) {
+    for (i, case) in cases.iter().enumerate() {
+        for &chunk in chunks {
+            let mut cache = model.new_cache();
+            let got = run_chunked(model, &mut cache, &case.ids, chunk);
+            let d = max_abs_diff(&got, &case.logits);
+            assert!(
+                d < TOL,
+                "{name} gguf case {i} chunk {chunk}: max |diff| {d}"
+            );
         }
     }
 }
@@ -210,17 +218,12 @@ fn gguf_of_the_hybrids_matches_transformers() {
         if let Some(d) = &c.delta {
             assert!(d.value_heads_tiled && d.key_heads < d.value_heads);
         }
-        for (i, case) in reference(fixture(reference_file)).iter().enumerate() {
-            for chunk in [1, 7, 4096] {
-                let mut cache = m.model.new_cache();
-                let got = run_chunked(&m.model, &mut cache, &case.ids, chunk);
-                let d = max_abs_diff(&got, &case.logits);
-                assert!(
-                    d < TOL,
-                    "{name} gguf case {i} chunk {chunk}: max |diff| {d}"
-                );
-            }
-        }
+        check_gguf_cases(
+            name,
+            &m.model,
+            &reference(fixture(reference_file)),
+            &[1, 7, 4096],
+        );
     }
 }
 
