@@ -18,14 +18,6 @@ fn reference() -> Vec<serde_json::Value> {
         .unwrap()
 }
 
-fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
-
 #[test]
 fn gemma3_270m_tokenizes_scores_and_continues_text_as_transformers_does() {
     let path = resolve_model("gemma3-270m").expect("Gemma 3 270M is fetched by `make setup`");
@@ -40,7 +32,7 @@ fn gemma3_270m_tokenizes_scores_and_continues_text_as_transformers_does() {
         let prompt_ids = tok.prompt_ids(prompt, false).unwrap();
         assert_eq!(
             prompt_ids,
-            ids(&case["prompt_ids"]),
+            json_ids(&case["prompt_ids"]),
             "{prompt:?}: prompt ids"
         );
 
@@ -53,7 +45,7 @@ fn gemma3_270m_tokenizes_scores_and_continues_text_as_transformers_does() {
                 .unwrap(),
         )
         .unwrap();
-        let top = ids(&case["top_ids"]);
+        let top = json_ids(&case["top_ids"]);
         let want: Vec<f32> = case["top_logits"]
             .as_array()
             .unwrap()
@@ -72,7 +64,7 @@ fn gemma3_270m_tokenizes_scores_and_continues_text_as_transformers_does() {
             "{prompt:?}: greedy first token"
         );
 
-        let want = ids(&case["greedy_ids"]);
+        let want = json_ids(&case["greedy_ids"]);
         let req = LocalRequest {
             prompt_ids,
             sampling: Sampling::default(),

@@ -239,12 +239,7 @@ fn gguf_tokenizer_matches_transformers() {
         .unwrap();
         for t in meta["tokenizer"].as_array().unwrap() {
             let text = t["text"].as_str().unwrap();
-            let want: Vec<u32> = t["ids"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|v| v.as_u64().unwrap() as u32)
-                .collect();
+            let want = json_ids(&t["ids"]);
             assert_eq!(tok.encode(text, false).unwrap(), want, "{name}: {text:?}");
             assert_eq!(tok.decode(&want, false).unwrap(), text);
         }

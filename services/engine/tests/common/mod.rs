@@ -67,6 +67,15 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
         .fold(0.0, f32::max)
 }
 
+/// Token ids stored as a JSON array (the references' JSON files).
+pub fn json_ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
 pub fn ids_array(ids: &[u32]) -> Array {
     let v: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
     Array::from_slice(&v, &[1, v.len() as i32])
