@@ -269,7 +269,7 @@ pub fn config(name: &str) -> Result<ModelConfig> {
         key_dim: d.key_dim,
         value_dim: d.value_dim,
         conv_kernel: 4,
-        layers: (0..s.layers).map(|i| (i + 1) % 4 != 0).collect(),
+        layers: DeltaNetConfig::all_but_every(4, s.layers),
         value_heads_tiled: false,
     });
     let rope = match (&moe, &conv, &delta) {

@@ -147,10 +147,7 @@ fn gguf_delta(f: &GgufFile, key: &dyn Fn(&str) -> String, layers: usize) -> Resu
         .map(|a| a.iter().map(|v| v.as_bool().unwrap_or(false)).collect());
     let layers = match recurrent {
         Some(r) => r,
-        None => {
-            let every = uint("full_attention_interval")?.max(1);
-            (0..layers).map(|i| (i + 1) % every != 0).collect()
-        }
+        None => DeltaNetConfig::all_but_every(uint("full_attention_interval")?, layers),
     };
     Ok(DeltaNetConfig {
         key_heads: uint("ssm.group_count")?,

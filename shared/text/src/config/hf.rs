@@ -169,10 +169,7 @@ pub fn from_hf_json(path: &Path) -> Result<ModelConfig> {
         conv_kernel: raw.linear_conv_kernel_dim.unwrap_or(4),
         layers: match &raw.layer_types {
             Some(types) => types.iter().map(|t| t == "linear_attention").collect(),
-            None => {
-                let every = raw.full_attention_interval.unwrap_or(4).max(1);
-                (0..layers).map(|i| (i + 1) % every != 0).collect()
-            }
+            None => DeltaNetConfig::all_but_every(raw.full_attention_interval.unwrap_or(4), layers),
         },
         value_heads_tiled: false,
     });

@@ -105,6 +105,13 @@ pub struct DeltaNetConfig {
 }
 
 impl DeltaNetConfig {
+    /// Which of `layers` layers are DeltaNet layers when one layer in every `interval` attends
+    /// (the last of each run: `full_attention_interval`).
+    pub fn all_but_every(interval: usize, layers: usize) -> Vec<bool> {
+        let every = interval.max(1);
+        (0..layers).map(|i| (i + 1) % every != 0).collect()
+    }
+
     /// The convolution's channels: q, k and v side by side.
     pub fn conv_channels(&self) -> usize {
         2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
