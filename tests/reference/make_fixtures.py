@@ -620,11 +620,12 @@ def hybrid_families():
     }
 
 
-def llama_cpp_convert(src, dest, outtype, *flags):
+def llama_cpp_convert(conversions):
     """llama.cpp's own converter (convert_hf_to_gguf.py in the llama-cpp-python source package
-    that set-up fetches for its chat templates) on a Hugging Face directory, tensors of
-    `outtype` (f32, q8_0, ...). The tiny fixtures' tokenizer is not in its table of known
-    pre-tokenizers: it is told GPT-2's."""
+    that set-up fetches for its chat templates, unpacked once) on Hugging Face directories:
+    `conversions` is a list of (source directory, GGUF file, outtype (f32, q8_0, ...), extra
+    flags). The tiny fixtures' tokenizer is not in its table of known pre-tokenizers: it is told
+    GPT-2's."""
     import subprocess
     import tarfile
     import tempfile
@@ -640,10 +641,11 @@ def llama_cpp_convert(src, dest, outtype, *flags):
         run = ("import sys; sys.path[:0] = ['.', 'gguf-py']; import conversion.base as b; "
                "b.TextModel.get_vocab_base_pre = lambda self, tok: 'gpt-2'; import convert_hf_to_gguf as c; "
                "sys.argv = ['convert', *sys.argv[1:]]; c.main()")
-        done = subprocess.run([sys.executable, "-c", run, src, "--outfile", dest, "--outtype", outtype, *flags],
-                              cwd=top, capture_output=True, text=True)
-        if done.returncode != 0:
-            sys.exit(f"llama.cpp's converter failed on {src}:\n{done.stderr[-3000:]}")
+        for src, dest, outtype, flags in conversions:
+            done = subprocess.run([sys.executable, "-c", run, src, "--outfile", dest, "--outtype", outtype, *flags],
+                                  cwd=top, capture_output=True, text=True)
+            if done.returncode != 0:
+                sys.exit(f"llama.cpp's converter failed on {src}:\n{done.stderr[-3000:]}")
 
 
 def gguf_hybrids():
@@ -655,12 +657,14 @@ def gguf_hybrids():
     import tempfile
     from transformers import Lfm2Config, Lfm2ForCausalLM
 
-    # Without the multi-token-prediction head (the fixture has none; llmq does not use it).
-    llama_cpp_convert(os.path.join(FIX, "tiny-qwen35"), os.path.join(FIX, "tiny-qwen35.gguf"), "f32", "--no-mtp")
     with tempfile.TemporaryDirectory() as tmp:
         build(Lfm2Config, Lfm2ForCausalLM, "tiny-lfm2", torch.float32, seeded=True, root=tmp, conv_bias=False,
               **LFM2)
-        llama_cpp_convert(os.path.join(tmp, "tiny-lfm2"), os.path.join(FIX, "tiny-lfm2.gguf"), "q8_0")
+        llama_cpp_convert([
+            # Without the multi-token-prediction head (the fixture has none; llmq does not use it).
+            (os.path.join(FIX, "tiny-qwen35"), os.path.join(FIX, "tiny-qwen35.gguf"), "f32", ["--no-mtp"]),
+            (os.path.join(tmp, "tiny-lfm2"), os.path.join(FIX, "tiny-lfm2.gguf"), "q8_0", []),
+        ])
     reference_gguf(FIX, "tiny-lfm2.gguf", os.path.join(FIX, "tiny-lfm2-gguf-reference"))
 
 
