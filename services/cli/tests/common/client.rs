@@ -132,20 +132,31 @@ impl Client {
     }
 
     /// Reads a started stream's events up to its first tokens; returns their ids. Waiting more
-    /// than 120 s fails with the events that did come (queued? prefilled?).
+    /// than 120 s for an event fails with the events that did come (queued? prefilled?).
     pub async fn first_tokens(sub: &mut async_nats::Subscriber) -> Vec<u32> {
+        Self::first_tokens_within(sub, Duration::from_secs(120))
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// As [`Client::first_tokens`], waiting at most `wait` for each event: on a timeout, says
+    /// how long it waited in all and which events came.
+    pub async fn first_tokens_within(
+        sub: &mut async_nats::Subscriber,
+        wait: Duration,
+    ) -> Result<Vec<u32>, String> {
         let began = Instant::now();
         let mut seen = vec![];
         loop {
-            let Ok(m) = tokio::time::timeout(Duration::from_secs(120), sub.next()).await else {
-                panic!(
+            let Ok(m) = tokio::time::timeout(wait, sub.next()).await else {
+                return Err(format!(
                     "no tokens {:?} after the start; events so far: {seen:?}",
                     began.elapsed()
-                );
+                ));
             };
             let ev = decode::<StreamEvent>(&m.unwrap().payload).unwrap();
             match ev.event {
-                Event::Tokens { ids, .. } => return ids,
+                Event::Tokens { ids, .. } => return Ok(ids),
                 e => {
                     assert!(!e.is_terminal(), "ended before its first tokens: {e:?}");
                     seen.push((began.elapsed(), ev.request_id, e));
