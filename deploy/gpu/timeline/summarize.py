@@ -1,22 +1,25 @@
 #!/usr/bin/env python3
 """Where a step's time goes, from the records of timeline.c (one process's .tsv).
 
-A step is the time between the ends of two consecutive "gpu::finalize" ranges on the thread
-that evaluates MLX's graphs (MLX commits its launches there once per eval call; a decode step is
-one call). Steady steps are those with the most common kernel count. For them it prints medians:
+The launching thread is the one that launches the most kernels (the thread that evaluates MLX's
+graphs). Each kernel, copy and set is placed at the start of the call that launched it. The
+host's waits (synchronizing calls) cut that thread's time into windows; a step begins with a
+window that launches the most kernels (a forward) and takes the smaller windows after it
+(sampling, reading the token back). Steady steps are those within 2% of the median kernel
+count, the first two left out. For them it prints medians:
 
-  wall        the step, end of one commit to the end of the next
-  build       host time outside MLX's evaluation and waits: the caller's code (llmq's) building
-              the graph of operations, sampling, bookkeeping
-  eval        host time inside "gpu::eval" ranges: MLX preparing and launching each operation
-  api         host time inside CUDA runtime/driver calls on that thread (part of eval)
-  wait        host time blocked in synchronizing calls
-  busy        device time with a kernel, copy or set running (union over streams)
-  idle        wall - busy: the device waiting for the host
+  wall               the step, from the wait before its forward to the wait before the next
+  host outside CUDA  host time in no CUDA call: llmq's code building the graph of operations,
+                     MLX preparing each operation, sampling, bookkeeping
+  launch calls       host time inside kernel and graph launches
+  other calls        host time inside other CUDA calls (allocation, events)
+  wait               host time blocked in synchronizing calls
+  device work        device time of the kernels, copies and sets the step launched
+  device busy/idle   wall time the device ran anything / nothing
 
-then per operation (named by the kernels it launched): calls a step, host µs a call, device µs
-a call; kernels by device time; API calls by host time. With --trace, a Chrome trace of a few
-steady steps (chrome://tracing, ui.perfetto.dev).
+then kernels by device time and by count, and API calls by host time. With --trace, a Chrome
+trace of a few steady steps (chrome://tracing, ui.perfetto.dev), NVTX ranges included when the
+program marks any (MLX's CUDA backend marks few).
 
 Standard library only: runs on the GPU machine's python3 or here.
 """
@@ -115,92 +118,70 @@ def main():
     ap.add_argument("--trace", help="write a Chrome trace of a few steady steps here")
     ap.add_argument("--trace-steps", type=int, default=4)
     ap.add_argument("--top", type=int, default=25)
-    ap.add_argument("--min-kernels", type=int, default=8, help="windows with fewer kernels are not steps")
+    ap.add_argument("--min-kernels", type=int, default=8, help="steps launching fewer kernels are not steps")
     a = ap.parse_args()
 
     kernels, device, api, ranges = parse(a.tsv)
-    evals = collections.Counter(t for _, _, t, n in ranges if n == "gpu::eval")
-    if evals:
-        main_tid = evals.most_common(1)[0][0]
-    elif api:
-        main_tid = collections.Counter(x[2] for x in api).most_common(1)[0][0]
-    else:
-        sys.exit("summarize: no API calls or NVTX ranges recorded")
-    mine = [r for r in ranges if r[2] == main_tid]
+    launches_by_tid = collections.Counter(x[2] for x in api if "aunch" in x[5])
+    if not launches_by_tid:
+        sys.exit("summarize: no launches recorded")
+    main_tid = launches_by_tid.most_common(1)[0][0]
     my_api = [x for x in api if x[2] == main_tid]
-    bounds = [e for s, e, _, n in mine if n == "gpu::finalize"]
-    if len(bounds) < 3:
-        bounds = [e for s, e, _, _, _, n in my_api if "ynchronize" in n]
-    if len(bounds) < 3:
-        sys.exit("summarize: too few step boundaries (no gpu::finalize ranges: was NVTX_INJECTION64_PATH set?)")
+    # Each kernel, copy and set belongs to the call that launched it (same correlation id; a
+    # graph's kernels carry its launch's); it is placed at that call's start.
+    launched_at = {x[3]: x[0] for x in my_api}
+    mine_k = sorted((launched_at[k[3]], k) for k in kernels if k[3] in launched_at)
+    mine_d = sorted((launched_at[d[3]], d) for d in device if d[3] in launched_at)
+    syncs = [e for s, e, _, _, _, n in my_api if "ynchronize" in n]
+    if len(syncs) < 3:
+        sys.exit("summarize: fewer than 3 synchronizing calls on the launching thread")
 
-    names = demangle(k[5] for k in kernels)
-    by_corr = collections.defaultdict(list)
-    for k in kernels:
-        by_corr[k[3]].append(k)
-    launches = [x for x in my_api if "aunch" in x[5]]
-    launch_starts = [x[0] for x in launches]
+    # Windows between the host's waits; a step is a window that launches the most kernels (the
+    # forward) together with the smaller windows after it (sampling, reading the token).
+    at = [t for t, _ in mine_k]
+    count = lambda lo, hi: bisect.bisect_left(at, hi) - bisect.bisect_left(at, lo)
+    wins = [(lo, hi, count(lo, hi)) for lo, hi in zip(syncs, syncs[1:])]
+    sizes = sorted(c for _, _, c in wins)
+    big = max(a.min_kernels, sizes[int(0.9 * (len(sizes) - 1))] // 2)
+    starts = [lo for lo, _, c in wins if c >= big] + [wins[-1][1]]
+    steps = [(lo, hi, count(lo, hi)) for lo, hi in zip(starts, starts[1:])]
+    med = statistics.median(c for _, _, c in steps)
+    steady = [w for w in steps[2:] if abs(w[2] - med) <= 0.02 * med]
+    if not steady:
+        sys.exit("summarize: no steady steps")
 
-    # Device work that starts up to 50 ms before a step may still run in it.
-    k_sorted, d_sorted, a_sorted = Sorted(kernels), Sorted(device), Sorted(my_api)
-    r_sorted = Sorted(mine)
-    windows = []
-    for lo, hi in zip(bounds, bounds[1:]):
-        ks = k_sorted.window(lo, hi)
-        if len(ks) < a.min_kernels:
-            continue
-        windows.append((lo, hi, ks))
-    if not windows:
-        sys.exit("summarize: no window between commits launched enough kernels to be a step")
-    counts = collections.Counter(len(w[2]) for w in windows)
-    mode = counts.most_common(1)[0][0]
-    steady = [w for w in windows if len(w[2]) == mode]
-
+    k_sorted = Sorted([(t,) + k for t, k in mine_k])
+    d_sorted = Sorted([(t,) + d for t, d in mine_d])
+    a_sorted = Sorted(my_api)
     rows = collections.defaultdict(list)
-    ops = collections.defaultdict(lambda: [0, 0, 0])  # calls, host ns, device ns
     kern = collections.defaultdict(lambda: [0, 0])
     apis = collections.defaultdict(lambda: [0, 0])
-    for lo, hi, ks in steady:
+    for lo, hi, _ in steady:
         wall = hi - lo
-        here = r_sorted.window(lo - 50_000_000, hi)
-        ev = [(s, e) for s, e, _, n in here if n == "gpu::eval" and lo <= s]
-        fin = [(s, e) for s, e, _, n in here if n == "gpu::finalize" and lo < e <= hi]
-        sync_r = [(s, e) for s, e, _, n in here if n == "gpu::synchronize" and lo <= s]
+        ks = [x[1:] for x in k_sorted.window(lo, hi)]
+        ds = [x[1:] for x in d_sorted.window(lo, hi)]
         calls = a_sorted.window(lo, hi)
-        waits = [(s, e) for s, e, _, _, _, n in calls if "ynchronize" in n] + sync_r
-        eval_t, fin_t, wait_t = union(ev, lo, hi), union(fin, lo, hi), union(waits, lo, hi)
+        waits = [(s, e) for s, e, _, _, _, n in calls if "ynchronize" in n]
+        launch = [(s, e) for s, e, _, _, _, n in calls if "aunch" in n]
+        api_t, wait_t, launch_t = (union(x, lo, hi) for x in ([(c[0], c[1]) for c in calls], waits, launch))
+        # The device time of this step's own work, wherever it ran, and the wall time the
+        # device was busy with anything.
+        own = union([(k[0], k[1]) for k in ks] + [(d[0], d[1]) for d in ds], 0, 1 << 62)
         busy = union(
-            [(k[0], k[1]) for k in k_sorted.window(lo - 50_000_000, hi)]
-            + [(d[0], d[1]) for d in d_sorted.window(lo - 50_000_000, hi)],
-            lo,
-            hi,
+            [(k[0], k[1]) for k in kernels if lo - 50_000_000 <= k[0] < hi] + [(d[0], d[1]) for d in ds], lo, hi
         )
         rows["wall"].append(wall)
-        rows["build"].append(wall - eval_t - fin_t - wait_t)
-        rows["eval"].append(eval_t)
-        rows["commit"].append(fin_t)
-        rows["api"].append(union([(x[0], x[1]) for x in calls], lo, hi))
+        rows["host outside CUDA"].append(wall - api_t)
+        rows["launch calls"].append(launch_t)
+        rows["other calls"].append(api_t - launch_t - wait_t)
         rows["wait"].append(wait_t)
-        rows["busy"].append(busy)
-        rows["idle"].append(wall - busy)
-        rows["eval ranges"].append(len(ev))
+        rows["device work"].append(own)
+        rows["device busy"].append(busy)
+        rows["device idle"].append(wall - busy)
         rows["kernels"].append(len(ks))
-        for s, e in ev:
-            i = bisect.bisect_left(launch_starts, s)
-            label, dev = [], 0
-            while i < len(launches) and launches[i][0] < e:
-                for k in by_corr.get(launches[i][3], []):
-                    n = short(names.get(k[5], k[5]))
-                    if n not in label:
-                        label.append(n)
-                    dev += k[1] - k[0]
-                i += 1
-            op = ops["+".join(label) or "(no kernel)"]
-            op[0] += 1
-            op[1] += e - s
-            op[2] += dev
+        rows["launches"].append(sum(1 for c in calls if "aunch" in c[5]))
         for k in ks:
-            kk = kern[short(names.get(k[5], k[5]))]
+            kk = kern[k[5]]
             kk[0] += 1
             kk[1] += k[1] - k[0]
         for s, e, _, _, kind, n in calls:
@@ -208,24 +189,30 @@ def main():
             aa[0] += 1
             aa[1] += e - s
 
+    names = demangle(kern.keys())
+    merged = collections.defaultdict(lambda: [0, 0])
+    for raw, (c, d) in kern.items():
+        m = merged[short(names.get(raw, raw))]
+        m[0] += c
+        m[1] += d
     n = len(steady)
-    print(f"{a.tsv}: {len(windows)} steps, {n} steady ({mode} kernels each); thread {main_tid}")
-    print(f"kernel counts of other steps: {dict(sorted((c, m) for c, m in counts.items() if c != mode))}")
-    print("\nmedian per steady step (µs):")
+    print(f"{a.tsv}: {len(steps)} steps, {n} steady (median {med:.0f} kernels); thread {main_tid}")
+    print("\nmedian per steady step (µs; counts for kernels and launches):")
     for key, vals in rows.items():
         v = statistics.median(vals)
-        print(f"  {key:12s} {v / 1000 if key not in ('eval ranges', 'kernels') else v:10.1f}")
-    print(f"\noperations a step (top {a.top} by host time): calls, host µs a call, device µs a call, host µs a step")
-    for name, (c, h, d) in sorted(ops.items(), key=lambda x: -x[1][1])[: a.top]:
-        print(f"  {c / n:7.1f} {h / c / 1000:8.2f} {d / c / 1000:8.2f} {h / n / 1000:9.1f}  {name}")
-    print(f"\nkernels a step (top {a.top} by device time): count, device µs a step")
-    for name, (c, d) in sorted(kern.items(), key=lambda x: -x[1][1])[: a.top]:
-        print(f"  {c / n:7.1f} {d / n / 1000:9.1f}  {name}")
+        print(f"  {key:18s} {v if key in ('kernels', 'launches') else v / 1000:10.1f}")
+    print(f"\nkernels a step (top {a.top} by device time): count, device µs a step, µs a kernel")
+    for name, (c, d) in sorted(merged.items(), key=lambda x: -x[1][1])[: a.top]:
+        print(f"  {c / n:7.1f} {d / n / 1000:9.1f} {d / c / 1000:8.2f}  {name}")
+    print(f"\nkernels a step (top {a.top} by count)")
+    for name, (c, d) in sorted(merged.items(), key=lambda x: -x[1][0])[: a.top]:
+        print(f"  {c / n:7.1f} {d / n / 1000:9.1f} {d / c / 1000:8.2f}  {name}")
     print("\nAPI calls a step on that thread: count, host µs a step")
     for name, (c, d) in sorted(apis.items(), key=lambda x: -x[1][1])[: a.top]:
         print(f"  {c / n:7.1f} {d / n / 1000:9.1f}  {name}")
 
     if a.trace:
+        all_names = demangle(k[5] for k in kernels)
         mid = max(0, len(steady) // 2 - a.trace_steps // 2)
         pick = steady[mid : mid + a.trace_steps]
         lo, hi = pick[0][0], pick[-1][1]
@@ -238,8 +225,8 @@ def main():
             if lo <= s < hi:
                 ev.append({"name": name, "ph": "X", "ts": us(s), "dur": (e - s) / 1000, "pid": "host", "tid": f"{kind} {tid}", "args": {"corr": corr}})
         for s, e, stream, corr, graph, name in kernels:
-            if lo <= s < hi:
-                ev.append({"name": short(names.get(name, name)), "ph": "X", "ts": us(s), "dur": (e - s) / 1000, "pid": "device", "tid": f"stream {stream}", "args": {"corr": corr, "graph": graph, "kernel": names.get(name, name)}})
+            if lo <= s < hi + 50_000_000:
+                ev.append({"name": short(all_names.get(name, name)), "ph": "X", "ts": us(s), "dur": (e - s) / 1000, "pid": "device", "tid": f"stream {stream}", "args": {"corr": corr, "graph": graph, "kernel": all_names.get(name, name)}})
         for s, e, stream, corr, kind in device:
             if lo <= s < hi:
                 ev.append({"name": "memcpy" if kind == "C" else "memset", "ph": "X", "ts": us(s), "dur": (e - s) / 1000, "pid": "device", "tid": f"stream {stream}", "args": {"corr": corr}})

@@ -3,9 +3,8 @@
  * Loaded by the CUDA driver when CUDA_INJECTION64_PATH names it (the driver calls
  * InitializeInjection at the program's first CUDA call). It asks CUPTI for activity records of
  * kernels (those launched from CUDA graphs too), copies and sets, runtime and driver API calls,
- * and NVTX ranges (MLX marks each primitive's evaluation "gpu::eval", each commit
- * "gpu::finalize" and each wait "gpu::synchronize"; CUPTI sees them when NVTX_INJECTION64_PATH
- * names libcupti). Every record becomes one tab-separated line of $LLMQ_TIMELINE.<pid>.tsv
+ * and NVTX ranges where the program marks any (CUPTI sees them when NVTX_INJECTION64_PATH names
+ * libcupti; MLX's CUDA backend marks few of its operations). Every record becomes one tab-separated line of $LLMQ_TIMELINE.<pid>.tsv
  * (default ./timeline.<pid>.tsv); deploy/gpu/timeline/summarize.py turns the lines into a
  * per-step breakdown and a Chrome trace.
  *
