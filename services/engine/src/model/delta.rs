@@ -20,8 +20,12 @@
 //! Per sequence a layer keeps the convolution's last `kernel - 1` inputs and S, in a
 //! [`ConvCache`](crate::cache::ConvCache) with a memory.
 
+use std::cell::RefCell;
+
+use mlx_rs::error::Exception;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::ops::{broadcast_to, concatenate, zeros};
+use mlx_rs::transforms::compile::compile;
 use mlx_rs::{Array, Dtype};
 
 use llmq_text::config::{DeltaNetConfig, ModelConfig};
@@ -173,12 +177,20 @@ impl DeltaNet {
         let (mixed, z, b, a) = self.parts(proj)?;
         let rows = mixed.reshape(&[1, 1, t, c])?;
         let (window, _, _) = cache.update(&rows, &rows)?;
-        let conv = self.convolve(&window.reshape(&[1, -1, c])?, t)?;
-        let inputs = self.rule_inputs(&conv, &b, &a, 1, t)?;
+        let window = window.reshape(&[1, -1, c])?;
         let state = match cache.memory() {
             Some(s) => s.clone(),
             None => zeros::<f32>(&[1, self.value_heads, self.key_dim, self.value_dim])?,
         };
+        if t == 1 && window.shape()[1] == self.kernel {
+            // One position continuing its sequence (a decode step of `Model::forward`): the
+            // step's form, not a chunk of one.
+            let (out, state) = self.decode(&window, &z, &b, &a, &state)?;
+            cache.set_memory(state)?;
+            return Ok(out);
+        }
+        let conv = self.convolve(&window, t)?;
+        let inputs = self.rule_inputs(&conv, &b, &a, 1, t)?;
         let (o, state) = self.chunked(&inputs, state)?;
         cache.set_memory(state)?;
         // [1, heads, T, dv] -> [1, T, heads, dv]
@@ -336,34 +348,49 @@ impl DeltaNet {
         Ok((o, state))
     }
 
-    /// One position per row: `x` (t = 1) over `state` [n, heads, dk, dv]. Returns the output
-    /// [n, heads, 1, dv] and the rows' states after it.
-    fn step(&self, x: &RuleInputs, state: &Array) -> Result<(Array, Array)> {
-        let n = state.shape()[0];
-        let hv = self.value_heads;
-        let decay = x.g.exp()?.reshape(&[n, hv, 1, 1])?;
-        let beta = x.beta.reshape(&[n, hv, 1, 1])?;
-        let s = state.multiply(&decay)?;
-        // k S: what the state recalls for k; the state moves toward v by beta.
-        let recalled = x.k.matmul(&s)?;
-        let fresh = x.v.subtract(&recalled)?.multiply(&beta)?;
-        let s = s.add(&x.k.transpose_axes(&[0, 1, 3, 2])?.matmul(&fresh)?)?;
-        Ok((x.q.matmul(&s)?, s))
+    /// One position per row: the convolution's windows `window` [n, kernel, channels] (the kept
+    /// inputs, then the new one), the projections z, b, a [n, 1, ..] and the rows' states
+    /// `state` [n, heads, dk, dv]. Returns the gated output [n, 1, heads * dv] and the states
+    /// after the step: [`decode_graph`], compiled on a GPU.
+    fn decode(
+        &self,
+        window: &Array,
+        z: &Array,
+        b: &Array,
+        a: &Array,
+        state: &Array,
+    ) -> Result<(Array, Array)> {
+        let inputs = [
+            window.clone(),
+            self.taps.clone(),
+            z.clone(),
+            b.clone(),
+            a.clone(),
+            state.clone(),
+            self.dt_bias.clone(),
+            self.neg_a.clone(),
+            self.q_weight.clone(),
+            self.k_weight.clone(),
+            self.norm.clone(),
+        ];
+        let form = DecodeForm {
+            eps: self.eps,
+            l2_eps: self.l2_eps,
+            tiled: self.tiled,
+        };
+        let mut out = if crate::device::on_gpu() {
+            decode_compiled(form, &inputs)?
+        } else {
+            decode_graph(form, &inputs)?
+        };
+        let state = out.pop().expect("two outputs");
+        Ok((out.pop().expect("two outputs"), state))
     }
 
-    /// The output heads `o` [n, t, heads, dv] RMS-normed, times silu(z) (z [n, t, heads *
-    /// dv]), as [n, t, heads * dv] in `dtype`.
+    /// The output heads `o` [n, t, heads, dv] RMS-normed, times silu(z), as [n, t, heads * dv]
+    /// in `dtype` ([`gated_norm`]).
     fn gated_norm(&self, o: &Array, z: &Array, dtype: Dtype) -> Result<Array> {
-        let s = o.shape();
-        let (n, t) = (s[0], s[1]);
-        let normed = mlx_rs::fast::rms_norm(&o.as_dtype(dtype)?, Some(&self.norm), self.eps)?;
-        let z = z.reshape(&[n, t, self.value_heads, self.value_dim])?;
-        let gated = normed
-            .as_dtype(Dtype::Float32)?
-            .multiply(&mlx_rs::nn::silu(&z.as_dtype(Dtype::Float32)?)?)?;
-        Ok(gated
-            .as_dtype(dtype)?
-            .reshape(&[n, t, self.value_heads * self.value_dim])?)
+        Ok(gated_norm(o, z, &self.norm, self.eps, dtype)?)
     }
 
     /// A step's rows `x` [n, 1, hidden]: every group's slots, each continuing its row's
@@ -386,12 +413,16 @@ impl DeltaNet {
             let (mixed, z, b, a) = self.parts(&rows)?;
             let (window_state, state) = &mut g.kv[layer];
             let window = concatenate(&[&*window_state, &mixed.reshape(&[g.slots, 1, 1, c])?], 2)?;
-            let conv = self.convolve(&window.reshape(&[g.slots, self.kernel, c])?, 1)?;
             *window_state = window.index((.., .., 1.., ..));
-            let inputs = self.rule_inputs(&conv, &b, &a, g.slots, 1)?;
-            let (o, s) = self.step(&inputs, state)?;
+            let (o, s) = self.decode(
+                &window.reshape(&[g.slots, self.kernel, c])?,
+                &z,
+                &b,
+                &a,
+                state,
+            )?;
             *state = s;
-            outs.push(self.gated_norm(&o.transpose_axes(&[0, 2, 1, 3])?, &z, x.dtype())?);
+            outs.push(o);
         }
         if let Some((cache, t)) = chunk {
             let rows = proj.index(n - t..).reshape(&[1, t, -1])?;
@@ -416,4 +447,165 @@ fn unit_lower_inverse(l: &Array, size: i32) -> Result<Array> {
         reach *= 2;
     }
     Ok(inverse)
+}
+
+/// The output heads `o` [n, t, heads, dv] RMS-normed (weight `norm`), times silu(z) (z [n, t,
+/// heads * dv]), as [n, t, heads * dv] in `dtype`.
+fn gated_norm(
+    o: &Array,
+    z: &Array,
+    norm: &Array,
+    eps: f32,
+    dtype: Dtype,
+) -> std::result::Result<Array, Exception> {
+    let s = o.shape();
+    let (n, t, heads, dv) = (s[0], s[1], s[2], s[3]);
+    let normed = mlx_rs::fast::rms_norm(&o.as_dtype(dtype)?, Some(norm), eps)?;
+    let z = z.reshape(&[n, t, heads, dv])?;
+    let gated = normed
+        .as_dtype(Dtype::Float32)?
+        .multiply(&mlx_rs::nn::silu(&z.as_dtype(Dtype::Float32)?)?)?;
+    gated.as_dtype(dtype)?.reshape(&[n, t, heads * dv])
+}
+
+/// What a layer's decode step depends on besides its inputs' shapes: the compiled step is
+/// traced once per form and shape.
+#[derive(Clone, Copy, PartialEq)]
+struct DecodeForm {
+    eps: f32,
+    l2_eps: f32,
+    tiled: bool,
+}
+
+/// A decode step of `n` rows as one graph of element-wise operations and reductions, without
+/// matrix products or copies, so that compiled it is a few fused kernels (each row's state is
+/// read and written a few times; a step in matrix products launched three times as many).
+///
+/// Inputs: the convolution's window [n, kernel, channels] and taps [kernel, channels]; z [n,
+/// 1, heads * dv], b and a [n, 1, heads]; the states [n, heads, dk, dv] (float32); dt_bias and
+/// -exp(A_log) [heads]; q's and k's norm weights [dk]; the output norm's weight [dv]. The
+/// dimensions follow from the shapes. Outputs: the gated output [n, 1, heads * dv] in z's
+/// dtype and the states after the step.
+fn decode_graph(f: DecodeForm, x: &[Array]) -> std::result::Result<Vec<Array>, Exception> {
+    let [window, taps, z, b, a, state, dt_bias, neg_a, q_weight, k_weight, norm] = x else {
+        return Err(Exception::custom("the DeltaNet step takes 11 inputs"));
+    };
+    let (n, c) = (window.shape()[0], window.shape()[2]);
+    let (hv, dk, dv) = (dt_bias.shape()[0], q_weight.shape()[0], norm.shape()[0]);
+    let hk = (c - hv * dv) / (2 * dk);
+    let r = hv / hk;
+    let conv =
+        mlx_rs::nn::silu(window.multiply(taps)?.sum_axis(1, true)?)?.as_dtype(Dtype::Float32)?;
+    let mut qkv = conv.split_at_indices(&[hk * dk, 2 * hk * dk], -1)?;
+    let v = qkv.pop().expect("three parts");
+    let k = qkv.pop().expect("three parts");
+    let q = qkv.pop().expect("three parts");
+    // Value heads as [A, B] = [key heads, value heads per key head] (grouped) or the reverse
+    // (tiled), so that each key head broadcasts over the value heads it serves.
+    let (heads, key_at): ([i32; 2], [i32; 2]) = if f.tiled {
+        ([r, hk], [1, hk])
+    } else {
+        ([hk, r], [hk, 1])
+    };
+    let key = |x: &Array, w: &Array| -> std::result::Result<Array, Exception> {
+        let x = mlx_rs::fast::rms_norm(&x.reshape(&[n, hk, dk])?, Some(w), f.l2_eps)?;
+        x.reshape(&[n, key_at[0], key_at[1], dk, 1])
+    };
+    let (q, k) = (key(&q, q_weight)?, key(&k, k_weight)?);
+    let per_head = |x: &Array, w: i32| x.reshape(&[n, heads[0], heads[1], 1, w]);
+    let v = per_head(&v, dv)?;
+    let beta = per_head(&mlx_rs::ops::sigmoid(&b.as_dtype(Dtype::Float32)?)?, 1)?;
+    let g = mlx_rs::ops::logaddexp(
+        a.as_dtype(Dtype::Float32)?.add(dt_bias)?,
+        Array::from_f32(0.0),
+    )?
+    .multiply(neg_a)?;
+    let s = state
+        .reshape(&[n, heads[0], heads[1], dk, dv])?
+        .multiply(per_head(&g, 1)?.exp()?)?;
+    // k S: what the state recalls for k; the state moves toward v by beta.
+    let recalled = s.multiply(&k)?.sum_axis(-2, true)?;
+    let fresh = v.subtract(&recalled)?.multiply(&beta)?;
+    let s = s.add(&k.multiply(&fresh)?)?;
+    let o = s
+        .multiply(&q)?
+        .sum_axis(-2, true)?
+        .reshape(&[n, 1, hv, dv])?;
+    Ok(vec![
+        gated_norm(&o, z, norm, f.eps, z.dtype())?,
+        s.reshape(&[n, hv, dk, dv])?,
+    ])
+}
+
+type CompiledStep =
+    Box<dyn for<'a> FnMut(&'a [Array]) -> std::result::Result<Vec<Array>, Exception>>;
+
+thread_local! {
+    // One compiled function per form, kept for the thread's life (a function compiled anew is
+    // traced anew: kernels/mod.rs says why).
+    static DECODE: RefCell<Vec<(DecodeForm, CompiledStep)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// [`decode_graph`] compiled: MLX fuses its element-wise runs into single kernels.
+fn decode_compiled(f: DecodeForm, x: &[Array]) -> Result<Vec<Array>> {
+    DECODE.with(|cell| {
+        let mut forms = cell.borrow_mut();
+        let i = match forms.iter().position(|(g, _)| *g == f) {
+            Some(i) => i,
+            None => {
+                let step: CompiledStep =
+                    Box::new(compile(move |x: &[Array]| decode_graph(f, x), false));
+                forms.push((f, step));
+                forms.len() - 1
+            }
+        };
+        Ok((forms[i].1)(x)?)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn normal(shape: &[i32], seed: u64) -> Array {
+        let key = mlx_rs::random::key(seed).unwrap();
+        mlx_rs::random::normal::<f32>(shape, None, None, &key).unwrap()
+    }
+
+    /// The compiled step computes what the plain graph does, for both orders of value heads
+    /// and for batches of different sizes (each traced on its own).
+    #[test]
+    fn the_compiled_step_equals_the_plain_one() {
+        let (hk, hv, dk, dv, kernel) = (2, 4, 8, 6, 4);
+        let c = 2 * hk * dk + hv * dv;
+        for tiled in [false, true] {
+            let form = DecodeForm {
+                eps: 1e-6,
+                l2_eps: 1e-6 / dk as f32,
+                tiled,
+            };
+            for n in [1, 3] {
+                let inputs = [
+                    normal(&[n, kernel, c], 1),
+                    normal(&[kernel, c], 2),
+                    normal(&[n, 1, hv * dv], 3),
+                    normal(&[n, 1, hv], 4),
+                    normal(&[n, 1, hv], 5),
+                    normal(&[n, hv, dk, dv], 6),
+                    normal(&[hv], 7),
+                    normal(&[hv], 8).abs().unwrap().negative().unwrap(),
+                    normal(&[dk], 9),
+                    normal(&[dk], 10),
+                    normal(&[dv], 11),
+                ];
+                let plain = decode_graph(form, &inputs).unwrap();
+                let compiled = decode_compiled(form, &inputs).unwrap();
+                for (p, q) in plain.iter().zip(&compiled) {
+                    assert_eq!(p.shape(), q.shape());
+                    let close = p.all_close(q, 1e-5, 1e-5, None).unwrap();
+                    assert!(close, "tiled {tiled}, {n} rows");
+                }
+            }
+        }
+    }
 }
