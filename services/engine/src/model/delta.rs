@@ -34,6 +34,7 @@ use super::attention::GroupStep;
 use super::parts::{causal_depthwise, concat_rows, sequence_rows, Linear};
 use crate::cache::KvCache;
 use crate::error::Result;
+use crate::kernels::cuda::delta_step;
 use crate::weights::Weights;
 
 /// Positions computed together in the chunked form: larger blocks do more work per position
@@ -351,7 +352,9 @@ impl DeltaNet {
     /// One position per row: the convolution's windows `window` [n, kernel, channels] (the kept
     /// inputs, then the new one), the projections z, b, a [n, 1, ..] and the rows' states
     /// `state` [n, heads, dk, dv]. Returns the gated output [n, 1, heads * dv] and the states
-    /// after the step: [`decode_graph`], compiled on a GPU.
+    /// after the step. On a CPU [`decode_graph`]; on a GPU the rule's step is llmq's kernel
+    /// between two compiled parts, or where the kernel does not cover the layer
+    /// [`decode_graph`] compiled.
     fn decode(
         &self,
         window: &Array,
@@ -360,6 +363,37 @@ impl DeltaNet {
         a: &Array,
         state: &Array,
     ) -> Result<(Array, Array)> {
+        let form = DecodeForm {
+            eps: self.eps,
+            l2_eps: self.l2_eps,
+            tiled: self.tiled,
+            key_heads: self.key_heads,
+        };
+        let (hk, hv, dk, dv) = (
+            self.key_heads,
+            self.value_heads,
+            self.key_dim,
+            self.value_dim,
+        );
+        if crate::device::on_gpu() && delta_step::covers(hk, hv, dk, dv) {
+            let inputs = [
+                window.clone(),
+                self.taps.clone(),
+                b.clone(),
+                a.clone(),
+                self.dt_bias.clone(),
+                self.neg_a.clone(),
+                self.q_weight.clone(),
+                self.k_weight.clone(),
+            ];
+            let x = compiled(Part::Inputs, form, &inputs)?;
+            let (o, state) =
+                delta_step::step(&x[0], &x[1], &x[2], &x[3], &x[4], state, self.tiled)?;
+            let n = o.shape()[0];
+            let o = o.reshape(&[n, 1, hv, dv])?;
+            let out = compiled(Part::Output, form, &[o, z.clone(), self.norm.clone()])?;
+            return Ok((out.into_iter().next().expect("one output"), state));
+        }
         let inputs = [
             window.clone(),
             self.taps.clone(),
@@ -373,13 +407,8 @@ impl DeltaNet {
             self.k_weight.clone(),
             self.norm.clone(),
         ];
-        let form = DecodeForm {
-            eps: self.eps,
-            l2_eps: self.l2_eps,
-            tiled: self.tiled,
-        };
         let mut out = if crate::device::on_gpu() {
-            decode_compiled(form, &inputs)?
+            compiled(Part::Whole, form, &inputs)?
         } else {
             decode_graph(form, &inputs)?
         };
@@ -468,18 +497,29 @@ fn gated_norm(
     gated.as_dtype(dtype)?.reshape(&[n, t, heads * dv])
 }
 
-/// What a layer's decode step depends on besides its inputs' shapes: the compiled step is
+/// What a layer's decode step depends on besides its inputs' shapes: the compiled parts are
 /// traced once per form and shape.
 #[derive(Clone, Copy, PartialEq)]
 struct DecodeForm {
     eps: f32,
     l2_eps: f32,
     tiled: bool,
+    key_heads: i32,
+}
+
+/// The parts of a decode step, each a graph MLX compiles on its own.
+#[derive(Clone, Copy, PartialEq)]
+enum Part {
+    /// [`decode_graph`]: the whole step in MLX operations.
+    Whole,
+    /// [`step_inputs`]: the convolution, q, k, v, g and beta (before the CUDA kernel).
+    Inputs,
+    /// [`gated_norm`] of the kernel's output.
+    Output,
 }
 
 /// A decode step of `n` rows as one graph of element-wise operations and reductions, without
-/// matrix products or copies, so that compiled it is a few fused kernels (each row's state is
-/// read and written a few times; a step in matrix products launched three times as many).
+/// matrix products or copies, so that compiled it is a few fused kernels.
 ///
 /// Inputs: the convolution's window [n, kernel, channels] and taps [kernel, channels]; z [n,
 /// 1, heads * dv], b and a [n, 1, heads]; the states [n, heads, dk, dv] (float32); dt_bias and
@@ -490,76 +530,124 @@ fn decode_graph(f: DecodeForm, x: &[Array]) -> std::result::Result<Vec<Array>, E
     let [window, taps, z, b, a, state, dt_bias, neg_a, q_weight, k_weight, norm] = x else {
         return Err(Exception::custom("the DeltaNet step takes 11 inputs"));
     };
+    let inputs = [window, taps, b, a, dt_bias, neg_a, q_weight, k_weight].map(Array::clone);
+    let [q, k, v, g, beta] = <[Array; 5]>::try_from(step_inputs(f, &inputs)?)
+        .map_err(|_| Exception::custom("five step inputs"))?;
+    let (o, state) = rule_step(&q, &k, &v, &g, &beta, state, f.tiled)?;
+    let s = o.shape();
+    let o = o.reshape(&[s[0], 1, s[1], s[2]])?;
+    Ok(vec![gated_norm(&o, z, norm, f.eps, z.dtype())?, state])
+}
+
+/// The rule's inputs for a decode step: from the convolution's window and taps, b, a, dt_bias,
+/// -exp(A_log) and q's and k's norm weights ([`decode_graph`]'s shapes), q and k [n,
+/// key_heads, dk] (normed, q scaled), v [n, heads, dv], g and beta [n, heads], all float32.
+fn step_inputs(f: DecodeForm, x: &[Array]) -> std::result::Result<Vec<Array>, Exception> {
+    let [window, taps, b, a, dt_bias, neg_a, q_weight, k_weight] = x else {
+        return Err(Exception::custom(
+            "the DeltaNet step's inputs take 8 arrays",
+        ));
+    };
     let (n, c) = (window.shape()[0], window.shape()[2]);
-    let (hv, dk, dv) = (dt_bias.shape()[0], q_weight.shape()[0], norm.shape()[0]);
-    let hk = (c - hv * dv) / (2 * dk);
-    let r = hv / hk;
+    let (hv, dk, hk) = (dt_bias.shape()[0], q_weight.shape()[0], f.key_heads);
+    let dv = (c - 2 * hk * dk) / hv;
     let conv =
         mlx_rs::nn::silu(window.multiply(taps)?.sum_axis(1, true)?)?.as_dtype(Dtype::Float32)?;
     let mut qkv = conv.split_at_indices(&[hk * dk, 2 * hk * dk], -1)?;
     let v = qkv.pop().expect("three parts");
     let k = qkv.pop().expect("three parts");
     let q = qkv.pop().expect("three parts");
-    // Value heads as [A, B] = [key heads, value heads per key head] (grouped) or the reverse
-    // (tiled), so that each key head broadcasts over the value heads it serves.
-    let (heads, key_at): ([i32; 2], [i32; 2]) = if f.tiled {
-        ([r, hk], [1, hk])
-    } else {
-        ([hk, r], [hk, 1])
-    };
-    let key = |x: &Array, w: &Array| -> std::result::Result<Array, Exception> {
-        let x = mlx_rs::fast::rms_norm(&x.reshape(&[n, hk, dk])?, Some(w), f.l2_eps)?;
-        x.reshape(&[n, key_at[0], key_at[1], dk, 1])
-    };
-    let (q, k) = (key(&q, q_weight)?, key(&k, k_weight)?);
-    let per_head = |x: &Array, w: i32| x.reshape(&[n, heads[0], heads[1], 1, w]);
-    let v = per_head(&v, dv)?;
-    let beta = per_head(&mlx_rs::ops::sigmoid(&b.as_dtype(Dtype::Float32)?)?, 1)?;
+    let key =
+        |x: &Array, w: &Array| mlx_rs::fast::rms_norm(&x.reshape(&[n, hk, dk])?, Some(w), f.l2_eps);
+    let beta = mlx_rs::ops::sigmoid(&b.as_dtype(Dtype::Float32)?)?.reshape(&[n, hv])?;
     let g = mlx_rs::ops::logaddexp(
         a.as_dtype(Dtype::Float32)?.add(dt_bias)?,
         Array::from_f32(0.0),
     )?
-    .multiply(neg_a)?;
-    let s = state
-        .reshape(&[n, heads[0], heads[1], dk, dv])?
-        .multiply(per_head(&g, 1)?.exp()?)?;
-    // k S: what the state recalls for k; the state moves toward v by beta.
-    let recalled = s.multiply(&k)?.sum_axis(-2, true)?;
-    let fresh = v.subtract(&recalled)?.multiply(&beta)?;
-    let s = s.add(&k.multiply(&fresh)?)?;
-    let o = s
-        .multiply(&q)?
-        .sum_axis(-2, true)?
-        .reshape(&[n, 1, hv, dv])?;
+    .multiply(neg_a)?
+    .reshape(&[n, hv])?;
     Ok(vec![
-        gated_norm(&o, z, norm, f.eps, z.dtype())?,
-        s.reshape(&[n, hv, dk, dv])?,
+        key(&q, q_weight)?,
+        key(&k, k_weight)?,
+        v.reshape(&[n, hv, dv])?,
+        g,
+        beta,
     ])
 }
-
-type CompiledStep =
-    Box<dyn for<'a> FnMut(&'a [Array]) -> std::result::Result<Vec<Array>, Exception>>;
-
-thread_local! {
-    // One compiled function per form, kept for the thread's life (a function compiled anew is
-    // traced anew: kernels/mod.rs says why).
-    static DECODE: RefCell<Vec<(DecodeForm, CompiledStep)>> = const { RefCell::new(Vec::new()) };
+/// The rule's step in element-wise operations and reductions (what
+/// [`kernels::cuda::delta_step`](crate::kernels::cuda::delta_step) does in one pass): q, k [n,
+/// key_heads, dk], v [n, heads, dv], g and beta [n, heads], state [n, heads, dk, dv]. Returns o
+/// [n, heads, dv] and the states after the step.
+fn rule_step(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    g: &Array,
+    beta: &Array,
+    state: &Array,
+    tiled: bool,
+) -> std::result::Result<(Array, Array), Exception> {
+    let s = state.shape();
+    let (n, hv, dk, dv) = (s[0], s[1], s[2], s[3]);
+    let hk = q.shape()[1];
+    let r = hv / hk;
+    // Value heads as [A, B] = [key heads, value heads per key head] (grouped) or the reverse
+    // (tiled), so that each key head broadcasts over the value heads it serves.
+    let (heads, key_at): ([i32; 2], [i32; 2]) = if tiled {
+        ([r, hk], [1, hk])
+    } else {
+        ([hk, r], [hk, 1])
+    };
+    let key = |x: &Array| x.reshape(&[n, key_at[0], key_at[1], dk, 1]);
+    let (q, k) = (key(q)?, key(k)?);
+    let per_head = |x: &Array, w: i32| x.reshape(&[n, heads[0], heads[1], 1, w]);
+    let st = state
+        .reshape(&[n, heads[0], heads[1], dk, dv])?
+        .multiply(per_head(g, 1)?.exp()?)?;
+    // k S: what the state recalls for k; the state moves toward v by beta.
+    let recalled = st.multiply(&k)?.sum_axis(-2, true)?;
+    let fresh = per_head(v, dv)?
+        .subtract(&recalled)?
+        .multiply(per_head(beta, 1)?)?;
+    let st = st.add(&k.multiply(&fresh)?)?;
+    let o = st.multiply(&q)?.sum_axis(-2, true)?.reshape(&[n, hv, dv])?;
+    Ok((o, st.reshape(&[n, hv, dk, dv])?))
 }
 
-/// [`decode_graph`] compiled: MLX fuses its element-wise runs into single kernels.
-fn decode_compiled(f: DecodeForm, x: &[Array]) -> Result<Vec<Array>> {
-    DECODE.with(|cell| {
-        let mut forms = cell.borrow_mut();
-        let i = match forms.iter().position(|(g, _)| *g == f) {
+type Compiled = Box<dyn for<'a> FnMut(&'a [Array]) -> std::result::Result<Vec<Array>, Exception>>;
+
+thread_local! {
+    // One compiled function per part and form, kept for the thread's life (a function
+    // compiled anew is traced anew: kernels/mod.rs says why).
+    static COMPILED: RefCell<Vec<(Part, DecodeForm, Compiled)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// `part` of a decode step over `x`, compiled: MLX fuses its element-wise runs into single
+/// kernels.
+fn compiled(part: Part, f: DecodeForm, x: &[Array]) -> Result<Vec<Array>> {
+    COMPILED.with(|cell| {
+        let mut all = cell.borrow_mut();
+        let i = match all.iter().position(|(p, g, _)| *p == part && *g == f) {
             Some(i) => i,
             None => {
-                let step: CompiledStep =
-                    Box::new(compile(move |x: &[Array]| decode_graph(f, x), false));
-                forms.push((f, step));
-                forms.len() - 1
+                let graph: Compiled = match part {
+                    Part::Whole => Box::new(compile(move |x: &[Array]| decode_graph(f, x), false)),
+                    Part::Inputs => Box::new(compile(move |x: &[Array]| step_inputs(f, x), false)),
+                    Part::Output => Box::new(compile(
+                        move |x: &[Array]| {
+                            let [o, z, norm] = x else {
+                                return Err(Exception::custom("the output takes 3 arrays"));
+                            };
+                            Ok(vec![gated_norm(o, z, norm, f.eps, z.dtype())?])
+                        },
+                        false,
+                    )),
+                };
+                all.push((part, f, graph));
+                all.len() - 1
             }
         };
-        Ok((forms[i].1)(x)?)
+        Ok((all[i].2)(x)?)
     })
 }
 
@@ -583,6 +671,7 @@ mod tests {
                 eps: 1e-6,
                 l2_eps: 1e-6 / dk as f32,
                 tiled,
+                key_heads: hk,
             };
             for n in [1, 3] {
                 let inputs = [
@@ -599,7 +688,7 @@ mod tests {
                     normal(&[dv], 11),
                 ];
                 let plain = decode_graph(form, &inputs).unwrap();
-                let compiled = decode_compiled(form, &inputs).unwrap();
+                let compiled = compiled(Part::Whole, form, &inputs).unwrap();
                 for (p, q) in plain.iter().zip(&compiled) {
                     assert_eq!(p.shape(), q.shape());
                     let close = p.all_close(q, 1e-5, 1e-5, None).unwrap();

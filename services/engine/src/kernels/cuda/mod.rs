@@ -5,7 +5,9 @@
 //! - [`qmv`] quantized products of a few rows, and dequantization
 //! - [`qmm`] quantized products of a decode step's many rows, on tensor cores
 //! - [`experts`] a mixture of experts' routing and products grouped by expert
+//! - [`delta_step`] the gated delta rule's decode step (Qwen3.5's linear attention)
 
+pub mod delta_step;
 pub mod experts;
 pub(crate) mod launch;
 pub mod qmm;
