@@ -3,8 +3,9 @@
 //! in registers): random inputs at Qwen3.5-9B's shape (16 key heads, 32 value heads of 128)
 //! and a small odd one, value heads grouped and tiled, one row and many.
 //!
-//! These tests need CUDA: `cargo test -p llmq-engine --test delta_step -- --ignored` on a GPU
-//! machine. On a CPU they are skipped by `#[ignore]`.
+//! These tests need CUDA and `LLMQ_DELTA_STEP_KERNEL=1` (the kernel's switch):
+//! `cargo test -p llmq-engine --test delta_step -- --ignored` on a GPU machine. On a CPU they
+//! are skipped by `#[ignore]`.
 
 use llmq_engine::kernels::cuda::delta_step;
 use mlx_rs::ops::indexing::IndexOp;
@@ -34,10 +35,19 @@ fn close(got: &Array, want: &Array, what: &str) {
 }
 
 fn check(n: i32, key_heads: i32, heads: i32, dk: i32, dv: i32, tiled: bool) {
-    assert!(delta_step::covers(key_heads, heads, dk, dv), "CUDA and a covered shape");
+    assert!(
+        delta_step::covers(key_heads, heads, dk, dv),
+        "CUDA and a covered shape"
+    );
     // Normed keys (as the layer gives them) keep the state bounded, like the model's.
     let unit = |x: Array| {
-        let norm = x.square().unwrap().sum_axis(-1, true).unwrap().sqrt().unwrap();
+        let norm = x
+            .square()
+            .unwrap()
+            .sum_axis(-1, true)
+            .unwrap()
+            .sqrt()
+            .unwrap();
         x.divide(&norm).unwrap()
     };
     let q = unit(normal(&[n, key_heads, dk], 1));
@@ -66,7 +76,9 @@ fn check(n: i32, key_heads: i32, heads: i32, dk: i32, dv: i32, tiled: bool) {
                 .unwrap()
                 .multiply(beta.index((row, h)))
                 .unwrap();
-            let s = s.add(kk.transpose().unwrap().matmul(&fresh).unwrap()).unwrap();
+            let s = s
+                .add(kk.transpose().unwrap().matmul(&fresh).unwrap())
+                .unwrap();
             let want_o = qh.matmul(&s).unwrap().reshape(&[dv]).unwrap();
             let what = format!("row {row} head {h} (tiled {tiled})");
             close(&o.index((row, h)), &want_o, &format!("{what}: output"));

@@ -352,9 +352,9 @@ impl DeltaNet {
     /// One position per row: the convolution's windows `window` [n, kernel, channels] (the kept
     /// inputs, then the new one), the projections z, b, a [n, 1, ..] and the rows' states
     /// `state` [n, heads, dk, dv]. Returns the gated output [n, 1, heads * dv] and the states
-    /// after the step. On a CPU [`decode_graph`]; on a GPU the rule's step is llmq's kernel
-    /// between two compiled parts, or where the kernel does not cover the layer
-    /// [`decode_graph`] compiled.
+    /// after the step. On a CPU [`decode_graph`]; on a GPU [`decode_graph`] compiled, or with
+    /// llmq's kernel switched on ([`delta_step::covers`]) the kernel between two compiled
+    /// parts.
     fn decode(
         &self,
         window: &Array,

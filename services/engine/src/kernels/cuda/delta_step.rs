@@ -73,14 +73,16 @@ fn kernel() -> Option<&'static Kernel> {
 
 /// Whether the kernel takes a layer of these dimensions here: CUDA, `dv` threads a block (32 to
 /// 1024, whole warps), `dk` columns in registers (at most 256), value heads a multiple of key
-/// heads.
+/// heads, and `LLMQ_DELTA_STEP_KERNEL=1`: the kernel is off by default until its test
+/// (`tests/delta_step.rs`, `deploy/gpu/kernel-tests.sh`) has passed on a GPU; without it the
+/// layer's step is MLX's compiled operations.
 pub fn covers(key_heads: i32, heads: i32, dk: i32, dv: i32) -> bool {
     (32..=1024).contains(&dv)
         && dv % 32 == 0
         && (1..=256).contains(&dk)
         && key_heads > 0
         && heads % key_heads == 0
-        && std::env::var_os("LLMQ_DELTA_STEP_OPS").is_none_or(|v| v == "0")
+        && std::env::var_os("LLMQ_DELTA_STEP_KERNEL").is_some_and(|v| v != "0")
         && kernel().is_some()
 }
 
