@@ -183,7 +183,7 @@ impl DeltaNet {
             Some(s) => s.clone(),
             None => zeros::<f32>(&[1, self.value_heads, self.key_dim, self.value_dim])?,
         };
-        if t == 1 && window.shape()[1] == self.kernel {
+        if t == 1 {
             // One position continuing its sequence (a decode step of `Model::forward`): the
             // step's form, not a chunk of one.
             let (out, state) = self.decode(&window, &z, &b, &a, &state)?;
@@ -235,12 +235,7 @@ impl DeltaNet {
             self.key_dim,
             self.value_dim,
         );
-        let conv = conv.as_dtype(Dtype::Float32)?;
-        let ke = hk * dk;
-        let mut qkv = conv.split_at_indices(&[ke, 2 * ke], -1)?;
-        let v = qkv.pop().expect("three parts");
-        let k = qkv.pop().expect("three parts");
-        let q = qkv.pop().expect("three parts");
+        let (q, k, v) = split_qkv(conv, hk * dk)?;
         // `x * rsqrt(sum(x^2) + 1e-6)` (the reference's L2 norm) is an RMS norm with epsilon
         // 1e-6 / dk and weight dk^-1/2: one fused op (q's weight also holds its scale). Each
         // key head serves `hv / hk` value heads, consecutive ones or (tiled) every hk-th.
@@ -257,12 +252,7 @@ impl DeltaNet {
         let q = heads(q, &self.q_weight)?;
         let k = heads(k, &self.k_weight)?;
         let v = v.reshape(&[n, t, hv, dv])?.transpose_axes(&[0, 2, 1, 3])?;
-        let beta = mlx_rs::ops::sigmoid(&b.as_dtype(Dtype::Float32)?)?;
-        let softplus = mlx_rs::ops::logaddexp(
-            a.as_dtype(Dtype::Float32)?.add(&self.dt_bias)?,
-            Array::from_f32(0.0),
-        )?;
-        let g = softplus.multiply(&self.neg_a)?;
+        let (g, beta) = decay_and_strength(a, b, &self.dt_bias, &self.neg_a)?;
         Ok(RuleInputs {
             q,
             k,
@@ -551,29 +541,49 @@ fn step_inputs(f: DecodeForm, x: &[Array]) -> std::result::Result<Vec<Array>, Ex
     let (n, c) = (window.shape()[0], window.shape()[2]);
     let (hv, dk, hk) = (dt_bias.shape()[0], q_weight.shape()[0], f.key_heads);
     let dv = (c - 2 * hk * dk) / hv;
-    let conv =
-        mlx_rs::nn::silu(window.multiply(taps)?.sum_axis(1, true)?)?.as_dtype(Dtype::Float32)?;
-    let mut qkv = conv.split_at_indices(&[hk * dk, 2 * hk * dk], -1)?;
-    let v = qkv.pop().expect("three parts");
-    let k = qkv.pop().expect("three parts");
-    let q = qkv.pop().expect("three parts");
+    let conv = mlx_rs::nn::silu(causal_depthwise(window, taps, 1)?)?;
+    let (q, k, v) = split_qkv(&conv, hk * dk)?;
     let key =
         |x: &Array, w: &Array| mlx_rs::fast::rms_norm(&x.reshape(&[n, hk, dk])?, Some(w), f.l2_eps);
-    let beta = mlx_rs::ops::sigmoid(&b.as_dtype(Dtype::Float32)?)?.reshape(&[n, hv])?;
-    let g = mlx_rs::ops::logaddexp(
-        a.as_dtype(Dtype::Float32)?.add(dt_bias)?,
-        Array::from_f32(0.0),
-    )?
-    .multiply(neg_a)?
-    .reshape(&[n, hv])?;
+    let (g, beta) = decay_and_strength(a, b, dt_bias, neg_a)?;
     Ok(vec![
         key(&q, q_weight)?,
         key(&k, k_weight)?,
         v.reshape(&[n, hv, dv])?,
-        g,
-        beta,
+        g.reshape(&[n, hv])?,
+        beta.reshape(&[n, hv])?,
     ])
 }
+
+/// The convolution's output split into q, k and v (each key part `key_width` wide), float32.
+fn split_qkv(
+    conv: &Array,
+    key_width: i32,
+) -> std::result::Result<(Array, Array, Array), Exception> {
+    let conv = conv.as_dtype(Dtype::Float32)?;
+    let mut qkv = conv.split_at_indices(&[key_width, 2 * key_width], -1)?;
+    let v = qkv.pop().expect("three parts");
+    let k = qkv.pop().expect("three parts");
+    let q = qkv.pop().expect("three parts");
+    Ok((q, k, v))
+}
+
+/// Per value head, the log decay g = -exp(A_log) softplus(a + dt_bias) (`neg_a` is
+/// -exp(A_log)) and the write strength beta = sigmoid(b), float32, in a's and b's shape.
+fn decay_and_strength(
+    a: &Array,
+    b: &Array,
+    dt_bias: &Array,
+    neg_a: &Array,
+) -> std::result::Result<(Array, Array), Exception> {
+    let softplus = mlx_rs::ops::logaddexp(
+        a.as_dtype(Dtype::Float32)?.add(dt_bias)?,
+        Array::from_f32(0.0),
+    )?;
+    let beta = mlx_rs::ops::sigmoid(&b.as_dtype(Dtype::Float32)?)?;
+    Ok((softplus.multiply(neg_a)?, beta))
+}
+
 /// The rule's step in element-wise operations and reductions (what
 /// [`kernels::cuda::delta_step`](crate::kernels::cuda::delta_step) does in one pass): q, k [n,
 /// key_heads, dk], v [n, heads, dv], g and beta [n, heads], state [n, heads, dk, dv]. Returns o

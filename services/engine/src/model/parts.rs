@@ -181,11 +181,15 @@ pub(super) fn concat_rows(mut parts: Vec<Array>) -> Result<Array> {
 /// A causal depthwise convolution's output [rows, t, channels] for the last `t` positions of
 /// `window` [rows, kernel - 1 + t, channels] (the kept inputs, then the new ones), with `taps`
 /// [kernel, channels] (row j weighs the position `kernel - 1 - j` back): `kernel` shifted
-/// products, not a loop over positions.
-pub(super) fn causal_depthwise(window: &Array, taps: &Array, t: i32) -> Result<Array> {
+/// products, not a loop over positions. (MLX's error, so that compiled graphs can call it.)
+pub(super) fn causal_depthwise(
+    window: &Array,
+    taps: &Array,
+    t: i32,
+) -> std::result::Result<Array, mlx_rs::error::Exception> {
     if t == 1 {
         // One position (a decode step's): the window is the kernel's span.
-        return Ok(window.multiply(taps)?.sum_axis(1, true)?);
+        return window.multiply(taps)?.sum_axis(1, true);
     }
     let kernel = taps.shape()[0];
     let mut acc: Option<Array> = None;

@@ -82,8 +82,14 @@ pub fn covers(key_heads: i32, heads: i32, dk: i32, dv: i32) -> bool {
         && (1..=256).contains(&dk)
         && key_heads > 0
         && heads % key_heads == 0
-        && std::env::var_os("LLMQ_DELTA_STEP_KERNEL").is_some_and(|v| v != "0")
+        && switched_on()
         && kernel().is_some()
+}
+
+/// `LLMQ_DELTA_STEP_KERNEL=1`, read once (every DeltaNet layer of every step asks).
+fn switched_on() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("LLMQ_DELTA_STEP_KERNEL").is_some_and(|v| v != "0"))
 }
 
 /// One step of every row (shapes in the module's comment). Returns (o, states after).
