@@ -150,6 +150,7 @@ def main():
     if not steady:
         sys.exit("summarize: no steady steps")
 
+    all_k = Sorted(kernels)
     k_sorted = Sorted([(t,) + k for t, k in mine_k])
     d_sorted = Sorted([(t,) + d for t, d in mine_d])
     a_sorted = Sorted(my_api)
@@ -168,7 +169,7 @@ def main():
         # device was busy with anything.
         own = union([(k[0], k[1]) for k in ks] + [(d[0], d[1]) for d in ds], 0, 1 << 62)
         busy = union(
-            [(k[0], k[1]) for k in kernels if lo - 50_000_000 <= k[0] < hi] + [(d[0], d[1]) for d in ds], lo, hi
+            [(k[0], k[1]) for k in all_k.window(lo - 50_000_000, hi)] + [(d[0], d[1]) for d in ds], lo, hi
         )
         rows["wall"].append(wall)
         rows["host outside CUDA"].append(wall - api_t)
@@ -189,7 +190,7 @@ def main():
             aa[0] += 1
             aa[1] += e - s
 
-    names = demangle(kern.keys())
+    names = demangle(k[5] for k in kernels)
     merged = collections.defaultdict(lambda: [0, 0])
     for raw, (c, d) in kern.items():
         m = merged[short(names.get(raw, raw))]
@@ -201,18 +202,15 @@ def main():
     for key, vals in rows.items():
         v = statistics.median(vals)
         print(f"  {key:18s} {v if key in ('kernels', 'launches') else v / 1000:10.1f}")
-    print(f"\nkernels a step (top {a.top} by device time): count, device µs a step, µs a kernel")
-    for name, (c, d) in sorted(merged.items(), key=lambda x: -x[1][1])[: a.top]:
-        print(f"  {c / n:7.1f} {d / n / 1000:9.1f} {d / c / 1000:8.2f}  {name}")
-    print(f"\nkernels a step (top {a.top} by count)")
-    for name, (c, d) in sorted(merged.items(), key=lambda x: -x[1][0])[: a.top]:
-        print(f"  {c / n:7.1f} {d / n / 1000:9.1f} {d / c / 1000:8.2f}  {name}")
+    for by, key in (("device time", 1), ("count", 0)):
+        print(f"\nkernels a step (top {a.top} by {by}): count, device µs a step, µs a kernel")
+        for name, (c, d) in sorted(merged.items(), key=lambda x: -x[1][key])[: a.top]:
+            print(f"  {c / n:7.1f} {d / n / 1000:9.1f} {d / c / 1000:8.2f}  {name}")
     print("\nAPI calls a step on that thread: count, host µs a step")
     for name, (c, d) in sorted(apis.items(), key=lambda x: -x[1][1])[: a.top]:
         print(f"  {c / n:7.1f} {d / n / 1000:9.1f}  {name}")
 
     if a.trace:
-        all_names = demangle(k[5] for k in kernels)
         mid = max(0, len(steady) // 2 - a.trace_steps // 2)
         pick = steady[mid : mid + a.trace_steps]
         lo, hi = pick[0][0], pick[-1][1]
@@ -226,7 +224,7 @@ def main():
                 ev.append({"name": name, "ph": "X", "ts": us(s), "dur": (e - s) / 1000, "pid": "host", "tid": f"{kind} {tid}", "args": {"corr": corr}})
         for s, e, stream, corr, graph, name in kernels:
             if lo <= s < hi + 50_000_000:
-                ev.append({"name": short(all_names.get(name, name)), "ph": "X", "ts": us(s), "dur": (e - s) / 1000, "pid": "device", "tid": f"stream {stream}", "args": {"corr": corr, "graph": graph, "kernel": all_names.get(name, name)}})
+                ev.append({"name": short(names.get(name, name)), "ph": "X", "ts": us(s), "dur": (e - s) / 1000, "pid": "device", "tid": f"stream {stream}", "args": {"corr": corr, "graph": graph, "kernel": names.get(name, name)}})
         for s, e, stream, corr, kind in device:
             if lo <= s < hi:
                 ev.append({"name": "memcpy" if kind == "C" else "memset", "ph": "X", "ts": us(s), "dur": (e - s) / 1000, "pid": "device", "tid": f"stream {stream}", "args": {"corr": corr}})
