@@ -5,8 +5,10 @@
 # Expects MLX's CUDA build unpacked (LD_LIBRARY_PATH), the recorder built into $TL
 # (deploy/gpu/timeline/build.sh), nats-server on PATH for the batch, and $RESULTS for the
 # summaries (.txt) and Chrome traces (.json.xz); the records themselves stay in $WORK.
-#   SCENARIOS: any of single,q4,moe,batch (default all); PLAIN=0 skips the figure without the
-#   recorder
+#   SCENARIOS: any of single,q4,moe,batch,qwen35,qwen35-batch (default single,q4,moe,batch);
+#   PEER_SCENARIOS: any of single,q4,moe,qwen35: mlx-lm's one-stream step of that shape under
+#   the recorder too (default none; needs the peer unpacked); PLAIN=0 skips the figure without
+#   the recorder
 set -uo pipefail
 BINS=${BINS:-.gpu/bin/llmq}
 TL=${TL:-.gpu/tl}
@@ -33,10 +35,27 @@ for bin in $BINS; do
   if has moe; then
     "$rec" "$TL" "$WORK/$b-single-moe" -- "$bin" bench single --random-weights moe --json --output-tokens 64
   fi
+  if has qwen35; then
+    "$rec" "$TL" "$WORK/$b-single-qwen35" -- "$bin" bench single --random-weights qwen35 --json --output-tokens 64
+  fi
+  if has qwen35-batch; then
+    "$rec" "$TL" "$WORK/$b-batch-qwen35" -- "$bin" bench batch --random-weights qwen35 --json \
+      --kv-budget-bytes 40000000000 --streams 64 --prompt-tokens 512 --output-tokens 128
+  fi
   if has batch; then
     "$rec" "$TL" "$WORK/$b-batch-8b" -- "$bin" bench batch --random-weights 8b --json \
       --kv-budget-bytes 60000000000 --streams 64 --prompt-tokens 512 --output-tokens 128
   fi
+done
+for p in ${PEER_SCENARIOS//,/ }; do
+  case $p in
+    single) args=(--shape 8b) ;;
+    q4) args=(--shape 8b --bits 4) ;;
+    moe) args=(--shape moe) ;;
+    qwen35) args=(--shape qwen35) ;;
+    *) echo "timeline-bench.sh: unknown peer scenario $p" >&2; continue ;;
+  esac
+  "$rec" "$TL" "$WORK/mlx-lm-$p" -- python3 lab/peer/peer_mlx_lm.py "${args[@]}" --scenarios single
 done
 cp "$WORK"/*.txt "$RESULTS"/ 2>/dev/null
 for j in "$WORK"/*.json; do [ -f "$j" ] && xz -T0 -c "$j" >"$RESULTS/$(basename "$j").xz"; done
