@@ -85,6 +85,11 @@ pub struct SchedulerConfig {
     pub tick_budget: f64,
     /// The smallest chunk the tick budget sizes down to.
     pub min_prefill_chunk: usize,
+    /// A prompt's last token is prefilled in a chunk of its own: the chunk before ends one
+    /// token short of the prompt, where a hybrid model's executor keeps its recurrent states,
+    /// so that the same prompt sent again resumes there (a state serves only its own length,
+    /// and the last token is always computed for the first output token's logits).
+    pub last_token_apart: bool,
 }
 
 impl Default for SchedulerConfig {
@@ -103,6 +108,7 @@ impl Default for SchedulerConfig {
             continuous: true,
             tick_budget: 0.0,
             min_prefill_chunk: 128,
+            last_token_apart: false,
         }
     }
 }
@@ -628,9 +634,19 @@ impl Scheduler {
     }
 
     /// The tokens of `id`'s next chunk: the rest of its prompt when not interleaving, a large
-    /// step when nothing decodes, else sized to the tick budget or one chunk on its grid.
+    /// step when nothing decodes, else sized to the tick budget or one chunk on its grid; with
+    /// `last_token_apart`, never the prompt's last token beside others.
     fn chunk_size(&self, id: ReqId) -> usize {
         let remaining = self.reqs[&id].remaining();
+        let n = self.chunk_size_within(id, remaining);
+        if self.cfg.last_token_apart && n == remaining && n > 1 {
+            n - 1
+        } else {
+            n
+        }
+    }
+
+    fn chunk_size_within(&self, id: ReqId, remaining: usize) -> usize {
         if !self.cfg.interleave {
             remaining
         } else if self.decoding.is_empty() {

@@ -343,6 +343,48 @@ fn a_prefix_hit_off_the_chunk_grid_is_brought_back_onto_it() {
     );
 }
 
+/// With `last_token_apart` (a hybrid model's executor keeps its states one token before a
+/// prompt's end), the chunk that would end a prompt ends one token short and the last token
+/// comes alone, whether the prompt is prefilled idle, beside a decoding stream, after a prefix
+/// hit or not interleaved; a one-token prompt (or rest) is still one chunk.
+#[test]
+fn a_prompt_s_last_token_comes_in_a_chunk_of_its_own() {
+    let apart = || SchedulerConfig {
+        last_token_apart: true,
+        ..cfg()
+    };
+    let chunks = |h: &Harness, id: ReqId| -> Vec<usize> {
+        h.e.prefill_calls
+            .iter()
+            .filter(|c| c.0 == id)
+            .map(|c| c.1)
+            .collect()
+    };
+    let mut h = Harness::new(apart());
+    h.submit(1, 10, 40);
+    h.tick();
+    h.tick();
+    assert_eq!(chunks(&h, 1), vec![9, 1], "idle");
+    h.submit(2, 600, 4);
+    h.e.cached.insert(3, 599);
+    h.submit(3, 600, 4);
+    h.submit(4, 1, 4);
+    h.run_until_idle(200);
+    assert_eq!(chunks(&h, 2), vec![256, 256, 87, 1], "beside a stream");
+    assert_eq!(chunks(&h, 3), vec![1], "all but the last token cached");
+    assert_eq!(chunks(&h, 4), vec![1], "a one-token prompt");
+    h.assert_all_ended(&[1, 2, 3, 4]);
+
+    let mut h = Harness::new(SchedulerConfig {
+        interleave: false,
+        ..apart()
+    });
+    h.submit(1, 5000, 4);
+    h.run_until_idle(20);
+    assert_eq!(chunks(&h, 1), vec![4999, 1], "not interleaved");
+    h.assert_all_ended(&[1]);
+}
+
 /// With a tick budget, chunks beside a decoding stream are sized to keep a tick within the
 /// budget times a decode-only tick, from measured times: the first chunk (nothing measured yet)
 /// is the smallest, and every tick stays within the budget; when chunks get cheaper they grow

@@ -38,8 +38,8 @@ pub struct Shared {
     /// Whether the worker keeps a prefix cache (sequences' KV is then copied for it).
     pub remembers: bool,
     /// For a model with recurrent states and a prefix cache of blocks of this many tokens: a
-    /// prompt's states are also kept where a prefill chunk ends at this many tokens times a
-    /// power of two (see [`Shared::snapshot_at`]).
+    /// prompt's states are kept where a prefill chunk ends at this many tokens times a power of
+    /// two and one token before its end (see [`Shared::snapshot_at`]).
     pub snapshot_block: Option<usize>,
 }
 
@@ -91,13 +91,24 @@ impl Shared {
         self
     }
 
-    /// Whether a prompt prefilled up to `at` keeps its states there: `at` is the block size
-    /// times a power of two. A prefix shared by many prompts (a system prompt) then resumes
-    /// from at least half its length, and a prompt's snapshots together copy at most about
-    /// twice its keys and values (each holds the attention layers' keys and values up to it).
-    pub fn snapshot_at(&self, at: usize) -> bool {
-        self.snapshot_block
-            .is_some_and(|b| at > 0 && at.is_multiple_of(b) && (at / b).is_power_of_two())
+    /// Whether a prompt of `len` tokens prefilled up to `at` keeps its states there: `at` is
+    /// the block size times a power of two, or one token before the prompt's end (where the
+    /// scheduler ends a chunk: `SchedulerConfig::last_token_apart`). A prefix shared by many
+    /// prompts (a system prompt) then resumes from at least half its length, the same prompt
+    /// sent again (`n` samples, a retry) from its last token, and a prompt's snapshots together
+    /// copy at most about three times its keys and values (each holds the attention layers'
+    /// keys and values up to it). The prompt's end itself is not kept: a prompt extending it
+    /// resumes one token earlier, and the request's end is kept when it leaves.
+    pub fn snapshot_at(&self, at: usize, len: usize) -> bool {
+        self.snapshot_block.is_some_and(|b| {
+            at > 0 && (at + 1 == len || at.is_multiple_of(b) && (at / b).is_power_of_two())
+        })
+    }
+
+    /// Whether a completed prompt is kept whole in the prefix cache as it joins the decode
+    /// batch (not a hybrid model's: its states are kept one token before the end instead).
+    pub fn remembers_prompt_end(&self) -> bool {
+        self.remembers && self.snapshot_block.is_none()
     }
 
     /// A copy of a sequence's KV (`layers`, as [`Seq::layers`] gives it) for the prefix cache, or

@@ -68,7 +68,8 @@ pub fn scheduler_config(
         idle_prefill_chunk: c.idle_chunk(gpu),
         max_batch: c.max_batch,
         kv_budget_bytes,
-        // Both set from the executor by the scheduler actor.
+        // Set from the executor by the scheduler actor, as `state_tokens` and
+        // `last_token_apart` are.
         kv_bytes_per_token: 1,
         state_tokens: 0,
         block_tokens: c.kv_block_tokens,
@@ -78,6 +79,8 @@ pub fn scheduler_config(
         continuous: c.continuous,
         tick_budget: if stages > 1 { 0.0 } else { c.tick_budget(gpu) },
         min_prefill_chunk: c.min_chunk(gpu),
+        // Set from the executor by the scheduler actor.
+        last_token_apart: false,
     }
 }
 

@@ -95,14 +95,15 @@ impl Rig {
         };
         let engine = sys.block_on(async { RoleActors::start(model, None, opts) });
         let bpt = engine.kv_bytes_per_token();
-        let s = Scheduler::new(SchedulerConfig {
-            prefill_chunk: chunk,
-            idle_prefill_chunk: chunk,
-            kv_bytes_per_token: bpt,
-            kv_budget_bytes: budget_tokens * bpt,
-            state_tokens: llmq_worker::actor::state_tokens(&engine),
-            ..Default::default()
-        });
+        let s = Scheduler::new(llmq_worker::actor::fitted_to(
+            &engine,
+            SchedulerConfig {
+                prefill_chunk: chunk,
+                idle_prefill_chunk: chunk,
+                kv_budget_bytes: budget_tokens * bpt,
+                ..Default::default()
+            },
+        ));
         Rig {
             engine,
             s,
@@ -342,8 +343,9 @@ fn sliding_window_prefixes_are_reused_only_before_the_window_wraps() {
 }
 
 /// LFM2's convolution layers and Qwen3.5's DeltaNet layers keep a state that cannot be cut back
-/// to a shorter prefix: the prefix cache keeps each state where it was taken (a prompt's end, a
-/// request's end, some chunks' ends), and a prompt extending one of those resumes exactly there,
+/// to a shorter prefix: the prefix cache keeps each state where it was taken (one token before a
+/// prompt's end, a request's end, some chunks' ends), and a prompt extending one of those (the
+/// same prompt sent again among them) resumes exactly there,
 /// with the tokens it gets alone, in chunks of every size; nothing is reused between two such
 /// positions.
 #[test]
@@ -366,9 +368,22 @@ fn recurrent_states_resume_only_where_they_were_taken() {
             rig.run();
             let c = rig.submit(&diverging, None);
             rig.run();
+            let again = rig.submit(&first, None);
+            rig.run();
             assert_eq!(rig.tokens(a), want_first, "{name} chunk {chunk}");
+            // `after` and the same prompt again resume one token before `first`'s end.
             assert_eq!(rig.tokens(b), want_after, "{name} chunk {chunk}");
-            assert_eq!(rig.cached(b), first.len() as u32, "{name} chunk {chunk}");
+            assert_eq!(
+                rig.cached(b),
+                first.len() as u32 - 1,
+                "{name} chunk {chunk}"
+            );
+            assert_eq!(rig.tokens(again), want_first, "{name} chunk {chunk}");
+            assert_eq!(
+                rig.cached(again),
+                first.len() as u32 - 1,
+                "{name} chunk {chunk}"
+            );
             assert_eq!(rig.tokens(c), want_diverging, "{name} chunk {chunk}");
             // Of `first`'s states, only those kept where its chunks ended at 4 times a power
             // of two lie within the 15 shared tokens: at 8 with chunks of 1, none with chunks

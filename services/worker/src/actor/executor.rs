@@ -42,6 +42,12 @@ pub trait WorkerExecutor: Executor {
         0
     }
     fn kv_bytes_in_use(&self) -> u64;
+    /// Whether a prompt's last token must come in a chunk of its own (see
+    /// [`llmq_scheduler::SchedulerConfig::last_token_apart`]): a hybrid model's executor with a prefix cache
+    /// keeps its states one token before each prompt's end.
+    fn last_token_apart(&self) -> bool {
+        false
+    }
     /// Ticks a prefill chunk of `n` tokens takes beside decoding rows (an executor that spreads
     /// a chunk's layers over steps takes more than one).
     fn chunk_ticks(&self, _n: usize) -> usize {

@@ -91,16 +91,26 @@ pub fn state_tokens(executor: &impl WorkerExecutor) -> usize {
         .div_ceil(executor.kv_bytes_per_token().max(1)) as usize
 }
 
+/// `cfg` with what only the executor knows: a token's KV bytes, a sequence's states counted as
+/// positions, and whether a prompt's last token comes apart.
+pub fn fitted_to(executor: &impl WorkerExecutor, cfg: SchedulerConfig) -> SchedulerConfig {
+    SchedulerConfig {
+        kv_bytes_per_token: executor.kv_bytes_per_token(),
+        state_tokens: state_tokens(executor),
+        last_token_apart: executor.last_token_apart(),
+        ..cfg
+    }
+}
+
 impl<E: WorkerExecutor + Unpin + 'static> SchedulerActor<E> {
     pub fn new(
         executor: E,
-        mut cfg: SchedulerConfig,
+        cfg: SchedulerConfig,
         out: UnboundedSender<Outbound>,
         worker_id: String,
         model_name: String,
     ) -> Self {
-        cfg.kv_bytes_per_token = executor.kv_bytes_per_token();
-        cfg.state_tokens = state_tokens(&executor);
+        let cfg = fitted_to(&executor, cfg);
         SchedulerActor {
             scheduler: Scheduler::new(cfg.clone()),
             executor: Some(executor),

@@ -93,6 +93,9 @@ pub struct RoleActors {
     /// Prefill by prefill workers (a decode worker's).
     remote: Option<RemotePrefill>,
     kv_layout: llmq_engine::kv_bytes::KvLayout,
+    /// The actors keep a hybrid prompt's states one token before its end (see
+    /// [`Shared::snapshot_at`]).
+    last_token_apart: bool,
 }
 
 /// How long a tick with nothing else to do waits for a prefill worker's KV.
@@ -152,6 +155,7 @@ impl RoleActors {
         let block = opts.prefix.map_or(1, |p| p.block_tokens);
         let shared = Shared::new(model, tokenizer, opts.prefix.is_some()).with_snapshots(block);
         let mask_times = shared.mask_times.clone();
+        let last_token_apart = shared.snapshot_block.is_some();
         let prefill = PrefillActor::new(shared.clone(), cache.clone()).start();
         let staging = decode::Staging::new(
             &shared.model,
@@ -172,6 +176,7 @@ impl RoleActors {
             mask_times,
             remote: None,
             kv_layout,
+            last_token_apart,
         }
     }
 
@@ -475,6 +480,10 @@ impl WorkerExecutor for RoleActors {
 
     fn state_bytes_per_sequence(&self) -> u64 {
         self.kv_layout.chunk_bytes(0) as u64
+    }
+
+    fn last_token_apart(&self) -> bool {
+        self.last_token_apart
     }
 
     /// KV bytes the actors held at their last answers.

@@ -222,7 +222,7 @@ impl Handler<Chunk> for PrefillActor {
             match run_chunk(&a.shared.model, &mut seq, n) {
                 Ok(None) => {
                     let at = seq.cache.offset();
-                    if a.shared.snapshot_at(at) {
+                    if a.shared.snapshot_at(at, seq.prompt.len()) {
                         a.remember(&seq, at);
                     }
                     a.seqs.insert(id, seq);
@@ -286,6 +286,11 @@ impl Handler<Install> for PrefillActor {
             }
             seq.cache.append(&layers, n).map_err(internal)?;
             seq.prefilled += n;
+            // Its states are kept where a chunk computed here would keep them.
+            let at = seq.prefilled;
+            if a.shared.snapshot_at(at, seq.prompt.len()) {
+                a.remember(&a.seqs[&id], at);
+            }
             Ok(())
         });
         MessageResult(self.reply(r))

@@ -27,7 +27,7 @@ impl DecodeActor {
     /// chunks do.
     fn snapshot(&self, seq: &Seq) {
         let at = seq.cache.offset();
-        if self.shared.snapshot_at(at) && at <= seq.prompt.len() {
+        if self.shared.snapshot_at(at, seq.prompt.len()) && at <= seq.prompt.len() {
             self.remember(seq.salt.clone(), &seq.prompt[..at], seq.layers());
         }
     }

@@ -316,7 +316,7 @@ impl DecodeActor {
         let later = self.batches.is_some()
             && self.copies.is_some()
             && !self.shared.model.config.recurrent();
-        if !later {
+        if !later && self.shared.remembers_prompt_end() {
             self.remember(seq.salt.clone(), &seq.prompt, seq.layers());
         }
         let result = match self.batches.as_mut() {
