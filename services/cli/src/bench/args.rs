@@ -158,6 +158,10 @@ pub(super) struct PrefixArgs {
     /// Tokens of the shared prefix.
     #[arg(long, default_value_t = 4096)]
     pub(super) prefix_tokens: usize,
+    /// New tokens after the prefix, different in each request (0: every request is the same
+    /// prompt, resent whole, as `n` samples and retries send it).
+    #[arg(long, default_value_t = 32)]
+    pub(super) suffix_tokens: usize,
     /// Requests that reuse the prefix, one at a time.
     #[arg(long, default_value_t = 64)]
     pub(super) streams: usize,

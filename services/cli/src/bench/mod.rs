@@ -20,7 +20,8 @@
 //!   take, against the KV budget: the most streams decoding at once, output tokens/s,
 //!   preemptions, and what reserving prompt + max_tokens per request would have admitted.
 //! - prefix: one request with a `prefix_tokens` prefix, then `streams` requests, one at a time,
-//!   that resend it with short different suffixes: median time to first token with the prefix
+//!   that resend it with short different suffixes (`suffix_tokens`; none: the same prompt
+//!   resent whole): median time to first token with the prefix
 //!   cache (hits) and on a stack with the cache off (misses: the same prompts recomputed).
 //!
 //! Files: [`single`]; [`stack`] (the stack and its client) and the scenarios on it, [`burst`],
@@ -207,6 +208,7 @@ pub fn run(a: Args) -> Result<()> {
             p.stack,
             Knobs {
                 prefix_tokens: p.prefix_tokens,
+                suffix_tokens: p.suffix_tokens,
                 streams: p.streams,
                 ..Knobs::default()
             },
@@ -272,7 +274,7 @@ fn run_on_stack(scenario: &str, k: &Knobs) -> Result<Value> {
                 |c| Box::pin(prefix::prefix(c, k)),
             )?;
             Ok(json!({
-                "scenario": "prefix", "prefix_tokens": k.prefix_tokens, "suffix_tokens": prefix::SUFFIX_TOKENS,
+                "scenario": "prefix", "prefix_tokens": k.prefix_tokens, "suffix_tokens": k.suffix_tokens,
                 "requests": k.streams, "hit_ttft_ms": round(h, 2), "miss_ttft_ms": round(m, 2),
                 "hit_over_miss": round(h / m, 3), "hit_cached_tokens": hit["median_cached"],
                 "miss_cached_tokens": miss["median_cached"],

@@ -10,10 +10,8 @@ use tokio::sync::mpsc;
 use super::measure::{median, random_prompt as prompt};
 use super::stack::{Client, Knobs, Seen};
 
-pub(super) const SUFFIX_TOKENS: usize = 32;
-
 /// One request to fill the cache with the prefix, then `streams` requests one after another,
-/// each the prefix plus its own suffix: their times to first token and cached tokens.
+/// each the prefix plus its own suffix (or none): their times to first token and cached tokens.
 pub(super) async fn prefix(
     (mut c, mut rx): (Client, mpsc::UnboundedReceiver<Seen>),
     k: &Knobs,
@@ -21,7 +19,7 @@ pub(super) async fn prefix(
     let shared = prompt(k.prefix_tokens, 4242);
     let (mut ttft, mut cached) = (vec![], vec![]);
     for i in 0..=k.streams {
-        let p = [&shared[..], &prompt(SUFFIX_TOKENS, 9000 + i as u64)].concat();
+        let p = [&shared[..], &prompt(k.suffix_tokens, 9000 + i as u64)].concat();
         let at = Instant::now();
         let idx = c.submit(&k.model, p, 1).await?;
         let mut first = None;

@@ -29,6 +29,7 @@ pub struct Knobs {
     pub prompt_tokens: usize,
     pub output_tokens: usize,
     pub prefix_tokens: usize,
+    pub suffix_tokens: usize,
     /// Also start the HTTP gateway, listening here (port 0: one the system picks).
     pub gateway: Option<String>,
     /// Workers to start, and the GPUs to spread them over.
@@ -56,6 +57,7 @@ impl Default for Knobs {
             prompt_tokens: 128,
             output_tokens: 256,
             prefix_tokens: 4096,
+            suffix_tokens: 32,
             gateway: None,
             workers: 1,
             prefill_workers: 0,
