@@ -3,7 +3,7 @@
 # families (issue 50) beside mlx-lm's own lfm2 and qwen3_5 on the same MLX build, random bf16
 # weights of LFM2-1.2B's and Qwen3.5-9B's text shapes: one stream, 64 streams, the burst (16
 # streams decoding, four 8192-token prompts arriving) and a 4096-token prefix hit against its
-# miss. Expects the llmq binary and Debian's nats-server in .gpu/bin and, for the peer,
+# miss, with new tokens after it and resent whole. Expects the llmq binary and Debian's nats-server in .gpu/bin and, for the peer,
 # `eval "$(bash deploy/gpu/unpack-mlx-cuda.sh peer .gpu/mlx/peer)"`.
 #   SHAPES: default "lfm2 qwen35" (tiny-lfm2 tiny-qwen35 on a CPU); PARTS: any of single batch
 #   burst prefix (default all); PEER=0 skips mlx-lm.
@@ -31,7 +31,9 @@ for shape in ${SHAPES:-lfm2 qwen35}; do
           --burst-tokens 8192
         peer --shape "$shape" --scenarios burst --burst-tokens 8192 ;;
       prefix)
-        timeout 300 llmq bench prefix --random-weights "$shape" --json --prefix-tokens 4096 ;;
+        timeout 300 llmq bench prefix --random-weights "$shape" --json --prefix-tokens 4096
+        timeout 300 llmq bench prefix --random-weights "$shape" --json --prefix-tokens 4096 \
+          --suffix-tokens 0 --streams 8 ;;
     esac
   done
 done
