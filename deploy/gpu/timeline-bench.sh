@@ -4,7 +4,7 @@
 # in turn, plus each binary's single-stream figure without the recorder (its overhead).
 # Expects MLX's CUDA build unpacked (LD_LIBRARY_PATH), the recorder built into $TL
 # (deploy/gpu/timeline/build.sh), nats-server on PATH for the batch, and $RESULTS for the
-# summaries (.txt) and Chrome traces (.json.xz); the records themselves stay in $WORK.
+# summaries (.txt), Chrome traces (.json.xz) and records (.tsv.xz).
 #   SCENARIOS: any of single,q4,moe,batch,qwen35,qwen35-batch (default single,q4,moe,batch);
 #   PEER_SCENARIOS: any of single,q4,moe,qwen35: mlx-lm's one-stream step of that shape under
 #   the recorder too (default none; needs the peer unpacked); PLAIN=0 skips the figure without
@@ -58,5 +58,6 @@ for p in ${PEER_SCENARIOS//,/ }; do
   "$rec" "$TL" "$WORK/mlx-lm-$p" -- python3 lab/peer/peer_mlx_lm.py "${args[@]}" --scenarios single
 done
 cp "$WORK"/*.txt "$RESULTS"/ 2>/dev/null
-for j in "$WORK"/*.json; do [ -f "$j" ] && xz -T0 -c "$j" >"$RESULTS/$(basename "$j").xz"; done
+# The records too, so that the summary can be run again off the machine.
+for j in "$WORK"/*.json "$WORK"/*.tsv; do [ -f "$j" ] && xz -T0 -c "$j" >"$RESULTS/$(basename "$j").xz"; done
 ls -la "$RESULTS"
