@@ -119,6 +119,12 @@ def main():
     ap.add_argument("--trace-steps", type=int, default=4)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--min-kernels", type=int, default=8, help="steps launching fewer kernels are not steps")
+    ap.add_argument(
+        "--marker",
+        default="arg_reduce",
+        help="a kernel launched once a step (its name contains this); '' or fewer than 8: steps "
+        "are cut at the host's waits",
+    )
     a = ap.parse_args()
 
     kernels, device, api, ranges = parse(a.tsv)
@@ -132,18 +138,24 @@ def main():
     launched_at = {x[3]: x[0] for x in my_api}
     mine_k = sorted((launched_at[k[3]], k) for k in kernels if k[3] in launched_at)
     mine_d = sorted((launched_at[d[3]], d) for d in device if d[3] in launched_at)
-    syncs = [e for s, e, _, _, _, n in my_api if "ynchronize" in n]
-    if len(syncs) < 3:
-        sys.exit("summarize: fewer than 3 synchronizing calls on the launching thread")
-
-    # Windows between the host's waits; a step is a window that launches the most kernels (the
-    # forward) together with the smaller windows after it (sampling, reading the token).
     at = [t for t, _ in mine_k]
     count = lambda lo, hi: bisect.bisect_left(at, hi) - bisect.bisect_left(at, lo)
-    wins = [(lo, hi, count(lo, hi)) for lo, hi in zip(syncs, syncs[1:])]
-    sizes = sorted(c for _, _, c in wins)
-    big = max(a.min_kernels, sizes[int(0.9 * (len(sizes) - 1))] // 2)
-    starts = [lo for lo, _, c in wins if c >= big] + [wins[-1][1]]
+    names = demangle(k[5] for k in kernels)
+    marks = [t for t, k in mine_k if a.marker and a.marker in names.get(k[5], k[5])]
+    if len(marks) >= 8:
+        # A step runs from one launch of the marker kernel to the next (greedy sampling's
+        # argmax: one a step, in llmq and in mlx-lm, whose steps overlap the host's waits).
+        starts = marks
+    else:
+        syncs = [e for s, e, _, _, _, n in my_api if "ynchronize" in n]
+        if len(syncs) < 3:
+            sys.exit("summarize: no marker kernel and fewer than 3 synchronizing calls")
+        # Windows between the host's waits; a step is a window that launches the most kernels
+        # (the forward) together with the smaller windows after it (sampling, the token read).
+        wins = [(lo, hi, count(lo, hi)) for lo, hi in zip(syncs, syncs[1:])]
+        sizes = sorted(c for _, _, c in wins)
+        big = max(a.min_kernels, sizes[int(0.9 * (len(sizes) - 1))] // 2)
+        starts = [lo for lo, _, c in wins if c >= big] + [wins[-1][1]]
     steps = [(lo, hi, count(lo, hi)) for lo, hi in zip(starts, starts[1:])]
     med = statistics.median(c for _, _, c in steps)
     steady = [w for w in steps[2:] if abs(w[2] - med) <= 0.02 * med]
@@ -190,7 +202,6 @@ def main():
             aa[0] += 1
             aa[1] += e - s
 
-    names = demangle(k[5] for k in kernels)
     merged = collections.defaultdict(lambda: [0, 0])
     for raw, (c, d) in kern.items():
         m = merged[short(names.get(raw, raw))]
