@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine after the unpack steps (BENCHMARKS.md, "How to run them"): Qwen3.5's
-# DeltaNet decode step in its two GPU forms, MLX's compiled operations (the default) and llmq's
-# kernel (LLMQ_DELTA_STEP_KERNEL=1), alternated in one call, after the kernel's own test.
+# DeltaNet decode step in its two GPU forms, MLX's compiled operations (LLMQ_DELTA_STEP_KERNEL=0)
+# and llmq's kernel (the default for steps of enough rows), alternated in one call, after the
+# kernel's own test.
 # Expects the llmq binary, Debian's nats-server and the engine's delta_step test binary (built
 # here with `cargo test --release --workspace --test delta_step --no-run`, copied without its
 # hash suffix) in .gpu/bin; with the peer unpacked, mlx-lm's figures beside them.
@@ -10,7 +11,7 @@ set -uo pipefail
 export PATH="$PWD/.gpu/bin:$PATH" LLMQ_LOG=${LLMQ_LOG:-error}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
 echo "== the kernel's test"
-LLMQ_DELTA_STEP_KERNEL=1 timeout 120 .gpu/bin/delta_step --ignored
+timeout 120 .gpu/bin/delta_step --ignored
 for round in $(seq "${ROUNDS:-2}"); do
   for kernel in 0 1; do
     echo "== round $round, LLMQ_DELTA_STEP_KERNEL=$kernel"

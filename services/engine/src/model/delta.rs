@@ -342,9 +342,9 @@ impl DeltaNet {
     /// One position per row: the convolution's windows `window` [n, kernel, channels] (the kept
     /// inputs, then the new one), the projections z, b, a [n, 1, ..] and the rows' states
     /// `state` [n, heads, dk, dv]. Returns the gated output [n, 1, heads * dv] and the states
-    /// after the step. On a CPU [`decode_graph`]; on a GPU [`decode_graph`] compiled, or with
-    /// llmq's kernel switched on ([`delta_step::covers`]) the kernel between two compiled
-    /// parts.
+    /// after the step. On a CPU [`decode_graph`]; on a GPU, for enough rows
+    /// ([`delta_step::covers`]), llmq's kernel between two compiled parts, else
+    /// [`decode_graph`] compiled.
     fn decode(
         &self,
         window: &Array,
@@ -365,7 +365,8 @@ impl DeltaNet {
             self.key_dim,
             self.value_dim,
         );
-        if crate::device::on_gpu() && delta_step::covers(hk, hv, dk, dv) {
+        let rows = state.shape()[0];
+        if crate::device::on_gpu() && delta_step::covers(hk, hv, dk, dv, rows) {
             let inputs = [
                 window.clone(),
                 self.taps.clone(),
