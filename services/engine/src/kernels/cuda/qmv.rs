@@ -3,14 +3,19 @@
 //!
 //! Decode is a read of the weights: at 4 bits a step reads about a quarter of the bf16 bytes.
 //! MLX's own kernel for this reads the packed weights at a fraction of the memory's speed,
-//! leaving 4-bit decode as slow as bf16 (BENCHMARKS.md, "quantized to 4 bits"). This kernel gives each warp one output
-//! row: its lanes take 16 consecutive packed values at a time (one 8- or 16-byte load, the warp's
-//! loads contiguous; four such loads issued before the first is used, to keep the memory busy),
-//! multiply them against every row of `x` (read through the cache, shared by all warps) as
-//! `scale * (q . x) + bias * sum(x)`, and reduce across the warp at the end.
+//! leaving 4-bit decode as slow as bf16 (BENCHMARKS.md, "quantized to 4 bits"). This kernel gives
+//! each warp one output row: its lanes take 32 consecutive packed values at a time (16 at 8 bits;
+//! one 16-byte load, 8 at 2 bits, the warp's loads contiguous; two such loads issued before the
+//! first is used, to keep the memory busy), multiply them against every row of `x` (read through
+//! the cache, shared by all warps) as `scale * (q . x) + bias * sum(x)`, and reduce across the
+//! warp at the end. The loop is the cost once the loads are in flight, so a value becomes a float
+//! without an integer conversion (a byte permute under 2^23's exponent and one subtraction):
+//! the first form of this kernel, with a shift, a mask and a conversion a value, took as long
+//! at 4 bits as bf16's products for four times the bytes (BENCHMARKS.md, "Where a step's time
+//! goes").
 //!
-//! Covers widths of 2, 4 and 8 bits (a lane's 16 values fill whole words) and inputs of at most
-//! `MAX_ROWS` rows; other widths and larger steps go through MLX ([`QTensor::matmul_t`]).
+//! Covers widths of 2, 4 and 8 bits in groups of a multiple of 32 and inputs of at most
+//! `MAX_ROWS` rows; others go through MLX ([`QTensor::matmul_t`]).
 //!
 //! A second kernel dequantizes a whole matrix (for the products of many rows, which multiply
 //! densely): each thread turns 16 packed values into 16 of the output dtype with 16-byte
@@ -31,10 +36,13 @@ pub const MAX_ROWS: i32 = 8;
 const WARPS: i32 = 8;
 
 const SOURCE: &str = r#"
-    constexpr int VALS = 16;
-    constexpr int CHUNKS = 4;
+    // A lane's values at a time: 16 bytes of packed weights (8 at 2 bits).
+    constexpr int VALS = BITS == 8 ? 16 : 32;
     constexpr int WORDS = VALS * BITS / 32;
-    constexpr unsigned MASK = (1u << BITS) - 1u;
+    constexpr int PER_WORD = 32 / BITS;
+    constexpr int PER_BYTE = 8 / BITS;
+    constexpr unsigned BYTE_MASK = ((1u << BITS) - 1u) * 0x01010101u;
+    constexpr int CHUNKS = 2;
     constexpr int XV = VALS * sizeof(T) / 16;
     const int M = x_shape[0];
     const int K = x_shape[1];
@@ -51,8 +59,8 @@ const SOURCE: &str = r#"
     for (int m = 0; m < MAX_ROWS; ++m) {
         acc[m] = 0.f;
     }
-    // CHUNKS chunks of VALS values a lane at a time, their loads issued before any is used, so
-    // that each warp keeps several loads of the weights in flight.
+    // CHUNKS chunks of VALS values a lane at a time (each within one group), their loads issued
+    // before any is used, so that each warp keeps several loads of the weights in flight.
     for (int k0 = lane * VALS; k0 < K; k0 += CHUNKS * 32 * VALS) {
         uint32_t words[CHUNKS][WORDS];
         float sb[CHUNKS][2];
@@ -64,11 +72,9 @@ const SOURCE: &str = r#"
                 if constexpr (WORDS == 4) {
                     const uint4 v = *reinterpret_cast<const uint4*>(wp);
                     words[c][0] = v.x; words[c][1] = v.y; words[c][2] = v.z; words[c][3] = v.w;
-                } else if constexpr (WORDS == 2) {
+                } else {
                     const uint2 v = *reinterpret_cast<const uint2*>(wp);
                     words[c][0] = v.x; words[c][1] = v.y;
-                } else {
-                    words[c][0] = wp[0];
                 }
                 sb[c][0] = static_cast<float>(sr[k / G]);
                 sb[c][1] = static_cast<float>(br[k / G]);
@@ -80,10 +86,20 @@ const SOURCE: &str = r#"
             if (k >= K) {
                 break;
             }
+            // Each value without an integer-to-float conversion: its byte placed under the
+            // exponent of 2^23 (one byte permute), then 2^23 subtracted (exact).
             float q[VALS];
             #pragma unroll
-            for (int j = 0; j < VALS; ++j) {
-                q[j] = static_cast<float>((words[c][(j * BITS) / 32] >> ((j * BITS) % 32)) & MASK);
+            for (int i = 0; i < WORDS; ++i) {
+                #pragma unroll
+                for (int s = 0; s < PER_BYTE; ++s) {
+                    const uint32_t part = (words[c][i] >> (s * BITS)) & BYTE_MASK;
+                    #pragma unroll
+                    for (int b = 0; b < 4; ++b) {
+                        q[i * PER_WORD + b * PER_BYTE + s] =
+                            __int_as_float(__byte_perm(part, 0x4B000000u, 0x7540u | b)) - 8388608.f;
+                    }
+                }
             }
             #pragma unroll
             for (int m = 0; m < MAX_ROWS; ++m) {
@@ -99,7 +115,7 @@ const SOURCE: &str = r#"
                     #pragma unroll
                     for (int j = 0; j < VALS; ++j) {
                         const float xf = static_cast<float>(xv[j]);
-                        dot += q[j] * xf;
+                        dot = fmaf(q[j], xf, dot);
                         sum += xf;
                     }
                     acc[m] += sb[c][0] * dot + sb[c][1] * sum;
@@ -189,9 +205,10 @@ fn kernels() -> Option<&'static Kernels> {
     })
 }
 
-/// Widths whose 16 values fill whole u32 words.
+/// Widths whose values fill whole bytes, in groups of whole 32-value chunks (the product's
+/// lanes take 16 or 32 values of one group at a time).
 fn covered(q: &QTensor) -> bool {
-    [2, 4, 8].contains(&q.spec.bits) && q.w.ndim() == 2
+    [2, 4, 8].contains(&q.spec.bits) && q.spec.group_size % 32 == 0 && q.w.ndim() == 2
 }
 
 /// Whether the kernels are compiled and can run (a GPU with CUDA).
