@@ -169,6 +169,10 @@ def main():
     rows = collections.defaultdict(list)
     kern = collections.defaultdict(lambda: [0, 0])
     apis = collections.defaultdict(lambda: [0, 0])
+    # The host's time for each operation: from the previous launch (or wait) to this launch, and
+    # the launch call itself, under the name of the kernel it launched.
+    named = {k[3]: k[5] for k in kernels}
+    ops = collections.defaultdict(lambda: [0, 0, 0])
     for lo, hi, _ in steady:
         wall = hi - lo
         ks = [x[1:] for x in k_sorted.window(lo, hi)]
@@ -201,12 +205,27 @@ def main():
             aa = apis[f"{kind} {n}"]
             aa[0] += 1
             aa[1] += e - s
+        prev = lo
+        for s, e, _, corr, _, n in calls:
+            if "ynchronize" in n:
+                prev = e
+            elif "aunch" in n and (corr in named or "Graph" in n):
+                op = ops["(a CUDA graph)" if "Graph" in n else named[corr]]
+                op[0] += 1
+                op[1] += max(0, s - prev)
+                op[2] += e - s
+                prev = e
 
     merged = collections.defaultdict(lambda: [0, 0])
     for raw, (c, d) in kern.items():
         m = merged[short(names.get(raw, raw))]
         m[0] += c
         m[1] += d
+    host_ops = collections.defaultdict(lambda: [0, 0, 0])
+    for raw, vals in ops.items():
+        m = host_ops[short(names.get(raw, raw))]
+        for i in range(3):
+            m[i] += vals[i]
     n = len(steady)
     print(f"{a.tsv}: {len(steps)} steps, {n} steady (median {med:.0f} kernels); thread {main_tid}")
     print("\nmedian per steady step (µs; counts for kernels and launches):")
@@ -217,6 +236,12 @@ def main():
         print(f"\nkernels a step (top {a.top} by {by}): count, device µs a step, µs a kernel")
         for name, (c, d) in sorted(merged.items(), key=lambda x: -x[1][key])[: a.top]:
             print(f"  {c / n:7.1f} {d / n / 1000:9.1f} {d / c / 1000:8.2f}  {name}")
+    print(
+        f"\nhost time a step by the kernel launched (top {a.top}): launches, µs before the launch "
+        "(building and preparing it), µs in the launch call, µs a launch in all"
+    )
+    for name, (c, b, l) in sorted(host_ops.items(), key=lambda x: -(x[1][1] + x[1][2]))[: a.top]:
+        print(f"  {c / n:7.1f} {b / n / 1000:9.1f} {l / n / 1000:9.1f} {(b + l) / c / 1000:8.2f}  {name}")
     print("\nAPI calls a step on that thread: count, host µs a step")
     for name, (c, d) in sorted(apis.items(), key=lambda x: -x[1][1])[: a.top]:
         print(f"  {c / n:7.1f} {d / n / 1000:9.1f}  {name}")
