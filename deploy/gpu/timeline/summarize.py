@@ -2,11 +2,12 @@
 """Where a step's time goes, from the records of timeline.c (one process's .tsv).
 
 The launching thread is the one that launches the most kernels (the thread that evaluates MLX's
-graphs). Each kernel, copy and set is placed at the start of the call that launched it. The
-host's waits (synchronizing calls) cut that thread's time into windows; a step begins with a
-window that launches the most kernels (a forward) and takes the smaller windows after it
-(sampling, reading the token back). Steady steps are those within 2% of the median kernel
-count, the first two left out. For them it prints medians:
+graphs). Each kernel, copy and set is placed at the start of the call that launched it. A step
+runs from one launch of a kernel launched once a step (`--marker`: greedy sampling's argmax) to
+the next; without one, the host's waits (synchronizing calls) cut that thread's time into
+windows, and a step begins with a window that launches the most kernels (a forward) and takes
+the smaller windows after it (sampling, reading the token back). Steady steps are those within
+2% of the median kernel count, the first two left out. For them it prints medians:
 
   wall               the step, from the wait before its forward to the wait before the next
   host outside CUDA  host time in no CUDA call: llmq's code building the graph of operations,
@@ -17,7 +18,8 @@ count, the first two left out. For them it prints medians:
   device work        device time of the kernels, copies and sets the step launched
   device busy/idle   wall time the device ran anything / nothing
 
-then kernels by device time and by count, and API calls by host time. With --trace, a Chrome
+then kernels by device time and by count, the host's time by the operation launched (from the
+previous launch to this one, and the launch call), and API calls by host time. With --trace, a Chrome
 trace of a few steady steps (chrome://tracing, ui.perfetto.dev), NVTX ranges included when the
 program marks any (MLX's CUDA backend marks few).
 
