@@ -3,8 +3,8 @@
 # scenario under deploy/gpu/timeline/record.sh, each binary named in $BINS (default .gpu/bin/llmq)
 # in turn, plus each binary's single-stream figure without the recorder (its overhead).
 # Expects MLX's CUDA build unpacked (LD_LIBRARY_PATH), the recorder built into $TL
-# (deploy/gpu/timeline/build.sh), nats-server on PATH for the batch, and $RESULTS for the
-# summaries (.txt), Chrome traces (.json.xz) and records (.tsv.xz).
+# (deploy/gpu/timeline/build.sh), nats-server on PATH for the batch, and $RESULTS for
+# timeline.tar: the summaries (.txt), Chrome traces (.json.xz) and records (.tsv.xz).
 #   SCENARIOS: any of single,q4,moe,batch,qwen35,qwen35-batch (default single,q4,moe,batch);
 #   PEER_SCENARIOS: any of single,q4,moe,qwen35: mlx-lm's one-stream step of that shape under
 #   the recorder too (default none; needs the peer unpacked); PLAIN=0 skips the figure without
@@ -57,7 +57,16 @@ for p in ${PEER_SCENARIOS//,/ }; do
   esac
   "$rec" "$TL" "$WORK/mlx-lm-$p" -- python3 lab/peer/peer_mlx_lm.py "${args[@]}" --scenarios single
 done
-cp "$WORK"/*.txt "$RESULTS"/ 2>/dev/null
-# The records too, so that the summary can be run again off the machine.
-for j in "$WORK"/*.json "$WORK"/*.tsv; do [ -f "$j" ] && xz -T0 -c "$j" >"$RESULTS/$(basename "$j").xz"; done
-ls -la "$RESULTS"
+# One file back (a call returns few, and none over about 20 MB): the summaries, the traces, and
+# the records, smallest first, while the whole stays under PACK_MAX bytes (default 15 MB), so
+# that the summary can be run again here.
+pack=$(mktemp -d)
+cp "$WORK"/*.txt "$pack"/ 2>/dev/null
+for j in "$WORK"/*.json "$WORK"/*.tsv; do [ -f "$j" ] && xz -T0 -c "$j" >"$pack/$(basename "$j").xz"; done
+total=$(du -cb "$pack"/*.txt "$pack"/*.json.xz 2>/dev/null | tail -n 1 | cut -f1)
+for r in $(ls -Sr "$pack"/*.tsv.xz 2>/dev/null); do
+  size=$(stat -c %s "$r")
+  if [ $((total + size)) -le "${PACK_MAX:-15000000}" ]; then total=$((total + size)); else rm "$r"; fi
+done
+tar cf "$RESULTS/timeline.tar" -C "$pack" .
+tar tvf "$RESULTS/timeline.tar"
