@@ -16,7 +16,7 @@ use llmq_engine::load_model;
 use llmq_protocol::Event;
 use llmq_scheduler::{Admission, Emit, Scheduler, SchedulerConfig};
 use llmq_text::sampling::{Sampling, StopConditions};
-use llmq_worker::actor::{state_tokens, WorkerExecutor};
+use llmq_worker::actor::{fitted_to, state_tokens, WorkerExecutor};
 use llmq_worker::roles::{PrefixOptions, RoleActors, RoleOptions};
 use llmq_worker::seq::SeqSpec;
 use mlx_rs::Dtype;
@@ -87,15 +87,17 @@ fn check_preemption(name: &str) {
             // cannot both finish so.
             let state = state_tokens(&engine);
             let blocks = (longest + state).div_ceil(BLOCK) + 1 + state.div_ceil(BLOCK);
-            let mut s = Scheduler::new(SchedulerConfig {
-                prefill_chunk: 8,
-                idle_prefill_chunk: 16,
-                kv_bytes_per_token: bpt,
-                kv_budget_bytes: (blocks * BLOCK) as u64 * bpt,
-                block_tokens: BLOCK,
-                state_tokens: state,
-                ..Default::default()
-            });
+            // As the worker runs it: with the prefix cache, a hybrid prompt's last token apart.
+            let mut s = Scheduler::new(fitted_to(
+                &engine,
+                SchedulerConfig {
+                    prefill_chunk: 8,
+                    idle_prefill_chunk: 16,
+                    kv_budget_bytes: (blocks * BLOCK) as u64 * bpt,
+                    block_tokens: BLOCK,
+                    ..Default::default()
+                },
+            ));
             let start = Instant::now();
             let mut events = vec![];
             for (i, p) in prompts.iter().enumerate() {
