@@ -20,7 +20,7 @@ use mlx_rs::Array;
 use llmq_text::config::{ConvConfig, ModelConfig};
 
 use super::attention::GroupStep;
-use super::parts::{causal_depthwise, concat_rows, sequence_rows, Linear};
+use super::parts::{causal_depthwise, concat_rows, sequence_rows, Compiled, Linear};
 use crate::cache::KvCache;
 use crate::error::Result;
 use crate::weights::Weights;
@@ -205,8 +205,6 @@ fn step_graph(x: &[Array]) -> std::result::Result<Vec<Array>, Exception> {
     Ok(vec![y, after])
 }
 
-type Compiled = Box<dyn for<'a> FnMut(&'a [Array]) -> std::result::Result<Vec<Array>, Exception>>;
-
 thread_local! {
     // One compiled step with a bias and one without, kept for the thread's life (a function
     // compiled anew is traced anew: kernels/mod.rs says why).
@@ -225,12 +223,8 @@ fn compiled(bias: bool, x: &[Array]) -> Result<Vec<Array>> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::parts::normal;
     use super::*;
-
-    fn normal(shape: &[i32], seed: u64) -> Array {
-        let key = mlx_rs::random::key(seed).unwrap();
-        mlx_rs::random::normal::<f32>(shape, None, None, &key).unwrap()
-    }
 
     /// The step's graph gives what the convolution over the window does, and the states
     /// shifted by the new input; compiled, the same.
@@ -246,12 +240,7 @@ mod tests {
         let (taps, bias) = (normal(&[kernel, h], 5), normal(&[h], 6));
         let bx = b.multiply(&x).unwrap();
         let window = concatenate(&[&state, &bx.reshape(&[n, 1, 1, h]).unwrap()], 2).unwrap();
-        let conv = super::super::parts::causal_depthwise(
-            &window.reshape(&[n, kernel, h]).unwrap(),
-            &taps,
-            1,
-        )
-        .unwrap();
+        let conv = causal_depthwise(&window.reshape(&[n, kernel, h]).unwrap(), &taps, 1).unwrap();
         let want = c.multiply(conv.add(&bias).unwrap()).unwrap();
         let inputs = [state, b, c, x, taps, bias];
         let close = |a: &Array, b: &Array| {

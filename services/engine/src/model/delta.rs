@@ -31,7 +31,7 @@ use mlx_rs::{Array, Dtype};
 use llmq_text::config::{DeltaNetConfig, ModelConfig};
 
 use super::attention::GroupStep;
-use super::parts::{causal_depthwise, concat_rows, sequence_rows, Linear};
+use super::parts::{causal_depthwise, concat_rows, sequence_rows, Compiled, Linear};
 use crate::cache::KvCache;
 use crate::error::Result;
 use crate::kernels::cuda::delta_step;
@@ -625,8 +625,6 @@ fn rule_step(
     Ok((o, st.reshape(&[n, hv, dk, dv])?))
 }
 
-type Compiled = Box<dyn for<'a> FnMut(&'a [Array]) -> std::result::Result<Vec<Array>, Exception>>;
-
 thread_local! {
     // One compiled function per part and form, kept for the thread's life (a function
     // compiled anew is traced anew: kernels/mod.rs says why).
@@ -664,12 +662,8 @@ fn compiled(part: Part, f: DecodeForm, x: &[Array]) -> Result<Vec<Array>> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::parts::normal;
     use super::*;
-
-    fn normal(shape: &[i32], seed: u64) -> Array {
-        let key = mlx_rs::random::key(seed).unwrap();
-        mlx_rs::random::normal::<f32>(shape, None, None, &key).unwrap()
-    }
 
     /// The compiled step computes what the plain graph does, for both orders of value heads
     /// and for batches of different sizes (each traced on its own).

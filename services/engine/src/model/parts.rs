@@ -178,6 +178,19 @@ pub(super) fn concat_rows(mut parts: Vec<Array>) -> Result<Array> {
     })
 }
 
+/// A decode step's function of arrays, compiled (`mlx_rs::transforms::compile`) and kept for a
+/// thread's life by the recurrent layers (a function compiled anew is traced anew).
+pub(super) type Compiled = Box<
+    dyn for<'a> FnMut(&'a [Array]) -> std::result::Result<Vec<Array>, mlx_rs::error::Exception>,
+>;
+
+/// Random normal f32 values of `shape` (the layers' unit tests).
+#[cfg(test)]
+pub(super) fn normal(shape: &[i32], seed: u64) -> Array {
+    let key = mlx_rs::random::key(seed).unwrap();
+    mlx_rs::random::normal::<f32>(shape, None, None, &key).unwrap()
+}
+
 /// A causal depthwise convolution's output [rows, t, channels] for the last `t` positions of
 /// `window` [rows, kernel - 1 + t, channels] (the kept inputs, then the new ones), with `taps`
 /// [kernel, channels] (row j weighs the position `kernel - 1 - j` back): `kernel` shifted
