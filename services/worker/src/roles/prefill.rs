@@ -102,6 +102,15 @@ impl PrefillActor {
     }
 
     /// Sends the KV of a sequence's first `fed` history tokens to the cache actor.
+    /// A prompt part-way through prefill keeps its recurrent states where it has got to, if
+    /// that is a snapshot position ([`crate::seq::Shared::snapshot_at`]).
+    fn snapshot(&self, seq: &Seq) {
+        let at = seq.cache.offset();
+        if self.shared.snapshot_at(at, seq.prompt.len()) {
+            self.remember(seq, at);
+        }
+    }
+
     fn remember(&self, seq: &Seq, fed: usize) {
         if let Some(kv) = self.shared.prefix_copy(seq.layers()) {
             let tokens = seq.history[..fed.min(seq.history.len())].to_vec();
@@ -221,10 +230,7 @@ impl Handler<Chunk> for PrefillActor {
             let mut seq = a.take_seq(id)?;
             match run_chunk(&a.shared.model, &mut seq, n) {
                 Ok(None) => {
-                    let at = seq.cache.offset();
-                    if a.shared.snapshot_at(at, seq.prompt.len()) {
-                        a.remember(&seq, at);
-                    }
+                    a.snapshot(&seq);
                     a.seqs.insert(id, seq);
                     Ok(Chunked::Partial)
                 }
@@ -287,10 +293,7 @@ impl Handler<Install> for PrefillActor {
             seq.cache.append(&layers, n).map_err(internal)?;
             seq.prefilled += n;
             // Its states are kept where a chunk computed here would keep them.
-            let at = seq.prefilled;
-            if a.shared.snapshot_at(at, seq.prompt.len()) {
-                a.remember(&a.seqs[&id], at);
-            }
+            a.snapshot(&a.seqs[&id]);
             Ok(())
         });
         MessageResult(self.reply(r))
