@@ -1,15 +1,27 @@
-//! The decode batch: every running sequence's KV cache as one row of per-layer buffers
-//! [slots, kv_heads, capacity, head_dim], so that one decode step is one batched forward pass
-//! (one RoPE and one KV write per layer for the whole batch; one masked attention over all rows,
-//! or, for a batch of few long rows, one unmasked attention per row over its own length).
+//! The decode batch: every running sequence's keys and values in a pool of fixed-size blocks,
+//! and every recurrent layer's state as one row per sequence, so that one decode step is one
+//! batched forward pass (one RoPE and one KV write per layer for the whole batch; one attention
+//! over all rows, each through its own block table).
 //!
-//! Invariants: active rows are dense, 0..len(); a sequence joins by copying only its own KV into
-//! the next row, and leaves by moving the last row into its place, so nobody else's cache is
-//! copied or re-padded when the batch changes (buffers grow by doubling rows and by 256-token
-//! steps of capacity, which copies everything but happens rarely). Rows past len() are scratch:
-//! computed and ignored. With no sequence left, the buffers are freed. A batch of long rows
-//! (one that attends row by row) starts at one row: its first sequence's KV, with room to
-//! grow, becomes its buffers (nothing else is allocated, zeroed or copied for it).
+//! The pool: per attention layer, keys and values as token slots [blocks * BLOCK_TOKENS,
+//! kv_heads, head_dim]; block b holds slots b * BLOCK_TOKENS.. of each layer. A row's table
+//! lists its blocks in position order: position p lives in slot `table[p / BLOCK_TOKENS] *
+//! BLOCK_TOKENS + p % BLOCK_TOKENS`. A row takes a block when its next token starts one and
+//! gives its blocks back when it leaves, so memory follows the tokens held, not a capacity per
+//! row (the slack is at most one partly filled block a row, plus the pool's growth).
+//!
+//! Invariants: active rows are dense, 0..len(); block 0 is scratch (never in a table: the
+//! step's scratch rows write there); a block is in at most one table or in the free list,
+//! never both, and every block but 0 is in one of them; a row's table covers its length (and,
+//! during a step, its new token). A sequence joins by writing only its own KV into its blocks,
+//! and leaves by giving its blocks back and moving the last row's table and states into its
+//! place: nobody else's keys are copied when the batch changes. The pool grows by half its
+//! size when the free blocks run out (which copies it, rarely) and is freed when the last row
+//! leaves. Rows past len() are scratch: computed and ignored.
+//!
+//! MLX writes a step's keys into the pool in place only while no unevaluated read of the pool
+//! is alive: anything read out of it (`row_contents`, `row_prefix`) must be evaluated before
+//! the next step is built, or that step copies the whole pool.
 //!
 //! A recurrent layer holds each row's state instead of keys and values ([`RowState`]): the
 //! convolution's kept inputs [slots, 1, kernel - 1, width] and, for a DeltaNet layer, its
@@ -23,11 +35,49 @@ use mlx_rs::{Array, Dtype};
 use crate::cache::SequenceCache;
 use crate::error::{EngineError, Result};
 
-const CAPACITY_STEP: usize = 256;
+/// Positions a block holds. A multiple of the CPU attention's key tile (64), so that a tile
+/// never straddles two blocks; at most 63 positions of a sequence's last block lie unused.
+pub const BLOCK_TOKENS: usize = 64;
 
-/// `tokens` rounded up to whole capacity steps.
-fn whole_steps(tokens: usize) -> usize {
-    tokens.div_ceil(CAPACITY_STEP) * CAPACITY_STEP
+/// Blocks of a new pool (the scratch block included).
+const FIRST_BLOCKS: usize = 16;
+
+/// Slot of position `p` of a row whose table is `table`.
+fn slot(table: &[u32], p: usize) -> i32 {
+    (table[p / BLOCK_TOKENS] as usize * BLOCK_TOKENS + p % BLOCK_TOKENS) as i32
+}
+
+/// The slots of a row's first `len` positions, from its table as int32 block ids.
+pub(crate) fn slots_of(table: &[i32], len: usize) -> impl Iterator<Item = i32> + '_ {
+    (0..len).map(|p| table[p / BLOCK_TOKENS] * BLOCK_TOKENS as i32 + (p % BLOCK_TOKENS) as i32)
+}
+
+/// A pool's keys and values at `slots`, as one sequence's [1, kv_heads, n, head_dim].
+pub(crate) fn take_slots(pool: &(Array, Array), slots: &[i32]) -> Result<(Array, Array)> {
+    let idx = Array::from_slice(slots, &[slots.len() as i32]);
+    let one = |a: &Array| -> Result<Array> {
+        Ok(a.take_axis(&idx, 0)?
+            .transpose_axes(&[1, 0, 2])?
+            .expand_dims(0)?)
+    };
+    Ok((one(&pool.0)?, one(&pool.1)?))
+}
+
+/// A pool's keys and values at `index` (from [`DecodeBatch::gather_index`]), as `rows` rows of
+/// `n` positions each: [rows, kv_heads, n, head_dim].
+pub(crate) fn take_rows(
+    pool: &(Array, Array),
+    index: &Array,
+    rows: i32,
+    n: i32,
+) -> Result<(Array, Array)> {
+    let one = |a: &Array| -> Result<Array> {
+        let s = a.shape();
+        Ok(a.take_axis(index, 0)?
+            .reshape(&[rows, n, s[1], s[2]])?
+            .transpose_axes(&[0, 2, 1, 3])?)
+    };
+    Ok((one(&pool.0)?, one(&pool.1)?))
 }
 
 /// What a recurrent layer keeps per sequence (a row of the batch, a prefix-cache entry, a chunk
@@ -59,12 +109,19 @@ impl RowState {
 }
 
 pub struct DecodeBatch {
-    /// Per layer: (keys, values), each [slots, kv_heads, capacity, head_dim].
+    /// Per layer: an attention layer's pool of keys and values, each [blocks * BLOCK_TOKENS,
+    /// kv_heads, head_dim]; a recurrent layer's row states (see [`RowState`]).
     pub(crate) layers: Vec<(Array, Array)>,
     /// Tokens in each active row's cache.
     lens: Vec<usize>,
+    /// Each active row's blocks, in position order.
+    tables: Vec<Vec<u32>>,
+    /// Blocks no row holds (taken from the end; block 0 is never here).
+    free: Vec<u32>,
+    /// Blocks of the pool (0: no pool yet).
+    blocks: usize,
+    /// Rows the step's inputs and the recurrent states have room for.
     slots: usize,
-    capacity: usize,
     kv_heads: i32,
     head_dim: i32,
     dtype: Dtype,
@@ -72,8 +129,8 @@ pub struct DecodeBatch {
     /// Per layer, for a recurrent layer: what it keeps per row.
     states: Vec<Option<RowState>>,
     /// While the batch has at most this many rows, they attend row by row over each row's own
-    /// length (no mask, MLX's fused vector kernel) instead of in one masked attention over every
-    /// row's whole capacity, which MLX runs unfused and which is slow for long rows. 0: never.
+    /// keys (no mask, MLX's fused vector kernel) where no kernel of llmq's own reads the
+    /// pool, instead of in one masked attention over the longest row's keys. 0: never.
     per_row_up_to: usize,
 }
 
@@ -89,8 +146,10 @@ impl DecodeBatch {
         DecodeBatch {
             layers: vec![],
             lens: vec![],
+            tables: vec![],
+            free: vec![],
+            blocks: 0,
             slots: 0,
-            capacity: 0,
             kv_heads: kv_heads as i32,
             head_dim: head_dim as i32,
             dtype,
@@ -138,12 +197,24 @@ impl DecodeBatch {
         self.slots
     }
 
-    pub fn capacity(&self) -> usize {
-        self.capacity
-    }
-
     pub fn lens(&self) -> &[usize] {
         &self.lens
+    }
+
+    /// Each active row's blocks, in position order.
+    pub fn tables(&self) -> &[Vec<u32>] {
+        &self.tables
+    }
+
+    /// Blocks of the pool, and of those the ones no row holds (the scratch block is neither
+    /// free nor a row's).
+    pub fn pool_blocks(&self) -> (usize, usize) {
+        (self.blocks, self.free.len())
+    }
+
+    /// The longest table's blocks.
+    pub fn table_width(&self) -> usize {
+        self.tables.iter().map(Vec::len).max().unwrap_or(0)
     }
 
     pub fn nbytes(&self) -> usize {
@@ -154,233 +225,227 @@ impl DecodeBatch {
             .sum()
     }
 
-    fn zeros(&self, slots: usize, capacity: usize) -> Result<Array> {
-        Ok(zeros_dtype(
-            &[slots as i32, self.kv_heads, capacity as i32, self.head_dim],
-            self.dtype,
-        )?)
-    }
-
-    /// Layer `l`'s zeros for `slots` rows of `capacity` positions (a recurrent layer's: its
-    /// state's positions, whatever the capacity), first or second of its pair.
-    fn zeros_of(&self, l: usize, second: bool, slots: usize, capacity: usize) -> Result<Array> {
-        let rows = slots as i32;
+    /// Layer `l`'s zeros: a recurrent layer's states of `rows` rows (first or second of its
+    /// pair), an attention layer's pool of `blocks` blocks.
+    fn zeros_of(&self, l: usize, second: bool, rows: usize, blocks: usize) -> Result<Array> {
+        let rows = rows as i32;
         match self.states.get(l).copied().flatten() {
             Some(s) => match s.memory_shape(rows).filter(|_| second) {
                 Some(memory) => Ok(zeros_dtype(&memory, Dtype::Float32)?),
                 None => Ok(zeros_dtype(&s.inputs_shape(rows), self.dtype)?),
             },
-            None => self.zeros(slots, capacity),
+            None => Ok(zeros_dtype(
+                &[(blocks * BLOCK_TOKENS) as i32, self.kv_heads, self.head_dim],
+                self.dtype,
+            )?),
         }
     }
 
-    /// A new layer pair of zeros (a convolution layer's two arrays are one).
-    fn zero_pair(&self, l: usize, slots: usize, capacity: usize) -> Result<(Array, Array)> {
-        let k = self.zeros_of(l, false, slots, capacity)?;
+    /// Layer `l` grown by `rows` rows of states and `blocks` blocks of pool (zeros), each of
+    /// its pair (a convolution layer's two arrays are one).
+    fn grow_layer(&mut self, l: usize, rows: usize, blocks: usize) -> Result<()> {
+        let recurrent = self.is_recurrent(l);
+        if (recurrent && rows == 0) || (!recurrent && blocks == 0) {
+            return Ok(());
+        }
+        let grow = |a: Option<&Array>, second: bool| -> Result<Array> {
+            let extra = self.zeros_of(l, second, rows, blocks)?;
+            Ok(match a {
+                Some(a) => concatenate(&[a, &extra], 0)?,
+                None => extra,
+            })
+        };
+        let old = self.layers.get(l).cloned();
+        let k = grow(old.as_ref().map(|p| &p.0), false)?;
         let v = if self.shares_pair(l) {
             k.clone()
         } else {
-            self.zeros_of(l, true, slots, capacity)?
+            grow(old.as_ref().map(|p| &p.1), true)?
         };
-        Ok((k, v))
+        match self.layers.get_mut(l) {
+            Some(pair) => *pair = (k, v),
+            None => self.layers.push((k, v)),
+        }
+        Ok(())
     }
 
-    /// Evaluates the buffers (for timing what a join costs).
+    /// Evaluates the pool and the states (for timing what a join costs).
     pub fn eval(&self) -> Result<()> {
         Ok(mlx_rs::transforms::eval(
             self.layers.iter().flat_map(|(k, v)| [k, v]),
         )?)
     }
 
-    /// Makes room for `slots` rows of `capacity` tokens.
-    pub(crate) fn reserve(&mut self, slots: usize, capacity: usize) -> Result<()> {
-        // Short rows come many at a time; long ones few (a row there is gigabytes).
-        let least = if self.per_row_up_to > 0 { 1 } else { 4 };
-        let slots = if slots > self.slots {
-            slots.max(self.slots * 2).max(least)
-        } else {
-            self.slots
-        };
-        let capacity = if capacity > self.capacity {
-            whole_steps(capacity)
-        } else {
-            self.capacity
-        };
-        if slots == self.slots && capacity == self.capacity {
+    /// Makes room for `slots` rows of inputs and states.
+    pub(crate) fn reserve(&mut self, slots: usize) -> Result<()> {
+        if slots <= self.slots && !self.layers.is_empty() {
             return Ok(());
         }
-        if self.layers.is_empty() {
-            for l in 0..self.num_layers {
-                let pair = self.zero_pair(l, slots, capacity)?;
-                self.layers.push(pair);
-            }
+        // Short rows come many at a time; long ones few.
+        let least = if self.per_row_up_to > 0 { 1 } else { 4 };
+        let slots = slots.max(self.slots * 2).max(least);
+        let (rows, blocks) = if self.layers.is_empty() {
+            (slots, FIRST_BLOCKS)
         } else {
-            let (old_slots, old_cap) = (self.slots, self.capacity);
-            let grown: Result<Vec<(Array, Array)>> = self
-                .layers
-                .iter()
-                .enumerate()
-                .map(|(l, (k, v))| {
-                    let recurrent = self.is_recurrent(l);
-                    let grow = |a: &Array, second: bool| -> Result<Array> {
-                        let mut a = a.clone();
-                        if capacity > old_cap && !recurrent {
-                            a = concatenate(&[a, self.zeros(old_slots, capacity - old_cap)?], 2)?;
-                        }
-                        if slots > old_slots {
-                            a = concatenate(
-                                &[a, self.zeros_of(l, second, slots - old_slots, capacity)?],
-                                0,
-                            )?;
-                        }
-                        Ok(a)
-                    };
-                    let k = grow(k, false)?;
-                    let v = if self.shares_pair(l) {
-                        k.clone()
-                    } else {
-                        grow(v, true)?
-                    };
-                    Ok((k, v))
-                })
-                .collect();
-            self.layers = grown?;
+            (slots - self.slots, 0)
+        };
+        for l in 0..self.num_layers {
+            self.grow_layer(l, rows, blocks)?;
+        }
+        if blocks > 0 {
+            self.add_free(0, blocks);
         }
         self.slots = slots;
-        self.capacity = capacity;
         Ok(())
     }
 
-    /// Moves a prefilled sequence's KV into the next row; returns the row.
+    /// Blocks `from..to` (past the scratch block) join the free list, the lowest taken first.
+    fn add_free(&mut self, from: usize, to: usize) {
+        self.free.extend((from.max(1)..to).rev().map(|b| b as u32));
+        self.blocks = to;
+    }
+
+    /// `n` blocks from the free list, the pool grown by at least half when it has too few.
+    fn take_blocks(&mut self, n: usize) -> Result<Vec<u32>> {
+        if self.free.len() < n {
+            let blocks = self.blocks + (n - self.free.len()).max(self.blocks / 2);
+            let extra = blocks - self.blocks;
+            for l in 0..self.num_layers {
+                self.grow_layer(l, 0, extra)?;
+            }
+            // The new blocks go under the free ones, so that the lowest are taken first.
+            let old = std::mem::take(&mut self.free);
+            self.add_free(self.blocks, blocks);
+            self.free.extend(old);
+        }
+        let at = self.free.len() - n;
+        Ok(self.free.split_off(at))
+    }
+
+    /// Makes row `row`'s table cover `len` positions.
+    fn cover(&mut self, row: usize, len: usize) -> Result<()> {
+        let need = len
+            .div_ceil(BLOCK_TOKENS)
+            .saturating_sub(self.tables[row].len());
+        if need > 0 {
+            let mut taken = self.take_blocks(need)?;
+            taken.reverse();
+            self.tables[row].extend(taken);
+        }
+        Ok(())
+    }
+
+    /// Makes room for one more token in every row (a step's).
+    pub(crate) fn reserve_step(&mut self) -> Result<()> {
+        self.reserve(self.lens.len())?;
+        for row in 0..self.lens.len() {
+            self.cover(row, self.lens[row] + 1)?;
+        }
+        Ok(())
+    }
+
+    /// Moves a prefilled sequence's KV into the next row's blocks; returns the row.
     pub fn join(&mut self, cache: &SequenceCache) -> Result<usize> {
         let len = cache.offset();
         let row = self.lens.len();
-        // A recurrent layer's row is the sequence's state (which it has from its first input).
-        let state = |l: usize| {
-            cache.state(l).ok_or_else(|| {
-                EngineError::InvalidRequest(format!(
-                    "layer {l}'s recurrent state is missing: a sequence with no input cannot join"
-                ))
-            })
-        };
-        let contents = |l: usize| {
-            cache.contents(l).ok_or_else(|| {
-                EngineError::InvalidRequest(
-                    "a sliding-window cache cannot join the decode batch".into(),
-                )
-            })
-        };
-        if row == 0 && self.per_row_up_to > 0 {
-            // The first long row: its own KV plus room to grow are the buffers. A cache whose
-            // buffers already have that room lends them (no copy: a long prompt's KV is
-            // hundreds of megabytes, seconds of a CPU's time to copy); once the sequence drops
-            // its cache, the batch writes into them in place.
-            if let Some(layers) = cache.buffers_with_room(len + 1) {
-                (self.slots, self.capacity) =
-                    (1, layers.first().map_or(0, |(k, _)| k.shape()[2] as usize));
-                self.layers = layers;
-                self.lens.push(len);
-                return Ok(0);
-            }
-            let capacity = whole_steps(len + 1);
-            let room = self.zeros(1, capacity - len)?;
-            self.layers = (0..self.num_layers)
-                .map(|l| {
-                    if self.is_recurrent(l) {
-                        let (s, m) = state(l)?;
-                        return Ok(if self.shares_pair(l) {
-                            (s.clone(), s)
-                        } else {
-                            (s, m)
-                        });
-                    }
-                    let (ck, cv) = contents(l)?;
-                    Ok((
-                        concatenate(&[&ck, &room], 2)?,
-                        concatenate(&[&cv, &room], 2)?,
-                    ))
-                })
-                .collect::<Result<_>>()?;
-            (self.slots, self.capacity) = (1, capacity);
-            self.lens.push(len);
-            return Ok(0);
-        }
-        self.reserve(row + 1, len + 1)?;
-        let r = row as i32;
+        // Checked before anything changes: a sequence that cannot join leaves no trace.
+        let mut parts = Vec::with_capacity(self.num_layers);
         for l in 0..self.num_layers {
-            if self.is_recurrent(l) {
-                let (s, m) = state(l)?;
-                let shared = self.shares_pair(l);
-                let (k, v) = &mut self.layers[l];
-                k.try_index_mut((r..r + 1, .., .., ..), &s)?;
+            parts.push(if self.is_recurrent(l) {
+                cache.state(l).ok_or_else(|| {
+                    EngineError::InvalidRequest(format!(
+                        "layer {l}'s recurrent state is missing: a sequence with no input cannot join"
+                    ))
+                })?
+            } else {
+                cache.contents(l).ok_or_else(|| {
+                    EngineError::InvalidRequest(
+                        "a sliding-window cache cannot join the decode batch".into(),
+                    )
+                })?
+            });
+        }
+        self.reserve(row + 1)?;
+        self.tables.push(vec![]);
+        self.lens.push(len);
+        if let Err(e) = self.cover(row, len) {
+            self.leave(row)?;
+            return Err(e);
+        }
+        let slots: Vec<i32> = (0..len).map(|p| slot(&self.tables[row], p)).collect();
+        let index = self.slot_index(&slots)?;
+        let r = row as i32;
+        for (l, (ck, cv)) in parts.into_iter().enumerate() {
+            let shared = self.shares_pair(l);
+            let (k, v) = &mut self.layers[l];
+            if self.states[l].is_some() {
+                k.try_index_mut((r..r + 1, .., .., ..), &ck)?;
                 if shared {
                     *v = k.clone();
                 } else {
-                    v.try_index_mut((r..r + 1, .., .., ..), &m)?;
+                    v.try_index_mut((r..r + 1, .., .., ..), &cv)?;
                 }
-                continue;
+            } else if len > 0 {
+                *k = k.put_along_axis(&index, as_slots(&ck)?, 0)?;
+                *v = v.put_along_axis(&index, as_slots(&cv)?, 0)?;
             }
-            let (ck, cv) = contents(l)?;
-            let (k, v) = &mut self.layers[l];
-            k.try_index_mut((r..r + 1, .., 0..len as i32, ..), &ck)?;
-            v.try_index_mut((r..r + 1, .., 0..len as i32, ..), &cv)?;
         }
-        self.lens.push(len);
         Ok(row)
     }
 
-    /// Row `row`'s keys and values per layer, [1, kv_heads, len, head_dim] (lazy views); None
-    /// when some layer keeps recurrent states (they cannot be cut back to a prefix).
+    /// Scatter indices [n, kv_heads, head_dim] writing token i at slot `slots[i]`.
+    fn slot_index(&self, slots: &[i32]) -> Result<Array> {
+        let n = slots.len() as i32;
+        let s = Array::from_slice(slots, &[n, 1, 1]);
+        Ok(broadcast_to(&s, &[n, self.kv_heads, self.head_dim])?)
+    }
+
+    /// Row `row`'s slots, in position order.
+    fn row_slots(&self, row: usize) -> Option<Vec<i32>> {
+        let table = self.tables.get(row)?;
+        Some((0..self.lens[row]).map(|p| slot(table, p)).collect())
+    }
+
+    /// Row `row`'s keys and values per layer, [1, kv_heads, len, head_dim] (lazy reads of the
+    /// pool: evaluate them before the next step); None when some layer keeps recurrent states
+    /// (they cannot be cut back to a prefix).
     pub fn row_contents(&self, row: usize) -> Option<Vec<(Array, Array)>> {
         if self.states.iter().any(Option::is_some) {
             return None;
         }
-        let len = *self.lens.get(row)? as i32;
-        let r = row as i32;
-        Some(
-            self.layers
-                .iter()
-                .map(|(k, v)| {
-                    (
-                        k.index((r..r + 1, .., ..len, ..)),
-                        v.index((r..r + 1, .., ..len, ..)),
-                    )
-                })
-                .collect(),
-        )
+        let slots = self.row_slots(row)?;
+        self.layers
+            .iter()
+            .map(|pool| take_slots(pool, &slots).ok())
+            .collect()
     }
 
     /// What the prefix cache keeps of row `row` (see
     /// [`crate::cache::SequenceCache::prefix_layers`]): per layer its keys and values, or a
-    /// recurrent layer's state ([`crate::cache::KvCache::state`]).
+    /// recurrent layer's state ([`crate::cache::KvCache::state`]); lazy reads, as
+    /// [`DecodeBatch::row_contents`].
     pub fn row_prefix(&self, row: usize) -> Option<Vec<(Array, Array)>> {
-        let len = *self.lens.get(row)? as i32;
+        let slots = self.row_slots(row)?;
         let r = row as i32;
-        Some(
-            self.layers
-                .iter()
-                .enumerate()
-                .map(|(l, (k, v))| {
-                    if self.shares_pair(l) {
-                        (k.index((r..r + 1, .., .., ..)), crate::cache::empty())
-                    } else if self.is_recurrent(l) {
-                        (
-                            k.index((r..r + 1, .., .., ..)),
-                            v.index((r..r + 1, .., .., ..)),
-                        )
-                    } else {
-                        (
-                            k.index((r..r + 1, .., ..len, ..)),
-                            v.index((r..r + 1, .., ..len, ..)),
-                        )
-                    }
-                })
-                .collect(),
-        )
+        (0..self.num_layers)
+            .map(|l| {
+                let (k, v) = &self.layers[l];
+                if self.shares_pair(l) {
+                    Some((k.index((r..r + 1, .., .., ..)), crate::cache::empty()))
+                } else if self.is_recurrent(l) {
+                    Some((
+                        k.index((r..r + 1, .., .., ..)),
+                        v.index((r..r + 1, .., .., ..)),
+                    ))
+                } else {
+                    take_slots(&self.layers[l], &slots).ok()
+                }
+            })
+            .collect()
     }
 
-    /// Removes a row. The last row moves into its place: returns that row's old index, so the
-    /// caller can update its map (None when `row` was the last one).
+    /// Removes a row, its blocks freed. The last row moves into its place: returns that row's
+    /// old index, so the caller can update its map (None when `row` was the last one).
     pub fn leave(&mut self, row: usize) -> Result<Option<usize>> {
         let last = self
             .lens
@@ -393,29 +458,35 @@ impl DecodeBatch {
                 last + 1
             )));
         }
+        let freed = self.tables.swap_remove(row);
+        self.free.extend(freed.into_iter().rev());
+        self.lens.swap_remove(row);
         let moved = if row != last {
             let (r, e) = (row as i32, last as i32);
-            let shared: Vec<bool> = (0..self.num_layers).map(|l| self.shares_pair(l)).collect();
-            for (l, (k, v)) in self.layers.iter_mut().enumerate() {
+            for l in 0..self.num_layers {
+                if !self.is_recurrent(l) {
+                    continue;
+                }
+                let shared = self.shares_pair(l);
+                let (k, v) = &mut self.layers[l];
                 let lk = k.index((e..e + 1, .., .., ..));
                 k.try_index_mut((r..r + 1, .., .., ..), &lk)?;
-                if shared[l] {
+                if shared {
                     *v = k.clone();
                     continue;
                 }
                 let lv = v.index((e..e + 1, .., .., ..));
                 v.try_index_mut((r..r + 1, .., .., ..), &lv)?;
             }
-            self.lens[row] = self.lens[last];
             Some(last)
         } else {
             None
         };
-        self.lens.pop();
         if self.lens.is_empty() {
             self.layers.clear();
+            self.free.clear();
+            self.blocks = 0;
             self.slots = 0;
-            self.capacity = 0;
         }
         Ok(moved)
     }
@@ -427,13 +498,67 @@ impl DecodeBatch {
         Array::from_slice(&p, &[self.slots as i32])
     }
 
-    /// Scatter indices [slots, kv_heads, 1, head_dim] writing each row's new token at its position.
-    pub(crate) fn write_index(&self, positions: &Array) -> Result<Array> {
-        let p = positions.reshape(&[self.slots as i32, 1, 1, 1])?;
-        Ok(broadcast_to(
-            &p,
-            &[self.slots as i32, self.kv_heads, 1, self.head_dim],
-        )?)
+    /// Scatter indices [slots, kv_heads, head_dim] writing each row's new token into its
+    /// slot (scratch rows into the scratch block). Needs [`DecodeBatch::reserve_step`] first.
+    pub(crate) fn write_index(&self) -> Result<Array> {
+        let mut slots: Vec<i32> = self
+            .tables
+            .iter()
+            .zip(&self.lens)
+            .map(|(t, &len)| slot(t, len))
+            .collect();
+        slots.resize(self.slots, 0);
+        self.slot_index(&slots)
+    }
+
+    /// Every slot's table padded with the scratch block to `width` blocks, rows first
+    /// ([slots, width] as a flat list).
+    pub(crate) fn padded_tables(&self, width: usize) -> Vec<i32> {
+        let mut out = vec![0i32; self.slots * width];
+        for (r, table) in self.tables.iter().enumerate() {
+            for (i, &b) in table.iter().enumerate().take(width) {
+                out[r * width + i] = b as i32;
+            }
+        }
+        out
+    }
+
+    /// Gather indices of every slot's first `width` blocks' positions ([slots * width *
+    /// BLOCK_TOKENS], rows first), for [`take_rows`].
+    pub(crate) fn gather_index(&self, width: usize) -> Array {
+        let tables = self.padded_tables(width);
+        let slots: Vec<i32> = tables
+            .chunks(width.max(1))
+            .flat_map(|t| slots_of(t, width * BLOCK_TOKENS))
+            .collect();
+        Array::from_slice(&slots, &[slots.len() as i32])
+    }
+
+    /// Checks the pool's invariants (see the module's notes); the error names the first one
+    /// broken.
+    pub fn check(&self) -> std::result::Result<(), String> {
+        let mut held = vec![false; self.blocks];
+        let listed = self.tables.iter().flatten().map(|&b| (b, "a table"));
+        for (b, place) in listed.chain(self.free.iter().map(|&b| (b, "the free list"))) {
+            match held.get_mut(b as usize) {
+                None => return Err(format!("block {b} in {place} lies outside the pool")),
+                Some(_) if b == 0 => return Err(format!("the scratch block is in {place}")),
+                Some(h) if *h => return Err(format!("block {b} is listed twice ({place})")),
+                Some(h) => *h = true,
+            }
+        }
+        if let Some(b) = held.iter().skip(1).position(|h| !h) {
+            return Err(format!("block {} is neither free nor held", b + 1));
+        }
+        for (r, (t, &len)) in self.tables.iter().zip(&self.lens).enumerate() {
+            if t.len() * BLOCK_TOKENS < len || t.len() > len.div_ceil(BLOCK_TOKENS) + 1 {
+                return Err(format!("row {r}'s {} blocks for {len} positions", t.len()));
+            }
+        }
+        if self.lens.is_empty() && (self.blocks > 0 || !self.layers.is_empty()) {
+            return Err("an empty batch holds memory".into());
+        }
+        Ok(())
     }
 
     pub(crate) fn advance(&mut self) {
@@ -441,4 +566,10 @@ impl DecodeBatch {
             *l += 1;
         }
     }
+}
+
+/// One sequence's keys or values [1, kv_heads, n, head_dim] as token slots [n, kv_heads,
+/// head_dim].
+fn as_slots(a: &Array) -> Result<Array> {
+    Ok(a.squeeze_axes(&[0])?.transpose_axes(&[1, 0, 2])?)
 }

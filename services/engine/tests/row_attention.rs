@@ -1,13 +1,14 @@
 //! The row attention kernel (NVIDIA GPUs only) against MLX's own masked attention, which is
 //! an independent implementation (unfused matrix products): random queries, keys and values
 //! at the 8b shape (32 query heads over 8 kv heads of 128) and SmolLM2's (9 over 3 of 64), in
-//! bf16 and f32, with rows of length 0 (a scratch slot), 1, the whole capacity and between,
-//! rows of one group and of several in one launch, in one block per row and kv head and with
-//! the keys split over several.
+//! bf16 and f32, with rows of length 0 (a scratch slot), 1, whole blocks and between, read
+//! through block tables in a shuffled order, rows of one group's pool and of several in one
+//! launch, in one thread block per row and kv head and with the keys split over several.
 //!
 //! These tests need CUDA: `cargo test -p llmq-engine --test row_attention -- --ignored` on a
 //! GPU machine. On a CPU they are skipped by `#[ignore]`.
 
+use llmq_engine::batch::BLOCK_TOKENS;
 use llmq_engine::kernels::cuda::row_attention::RowAttention;
 use mlx_rs::fast::scaled_dot_product_attention;
 use mlx_rs::ops::indexing::IndexOp;
@@ -28,63 +29,100 @@ fn host(a: &Array) -> Vec<f32> {
         .unwrap()
 }
 
-/// Rows in `groups` (each a buffer capacity and its rows' lengths) attended in one launch,
-/// each row against MLX's masked attention over its own keys.
+/// Rows in `groups` (each its pool's spare positions, in blocks no row holds, and its rows'
+/// lengths) attended in one launch through block tables handed out in a shuffled order, each
+/// row against MLX's masked attention over its own keys gathered in order.
 fn check(heads: i32, kv_heads: i32, dim: i32, groups: &[(i32, &[usize])], dtype: Dtype, tol: f32) {
     let scale = 1.0 / (dim as f32).sqrt();
     let kernel =
         RowAttention::new(heads, kv_heads, dim, scale, dtype).expect("CUDA and a covered shape");
+    let bs = BLOCK_TOKENS;
     let lens: Vec<usize> = groups.iter().flat_map(|(_, l)| l.iter().copied()).collect();
     let rows = lens.len() as i32;
-    let q = normal(&[rows, heads, 1, dim], dtype, 1);
-    let bufs: Vec<(Array, Array)> = groups
+    let width = lens
         .iter()
-        .enumerate()
-        .map(|(i, (cap, l))| {
-            let shape = [l.len() as i32, kv_heads, *cap, dim];
-            (
-                normal(&shape, dtype, 2 + 2 * i as u64),
-                normal(&shape, dtype, 3 + 2 * i as u64),
-            )
-        })
-        .collect();
-    let kv: Vec<(&Array, &Array)> = bufs.iter().map(|(k, v)| (k, v)).collect();
-    let got = kernel.apply(&kernel.plan(&lens), &q, &kv).unwrap();
+        .map(|l| l.div_ceil(bs))
+        .max()
+        .unwrap_or(1)
+        .max(1);
+    let q = normal(&[rows, heads, 1, dim], dtype, 1);
+    let mut tables = vec![0i32; lens.len() * width];
+    let mut row_group = vec![];
+    let mut pools = vec![];
+    let mut r = 0;
+    let mut seed = 99u64;
+    for (i, (spare, l)) in groups.iter().enumerate() {
+        let need: usize = l.iter().map(|n| n.div_ceil(bs)).sum();
+        let blocks = 1 + need + *spare as usize / bs;
+        // Blocks 1.. shuffled (block 0 is the scratch block).
+        let mut order: Vec<i32> = (1..blocks as i32).collect();
+        for j in (1..order.len()).rev() {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            order.swap(j, (seed >> 33) as usize % (j + 1));
+        }
+        let mut taken = order.into_iter();
+        for &n in l.iter() {
+            for b in 0..n.div_ceil(bs) {
+                tables[r * width + b] = taken.next().unwrap();
+            }
+            row_group.push(i as i32);
+            r += 1;
+        }
+        let shape = [(blocks * bs) as i32, kv_heads, dim];
+        pools.push((
+            normal(&shape, dtype, 2 + 2 * i as u64),
+            normal(&shape, dtype, 3 + 2 * i as u64),
+        ));
+    }
+    let table = Array::from_slice(&tables, &[rows, width as i32]);
+    let kv: Vec<(&Array, &Array)> = pools.iter().map(|(k, v)| (k, v)).collect();
+    let got = kernel
+        .apply(&kernel.plan(&lens, &row_group), &q, &kv, &table)
+        .unwrap();
     assert_eq!(got.shape(), q.shape());
     assert_eq!(got.dtype(), dtype);
     let got = host(&got);
     let per_row = (heads * dim) as usize;
-    let mut r = 0;
-    for (gi, (_, l)) in groups.iter().enumerate() {
-        for (local, &len) in l.iter().enumerate() {
-            let row = &got[r * per_row..(r + 1) * per_row];
-            if len == 0 {
-                assert!(
-                    row.iter().all(|&x| x == 0.0),
-                    "a row of length 0 gives zeros"
-                );
-            } else {
-                // The reference: this row alone over its first `len` keys, through MLX's masked
-                // path (a mask that keeps every key forces the unfused implementation).
-                let (local, len) = (local as i32, len as i32);
-                let (k, v) = &bufs[gi];
-                let (kr, vr) = (
-                    k.index((local..local + 1, .., ..len, ..)),
-                    v.index((local..local + 1, .., ..len, ..)),
-                );
-                let mask = Array::from_slice(&vec![true; len as usize], &[1, 1, 1, len]);
-                let qr = q.index(r as i32..r as i32 + 1);
-                let want =
-                    host(&scaled_dot_product_attention(&qr, &kr, &vr, scale, &mask, None).unwrap());
-                let d = row
-                    .iter()
-                    .zip(&want)
-                    .map(|(a, b)| (a - b).abs())
-                    .fold(0.0f32, f32::max);
-                assert!(d < tol, "heads {heads}/{kv_heads} dim {dim} {dtype:?} group {gi} row {local} len {len}: max |diff| {d}");
-            }
-            r += 1;
+    for (r, &len) in lens.iter().enumerate() {
+        let row = &got[r * per_row..(r + 1) * per_row];
+        if len == 0 {
+            assert!(
+                row.iter().all(|&x| x == 0.0),
+                "a row of length 0 gives zeros"
+            );
+            continue;
         }
+        // The reference: this row alone over its first `len` keys gathered in order, through
+        // MLX's masked path (a mask that keeps every key forces the unfused implementation).
+        let slots: Vec<i32> = (0..len)
+            .map(|p| tables[r * width + p / bs] * bs as i32 + (p % bs) as i32)
+            .collect();
+        let idx = Array::from_slice(&slots, &[len as i32]);
+        let (k, v) = &pools[row_group[r] as usize];
+        let own = |a: &Array| {
+            a.take_axis(&idx, 0)
+                .unwrap()
+                .transpose_axes(&[1, 0, 2])
+                .unwrap()
+                .expand_dims(0)
+                .unwrap()
+        };
+        let len = len as i32;
+        let mask = Array::from_slice(&vec![true; len as usize], &[1, 1, 1, len]);
+        let qr = q.index(r as i32..r as i32 + 1);
+        let want =
+            host(&scaled_dot_product_attention(&qr, &own(k), &own(v), scale, &mask, None).unwrap());
+        let d = row
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        assert!(
+            d < tol,
+            "heads {heads}/{kv_heads} dim {dim} {dtype:?} row {r} len {len}: max |diff| {d}"
+        );
     }
 }
 

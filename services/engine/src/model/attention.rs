@@ -11,6 +11,7 @@ use llmq_text::config::ModelConfig;
 use super::parts::{concat_rows, norm_weight, sequence_rows, softcap, Linear};
 use super::rope::{Rope, Rotation};
 use crate::arch::ArchOptions;
+use crate::batch::{slots_of, take_rows, take_slots};
 use crate::cache::{AttnMask, KvCache};
 use crate::error::{EngineError, Result};
 use crate::kernels::cpu::attention::{causal_attention, rows_attention, Shape};
@@ -345,10 +346,20 @@ pub(super) struct GroupStep<'a> {
 pub(super) enum GroupAttention {
     /// With every other group's, through the row attention kernel ([`RowStep`]).
     Rows,
-    /// All rows at once over the whole capacity, masked past each row's length.
-    Masked(Array),
-    /// Row by row, unmasked, over each active row's length after this step's token.
-    PerRow(Vec<i32>),
+    /// All rows at once over keys gathered from the pool (`index`, `keys` a row, from
+    /// [`DecodeBatch::gather_index`]), masked past each row's length.
+    Masked {
+        mask: Array,
+        index: Array,
+        keys: i32,
+    },
+    /// Row by row, unmasked, over each active row's `lens` after this step's token, through
+    /// its block table (`tables`: [rows, width] block ids, flat).
+    PerRow {
+        lens: Vec<usize>,
+        tables: Vec<i32>,
+        width: usize,
+    },
 }
 
 /// A decode step's attention through the row attention kernel: every group's rows in one
@@ -356,6 +367,8 @@ pub(super) enum GroupAttention {
 pub(super) struct RowStep<'a> {
     pub(super) kernel: &'a RowAttention,
     pub(super) plan: RowPlan,
+    /// Every slot's block table [slots, width] (int32).
+    pub(super) tables: Array,
     pub(super) slots: i32,
 }
 
@@ -437,33 +450,35 @@ impl Attention {
                 q.clone()
             };
             for (g, (gk, gv)) in groups.iter_mut().zip(ks.iter().zip(&vs)) {
-                let kv = &mut g.kv[layer];
-                kv.0 = kv.0.put_along_axis(&g.write, gk, 2)?;
-                kv.1 = kv.1.put_along_axis(&g.write, gv, 2)?;
+                self.write_slots(&mut g.kv[layer], &g.write, gk, gv)?;
             }
-            let bufs: Vec<(&Array, &Array)> = groups
+            let pools: Vec<(&Array, &Array)> = groups
                 .iter()
                 .map(|g| (&g.kv[layer].0, &g.kv[layer].1))
                 .collect();
-            outs.push(self.rows_first(&rs.kernel.apply(&rs.plan, &q, &bufs)?)?);
+            outs.push(self.rows_first(&rs.kernel.apply(&rs.plan, &q, &pools, &rs.tables)?)?);
         } else {
             for g in groups.iter_mut() {
                 let b = g.slots;
                 let span = g.offset..g.offset + b;
                 let (q, k, v) = (q.index(span.clone()), k.index(span.clone()), v.index(span));
                 let kv = &mut g.kv[layer];
-                kv.0 = kv.0.put_along_axis(&g.write, &k, 2)?;
-                kv.1 = kv.1.put_along_axis(&g.write, &v, 2)?;
+                self.write_slots(kv, &g.write, &k, &v)?;
                 let o = match &g.attend {
-                    GroupAttention::Masked(mask) => {
-                        scaled_dot_product_attention(&q, &kv.0, &kv.1, self.scale, mask, None)?
+                    GroupAttention::Masked { mask, index, keys } => {
+                        let (gk, gv) = take_rows(kv, index, b, *keys)?;
+                        scaled_dot_product_attention(&q, &gk, &gv, self.scale, mask, None)?
                     }
                     GroupAttention::Rows => unreachable!(
                         "a step attends through the row attention kernel whole or not at all"
                     ),
-                    GroupAttention::PerRow(lens) => match self.rows_on_cpu(&q, kv, lens)? {
+                    GroupAttention::PerRow {
+                        lens,
+                        tables,
+                        width,
+                    } => match self.rows_on_cpu(&q, kv, lens, tables, *width)? {
                         Some(o) => o,
-                        None => self.attend_per_row(&q, kv, lens, b)?,
+                        None => self.attend_per_row(&q, kv, lens, tables, *width, b)?,
                     },
                 };
                 outs.push(self.rows_first(&o)?);
@@ -488,10 +503,32 @@ impl Attention {
         self.o.forward(&Self::gated_output(o, gate)?)
     }
 
-    /// On a CPU in f32, a group's rows [slots, heads, 1, d] over their buffers `kv`, each over
-    /// its first `lens` positions, through [`crate::kernels::cpu::attention`] (scratch rows zeros); `None`
-    /// elsewhere.
-    fn rows_on_cpu(&self, q: &Array, kv: &(Array, Array), lens: &[i32]) -> Result<Option<Array>> {
+    /// Writes each slot's new key and value (`k`, `v` [slots, kv_heads, 1, d]) into `pool` at
+    /// its slot (`write`, from [`DecodeBatch::write_index`]).
+    fn write_slots(
+        &self,
+        pool: &mut (Array, Array),
+        write: &Array,
+        k: &Array,
+        v: &Array,
+    ) -> Result<()> {
+        let rows = |a: &Array| a.reshape(&[-1, self.kv_heads, self.head_dim]);
+        pool.0 = pool.0.put_along_axis(write, rows(k)?, 0)?;
+        pool.1 = pool.1.put_along_axis(write, rows(v)?, 0)?;
+        Ok(())
+    }
+
+    /// On a CPU in f32, a group's rows [slots, heads, 1, d] over the pool `kv`, each over its
+    /// first `lens` positions through its table, through [`crate::kernels::cpu::attention`]
+    /// (scratch rows zeros); `None` elsewhere.
+    fn rows_on_cpu(
+        &self,
+        q: &Array,
+        kv: &(Array, Array),
+        lens: &[usize],
+        tables: &[i32],
+        width: usize,
+    ) -> Result<Option<Array>> {
         if !self.cpu || q.dtype() != Dtype::Float32 || kv.0.dtype() != Dtype::Float32 {
             return Ok(None);
         }
@@ -501,38 +538,39 @@ impl Attention {
             kv_heads: self.kv_heads as usize,
             t: 1,
             len: 0,
-            cap: kv.0.shape()[2] as usize,
+            cap: 0,
             d: self.head_dim as usize,
         };
-        let lens: Vec<usize> = lens.iter().map(|&l| l as usize).collect();
         let q = q.contiguous()?;
         let o = rows_attention(
             f32_slice(&q)?,
             f32_slice(&kv.0)?,
             f32_slice(&kv.1)?,
-            &lens,
+            tables,
+            width,
+            lens,
             shape,
             self.scale,
         );
         Ok(Some(Array::from_slice(&o, s)))
     }
 
-    /// A group's active rows, each over its own keys unmasked (MLX's fused vector kernel), its
-    /// scratch rows zeros: [slots, heads, 1, d].
+    /// A group's active rows, each over its own keys gathered from the pool through its table,
+    /// unmasked (MLX's fused vector kernel), its scratch rows zeros: [slots, heads, 1, d].
     fn attend_per_row(
         &self,
         q: &Array,
         kv: &(Array, Array),
-        lens: &[i32],
+        lens: &[usize],
+        tables: &[i32],
+        width: usize,
         slots: i32,
     ) -> Result<Array> {
         let mut parts = Vec::with_capacity(lens.len() + 1);
         for (r, &len) in lens.iter().enumerate() {
+            let own: Vec<i32> = slots_of(&tables[r * width..][..width], len).collect();
+            let (k, v) = take_slots(kv, &own)?;
             let r = r as i32;
-            let (k, v) = (
-                kv.0.index((r..r + 1, .., ..len, ..)),
-                kv.1.index((r..r + 1, .., ..len, ..)),
-            );
             parts.push(scaled_dot_product_attention(
                 q.index(r..r + 1),
                 &k,

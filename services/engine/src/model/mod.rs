@@ -252,11 +252,20 @@ impl Model {
         self
     }
 
-    /// The same model attending through MLX's attention throughout (decode batches masked)
-    /// even where the row attention kernel would run (tests compare the two).
+    /// The same model attending through MLX's attention throughout (decode batches masked,
+    /// or row by row where a batch says so) even where the row attention kernel or llmq's CPU
+    /// attention would run (tests compare them).
     pub fn with_masked_decode_attention(mut self) -> Self {
         self.row_attention = None;
+        self.cpu_attention = false;
         self
+    }
+
+    /// Whether decode steps attend through llmq's own attention (the CUDA row kernel, or the
+    /// CPU's), which reads each row's keys through its block table: rows of any lengths then
+    /// share one batch at no cost to the short ones.
+    pub fn reads_tables(&self) -> bool {
+        self.row_attention.is_some() || self.cpu_attention
     }
 
     /// Whether decode batches attend through the row attention kernel.

@@ -12,7 +12,7 @@ use super::attention::{GroupAttention, GroupStep, RowStep};
 use super::layer::Mixer;
 use super::rope::{Layout, Rotation};
 use super::{ChunkStage, Model};
-use crate::batch::DecodeBatch;
+use crate::batch::{DecodeBatch, BLOCK_TOKENS};
 use crate::error::{EngineError, Result};
 
 impl Model {
@@ -27,6 +27,8 @@ impl Model {
             mut active,
             mut steps,
             keys,
+            groups: slot_groups,
+            tables,
         } = self.group_rows(groups)?;
         let decode_slots = toks.len();
         let decode_rows = active.len();
@@ -36,7 +38,8 @@ impl Model {
             .filter(|_| decode_slots > 0)
             .map(|kernel| RowStep {
                 kernel,
-                plan: kernel.plan(&keys),
+                plan: kernel.plan(&keys, &slot_groups),
+                tables: step_tables(&tables),
                 slots: decode_slots as i32,
             });
         let mut chunk = chunk;
@@ -158,6 +161,11 @@ struct StepRows<'a> {
     /// Keys each decode slot attends over (its length after this step; scratch slots 0), for
     /// the row attention kernel.
     keys: Vec<usize>,
+    /// Each decode slot's group.
+    groups: Vec<i32>,
+    /// With the row attention kernel, each group's slots' block tables ([slots, width] as a
+    /// flat list) and their width.
+    tables: Vec<(Vec<i32>, usize)>,
 }
 
 impl Model {
@@ -169,6 +177,8 @@ impl Model {
             active: vec![],
             steps: Vec::with_capacity(groups.len()),
             keys: vec![],
+            groups: vec![],
+            tables: vec![],
         };
         for (tokens, batch) in groups.iter_mut() {
             let n = batch.len();
@@ -181,30 +191,40 @@ impl Model {
             if n == 0 {
                 continue;
             }
-            let longest = batch.lens().iter().copied().max().unwrap_or(0);
-            batch.reserve(n, longest + 1)?;
+            batch.reserve_step()?;
             let offset = r.toks.len() as i32;
             let slots = batch.slots();
             r.active.extend((0..n as i32).map(|i| offset + i));
             r.toks.extend(tokens.iter().map(|&t| t as i32));
             r.toks.resize(offset as usize + slots, 0);
-            let positions = batch.positions();
-            let write = batch.write_index(&positions)?;
+            let write = batch.write_index()?;
             r.keys.extend(batch.lens().iter().map(|&l| l + 1));
             r.keys.resize(offset as usize + slots, 0);
+            r.groups
+                .resize(offset as usize + slots, r.steps.len() as i32);
+            // Tables as wide as the longest row's after this step's token.
+            let width = batch.table_width();
             let attend = if self.row_attention.is_some() {
+                r.tables.push((batch.padded_tables(width), width));
                 GroupAttention::Rows
             } else if batch.per_row_attention() || self.cpu_attention {
-                GroupAttention::PerRow(batch.lens().iter().map(|&l| l as i32 + 1).collect())
+                GroupAttention::PerRow {
+                    lens: batch.lens().iter().map(|&l| l + 1).collect(),
+                    tables: batch.padded_tables(width),
+                    width,
+                }
             } else {
-                let cap = batch.capacity() as i32;
+                let n = (width * BLOCK_TOKENS) as i32;
                 let keys =
-                    mlx_rs::ops::arange::<i32, i32>(None, cap, None)?.reshape(&[1, 1, 1, cap])?;
-                GroupAttention::Masked(
-                    keys.lt(&positions
+                    mlx_rs::ops::arange::<i32, i32>(None, n, None)?.reshape(&[1, 1, 1, n])?;
+                GroupAttention::Masked {
+                    mask: keys.lt(&batch
+                        .positions()
                         .reshape(&[slots as i32, 1, 1, 1])?
                         .add(Array::from_int(1))?)?,
-                )
+                    index: batch.gather_index(width),
+                    keys: n,
+                }
             };
             r.steps.push(GroupStep {
                 kv: &mut batch.layers[..],
@@ -329,4 +349,20 @@ fn step_input(
         rows
     };
     Ok(rows.reshape(&[toks.len() as i32, 1])?)
+}
+
+/// Every group's block tables ([slots, width] each, flat) as one int32 array [slots, width]
+/// of the widest group's width, the narrower padded with the scratch block. A group's rows
+/// always have a block (their new token's), so every width is at least one.
+fn step_tables(tables: &[(Vec<i32>, usize)]) -> Array {
+    let width = tables.iter().map(|&(_, w)| w).max().unwrap_or(1).max(1);
+    let mut out = vec![];
+    for (t, w) in tables {
+        for row in t.chunks((*w).max(1)) {
+            out.extend_from_slice(row);
+            out.extend(std::iter::repeat_n(0, width - row.len()));
+        }
+    }
+    let rows = (out.len() / width) as i32;
+    Array::from_slice(&out, &[rows, width as i32])
 }

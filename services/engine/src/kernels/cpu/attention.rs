@@ -18,10 +18,15 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
+use crate::batch::BLOCK_TOKENS;
 use crate::kernels::cpu::elementwise::exp_le0;
 
 /// Keys per block: the block's transposed keys and one row's scores stay in the L1 cache.
 const BLOCK: usize = 64;
+const _: () = assert!(
+    BLOCK_TOKENS.is_multiple_of(BLOCK),
+    "a tile of keys lies within one of a pool's blocks"
+);
 /// Queries per task (times the heads sharing a kv head).
 const QUERY_TILE: usize = 8;
 /// Fewest keys a task takes when a call's keys are split across tasks.
@@ -68,7 +73,20 @@ pub fn causal_attention(q: &[f32], k: &[f32], v: &[f32], s: Shape, scale: f32) -
         s.kv_heads * tiles,
         s.len,
         |unit| s.len - s.t + queries(unit % tiles).end,
-        |unit, keys| run_tile(q, k, v, s, scale, unit / tiles, queries(unit % tiles), keys),
+        |unit, keys| {
+            let layout = Layout::Contiguous { cap: s.cap };
+            run_tile(
+                q,
+                k,
+                v,
+                layout,
+                s,
+                scale,
+                unit / tiles,
+                queries(unit % tiles),
+                keys,
+            )
+        },
     );
     let mut out = vec![0.0; q.len()];
     for (unit, part) in parts.into_iter().enumerate() {
@@ -83,24 +101,38 @@ pub fn causal_attention(q: &[f32], k: &[f32], v: &[f32], s: Shape, scale: f32) -
     out
 }
 
-/// A decode step's rows, one query each: `q` [slots, heads, 1, d], `k` and `v` [slots,
-/// kv_heads, cap, d], row `r` over its first `lens[r]` positions (its new token's included);
-/// slots past `lens` (scratch rows) get zeros. Returns [slots, heads, 1, d]. Of `s`, `t` and
-/// `len` are each row's (1 and `lens[r]`), whatever `s` says.
+/// A decode step's rows, one query each, over a pool of keys and values: `q` [slots, heads,
+/// 1, d]; `k` and `v` token slots [pool slots, kv_heads, d] in blocks of `BLOCK_TOKENS`; row
+/// `r` over its first `lens[r]` positions (its new token's included), position p at slot
+/// `tables[r][p / BLOCK_TOKENS] * BLOCK_TOKENS + p % BLOCK_TOKENS` (`tables`: [rows, width]
+/// block ids, flat); slots past `lens` (scratch rows) get zeros. Returns [slots, heads, 1, d].
+/// Of `s`, `t`, `len` and `cap` are each row's (1, `lens[r]`, unused), whatever `s` says.
 pub fn rows_attention(
     q: &[f32],
     k: &[f32],
     v: &[f32],
+    tables: &[i32],
+    width: usize,
     lens: &[usize],
     s: Shape,
     scale: f32,
 ) -> Vec<f32> {
     let slots = q.len() / (s.heads * s.d).max(1);
-    let (row_q, row_kv) = (s.heads * s.d, s.kv_heads * s.cap * s.d);
+    let row_q = s.heads * s.d;
+    let pool = k.len() / (s.kv_heads * s.d).max(1);
     assert!(
-        lens.len() <= slots && k.len() == slots * row_kv && v.len() == k.len(),
-        "{s:?} for {} rows of {slots}",
+        lens.len() <= slots
+            && v.len() == k.len()
+            && tables.len() >= lens.len() * width
+            && lens.iter().all(|&l| l <= width * BLOCK_TOKENS),
+        "{s:?} for {} rows of {slots} over {width} blocks",
         lens.len()
+    );
+    assert!(
+        tables[..lens.len() * width]
+            .iter()
+            .all(|&b| b >= 0 && (b as usize + 1) * BLOCK_TOKENS <= pool),
+        "a table's block lies outside the pool of {pool} slots"
     );
     let longest = lens.iter().copied().max().unwrap_or(0);
     // A unit: a row's kv head.
@@ -115,12 +147,21 @@ pub fn rows_attention(
                 len: lens[r],
                 ..s
             };
-            let (q, k, v) = (
+            let layout = Layout::Paged {
+                table: &tables[r * width..][..width],
+                kv_heads: s.kv_heads,
+            };
+            run_tile(
                 &q[r * row_q..][..row_q],
-                &k[r * row_kv..][..row_kv],
-                &v[r * row_kv..][..row_kv],
-            );
-            run_tile(q, k, v, one, scale, g, 0..1, keys)
+                k,
+                v,
+                layout,
+                one,
+                scale,
+                g,
+                0..1,
+                keys,
+            )
         },
     );
     let mut out = vec![0.0; q.len()];
@@ -131,6 +172,29 @@ pub fn rows_attention(
         out[r * row_q + g * group * s.d..][..heads.len()].copy_from_slice(&heads);
     }
     out
+}
+
+/// Where a kv head's keys (and values) lie in the arrays a call reads.
+#[derive(Clone, Copy)]
+enum Layout<'a> {
+    /// [kv_heads, cap, d]: a sequence's own buffers.
+    Contiguous { cap: usize },
+    /// Token slots [slots, kv_heads, d] of a pool, through a row's table of blocks.
+    Paged { table: &'a [i32], kv_heads: usize },
+}
+
+impl Layout<'_> {
+    /// Where key `j` of kv head `g` starts, and how far apart consecutive keys of its tile of
+    /// [`BLOCK`] keys are (a tile never straddles two of a pool's blocks).
+    fn at(&self, g: usize, j: usize, d: usize) -> (usize, usize) {
+        match *self {
+            Layout::Contiguous { cap } => ((g * cap + j) * d, d),
+            Layout::Paged { table, kv_heads } => {
+                let slot = table[j / BLOCK_TOKENS] as usize * BLOCK_TOKENS + j % BLOCK_TOKENS;
+                ((slot * kv_heads + g) * d, kv_heads * d)
+            }
+        }
+    }
 }
 
 /// Runs `units` of attention on the host's cores, each unit's keys (`0..end(unit)`, at most
@@ -216,6 +280,7 @@ fn run_tile(
     q: &[f32],
     k: &[f32],
     v: &[f32],
+    layout: Layout,
     s: Shape,
     scale: f32,
     g: usize,
@@ -225,9 +290,9 @@ fn run_tile(
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
         // SAFETY: the CPU has the features the function is compiled for.
-        return unsafe { tile_avx2(q, k, v, s, scale, g, queries, keys) };
+        return unsafe { tile_avx2(q, k, v, layout, s, scale, g, queries, keys) };
     }
-    tile::<false>(q, k, v, s, scale, g, queries, keys)
+    tile::<false>(q, k, v, layout, s, scale, g, queries, keys)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -237,13 +302,14 @@ unsafe fn tile_avx2(
     q: &[f32],
     k: &[f32],
     v: &[f32],
+    layout: Layout,
     s: Shape,
     scale: f32,
     g: usize,
     queries: Range<usize>,
     keys: Range<usize>,
 ) -> Partial {
-    tile::<true>(q, k, v, s, scale, g, queries, keys)
+    tile::<true>(q, k, v, layout, s, scale, g, queries, keys)
 }
 
 /// `a * b + c`, fused where the caller is compiled with FMA (elsewhere `mul_add` would be a
@@ -265,6 +331,7 @@ fn tile<const FMA: bool>(
     q: &[f32],
     k: &[f32],
     v: &[f32],
+    layout: Layout,
     s: Shape,
     scale: f32,
     g: usize,
@@ -287,10 +354,6 @@ fn tile<const FMA: bool>(
         }
         last[r] = s.len - s.t + i;
     }
-    let (all_keys, values) = (
-        &k[g * s.cap * d..][..s.len * d],
-        &v[g * s.cap * d..][..s.len * d],
-    );
     let mut max = vec![f32::NEG_INFINITY; rows];
     let mut rescale = vec![0.0f32; rows];
     let mut sum = vec![0.0f32; rows];
@@ -300,9 +363,10 @@ fn tile<const FMA: bool>(
     let end = last.iter().max().map_or(0, |&l| l + 1).min(keys.end);
     for j0 in (keys.start..end).step_by(BLOCK) {
         let b = BLOCK.min(end - j0);
+        let (at, stride) = layout.at(g, j0, d);
         // The block's keys transposed, [d][BLOCK]: a row's scores are then FMAs across keys.
-        for (jj, key) in all_keys[j0 * d..(j0 + b) * d].chunks_exact(d).enumerate() {
-            for (c, &x) in key.iter().enumerate() {
+        for jj in 0..b {
+            for (c, &x) in k[at + jj * stride..][..d].iter().enumerate() {
                 kt[c * BLOCK + jj] = x;
             }
         }
@@ -320,7 +384,11 @@ fn tile<const FMA: bool>(
             sum[r] = sum[r] * rescale[r] + lanes(sc, 0.0, |a, b| a + b);
             max[r] = new_max;
         }
-        let block = &values[j0 * d..][..b * d];
+        let block = Values {
+            v: &v[at..],
+            stride,
+            keys: b,
+        };
         let mut groups = live.chunks_exact(3);
         for g in &mut groups {
             accumulate::<FMA, 3>(&mut acc, d, [g[0], g[1], g[2]], &rescale, &scores, block);
@@ -387,8 +455,16 @@ fn block_scores<const FMA: bool>(
 /// (three rows: 12 AVX registers) stay in registers across the block's keys.
 const WIDTH: usize = 32;
 
+/// A tile's values: value `j` at `v[j * stride..][..d]`.
+#[derive(Clone, Copy)]
+struct Values<'a> {
+    v: &'a [f32],
+    stride: usize,
+    keys: usize,
+}
+
 /// For the rows `rows` of `acc` ([rows, d]): `acc[r] = acc[r] * rescale[r] + sum_j p[r][j] v_j`
-/// over the block's values (`block`, [keys, d]; `p` is `scores`, zero past a row's last key).
+/// over the block's values (`block`; `p` is `scores`, zero past a row's last key).
 /// Each value vector is loaded once for `R` rows, [`WIDTH`] columns (or, where `d` is not a
 /// multiple of it, all of them) at a time.
 #[inline(always)]
@@ -398,17 +474,17 @@ fn accumulate<const FMA: bool, const R: usize>(
     rows: [usize; R],
     rescale: &[f32],
     scores: &[[f32; BLOCK]],
-    block: &[f32],
+    block: Values,
 ) {
-    let keys = block.len() / d;
+    let (keys, stride) = (block.keys, block.stride);
     if !d.is_multiple_of(WIDTH) {
         for &r in &rows {
             let out = &mut acc[r * d..][..d];
             for o in out.iter_mut() {
                 *o *= rescale[r];
             }
-            for (&p, v) in scores[r][..keys].iter().zip(block.chunks_exact(d)) {
-                for (o, &x) in out.iter_mut().zip(v) {
+            for (j, &p) in scores[r][..keys].iter().enumerate() {
+                for (o, &x) in out.iter_mut().zip(&block.v[j * stride..][..d]) {
                     *o = madd::<FMA>(p, x, *o);
                 }
             }
@@ -423,7 +499,7 @@ fn accumulate<const FMA: bool, const R: usize>(
             }
         }
         for j in 0..keys {
-            let v: &[f32; WIDTH] = block[j * d + c..][..WIDTH]
+            let v: &[f32; WIDTH] = block.v[j * stride + c..][..WIDTH]
                 .try_into()
                 .expect("a width of columns");
             for k in 0..R {
@@ -499,6 +575,8 @@ mod tests {
         };
         let (slots, lens) = (4, [1usize, 40, 17]);
         rows_match(s, slots, &lens, &mut seed);
+        // Rows ending at, just past and well past a block's end.
+        rows_match(s, 4, &[64, 65, 129, 200], &mut seed);
         // Rows long enough for their keys to be split across tasks, one of them not.
         let s = Shape {
             heads: 9,
@@ -512,21 +590,49 @@ mod tests {
         rows_match(s, 3, &[1033, 30], &mut seed);
     }
 
+    /// Rows over a pool whose blocks are handed out in a shuffled order (a row's blocks are
+    /// neither consecutive nor ascending), each against the definition over its own keys
+    /// copied out in order.
     fn rows_match(s: Shape, slots: usize, lens: &[usize], seed: &mut u64) {
-        let q = random(slots * s.heads * s.d, seed);
-        let k = random(slots * s.kv_heads * s.cap * s.d, seed);
-        let v = random(slots * s.kv_heads * s.cap * s.d, seed);
-        let got = rows_attention(&q, &k, &v, lens, s, 0.3);
-        let (row_q, row_kv) = (s.heads * s.d, s.kv_heads * s.cap * s.d);
+        let width = lens
+            .iter()
+            .map(|l| l.div_ceil(BLOCK_TOKENS))
+            .max()
+            .unwrap_or(1);
+        let blocks = 1 + lens.len() * width + 3;
+        let mut order: Vec<i32> = (1..blocks as i32).collect();
+        for i in (1..order.len()).rev() {
+            let j = random(1, seed)[0].abs() as usize * 7919 % (i + 1);
+            order.swap(i, j);
+        }
+        let mut tables = vec![0i32; lens.len() * width];
         for (r, &len) in lens.iter().enumerate() {
-            let one = Shape { len, ..s };
-            let want = reference(
-                &q[r * row_q..][..row_q],
-                &k[r * row_kv..][..row_kv],
-                &v[r * row_kv..][..row_kv],
-                one,
-                0.3,
-            );
+            for b in 0..len.div_ceil(BLOCK_TOKENS) {
+                tables[r * width + b] = order[r * width + b];
+            }
+        }
+        let slot_kv = s.kv_heads * s.d;
+        let q = random(slots * s.heads * s.d, seed);
+        let k = random(blocks * BLOCK_TOKENS * slot_kv, seed);
+        let v = random(blocks * BLOCK_TOKENS * slot_kv, seed);
+        let got = rows_attention(&q, &k, &v, &tables, width, lens, s, 0.3);
+        let row_q = s.heads * s.d;
+        for (r, &len) in lens.iter().enumerate() {
+            // This row's keys in order, [kv_heads, len, d].
+            let own = |pool: &[f32]| -> Vec<f32> {
+                let mut out = vec![0.0; s.kv_heads * len * s.d];
+                for p in 0..len {
+                    let b = tables[r * width + p / BLOCK_TOKENS] as usize;
+                    let slot = b * BLOCK_TOKENS + p % BLOCK_TOKENS;
+                    for g in 0..s.kv_heads {
+                        out[(g * len + p) * s.d..][..s.d]
+                            .copy_from_slice(&pool[(slot * s.kv_heads + g) * s.d..][..s.d]);
+                    }
+                }
+                out
+            };
+            let one = Shape { len, cap: len, ..s };
+            let want = reference(&q[r * row_q..][..row_q], &own(&k), &own(&v), one, 0.3);
             let worst = got[r * row_q..][..row_q]
                 .iter()
                 .zip(&want)

@@ -1,11 +1,13 @@
 //! Decode attention over rows of different lengths, as CUDA kernels (NVIDIA GPUs only).
 //!
 //! A decode step's rows live in one or more decode batches (length groups), each with its own
-//! KV buffers [slots, kv_heads, capacity, head_dim]; each row attends over its own first `len`
-//! keys. MLX's fused attention takes no per-row lengths: with a mask array it falls back to
-//! unfused matrix products over the whole capacity, several times the unmasked time, and a
-//! group attending apart costs a dozen more operations a layer on the host.
-//! These kernels attend every row of every group in one launch, reading only each row's keys.
+//! pool of keys and values as token slots [pool slots, kv_heads, head_dim] in blocks of
+//! `BLOCK_TOKENS` ([`crate::batch`]); each row attends over its own first `len` positions,
+//! position p at slot `table[p / BLOCK_TOKENS] * BLOCK_TOKENS + p % BLOCK_TOKENS` of its
+//! group's pool. MLX's fused attention takes no per-row lengths nor tables: it would need the
+//! keys gathered and a mask, which falls back to unfused matrix products over the longest row,
+//! several times the unmasked time. These kernels attend every row of every group in one
+//! launch, reading only each row's keys, through its table.
 //!
 //! The kernels (our own source, compiled by MLX through NVRTC when the model loads): the
 //! step's work is a list of items (row, first key, end key), one thread block per item and kv
@@ -16,14 +18,15 @@
 //! running maximum (online softmax), and the warps' partial results are merged in shared memory.
 //! A row of length 0 (a scratch slot) gets zeros.
 //!
-//! Invariants: the buffers are row-contiguous (MLX copies them otherwise, which is correct but
-//! slow, so callers pass the batches' own buffers); an item never reads past its group's
-//! capacity (its end is clamped to it); the output has the queries' shape and dtype. On a machine without CUDA,
-//! [`RowAttention::new`] gives `None` and callers use masked attention.
+//! Invariants: the pools are row-contiguous (MLX copies them otherwise, which is correct but
+//! slow, so callers pass the batches' own pools); an item never reads past its table (its end
+//! is clamped to the table's width); the output has the queries' shape and dtype. On a machine
+//! without CUDA, [`RowAttention::new`] gives `None` and callers use masked attention.
 
 use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype};
 
+use crate::batch::BLOCK_TOKENS;
 use crate::kernels::cuda::launch::Kernel;
 
 /// Warps per thread block.
@@ -39,27 +42,29 @@ const ENOUGH_BLOCKS: i32 = 256;
 /// one kv head, accumulated with a running maximum by the warps in turn, then merged over the
 /// warps in shared memory, leaving in `m`, `total` and `o` the block's maximum score, softmax
 /// sum and weighted values (thread `t` holds dimension `t % D` of query head `t / D`). [`SCALE`],
-/// `G` (query heads per kv head), `D` (head dim) and `T` (dtype) are set per model. Inputs: `q`
-/// [rows, heads, 1, D] (every group's rows in order), `work` [items, 3] int32, and each group's
-/// `k<i>`, `v<i>` [slots, kv_heads, cap, D]; `@SELECT@` becomes the choice of a row's group.
+/// `BS` (positions a block), `G` (query heads per kv head), `D` (head dim) and `T` (dtype) are
+/// set per model. Inputs: `q` [rows, heads, 1, D] (every group's rows in order), `work` [items,
+/// 4] int32 (row, first key, end key, group), `tables` [rows, width] int32 block ids, and each
+/// group's pool `k<i>`, `v<i>` [slots, kv_heads, D]; `@SELECT@` becomes the choice of the
+/// item's group.
 const ACCUMULATE: &str = r#"
     constexpr int PER = D / 32;
     const int kv_heads = k0_shape[1];
+    const int width = tables_shape[1];
     const int item = blockIdx.x / kv_heads;
     const int head = blockIdx.x % kv_heads;
-    const int row = work[item * 3];
-    const int begin = work[item * 3 + 1];
-    const int end = work[item * 3 + 2];
+    const int row = work[item * 4];
+    const int begin = work[item * 4 + 1];
+    const int end = work[item * 4 + 2];
+    const int group = work[item * 4 + 3];
     const int pair = row * kv_heads + head;
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     const T* kp;
     const T* vp;
-    int cap;
-    int local = row;
 @SELECT@
-    const int stop = min(end, cap);
-    const size_t base = ((size_t)local * kv_heads + head) * cap * D + lane * PER;
+    const int stop = min(end, width * BS);
+    const int* table = tables + (size_t)row * width;
     const size_t qbase = (size_t)pair * G * D + lane * PER;
     float qr[G][PER];
     float acc[G][PER];
@@ -74,11 +79,13 @@ const ACCUMULATE: &str = r#"
         sum[g] = 0.f;
     }
     for (int j = begin + warp; j < stop; j += WARPS) {
+        const size_t slot = (size_t)table[j / BS] * BS + j % BS;
+        const size_t at = (slot * kv_heads + head) * D + lane * PER;
         float kr[PER];
         float vr[PER];
         for (int i = 0; i < PER; ++i) {
-            kr[i] = static_cast<float>(kp[base + (size_t)j * D + i]);
-            vr[i] = static_cast<float>(vp[base + (size_t)j * D + i]);
+            kr[i] = static_cast<float>(kp[at + i]);
+            vr[i] = static_cast<float>(vp[at + i]);
         }
         for (int g = 0; g < G; ++g) {
             float s = 0.f;
@@ -179,28 +186,24 @@ const MERGE: &str = r#"
 /// Most length groups one launch covers (the worker has four).
 pub const MAX_GROUPS: usize = 4;
 
-/// The source that points `kp`, `vp` and `cap` at the buffers of row `local`'s group (of
-/// `groups`) and makes `local` its row within the group.
+/// The source that points `kp` and `vp` at the pool of the item's group (of `groups`).
 fn select_group(groups: usize) -> String {
-    let mut src = String::new();
+    let mut src = String::from("    switch (group) {\n");
     for i in 0..groups {
-        let take = format!("kp = k{i}; vp = v{i}; cap = k{i}_shape[2];");
-        if i + 1 < groups {
-            src.push_str(&format!(
-                "    if (local < k{i}_shape[0]) {{ {take} }} else {{ local -= k{i}_shape[0];\n"
-            ));
+        let label = if i + 1 < groups {
+            format!("case {i}")
         } else {
-            src.push_str(&format!("    {take}\n"));
-        }
+            "default".to_string()
+        };
+        src.push_str(&format!("    {label}: kp = k{i}; vp = v{i}; break;\n"));
     }
-    src.push_str(&"    }".repeat(groups - 1));
-    src.push('\n');
+    src.push_str("    }\n");
     src
 }
 
 /// The kernels of one model's attention shape: `whole` (every row one item) and `split` (rows
-/// over several items, then `merge`). Both attention kernels take `MAX_GROUPS` groups' buffers;
-/// a step with fewer passes `spare` (one zero slot, never read) for the rest, so each kernel
+/// over several items, then `merge`). Both attention kernels take `MAX_GROUPS` groups' pools;
+/// a step with fewer passes `spare` (one zero block, never read) for the rest, so each kernel
 /// has one form, compiled when the model loads (`new` runs each once): a kernel's first run
 /// compiles it (NVRTC, about a second), which a form first met while serving would stall every
 /// stream for.
@@ -238,10 +241,11 @@ impl RowAttention {
         if std::env::var_os("LLMQ_MASKED_DECODE_ATTENTION").is_some_and(|v| v != "0") {
             return None;
         }
-        let header =
-            format!("constexpr float SCALE = {scale:.9e}f;\nconstexpr int WARPS = {WARPS};\n");
+        let header = format!(
+            "constexpr float SCALE = {scale:.9e}f;\nconstexpr int WARPS = {WARPS};\nconstexpr int BS = {BLOCK_TOKENS};\n"
+        );
         let made = (|| -> Result<RowAttention, Exception> {
-            let mut inputs = vec!["q".to_string(), "work".to_string()];
+            let mut inputs = vec!["q".to_string(), "work".to_string(), "tables".to_string()];
             for i in 0..MAX_GROUPS {
                 inputs.extend([format!("k{i}"), format!("v{i}")]);
             }
@@ -272,7 +276,7 @@ impl RowAttention {
                     "",
                     0,
                 )?,
-                spare: mlx_rs::ops::zeros_dtype(&[1, kv_heads, 1, head_dim], dtype)?,
+                spare: mlx_rs::ops::zeros_dtype(&[BLOCK_TOKENS as i32, kv_heads, head_dim], dtype)?,
                 heads,
                 kv_heads,
                 head_dim,
@@ -280,14 +284,15 @@ impl RowAttention {
             // Compile both forms now: one row over one key, whole, then split.
             let q = mlx_rs::ops::zeros_dtype(&[1, heads, 1, head_dim], dtype)?;
             let spare = r.spare.clone();
+            let table = Array::from_slice(&[0i32], &[1, 1]);
             for split in [false, true] {
                 let plan = RowPlan {
-                    work: Array::from_slice(&[0i32, 0, 1], &[1, 3]),
+                    work: Array::from_slice(&[0i32, 0, 1, 0], &[1, 4]),
                     items: 1,
                     rows: 1,
                     spans: split.then(|| Array::from_slice(&[0i32, 1], &[1, 2])),
                 };
-                r.apply(&plan, &q, &[(&spare, &spare)])?.eval()?;
+                r.apply(&plan, &q, &[(&spare, &spare)], &table)?.eval()?;
             }
             Ok(r)
         })();
@@ -300,11 +305,11 @@ impl RowAttention {
         }
     }
 
-    /// The work of a step whose rows (every group's slots in order) attend over `lens` keys
-    /// each (0 for a scratch slot). Every row is one item, unless that leaves fewer than
-    /// `ENOUGH_BLOCKS` blocks and some row is longer than `KEYS_PER_BLOCK`: rows are then cut
-    /// into items of at most that many keys.
-    pub fn plan(&self, lens: &[usize]) -> RowPlan {
+    /// The work of a step whose rows (every group's slots in order, row r in group
+    /// `groups[r]`) attend over `lens` keys each (0 for a scratch slot). Every row is one item,
+    /// unless that leaves fewer than `ENOUGH_BLOCKS` blocks and some row is longer than
+    /// `KEYS_PER_BLOCK`: rows are then cut into items of at most that many keys.
+    pub fn plan(&self, lens: &[usize], groups: &[i32]) -> RowPlan {
         let rows = lens.len() as i32;
         let longest = lens.iter().copied().max().unwrap_or(0);
         let per = KEYS_PER_BLOCK as usize;
@@ -312,15 +317,16 @@ impl RowAttention {
         let (mut work, mut spans) = (vec![], vec![]);
         for (r, &len) in lens.iter().enumerate() {
             let n = if split { len.div_ceil(per).max(1) } else { 1 };
-            spans.extend([(work.len() / 3) as i32, n as i32]);
+            spans.extend([(work.len() / 4) as i32, n as i32]);
+            let group = groups.get(r).copied().unwrap_or(0);
             for i in 0..n {
                 let (b, e) = (len * i / n, len * (i + 1) / n);
-                work.extend([r as i32, b as i32, e as i32]);
+                work.extend([r as i32, b as i32, e as i32, group]);
             }
         }
-        let items = (work.len() / 3) as i32;
+        let items = (work.len() / 4) as i32;
         RowPlan {
-            work: Array::from_slice(&work, &[items, 3]),
+            work: Array::from_slice(&work, &[items, 4]),
             items,
             rows,
             spans: split.then(|| Array::from_slice(&spans, &[rows, 2])),
@@ -328,34 +334,40 @@ impl RowAttention {
     }
 
     /// Attention of each row's query `q` [rows, heads, 1, head_dim] (every group's slots in
-    /// order) over its keys and values in its group's buffers `kv` ([slots, kv_heads, capacity,
-    /// head_dim] each), as `plan` laid out.
+    /// order) over its keys and values in its group's pool `kv` ([pool slots, kv_heads,
+    /// head_dim] each) through its table (`tables` [rows, width] int32), as `plan` laid out.
     pub fn apply(
         &self,
         plan: &RowPlan,
         q: &Array,
         kv: &[(&Array, &Array)],
+        tables: &Array,
     ) -> Result<Array, Exception> {
         let rows = q.shape()[0];
-        let slots: i32 = kv.iter().map(|(k, _)| k.shape()[0]).sum();
         let shapes_fit = q.shape() == [rows, self.heads, 1, self.head_dim]
             && rows == plan.rows
-            && slots == rows
-            && kv
-                .iter()
-                .all(|(k, v)| k.shape()[1] == self.kv_heads && k.shape() == v.shape());
+            && tables.ndim() == 2
+            && tables.shape()[0] == rows
+            && tables.dtype() == Dtype::Int32
+            && kv.iter().all(|(k, v)| {
+                k.ndim() == 3
+                    && k.shape()[1] == self.kv_heads
+                    && k.shape()[2] == self.head_dim
+                    && k.shape() == v.shape()
+            });
         if !shapes_fit || kv.is_empty() || kv.len() > MAX_GROUPS {
             return Err(Exception::custom(format!(
-                "row attention kernel: q {:?} over {} groups of {slots} slots does not fit",
+                "row attention kernel: q {:?} over {} pools, tables {:?}, does not fit",
                 q.shape(),
-                kv.len()
+                kv.len(),
+                tables.shape()
             )));
         }
         let g = self.heads / self.kv_heads;
         let ints = [("G", g), ("D", self.head_dim)];
-        let mut inputs = vec![q, &plan.work];
+        let mut inputs = vec![q, &plan.work, tables];
         for i in 0..MAX_GROUPS {
-            // Spare slots come after every real group, so no row's search reaches them.
+            // Spare pools stand for absent groups, which no item names.
             let (k, v) = kv.get(i).copied().unwrap_or((&self.spare, &self.spare));
             inputs.extend([k, v]);
         }

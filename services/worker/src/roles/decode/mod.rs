@@ -1,9 +1,9 @@
-//! The decode actor: owns every request whose prompt is complete: the decode batches (rows of
-//! shared KV buffers, one batch per length group), each row's sequence and sampler, and the
-//! decode step queued ahead on the device. Each [`Step`] advances every row by one token; a
+//! The decode actor: owns every request whose prompt is complete: the decode batches (rows
+//! whose KV lives in a block pool; see `new_batches` for the length groups), each row's
+//! sequence and sampler, and the decode step queued ahead on the device. Each [`Step`] advances every row by one token; a
 //! sequence lent by the prefill actor rides in the same pass over the weights for its chunk
 //! (and, when nothing needs the host in between, in the step queued ahead). A sequence whose
-//! prompt completes joins its length group here, by [`Join`] or in a [`Step`]; its prompt's KV goes
+//! prompt completes joins its batch here, by [`Join`] or in a [`Step`]; its prompt's KV goes
 //! to the cache actor (on a CPU copied from its row a few layers a step: `copies`), as does a
 //! sequence's KV when it is released.
 //!
@@ -43,8 +43,10 @@ use crate::roles::messages::{
 };
 use crate::seq::{guarded, internal, unknown, Busy, MasksAhead, Seq, Shared};
 
-/// Length groups of the decode batches: a sequence joins the first group whose bound exceeds
-/// its length (it stays there as it grows).
+/// Length groups of the decode batches where a step attends through MLX (masked over the
+/// longest row's keys, or row by row): a sequence joins the first group whose bound exceeds its
+/// length (it stays there as it grows). Where llmq's attention reads each row's keys through
+/// its table, one batch holds every row.
 const GROUP_BOUNDS: [usize; 4] = [2048, 8192, 32768, usize::MAX];
 
 /// Rows of a long length group (past the first) attend one by one while there are at most
@@ -66,9 +68,10 @@ pub struct DecodeActor {
     shared: Shared,
     cache: Addr<CacheActor>,
     seqs: HashMap<ReqId, Seq>,
-    /// Decoding sequences as rows of shared KV buffers, one batch per length group so that
-    /// short sequences do not attend over the longest one's capacity (None for sliding-window
-    /// models, whose sequences decode each against its own cache).
+    /// Decoding sequences as rows of decode batches, their KV in each batch's block pool: one
+    /// batch where llmq's attention reads rows through their tables, else one per length group
+    /// so that short sequences do not attend over the longest one's keys (None for
+    /// sliding-window models, whose sequences decode each against its own cache).
     batches: Option<Vec<DecodeBatch>>,
     /// rows[g][r]: the request in row r of group g.
     rows: Vec<Vec<ReqId>>,
@@ -147,6 +150,11 @@ pub struct Join {
 }
 
 fn new_batches(model: &Model) -> Option<Vec<DecodeBatch>> {
+    if model.reads_tables() {
+        // Every row attends over its own keys whatever the others' lengths: one batch, one
+        // pool.
+        return model.new_decode_batch().map(|b| vec![b]);
+    }
     // Past the first group, few long rows: they attend one by one (see DecodeBatch).
     model.new_decode_batch().map(|_| {
         (0..GROUP_BOUNDS.len())
@@ -321,7 +329,7 @@ impl DecodeActor {
         }
         let result = match self.batches.as_mut() {
             Some(batches) => {
-                let g = group_of(seq.cache.offset());
+                let g = group_of(seq.cache.offset()).min(batches.len() - 1);
                 batches[g].join(&seq.cache).map_err(internal).map(|row| {
                     seq.row = Some((g, row));
                     self.rows[g].push(id);

@@ -198,14 +198,15 @@ impl DecodeActor {
         };
         let total = t0.elapsed();
         if total.as_secs_f64() * 1000.0 > SLOW_MS {
-            let capacity: Vec<usize> = batches.iter().map(|b| b.capacity()).collect();
+            // Each batch's pool: its blocks, and those free.
+            let pools: Vec<(usize, usize)> = batches.iter().map(|b| b.pool_blocks()).collect();
             let (build_ms, total_ms) = (built.as_secs_f64() * 1000.0, total.as_secs_f64() * 1000.0);
             tracing::debug!(
                 rows,
                 chunk = chunk_toks.as_ref().map_or(0, |c| c.len()),
                 build_ms,
                 total_ms,
-                ?capacity,
+                ?pools,
                 "slow decode step"
             );
         }
