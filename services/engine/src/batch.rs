@@ -128,6 +128,9 @@ pub struct DecodeBatch {
     num_layers: usize,
     /// Per layer, for a recurrent layer: what it keeps per row.
     states: Vec<Option<RowState>>,
+    /// Per layer, a sliding-window layer's window: its rows attend over their last `window`
+    /// positions, and a joining sequence brings only those (all its cache keeps).
+    windows: Vec<Option<usize>>,
     /// While the batch has at most this many rows, they attend row by row over each row's own
     /// keys (no mask, MLX's fused vector kernel) where no kernel of llmq's own reads the
     /// pool, instead of in one masked attention over the longest row's keys. 0: never.
@@ -135,13 +138,15 @@ pub struct DecodeBatch {
 }
 
 impl DecodeBatch {
-    /// `states`: per layer, what a recurrent layer keeps per row (None for an attention layer).
+    /// `states`: per layer, what a recurrent layer keeps per row (None for an attention layer);
+    /// `windows`: per layer, a sliding-window layer's window.
     pub(crate) fn new(
         num_layers: usize,
         kv_heads: usize,
         head_dim: usize,
         dtype: Dtype,
         states: Vec<Option<RowState>>,
+        windows: Vec<Option<usize>>,
     ) -> Self {
         DecodeBatch {
             layers: vec![],
@@ -155,8 +160,16 @@ impl DecodeBatch {
             dtype,
             num_layers,
             states,
+            windows,
             per_row_up_to: 0,
         }
+    }
+
+    /// Whether row `row` still holds every position in every layer (no sliding window has
+    /// dropped any): only then can it be read out as a prefix.
+    fn whole(&self, row: usize) -> bool {
+        let len = self.lens.get(row).copied().unwrap_or(0);
+        self.windows.iter().flatten().all(|&w| len < w)
     }
 
     /// Whether layer `l` keeps recurrent states.
@@ -358,10 +371,17 @@ impl DecodeBatch {
                     ))
                 })?
             } else {
-                cache.contents(l).ok_or_else(|| {
-                    EngineError::InvalidRequest(
-                        "a sliding-window cache cannot join the decode batch".into(),
-                    )
+                // A window keeps its last `window - 1` positions: all the next token sees.
+                let kept = self.windows[l].map_or(len, |w| len.min(w - 1));
+                let kv = match kept {
+                    0 => Some((crate::cache::empty(), crate::cache::empty())),
+                    k if k == len => cache.contents(l),
+                    k => cache.layers[l].last(k),
+                };
+                kv.ok_or_else(|| {
+                    EngineError::InvalidRequest(format!(
+                        "layer {l} no longer keeps the {kept} positions the batch needs"
+                    ))
                 })?
             });
         }
@@ -377,6 +397,12 @@ impl DecodeBatch {
         let r = row as i32;
         for (l, (ck, cv)) in parts.into_iter().enumerate() {
             let shared = self.shares_pair(l);
+            let kept = ck.shape().get(2).copied().unwrap_or(0) as usize;
+            let index = if self.states[l].is_none() && kept < len {
+                self.slot_index(&slots[len - kept..])?
+            } else {
+                index.clone()
+            };
             let (k, v) = &mut self.layers[l];
             if self.states[l].is_some() {
                 k.try_index_mut((r..r + 1, .., .., ..), &ck)?;
@@ -385,7 +411,7 @@ impl DecodeBatch {
                 } else {
                     v.try_index_mut((r..r + 1, .., .., ..), &cv)?;
                 }
-            } else if len > 0 {
+            } else if kept > 0 {
                 *k = k.put_along_axis(&index, as_slots(&ck)?, 0)?;
                 *v = v.put_along_axis(&index, as_slots(&cv)?, 0)?;
             }
@@ -410,7 +436,7 @@ impl DecodeBatch {
     /// pool: evaluate them before the next step); None when some layer keeps recurrent states
     /// (they cannot be cut back to a prefix).
     pub fn row_contents(&self, row: usize) -> Option<Vec<(Array, Array)>> {
-        if self.states.iter().any(Option::is_some) {
+        if self.states.iter().any(Option::is_some) || !self.whole(row) {
             return None;
         }
         let slots = self.row_slots(row)?;
@@ -425,6 +451,9 @@ impl DecodeBatch {
     /// recurrent layer's state ([`crate::cache::KvCache::state`]); lazy reads, as
     /// [`DecodeBatch::row_contents`].
     pub fn row_prefix(&self, row: usize) -> Option<Vec<(Array, Array)>> {
+        if !self.whole(row) {
+            return None;
+        }
         let slots = self.row_slots(row)?;
         let r = row as i32;
         (0..self.num_layers)

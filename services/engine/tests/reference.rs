@@ -287,22 +287,46 @@ fn greedy_tokens_are_batch_and_chunk_invariant() {
     }
 }
 
-/// The same through the decode batch (shared per-layer buffers, one scatter and one attention
+/// The same through the decode batch (the KV in its block pool, one scatter and one attention
 /// per layer): sequences join after their prefill, and one leaves mid-way, moving the last row
 /// into its place; every remaining sequence's logits still equal transformers'.
 #[test]
 fn decode_batch_with_joins_and_leaves_matches_transformers() {
-    const STEPS: usize = 6;
     for name in FULL_ATTENTION {
-        let m = load(name);
-        let cases = reference(fixture(name).join("reference.safetensors"));
-        let seqs: Vec<_> = cases.iter().filter(|c| c.ids.len() > STEPS).collect();
-        let mut batch = m.model.new_decode_batch().expect("full-attention model");
+        decode_batch_matches(name, &load(name).model, "");
+    }
+    assert!(
+        load("tiny-gemma2").model.new_decode_batch().is_none(),
+        "soft-capped attention decodes per sequence"
+    );
+}
+
+/// Sliding-window models (window 8) through the decode batch: prompts longer than the window
+/// join with only its last positions, and each row's sliding layers attend over their window,
+/// through llmq's CPU attention and through MLX's masked and row-by-row attention.
+#[test]
+fn sliding_windows_in_the_decode_batch_match_transformers() {
+    for name in ["tiny-mistral", "tiny-gemma3"] {
+        decode_batch_matches(name, &load(name).model, "");
+        let masked = load(name).model.with_masked_decode_attention();
+        decode_batch_matches(name, &masked, "masked");
+    }
+}
+
+fn decode_batch_matches(name: &str, model: &llmq_engine::Model, how: &str) {
+    const STEPS: usize = 6;
+    let cases = reference(fixture(name).join("reference.safetensors"));
+    let seqs: Vec<_> = cases.iter().filter(|c| c.ids.len() > STEPS).collect();
+    for per_row in [0, 8] {
+        let mut batch = model
+            .new_decode_batch()
+            .expect("a model that decodes in batches")
+            .with_per_row_attention(per_row);
         // rows[r] = which sequence row r holds
         let mut rows: Vec<usize> = vec![];
         for (i, c) in seqs.iter().enumerate() {
-            let mut cache = m.model.new_cache();
-            run_chunked(&m.model, &mut cache, &c.ids[..c.ids.len() - STEPS], 9);
+            let mut cache = model.new_cache();
+            run_chunked(model, &mut cache, &c.ids[..c.ids.len() - STEPS], 9);
             assert_eq!(batch.join(&cache).unwrap(), i);
             rows.push(i);
         }
@@ -318,14 +342,14 @@ fn decode_batch_with_joins_and_leaves_matches_transformers() {
                 .iter()
                 .map(|&s| seqs[s].ids[seqs[s].ids.len() - STEPS + step])
                 .collect();
-            let logits = host_f32(&m.model.decode_batch(&toks, &mut batch).unwrap()).unwrap();
+            let logits = host_f32(&model.decode_batch(&toks, &mut batch).unwrap()).unwrap();
             for (r, &s) in rows.iter().enumerate() {
                 let c = seqs[s];
                 let got = &logits[r * c.vocab..(r + 1) * c.vocab];
                 let d = max_abs_diff(got, c.row(c.ids.len() - STEPS + step));
                 assert!(
                     d < TOL,
-                    "{name} seq {s} (row {r}) step {step}: max |diff| {d}"
+                    "{name} {how} (per row: {per_row}) seq {s} (row {r}) step {step}: max |diff| {d}"
                 );
             }
         }
@@ -334,7 +358,6 @@ fn decode_batch_with_joins_and_leaves_matches_transformers() {
         }
         assert_eq!(batch.nbytes(), 0, "an empty batch holds no memory");
     }
-    assert!(load("tiny-mistral").model.new_decode_batch().is_none());
 }
 
 /// Sequences split over two decode batches (length groups) stepped together: one weight pass,

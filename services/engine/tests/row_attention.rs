@@ -79,7 +79,7 @@ fn check(heads: i32, kv_heads: i32, dim: i32, groups: &[(i32, &[usize])], dtype:
     let table = Array::from_slice(&tables, &[rows, width as i32]);
     let kv: Vec<(&Array, &Array)> = pools.iter().map(|(k, v)| (k, v)).collect();
     let got = kernel
-        .apply(&kernel.plan(&lens, &row_group), &q, &kv, &table)
+        .apply(&kernel.plan(&lens, &row_group, None), &q, &kv, &table)
         .unwrap();
     assert_eq!(got.shape(), q.shape());
     assert_eq!(got.dtype(), dtype);

@@ -347,12 +347,15 @@ pub(super) enum GroupAttention {
     /// With every other group's, through the row attention kernel ([`RowStep`]).
     Rows,
     /// All rows at once over keys gathered from the pool (`index`, `keys` a row, from
-    /// [`DecodeBatch::gather_index`]), masked past each row's length.
+    /// [`DecodeBatch::gather_index`]), masked past each row's length (`mask`), and for a
+    /// sliding-window layer also before its window (`windowed`).
     Masked {
         mask: Array,
+        windowed: Option<Array>,
         index: Array,
         keys: i32,
     },
+
     /// Row by row, unmasked, over each active row's `lens` after this step's token, through
     /// its block table (`tables`: [rows, width] block ids, flat).
     PerRow {
@@ -367,6 +370,8 @@ pub(super) enum GroupAttention {
 pub(super) struct RowStep<'a> {
     pub(super) kernel: &'a RowAttention,
     pub(super) plan: RowPlan,
+    /// The plan of a sliding-window layer (each row over its window), for a model that has one.
+    pub(super) windowed: Option<RowPlan>,
     /// Every slot's block table [slots, width] (int32).
     pub(super) tables: Array,
     pub(super) slots: i32,
@@ -402,10 +407,12 @@ impl Attention {
     /// With `chunk`, the last `t` rows are one sequence's prefill chunk (one token per row):
     /// they attend over that sequence's cache, so a decode step and a prefill chunk share one
     /// pass over the weights.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn forward_grouped(
         &self,
         x: &Array,
         layer: usize,
+        window: Option<usize>,
         groups: &mut [GroupStep<'_>],
         rows_step: Option<&RowStep<'_>>,
         rotation: &Rotation,
@@ -456,7 +463,11 @@ impl Attention {
                 .iter()
                 .map(|g| (&g.kv[layer].0, &g.kv[layer].1))
                 .collect();
-            outs.push(self.rows_first(&rs.kernel.apply(&rs.plan, &q, &pools, &rs.tables)?)?);
+            let plan = match (window, &rs.windowed) {
+                (Some(_), Some(p)) => p,
+                _ => &rs.plan,
+            };
+            outs.push(self.rows_first(&rs.kernel.apply(plan, &q, &pools, &rs.tables)?)?);
         } else {
             for g in groups.iter_mut() {
                 let b = g.slots;
@@ -465,7 +476,16 @@ impl Attention {
                 let kv = &mut g.kv[layer];
                 self.write_slots(kv, &g.write, &k, &v)?;
                 let o = match &g.attend {
-                    GroupAttention::Masked { mask, index, keys } => {
+                    GroupAttention::Masked {
+                        mask,
+                        windowed,
+                        index,
+                        keys,
+                    } => {
+                        let mask = match (window, windowed) {
+                            (Some(_), Some(w)) => w,
+                            _ => mask,
+                        };
                         let (gk, gv) = take_rows(kv, index, b, *keys)?;
                         scaled_dot_product_attention(&q, &gk, &gv, self.scale, mask, None)?
                     }
@@ -476,9 +496,9 @@ impl Attention {
                         lens,
                         tables,
                         width,
-                    } => match self.rows_on_cpu(&q, kv, lens, tables, *width)? {
+                    } => match self.rows_on_cpu(&q, kv, lens, tables, *width, window)? {
                         Some(o) => o,
-                        None => self.attend_per_row(&q, kv, lens, tables, *width, b)?,
+                        None => self.attend_per_row(&q, kv, lens, tables, *width, window, b)?,
                     },
                 };
                 outs.push(self.rows_first(&o)?);
@@ -528,6 +548,7 @@ impl Attention {
         lens: &[usize],
         tables: &[i32],
         width: usize,
+        window: Option<usize>,
     ) -> Result<Option<Array>> {
         if !self.cpu || q.dtype() != Dtype::Float32 || kv.0.dtype() != Dtype::Float32 {
             return Ok(None);
@@ -549,14 +570,17 @@ impl Attention {
             tables,
             width,
             lens,
+            window,
             shape,
             self.scale,
         );
         Ok(Some(Array::from_slice(&o, s)))
     }
 
-    /// A group's active rows, each over its own keys gathered from the pool through its table,
-    /// unmasked (MLX's fused vector kernel), its scratch rows zeros: [slots, heads, 1, d].
+    /// A group's active rows, each over its own keys (with a `window`, its last that many)
+    /// gathered from the pool through its table, unmasked (MLX's fused vector kernel), its
+    /// scratch rows zeros: [slots, heads, 1, d].
+    #[allow(clippy::too_many_arguments)]
     fn attend_per_row(
         &self,
         q: &Array,
@@ -564,11 +588,15 @@ impl Attention {
         lens: &[usize],
         tables: &[i32],
         width: usize,
+        window: Option<usize>,
         slots: i32,
     ) -> Result<Array> {
         let mut parts = Vec::with_capacity(lens.len() + 1);
         for (r, &len) in lens.iter().enumerate() {
-            let own: Vec<i32> = slots_of(&tables[r * width..][..width], len).collect();
+            let first = window.map_or(0, |w| len.saturating_sub(w));
+            let own: Vec<i32> = slots_of(&tables[r * width..][..width], len)
+                .skip(first)
+                .collect();
             let (k, v) = take_slots(kv, &own)?;
             let r = r as i32;
             parts.push(scaled_dot_product_attention(

@@ -374,14 +374,23 @@ impl Model {
         }
     }
 
-    /// An empty decode batch for this model (a recurrent layer's rows hold its states), or
-    /// None for sliding-window models (their caches decode per sequence) and soft-capped
-    /// attention (which the batch's kernels do not compute).
+    /// An empty decode batch for this model (a recurrent layer's rows hold its states; a
+    /// sliding-window layer's rows attend over their window), or None for soft-capped
+    /// attention (which the batch's kernels do not compute: such models decode per sequence).
     pub fn new_decode_batch(&self) -> Option<DecodeBatch> {
         let c = &self.config;
         let states = (0..c.num_layers).map(|l| self.state_of_layer(l)).collect();
-        (!c.any_sliding() && c.attn_logit_softcap.is_none())
-            .then(|| DecodeBatch::new(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, states))
+        let windows = (0..c.num_layers).map(|l| c.window(l)).collect();
+        c.attn_logit_softcap.is_none().then(|| {
+            DecodeBatch::new(
+                c.num_layers,
+                c.num_kv_heads,
+                c.head_dim,
+                self.dtype,
+                states,
+                windows,
+            )
+        })
     }
 
     /// One decode step for every sequence of the batch: `tokens[i]` is row i's next input.

@@ -38,7 +38,12 @@ impl Model {
             .filter(|_| decode_slots > 0)
             .map(|kernel| RowStep {
                 kernel,
-                plan: kernel.plan(&keys, &slot_groups),
+                plan: kernel.plan(&keys, &slot_groups, None),
+                windowed: self
+                    .config
+                    .sliding_window
+                    .filter(|_| self.config.any_sliding())
+                    .map(|w| kernel.plan(&keys, &slot_groups, Some(w))),
                 tables: step_tables(&tables),
                 slots: decode_slots as i32,
             });
@@ -93,9 +98,15 @@ impl Model {
             .expect("built for these layers");
             let normed = rms_norm(&x, Some(&layer.input_norm), eps)?;
             let h = match &layer.mixer {
-                Mixer::Attention(a) => {
-                    a.forward_grouped(&normed, li, &mut steps, rows_step.as_ref(), rotation, part)?
-                }
+                Mixer::Attention(a) => a.forward_grouped(
+                    &normed,
+                    li,
+                    self.config.window(li),
+                    &mut steps,
+                    rows_step.as_ref(),
+                    rotation,
+                    part,
+                )?,
                 Mixer::Conv(c) => c.forward_rows(&normed, li, &mut steps, part)?,
                 Mixer::Delta(d) => d.forward_rows(&normed, li, &mut steps, part)?,
             };
@@ -110,7 +121,9 @@ impl Model {
         for (_, batch) in groups.iter_mut() {
             batch.advance();
         }
-        if let Some(c) = chunk.as_mut() {
+        // Only a padded chunk rewinds (a sliding window's or a state's cache cannot, and is
+        // never padded: its model's chunk grid is 1).
+        if let Some(c) = chunk.as_mut().filter(|_| pad > 0) {
             for li in range.clone() {
                 c.cache.layers[li].rewind(pad)?;
             }
@@ -217,11 +230,24 @@ impl Model {
                 let n = (width * BLOCK_TOKENS) as i32;
                 let keys =
                     mlx_rs::ops::arange::<i32, i32>(None, n, None)?.reshape(&[1, 1, 1, n])?;
+                let ends = batch
+                    .positions()
+                    .reshape(&[slots as i32, 1, 1, 1])?
+                    .add(Array::from_int(1))?;
+                let windowed = match self
+                    .config
+                    .sliding_window
+                    .filter(|_| self.config.any_sliding())
+                {
+                    Some(w) => Some(
+                        keys.lt(&ends)?
+                            .logical_and(&keys.ge(&ends.subtract(Array::from_int(w as i32))?)?)?,
+                    ),
+                    None => None,
+                };
                 GroupAttention::Masked {
-                    mask: keys.lt(&batch
-                        .positions()
-                        .reshape(&[slots as i32, 1, 1, 1])?
-                        .add(Array::from_int(1))?)?,
+                    mask: keys.lt(&ends)?,
+                    windowed,
                     index: batch.gather_index(width),
                     keys: n,
                 }

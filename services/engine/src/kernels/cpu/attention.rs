@@ -72,20 +72,11 @@ pub fn causal_attention(q: &[f32], k: &[f32], v: &[f32], s: Shape, scale: f32) -
     let parts = split_over_keys(
         s.kv_heads * tiles,
         s.len,
-        |unit| s.len - s.t + queries(unit % tiles).end,
+        |unit| 0..s.len - s.t + queries(unit % tiles).end,
         |unit, keys| {
             let layout = Layout::Contiguous { cap: s.cap };
-            run_tile(
-                q,
-                k,
-                v,
-                layout,
-                s,
-                scale,
-                unit / tiles,
-                queries(unit % tiles),
-                keys,
-            )
+            let tile = queries(unit % tiles);
+            run_tile(q, k, v, layout, s, scale, unit / tiles, tile, keys, 0)
         },
     );
     let mut out = vec![0.0; q.len()];
@@ -105,8 +96,10 @@ pub fn causal_attention(q: &[f32], k: &[f32], v: &[f32], s: Shape, scale: f32) -
 /// 1, d]; `k` and `v` token slots [pool slots, kv_heads, d] in blocks of `BLOCK_TOKENS`; row
 /// `r` over its first `lens[r]` positions (its new token's included), position p at slot
 /// `tables[r][p / BLOCK_TOKENS] * BLOCK_TOKENS + p % BLOCK_TOKENS` (`tables`: [rows, width]
-/// block ids, flat); slots past `lens` (scratch rows) get zeros. Returns [slots, heads, 1, d].
-/// Of `s`, `t`, `len` and `cap` are each row's (1, `lens[r]`, unused), whatever `s` says.
+/// block ids, flat); with a `window`, over only its last `window` of them (a sliding-window
+/// layer's); slots past `lens` (scratch rows) get zeros. Returns [slots, heads, 1, d]. Of `s`,
+/// `t`, `len` and `cap` are each row's (1, `lens[r]`, unused), whatever `s` says.
+#[allow(clippy::too_many_arguments)]
 pub fn rows_attention(
     q: &[f32],
     k: &[f32],
@@ -114,6 +107,7 @@ pub fn rows_attention(
     tables: &[i32],
     width: usize,
     lens: &[usize],
+    window: Option<usize>,
     s: Shape,
     scale: f32,
 ) -> Vec<f32> {
@@ -134,12 +128,16 @@ pub fn rows_attention(
             .all(|&b| b >= 0 && (b as usize + 1) * BLOCK_TOKENS <= pool),
         "a table's block lies outside the pool of {pool} slots"
     );
-    let longest = lens.iter().copied().max().unwrap_or(0);
+    let first = |len: usize| window.map_or(0, |w| len.saturating_sub(w));
+    let longest = lens.iter().map(|&l| l - first(l)).max().unwrap_or(0);
     // A unit: a row's kv head.
     let parts = split_over_keys(
         lens.len() * s.kv_heads,
         longest,
-        |unit| lens[unit / s.kv_heads],
+        |unit| {
+            let len = lens[unit / s.kv_heads];
+            first(len)..len
+        },
         |unit, keys| {
             let (r, g) = (unit / s.kv_heads, unit % s.kv_heads);
             let one = Shape {
@@ -151,17 +149,8 @@ pub fn rows_attention(
                 table: &tables[r * width..][..width],
                 kv_heads: s.kv_heads,
             };
-            run_tile(
-                &q[r * row_q..][..row_q],
-                k,
-                v,
-                layout,
-                one,
-                scale,
-                g,
-                0..1,
-                keys,
-            )
+            let q = &q[r * row_q..][..row_q];
+            run_tile(q, k, v, layout, one, scale, g, 0..1, keys, first(lens[r]))
         },
     );
     let mut out = vec![0.0; q.len()];
@@ -197,14 +186,16 @@ impl Layout<'_> {
     }
 }
 
-/// Runs `units` of attention on the host's cores, each unit's keys (`0..end(unit)`, at most
-/// `longest`) cut into as many ranges as balance the cores (whole blocks, at least
-/// `MIN_SPLIT_KEYS` each): `run(unit, keys)` gives a range's running softmax, and each unit's
-/// ranges are merged in order (the result does not depend on which core ran what).
+/// Runs `units` of attention on the host's cores, each unit's keys (`span(unit)`, at most
+/// `longest` of them, from the start of the [`BLOCK`] holding its first) cut into as many
+/// ranges as balance the cores (whole blocks, at least `MIN_SPLIT_KEYS` each): `run(unit,
+/// keys)` gives a range's running softmax (keys before the span's start masked by the run),
+/// and each unit's ranges are merged in order (the result does not depend on which core ran
+/// what).
 fn split_over_keys(
     units: usize,
     longest: usize,
-    end: impl Fn(usize) -> usize + Sync,
+    span: impl Fn(usize) -> Range<usize> + Sync,
     run: impl Fn(usize, Range<usize>) -> Partial + Sync,
 ) -> Vec<Partial> {
     let wanted = (TASKS_PER_CORE * rayon::current_num_threads()).div_ceil(units.max(1));
@@ -213,9 +204,15 @@ fn split_over_keys(
         .into_par_iter()
         .map(|task| {
             let (unit, split) = (task / splits, task % splits);
-            let end = end(unit);
-            let step = end.div_ceil(splits).next_multiple_of(BLOCK);
-            run(unit, (split * step).min(end)..((split + 1) * step).min(end))
+            let keys = span(unit);
+            let (from, end) = (keys.start / BLOCK * BLOCK, keys.end);
+            let step = (end - from.min(end))
+                .div_ceil(splits)
+                .next_multiple_of(BLOCK);
+            run(
+                unit,
+                (from + split * step).min(end)..(from + (split + 1) * step).min(end),
+            )
         })
         .collect();
     let mut parts = parts.into_iter();
@@ -286,13 +283,14 @@ fn run_tile(
     g: usize,
     queries: Range<usize>,
     keys: Range<usize>,
+    first: usize,
 ) -> Partial {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
         // SAFETY: the CPU has the features the function is compiled for.
-        return unsafe { tile_avx2(q, k, v, layout, s, scale, g, queries, keys) };
+        return unsafe { tile_avx2(q, k, v, layout, s, scale, g, queries, keys, first) };
     }
-    tile::<false>(q, k, v, layout, s, scale, g, queries, keys)
+    tile::<false>(q, k, v, layout, s, scale, g, queries, keys, first)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -308,8 +306,9 @@ unsafe fn tile_avx2(
     g: usize,
     queries: Range<usize>,
     keys: Range<usize>,
+    first: usize,
 ) -> Partial {
-    tile::<true>(q, k, v, layout, s, scale, g, queries, keys)
+    tile::<true>(q, k, v, layout, s, scale, g, queries, keys, first)
 }
 
 /// `a * b + c`, fused where the caller is compiled with FMA (elsewhere `mul_add` would be a
@@ -324,7 +323,7 @@ fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
 }
 
 /// A running softmax over blocks of `keys` for each row of the tile (positions past a row's
-/// last are masked).
+/// last, and before `first`, are masked).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn tile<const FMA: bool>(
@@ -337,6 +336,7 @@ fn tile<const FMA: bool>(
     g: usize,
     queries: Range<usize>,
     keys: Range<usize>,
+    first: usize,
 ) -> Partial {
     let (d, n) = (s.d, queries.len());
     let group = s.heads / s.kv_heads;
@@ -372,8 +372,11 @@ fn tile<const FMA: bool>(
         }
         let live: Vec<usize> = (0..rows).filter(|&r| last[r] >= j0).collect();
         block_scores::<FMA>(&qs, &kt, d, &live, &mut scores);
+        // Keys before `first` (a window's start, in the range's first block only) are masked.
+        let skip = first.saturating_sub(j0).min(b);
         for &r in &live {
             let seen = (last[r] + 1 - j0).min(b);
+            scores[r][..skip.min(seen)].fill(f32::NEG_INFINITY);
             let (sc, masked) = scores[r][..b].split_at_mut(seen);
             let new_max = max[r].max(lanes(sc, f32::NEG_INFINITY, f32::max));
             rescale[r] = exp_le0(max[r] - new_max);
@@ -588,12 +591,28 @@ mod tests {
         };
         rows_match(s, 2, &[1700], &mut seed);
         rows_match(s, 3, &[1033, 30], &mut seed);
+        // A sliding window: rows shorter than it, longer, its start mid-block and on a block's
+        // edge, keys split across tasks.
+        for w in [5, 64, 100, 1000] {
+            rows_match_window(s, 5, &[3, 64, 130, 1700], Some(w), &mut seed);
+        }
     }
 
     /// Rows over a pool whose blocks are handed out in a shuffled order (a row's blocks are
     /// neither consecutive nor ascending), each against the definition over its own keys
     /// copied out in order.
     fn rows_match(s: Shape, slots: usize, lens: &[usize], seed: &mut u64) {
+        rows_match_window(s, slots, lens, None, seed);
+    }
+
+    /// `rows_match` with the rows over only their last `window` positions.
+    fn rows_match_window(
+        s: Shape,
+        slots: usize,
+        lens: &[usize],
+        window: Option<usize>,
+        seed: &mut u64,
+    ) {
         let width = lens
             .iter()
             .map(|l| l.div_ceil(BLOCK_TOKENS))
@@ -615,23 +634,29 @@ mod tests {
         let q = random(slots * s.heads * s.d, seed);
         let k = random(blocks * BLOCK_TOKENS * slot_kv, seed);
         let v = random(blocks * BLOCK_TOKENS * slot_kv, seed);
-        let got = rows_attention(&q, &k, &v, &tables, width, lens, s, 0.3);
+        let got = rows_attention(&q, &k, &v, &tables, width, lens, window, s, 0.3);
         let row_q = s.heads * s.d;
         for (r, &len) in lens.iter().enumerate() {
-            // This row's keys in order, [kv_heads, len, d].
+            // This row's keys in order from its window's first, [kv_heads, n, d].
+            let first = window.map_or(0, |w| len.saturating_sub(w));
+            let n = len - first;
             let own = |pool: &[f32]| -> Vec<f32> {
-                let mut out = vec![0.0; s.kv_heads * len * s.d];
-                for p in 0..len {
+                let mut out = vec![0.0; s.kv_heads * n * s.d];
+                for p in first..len {
                     let b = tables[r * width + p / BLOCK_TOKENS] as usize;
                     let slot = b * BLOCK_TOKENS + p % BLOCK_TOKENS;
                     for g in 0..s.kv_heads {
-                        out[(g * len + p) * s.d..][..s.d]
+                        out[(g * n + p - first) * s.d..][..s.d]
                             .copy_from_slice(&pool[(slot * s.kv_heads + g) * s.d..][..s.d]);
                     }
                 }
                 out
             };
-            let one = Shape { len, cap: len, ..s };
+            let one = Shape {
+                len: n,
+                cap: n,
+                ..s
+            };
             let want = reference(&q[r * row_q..][..row_q], &own(&k), &own(&v), one, 0.3);
             let worst = got[r * row_q..][..row_q]
                 .iter()

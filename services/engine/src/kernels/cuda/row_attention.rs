@@ -306,21 +306,25 @@ impl RowAttention {
     }
 
     /// The work of a step whose rows (every group's slots in order, row r in group
-    /// `groups[r]`) attend over `lens` keys each (0 for a scratch slot). Every row is one item,
-    /// unless that leaves fewer than `ENOUGH_BLOCKS` blocks and some row is longer than
-    /// `KEYS_PER_BLOCK`: rows are then cut into items of at most that many keys.
-    pub fn plan(&self, lens: &[usize], groups: &[i32]) -> RowPlan {
+    /// `groups[r]`) attend over `lens` keys each (0 for a scratch slot), or with a `window`
+    /// over the last that many of them. Every row is one item, unless that leaves fewer than
+    /// `ENOUGH_BLOCKS` blocks and some row is longer than `KEYS_PER_BLOCK`: rows are then cut
+    /// into items of at most that many keys.
+    pub fn plan(&self, lens: &[usize], groups: &[i32], window: Option<usize>) -> RowPlan {
         let rows = lens.len() as i32;
-        let longest = lens.iter().copied().max().unwrap_or(0);
+        let first = |len: usize| window.map_or(0, |w| len.saturating_sub(w));
+        let longest = lens.iter().map(|&l| l - first(l)).max().unwrap_or(0);
         let per = KEYS_PER_BLOCK as usize;
         let split = rows * self.kv_heads < ENOUGH_BLOCKS && longest > per;
         let (mut work, mut spans) = (vec![], vec![]);
         for (r, &len) in lens.iter().enumerate() {
-            let n = if split { len.div_ceil(per).max(1) } else { 1 };
+            let from = first(len);
+            let keys = len - from;
+            let n = if split { keys.div_ceil(per).max(1) } else { 1 };
             spans.extend([(work.len() / 4) as i32, n as i32]);
             let group = groups.get(r).copied().unwrap_or(0);
             for i in 0..n {
-                let (b, e) = (len * i / n, len * (i + 1) / n);
+                let (b, e) = (from + keys * i / n, from + keys * (i + 1) / n);
                 work.extend([r as i32, b as i32, e as i32, group]);
             }
         }
