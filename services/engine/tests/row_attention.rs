@@ -113,7 +113,7 @@ fn check(heads: i32, kv_heads: i32, dim: i32, groups: &[(i32, &[usize])], dtype:
         let mask = Array::from_slice(&vec![true; len as usize], &[1, 1, 1, len]);
         let qr = q.index(r as i32..r as i32 + 1);
         let want =
-            host(&scaled_dot_product_attention(&qr, &own(k), &own(v), scale, &mask, None).unwrap());
+            host(&scaled_dot_product_attention(&qr, own(k), own(v), scale, &mask, None).unwrap());
         let d = row
             .iter()
             .zip(&want)

@@ -501,10 +501,8 @@ fn accumulate<const FMA: bool, const R: usize>(
                 *x = o * rescale[r];
             }
         }
-        for j in 0..keys {
-            let v: &[f32; WIDTH] = block.v[j * stride + c..][..WIDTH]
-                .try_into()
-                .expect("a width of columns");
+        for (j, value) in block.v.chunks(stride).take(keys).enumerate() {
+            let v: &[f32; WIDTH] = value[c..][..WIDTH].try_into().expect("a width of columns");
             for k in 0..R {
                 let p = scores[rows[k]][j];
                 for l in 0..WIDTH {
