@@ -9,6 +9,7 @@
 
 use llmq_engine::batch::{DecodeBatch, BLOCK_TOKENS};
 use llmq_engine::cache::SequenceCache;
+use llmq_engine::model::host_f32;
 use llmq_engine::shapes::random_model;
 use llmq_engine::Model;
 use mlx_rs::{Array, Dtype};
@@ -21,10 +22,7 @@ fn prompt(n: usize, salt: u32) -> Vec<u32> {
 }
 
 fn host(a: &Array) -> Vec<f32> {
-    a.as_dtype(Dtype::Float32)
-        .unwrap()
-        .to_vec_exact::<f32>()
-        .unwrap()
+    host_f32(a).unwrap()
 }
 
 fn tokens(t: &[u32]) -> Array {

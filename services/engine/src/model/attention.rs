@@ -356,13 +356,16 @@ pub(super) enum GroupAttention {
         keys: i32,
     },
 
-    /// Row by row, unmasked, over each active row's `lens` after this step's token, through
-    /// its block table (`tables`: [rows, width] block ids, flat).
-    PerRow {
-        lens: Vec<usize>,
-        tables: Vec<i32>,
-        width: usize,
-    },
+    /// Row by row, unmasked, over each active row's keys through its block table.
+    PerRow(RowTables),
+}
+
+/// A group's active rows' keys: their lengths after this step's token, and their block tables
+/// ([rows, width] block ids, flat).
+pub(super) struct RowTables {
+    pub(super) lens: Vec<usize>,
+    pub(super) tables: Vec<i32>,
+    pub(super) width: usize,
 }
 
 /// A decode step's attention through the row attention kernel: every group's rows in one
@@ -492,13 +495,9 @@ impl Attention {
                     GroupAttention::Rows => unreachable!(
                         "a step attends through the row attention kernel whole or not at all"
                     ),
-                    GroupAttention::PerRow {
-                        lens,
-                        tables,
-                        width,
-                    } => match self.rows_on_cpu(&q, kv, lens, tables, *width, window)? {
+                    GroupAttention::PerRow(rows) => match self.rows_on_cpu(&q, kv, rows, window)? {
                         Some(o) => o,
-                        None => self.attend_per_row(&q, kv, lens, tables, *width, window, b)?,
+                        None => self.attend_per_row(&q, kv, rows, window, b)?,
                     },
                 };
                 outs.push(self.rows_first(&o)?);
@@ -545,9 +544,7 @@ impl Attention {
         &self,
         q: &Array,
         kv: &(Array, Array),
-        lens: &[usize],
-        tables: &[i32],
-        width: usize,
+        rows: &RowTables,
         window: Option<usize>,
     ) -> Result<Option<Array>> {
         if !self.cpu || q.dtype() != Dtype::Float32 || kv.0.dtype() != Dtype::Float32 {
@@ -567,9 +564,9 @@ impl Attention {
             f32_slice(&q)?,
             f32_slice(&kv.0)?,
             f32_slice(&kv.1)?,
-            tables,
-            width,
-            lens,
+            &rows.tables,
+            rows.width,
+            &rows.lens,
             window,
             shape,
             self.scale,
@@ -580,21 +577,19 @@ impl Attention {
     /// A group's active rows, each over its own keys (with a `window`, its last that many)
     /// gathered from the pool through its table, unmasked (MLX's fused vector kernel), its
     /// scratch rows zeros: [slots, heads, 1, d].
-    #[allow(clippy::too_many_arguments)]
     fn attend_per_row(
         &self,
         q: &Array,
         kv: &(Array, Array),
-        lens: &[usize],
-        tables: &[i32],
-        width: usize,
+        rows: &RowTables,
         window: Option<usize>,
         slots: i32,
     ) -> Result<Array> {
+        let (lens, width) = (&rows.lens, rows.width);
         let mut parts = Vec::with_capacity(lens.len() + 1);
         for (r, &len) in lens.iter().enumerate() {
             let first = window.map_or(0, |w| len.saturating_sub(w));
-            let own: Vec<i32> = slots_of(&tables[r * width..][..width], len)
+            let own: Vec<i32> = slots_of(&rows.tables[r * width..][..width], len)
                 .skip(first)
                 .collect();
             let (k, v) = take_slots(kv, &own)?;

@@ -8,7 +8,7 @@ use mlx_rs::ops::concatenate;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::{Array, Dtype};
 
-use super::attention::{GroupAttention, GroupStep, RowStep};
+use super::attention::{GroupAttention, GroupStep, RowStep, RowTables};
 use super::layer::Mixer;
 use super::rope::{Layout, Rotation};
 use super::{ChunkStage, Model};
@@ -221,11 +221,11 @@ impl Model {
                 r.tables.push((batch.padded_tables(width), width));
                 GroupAttention::Rows
             } else if batch.per_row_attention() || self.cpu_attention {
-                GroupAttention::PerRow {
+                GroupAttention::PerRow(RowTables {
                     lens: batch.lens().iter().map(|&l| l + 1).collect(),
                     tables: batch.padded_tables(width),
                     width,
-                }
+                })
             } else {
                 let n = (width * BLOCK_TOKENS) as i32;
                 let keys =
