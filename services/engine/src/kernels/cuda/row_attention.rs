@@ -306,15 +306,17 @@ impl RowAttention {
 
     /// The work of a step whose rows (every group's slots in order, row r in group
     /// `groups[r]`) attend over `lens` keys each (0 for a scratch slot), or with a `window`
-    /// over the last that many of them. Every row is one item, unless that leaves fewer than
-    /// `ENOUGH_BLOCKS` blocks and some row is longer than `KEYS_PER_BLOCK`: rows are then cut
-    /// into items of at most that many keys.
+    /// over the last that many of them. Every row is one item, unless the rows with keys leave
+    /// fewer than `ENOUGH_BLOCKS` blocks and some row is longer than `KEYS_PER_BLOCK`: rows are
+    /// then cut into items of at most that many keys.
     pub fn plan(&self, lens: &[usize], groups: &[i32], window: Option<usize>) -> RowPlan {
         let rows = lens.len() as i32;
         let first = |len: usize| window.map_or(0, |w| len.saturating_sub(w));
         let longest = lens.iter().map(|&l| l - first(l)).max().unwrap_or(0);
         let per = KEYS_PER_BLOCK as usize;
-        let split = rows * self.kv_heads < ENOUGH_BLOCKS && longest > per;
+        // Scratch slots (no keys) take no time: only rows with keys count toward a busy GPU.
+        let live = lens.iter().filter(|&&l| l > 0).count() as i32;
+        let split = live * self.kv_heads < ENOUGH_BLOCKS && longest > per;
         let (mut work, mut spans) = (vec![], vec![]);
         for (r, &len) in lens.iter().enumerate() {
             let from = first(len);
