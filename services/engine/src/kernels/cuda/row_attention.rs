@@ -44,11 +44,11 @@ const ENOUGH_BLOCKS: i32 = 256;
 /// `BS` (positions a block), `G` (query heads per kv head), `D` (head dim) and `T` (dtype) are
 /// set per model. Inputs: `q` [rows, heads, 1, D] (every group's rows in order), `work` [items,
 /// 4] int32 (row, first key, end key, group), `tables` [rows, width] int32 block ids, and each
-/// group's pool `k<i>`, `v<i>` [blocks * kv_heads * BS, D]; `@SELECT@` becomes the choice of
-/// the item's group.
+/// group's pool `k<i>`, `v<i>` [blocks * KVH * BS, D] (`KVH` kv heads); `@SELECT@` becomes the
+/// choice of the item's group.
 const ACCUMULATE: &str = r#"
     constexpr int PER = D / 32;
-    const int kv_heads = q_shape[1] / G;
+    const int kv_heads = KVH;
     const int width = tables_shape[1];
     const int item = blockIdx.x / kv_heads;
     const int head = blockIdx.x % kv_heads;
@@ -370,7 +370,7 @@ impl RowAttention {
             )));
         }
         let g = self.heads / self.kv_heads;
-        let ints = [("G", g), ("D", self.head_dim)];
+        let ints = [("G", g), ("D", self.head_dim), ("KVH", self.kv_heads)];
         let mut inputs = vec![q, &plan.work, tables];
         for i in 0..MAX_GROUPS {
             // Spare pools stand for absent groups, which no item names.
