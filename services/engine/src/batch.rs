@@ -3,11 +3,10 @@
 //! batched forward pass (one RoPE and one KV write per layer for the whole batch; one attention
 //! over all rows, each through its own block table).
 //!
-//! The pool: per attention layer, keys and values as [blocks, kv_heads, BLOCK_TOKENS, head_dim]
-//! flattened to rows of head_dim (`pool_row`): within a block, each kv head's positions lie
-//! together, so a row's keys are read in runs of a block's positions. A row's table lists its
-//! blocks in position order: position p lives in block `table[p / BLOCK_TOKENS]` at `p %
-//! BLOCK_TOKENS`. A row takes a block when its next token starts one and
+//! The pool: per attention layer, keys and values as token slots [blocks * BLOCK_TOKENS,
+//! kv_heads, head_dim]; block b holds slots b * BLOCK_TOKENS.. of each layer. A row's table
+//! lists its blocks in position order: position p lives in slot `table[p / BLOCK_TOKENS] *
+//! BLOCK_TOKENS + p % BLOCK_TOKENS`. A row takes a block when its next token starts one and
 //! gives its blocks back when it leaves, so memory follows the tokens held, not a capacity per
 //! row (the slack is at most one partly filled block a row, plus the pool's growth).
 //!
@@ -29,10 +28,8 @@
 //! memory [slots, heads, key_dim, value_dim] float32 as the pair's second array (else the
 //! pair's second array is the first). They grow in rows only, and a step replaces them whole.
 
-use std::ops::Range;
-
 use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
-use mlx_rs::ops::{concatenate, zeros_dtype};
+use mlx_rs::ops::{broadcast_to, concatenate, zeros_dtype};
 use mlx_rs::{Array, Dtype};
 
 use crate::cache::SequenceCache;
@@ -45,34 +42,23 @@ pub const BLOCK_TOKENS: usize = 64;
 /// Blocks of a new pool (the scratch block included).
 const FIRST_BLOCKS: usize = 16;
 
-/// The pool row holding kv head `h`'s key (or value) of position `p` in `block`.
-fn pool_row(block: i32, h: i32, kv_heads: i32, p: usize) -> i32 {
-    (block * kv_heads + h) * BLOCK_TOKENS as i32 + (p % BLOCK_TOKENS) as i32
+/// Slot of position `p` of a row whose table is `table`.
+fn slot(table: &[u32], p: usize) -> i32 {
+    (table[p / BLOCK_TOKENS] as usize * BLOCK_TOKENS + p % BLOCK_TOKENS) as i32
 }
 
-/// The pool rows of `positions` of a sequence whose table (block ids) is `table`, head-major
-/// ([kv_heads * n]: head 0's positions, then head 1's...).
-pub(crate) fn rows_of(table: &[i32], positions: Range<usize>, kv_heads: i32) -> Vec<i32> {
-    (0..kv_heads)
-        .flat_map(|h| {
-            positions
-                .clone()
-                .map(move |p| pool_row(table[p / BLOCK_TOKENS], h, kv_heads, p))
-        })
-        .collect()
+/// The slots of a row's first `len` positions, from its table as int32 block ids.
+pub(crate) fn slots_of(table: &[i32], len: usize) -> impl Iterator<Item = i32> + '_ {
+    (0..len).map(|p| table[p / BLOCK_TOKENS] * BLOCK_TOKENS as i32 + (p % BLOCK_TOKENS) as i32)
 }
 
-/// A pool's keys and values at `rows` (from [`rows_of`]), as one sequence's [1, kv_heads, n,
-/// head_dim].
-pub(crate) fn take_slots(
-    pool: &(Array, Array),
-    rows: &[i32],
-    kv_heads: i32,
-) -> Result<(Array, Array)> {
-    let idx = Array::from_slice(rows, &[rows.len() as i32]);
+/// A pool's keys and values at `slots`, as one sequence's [1, kv_heads, n, head_dim].
+pub(crate) fn take_slots(pool: &(Array, Array), slots: &[i32]) -> Result<(Array, Array)> {
+    let idx = Array::from_slice(slots, &[slots.len() as i32]);
     let one = |a: &Array| -> Result<Array> {
-        let d = a.shape()[1];
-        Ok(a.take_axis(&idx, 0)?.reshape(&[1, kv_heads, -1, d])?)
+        Ok(a.take_axis(&idx, 0)?
+            .transpose_axes(&[1, 0, 2])?
+            .expand_dims(0)?)
     };
     Ok((one(&pool.0)?, one(&pool.1)?))
 }
@@ -86,8 +72,10 @@ pub(crate) fn take_rows(
     n: i32,
 ) -> Result<(Array, Array)> {
     let one = |a: &Array| -> Result<Array> {
-        let d = a.shape()[1];
-        Ok(a.take_axis(index, 0)?.reshape(&[rows, -1, n, d])?)
+        let s = a.shape();
+        Ok(a.take_axis(index, 0)?
+            .reshape(&[rows, n, s[1], s[2]])?
+            .transpose_axes(&[0, 2, 1, 3])?)
     };
     Ok((one(&pool.0)?, one(&pool.1)?))
 }
@@ -121,9 +109,8 @@ impl RowState {
 }
 
 pub struct DecodeBatch {
-    /// Per layer: an attention layer's pool of keys and values, each [blocks * kv_heads *
-    /// BLOCK_TOKENS, head_dim] ([`pool_row`]); a recurrent layer's row states (see
-    /// [`RowState`]).
+    /// Per layer: an attention layer's pool of keys and values, each [blocks * BLOCK_TOKENS,
+    /// kv_heads, head_dim]; a recurrent layer's row states (see [`RowState`]).
     pub(crate) layers: Vec<(Array, Array)>,
     /// Tokens in each active row's cache.
     lens: Vec<usize>,
@@ -261,10 +248,7 @@ impl DecodeBatch {
                 None => Ok(zeros_dtype(&s.inputs_shape(rows), self.dtype)?),
             },
             None => Ok(zeros_dtype(
-                &[
-                    (blocks * BLOCK_TOKENS) as i32 * self.kv_heads,
-                    self.head_dim,
-                ],
+                &[(blocks * BLOCK_TOKENS) as i32, self.kv_heads, self.head_dim],
                 self.dtype,
             )?),
         }
@@ -408,11 +392,17 @@ impl DecodeBatch {
             self.leave(row)?;
             return Err(e);
         }
-        let table = self.table(row);
+        let slots: Vec<i32> = (0..len).map(|p| slot(&self.tables[row], p)).collect();
+        let index = self.slot_index(&slots)?;
         let r = row as i32;
         for (l, (ck, cv)) in parts.into_iter().enumerate() {
             let shared = self.shares_pair(l);
-            let kvh = self.kv_heads;
+            let kept = ck.shape().get(2).copied().unwrap_or(0) as usize;
+            let index = if self.states[l].is_none() && kept < len {
+                self.slot_index(&slots[len - kept..])?
+            } else {
+                index.clone()
+            };
             let (k, v) = &mut self.layers[l];
             if self.states[l].is_some() {
                 k.try_index_mut((r..r + 1, .., .., ..), &ck)?;
@@ -421,30 +411,25 @@ impl DecodeBatch {
                 } else {
                     v.try_index_mut((r..r + 1, .., .., ..), &cv)?;
                 }
-                continue;
-            }
-            let kept = ck.shape().get(2).copied().unwrap_or(0) as usize;
-            if kept > 0 {
-                // [1, kv_heads, kept, d] is already head-major, as `rows_of` lays rows out.
-                let index =
-                    Array::from_slice(&rows_of(&table, len - kept..len, kvh), &[kvh * kept as i32]);
-                let d = ck.shape()[3];
-                k.try_index_mut(index.clone(), ck.reshape(&[-1, d])?)?;
-                v.try_index_mut(index, cv.reshape(&[-1, d])?)?;
+            } else if kept > 0 {
+                *k = k.put_along_axis(&index, as_slots(&ck)?, 0)?;
+                *v = v.put_along_axis(&index, as_slots(&cv)?, 0)?;
             }
         }
         Ok(row)
     }
 
-    /// Row `row`'s table as int32 block ids.
-    fn table(&self, row: usize) -> Vec<i32> {
-        self.tables[row].iter().map(|&b| b as i32).collect()
+    /// Scatter indices [n, kv_heads, head_dim] writing token i at slot `slots[i]`.
+    fn slot_index(&self, slots: &[i32]) -> Result<Array> {
+        let n = slots.len() as i32;
+        let s = Array::from_slice(slots, &[n, 1, 1]);
+        Ok(broadcast_to(&s, &[n, self.kv_heads, self.head_dim])?)
     }
 
-    /// Row `row`'s pool rows of every position it holds (see [`rows_of`]).
-    fn row_rows(&self, row: usize) -> Option<Vec<i32>> {
-        let len = *self.lens.get(row)?;
-        Some(rows_of(&self.table(row), 0..len, self.kv_heads))
+    /// Row `row`'s slots, in position order.
+    fn row_slots(&self, row: usize) -> Option<Vec<i32>> {
+        let table = self.tables.get(row)?;
+        Some((0..self.lens[row]).map(|p| slot(table, p)).collect())
     }
 
     /// Row `row`'s keys and values per layer, [1, kv_heads, len, head_dim] (lazy reads of the
@@ -454,10 +439,10 @@ impl DecodeBatch {
         if self.states.iter().any(Option::is_some) || !self.whole(row) {
             return None;
         }
-        let rows = self.row_rows(row)?;
+        let slots = self.row_slots(row)?;
         self.layers
             .iter()
-            .map(|pool| take_slots(pool, &rows, self.kv_heads).ok())
+            .map(|pool| take_slots(pool, &slots).ok())
             .collect()
     }
 
@@ -469,7 +454,7 @@ impl DecodeBatch {
         if !self.whole(row) {
             return None;
         }
-        let rows = self.row_rows(row)?;
+        let slots = self.row_slots(row)?;
         let r = row as i32;
         (0..self.num_layers)
             .map(|l| {
@@ -482,7 +467,7 @@ impl DecodeBatch {
                         v.index((r..r + 1, .., .., ..)),
                     ))
                 } else {
-                    take_slots(&self.layers[l], &rows, self.kv_heads).ok()
+                    take_slots(&self.layers[l], &slots).ok()
                 }
             })
             .collect()
@@ -542,20 +527,17 @@ impl DecodeBatch {
         Array::from_slice(&p, &[self.slots as i32])
     }
 
-    /// Scatter indices [slots * kv_heads] writing each row's new token's keys (or values)
-    /// [slots * kv_heads, head_dim] into its block, scratch rows into the scratch block. Needs
-    /// [`DecodeBatch::reserve_step`] first.
-    pub(crate) fn write_index(&self) -> Array {
-        let kvh = self.kv_heads;
-        let mut rows = Vec::with_capacity(self.slots * kvh as usize);
-        for (t, &len) in self.tables.iter().zip(&self.lens) {
-            let block = t[len / BLOCK_TOKENS] as i32;
-            rows.extend((0..kvh).map(|h| pool_row(block, h, kvh, len)));
-        }
-        for _ in self.lens.len()..self.slots {
-            rows.extend((0..kvh).map(|h| pool_row(0, h, kvh, 0)));
-        }
-        Array::from_slice(&rows, &[rows.len() as i32])
+    /// Scatter indices [slots, kv_heads, head_dim] writing each row's new token into its
+    /// slot (scratch rows into the scratch block). Needs [`DecodeBatch::reserve_step`] first.
+    pub(crate) fn write_index(&self) -> Result<Array> {
+        let mut slots: Vec<i32> = self
+            .tables
+            .iter()
+            .zip(&self.lens)
+            .map(|(t, &len)| slot(t, len))
+            .collect();
+        slots.resize(self.slots, 0);
+        self.slot_index(&slots)
     }
 
     /// Every slot's table padded with the scratch block to `width` blocks, rows first
@@ -570,15 +552,15 @@ impl DecodeBatch {
         out
     }
 
-    /// Gather indices of every slot's first `width` blocks' positions ([slots * kv_heads *
-    /// width * BLOCK_TOKENS]: slot, then head, then position), for [`take_rows`].
+    /// Gather indices of every slot's first `width` blocks' positions ([slots * width *
+    /// BLOCK_TOKENS], rows first), for [`take_rows`].
     pub(crate) fn gather_index(&self, width: usize) -> Array {
         let tables = self.padded_tables(width);
-        let rows: Vec<i32> = tables
+        let slots: Vec<i32> = tables
             .chunks(width.max(1))
-            .flat_map(|t| rows_of(t, 0..width * BLOCK_TOKENS, self.kv_heads))
+            .flat_map(|t| slots_of(t, width * BLOCK_TOKENS))
             .collect();
-        Array::from_slice(&rows, &[rows.len() as i32])
+        Array::from_slice(&slots, &[slots.len() as i32])
     }
 
     /// Checks the pool's invariants (see the module's notes); the error names the first one
@@ -613,4 +595,10 @@ impl DecodeBatch {
             *l += 1;
         }
     }
+}
+
+/// One sequence's keys or values [1, kv_heads, n, head_dim] as token slots [n, kv_heads,
+/// head_dim].
+fn as_slots(a: &Array) -> Result<Array> {
+    Ok(a.squeeze_axes(&[0])?.transpose_axes(&[1, 0, 2])?)
 }

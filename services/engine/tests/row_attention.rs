@@ -70,7 +70,7 @@ fn check(heads: i32, kv_heads: i32, dim: i32, groups: &[(i32, &[usize])], dtype:
             row_group.push(i as i32);
             r += 1;
         }
-        let shape = [(blocks * bs) as i32 * kv_heads, dim];
+        let shape = [(blocks * bs) as i32, kv_heads, dim];
         pools.push((
             normal(&shape, dtype, 2 + 2 * i as u64),
             normal(&shape, dtype, 3 + 2 * i as u64),
@@ -96,21 +96,17 @@ fn check(heads: i32, kv_heads: i32, dim: i32, groups: &[(i32, &[usize])], dtype:
         }
         // The reference: this row alone over its first `len` keys gathered in order, through
         // MLX's masked path (a mask that keeps every key forces the unfused implementation).
-        // Pool rows [blocks, kv_heads, BLOCK_TOKENS] flattened, head-major for this row.
-        let tables = &tables;
-        let rows: Vec<i32> = (0..kv_heads)
-            .flat_map(|h| {
-                (0..len).map(move |p| {
-                    (tables[r * width + p / bs] * kv_heads + h) * bs as i32 + (p % bs) as i32
-                })
-            })
+        let slots: Vec<i32> = (0..len)
+            .map(|p| tables[r * width + p / bs] * bs as i32 + (p % bs) as i32)
             .collect();
-        let idx = Array::from_slice(&rows, &[rows.len() as i32]);
+        let idx = Array::from_slice(&slots, &[len as i32]);
         let (k, v) = &pools[row_group[r] as usize];
         let own = |a: &Array| {
             a.take_axis(&idx, 0)
                 .unwrap()
-                .reshape(&[1, kv_heads, len as i32, dim])
+                .transpose_axes(&[1, 0, 2])
+                .unwrap()
+                .expand_dims(0)
                 .unwrap()
         };
         let len = len as i32;

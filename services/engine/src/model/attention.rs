@@ -3,7 +3,7 @@
 //! chunk (`forward_grouped`: through the row attention kernel, masked, or row by row).
 
 use mlx_rs::fast::{rms_norm, scaled_dot_product_attention, ScaledDotProductAttentionMask};
-use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
+use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::{Array, Dtype};
 
 use llmq_text::config::ModelConfig;
@@ -11,7 +11,7 @@ use llmq_text::config::ModelConfig;
 use super::parts::{concat_rows, norm_weight, sequence_rows, softcap, Linear};
 use super::rope::{Rope, Rotation};
 use crate::arch::ArchOptions;
-use crate::batch::{rows_of, take_rows, take_slots};
+use crate::batch::{slots_of, take_rows, take_slots};
 use crate::cache::{AttnMask, KvCache};
 use crate::error::{EngineError, Result};
 use crate::kernels::cpu::attention::{causal_attention, rows_attention, Shape};
@@ -523,7 +523,7 @@ impl Attention {
     }
 
     /// Writes each slot's new key and value (`k`, `v` [slots, kv_heads, 1, d]) into `pool` at
-    /// its rows (`write`, from [`DecodeBatch::write_index`]).
+    /// its slot (`write`, from [`DecodeBatch::write_index`]).
     fn write_slots(
         &self,
         pool: &mut (Array, Array),
@@ -531,9 +531,9 @@ impl Attention {
         k: &Array,
         v: &Array,
     ) -> Result<()> {
-        let rows = |a: &Array| a.reshape(&[-1, self.head_dim]);
-        pool.0.try_index_mut(write.clone(), rows(k)?)?;
-        pool.1.try_index_mut(write.clone(), rows(v)?)?;
+        let rows = |a: &Array| a.reshape(&[-1, self.kv_heads, self.head_dim]);
+        pool.0 = pool.0.put_along_axis(write, rows(k)?, 0)?;
+        pool.1 = pool.1.put_along_axis(write, rows(v)?, 0)?;
         Ok(())
     }
 
@@ -589,12 +589,10 @@ impl Attention {
         let mut parts = Vec::with_capacity(lens.len() + 1);
         for (r, &len) in lens.iter().enumerate() {
             let first = window.map_or(0, |w| len.saturating_sub(w));
-            let own = rows_of(
-                &rows.tables[r * width..][..width],
-                first..len,
-                self.kv_heads,
-            );
-            let (k, v) = take_slots(kv, &own, self.kv_heads)?;
+            let own: Vec<i32> = slots_of(&rows.tables[r * width..][..width], len)
+                .skip(first)
+                .collect();
+            let (k, v) = take_slots(kv, &own)?;
             let r = r as i32;
             parts.push(scaled_dot_product_attention(
                 q.index(r..r + 1),

@@ -210,7 +210,7 @@ impl Model {
             r.active.extend((0..n as i32).map(|i| offset + i));
             r.toks.extend(tokens.iter().map(|&t| t as i32));
             r.toks.resize(offset as usize + slots, 0);
-            let write = batch.write_index();
+            let write = batch.write_index()?;
             r.keys.extend(batch.lens().iter().map(|&l| l + 1));
             r.keys.resize(offset as usize + slots, 0);
             r.groups

@@ -93,9 +93,10 @@ pub fn causal_attention(q: &[f32], k: &[f32], v: &[f32], s: Shape, scale: f32) -
 }
 
 /// A decode step's rows, one query each, over a pool of keys and values: `q` [slots, heads,
-/// 1, d]; `k` and `v` blocks [blocks, kv_heads, BLOCK_TOKENS, d]; row `r` over its first
-/// `lens[r]` positions (its new token's included), position p in block `tables[r][p /
-/// BLOCK_TOKENS]` at `p % BLOCK_TOKENS` (`tables`: [rows, width] block ids, flat); with a `window`, over only its last `window` of them (a sliding-window
+/// 1, d]; `k` and `v` token slots [pool slots, kv_heads, d] in blocks of `BLOCK_TOKENS`; row
+/// `r` over its first `lens[r]` positions (its new token's included), position p at slot
+/// `tables[r][p / BLOCK_TOKENS] * BLOCK_TOKENS + p % BLOCK_TOKENS` (`tables`: [rows, width]
+/// block ids, flat); with a `window`, over only its last `window` of them (a sliding-window
 /// layer's); slots past `lens` (scratch rows) get zeros. Returns [slots, heads, 1, d]. Of `s`,
 /// `t`, `len` and `cap` are each row's (1, `lens[r]`, unused), whatever `s` says.
 #[allow(clippy::too_many_arguments)]
@@ -112,7 +113,7 @@ pub fn rows_attention(
 ) -> Vec<f32> {
     let slots = q.len() / (s.heads * s.d).max(1);
     let row_q = s.heads * s.d;
-    let pool = k.len() / (s.kv_heads * s.d).max(1); // positions of every block
+    let pool = k.len() / (s.kv_heads * s.d).max(1);
     assert!(
         lens.len() <= slots
             && v.len() == k.len()
@@ -167,7 +168,7 @@ pub fn rows_attention(
 enum Layout<'a> {
     /// [kv_heads, cap, d]: a sequence's own buffers.
     Contiguous { cap: usize },
-    /// A pool of blocks [blocks, kv_heads, BLOCK_TOKENS, d], through a row's table of blocks.
+    /// Token slots [slots, kv_heads, d] of a pool, through a row's table of blocks.
     Paged { table: &'a [i32], kv_heads: usize },
 }
 
@@ -178,11 +179,8 @@ impl Layout<'_> {
         match *self {
             Layout::Contiguous { cap } => ((g * cap + j) * d, d),
             Layout::Paged { table, kv_heads } => {
-                let block = table[j / BLOCK_TOKENS] as usize;
-                (
-                    ((block * kv_heads + g) * BLOCK_TOKENS + j % BLOCK_TOKENS) * d,
-                    d,
-                )
+                let slot = table[j / BLOCK_TOKENS] as usize * BLOCK_TOKENS + j % BLOCK_TOKENS;
+                ((slot * kv_heads + g) * d, kv_heads * d)
             }
         }
     }
@@ -644,10 +642,10 @@ mod tests {
                 let mut out = vec![0.0; s.kv_heads * n * s.d];
                 for p in first..len {
                     let b = tables[r * width + p / BLOCK_TOKENS] as usize;
+                    let slot = b * BLOCK_TOKENS + p % BLOCK_TOKENS;
                     for g in 0..s.kv_heads {
-                        let at = (b * s.kv_heads + g) * BLOCK_TOKENS + p % BLOCK_TOKENS;
                         out[(g * n + p - first) * s.d..][..s.d]
-                            .copy_from_slice(&pool[at * s.d..][..s.d]);
+                            .copy_from_slice(&pool[(slot * s.kv_heads + g) * s.d..][..s.d]);
                     }
                 }
                 out

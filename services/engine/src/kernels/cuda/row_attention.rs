@@ -1,9 +1,10 @@
 //! Decode attention over rows of different lengths, as CUDA kernels (NVIDIA GPUs only).
 //!
 //! A decode step's rows live in one or more decode batches (length groups), each with its own
-//! pool of keys and values as blocks [blocks, kv_heads, BLOCK_TOKENS, head_dim] flattened to
-//! rows of head_dim ([`crate::batch`]); each row attends over its own first `len` positions,
-//! position p in block `table[p / BLOCK_TOKENS]` at `p % BLOCK_TOKENS` of its group's pool. MLX's fused attention takes no per-row lengths nor tables: it would need the
+//! pool of keys and values as token slots [pool slots, kv_heads, head_dim] in blocks of
+//! `BLOCK_TOKENS` ([`crate::batch`]); each row attends over its own first `len` positions,
+//! position p at slot `table[p / BLOCK_TOKENS] * BLOCK_TOKENS + p % BLOCK_TOKENS` of its
+//! group's pool. MLX's fused attention takes no per-row lengths nor tables: it would need the
 //! keys gathered and a mask, which falls back to unfused matrix products over the longest row,
 //! several times the unmasked time. These kernels attend every row of every group in one
 //! launch, reading only each row's keys, through its table.
@@ -44,11 +45,11 @@ const ENOUGH_BLOCKS: i32 = 256;
 /// `BS` (positions a block), `G` (query heads per kv head), `D` (head dim) and `T` (dtype) are
 /// set per model. Inputs: `q` [rows, heads, 1, D] (every group's rows in order), `work` [items,
 /// 4] int32 (row, first key, end key, group), `tables` [rows, width] int32 block ids, and each
-/// group's pool `k<i>`, `v<i>` [blocks * KVH * BS, D] (`KVH` kv heads); `@SELECT@` becomes the
-/// choice of the item's group.
+/// group's pool `k<i>`, `v<i>` [slots, kv_heads, D]; `@SELECT@` becomes the choice of the
+/// item's group.
 const ACCUMULATE: &str = r#"
     constexpr int PER = D / 32;
-    const int kv_heads = KVH;
+    const int kv_heads = k0_shape[1];
     const int width = tables_shape[1];
     const int item = blockIdx.x / kv_heads;
     const int head = blockIdx.x % kv_heads;
@@ -78,8 +79,8 @@ const ACCUMULATE: &str = r#"
         sum[g] = 0.f;
     }
     for (int j = begin + warp; j < stop; j += WARPS) {
-        const size_t at =
-            (((size_t)table[j / BS] * kv_heads + head) * BS + j % BS) * D + lane * PER;
+        const size_t slot = (size_t)table[j / BS] * BS + j % BS;
+        const size_t at = (slot * kv_heads + head) * D + lane * PER;
         float kr[PER];
         float vr[PER];
         for (int i = 0; i < PER; ++i) {
@@ -339,9 +340,8 @@ impl RowAttention {
     }
 
     /// Attention of each row's query `q` [rows, heads, 1, head_dim] (every group's slots in
-    /// order) over its keys and values in its group's pool `kv` ([blocks * kv_heads *
-    /// BLOCK_TOKENS, head_dim] each) through its table (`tables` [rows, width] int32), as
-    /// `plan` laid out.
+    /// order) over its keys and values in its group's pool `kv` ([pool slots, kv_heads,
+    /// head_dim] each) through its table (`tables` [rows, width] int32), as `plan` laid out.
     pub fn apply(
         &self,
         plan: &RowPlan,
@@ -356,9 +356,9 @@ impl RowAttention {
             && tables.shape()[0] == rows
             && tables.dtype() == Dtype::Int32
             && kv.iter().all(|(k, v)| {
-                k.ndim() == 2
-                    && k.shape()[0] % (self.kv_heads * BLOCK_TOKENS as i32) == 0
-                    && k.shape()[1] == self.head_dim
+                k.ndim() == 3
+                    && k.shape()[1] == self.kv_heads
+                    && k.shape()[2] == self.head_dim
                     && k.shape() == v.shape()
             });
         if !shapes_fit || kv.is_empty() || kv.len() > MAX_GROUPS {
@@ -370,7 +370,7 @@ impl RowAttention {
             )));
         }
         let g = self.heads / self.kv_heads;
-        let ints = [("G", g), ("D", self.head_dim), ("KVH", self.kv_heads)];
+        let ints = [("G", g), ("D", self.head_dim)];
         let mut inputs = vec![q, &plan.work, tables];
         for i in 0..MAX_GROUPS {
             // Spare pools stand for absent groups, which no item names.
