@@ -138,8 +138,11 @@ fn decode_as_alone(model: &Model, per_row: usize, what: &str) {
         for (r, &i) in rows.iter().enumerate() {
             let got = &logits[r * vocab..(r + 1) * vocab];
             let d = worst(got, &want[i][step - seqs[i].joins]);
+            // A GPU's f32 products round differently for a batch than for one row (TF32): an
+            // H100 gave 6e-4 where a misplaced position gives 0.09.
+            let tol = if llmq_engine::on_gpu() { 2e-3 } else { 1e-4 };
             assert!(
-                d < 1e-4,
+                d < tol,
                 "{what}: sequence {i} (row {r}) step {step}: max |diff| {d}"
             );
         }
