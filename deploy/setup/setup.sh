@@ -88,6 +88,8 @@ step_mlx() {
   local openblas=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
   [ -f "$openblas" ] || die "OpenBLAS ($openblas) missing: apt-get install libopenblas0-pthread"
   for f in "$dir"/mlx_cpu.libs/libblas-*.so*; do
+    # The wheel's own library, kept aside by an earlier run, is not linked again.
+    case "$f" in *.reference) continue ;; esac
     if [ ! -L "$f" ]; then mv "$f" "$f.reference"; fi
     ln -sf "$openblas" "$f"
   done
