@@ -42,25 +42,25 @@ pub const BLOCK_TOKENS: usize = 64;
 /// Blocks of a new pool (the scratch block included).
 const FIRST_BLOCKS: usize = 16;
 
+/// The slot of position `p` of a row whose block `p / BLOCK_TOKENS` is `block`.
+pub(crate) fn slot_of(block: usize, p: usize) -> usize {
+    block * BLOCK_TOKENS + p % BLOCK_TOKENS
+}
+
 /// Slot of position `p` of a row whose table is `table`.
 fn slot(table: &[u32], p: usize) -> i32 {
-    (table[p / BLOCK_TOKENS] as usize * BLOCK_TOKENS + p % BLOCK_TOKENS) as i32
+    slot_of(table[p / BLOCK_TOKENS] as usize, p) as i32
 }
 
 /// The slots of a row's first `len` positions, from its table as int32 block ids.
 pub(crate) fn slots_of(table: &[i32], len: usize) -> impl Iterator<Item = i32> + '_ {
-    (0..len).map(|p| table[p / BLOCK_TOKENS] * BLOCK_TOKENS as i32 + (p % BLOCK_TOKENS) as i32)
+    (0..len).map(|p| slot_of(table[p / BLOCK_TOKENS] as usize, p) as i32)
 }
 
 /// A pool's keys and values at `slots`, as one sequence's [1, kv_heads, n, head_dim].
 pub(crate) fn take_slots(pool: &(Array, Array), slots: &[i32]) -> Result<(Array, Array)> {
-    let idx = Array::from_slice(slots, &[slots.len() as i32]);
-    let one = |a: &Array| -> Result<Array> {
-        Ok(a.take_axis(&idx, 0)?
-            .transpose_axes(&[1, 0, 2])?
-            .expand_dims(0)?)
-    };
-    Ok((one(&pool.0)?, one(&pool.1)?))
+    let n = slots.len() as i32;
+    take_rows(pool, &Array::from_slice(slots, &[n]), 1, n)
 }
 
 /// A pool's keys and values at `index` (from [`DecodeBatch::gather_index`]), as `rows` rows of
@@ -393,15 +393,24 @@ impl DecodeBatch {
             return Err(e);
         }
         let slots: Vec<i32> = (0..len).map(|p| slot(&self.tables[row], p)).collect();
-        let index = self.slot_index(&slots)?;
+        // Scatter indices by how many of the last positions a layer brings (all of them, or
+        // a sliding window's), each made once.
+        let mut indices: Vec<(usize, Array)> = vec![];
         let r = row as i32;
         for (l, (ck, cv)) in parts.into_iter().enumerate() {
             let shared = self.shares_pair(l);
             let kept = ck.shape().get(2).copied().unwrap_or(0) as usize;
-            let index = if self.states[l].is_none() && kept < len {
-                self.slot_index(&slots[len - kept..])?
+            let index = if self.states[l].is_none() && kept > 0 {
+                Some(match indices.iter().find(|(n, _)| *n == kept) {
+                    Some((_, index)) => index.clone(),
+                    None => {
+                        let index = self.slot_index(&slots[len - kept..])?;
+                        indices.push((kept, index.clone()));
+                        index
+                    }
+                })
             } else {
-                index.clone()
+                None
             };
             let (k, v) = &mut self.layers[l];
             if self.states[l].is_some() {
@@ -411,7 +420,7 @@ impl DecodeBatch {
                 } else {
                     v.try_index_mut((r..r + 1, .., .., ..), &cv)?;
                 }
-            } else if kept > 0 {
+            } else if let Some(index) = index {
                 *k = k.put_along_axis(&index, as_slots(&ck)?, 0)?;
                 *v = v.put_along_axis(&index, as_slots(&cv)?, 0)?;
             }

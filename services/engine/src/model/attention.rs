@@ -355,7 +355,6 @@ pub(super) enum GroupAttention {
         index: Array,
         keys: i32,
     },
-
     /// Row by row, unmasked, over each active row's keys through its block table.
     PerRow(RowTables),
 }

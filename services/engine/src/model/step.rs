@@ -234,19 +234,19 @@ impl Model {
                     .positions()
                     .reshape(&[slots as i32, 1, 1, 1])?
                     .add(Array::from_int(1))?;
+                let mask = keys.lt(&ends)?;
                 let windowed = match self
                     .config
                     .sliding_window
                     .filter(|_| self.config.any_sliding())
                 {
                     Some(w) => Some(
-                        keys.lt(&ends)?
-                            .logical_and(&keys.ge(&ends.subtract(Array::from_int(w as i32))?)?)?,
+                        mask.logical_and(&keys.ge(&ends.subtract(Array::from_int(w as i32))?)?)?,
                     ),
                     None => None,
                 };
                 GroupAttention::Masked {
-                    mask: keys.lt(&ends)?,
+                    mask,
                     windowed,
                     index: batch.gather_index(width),
                     keys: n,

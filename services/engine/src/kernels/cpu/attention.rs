@@ -18,7 +18,7 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
-use crate::batch::BLOCK_TOKENS;
+use crate::batch::{slot_of, BLOCK_TOKENS};
 use crate::kernels::cpu::elementwise::exp_le0;
 
 /// Keys per block: the block's transposed keys and one row's scores stay in the L1 cache.
@@ -179,7 +179,7 @@ impl Layout<'_> {
         match *self {
             Layout::Contiguous { cap } => ((g * cap + j) * d, d),
             Layout::Paged { table, kv_heads } => {
-                let slot = table[j / BLOCK_TOKENS] as usize * BLOCK_TOKENS + j % BLOCK_TOKENS;
+                let slot = slot_of(table[j / BLOCK_TOKENS] as usize, j);
                 ((slot * kv_heads + g) * d, kv_heads * d)
             }
         }

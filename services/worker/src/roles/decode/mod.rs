@@ -1,8 +1,9 @@
 //! The decode actor: owns every request whose prompt is complete: the decode batches (rows
 //! whose KV lives in a block pool; see `new_batches` for the length groups), each row's
-//! sequence and sampler, and the decode step queued ahead on the device. Each [`Step`] advances every row by one token; a
-//! sequence lent by the prefill actor rides in the same pass over the weights for its chunk
-//! (and, when nothing needs the host in between, in the step queued ahead). A sequence whose
+//! sequence and sampler, and the decode step queued ahead on the device. Each [`Step`]
+//! advances every row by one token; a sequence lent by the prefill actor rides in the same
+//! pass over the weights for its chunk (and, when nothing needs the host in between, in the
+//! step queued ahead). A sequence whose
 //! prompt completes joins its batch here, by [`Join`] or in a [`Step`]; its prompt's KV goes
 //! to the cache actor (on a CPU copied from its row a few layers a step: `copies`), as does a
 //! sequence's KV when it is released.
@@ -70,8 +71,8 @@ pub struct DecodeActor {
     seqs: HashMap<ReqId, Seq>,
     /// Decoding sequences as rows of decode batches, their KV in each batch's block pool: one
     /// batch where llmq's attention reads rows through their tables, else one per length group
-    /// so that short sequences do not attend over the longest one's keys (None for
-    /// sliding-window models, whose sequences decode each against its own cache).
+    /// so that short sequences do not attend over the longest one's keys (None for models whose
+    /// scores are soft-capped, whose sequences decode each against its own cache).
     batches: Option<Vec<DecodeBatch>>,
     /// rows[g][r]: the request in row r of group g.
     rows: Vec<Vec<ReqId>>,

@@ -19,8 +19,8 @@ pub fn stages_for(n: usize, stage_tokens: usize, stages: usize) -> usize {
 }
 
 /// The most steps a chunk's layers are spread over on `model` when `stages` are asked for: at
-/// most one a layer, and 1 for a model without decode batches (sliding-window models decode
-/// row by row: their chunks run whole).
+/// most one a layer, and 1 for a model without decode batches (soft-capped models decode row
+/// by row: their chunks run whole).
 pub fn chunk_stages(model: &Model, stages: usize) -> usize {
     if model.new_decode_batch().is_some() {
         stages.clamp(1, model.num_layers().max(1))

@@ -1,6 +1,6 @@
 //! One step of every decode row, through the decode batches (length groups, the chunk's stage
-//! in the same pass, the next step queued ahead when it can be) or, for sliding-window models,
-//! row by row against each sequence's own cache.
+//! in the same pass, the next step queued ahead when it can be) or, for models whose scores
+//! are soft-capped, row by row against each sequence's own cache.
 
 use llmq_engine::batch::DecodeBatch;
 use llmq_engine::cache::SequenceCache;
@@ -219,7 +219,7 @@ impl DecodeActor {
         })
     }
 
-    /// Sliding-window models: every sequence decodes against its own cache; the chunk runs
+    /// Soft-capped models: every sequence decodes against its own cache; the chunk runs
     /// after the step, on its own.
     fn step_unbatched(&mut self, ids: &[ReqId], chunk: Option<InFlight>) -> Stepped {
         let mut taken: Vec<(ReqId, Seq)> = ids
